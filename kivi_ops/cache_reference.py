@@ -1,0 +1,163 @@
+"""Reference (plain PyTorch) cache append and fused attention; the CPU kernels of the cache ops.
+
+Cache layout of one layer (B batch, H kv heads, S max_seq_len, D head_dim, R residual, G group):
+    k_codes  uint8 [B, H, S, D*kb/8]   keys quantized per channel, packed along D (see packing.py)
+    k_scale  dtype [B, H, ceil(S/G), D]  one scale/zero per (group of G tokens, channel)
+    k_zero   dtype [B, H, ceil(S/G), D]
+    k_res    dtype [B, H, R, D]       full-precision key residual
+    v_codes  uint8 [B, H, S, D*vb/8]   values quantized per token in groups of Gv=min(G, D) channels
+    v_scale  dtype [B, H, S, D/Gv]
+    v_zero   dtype [B, H, S, D/Gv]
+    v_res    dtype [B, H, R, D]       full-precision value window (ring buffer)
+    lengths  int64 [B]                tokens stored per sequence
+
+For a sequence of length L (KIVI Algorithm 1, paper-faithful streaming):
+    keys:   tokens [0, nqk) are quantized, nqk = (L // R) * R; tokens [nqk, L) are in k_res.
+            When the residual reaches R tokens, all R are quantized together (R/G groups).
+    values: tokens [0, nqv) are quantized, nqv = max(L - R, 0); the last min(L, R) are in v_res.
+    In both residuals token t lives in slot t % R.
+Quantized tokens live at row t of the codes (and row t // G of the key scales).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .packing import dequantize_codes, expand_groups, quantize_pack_reference, unpack
+
+# Tokens per step of the reference attention's online softmax: bounds the temporary
+# dequantized block, so no dequantized copy of the whole cache is ever materialized.
+ATTEND_BLOCK_TOKENS = 1024
+
+
+def quantized_counts(lengths: torch.Tensor, residual_length: int):
+    """(quantized keys, quantized values) per sequence for the streaming policy."""
+    nqk = torch.div(lengths, residual_length, rounding_mode="floor") * residual_length
+    nqv = (lengths - residual_length).clamp(min=0)
+    return nqk, nqv
+
+
+def cache_append_reference(
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+    key, value, counts, k_bits, v_bits, group_size, residual_length,
+) -> None:
+    """Append key/value [B, H, n, D] (the first counts[b] tokens of row b are real) in place."""
+    B, H, n, D = key.shape
+    R, G = residual_length, group_size
+    S = k_codes.shape[2]
+    counts_list = [n] * B if counts is None else counts.tolist()
+    lengths_list = lengths.tolist()
+    for b in range(B):
+        if lengths_list[b] + counts_list[b] > S:
+            raise ValueError(
+                f"KIVICache is full: sequence {b} holds {lengths_list[b]} tokens and appending "
+                f"{counts_list[b]} would exceed max_seq_len={S}"
+            )
+    for b in range(B):
+        L, c = lengths_list[b], counts_list[b]
+        if c == 0:
+            continue
+        new_k, new_v = key[b, :, :c], value[b, :, :c]
+        end = L + c
+
+        # Keys: flush whole residual windows, keep the remainder in the residual.
+        nqk, nqk_end = L // R * R, end // R * R
+        if nqk_end > nqk:
+            stream = torch.cat([k_res[b, :, : L - nqk], new_k], dim=1)  # tokens [nqk, end)
+            codes, scale, zero = quantize_pack_reference(stream[:, : nqk_end - nqk], k_bits, G, "channel")
+            k_codes[b, :, nqk:nqk_end] = codes
+            k_scale[b, :, nqk // G : nqk_end // G] = scale
+            k_zero[b, :, nqk // G : nqk_end // G] = zero
+            rest = stream[:, nqk_end - nqk :]
+            k_res[b, :, : rest.shape[1]] = rest
+        else:
+            k_res[b, :, L - nqk : end - nqk] = new_k
+
+        # Values: tokens leaving the window are quantized per token, read before overwritten.
+        q0, q1 = max(L - R, 0), max(end - R, 0)
+        if q1 > q0:
+            u = torch.arange(q0, q1, device=key.device)
+            from_window = v_res[b][:, u.clamp(max=L - 1) % R]
+            from_new = new_v[:, (u - L).clamp(min=0)]
+            leaving = torch.where((u < L)[None, :, None], from_window, from_new)
+            codes, scale, zero = quantize_pack_reference(leaving, v_bits, G, "token")
+            v_codes[b, :, q0:q1] = codes
+            v_scale[b, :, q0:q1] = scale
+            v_zero[b, :, q0:q1] = zero
+        first_kept = max(L, end - R)
+        u = torch.arange(first_kept, end, device=key.device)
+        v_res[b][:, u % R] = new_v[:, u - L]
+    if counts is None:
+        lengths += n
+    else:
+        lengths += counts.to(lengths.dtype)
+
+
+def materialize_block(
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+    start, stop, k_bits, v_bits, group_size, residual_length,
+):
+    """Keys and values (fp32) of token rows [start, stop): dequantized where quantized, exact
+    from the residuals elsewhere. start must be a multiple of group_size."""
+    R, G, D = residual_length, group_size, k_res.shape[-1]
+    t = torch.arange(start, stop, device=k_codes.device)
+    nqk, nqv = quantized_counts(lengths, R)
+    g0, g1 = start // G, -(-stop // G)
+    k_s = expand_groups(k_scale[:, :, g0:g1], G, "channel", D)[:, :, : stop - start]
+    k_z = expand_groups(k_zero[:, :, g0:g1], G, "channel", D)[:, :, : stop - start]
+    v_s = expand_groups(v_scale[:, :, start:stop], G, "token", D)
+    v_z = expand_groups(v_zero[:, :, start:stop], G, "token", D)
+    k_q = dequantize_codes(unpack(k_codes[:, :, start:stop], k_bits), k_s, k_z, torch.float32)
+    v_q = dequantize_codes(unpack(v_codes[:, :, start:stop], v_bits), v_s, v_z, torch.float32)
+    slot = t % R
+    k_quantized = (t[None, :] < nqk[:, None])[:, None, :, None]
+    v_quantized = (t[None, :] < nqv[:, None])[:, None, :, None]
+    keys = torch.where(k_quantized, k_q, k_res[:, :, slot].float())
+    values = torch.where(v_quantized, v_q, v_res[:, :, slot].float())
+    return keys, values
+
+
+def cache_attend_reference(
+    query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+    counts, k_bits, v_bits, group_size, residual_length, scale,
+) -> torch.Tensor:
+    """Softmax attention of query [B, Hq, q, D] over each sequence's cache, one online softmax.
+
+    Query i of row b sits at position lengths[b] - counts[b] + i (its own key is already
+    appended) and sees keys at positions <= its own (causal). Rows i >= counts[b] are padding
+    and return zeros. Grouped-query attention maps query head h to kv head h // (Hq / H).
+    """
+    B, Hq, q, D = query.shape
+    H = k_codes.shape[1]
+    groups = Hq // H
+    counts = torch.full_like(lengths, q) if counts is None else counts.to(lengths.dtype)
+    # [B, H, groups*q, D]: row r = g*q + i is query i of head h*groups + g.
+    qf = query.float().reshape(B, H, groups * q, D) * scale
+    i = torch.arange(q, device=query.device).repeat(groups)
+    pos = (lengths - counts)[:, None] + i[None, :]  # [B, groups*q]
+    valid_row = i[None, :] < counts[:, None]
+
+    m = torch.full((B, H, groups * q), float("-inf"), device=query.device)
+    denom = torch.zeros_like(m)
+    acc = torch.zeros(B, H, groups * q, D, device=query.device)
+    max_len = int(lengths.max()) if B else 0
+    for start in range(0, max_len, ATTEND_BLOCK_TOKENS):
+        stop = min(start + ATTEND_BLOCK_TOKENS, max_len)
+        keys, values = materialize_block(
+            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+            start, stop, k_bits, v_bits, group_size, residual_length,
+        )
+        scores = qf @ keys.transpose(-1, -2)  # [B, H, rows, T]
+        t = torch.arange(start, stop, device=query.device)
+        visible = (t[None, None, :] <= pos[:, :, None]) & valid_row[:, :, None]
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        m_new = torch.maximum(m, scores.amax(dim=-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(scores - m_safe[..., None])
+        correction = torch.exp(m - m_safe)
+        denom = denom * correction + p.sum(dim=-1)
+        acc = acc * correction[..., None] + p @ values
+        m = m_new
+    out = acc / denom.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
+    out = torch.where(denom[..., None] > 0, out, torch.zeros_like(out))
+    return out.reshape(B, Hq, q, D).to(query.dtype)

@@ -1,0 +1,69 @@
+"""KIVI configuration: bit widths, group size and residual window, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_AXES = ("channel", "token")
+# Triton block shapes must be powers of two, so group sizes are too.
+SUPPORTED_GROUP_SIZES = (4, 8, 16, 32, 64, 128, 256)
+
+
+def check_bits(name: str, bits: int) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
+
+
+def check_group_size(name: str, group_size: int) -> None:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"{name} must be one of {SUPPORTED_GROUP_SIZES}, got {group_size!r}")
+
+
+def check_axis(axis: str) -> None:
+    if axis not in SUPPORTED_AXES:
+        raise ValueError(f"axis must be one of {SUPPORTED_AXES}, got {axis!r}")
+
+
+@dataclass(frozen=True)
+class KIVIConfig:
+    """How the KV cache is quantized (KIVI, Section 3 and Algorithm 1).
+
+    k_bits / v_bits: 2 or 4 (KIVI-2 / KIVI-4); 8 is a near-lossless baseline.
+    group_size (G): keys are quantized per channel in groups of G tokens; values per token
+        in groups of min(G, head_dim) channels.
+    residual_length (R): the most recent tokens kept in full precision. Keys accumulate in a
+        residual and are quantized R at a time (R must be a multiple of G); values keep the last
+        R tokens exact and quantize the oldest one as it leaves the window.
+    """
+
+    k_bits: int = 2
+    v_bits: int = 2
+    group_size: int = 32
+    residual_length: int = 128
+
+    def __post_init__(self) -> None:
+        check_bits("k_bits", self.k_bits)
+        check_bits("v_bits", self.v_bits)
+        check_group_size("group_size", self.group_size)
+        r = self.residual_length
+        if isinstance(r, bool) or not isinstance(r, int) or r <= 0 or r % self.group_size:
+            raise ValueError(
+                f"residual_length must be a positive multiple of group_size={self.group_size} "
+                f"(e.g. {self.group_size}, {4 * self.group_size}), got {r!r}"
+            )
+
+    def value_group_size(self, head_dim: int) -> int:
+        """Values are grouped along channels; a group never exceeds the head."""
+        return min(self.group_size, head_dim)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """head_dim must split into whole value groups and whole packed bytes."""
+        if head_dim <= 0 or head_dim % self.value_group_size(head_dim) or head_dim % 8:
+            raise ValueError(
+                f"head_dim must be a positive multiple of 8 and of group_size={self.group_size} "
+                f"(or smaller than it and a multiple of 8), got {head_dim}"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)

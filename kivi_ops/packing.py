@@ -1,0 +1,110 @@
+"""Reference math for KIVI quantization and bit packing, in plain PyTorch.
+
+This file is the specification the Triton kernels are tested against.
+
+Numerics (KIVI Section 3.1), per group of elements X:
+    zero  = min(X)                      stored in the input dtype
+    scale = (max(X) - min(X)) / (2^B - 1)  stored in the input dtype
+    q     = clamp(floor((X - zero) / scale + 0.5), 0, 2^B - 1)
+    X'    = q * scale + zero
+Codes are computed from the *stored* (dtype-rounded) scale and zero, so that dequantization
+with the stored values is within scale/2 of X. A constant group (max == min) has scale 0, all
+codes 0 and reconstructs exactly as zero. Rounding is half-up (floor(v + 0.5)) in both the
+reference and the kernels, so codes match bit for bit, ties included. All arithmetic is fp32.
+
+Groups:
+    axis="channel" (keys):  G consecutive tokens of one channel. x [..., T, D] -> scale/zero [..., T/G, D]
+    axis="token"   (values): G consecutive channels of one token (G clipped to D).
+                             x [..., T, D] -> scale/zero [..., T, D/G]
+
+Packed layout (both axes): codes are packed along the channel (last) dimension into uint8,
+8/B codes per byte, little end first:
+    byte[..., t, j] = sum_i q[..., t, j * (8/B) + i] << (i * B)      for i in [0, 8/B)
+so codes have shape [..., T, D * B / 8]. Packing along channels for both axes gives keys and
+values one layout: a token's row is contiguous, and the cache appends tokens as rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def codes_per_byte(bits: int) -> int:
+    return 8 // bits
+
+
+def token_group_size(group_size: int, head_dim: int) -> int:
+    return min(group_size, head_dim)
+
+
+def minmax_scale_zero(x_min: torch.Tensor, x_max: torch.Tensor, bits: int, dtype: torch.dtype):
+    """Scale and zero point of each group, rounded to the storage dtype."""
+    scale = ((x_max.float() - x_min.float()) / (2**bits - 1)).to(dtype)
+    zero = x_min.to(dtype)
+    return scale, zero
+
+
+def quantize_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes of x given broadcastable scale/zero (any shape); returns uint8 codes."""
+    s = scale.float()
+    safe = torch.where(s == 0, torch.ones_like(s), s)
+    q = torch.floor((x.float() - zero.float()) / safe + 0.5)
+    return q.clamp_(0, 2**bits - 1).to(torch.uint8)
+
+
+def dequantize_codes(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale.float() + zero.float()).to(dtype)
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., D] (each < 2^bits) -> packed uint8 [..., D * bits / 8]."""
+    per = codes_per_byte(bits)
+    if per == 1:
+        return q.contiguous()
+    q = q.reshape(*q.shape[:-1], q.shape[-1] // per, per).to(torch.int32)
+    shifts = torch.arange(per, device=q.device, dtype=torch.int32) * bits
+    return (q << shifts).sum(dim=-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """packed uint8 [..., D * bits / 8] -> uint8 codes [..., D]."""
+    per = codes_per_byte(bits)
+    if per == 1:
+        return packed
+    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
+    q = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & (2**bits - 1)
+    return q.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
+
+
+def quantize_pack_reference(x: torch.Tensor, bits: int, group_size: int, axis: str):
+    """x [..., T, D] -> (codes [..., T, D*B/8] uint8, scale, zero) as described above."""
+    *lead, T, D = x.shape
+    if axis == "channel":
+        g = x.reshape(*lead, T // group_size, group_size, D)
+        scale, zero = minmax_scale_zero(g.amin(dim=-2), g.amax(dim=-2), bits, x.dtype)
+        q = quantize_codes(g, scale.unsqueeze(-2), zero.unsqueeze(-2), bits).reshape(*lead, T, D)
+    else:
+        gs = token_group_size(group_size, D)
+        g = x.reshape(*lead, T, D // gs, gs)
+        scale, zero = minmax_scale_zero(g.amin(dim=-1), g.amax(dim=-1), bits, x.dtype)
+        q = quantize_codes(g, scale.unsqueeze(-1), zero.unsqueeze(-1), bits).reshape(*lead, T, D)
+    return pack(q, bits), scale, zero
+
+
+def expand_groups(t: torch.Tensor, group_size: int, axis: str, head_dim: int) -> torch.Tensor:
+    """Repeat per-group scale/zero to one value per element of [..., T, D]."""
+    if axis == "channel":
+        return t.repeat_interleave(group_size, dim=-2)
+    return t.repeat_interleave(token_group_size(group_size, head_dim), dim=-1)
+
+
+def unpack_dequantize_reference(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int, axis: str
+) -> torch.Tensor:
+    q = unpack(codes, bits)
+    D = q.shape[-1]
+    s = expand_groups(scale, group_size, axis, D)
+    z = expand_groups(zero, group_size, axis, D)
+    return dequantize_codes(q, s, z, scale.dtype)

@@ -1,0 +1,305 @@
+"""KIVICache: streaming policy, fused attention, GQA, batching, compile/export, errors, memory."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kivi_ops import KIVICache, KIVIConfig, fake_quantize
+
+
+def make_cache(cfg, *, B=1, H=3, S=256, D=64, layers=1, dtype=torch.float32):
+    return KIVICache(cfg, num_layers=layers, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D,
+                     dtype=dtype, device="cpu")
+
+
+class PolicyReference:
+    """The paper's streaming policy, written token by token from Algorithm 1, independent of the
+    cache's ring-buffer bookkeeping: keys are fake-quantized R at a time when the residual fills,
+    a value is fake-quantized when it leaves the window of the last R tokens."""
+
+    def __init__(self, cfg):
+        self.cfg, self.keys, self.values, self.quantized_keys = cfg, [], [], 0
+
+    def push(self, k, v):  # k, v: [H, D]
+        c = self.cfg
+        self.keys.append(k)
+        self.values.append(v)
+        if len(self.keys) - self.quantized_keys == c.residual_length:
+            block = torch.stack(self.keys[self.quantized_keys:], dim=1)
+            block = fake_quantize(block, c.k_bits, c.group_size, "channel")
+            self.keys[self.quantized_keys:] = list(block.unbind(1))
+            self.quantized_keys = len(self.keys)
+        leaving = len(self.values) - c.residual_length - 1
+        if leaving >= 0:
+            self.values[leaving] = fake_quantize(self.values[leaving][:, None], c.v_bits, c.group_size, "token")[:, 0]
+
+    def state(self):
+        return torch.stack(self.keys, dim=1), torch.stack(self.values, dim=1)
+
+
+def attention_over(query, keys, values, scale, causal_offset=None):
+    """Plain softmax attention with GQA by repeat_interleave (the reference the op must match)."""
+    groups = query.shape[1] // keys.shape[1]
+    k = keys.float().repeat_interleave(groups, dim=1)
+    v = values.float().repeat_interleave(groups, dim=1)
+    scores = query.float() @ k.transpose(-1, -2) * scale
+    if causal_offset is not None:
+        q_pos = causal_offset + torch.arange(query.shape[2])
+        scores = scores.masked_fill(torch.arange(k.shape[2])[None, :] > q_pos[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def test_streaming_token_by_token_matches_policy_over_ten_flushes():
+    cfg = KIVIConfig(k_bits=2, v_bits=2, group_size=8, residual_length=16)
+    B, H, D, steps = 2, 3, 64, 175  # 10 key flushes for sequence 0
+    cache = make_cache(cfg, B=B, H=H, S=steps, D=D)
+    refs = [PolicyReference(cfg) for _ in range(B)]
+    torch.manual_seed(0)
+    for step in range(steps):
+        k, v = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D)
+        counts = torch.tensor([1, int(step % 3 != 0)])  # sequence 1 skips every third step
+        cache.append(0, k, v, counts)
+        for b in range(B):
+            if counts[b]:
+                refs[b].push(k[b, :, 0], v[b, :, 0])
+        if step % 7 == 0 or step == steps - 1:
+            keys, values = cache.dequantized(0)
+            for b in range(B):
+                if not refs[b].keys:
+                    assert int(cache.lengths(0)[b]) == 0
+                    continue
+                rk, rv = refs[b].state()
+                n = rk.shape[1]
+                assert int(cache.lengths(0)[b]) == n
+                assert torch.equal(keys[b, :, :n], rk) and torch.equal(values[b, :, :n], rv)
+                assert (keys[b, :, n:] == 0).all()
+    assert refs[0].quantized_keys == 160
+
+
+@pytest.mark.parametrize("chunks", [[100], [37, 1, 50, 12], [16, 16, 16, 52]])
+def test_prefill_and_chunks_follow_algorithm_1(chunks):
+    cfg = KIVIConfig(k_bits=4, v_bits=2, group_size=8, residual_length=32)
+    total = sum(chunks)
+    torch.manual_seed(1)
+    k, v = torch.randn(1, 2, total, 64), torch.randn(1, 2, total, 64)
+    cache = make_cache(cfg, H=2)
+    start = 0
+    for n in chunks:
+        cache.append(0, k[:, :, start:start + n], v[:, :, start:start + n])
+        start += n
+    keys, values = cache.dequantized(0)
+    # Prefill split: keys quantize the first L - L mod R tokens, values all but the last R.
+    nqk, nqv = total - total % 32, total - 32
+    assert torch.equal(keys[:, :, :nqk], fake_quantize(k[:, :, :nqk], 4, 8, "channel"))
+    assert torch.equal(keys[:, :, nqk:], k[:, :, nqk:])
+    assert torch.equal(values[:, :, :nqv], fake_quantize(v[:, :, :nqv], 2, 8, "token"))
+    assert torch.equal(values[:, :, nqv:], v[:, :, nqv:])
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_attend_equals_softmax_over_dequantized(q_heads, kv_heads, q_len):
+    cfg = KIVIConfig(group_size=32, residual_length=64)
+    torch.manual_seed(2)
+    cache = make_cache(cfg, B=2, H=kv_heads, S=2200)
+    n = 2100  # spans several of the reference's 1024-token softmax blocks
+    cache.append(0, torch.randn(2, kv_heads, n, 64), torch.randn(2, kv_heads, n, 64))
+    query = torch.randn(2, q_heads, q_len, 64)
+    out = cache.attend(0, query)
+    keys, values = cache.dequantized(0)
+    expected = attention_over(query, keys, values, 1 / 8, causal_offset=n - q_len)
+    # fp32 with one online softmax vs one softmax: error is a few ulps of the output scale.
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_residual_covering_everything_is_exact_attention():
+    cfg = KIVIConfig(group_size=32, residual_length=256)
+    torch.manual_seed(3)
+    k, v = torch.randn(1, 3, 200, 64), torch.randn(1, 3, 200, 64)
+    cache = make_cache(cfg)
+    cache.append(0, k[:, :, :150], v[:, :, :150])
+    for t in range(150, 200):
+        cache.append(0, k[:, :, t:t + 1], v[:, :, t:t + 1])
+    query = torch.randn(1, 9, 1, 64)
+    expected = F.scaled_dot_product_attention(query, k, v, enable_gqa=True)
+    torch.testing.assert_close(cache.attend(0, query), expected, rtol=1e-5, atol=1e-5)
+    keys, values = cache.dequantized(0)
+    assert torch.equal(keys, k) and torch.equal(values, v)
+
+
+def test_batch_of_different_lengths_equals_each_alone():
+    cfg = KIVIConfig(group_size=8, residual_length=16)
+    torch.manual_seed(4)
+    lengths = [40, 7, 23]
+    n = max(lengths)
+    k, v = torch.randn(3, 3, n, 64), torch.randn(3, 3, n, 64)
+    batched = make_cache(cfg, B=3, S=64)
+    batched.append(0, k, v, torch.tensor(lengths))
+    q_prefill = torch.randn(3, 9, n, 64)
+    out_prefill = batched.attend(0, q_prefill, counts=torch.tensor(lengths))
+    steps = [(torch.randn(3, 3, 1, 64), torch.randn(3, 3, 1, 64), torch.randn(3, 9, 1, 64)) for _ in range(12)]
+    outs = []
+    for sk, sv, sq in steps:
+        batched.append(0, sk, sv)
+        outs.append(batched.attend(0, sq))
+    for b, length in enumerate(lengths):
+        alone = make_cache(cfg, B=1, S=64)
+        alone.append(0, k[b:b + 1, :, :length], v[b:b + 1, :, :length])
+        torch.testing.assert_close(out_prefill[b:b + 1, :, :length], alone.attend(0, q_prefill[b:b + 1, :, :length]),
+                                   rtol=1e-6, atol=1e-6)
+        assert (out_prefill[b, :, length:] == 0).all()  # padded query rows
+        for (sk, sv, sq), out in zip(steps, outs):
+            alone.append(0, sk[b:b + 1], sv[b:b + 1])
+            torch.testing.assert_close(out[b:b + 1], alone.attend(0, sq[b:b + 1]), rtol=1e-6, atol=1e-6)
+        for got, want in zip(batched.dequantized(0), alone.dequantized(0)):
+            assert torch.equal(got[b:b + 1, :, :length + 12], want)
+
+
+def test_padding_never_enters_statistics():
+    cfg = KIVIConfig(group_size=8, residual_length=16)
+    k, v = torch.randn(2, 3, 40, 64), torch.randn(2, 3, 40, 64)
+    k[1, :, 20:] = 1e6  # huge padding values would wreck the scales if they were used
+    v[1, :, 20:] = 1e6
+    cache = make_cache(cfg, B=2, S=64)
+    cache.append(0, k, v, torch.tensor([40, 20]))
+    keys, values = cache.dequantized(0)
+    assert keys[1].abs().max() < 100 and values[1].abs().max() < 100
+    assert int(cache.lengths(0)[1]) == 20
+
+
+def test_opcheck_cache_ops():
+    cfg = KIVIConfig(group_size=8, residual_length=16)
+    cache = make_cache(cfg, B=2, S=64)
+    cache.append(0, torch.randn(2, 3, 20, 64), torch.randn(2, 3, 20, 64))
+    c = cfg
+    args = (*cache.layer_buffers(0), torch.randn(2, 3, 3, 64), torch.randn(2, 3, 3, 64), torch.tensor([3, 1]),
+            c.k_bits, c.v_bits, c.group_size, c.residual_length)
+    torch.library.opcheck(torch.ops.kivi.cache_append.default, args)
+    q = torch.randn(2, 9, 2, 64)
+    torch.library.opcheck(torch.ops.kivi.cache_attend.default,
+                          (q, *cache.layer_buffers(0), None, c.k_bits, c.v_bits, c.group_size, c.residual_length, 0.125))
+
+
+def decode_step(cache, layer, k, v, q):
+    cache.append(layer, k, v)
+    return cache.attend(layer, q)
+
+
+def test_compiled_decode_step_matches_eager_without_cache_copies():
+    from torch._inductor.utils import run_and_get_code
+
+    cfg = KIVIConfig(group_size=8, residual_length=16)
+    eager, compiled_cache = make_cache(cfg, S=128), make_cache(cfg, S=128)
+    torch.manual_seed(5)
+    prompt = torch.randn(1, 3, 30, 64), torch.randn(1, 3, 30, 64)
+    eager.append(0, *prompt)
+    compiled_cache.append(0, *prompt)
+    step = torch.compile(decode_step, fullgraph=True)
+    for i in range(20):
+        k, v, q = torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64), torch.randn(1, 9, 1, 64)
+        want = decode_step(eager, 0, k, v, q)
+        if i == 0:
+            got, (code,) = run_and_get_code(step, compiled_cache, 0, k, v, q)
+        else:
+            got = step(compiled_cache, 0, k, v, q)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(eager.layer_buffers(0), compiled_cache.layer_buffers(0)):
+        assert torch.equal(a, b)
+    # Functionalization of the mutating op must be re-inplaced: the generated code may not clone
+    # or copy any cache buffer (each would be a full-cache copy per step).
+    assert "clone" not in code and "copy_" not in code, code
+
+
+def test_export_keeps_cache_ops():
+    cfg = KIVIConfig(group_size=8, residual_length=16)
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cache = make_cache(cfg, S=64)
+
+        def forward(self, k, v, q):
+            return decode_step(self.cache, 0, k, v, q)
+
+    ep = torch.export.export(Step(), (torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64), torch.randn(1, 9, 1, 64)))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert any("kivi.cache_append" in t for t in targets) and any("kivi.cache_attend" in t for t in targets)
+
+
+def test_append_past_capacity_raises_before_writing():
+    cfg = KIVIConfig(group_size=8, residual_length=16)
+    cache = make_cache(cfg, S=40)
+    cache.append(0, torch.randn(1, 3, 35, 64), torch.randn(1, 3, 35, 64))
+    before = [b.clone() for b in cache.layer_buffers(0)]
+    with pytest.raises(ValueError, match="KIVICache is full: sequence 0 holds 35 tokens and appending 6 would exceed max_seq_len=40"):
+        cache.append(0, torch.randn(1, 3, 6, 64), torch.randn(1, 3, 6, 64))
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.layer_buffers(0)))
+
+
+def test_compiled_append_past_capacity_raises_on_cpu():
+    # Compiled mode skips the Python-side check; the CPU op itself raises before writing.
+    cfg = KIVIConfig(group_size=8, residual_length=16)
+    cache = make_cache(cfg, S=20)
+    cache.append(0, torch.randn(1, 3, 20, 64), torch.randn(1, 3, 20, 64))
+    step = torch.compile(decode_step, fullgraph=True)
+    before = [b.clone() for b in cache.layer_buffers(0)]
+    with pytest.raises(Exception, match="KIVICache is full"):
+        step(cache, 0, torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64), torch.randn(1, 9, 1, 64))
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.layer_buffers(0)))
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda c: c.append(0, torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)), r"key must have shape \[1, 3, tokens, 64\]"),
+        (lambda c: c.append(0, torch.randn(1, 3, 1, 64), torch.randn(1, 3, 2, 64)), "key and value must have the same shape"),
+        (lambda c: c.append(0, torch.randn(1, 3, 1, 64).half(), torch.randn(1, 3, 1, 64)), "key must have the cache dtype"),
+        (lambda c: c.append(0, torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64).double()), "value must have the cache dtype"),
+        (lambda c: c.append(0, torch.randn(1, 3, 64), torch.randn(1, 3, 64)), "key must be a 4-D tensor"),
+        (lambda c: c.append(5, torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64)), r"layer_idx must be an int in \[0, 1\)"),
+        (lambda c: c.append(0, torch.randn(1, 3, 2, 64), torch.randn(1, 3, 2, 64), torch.tensor([3])), r"counts must lie in \[0, 2\]"),
+        (lambda c: c.append(0, torch.randn(1, 3, 2, 64), torch.randn(1, 3, 2, 64), torch.tensor([1.0])), "counts must be an int64"),
+        (lambda c: c.attend(0, torch.randn(1, 4, 1, 64)), r"query heads \(4\) must be a multiple of num_kv_heads \(3\)"),
+        (lambda c: c.attend(0, torch.randn(1, 9, 1, 32)), r"query must have shape"),
+        (lambda c: c.append(0, torch.randn(1, 3, 1, 64, device="meta"), torch.randn(1, 3, 1, 64)), "key must be on the cache device"),
+    ],
+)
+def test_bad_cache_input_raises_clear_errors(call, match):
+    cache = make_cache(KIVIConfig(group_size=8, residual_length=16))
+    with pytest.raises(ValueError, match=match):
+        call(cache)
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="max_seq_len must be a positive int"):
+        make_cache(KIVIConfig(), S=0)
+    with pytest.raises(ValueError, match="head_dim must be a positive multiple of 8"):
+        make_cache(KIVIConfig(), D=60)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        make_cache(KIVIConfig(), dtype=torch.float64)
+    with pytest.raises(TypeError, match="config must be a KIVIConfig"):
+        KIVICache({}, num_layers=1, batch_size=1, max_seq_len=8, num_kv_heads=1, head_dim=64, dtype=torch.float32, device="cpu")
+
+
+def expected_nbytes(cfg, B, H, S, D, layers, dtype_bytes):
+    per_token_codes = D * cfg.k_bits // 8 + D * cfg.v_bits // 8
+    k_params = 2 * math.ceil(S / cfg.group_size) * D * dtype_bytes
+    v_params = 2 * S * (D // min(cfg.group_size, D)) * dtype_bytes
+    residual = 2 * cfg.residual_length * D * dtype_bytes
+    return layers * (B * H * (S * per_token_codes + k_params + v_params + residual) + B * 8)
+
+
+@pytest.mark.parametrize("G,R,tokens,ratio", [(32, 128, 4096, 4.57), (32, 128, 32768, 5.22), (128, 128, 4096, 5.82), (128, 128, 32768, 6.92)])
+def test_nbytes_exact_accounting_and_ratio(G, R, tokens, ratio):
+    cfg = KIVIConfig(group_size=G, residual_length=R)
+    cache = make_cache(cfg, B=1, H=1, S=tokens, D=128, dtype=torch.float16)
+    assert cache.nbytes() == expected_nbytes(cfg, 1, 1, tokens, 128, 1, 2)
+    assert cache.fp16_nbytes() / cache.nbytes() == pytest.approx(ratio, abs=0.01)
+
+
+def test_residual_not_a_multiple_of_group_is_rejected():
+    # G=128 with R=32 cannot flush keys in whole per-channel groups (Algorithm 1 needs R % G == 0).
+    with pytest.raises(ValueError, match="residual_length must be a positive multiple of group_size=128"):
+        KIVIConfig(group_size=128, residual_length=32)
