@@ -52,15 +52,16 @@ class KIVICache(nn.Module):
         device = torch.device(device)
         B, H, S, D, R, G = batch_size, num_kv_heads, max_seq_len, head_dim, config.residual_length, config.group_size
         gv = config.value_group_size(D)
+        # Residual slot of token t is t % R < S: a cache shorter than R needs only S slots.
         shapes = {
             "k_codes": ((B, H, S, D // codes_per_byte(config.k_bits)), torch.uint8),
             "k_scale": ((B, H, math.ceil(S / G), D), dtype),
             "k_zero": ((B, H, math.ceil(S / G), D), dtype),
-            "k_res": ((B, H, R, D), dtype),
+            "k_res": ((B, H, min(R, S), D), dtype),
             "v_codes": ((B, H, S, D // codes_per_byte(config.v_bits)), torch.uint8),
             "v_scale": ((B, H, S, D // gv), dtype),
             "v_zero": ((B, H, S, D // gv), dtype),
-            "v_res": ((B, H, R, D), dtype),
+            "v_res": ((B, H, min(R, S), D), dtype),
             "lengths": ((B,), torch.int64),
         }
         for layer in range(num_layers):

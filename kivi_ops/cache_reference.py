@@ -4,11 +4,11 @@ Cache layout of one layer (B batch, H kv heads, S max_seq_len, D head_dim, R res
     k_codes  uint8 [B, H, S, D*kb/8]   keys quantized per channel, packed along D (see packing.py)
     k_scale  dtype [B, H, ceil(S/G), D]  one scale/zero per (group of G tokens, channel)
     k_zero   dtype [B, H, ceil(S/G), D]
-    k_res    dtype [B, H, R, D]       full-precision key residual
+    k_res    dtype [B, H, min(R,S), D] full-precision key residual
     v_codes  uint8 [B, H, S, D*vb/8]   values quantized per token in groups of Gv=min(G, D) channels
     v_scale  dtype [B, H, S, D/Gv]
     v_zero   dtype [B, H, S, D/Gv]
-    v_res    dtype [B, H, R, D]       full-precision value window (ring buffer)
+    v_res    dtype [B, H, min(R,S), D] full-precision value window (ring buffer)
     lengths  int64 [B]                tokens stored per sequence
 
 For a sequence of length L (KIVI Algorithm 1, paper-faithful streaming):

@@ -287,7 +287,7 @@ def expected_nbytes(cfg, B, H, S, D, layers, dtype_bytes):
     per_token_codes = D * cfg.k_bits // 8 + D * cfg.v_bits // 8
     k_params = 2 * math.ceil(S / cfg.group_size) * D * dtype_bytes
     v_params = 2 * S * (D // min(cfg.group_size, D)) * dtype_bytes
-    residual = 2 * cfg.residual_length * D * dtype_bytes
+    residual = 2 * min(cfg.residual_length, S) * D * dtype_bytes
     return layers * (B * H * (S * per_token_codes + k_params + v_params + residual) + B * 8)
 
 

@@ -1,0 +1,96 @@
+"""KIVI attention for Hugging Face Llama-family models, swapped in without forking modeling code.
+
+`patch_model(model)` replaces each decoder layer's `self_attn` with `KIVIAttention`, which keeps
+the original q/k/v/o projections (weights untouched) and routes keys/values through the static
+cache's fused append and attend ops. Llama, Mistral and Qwen2 share this attention layout
+(Qwen2's q/k/v biases live in the reused Linear modules). Sliding-window attention (Mistral,
+Qwen2 with use_sliding_window) is not implemented and is rejected with an error.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .hf_cache import KIVIHFCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+ATTN_IMPLEMENTATION = "kivi"
+
+# Registered as an attention implementation without a mask function: transformers then skips
+# building masks (our ops mask by per-sequence lengths themselves). The function is only a
+# fallback for attention modules we did not replace.
+AttentionInterface.register(ATTN_IMPLEMENTATION, sdpa_attention_forward)
+
+
+class KIVIAttention(nn.Module):
+    def __init__(self, original: nn.Module, config):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = original.q_proj, original.k_proj, original.v_proj, original.o_proj
+        self.layer_idx = original.layer_idx
+        self.head_dim = original.head_dim
+        self.scaling = original.scaling
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        # The model family's own RoPE function (identical for Llama, Mistral, Qwen2).
+        self.apply_rotary_pos_emb = sys.modules[type(original).__module__].apply_rotary_pos_emb
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+        if not isinstance(past_key_values, KIVIHFCache):
+            raise ValueError(
+                "a KIVI-patched model needs past_key_values=KIVIHFCache(...) (see kivi_models.make_cache); "
+                f"got {type(past_key_values).__name__}"
+            )
+        B, n, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = self.apply_rotary_pos_emb(q, k, cos, sin)
+        counts = kwargs.get("kivi_counts")
+        prefill = n > 1 and not past_key_values.prefilled[self.layer_idx]
+        past_key_values.append(self.layer_idx, k.contiguous(), v.contiguous(), counts)
+        if prefill:
+            # Prefill attends over the exact keys/values (right padding: pads come after every
+            # real token, so the causal mask already hides them from real queries).
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
+        else:
+            out = past_key_values.attend(self.layer_idx, q.contiguous(), self.scaling, counts)
+        out = out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim)
+        return self.o_proj(out), None
+
+
+def _reject_padding_mask(module, args, kwargs):
+    """transformers' generate() left-pads batches; our cache expects right padding with counts.
+    Refuse instead of silently attending to pad tokens."""
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not torch.compiler.is_compiling() and bool((mask == 0).any()):
+        raise ValueError(
+            "padded batches are not supported through transformers' generate() with a KIVI cache; "
+            "use kivi_models.generate (right padding with per-sequence lengths) or one prompt at a time"
+        )
+
+
+def patch_model(model: nn.Module) -> nn.Module:
+    """Swap every attention module for KIVIAttention, in place; returns the model."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {config.model_type!r}")
+    if getattr(config, "use_sliding_window", False) or (
+        config.model_type == "mistral" and getattr(config, "sliding_window", None)
+    ):
+        raise ValueError("sliding-window attention is not supported by the KIVI cache; disable it in the config")
+    decoder = model.model
+    if getattr(decoder, "_kivi_patched", False):
+        return model
+    for layer in decoder.layers:
+        layer.self_attn = KIVIAttention(layer.self_attn, config)
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    decoder.register_forward_pre_hook(_reject_padding_mask, with_kwargs=True)
+    decoder._kivi_patched = True
+    return model

@@ -1,0 +1,181 @@
+"""The `kivi` command line. `kivi generate`: text generation with a KIVI (or fp) static cache."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kivi_ops import KIVIConfig
+from kivi_ops.config import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+
+from .generate import METHODS, SamplingConfig, compile_decode_step, decode_step, generate, make_cache
+from .loading import DEFAULT_MODEL, load_model, log
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Model, method and cache flags shared by the subcommands."""
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="'default' (the embedded SmolLM2-135M-Instruct) or a local Hugging Face Llama-family directory")
+    p.add_argument("--method", choices=METHODS, default="kivi", help="kivi: quantized cache; fp: unquantized static cache")
+    p.add_argument("--k-bits", type=int, choices=SUPPORTED_BITS, default=2)
+    p.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, default=2)
+    p.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=32)
+    p.add_argument("--residual-length", type=int, default=128, help="full-precision recent tokens (multiple of --group-size)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, float16 on cuda")
+
+
+def kivi_config_from(args, parser) -> KIVIConfig:
+    try:
+        return KIVIConfig(k_bits=args.k_bits, v_bits=args.v_bits, group_size=args.group_size,
+                          residual_length=args.residual_length)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def device_and_dtype(args, parser) -> tuple[str, torch.dtype]:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda was requested but no CUDA device is available")
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.float16 if args.device == "cuda" else torch.float32)
+    return args.device, dtype
+
+
+def read_prompts(args, parser) -> list[str]:
+    try:
+        if args.prompt is not None:
+            return [args.prompt]
+        if args.prompt_file is not None:
+            return [Path(args.prompt_file).read_text().rstrip("\n")]
+        prompts = [line for line in Path(args.batch_file).read_text().splitlines() if line.strip()]
+    except OSError as e:
+        parser.error(f"cannot read prompt file: {e}")
+    if not prompts:
+        parser.error(f"--batch-file {args.batch_file} holds no prompts (one per line)")
+    return prompts
+
+
+def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+    return tokenizer(prompt)["input_ids"]
+
+
+def cmd_generate(args, parser) -> int:
+    kivi_config = kivi_config_from(args, parser)
+    device, dtype = device_and_dtype(args, parser)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    prompts = read_prompts(args, parser)
+    try:
+        model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    except FileNotFoundError as e:
+        print(f"kivi generate: error: {e}", file=sys.stderr)
+        return 1
+    from .attention import patch_model
+
+    patch_model(model)
+    ids = [encode(tokenizer, p, args.chat) for p in prompts]
+    max_seq_len = max(len(i) for i in ids) + args.max_new_tokens
+    cache = make_cache(model, method=args.method, batch_size=len(ids), max_seq_len=max_seq_len, kivi_config=kivi_config)
+    step_fn, warmup = decode_step, 0
+    if args.compile:
+        log("Compiling the decode step (torch.compile fullgraph"
+            + (", CUDA graphs" if device == "cuda" else "") + "); the first steps are not timed...")
+        step_fn, warmup = compile_decode_step(torch.device(device)), 2
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    start = time.perf_counter()
+    result = generate(model, ids, max_new_tokens=args.max_new_tokens, cache=cache, sampling=sampling,
+                      eos_token_id=eos, pad_token_id=pad, step_fn=step_fn, warmup_steps=warmup, seed=args.seed)
+    if args.compile:
+        log(f"Compiled and warmed up in {result.compile_s:.1f} s")
+    texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
+    batched = len(ids) > 1
+    config = {"model": args.model, "method": args.method, "device": device, "dtype": str(dtype).replace("torch.", ""),
+              "compile": args.compile, "batch_size": len(ids), "max_new_tokens": args.max_new_tokens,
+              "sampling": vars(sampling), **({"kivi": kivi_config.to_dict()} if args.method == "kivi" else {})}
+    report = {
+        "text": texts if batched else texts[0],
+        "tokens": result.tokens if batched else result.tokens[0],
+        "prompt_tokens": result.prompt_tokens if batched else result.prompt_tokens[0],
+        "new_tokens": [len(t) for t in result.tokens] if batched else len(result.tokens[0]),
+        "prefill_tokens_per_s": result.prefill_tokens_per_s,
+        "decode_tokens_per_s": result.decode_tokens_per_s,
+        "compile_s": result.compile_s,
+        "cache_bytes": result.cache_bytes,
+        "fp16_cache_bytes": result.fp16_cache_bytes,
+        "wall_s": time.perf_counter() - start,
+        "config": config,
+    }
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    for prompt, text in zip(prompts, texts):
+        print(f"{prompt}{text}" if not args.chat else text)
+        if batched:
+            print("-" * 40)
+    ratio = result.fp16_cache_bytes / result.cache_bytes
+    print(f"\nprefill: {result.prefill_tokens_per_s:.1f} tokens/s ({sum(result.prompt_tokens)} tokens)")
+    print(f"decode:  {result.decode_tokens_per_s:.1f} tokens/s ({result.decode_tokens} timed tokens"
+          + (f"; compile + warm-up {result.compile_s:.1f} s not counted" if args.compile else "") + ")")
+    label = (f"KIVI-{kivi_config.k_bits}/{kivi_config.v_bits} G={kivi_config.group_size} "
+             f"R={kivi_config.residual_length}" if args.method == "kivi" else f"fp ({config['dtype']})")
+    print(f"cache:   {result.cache_bytes / 2**20:.2f} MiB {label} vs {result.fp16_cache_bytes / 2**20:.2f} MiB "
+          f"fp16 for {max_seq_len} tokens x {len(ids)} sequence(s): {ratio:.2f}x smaller")
+    context = model.config.max_position_embeddings
+    if args.method == "kivi" and context > max_seq_len:
+        # Same cache at the model's full context, built on the meta device (no memory).
+        full = make_cache(model, method="kivi", batch_size=len(ids), max_seq_len=context, kivi_config=kivi_config,
+                          device="meta").backing
+        print(f"         at the full {context}-token context: {full.nbytes() / 2**20:.1f} MiB vs "
+              f"{full.fp16_nbytes() / 2**20:.1f} MiB fp16 ({full.fp16_nbytes() / full.nbytes():.2f}x smaller)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kivi", description="KIVI 2/4-bit KV-cache quantization for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text with a KIVI or fp static cache")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help="a file holding one prompt")
+    src.add_argument("--batch-file", help="a file with one prompt per line (batched generation)")
+    g.add_argument("--max-new-tokens", type=positive_int, default=64)
+    add_model_arguments(g)
+    g.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=positive_int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.set_defaults(func=cmd_generate, parser=g)
+    return parser
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        SamplingConfig(temperature=getattr(args, "temperature", 0.0), top_p=getattr(args, "top_p", None))
+    except ValueError as e:
+        args.parser.error(str(e))
+    return args.func(args, args.parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Static-cache generation, gpt-fast style: one prefill, then a decode step that compiles once.
+
+Batches are right-padded: row b holds counts[b] real prompt tokens; each sequence keeps its own
+length in the cache (device tensors), positions are tensors, so the compiled step never sees a
+Python int that changes per token (no recompiles, CUDA-graph friendly).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from kivi_ops import KIVICache, KIVIConfig
+
+from .fp_cache import FPCache
+from .hf_cache import KIVIHFCache
+from .loading import log
+
+METHODS = ("fp", "kivi")
+
+
+def make_cache(model, *, method: str, batch_size: int, max_seq_len: int,
+               kivi_config: Optional[KIVIConfig] = None, device=None) -> KIVIHFCache:
+    """A static cache for `model` (patched with patch_model): "kivi" or the unquantized "fp".
+    device defaults to the model's ("meta" sizes a cache without allocating it)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dims = dict(num_layers=cfg.num_hidden_layers, batch_size=batch_size, max_seq_len=max_seq_len,
+                num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, dtype=model.dtype, device=device or model.device)
+    backing = KIVICache(kivi_config or KIVIConfig(), **dims) if method == "kivi" else FPCache(**dims)
+    if backing.device.type == "cuda":
+        # CUDA graphs only allow in-place updates of tensors at fixed addresses.
+        for buf in backing.buffers():
+            torch._dynamo.mark_static_address(buf)
+    return KIVIHFCache(backing)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def sample(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Next token per row of logits [B, V] -> [B]."""
+    if sampling.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k is not None:
+        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= sampling.top_p  # keep the token crossing p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    # Exponential race instead of multinomial: same distribution, no host sync, compiles.
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
+
+
+def prefill(model, cache: KIVIHFCache, input_ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Run the right-padded prompts [B, n] through the model; logits of each last real token."""
+    B, n = input_ids.shape
+    positions = cache.backing.lengths(0)[:, None] + torch.arange(n, device=input_ids.device)[None, :]
+    out = model(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True, kivi_counts=counts)
+    return out.logits[torch.arange(B, device=input_ids.device), counts - 1]
+
+
+def decode_step(model, cache: KIVIHFCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One token per sequence, tokens [B] at positions [B] -> logits [B, V].
+
+    Positions come in as an input rather than being read from the cache's length tensor inside
+    the step: Inductor (torch 2.13) reordered a clone of a buffer after the opaque op that
+    mutates it, so RoPE saw position + 1 in compiled mode."""
+    out = model(input_ids=tokens[:, None], position_ids=positions[:, None], past_key_values=cache, use_cache=True)
+    return out.logits[:, -1]
+
+
+def compile_decode_step(device: torch.device):
+    mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs on GPU
+    return torch.compile(decode_step, fullgraph=True, dynamic=False, mode=mode)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated ids per prompt (stops after EOS, EOS included)
+    prompt_tokens: list[int]
+    prefill_s: float
+    decode_s: float  # decode steps after warm-up (compilation excluded)
+    decode_tokens: int  # tokens produced in the timed decode steps, all rows
+    compile_s: float = 0.0
+    cache_bytes: int = 0
+    fp16_cache_bytes: int = 0
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return sum(self.prompt_tokens) / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    cache: KIVIHFCache,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_token_id: Optional[int | list[int]] = None,
+    pad_token_id: int = 0,
+    step_fn=decode_step,
+    warmup_steps: int = 0,
+    seed: Optional[int] = None,
+) -> GenerationResult:
+    """Generate up to max_new_tokens per prompt with a static cache; stops when every row hit EOS.
+    The first `warmup_steps` decode steps (compilation, CUDA-graph recording) are not timed."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    backing = cache.backing
+    B = len(prompts)
+    if B != backing.batch_size:
+        raise ValueError(f"the cache was built for batch_size={backing.batch_size}, got {B} prompts")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > backing.max_seq_len:
+        raise ValueError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the cache's "
+            f"max_seq_len={backing.max_seq_len}; build a larger cache"
+        )
+    device = model.device
+    if seed is not None:
+        torch.manual_seed(seed)
+    cache.reset()
+    input_ids = torch.full((B, longest), pad_token_id, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        input_ids[b, : len(p)] = torch.tensor(p, device=device)
+    counts = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+    eos = torch.tensor(eos_token_id if isinstance(eos_token_id, list) else
+                       ([] if eos_token_id is None else [eos_token_id]), device=device)
+
+    _sync(device)
+    start = time.perf_counter()
+    token = sample(prefill(model, cache, input_ids, counts), sampling)
+    _sync(device)
+    prefill_s = time.perf_counter() - start
+
+    positions = counts.clone()
+    generated = [token]
+    done = torch.isin(token, eos)
+    decode_s = compile_s = 0.0
+    timed_steps = 0
+    for step in range(max_new_tokens - 1):
+        if bool(done.all()):
+            break
+        start = time.perf_counter()
+        token = sample(step_fn(model, cache, token, positions), sampling)
+        positions += 1
+        token = torch.where(done, torch.full_like(token, pad_token_id), token)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        if step < warmup_steps:
+            compile_s += elapsed
+        else:
+            decode_s += elapsed
+            timed_steps += 1
+        generated.append(token)
+        done |= torch.isin(token, eos)
+
+    rows = torch.stack(generated, dim=1).tolist()
+    eos_set = set(eos.tolist())
+    tokens = []
+    for row in rows:
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos_set), len(row))
+        tokens.append(row[:cut])
+    return GenerationResult(
+        tokens=tokens,
+        prompt_tokens=[len(p) for p in prompts],
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        decode_tokens=timed_steps * B,
+        compile_s=compile_s,
+        cache_bytes=backing.nbytes(),
+        fp16_cache_bytes=backing.fp16_nbytes(),  # same capacity, unquantized fp16
+    )

@@ -1,0 +1,158 @@
+"""KIVI Llama on the embedded default model: HF integration, static generation, compile, CLI."""
+
+import json
+
+import pytest
+import torch
+
+from kivi_models import SamplingConfig, compile_decode_step, generate, load_model, make_cache, patch_model
+from kivi_models.cli import main
+from kivi_ops import KIVIConfig
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    hf_model, tokenizer = load_model()
+    kivi_model, _ = load_model()
+    patch_model(kivi_model)
+    return hf_model, kivi_model, tokenizer
+
+
+def run(model, tokenizer, prompts, *, method="kivi", config=None, max_new_tokens=16, **kwargs):
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    cache = make_cache(model, method=method, batch_size=len(ids),
+                       max_seq_len=max(map(len, ids)) + max_new_tokens, kivi_config=config)
+    return generate(model, ids, max_new_tokens=max_new_tokens, cache=cache, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.eos_token_id, **kwargs)
+
+
+def hf_greedy(model, tokenizer, prompt, max_new_tokens=16, **kwargs):
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_residual_covering_everything_matches_fp_and_unpatched_hf(loaded):
+    hf_model, kivi_model, tok = loaded
+    reference = hf_greedy(hf_model, tok, PROMPT)
+    fp = run(kivi_model, tok, [PROMPT], method="fp").tokens[0]
+    lossless = run(kivi_model, tok, [PROMPT], config=KIVIConfig(residual_length=128)).tokens[0]
+    assert fp == reference[: len(fp)]
+    assert lossless == fp
+
+
+def test_kivi2_defaults_answer_paris(loaded):
+    _, kivi_model, tok = loaded
+    # A tiny window so most of the short context really is 2-bit.
+    for config in (KIVIConfig(), KIVIConfig(group_size=8, residual_length=8)):
+        text = tok.decode(run(kivi_model, tok, [PROMPT], config=config, max_new_tokens=6).tokens[0])
+        assert "Paris" in text, (config, text)
+
+
+def test_batch_of_different_lengths_gives_each_prompt_its_own_tokens(loaded):
+    _, kivi_model, tok = loaded
+    prompts = [PROMPT, "def fibonacci(n):", "Water boils at a temperature of"]
+    config = KIVIConfig(group_size=8, residual_length=8)  # quantization active within the short run
+    batched = run(kivi_model, tok, prompts, config=config, max_new_tokens=12)
+    for prompt, tokens in zip(prompts, batched.tokens):
+        assert tokens == run(kivi_model, tok, [prompt], config=config, max_new_tokens=12).tokens[0]
+
+
+def test_compiled_decode_matches_eager_without_recompiling(loaded):
+    _, kivi_model, tok = loaded
+    config = KIVIConfig(group_size=8, residual_length=8)
+    eager = run(kivi_model, tok, [PROMPT], config=config, max_new_tokens=20)
+    torch.compiler.reset()
+    torch._dynamo.utils.counters.clear()
+    step = compile_decode_step(kivi_model.device)
+    compiled = run(kivi_model, tok, [PROMPT], config=config, max_new_tokens=20, step_fn=step, warmup_steps=1)
+    assert compiled.tokens == eager.tokens
+    # 19 decode steps across 2 key flushes, one graph: positions are tensors, no per-token recompiles.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert sum(torch._dynamo.utils.counters["recompiles"].values()) == 0
+
+
+def test_hf_generate_with_kivi_cache(loaded):
+    hf_model, kivi_model, tok = loaded
+    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+    cache = make_cache(kivi_model, method="kivi", batch_size=1, max_seq_len=64, kivi_config=KIVIConfig(residual_length=128))
+    out = kivi_model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=cache)
+    assert out[0, ids.shape[1]:].tolist() == hf_greedy(hf_model, tok, PROMPT, 12)
+    # Length from the cache's length tensors (prompt + 11 appended decode tokens), not keys.any().
+    assert cache.get_seq_length() == ids.shape[1] + 11
+
+
+def test_hf_generate_rejects_padded_batches(loaded):
+    _, kivi_model, tok = loaded
+    tok.padding_side = "left"
+    batch = tok([PROMPT, "Hi"], return_tensors="pt", padding=True)
+    cache = make_cache(kivi_model, method="kivi", batch_size=2, max_seq_len=64)
+    with pytest.raises(ValueError, match="padded batches are not supported"):
+        kivi_model.generate(**batch, max_new_tokens=4, do_sample=False, past_key_values=cache)
+
+
+def test_generating_past_max_seq_len_is_a_clear_error(loaded):
+    _, kivi_model, tok = loaded
+    ids = tok(PROMPT)["input_ids"]
+    cache = make_cache(kivi_model, method="kivi", batch_size=1, max_seq_len=len(ids) + 4)
+    with pytest.raises(ValueError, match=r"exceeds the cache's max_seq_len=9"):
+        generate(kivi_model, [ids], max_new_tokens=10, cache=cache)
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(loaded):
+    _, kivi_model, tok = loaded
+    greedy = run(kivi_model, tok, [PROMPT], max_new_tokens=8).tokens
+    top1 = run(kivi_model, tok, [PROMPT], max_new_tokens=8, sampling=SamplingConfig(temperature=1.0, top_k=1), seed=0).tokens
+    assert top1 == greedy
+    hot = SamplingConfig(temperature=1.5, top_p=0.95)
+    a = run(kivi_model, tok, [PROMPT], max_new_tokens=8, sampling=hot, seed=3).tokens
+    b = run(kivi_model, tok, [PROMPT], max_new_tokens=8, sampling=hot, seed=3).tokens
+    assert a == b
+
+
+def test_cli_json(capsys):
+    assert main(["generate", "--prompt", PROMPT, "--max-new-tokens", "5", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for key in ("text", "tokens", "prompt_tokens", "new_tokens", "decode_tokens_per_s", "cache_bytes",
+                "fp16_cache_bytes", "config"):
+        assert key in report
+    assert "Paris" in report["text"] and len(report["tokens"]) == report["new_tokens"] <= 5
+    assert report["config"]["kivi"] == KIVIConfig().to_dict()
+
+
+def test_cli_batch_file_json(tmp_path, capsys):
+    batch = tmp_path / "prompts.txt"
+    batch.write_text(f"{PROMPT}\nWater boils at\n")
+    assert main(["generate", "--batch-file", str(batch), "--max-new-tokens", "4", "--json", "--method", "fp"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["tokens"]) == 2 and isinstance(report["tokens"][0], list)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate"], "one of the arguments --prompt --prompt-file --batch-file is required"),
+        (["generate", "--prompt", "x", "--k-bits", "3"], "invalid choice: 3"),
+        (["generate", "--prompt", "x", "--residual-length", "100"], "residual_length must be a positive multiple"),
+        (["generate", "--prompt", "x", "--max-new-tokens", "0"], "must be a positive integer"),
+        (["generate", "--prompt", "x", "--method", "int8"], "invalid choice: 'int8'"),
+        (["generate", "--prompt", "x", "--top-p", "2"], r"top_p must be in \(0, 1\]"),
+        (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "cannot read prompt file"),
+        (["generate", "--prompt", "x", "--device", "cuda"] if not torch.cuda.is_available() else ["nope"],
+         "no CUDA device is available" if not torch.cuda.is_available() else "invalid choice"),
+    ],
+)
+def test_cli_bad_arguments_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and "Traceback" not in err
+    assert __import__("re").search(message, err), err
+
+
+def test_cli_missing_model_directory(capsys):
+    assert main(["generate", "--prompt", "x", "--model", "/nonexistent/model"]) == 1
+    assert "not one (nothing is downloaded)" in capsys.readouterr().err
