@@ -1,7 +1,7 @@
 """KIVI KV-cache quantization for PyTorch: custom ops, a static quantized cache and fused attention."""
 
 from . import ops  # noqa: F401  registers torch.ops.kivi.*
-from .cache import KIVICache, fp16_cache_nbytes
+from .cache import KIVICache, StaticCacheBase, fp16_cache_nbytes
 from .config import KIVIConfig
 from .quantized import QuantizedTensor, fake_quantize, quantize
 

@@ -23,7 +23,43 @@ def fp16_cache_nbytes(*, num_layers: int, batch_size: int, num_tokens: int, num_
     return 2 * num_layers * batch_size * num_kv_heads * num_tokens * head_dim * 2
 
 
-class KIVICache(nn.Module):
+class StaticCacheBase(nn.Module):
+    """What every static cache here shares: dimensions, per-layer length buffers, byte accounting."""
+
+    def __init__(self, *, num_layers: int, batch_size: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype):
+        super().__init__()
+        for name, value in (("num_layers", num_layers), ("batch_size", batch_size),
+                            ("max_seq_len", max_seq_len), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"dtype must be one of torch.float32, torch.float16, torch.bfloat16, got {dtype}")
+        self.num_layers, self.batch_size, self.max_seq_len = num_layers, batch_size, max_seq_len
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lengths_0.device
+
+    def lengths(self, layer_idx: int = 0) -> torch.Tensor:
+        """Tokens stored per sequence (a device tensor; no sync)."""
+        return getattr(self, f"lengths_{layer_idx}")
+
+    def reset(self) -> None:
+        for buf in self.buffers():
+            buf.zero_()
+
+    def fp16_nbytes(self, num_tokens: Optional[int] = None) -> int:
+        """Bytes an fp16 K+V cache would need for num_tokens (default max_seq_len) per sequence."""
+        return fp16_cache_nbytes(
+            num_layers=self.num_layers, batch_size=self.batch_size,
+            num_tokens=self.max_seq_len if num_tokens is None else num_tokens,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+        )
+
+
+class KIVICache(StaticCacheBase):
     def __init__(
         self,
         config: KIVIConfig,
@@ -36,19 +72,12 @@ class KIVICache(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
-        super().__init__()
         if not isinstance(config, KIVIConfig):
             raise TypeError(f"config must be a KIVIConfig, got {type(config).__name__}")
-        for name, value in (("num_layers", num_layers), ("batch_size", batch_size),
-                            ("max_seq_len", max_seq_len), ("num_kv_heads", num_kv_heads)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        super().__init__(num_layers=num_layers, batch_size=batch_size, max_seq_len=max_seq_len,
+                         num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
         config.check_head_dim(head_dim)
-        if dtype not in FLOAT_DTYPES:
-            raise ValueError(f"dtype must be one of torch.float32, torch.float16, torch.bfloat16, got {dtype}")
         self.config = config
-        self.num_layers, self.batch_size, self.max_seq_len = num_layers, batch_size, max_seq_len
-        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         device = torch.device(device)
         B, H, S, D, R, G = batch_size, num_kv_heads, max_seq_len, head_dim, config.residual_length, config.group_size
         gv = config.value_group_size(D)
@@ -69,32 +98,12 @@ class KIVICache(nn.Module):
                 shape, dt = shapes[name]
                 self.register_buffer(f"{name}_{layer}", torch.zeros(shape, dtype=dt, device=device), persistent=False)
 
-    @property
-    def device(self) -> torch.device:
-        return self.lengths_0.device
-
     def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, f"{name}_{layer_idx}") for name in CACHE_BUFFERS)
-
-    def lengths(self, layer_idx: int = 0) -> torch.Tensor:
-        """Tokens stored per sequence (a device tensor; no sync)."""
-        return getattr(self, f"lengths_{layer_idx}")
-
-    def reset(self) -> None:
-        for buf in self.buffers():
-            buf.zero_()
 
     def nbytes(self) -> int:
         """Exact bytes held: codes + scales + zeros + residual buffers + lengths, all layers."""
         return sum(buf.numel() * buf.element_size() for buf in self.buffers())
-
-    def fp16_nbytes(self, num_tokens: Optional[int] = None) -> int:
-        """Bytes an fp16 K+V cache would need for num_tokens (default max_seq_len) per sequence."""
-        return fp16_cache_nbytes(
-            num_layers=self.num_layers, batch_size=self.batch_size,
-            num_tokens=self.max_seq_len if num_tokens is None else num_tokens,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-        )
 
     # ------------------------------------------------------------------ checks
 

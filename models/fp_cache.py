@@ -12,17 +12,15 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from kivi_ops.cache import fp16_cache_nbytes
+from kivi_ops.cache import StaticCacheBase
 
 
-class FPCache(nn.Module):
+class FPCache(StaticCacheBase):
     def __init__(self, *, num_layers: int, batch_size: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        super().__init__()
-        self.num_layers, self.batch_size, self.max_seq_len = num_layers, batch_size, max_seq_len
-        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        super().__init__(num_layers=num_layers, batch_size=batch_size, max_seq_len=max_seq_len,
+                         num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
         # One spare row past max_seq_len takes the writes of padding tokens, which are never read.
         shape = (batch_size, num_kv_heads, max_seq_len + 1, head_dim)
         for layer in range(num_layers):
@@ -31,27 +29,11 @@ class FPCache(nn.Module):
             self.register_buffer(f"lengths_{layer}", torch.zeros(batch_size, dtype=torch.int64, device=device),
                                  persistent=False)
 
-    @property
-    def device(self) -> torch.device:
-        return self.lengths_0.device
-
-    def lengths(self, layer_idx: int = 0) -> torch.Tensor:
-        return getattr(self, f"lengths_{layer_idx}")
-
-    def reset(self) -> None:
-        for buf in self.buffers():
-            buf.zero_()
-
     def nbytes(self) -> int:
         """Bytes of the K/V rows a sequence can use (the spare padding row is not counted)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         per_token = 2 * self.num_layers * self.batch_size * self.num_kv_heads * self.head_dim * elem
         return per_token * self.max_seq_len
-
-    def fp16_nbytes(self, num_tokens: Optional[int] = None) -> int:
-        return fp16_cache_nbytes(num_layers=self.num_layers, batch_size=self.batch_size,
-                                 num_tokens=self.max_seq_len if num_tokens is None else num_tokens,
-                                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
 
     def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, counts: Optional[torch.Tensor] = None) -> None:
         lengths = self.lengths(layer_idx)
