@@ -1,0 +1,623 @@
+"""Triton kernels for the KIVI cache: append (streaming quantization) and fused split-K attention.
+
+Cache layout and streaming policy: see cache_reference.py (the specification these kernels are
+tested against). Both launchers are CUDA-graph safe: no host syncs, every grid is derived from
+static shapes, and all data-dependent logic (how many tokens flush, which slots are live) is
+predicated on `lengths`/`counts` inside the kernels.
+
+cache_append_triton, four launches on the current stream (the order removes the read-before-write
+hazards of the residual ring buffers):
+  1. _append_key_flush_kernel   grid (B*H, max key groups flushed per call, D byte blocks):
+     group i of the window [nqk, nqk_end) is read from k_res (tokens < L) or from `key`, quantized
+     per channel and written to k_codes/k_scale/k_zero.
+  2. _append_value_flush_kernel grid (B*H, cdiv(n, BLOCK_T)): values leaving the R-token window,
+     tokens [max(L-R,0), max(L+c-R,0)), read from v_res (tokens < L) or `value`, quantized per token.
+  3. _append_residual_kernel    grid (B*H, cdiv(n, BLOCK_T)): new tokens that stay full precision
+     go to slot t % R of k_res / v_res (keys: t >= nqk_end; values: t >= L+c-R).
+  4. _append_lengths_kernel     grid (1,): lengths += c.
+  Launches 1-2 read residual slots that launch 3 overwrites; launch 4 changes what 1-3 read.
+  Difference from the CPU reference: tokens past max_seq_len S are dropped (c = min(counts, n,
+  S - L)) instead of raising, since a kernel cannot raise without a host sync; lengths then
+  stops at S. Counts are also clamped to [0, n].
+
+cache_attend_triton (flash decoding):
+  1. _attend_split_kernel grid (B*H, cdiv(M, BLOCK_M), num_splits), M = (Hq/H) * q_len: one
+     program owns every query row of one kv head (GQA without repeat_kv; row r = g*q_len + i is
+     query i of head h*Hq/H + g; rows padded to BLOCK_M >= 16 for tl.dot) and one contiguous token
+     range of its sequence. The range is cut at run time from the sequence's own length
+     (split_len = cdiv(L, num_splits) rounded up to BLOCK_N), so the work is balanced whatever L is
+     while the grid stays static; num_splits comes from static shapes only (attend_num_splits).
+     Per BLOCK_N-token tile (_attend_tile) it unpacks the 2/4/8-bit codes in registers,
+     dequantizes (keys: per channel, one scale row per G tokens; values: per token, scale column
+     c // Gv), selects quantized vs residual per token (key quantized iff t < (L // R) * R, value
+     iff t < L - R; residual slot t % R) and runs an online softmax (base 2, scale * log2(e)
+     folded in). Tiles below min(nqk, nqv) take a path with no residual loads or selects; only
+     the last <= R + BLOCK_N tokens take the mixed path. Partial (m, l, acc) go to a small fp32
+     workspace; with num_splits == 1 the kernel normalizes and writes the output directly.
+  2. _attend_reduce_kernel grid (B*H*M,): merges the splits of one row. Empty splits (m = -inf,
+     l = 0) weigh 0; rows with no visible key (padding rows, empty sequences) return 0.
+  Products use tl.dot: fp16/bf16 caches on tensor cores with the dequantized keys/values and the
+  probabilities rounded to the cache dtype and fp32 accumulation (like fp16 flash attention);
+  fp32 caches with F32_DOT_PRECISION ("tf32x3" by default, see there).
+  The query is used in the cache dtype (cast if it differs); the output has the query's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .packing import codes_per_byte, token_group_size
+from .triton_quant import (
+    device_ctx, interpreting, next_pow2, pack_codes, quant_codes, scale_zero_stored, to_dtype_rtne, unpack_codes,
+)
+
+LOG2E = 1.0 / math.log(2.0)
+MAX_SPLITS = 64
+# fp32 caches: tl.dot precision of the attention products. "tf32x3" (three TF32 tensor-core
+# products, error ~2^-22 relative per product, i.e. fp32-accumulation class) instead of "ieee"
+# (FMA loop: ~5x the FMAs for 3 real query rows padded to 16, and register spills at D=128).
+# The interpreter ignores it (numpy fp32). Set to "ieee" for exact-fp32 products.
+F32_DOT_PRECISION = "tf32x3"
+
+
+# ---------------------------------------------------------------- append
+
+
+@triton.jit
+def _append_key_flush_kernel(
+    k_codes, k_scale, k_zero, k_res, key_ptr, lengths_ptr, counts_ptr,
+    s_kb, s_kh, s_kn, s_kd,
+    H, N, S, NSG,
+    HAS_COUNTS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
+    G: tl.constexpr, R: tl.constexpr, RR: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    # L: tokens stored; c: tokens appended now, clamped to [0, n] and to the free room S - L.
+    L = tl.load(lengths_ptr + b).to(tl.int32)
+    if HAS_COUNTS:
+        c = tl.minimum(tl.load(counts_ptr + b).to(tl.int32), N)
+    else:
+        c = N
+    c = tl.maximum(tl.minimum(c, S - L), 0)
+    nqk = (L // R) * R
+    nqk_end = ((L + c) // R) * R
+    start = nqk + tl.program_id(1) * G
+    if start < nqk_end:
+        bh64 = bh.to(tl.int64)
+        u = start + tl.arange(0, G)  # tokens of this group, all < nqk_end <= L + c
+        jb = tl.program_id(2) * BLOCK_B + tl.arange(0, BLOCK_B)
+        ii = tl.arange(0, PER)
+        ch = (jb[:, None] * PER + ii[None, :])[None, :, :]  # [1, BLOCK_B, PER]
+        cmask = ((jb < NB)[:, None] & (ii < PER)[None, :])[None, :, :]
+        from_res = (u < L)[:, None, None]
+        x_res = tl.load(k_res + (bh64 * RR + (u % R)[:, None, None]) * D + ch, mask=from_res & cmask, other=0.0)
+        new_off = (b.to(tl.int64) * s_kb + h.to(tl.int64) * s_kh
+                   + (u - L).to(tl.int64)[:, None, None] * s_kn + ch.to(tl.int64) * s_kd)
+        x_new = tl.load(key_ptr + new_off, mask=(~from_res) & cmask, other=0.0)
+        x = tl.where(from_res, x_res, x_new).to(tl.float32)
+        scale, zero = scale_zero_stored(tl.min(x, axis=0), tl.max(x, axis=0), (1 << BITS) - 1,
+                                        k_scale.dtype.element_ty)
+        srow = (bh64 * NSG + start // G) * D
+        tl.store(k_scale + srow + ch, scale[None, :, :], mask=cmask)
+        tl.store(k_zero + srow + ch, zero[None, :, :], mask=cmask)
+        q = quant_codes(x, scale.to(tl.float32)[None, :, :], zero.to(tl.float32)[None, :, :], (1 << BITS) - 1)
+        packed = pack_codes(q, BITS, PER)  # [G, BLOCK_B]
+        tl.store(k_codes + (bh64 * S + u[:, None]) * NB + jb[None, :], packed, mask=(jb < NB)[None, :])
+
+
+@triton.jit
+def _append_value_flush_kernel(
+    v_codes, v_scale, v_zero, v_res, value_ptr, lengths_ptr, counts_ptr,
+    s_vb, s_vh, s_vn, s_vd,
+    H, N, S,
+    HAS_COUNTS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
+    PER: tl.constexpr, GV: tl.constexpr, GB_P: tl.constexpr, R: tl.constexpr, RR: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    # L: tokens stored; c: tokens appended now, clamped to [0, n] and to the free room S - L.
+    L = tl.load(lengths_ptr + b).to(tl.int32)
+    if HAS_COUNTS:
+        c = tl.minimum(tl.load(counts_ptr + b).to(tl.int32), N)
+    else:
+        c = N
+    c = tl.maximum(tl.minimum(c, S - L), 0)
+    q0 = tl.maximum(L - R, 0)
+    q1 = tl.maximum(L + c - R, 0)
+    first = q0 + tl.program_id(1) * BLOCK_T
+    if first < q1:
+        bh64 = bh.to(tl.int64)
+        u = first + tl.arange(0, BLOCK_T)
+        active = u < q1
+        from_res = (u < L)[:, None, None]
+        jb = tl.arange(0, GB_P)
+        ii = tl.arange(0, PER)
+        m = active[:, None, None] & (jb < GV // PER)[None, :, None] & (ii < PER)[None, None, :]
+        res_row = (bh64 * RR + (u % R)[:, None, None]) * D
+        new_row = (b.to(tl.int64) * s_vb + h.to(tl.int64) * s_vh + (u - L).to(tl.int64)[:, None, None] * s_vn)
+        for g in range(NG):
+            ch = (g * GV + jb[:, None] * PER + ii[None, :])[None, :, :]
+            x_res = tl.load(v_res + res_row + ch, mask=m & from_res, other=0.0)
+            x_new = tl.load(value_ptr + new_row + ch.to(tl.int64) * s_vd, mask=m & (~from_res), other=0.0)
+            x = tl.where(from_res, x_res, x_new).to(tl.float32)
+            mn = tl.min(tl.min(tl.where(m, x, float("inf")), axis=2), axis=1)
+            mx = tl.max(tl.max(tl.where(m, x, float("-inf")), axis=2), axis=1)
+            mn = tl.where(active, mn, 0.0)
+            mx = tl.where(active, mx, 0.0)
+            scale, zero = scale_zero_stored(mn, mx, (1 << BITS) - 1, v_scale.dtype.element_ty)
+            srow = (bh64 * S + u) * NG + g
+            tl.store(v_scale + srow, scale, mask=active)
+            tl.store(v_zero + srow, zero, mask=active)
+            q = quant_codes(x, scale.to(tl.float32)[:, None, None], zero.to(tl.float32)[:, None, None],
+                            (1 << BITS) - 1)
+            packed = pack_codes(q, BITS, PER)  # [BLOCK_T, GB_P]
+            tl.store(v_codes + (bh64 * S + u[:, None]) * NB + g * (GV // PER) + jb[None, :], packed,
+                     mask=active[:, None] & (jb < GV // PER)[None, :])
+
+
+@triton.jit
+def _append_residual_kernel(
+    k_res, v_res, key_ptr, value_ptr, lengths_ptr, counts_ptr,
+    s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+    H, N, S,
+    HAS_COUNTS: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, R: tl.constexpr, RR: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    # L: tokens stored; c: tokens appended now, clamped to [0, n] and to the free room S - L.
+    L = tl.load(lengths_ptr + b).to(tl.int32)
+    if HAS_COUNTS:
+        c = tl.minimum(tl.load(counts_ptr + b).to(tl.int32), N)
+    else:
+        c = N
+    c = tl.maximum(tl.minimum(c, S - L), 0)
+    end = L + c
+    i = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    u = L + i
+    valid = i < c
+    d = tl.arange(0, D_P)
+    dmask = (d < D)[None, :]
+    slot = (bh.to(tl.int64) * RR + (u % R)[:, None]) * D + d[None, :]
+    i64 = i.to(tl.int64)[:, None]
+    d64 = d.to(tl.int64)[None, :]
+    k_keep = (valid & (u >= (end // R) * R))[:, None] & dmask
+    v_keep = (valid & (u >= end - R))[:, None] & dmask
+    xk = tl.load(key_ptr + b.to(tl.int64) * s_kb + h.to(tl.int64) * s_kh + i64 * s_kn + d64 * s_kd, mask=k_keep)
+    tl.store(k_res + slot, xk, mask=k_keep)
+    xv = tl.load(value_ptr + b.to(tl.int64) * s_vb + h.to(tl.int64) * s_vh + i64 * s_vn + d64 * s_vd, mask=v_keep)
+    tl.store(v_res + slot, xv, mask=v_keep)
+
+
+@triton.jit
+def _append_lengths_kernel(lengths_ptr, counts_ptr, B, N, S, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr):
+    for b0 in range(0, B, BLOCK):
+        b = b0 + tl.arange(0, BLOCK)
+        bm = b < B
+        L = tl.load(lengths_ptr + b, mask=bm, other=0)
+        if HAS_COUNTS:
+            c = tl.minimum(tl.load(counts_ptr + b, mask=bm, other=0).to(L.dtype), N)
+        else:
+            c = tl.zeros_like(L) + N
+        c = tl.maximum(tl.minimum(c, S - L), 0)
+        tl.store(lengths_ptr + b, L + c, mask=bm)
+
+
+def _check_cache(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+                 k_bits, v_bits, group_size, residual_length):
+    for name, t in (("k_codes", k_codes), ("k_scale", k_scale), ("k_zero", k_zero), ("k_res", k_res),
+                    ("v_codes", v_codes), ("v_scale", v_scale), ("v_zero", v_zero), ("v_res", v_res),
+                    ("lengths", lengths)):
+        if not t.is_contiguous():
+            raise ValueError(f"cache buffer {name} must be contiguous (a whole registered buffer)")
+    B, H, S, _ = k_codes.shape
+    R, G = residual_length, group_size
+    D = k_res.shape[-1]
+    if R % G:
+        raise ValueError(f"residual_length={R} must be a multiple of group_size={G}")
+    if k_codes.shape[-1] * codes_per_byte(k_bits) != D or v_codes.shape[-1] * codes_per_byte(v_bits) != D:
+        raise ValueError("k_codes/v_codes last dim does not match head_dim at the given bits")
+    # Residual slot of token t is t % R < S, so a cache shorter than R holds only S residual rows.
+    RR = min(R, S)
+    if tuple(k_res.shape) != (B, H, RR, D) or tuple(v_res.shape) != (B, H, RR, D):
+        raise ValueError(f"k_res/v_res must have shape {(B, H, RR, D)}")
+    gv = token_group_size(G, D)
+    if D % gv or tuple(v_scale.shape) != (B, H, S, D // gv):
+        raise ValueError(f"v_scale must have shape {(B, H, S, D // gv)}")
+    if tuple(k_scale.shape) != (B, H, -(-S // G), D):
+        raise ValueError(f"k_scale must have shape {(B, H, -(-S // G), D)}")
+    return B, H, S, D, R, RR, G, gv
+
+
+def cache_append_triton(
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+    key, value, counts, k_bits, v_bits, group_size, residual_length,
+) -> None:
+    """Append key/value [B, H, n, D] in place, like cache_append_reference (see module doc)."""
+    B, H, S, D, R, RR, G, gv = _check_cache(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
+                                        lengths, k_bits, v_bits, group_size, residual_length)
+    n = key.shape[2]
+    if tuple(key.shape) != (B, H, n, D) or tuple(value.shape) != (B, H, n, D):
+        raise ValueError(f"key/value must have shape {(B, H, 'n', D)}, got {tuple(key.shape)}, {tuple(value.shape)}")
+    if B == 0 or H == 0 or n == 0:
+        return
+    # The cache stores the new tokens in its own dtype (the reference's slice assignment casts too).
+    if key.dtype != k_res.dtype:
+        key = key.to(k_res.dtype)
+    if value.dtype != v_res.dtype:
+        value = value.to(v_res.dtype)
+    has_counts = counts is not None
+    cnt = counts if has_counts else lengths  # dummy pointer when absent (never read)
+    kper, vper = codes_per_byte(k_bits), codes_per_byte(v_bits)
+    nbk, nbv = D // kper, D // vper
+    nsg = k_scale.shape[2]
+    # Most key groups one call can flush: the window [nqk, nqk_end) is at most ((R-1+n)//R)*R long.
+    key_groups = ((R - 1 + n) // R) * R // G
+    block_b = max(1, min(next_pow2(nbk), 2048 // (G * kper)))
+    gb_p = next_pow2(gv // vper)
+    block_tv = max(1, min(32, next_pow2(n), 2048 // (gb_p * vper)))
+    d_p = next_pow2(D)
+    block_tr = max(1, min(32, next_pow2(n), 4096 // d_p))
+    wrap = torch.library.wrap_triton
+    with device_ctx(k_codes):
+        wrap(_append_key_flush_kernel)[(B * H, key_groups, triton.cdiv(nbk, block_b))](
+            k_codes, k_scale, k_zero, k_res, key, lengths, cnt,
+            key.stride(0), key.stride(1), key.stride(2), key.stride(3),
+            H, n, S, nsg,
+            HAS_COUNTS=has_counts, D=D, NB=nbk, BITS=k_bits, PER=kper, G=G, R=R, RR=RR, BLOCK_B=block_b, num_warps=4,
+        )
+        wrap(_append_value_flush_kernel)[(B * H, triton.cdiv(n, block_tv))](
+            v_codes, v_scale, v_zero, v_res, value, lengths, cnt,
+            value.stride(0), value.stride(1), value.stride(2), value.stride(3),
+            H, n, S,
+            HAS_COUNTS=has_counts, D=D, NB=nbv, NG=D // gv, BITS=v_bits, PER=vper, GV=gv, GB_P=gb_p, R=R, RR=RR,
+            BLOCK_T=block_tv, num_warps=4,
+        )
+        wrap(_append_residual_kernel)[(B * H, triton.cdiv(n, block_tr))](
+            k_res, v_res, key, value, lengths, cnt,
+            key.stride(0), key.stride(1), key.stride(2), key.stride(3),
+            value.stride(0), value.stride(1), value.stride(2), value.stride(3),
+            H, n, S,
+            HAS_COUNTS=has_counts, D=D, D_P=d_p, R=R, RR=RR, BLOCK_T=block_tr, num_warps=4,
+        )
+        wrap(_append_lengths_kernel)[(1,)](
+            lengths, cnt, B, n, S, HAS_COUNTS=has_counts, BLOCK=min(1024, next_pow2(B)), num_warps=1,
+        )
+
+
+# ---------------------------------------------------------------- attention
+
+
+@triton.jit
+def _cast(x, DTYPE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
+    """fp32 -> DTYPE; the native cast on GPU, the exact RTNE emulation under the interpreter."""
+    if EMULATE_RTNE:
+        return to_dtype_rtne(x, DTYPE)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, t0, limit, nqk, nqv, pos, row_ok, bh64, S, NSG, qk_scale,
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
+    MIXED: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr,
+    G: tl.constexpr, NGB: tl.constexpr, NGV: tl.constexpr, NGV_P: tl.constexpr, GV_P: tl.constexpr,
+    R: tl.constexpr, RR: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOWP: tl.constexpr, DOT_F32: tl.constexpr, F32_PRECISION: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+):
+    """One online-softmax step over tokens [t0, t0 + BLOCK_N) (t0 a multiple of BLOCK_N), tokens
+    >= limit masked. MIXED=False: every token is quantized for keys and values (no residual loads);
+    MIXED=True: per-token choice between the dequantized codes and the residual ring."""
+    DT = k_res.dtype.element_ty
+    t = t0 + tl.arange(0, BLOCK_N)
+    tm = t < limit
+    d = tl.arange(0, D_P)
+    dmask = d < D
+    row = bh64 * S + t  # int64 token row of codes and value scales
+
+    # ---- keys [BLOCK_N, D_P]: per-channel groups of G tokens, one scale row per group
+    if MIXED:
+        kq = tm & (t < nqk)
+    else:
+        kq = tm
+    jk = tl.arange(0, D_P // K_PER)
+    kb = tl.load(k_codes + row[:, None] * (D // K_PER) + jk[None, :],
+                 mask=kq[:, None] & (jk < D // K_PER)[None, :], other=0)
+    kc = tl.reshape(unpack_codes(kb, K_BITS, K_PER), [BLOCK_N, D_P]).to(tl.float32)
+    grow = t0 // G + tl.arange(0, NGB)  # the NGB scale rows this tile touches
+    gm = ((grow * G < limit) & (grow * G < nqk))[:, None] & dmask[None, :]
+    ks_off = (bh64 * NSG + grow)[:, None] * D + d[None, :]
+    ks = tl.load(k_scale + ks_off, mask=gm, other=0.0).to(tl.float32)
+    kz = tl.load(k_zero + ks_off, mask=gm, other=0.0).to(tl.float32)
+    if NGB > 1:
+        ks = tl.reshape(tl.broadcast_to(ks[:, None, :], [NGB, BLOCK_N // NGB, D_P]), [BLOCK_N, D_P])
+        kz = tl.reshape(tl.broadcast_to(kz[:, None, :], [NGB, BLOCK_N // NGB, D_P]), [BLOCK_N, D_P])
+    kdq = kc * ks + kz
+    if LOWP:
+        kdq = _cast(kdq, DT, EMULATE_RTNE)
+    if MIXED:
+        slot = (bh64 * RR + (t % R)[:, None]) * D + d[None, :]
+        kres = tl.load(k_res + slot, mask=(tm & (t >= nqk))[:, None] & dmask[None, :], other=0.0)
+        k = tl.where(kq[:, None], kdq, kres.to(kdq.dtype))
+    else:
+        k = kdq
+    if DOT_F32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=F32_PRECISION)
+    else:
+        s = tl.dot(q, tl.trans(k))
+
+    # ---- online softmax (base 2; scale * log2(e) folded into qk_scale)
+    visible = row_ok[:, None] & tm[None, :] & (t[None, :] <= pos[:, None])
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows stay NaN-free
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+
+    # ---- values [BLOCK_N, D_P]: per-token groups of GV channels
+    if MIXED:
+        vq = tm & (t < nqv)
+    else:
+        vq = tm
+    jv = tl.arange(0, D_P // V_PER)
+    vb = tl.load(v_codes + row[:, None] * (D // V_PER) + jv[None, :],
+                 mask=vq[:, None] & (jv < D // V_PER)[None, :], other=0)
+    vc = tl.reshape(unpack_codes(vb, V_BITS, V_PER), [BLOCK_N, D_P]).to(tl.float32)
+    if NGV == 1:
+        vs = tl.load(v_scale + row, mask=vq, other=0.0).to(tl.float32)[:, None]
+        vz = tl.load(v_zero + row, mask=vq, other=0.0).to(tl.float32)[:, None]
+    else:
+        gi = tl.arange(0, NGV_P)
+        vs_off = row[:, None] * NGV + gi[None, :]
+        vm = vq[:, None] & (gi < NGV)[None, :]
+        vs = tl.load(v_scale + vs_off, mask=vm, other=0.0).to(tl.float32)
+        vz = tl.load(v_zero + vs_off, mask=vm, other=0.0).to(tl.float32)
+        vs = tl.reshape(tl.broadcast_to(vs[:, :, None], [BLOCK_N, NGV_P, GV_P]), [BLOCK_N, D_P])
+        vz = tl.reshape(tl.broadcast_to(vz[:, :, None], [BLOCK_N, NGV_P, GV_P]), [BLOCK_N, D_P])
+    vdq = vc * vs + vz
+    if LOWP:
+        vdq = _cast(vdq, DT, EMULATE_RTNE)
+        p = _cast(p, DT, EMULATE_RTNE)
+    if MIXED:
+        slot = (bh64 * RR + (t % R)[:, None]) * D + d[None, :]
+        vres = tl.load(v_res + slot, mask=(tm & (t >= nqv))[:, None] & dmask[None, :], other=0.0)
+        v = tl.where(vq[:, None], vdq, vres.to(vdq.dtype))
+    else:
+        v = vdq
+    if DOT_F32:
+        pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=F32_PRECISION)
+    else:
+        pv = tl.dot(p, v)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_split_kernel(
+    q_ptr, s_qb, s_qh, s_qm, s_qd,
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths_ptr, counts_ptr,
+    ws_m, ws_l, ws_acc, out_ptr,
+    H, S, NSG, Q_LEN, M, M_PAD, qk_scale,
+    HAS_COUNTS: tl.constexpr, QG: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr,
+    G: tl.constexpr, NGB: tl.constexpr, NGV: tl.constexpr, NGV_P: tl.constexpr, GV_P: tl.constexpr,
+    R: tl.constexpr, RR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    LOWP: tl.constexpr, DOT_F32: tl.constexpr, F32_PRECISION: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    sp = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    L = tl.load(lengths_ptr + b).to(tl.int32)
+    if HAS_COUNTS:
+        c = tl.load(counts_ptr + b).to(tl.int32)
+    else:
+        c = tl.zeros_like(L) + Q_LEN
+    nqk = (L // R) * R
+    nqv = tl.maximum(L - R, 0)
+
+    # Query rows of this kv head: r = g * Q_LEN + i -> head h*QG + g, query i at position L - c + i.
+    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = r < M
+    gq = r // Q_LEN
+    iq = r % Q_LEN
+    pos = L - c + iq
+    row_ok = rmask & (iq < c)
+    d = tl.arange(0, D_P)
+    dmask = d < D
+    q_off = (b.to(tl.int64) * s_qb + (h * QG + gq).to(tl.int64)[:, None] * s_qh
+             + iq.to(tl.int64)[:, None] * s_qm + d.to(tl.int64)[None, :] * s_qd)
+    q = tl.load(q_ptr + q_off, mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_res.dtype.element_ty)
+
+    # This split's token range, cut from the sequence's own length (balanced for any L) in
+    # whole BLOCK_N tiles, so every tile starts at a multiple of BLOCK_N.
+    split_len = tl.cdiv(tl.cdiv(L, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = sp * split_len
+    hi = tl.minimum(lo + split_len, L)
+    # Tiles below `mid` are quantized for keys and values alike (the long, hot part); the last
+    # <= R + BLOCK_N tokens go through the mixed path that also reads the residual rings.
+    mid = tl.maximum(tl.minimum((tl.minimum(nqk, nqv) // BLOCK_N) * BLOCK_N, hi), lo)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_P], tl.float32)
+    for t0 in range(lo, mid, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, t0, mid, nqk, nqv, pos, row_ok, bh64, S, NSG, qk_scale,
+            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
+            False, D, D_P, K_BITS, K_PER, V_BITS, V_PER, G, NGB, NGV, NGV_P, GV_P, R, RR, BLOCK_N,
+            LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE,
+        )
+    for t0 in range(mid, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, t0, hi, nqk, nqv, pos, row_ok, bh64, S, NSG, qk_scale,
+            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
+            True, D, D_P, K_BITS, K_PER, V_BITS, V_PER, G, NGB, NGV, NGV_P, GV_P, R, RR, BLOCK_N,
+            LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE,
+        )
+
+    if NUM_SPLITS == 1:
+        o = tl.math.div_rn(acc, tl.zeros_like(acc) + tl.where(l_i > 0.0, l_i, 1.0)[:, None])
+        o = tl.where((l_i > 0.0)[:, None], o, 0.0)
+        o_off = (bh64 * M + r[:, None]) * D + d[None, :]
+        tl.store(out_ptr + o_off, _cast(o, out_ptr.dtype.element_ty, EMULATE_RTNE),
+                 mask=rmask[:, None] & dmask[None, :])
+    else:
+        w = (bh64 * NUM_SPLITS + sp) * M_PAD + r
+        tl.store(ws_m + w, m_i)
+        tl.store(ws_l + w, l_i)
+        tl.store(ws_acc + w[:, None] * D + d[None, :], acc, mask=dmask[None, :])
+
+
+@triton.jit
+def _attend_reduce_kernel(
+    ws_m, ws_l, ws_acc, out_ptr, M, M_PAD,
+    D: tl.constexpr, D_P: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr,
+):
+    rid = tl.program_id(0).to(tl.int64)
+    bh = rid // M
+    r = rid % M
+    sidx = tl.arange(0, SPLITS_P)
+    smask = sidx < NUM_SPLITS
+    w = (bh * NUM_SPLITS + sidx) * M_PAD + r
+    m = tl.load(ws_m + w, mask=smask, other=float("-inf"))
+    l = tl.load(ws_l + w, mask=smask, other=0.0)
+    gmax = tl.max(m, axis=0)
+    gmax = tl.where(gmax == float("-inf"), 0.0, gmax)
+    wt = tl.math.exp2(m - gmax)  # empty splits (m = -inf) weigh 0
+    l_tot = tl.sum(wt * l, axis=0)
+    d = tl.arange(0, D_P)
+    dmask = d < D
+    acc = tl.load(ws_acc + w[:, None] * D + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+    o = tl.sum(wt[:, None] * acc, axis=0)
+    o = tl.math.div_rn(o, tl.zeros_like(o) + tl.where(l_tot > 0.0, l_tot, 1.0))
+    o = tl.where(l_tot > 0.0, o, 0.0)
+    tl.store(out_ptr + (bh * M + r) * D + d, _cast(o, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=dmask)
+
+
+_SM_COUNT: dict = {}
+
+
+def _num_programs_target(device: torch.device) -> int:
+    """Programs that fill the device (static per device, so fine under CUDA graphs)."""
+    if device.type != "cuda":
+        return 8  # interpreter: a few splits, to exercise the merge
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return 2 * _SM_COUNT[idx]
+
+
+def attend_num_splits(batch_heads: int, m_blocks: int, max_seq_len: int, block_n: int, device) -> int:
+    """Splits of the token axis from static shapes only: enough programs to fill the GPU, never
+    more than the token blocks of a full cache nor MAX_SPLITS."""
+    programs = max(1, batch_heads * m_blocks)
+    want = triton.cdiv(_num_programs_target(torch.device(device)), programs)
+    return max(1, min(want, triton.cdiv(max(max_seq_len, 1), block_n), MAX_SPLITS))
+
+
+def attend_launch_config(head_dim: int, lowp: bool, rows: int) -> tuple[int, int, int]:
+    """(BLOCK_M query rows, BLOCK_N tokens per tile, num_warps) for M = rows query rows per kv head.
+
+    Chosen from sm_90 compiles (ptxas; no GPU was at hand, so not tuned on hardware): no register
+    spills and <= ~110 KB shared memory at num_stages=2 (fp32 D=128 with 32 rows spills 8 bytes).
+    Decode (rows <= 16): fp16/bf16 (64, 4) ~160 registers; fp32 D<=64 (32, 4) ~157, D=128 (32, 8)
+    ~201. Prefill chunks take 32/64-row tiles with 8 warps; fp32 tiles stop at 32 rows."""
+    block_m = min(64 if lowp else 32, max(16, next_pow2(rows)))
+    if block_m == 16:
+        if lowp:
+            return block_m, 64, 4
+        return (block_m, 32, 4) if head_dim <= 64 else (block_m, 32, 8)
+    if lowp:
+        return (block_m, 64, 8) if head_dim <= 64 else (block_m, 32, 8)
+    return (block_m, 32, 8) if head_dim <= 64 else (block_m, 16, 8)
+
+
+def cache_attend_triton(
+    query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+    counts, k_bits, v_bits, group_size, residual_length, scale,
+    num_splits: Optional[int] = None, block_n: Optional[int] = None,
+) -> torch.Tensor:
+    """Attention of query [B, Hq, q, D] over the cache, like cache_attend_reference (module doc).
+    num_splits / block_n override the static choices (tests)."""
+    B, H, S, D, R, RR, G, gv = _check_cache(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
+                                        lengths, k_bits, v_bits, group_size, residual_length)
+    Bq, Hq, q_len, Dq = query.shape
+    if Bq != B or Dq != D or Hq % H:
+        raise ValueError(f"query {tuple(query.shape)} does not match the cache (B={B}, H={H}, D={D})")
+    out = torch.empty((B, Hq, q_len, D), dtype=query.dtype, device=query.device)
+    if out.numel() == 0:
+        return out
+    QG = Hq // H
+    M = QG * q_len
+    if D < 16:
+        raise ValueError(f"cache_attend_triton needs head_dim >= 16 (tl.dot), got {D}")
+    lowp = k_res.dtype != torch.float32
+    block_m, default_block_n, num_warps = attend_launch_config(D, lowp, M)
+    m_blocks = triton.cdiv(M, block_m)
+    m_pad = m_blocks * block_m
+    d_p = next_pow2(D)
+    if block_n is None:
+        block_n = default_block_n
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    ngv, ngv_p, gv_p = D // gv, next_pow2(D // gv), next_pow2(gv)
+    assert ngv_p * gv_p == d_p, (D, gv)
+    if num_splits is None:
+        num_splits = attend_num_splits(B * H, m_blocks, S, block_n, query.device)
+    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    dtype = k_res.dtype
+    interp = interpreting()
+    # The interpreter's tl.dot cannot take bf16 operands (numpy has no bf16): there the rounded
+    # fp16/bf16 operands are upcast to fp32 (exact), which equals the tensor-core products.
+    dot_f32 = (not lowp) or interp
+    if not lowp and query.dtype != torch.float32:
+        query = query.float()
+    if lowp and query.dtype != dtype:
+        query = query.to(dtype)
+    has_counts = counts is not None
+    cnt = counts if has_counts else lengths
+    if num_splits > 1:
+        ws_m = torch.empty((B * H, num_splits, m_pad), dtype=torch.float32, device=query.device)
+        ws_l = torch.empty_like(ws_m)
+        ws_acc = torch.empty((B * H, num_splits, m_pad, D), dtype=torch.float32, device=query.device)
+    else:
+        ws_m = ws_l = ws_acc = out  # unused
+    kper, vper = codes_per_byte(k_bits), codes_per_byte(v_bits)
+    wrap = torch.library.wrap_triton
+    with device_ctx(query):
+        wrap(_attend_split_kernel)[(B * H, m_blocks, num_splits)](
+            query, query.stride(0), query.stride(1), query.stride(2), query.stride(3),
+            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, cnt,
+            ws_m, ws_l, ws_acc, out,
+            H, S, k_scale.shape[2], q_len, M, m_pad, float(scale) * LOG2E,
+            HAS_COUNTS=has_counts, QG=QG, D=D, D_P=d_p, K_BITS=k_bits, K_PER=kper, V_BITS=v_bits, V_PER=vper,
+            G=G, NGB=max(block_n // G, 1), NGV=ngv, NGV_P=ngv_p, GV_P=gv_p,
+            R=R, RR=RR, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            LOWP=lowp, DOT_F32=dot_f32, F32_PRECISION=F32_DOT_PRECISION, EMULATE_RTNE=interp,
+            num_warps=num_warps, num_stages=2,
+        )
+        if num_splits > 1:
+            wrap(_attend_reduce_kernel)[(B * H * M,)](
+                ws_m, ws_l, ws_acc, out, M, m_pad,
+                D=D, D_P=d_p, NUM_SPLITS=num_splits, SPLITS_P=next_pow2(num_splits),
+                EMULATE_RTNE=interp, num_warps=4,
+            )
+    return out

@@ -1,0 +1,323 @@
+"""Triton kernels (kivi_ops/triton_quant.py, kivi_ops/triton_cache.py) against the CPU reference.
+
+Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 must be set before
+the kernel modules are imported, hence the late imports). The interpreter is slow, so shapes are
+small; the reference is always computed on CPU copies (torch's CUDA division by a scalar is a
+reciprocal multiply, which is not the spec's IEEE division).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from kivi_ops.cache_reference import cache_append_reference, cache_attend_reference  # noqa: E402
+from kivi_ops.packing import codes_per_byte, quantize_pack_reference, unpack_dequantize_reference  # noqa: E402
+from kivi_ops.triton_cache import cache_append_triton, cache_attend_triton  # noqa: E402
+from kivi_ops.triton_quant import quantize_pack_triton, unpack_dequantize_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BUFFERS = ("k_codes", "k_scale", "k_zero", "k_res", "v_codes", "v_scale", "v_zero", "v_res", "lengths")
+
+
+def _cpu(t):
+    return None if t is None else t.detach().cpu()
+
+
+def _dev(t):
+    """A copy on DEVICE (never an alias of the CPU reference's tensor)."""
+    return None if t is None else t.to(DEVICE, copy=True)
+
+
+# ---------------------------------------------------------------- quantize / dequantize
+
+
+def _check_quant(x, bits, group_size, axis):
+    codes, scale, zero = quantize_pack_triton(x.to(DEVICE), bits, group_size, axis)
+    r_codes, r_scale, r_zero = quantize_pack_reference(x, bits, group_size, axis)
+    assert codes.dtype == torch.uint8 and scale.dtype == x.dtype and zero.dtype == x.dtype
+    assert torch.equal(_cpu(scale), r_scale), "scales differ"
+    assert torch.equal(_cpu(zero), r_zero), "zeros differ"
+    assert torch.equal(_cpu(codes), r_codes), "codes differ"
+    out = _cpu(unpack_dequantize_triton(codes, scale, zero, bits, group_size, axis))
+    ref = unpack_dequantize_reference(r_codes, r_scale, r_zero, bits, group_size, axis)
+    assert out.dtype == ref.dtype and out.shape == x.shape
+    # q * scale + zero may contract to one FMA on the GPU: one rounding of the dtype, plus the
+    # fp32 rounding of q * scale, which matters only when zero cancels it.
+    eps = torch.finfo(x.dtype).eps
+    fp32_eps = torch.finfo(torch.float32).eps
+    bound = eps * ref.float().abs() + fp32_eps * 2 * x.float().abs().amax() + 1e-30
+    assert ((out.float() - ref.float()).abs() <= bound).all(), "dequantized values differ by more than 1 ulp"
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("bits", (2, 4, 8))
+@pytest.mark.parametrize("axis", ("channel", "token"))
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_quantize_matches_reference(dtype, bits, axis, head_dim):
+    gen = torch.Generator().manual_seed(bits * 1000 + head_dim)
+    lead = (2, 3) if head_dim == 64 else (2,)
+    group = 32 if head_dim == 64 else 64
+    x = (torch.randn(*lead, group, head_dim, generator=gen) * 2 + 0.5).to(dtype)
+    # A constant group: per channel all tokens of channel 3, per token the first group of token 1.
+    if axis == "channel":
+        x[0, ..., :, 3] = 1.25
+    else:
+        x[0, ..., 1, :group] = -0.75
+    # Groups full of exact rounding ties: min 0, max (2^B - 1) / 4 (scale 0.25), the rest at
+    # (k + 0.5) * 0.25, which floor(v + 0.5) must round up like the reference.
+    maxq = 2**bits - 1
+    ties = (torch.arange(group) % maxq + 0.5) * 0.25
+    ties[0], ties[1] = 0.0, maxq * 0.25
+    x[-1] = (ties[:, None] if axis == "channel" else ties.repeat(head_dim // group)[None, :]).to(dtype)
+    out = _check_quant(x, bits, group, axis)
+    const = out[0, ..., :, 3] if axis == "channel" else out[0, ..., 1, :group]
+    assert (const == (1.25 if axis == "channel" else -0.75)).all(), "a constant group must reconstruct exactly"
+
+
+@pytest.mark.parametrize(
+    "shape,bits,group,axis",
+    [
+        ((96, 96), 4, 32, "token"),  # D not a power of two, 3 value groups
+        ((16, 96), 2, 128, "token"),  # group clipped to D=96 (not a power of two)
+        ((256, 40), 8, 256, "channel"),  # G=256, D=40
+        ((3, 8, 24), 2, 4, "channel"),  # G=4, D=24
+        ((2, 5, 72), 4, 8, "token"),
+    ],
+)
+def test_quantize_odd_shapes(shape, bits, group, axis):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(7)) * 3
+    _check_quant(x, bits, group, axis)
+
+
+def test_quantize_empty():
+    codes, scale, zero = quantize_pack_triton(torch.empty(0, 32, 64, device=DEVICE), 2, 32, "channel")
+    assert codes.shape == (0, 32, 16) and scale.shape == (0, 1, 64)
+    assert unpack_dequantize_triton(codes, scale, zero, 2, 32, "channel").shape == (0, 32, 64)
+
+
+# ---------------------------------------------------------------- cache helpers
+
+
+def make_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, device="cpu"):
+    gv = min(G, D)
+    ng = -(-S // G)
+    shapes = {
+        "k_codes": ((B, H, S, D // codes_per_byte(k_bits)), torch.uint8),
+        "k_scale": ((B, H, ng, D), dtype),
+        "k_zero": ((B, H, ng, D), dtype),
+        "k_res": ((B, H, min(R, S), D), dtype),
+        "v_codes": ((B, H, S, D // codes_per_byte(v_bits)), torch.uint8),
+        "v_scale": ((B, H, S, D // gv), dtype),
+        "v_zero": ((B, H, S, D // gv), dtype),
+        "v_res": ((B, H, min(R, S), D), dtype),
+        "lengths": ((B,), torch.int64),
+    }
+    return [torch.zeros(*shapes[n][0], dtype=shapes[n][1], device=device) for n in BUFFERS]
+
+
+def assert_cache_equal(tri, ref, where=""):
+    for name, a, b in zip(BUFFERS, tri, ref):
+        assert torch.equal(_cpu(a), b), f"{name} differs from the reference {where}"
+
+
+def fill_reference_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, lengths, seed=0):
+    """Reference cache holding `lengths` tokens per sequence (prefill chunk then decode steps)."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = make_cache(B, H, S, D, R, G, k_bits, v_bits, dtype)
+    lengths = torch.tensor(lengths)
+    first = torch.clamp(lengths - 3, min=0)
+    n = int(first.max())
+    if n:
+        kv = torch.randn(2, B, H, n, D, generator=gen).to(dtype)
+        cache_append_reference(*cache, kv[0], kv[1], first, k_bits, v_bits, G, R)
+    for _ in range(3):
+        c = (lengths - cache[-1]).clamp(max=1)
+        kv = torch.randn(2, B, H, 1, D, generator=gen).to(dtype)
+        cache_append_reference(*cache, kv[0], kv[1], c, k_bits, v_bits, G, R)
+    assert cache[-1].tolist() == lengths.tolist()
+    return cache
+
+
+# ---------------------------------------------------------------- append
+
+
+# (n, counts) per step: right-padded prefill chunks (one with n > R), a row with counts=0, decode
+# steps crossing several key flushes (every R=16 tokens) at different lengths per sequence.
+LONG_SCHEDULE = [(5, [5, 3, 0]), (21, [21, 17, 0]), (1, None), (3, [3, 0, 3])] + [(1, None)] * 9 + [(18, [18, 1, 9])]
+SHORT_SCHEDULE = [(19, [19, 4, 0]), (1, None), (1, [1, 0, 1]), (14, [14, 13, 2])]
+
+
+@pytest.mark.parametrize(
+    "dtype,k_bits,v_bits,D,schedule,final",
+    [
+        (torch.float32, 2, 4, 64, LONG_SCHEDULE, [57, 31, 22]),
+        (torch.bfloat16, 8, 2, 128, SHORT_SCHEDULE, [35, 18, 4]),
+        (torch.float16, 4, 8, 64, SHORT_SCHEDULE, [35, 18, 4]),
+    ],
+    ids=["fp32-k2v4-d64", "bf16-k8v2-d128", "fp16-k4v8-d64"],
+)
+def test_append_streaming_matches_reference(dtype, k_bits, v_bits, D, schedule, final):
+    B, H, S, R, G = 3, 2, 80, 16, 8
+    ref = make_cache(B, H, S, D, R, G, k_bits, v_bits, dtype)
+    tri = [_dev(t) for t in ref]
+    gen = torch.Generator().manual_seed(1)
+    for step, (n, counts) in enumerate(schedule):
+        # key/value arrive as [B, n, H, D].transpose(1, 2): non-contiguous, like a model's projections
+        key = torch.randn(B, n, H, D, generator=gen).to(dtype).transpose(1, 2)
+        value = torch.randn(B, n, H, D, generator=gen).to(dtype).transpose(1, 2)
+        c = None if counts is None else torch.tensor(counts)
+        cache_append_reference(*ref, key, value, c, k_bits, v_bits, G, R)
+        cache_append_triton(*tri, _dev(key), _dev(value), _dev(c), k_bits, v_bits, G, R)
+        assert_cache_equal(tri, ref, f"after step {step} (n={n}, counts={counts})")
+    assert ref[-1].tolist() == final
+
+
+def test_append_drops_tokens_past_max_seq_len():
+    """The CPU reference raises when a sequence would overflow S; the kernels cannot raise without a
+    host sync, so they store only the tokens that fit and stop lengths at S."""
+    B, H, S, D, R, G = 2, 1, 24, 64, 8, 4
+    ref = make_cache(B, H, S, D, R, G, 4, 4, torch.float32)
+    tri = [_dev(t) for t in ref]
+    gen = torch.Generator().manual_seed(2)
+    kv = torch.randn(2, B, H, 20, D, generator=gen)
+    cache_append_reference(*ref, kv[0], kv[1], torch.tensor([20, 6]), 4, 4, G, R)
+    cache_append_triton(*tri, kv[0].to(DEVICE), kv[1].to(DEVICE), torch.tensor([20, 6], device=DEVICE), 4, 4, G, R)
+    kv = torch.randn(2, B, H, 10, D, generator=gen)
+    cache_append_reference(*ref, kv[0], kv[1], torch.tensor([4, 10]), 4, 4, G, R)  # what fits
+    cache_append_triton(*tri, kv[0].to(DEVICE), kv[1].to(DEVICE), None, 4, 4, G, R)  # 10 each
+    assert_cache_equal(tri, ref)
+    assert _cpu(tri[-1]).tolist() == [24, 16]
+
+
+# ---------------------------------------------------------------- attention
+
+
+def _attend_case(dtype, Hq, H, q_len, lengths, counts, num_splits, block_n=16, k_bits=2, v_bits=4, D=64,
+                 R=16, G=8, S=64, seed=0):
+    B = len(lengths)
+    cache = fill_reference_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, lengths, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(B, Hq, q_len, D, generator=gen).to(dtype)
+    c = None if counts is None else torch.tensor(counts)
+    scale = D**-0.5
+    ref = cache_attend_reference(query, *cache, c, k_bits, v_bits, G, R, scale)
+    out = cache_attend_triton(
+        query.to(DEVICE), *[_dev(t) for t in cache], None if c is None else c.to(DEVICE),
+        k_bits, v_bits, G, R, scale, num_splits=num_splits, block_n=block_n,
+    )
+    assert out.dtype == dtype and out.shape == query.shape
+    return _cpu(out), ref, c
+
+
+# (Hq, H, q_len, lengths, counts, num_splits): lengths cross split (16-token blocks) and flush
+# boundaries (R=16), one sequence is empty; q_len > 1 is causal with padded query rows.
+ATTEND_CASES = [
+    (9, 3, 1, [37, 0, 21], None, 3),  # GQA 9/3 decode, a split boundary inside each sequence, L=0
+    (2, 2, 1, [50, 17], None, 1),  # MHA, single split writes the output directly
+    (9, 3, 4, [37, 5, 21], [4, 2, 0], 4),  # causal chunk, right padding, a row with nothing to attend
+    (4, 4, 3, [48, 3], None, None),  # MHA q_len=3, default (static) number of splits
+    (9, 3, 7, [40, 9], [7, 5], 2),  # 21 rows per kv head: a 32-row tile
+]
+
+
+@pytest.mark.parametrize("case", ATTEND_CASES, ids=["gqa-decode", "mha-1split", "gqa-causal-padded", "mha-q3-auto", "gqa-q7-rows32"])
+def test_attend_fp32_matches_reference(case):
+    Hq, H, q_len, lengths, counts, num_splits = case
+    out, ref, c = _attend_case(torch.float32, Hq, H, q_len, lengths, counts, num_splits)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if c is not None:  # padded query rows are exactly zero
+        for b, cb in enumerate(c.tolist()):
+            assert (out[b, :, cb:] == 0).all()
+    for b, L in enumerate(lengths):
+        if L == 0:
+            assert (out[b] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=("fp16", "bf16"))
+@pytest.mark.parametrize("q_len,counts", [(1, None), (3, [3, 1])], ids=("decode", "causal"))
+def test_attend_low_precision(dtype, q_len, counts):
+    # fp16/bf16 caches take the tensor-core path: dequantized keys/values and the softmax
+    # probabilities are rounded to the dtype before the products (fp32 accumulation), and the
+    # output is rounded to the dtype. Each rounding is a relative error <= eps/2; scores of
+    # D=64 products with scale 1/8 move by ~eps, so outputs (|out| <= max|v| ~ 3) stay within a
+    # few eps of the fp32 reference: tolerance 4 * eps (fp16 4e-3, bf16 3e-2), rtol as well.
+    eps = torch.finfo(dtype).eps
+    out, ref, _ = _attend_case(dtype, 9, 3, q_len, [40, 23], counts, 3, k_bits=4, v_bits=2)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=4 * eps, atol=4 * eps)
+
+
+def test_attend_head_dim_128_8bit_one_value_group():
+    # G=128=D: one value scale per token (NGV=1) and tiles inside one key group (BLOCK_N < G)
+    out, ref, _ = _attend_case(torch.float32, 2, 1, 1, [272, 131], None, 2, block_n=64, k_bits=8, v_bits=8, D=128,
+                               R=128, G=128, S=288)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("S,schedule", [(48, ((19, [19, 7]), (1, None), (1, None))),
+                                        (12, ((5, [5, 2]), (1, None), (6, [6, 6])))],
+                         ids=["S48", "S12-shorter-than-R"])
+def test_append_then_attend_end_to_end(S, schedule):
+    """Kernel-written cache, kernel attention == reference cache, reference attention (also for a
+    cache shorter than the residual window, whose residual buffers hold only S rows)."""
+    B, H, Hq, D, R, G = 2, 1, 3, 64, 16, 8
+    ref = make_cache(B, H, S, D, R, G, 2, 2, torch.float32)
+    tri = [_dev(t) for t in ref]
+    gen = torch.Generator().manual_seed(3)
+    for n, counts in schedule:
+        kv = torch.randn(2, B, H, n, D, generator=gen)
+        c = None if counts is None else torch.tensor(counts)
+        cache_append_reference(*ref, kv[0], kv[1], c, 2, 2, G, R)
+        cache_append_triton(*tri, kv[0].to(DEVICE), kv[1].to(DEVICE), None if c is None else c.to(DEVICE), 2, 2, G, R)
+        query = torch.randn(B, Hq, n, D, generator=gen)
+        want = cache_attend_reference(query, *ref, c, 2, 2, G, R, 0.125)
+        got = cache_attend_triton(query.to(DEVICE), *tri, None if c is None else c.to(DEVICE), 2, 2, G, R, 0.125)
+        torch.testing.assert_close(_cpu(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_attend_longer_sequences_slow(dtype):
+    eps = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
+    out, ref, _ = _attend_case(dtype, 9, 3, 2, [300, 129, 1], [2, 1, 1], 5, block_n=32, S=320, R=64, G=32)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=eps, atol=eps)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_decode_steps():
+    """append + attend captured once in a CUDA graph and replayed across flush boundaries: any host
+    sync or data-dependent grid would fail the capture or freeze the first step's lengths."""
+    B, H, Hq, S, D, R, G, kb, vb = 2, 3, 9, 96, 64, 16, 8, 2, 2
+    gen = torch.Generator().manual_seed(4)
+    ref = make_cache(B, H, S, D, R, G, kb, vb, torch.float16)
+    kv = torch.randn(2, B, H, 13, D, generator=gen).half()
+    cache_append_reference(*ref, kv[0], kv[1], torch.tensor([13, 4]), kb, vb, G, R)
+    tri = [_dev(t) for t in ref]
+    key, value = torch.zeros(2, B, H, 1, D, dtype=torch.float16, device="cuda")
+    query = torch.zeros(B, Hq, 1, D, dtype=torch.float16, device="cuda")
+
+    def step(cache):
+        cache_append_triton(*cache, key, value, None, kb, vb, G, R)
+        return cache_attend_triton(query, *cache, None, kb, vb, G, R, 0.125)
+
+    step([t.clone() for t in tri])  # compile the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(tri)
+    for i in range(20):
+        k, v = torch.randn(2, B, H, 1, D, generator=gen).half()
+        q = torch.randn(B, Hq, 1, D, generator=gen).half()
+        key.copy_(k), value.copy_(v), query.copy_(q)
+        graph.replay()
+        cache_append_reference(*ref, k, v, None, kb, vb, G, R)
+        want = cache_attend_reference(q, *ref, None, kb, vb, G, R, 0.125)
+        assert_cache_equal(tri, ref, f"after replay {i}")
+        eps = torch.finfo(torch.float16).eps
+        torch.testing.assert_close(_cpu(out).float(), want.float(), rtol=4 * eps, atol=4 * eps)
