@@ -19,11 +19,11 @@ from .loading import DEFAULT_MODEL, load_model, log
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
     """Model, method and cache flags shared by the subcommands."""
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="'default' (the embedded SmolLM2-135M-Instruct) or a local Hugging Face Llama-family directory")
-    p.add_argument("--method", choices=METHODS, default="kivi", help="kivi: quantized cache; fp: unquantized static cache")
+    p.add_argument("--method", choices=methods, default="kivi", help="kivi: quantized cache; fp: unquantized static cache")
     p.add_argument("--k-bits", type=int, choices=SUPPORTED_BITS, default=2)
     p.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, default=2)
     p.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=32)
@@ -126,9 +126,11 @@ def cmd_generate(args, parser) -> int:
     print(f"decode:  {result.decode_tokens_per_s:.1f} tokens/s ({result.decode_tokens} timed tokens"
           + (f"; compile + warm-up {result.compile_s:.1f} s not counted" if args.compile else "") + ")")
     label = (f"KIVI-{kivi_config.k_bits}/{kivi_config.v_bits} G={kivi_config.group_size} "
-             f"R={kivi_config.residual_length}" if args.method == "kivi" else f"fp ({config['dtype']})")
+             f"R={kivi_config.residual_length}, {config['dtype']} scales and residual" if args.method == "kivi"
+             else f"fp ({config['dtype']})")
     print(f"cache:   {result.cache_bytes / 2**20:.2f} MiB {label} vs {result.fp16_cache_bytes / 2**20:.2f} MiB "
-          f"fp16 for {max_seq_len} tokens x {len(ids)} sequence(s): {ratio:.2f}x smaller")
+          f"fp16 for {max_seq_len} tokens x {len(ids)} sequence(s): fp16 / this = {ratio:.2f}x"
+          + (" (the full-precision residual window dominates a sequence this short)" if ratio < 1 else ""))
     context = model.config.max_position_embeddings
     if args.method == "kivi" and context > max_seq_len:
         # Same cache at the model's full context, built on the meta device (no memory).
@@ -157,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.set_defaults(func=cmd_generate, parser=g)
+
+    from kivi_benchmarks.eval_cli import add_eval_parser
+
+    add_eval_parser(sub, add_model_arguments, positive_int)
     return parser
 
 
