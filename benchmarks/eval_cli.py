@@ -1,0 +1,153 @@
+"""`kivi eval ppl | passkey | table`: the quality harness's command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or min(values) < 16:
+        raise argparse.ArgumentTypeError(f"expected comma-separated lengths >= 16, got {text!r}")
+    return values
+
+
+def add_eval_parser(sub, add_model_arguments, positive_int) -> None:
+    ev = sub.add_parser("eval", help="quality harness: perplexity, passkey retrieval, the KIVI tables")
+    evsub = ev.add_subparsers(dest="eval_command", required=True)
+
+    ppl = evsub.add_parser("ppl", help="teacher-forced perplexity through the KIVI cache")
+    src = ppl.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", help="a text file")
+    src.add_argument("--corpus", choices=("pydoc",), help="pydoc: Python's pydoc_data.topics documentation")
+    ppl.add_argument("--max-tokens", type=positive_int, default=8192, help="tokens of text to use")
+    ppl.add_argument("--window", type=positive_int, default=1024, help="tokens per window (each starts an empty cache)")
+    ppl.add_argument("--chunk", type=positive_int, default=1,
+                     help="tokens fed per step; 1 (default) gives exact decode semantics")
+    ppl.add_argument("--batch-size", type=positive_int, default=8, help="windows evaluated together")
+    add_model_arguments(ppl, methods=("fp", "kivi", "fake"))
+    ppl.add_argument("--k-axis", choices=("token", "channel"), default="channel", help="--method fake only")
+    ppl.add_argument("--v-axis", choices=("token", "channel"), default="token", help="--method fake only")
+    ppl.add_argument("--json", action="store_true")
+    ppl.set_defaults(func=cmd_ppl, parser=ppl)
+
+    pk = evsub.add_parser("passkey", help="passkey retrieval accuracy per prompt length")
+    pk.add_argument("--lengths", type=_int_list, default=[1024, 2048, 4096, 8000])
+    pk.add_argument("--trials", type=positive_int, default=5)
+    pk.add_argument("--seed", type=int, default=0)
+    add_model_arguments(pk)
+    pk.add_argument("--json", action="store_true")
+    pk.set_defaults(func=cmd_passkey, parser=pk)
+
+    tb = evsub.add_parser("table", help="run the standard set; write quality.json, quality.md and PNG plots")
+    tb.add_argument("--quick", action="store_true", help="a small variant (about 3 minutes on 2 CPU cores)")
+    tb.add_argument("--out", type=Path, default=None, help=f"output folder (default {DEFAULT_OUT}; --quick: required)")
+    tb.add_argument("--model", default="default")
+    tb.set_defaults(func=cmd_table, parser=tb)
+
+
+def _load(args, parser, *, patched: bool, plain: bool):
+    from kivi_models import load_model, patch_model
+    from kivi_models.cli import device_and_dtype
+
+    device, dtype = device_and_dtype(args, parser)
+    out = []
+    if plain:
+        out.append(load_model(args.model, dtype=dtype, device=device)[0])
+    if patched:
+        model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+        out.append(patch_model(model))
+    else:
+        from transformers import AutoTokenizer
+
+        from kivi_models.loading import resolve_model_path
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model), local_files_only=True)
+    return (*out, tokenizer)
+
+
+def cmd_ppl(args, parser) -> int:
+    from kivi_models.cli import kivi_config_from
+
+    from .corpus import load_text, token_windows
+    from .perplexity import FakeQuantConfig, cache_perplexity, fake_quant_perplexity
+
+    kivi_config = kivi_config_from(args, parser)
+    try:
+        text = load_text(text_file=args.text, corpus=args.corpus)
+    except OSError as e:
+        parser.error(f"cannot read --text: {e}")
+    if args.method == "fake":
+        if args.window % args.group_size:
+            parser.error(f"--window must be a multiple of --group-size={args.group_size} for --method fake")
+        spec = FakeQuantConfig(args.k_bits, args.v_bits, args.group_size, args.k_axis, args.v_axis)
+        model, tokenizer = _load(args, parser, patched=False, plain=True)
+        windows = _windows(tokenizer, text, args, parser)
+        result, config = fake_quant_perplexity(model, windows, spec, batch_size=args.batch_size), spec.to_dict()
+    else:
+        model, tokenizer = _load(args, parser, patched=True, plain=False)
+        windows = _windows(tokenizer, text, args, parser)
+        result = cache_perplexity(model, windows, method=args.method, kivi_config=kivi_config, chunk=args.chunk,
+                                  batch_size=args.batch_size)
+        config = kivi_config.to_dict() if args.method == "kivi" else {}
+    report = dict(ppl=result.ppl, tokens=result.tokens, method=args.method, config=config, window=args.window,
+                  windows=int(windows.shape[0]), chunk=args.chunk if args.method != "fake" else None,
+                  seconds=result.seconds)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"perplexity {result.ppl:.3f} over {result.tokens} predicted tokens "
+              f"({report['windows']} x {args.window}-token windows, method {args.method}, {result.seconds:.0f} s)")
+    return 0
+
+
+def _windows(tokenizer, text, args, parser):
+    from .corpus import token_windows
+
+    try:
+        return token_windows(tokenizer, text, window=args.window, max_tokens=args.max_tokens)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def cmd_passkey(args, parser) -> int:
+    from kivi_models.cli import kivi_config_from
+
+    from .passkey import passkey_accuracy
+
+    kivi_config = kivi_config_from(args, parser)
+    model, tokenizer = _load(args, parser, patched=True, plain=False)
+    res = passkey_accuracy(model, tokenizer, lengths=args.lengths, trials=args.trials, method=args.method,
+                           kivi_config=kivi_config, seed=args.seed)
+    if args.json:
+        print(json.dumps(dict(accuracy=res["accuracy"], method=args.method,
+                              config=kivi_config.to_dict() if args.method == "kivi" else {},
+                              trials=args.trials, details=res["details"], seconds=res["seconds"])))
+    else:
+        for length, acc in res["accuracy"].items():
+            print(f"{length:>6} tokens: {acc:.2f}")
+    return 0
+
+
+def cmd_table(args, parser) -> int:
+    from .quality_table import run_table
+
+    if args.quick and args.out is None:
+        parser.error("--quick needs --out (the committed results are the full table's)")
+    args.device, args.dtype = "cpu", None
+    plain, patched, tokenizer = _load(args, parser, patched=True, plain=True)
+    params = (dict(window=256, windows=2, chunk=1, passkey_lengths=[512], passkey_trials=2) if args.quick else
+              dict(window=1024, windows=8, chunk=1, passkey_lengths=[1024, 2048, 4096], passkey_trials=4))
+    report = run_table(plain, patched, tokenizer, quick=args.quick, out_dir=args.out or DEFAULT_OUT, **params)
+    from .quality_table import markdown
+
+    sys.stdout.write(markdown(report))
+    return 0

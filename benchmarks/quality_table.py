@@ -1,0 +1,177 @@
+"""`kivi eval table`: the KIVI quality tables (Tables 1, 3, 5 style) on the embedded model.
+
+Writes <out>/quality.json (every number plus environment and command), quality.md (the tables)
+and two PNG plots (perplexity per configuration; passkey accuracy vs length).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from kivi_ops import KIVIConfig
+
+from .corpus import load_text, token_windows
+from .passkey import passkey_accuracy
+from .perplexity import FakeQuantConfig, cache_perplexity, fake_quant_perplexity
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    group: str  # "baseline" | "fake" | "kivi" | "group size" | "residual"
+    method: str  # "fp" | "kivi" | "fake"
+    kivi: Optional[KIVIConfig] = None
+    fake: Optional[FakeQuantConfig] = None
+
+    def key(self):
+        return (self.method, self.kivi, self.fake)
+
+
+def fake_rows(quick: bool) -> list[Row]:
+    rows = [] if quick else [
+        Row("fake 4-bit K per-token, V per-token", "fake", "fake", fake=FakeQuantConfig(4, 4, 32, "token", "token")),
+        Row("fake 4-bit K per-channel, V per-token", "fake", "fake", fake=FakeQuantConfig(4, 4, 32, "channel", "token")),
+    ]
+    for k_axis, v_axis in (("token", "token"), ("channel", "token"), ("channel", "channel"), ("token", "channel")):
+        rows.append(Row(f"fake 2-bit K per-{k_axis}, V per-{v_axis}", "fake", "fake",
+                        fake=FakeQuantConfig(2, 2, 32, k_axis, v_axis)))
+    return rows
+
+
+def standard_rows(quick: bool) -> list[Row]:
+    if quick:
+        # 256-token windows: R=32 keeps most of each window quantized.
+        return ([Row("16-bit", "baseline", "fp")] + fake_rows(quick)
+                + [Row("KIVI-2 (G=32, R=32)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 32))])
+    rows = [Row("16-bit", "baseline", "fp")] + fake_rows(quick) + [
+        Row("KIVI-4 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(4, 4, 32, 128)),
+        Row("KIVI-2 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 128)),
+    ]
+    rows += [Row(f"KIVI-2 G={g} (R=128)", "group size", "kivi", kivi=KIVIConfig(2, 2, g, 128)) for g in (32, 64, 128)]
+    rows += [Row(f"KIVI-2 R={r} (G=32)", "residual", "kivi", kivi=KIVIConfig(2, 2, 32, r)) for r in (32, 64, 96, 128)]
+    return rows
+
+
+def passkey_rows(quick: bool) -> list[Row]:
+    if quick:
+        return [Row("16-bit", "baseline", "fp"), Row("KIVI-2 (G=32, R=32)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 32))]
+    return [Row("16-bit", "baseline", "fp"),
+            Row("KIVI-4 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(4, 4, 32, 128)),
+            Row("KIVI-2 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 128))]
+
+
+def environment() -> dict:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        sha = None
+    import transformers
+
+    return dict(torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
+                machine=platform.machine(), processor=platform.processor() or platform.machine(),
+                threads=torch.get_num_threads(), git_sha=sha, command=" ".join(["kivi", *sys.argv[1:]]))
+
+
+def run_table(plain_model, patched_model, tokenizer, *, quick: bool, out_dir: Path, window: int, windows: int,
+              chunk: int, passkey_lengths: list[int], passkey_trials: int, seed: int = 0) -> dict:
+    started = time.perf_counter()
+    text = load_text(corpus="pydoc")
+    wins = token_windows(tokenizer, text, window=window, max_tokens=window * windows)
+    ppl_results, done = [], {}
+    for row in standard_rows(quick):
+        if row.key() not in done:
+            if row.method == "fake":
+                done[row.key()] = fake_quant_perplexity(plain_model, wins, row.fake, desc=row.name)
+            else:
+                done[row.key()] = cache_perplexity(patched_model, wins, method=row.method, kivi_config=row.kivi,
+                                                   chunk=chunk, desc=row.name)
+        r = done[row.key()]
+        print(f"  {row.name:<40} ppl {r.ppl:8.3f}  ({r.seconds:.0f} s)", file=sys.stderr, flush=True)
+        ppl_results.append(dict(name=row.name, group=row.group, method=row.method,
+                                config=(row.kivi or row.fake).to_dict() if (row.kivi or row.fake) else None,
+                                **r.to_dict()))
+    passkey_results = []
+    for row in passkey_rows(quick):
+        res = passkey_accuracy(patched_model, tokenizer, lengths=passkey_lengths, trials=passkey_trials,
+                               method=row.method, kivi_config=row.kivi, seed=seed, desc=f"passkey {row.name}")
+        print(f"  passkey {row.name:<32} {res['accuracy']}  ({res['seconds']:.0f} s)", file=sys.stderr, flush=True)
+        passkey_results.append(dict(name=row.name, method=row.method,
+                                    config=row.kivi.to_dict() if row.kivi else None, **res))
+    report = dict(
+        quick=quick, corpus="pydoc_data.topics", window=window, windows=int(wins.shape[0]), chunk=chunk,
+        passkey_lengths=passkey_lengths, passkey_trials=passkey_trials, seed=seed,
+        perplexity=ppl_results, passkey=passkey_results, runtime_s=time.perf_counter() - started,
+        environment=environment(),
+    )
+    write_outputs(report, out_dir)
+    return report
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Perplexity on {report['windows']} x {report['window']}-token windows of pydoc_data.topics "
+             f"(chunk {report['chunk']}; fake rows: every token quantized, no residual)", "",
+             "| configuration | PPL | vs 16-bit |", "| --- | --- | --- |"]
+    base = report["perplexity"][0]["ppl"]
+    for r in report["perplexity"]:
+        lines.append(f"| {r['name']} | {r['ppl']:.2f} | {r['ppl'] - base:+.2f} |")
+    lengths = report["passkey_lengths"]
+    lines += ["", f"Passkey retrieval accuracy ({report['passkey_trials']} trials per length)", "",
+              "| configuration | " + " | ".join(map(str, lengths)) + " |", "| --- |" + " --- |" * len(lengths)]
+    for r in report["passkey"]:
+        lines.append(f"| {r['name']} | " + " | ".join(f"{r['accuracy'][n]:.2f}" for n in lengths) + " |")
+    lines += ["", f"Runtime {report['runtime_s'] / 60:.1f} min; torch {report['environment']['torch']}, "
+              f"{report['environment']['threads']} threads, git {str(report['environment']['git_sha'])[:10]}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(report: dict, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # JSON keys must be strings; keep lengths readable.
+    for r in report["passkey"]:
+        r["accuracy"] = {int(k): v for k, v in r["accuracy"].items()}
+    (out_dir / "quality.json").write_text(json.dumps(report, indent=2, default=str))
+    (out_dir / "quality.md").write_text(markdown(report))
+
+    rows = report["perplexity"]
+    colors = {"baseline": "tab:gray", "fake": "tab:orange", "kivi": "tab:blue", "group size": "tab:green",
+              "residual": "tab:purple"}
+    fig, ax = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.2))
+    ax.barh(range(len(rows)), [r["ppl"] for r in rows], color=[colors[r["group"]] for r in rows])
+    ax.set_yticks(range(len(rows)), [r["name"] for r in rows])
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("perplexity (log scale, lower is better)")
+    for i, r in enumerate(rows):
+        ax.text(r["ppl"], i, f" {r['ppl']:.2f}", va="center", fontsize=8)
+    ax.set_title(f"SmolLM2-135M, {report['windows']} x {report['window']} tokens of pydoc topics")
+    fig.tight_layout()
+    fig.savefig(out_dir / "quality_ppl.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in report["passkey"]:
+        xs = report["passkey_lengths"]
+        ax.plot(xs, [r["accuracy"][n] for n in xs], marker="o", label=r["name"])
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("passkey accuracy")
+    ax.legend()
+    ax.set_title("Passkey retrieval")
+    fig.tight_layout()
+    fig.savefig(out_dir / "quality_passkey.png", dpi=110)
+    plt.close(fig)
