@@ -51,6 +51,9 @@ def add_eval_parser(sub, add_model_arguments, positive_int) -> None:
     tb.add_argument("--quick", action="store_true", help="a small variant (about 3 minutes on 2 CPU cores)")
     tb.add_argument("--out", type=Path, default=None, help=f"output folder (default {DEFAULT_OUT}; --quick: required)")
     tb.add_argument("--model", default="default")
+    tb.add_argument("--windows", type=positive_int, default=None, help="perplexity windows (default 4; --quick 2)")
+    tb.add_argument("--window", type=positive_int, default=None, help="tokens per window (default 1024; --quick 256)")
+    tb.add_argument("--trials", type=positive_int, default=None, help="passkey trials per length (default 3; --quick 2)")
     tb.set_defaults(func=cmd_table, parser=tb)
 
 
@@ -144,8 +147,15 @@ def cmd_table(args, parser) -> int:
         parser.error("--quick needs --out (the committed results are the full table's)")
     args.device, args.dtype = "cpu", None
     plain, patched, tokenizer = _load(args, parser, patched=True, plain=True)
+    # Chunk 1 (exact decode semantics) everywhere; the full table's size is set by its runtime on
+    # 2 CPU cores (about 30 minutes), the quick one's by CI (under 3).
     params = (dict(window=256, windows=2, chunk=1, passkey_lengths=[512], passkey_trials=2) if args.quick else
-              dict(window=1024, windows=8, chunk=1, passkey_lengths=[1024, 2048, 4096], passkey_trials=4))
+              dict(window=1024, windows=4, chunk=1, passkey_lengths=[1024, 2048, 4096], passkey_trials=3))
+    for name in ("windows", "window"):
+        if getattr(args, name) is not None:
+            params[name] = getattr(args, name)
+    if args.trials is not None:
+        params["passkey_trials"] = args.trials
     report = run_table(plain, patched, tokenizer, quick=args.quick, out_dir=args.out or DEFAULT_OUT, **params)
     from .quality_table import markdown
 
