@@ -81,10 +81,14 @@ def patch_model(model: nn.Module) -> nn.Module:
     config = model.config
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {config.model_type!r}")
-    if getattr(config, "use_sliding_window", False) or (
-        config.model_type == "mistral" and getattr(config, "sliding_window", None)
-    ):
-        raise ValueError("sliding-window attention is not supported by the KIVI cache; disable it in the config")
+    window = getattr(config, "sliding_window", None)
+    uses_window = config.use_sliding_window if config.model_type == "qwen2" else window is not None
+    if uses_window and window is not None and window < config.max_position_embeddings:
+        raise ValueError(
+            f"sliding-window attention is not supported by the KIVI cache (sliding_window={window} < "
+            f"max_position_embeddings={config.max_position_embeddings}); set config.sliding_window = None "
+            "to run full attention"
+        )
     decoder = model.model
     if getattr(decoder, "_kivi_patched", False):
         return model

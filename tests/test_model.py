@@ -156,3 +156,39 @@ def test_cli_bad_arguments_are_usage_errors(argv, message, capsys):
 def test_cli_missing_model_directory(capsys):
     assert main(["generate", "--prompt", "x", "--model", "/nonexistent/model"]) == 1
     assert "not one (nothing is downloaded)" in capsys.readouterr().err
+
+
+def tiny_model(model_type):
+    """A small random model of each supported family, built from its config (nothing downloaded)."""
+    import transformers
+
+    cls_config, cls_model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[model_type]
+    config = cls_config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+    if model_type == "mistral":
+        config.sliding_window = None  # full attention; a real sliding window is refused by patch_model
+    torch.manual_seed(0)
+    return cls_model(config).eval()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_llama_family_models_match_unpatched_greedy(model_type):
+    reference_model = tiny_model(model_type)
+    patched = patch_model(tiny_model(model_type))
+    prompt = [[5, 17, 99, 3, 42, 7]]
+    with torch.inference_mode():
+        want = reference_model.generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    cache = make_cache(patched, method="kivi", batch_size=1, max_seq_len=18, kivi_config=KIVIConfig(residual_length=32))
+    got = generate(patched, prompt, max_new_tokens=12, cache=cache)
+    assert got.tokens[0] == want[0, 6:].tolist()
+
+
+def test_sliding_window_models_are_refused():
+    model = tiny_model("mistral")
+    model.config.sliding_window = 64
+    with pytest.raises(ValueError, match="sliding-window attention is not supported"):
+        patch_model(model)
