@@ -22,8 +22,9 @@ Quantized tokens live at row t of the codes (and row t // G of the key scales).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from .packing import dequantize_codes, expand_groups, quantize_pack_reference, unpack
+from .packing import dequantize_codes, expand_groups, quantize_pack_reference, unpack, unpack_float
 
 # Tokens per step of the reference attention's online softmax: bounds the temporary
 # dequantized block, so no dequantized copy of the whole cache is ever materialized.
@@ -117,6 +118,38 @@ def materialize_block(
     return keys, values
 
 
+def _quantized_key_scores(qf, k_codes, k_scale, k_zero, start, stop, bits, G):
+    """Scores of qf [B, H, rows, D] against the dequantized keys of rows [start, stop), without
+    materializing them: per key group, q . (c * s + z) = (q * s) . c + q . z."""
+    B, H, rows, D = qf.shape
+    T = stop - start
+    n_groups = -(-T // G)
+    c = unpack_float(k_codes[:, :, start:stop], bits)
+    if T % G:  # a last partial group (max length not a multiple of G)
+        c = F.pad(c, (0, 0, 0, n_groups * G - T))
+    c = c.view(B, H, n_groups, G, D)
+    s = k_scale[:, :, start // G : start // G + n_groups].float()  # [B, H, groups, D]
+    z = k_zero[:, :, start // G : start // G + n_groups].float()
+    scaled_q = qf[:, :, None] * s[:, :, :, None, :]  # [B, H, groups, rows, D]
+    scores = scaled_q @ c.transpose(-1, -2) + (qf @ z.transpose(-1, -2)).transpose(2, 3)[..., None]
+    return scores.permute(0, 1, 3, 2, 4).reshape(B, H, rows, n_groups * G)[..., :T]
+
+
+def _quantized_value_sum(p, v_codes, v_scale, v_zero, start, stop, bits, G):
+    """p [B, H, rows, T] times the dequantized values of rows [start, stop), without
+    materializing them: per value group, p . (c * s + z) = (p * s) . c + p . z."""
+    B, H, rows, T = p.shape
+    s = v_scale[:, :, start:stop].float()  # [B, H, T, groups]
+    z = v_zero[:, :, start:stop].float()
+    n_groups = s.shape[-1]
+    c = unpack_float(v_codes[:, :, start:stop], bits)
+    D = c.shape[-1]
+    c = c.view(B, H, T, n_groups, D // n_groups).permute(0, 1, 3, 2, 4)  # [B, H, groups, T, Gv]
+    scaled_p = (p[..., None] * s[:, :, None]).permute(0, 1, 4, 2, 3)  # [B, H, groups, rows, T]
+    out = (scaled_p @ c).permute(0, 1, 3, 2, 4) + (p @ z)[..., None]  # [B, H, rows, groups, Gv]
+    return out.reshape(B, H, rows, D)
+
+
 def cache_attend_reference(
     query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
     counts, k_bits, v_bits, group_size, residual_length, scale,
@@ -126,9 +159,14 @@ def cache_attend_reference(
     Query i of row b sits at position lengths[b] - counts[b] + i (its own key is already
     appended) and sees keys at positions <= its own (causal). Rows i >= counts[b] are padding
     and return zeros. Grouped-query attention maps query head h to kv head h // (Hq / H).
+
+    Quantized tokens are used in the packed domain (scales folded into the query and the
+    probabilities, see the two helpers above); only the residual tail, at most R tokens beyond
+    the shortest sequence's quantized part, is read in full precision.
     """
     B, Hq, q, D = query.shape
     H = k_codes.shape[1]
+    R, G = residual_length, group_size
     groups = Hq // H
     counts = torch.full_like(lengths, q) if counts is None else counts.to(lengths.dtype)
     # [B, H, groups*q, D]: row r = g*q + i is query i of head h*groups + g.
@@ -136,6 +174,8 @@ def cache_attend_reference(
     i = torch.arange(q, device=query.device).repeat(groups)
     pos = (lengths - counts)[:, None] + i[None, :]  # [B, groups*q]
     valid_row = i[None, :] < counts[:, None]
+    nqk, nqv = quantized_counts(lengths, R)
+    tail = int(torch.minimum(nqk, nqv).min()) if B else 0  # residual tokens start here or later
 
     m = torch.full((B, H, groups * q), float("-inf"), device=query.device)
     denom = torch.zeros_like(m)
@@ -143,11 +183,13 @@ def cache_attend_reference(
     max_len = int(lengths.max()) if B else 0
     for start in range(0, max_len, ATTEND_BLOCK_TOKENS):
         stop = min(start + ATTEND_BLOCK_TOKENS, max_len)
-        keys, values = materialize_block(
-            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-            start, stop, k_bits, v_bits, group_size, residual_length,
-        )
-        scores = qf @ keys.transpose(-1, -2)  # [B, H, rows, T]
+        scores = _quantized_key_scores(qf, k_codes, k_scale, k_zero, start, stop, k_bits, G)  # [B, H, rows, T]
+        a = max(start, tail)  # tokens [a, stop) may come from the residual windows
+        if a < stop:
+            t_tail = torch.arange(a, stop, device=query.device)
+            from_k_res = (t_tail[None, :] >= nqk[:, None])[:, None, None, :]
+            exact = qf @ k_res[:, :, t_tail % R].float().transpose(-1, -2)
+            scores[..., a - start :] = torch.where(from_k_res, exact, scores[..., a - start :])
         t = torch.arange(start, stop, device=query.device)
         visible = (t[None, None, :] <= pos[:, :, None]) & valid_row[:, :, None]
         scores = scores.masked_fill(~visible[:, None], float("-inf"))
@@ -156,7 +198,16 @@ def cache_attend_reference(
         p = torch.exp(scores - m_safe[..., None])
         correction = torch.exp(m - m_safe)
         denom = denom * correction + p.sum(dim=-1)
-        acc = acc * correction[..., None] + p @ values
+        if a < stop:
+            from_v_res = (t_tail[None, :] >= nqv[:, None])[:, None, None, :]
+            p_tail = p[..., a - start :]
+            p_exact = torch.where(from_v_res, p_tail, torch.zeros_like(p_tail))
+            p = torch.cat([p[..., : a - start], p_tail - p_exact], dim=-1)
+            pv = _quantized_value_sum(p, v_codes, v_scale, v_zero, start, stop, v_bits, G)
+            pv = pv + p_exact @ v_res[:, :, t_tail % R].float()
+        else:
+            pv = _quantized_value_sum(p, v_codes, v_scale, v_zero, start, stop, v_bits, G)
+        acc = acc * correction[..., None] + pv
         m = m_new
     out = acc / denom.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
     out = torch.where(denom[..., None] > 0, out, torch.zeros_like(out))

@@ -184,3 +184,11 @@ def test_dequantize_rejects_mismatched_scale():
 def test_public_api_names():
     for name in ("KIVIConfig", "KIVICache", "quantize", "fake_quantize"):
         assert hasattr(kivi_ops, name)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_unpack_float_table_equals_unpack(bits):
+    from kivi_ops.packing import unpack_float
+
+    packed = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    assert torch.equal(unpack_float(packed, bits), unpack(packed, bits).float())
