@@ -160,9 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.set_defaults(func=cmd_generate, parser=g)
 
+    from kivi_benchmarks.bench_cli import add_bench_parser
     from kivi_benchmarks.eval_cli import add_eval_parser
 
     add_eval_parser(sub, add_model_arguments, positive_int)
+    add_bench_parser(sub, add_model_arguments, positive_int)
     return parser
 
 

@@ -1,0 +1,122 @@
+"""`kivi bench memory | attention | decode`: the performance harness's command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .eval_cli import DEFAULT_OUT, _int_list
+
+
+def add_bench_parser(sub, add_model_arguments, positive_int) -> None:
+    b = sub.add_parser("bench", help="performance harness: cache memory, fused attention, end-to-end decode")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+
+    mem = bsub.add_parser("memory", help="exact cache bytes vs fp16 (Llama-2-7B shape), with the formula beside it")
+    mem.add_argument("--contexts", type=_int_list, default=[1024, 4096, 16384, 32768, 131072])
+    mem.add_argument("--budget-gib", type=float, default=None,
+                     help="also report the largest batch whose cache fits this many GiB, per context")
+
+    att = bsub.add_parser("attention", help="fused KIVI decode attention vs scaled_dot_product_attention")
+    att.add_argument("--contexts", type=_int_list, default=None,
+                     help="default: 1K..128K on cuda, 1K..16K on cpu")
+    att.add_argument("--batch", type=positive_int, default=None, help="default: 8 on cuda, 1 on cpu")
+
+    dec = bsub.add_parser("decode", help="end-to-end compiled decode tokens/s, fp vs KIVI")
+    dec.add_argument("--model", default="default", help="'default', 'llama2-7b-shape' (random weights) or a directory")
+    dec.add_argument("--contexts", type=_int_list, default=None, help="default: 1024,4096 on cpu")
+    dec.add_argument("--batches", type=_int_list_any, default=None, help="default: 1,4")
+    dec.add_argument("--new-tokens", type=positive_int, default=32)
+
+    for p in (mem, att, dec):
+        p.add_argument("--device", choices=("cpu", "cuda"), default=None)
+        p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+        p.add_argument("--json", action="store_true", help="print the result object")
+        p.set_defaults(func=cmd_bench, parser=p)
+
+
+def _int_list_any(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _device(args, parser) -> str:
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda was requested but no CUDA device is available")
+    return device
+
+
+def cmd_bench(args, parser) -> int:
+    from . import perf
+    from .plots import plot_bench
+
+    device = _device(args, parser)
+    if args.bench_command == "memory":
+        result = perf.bench_memory(args.contexts)
+        if args.budget_gib:
+            result["budget_gib"] = args.budget_gib
+            budget = args.budget_gib * 2**30
+            for row in result["rows"]:
+                per_seq_kivi, per_seq_fp16 = row["kivi_bytes"], row["fp16_bytes"]
+                row["max_batch_kivi"], row["max_batch_fp16"] = int(budget // per_seq_kivi), int(budget // per_seq_fp16)
+        name = "bench_memory"
+    elif args.bench_command == "attention":
+        contexts = args.contexts or ([1024 * 2**i for i in range(8)] if device == "cuda" else [1024, 4096, 16384])
+        result = perf.bench_attention(device, contexts, batch=args.batch or (8 if device == "cuda" else 1))
+        name = f"bench_attention_{device}"
+    else:
+        model = _decode_model(args, device, parser)
+        result = perf.bench_decode(model, device=device, contexts=args.contexts or [1024, 4096],
+                                   batches=args.batches or [1, 4], new_tokens=args.new_tokens)
+        result["model"] = args.model
+        name = f"bench_decode_{device}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    plot_bench(name, result, args.out / f"{name}.png")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(args.bench_command, result)
+        print(f"\nwrote {args.out / (name + '.json')} and {name}.png")
+    return 0
+
+
+def _decode_model(args, device, parser):
+    import torch
+
+    from kivi_models import load_model, patch_model
+
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    if args.model == "llama2-7b-shape":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                             num_key_value_heads=32, vocab_size=32000, max_position_embeddings=131072)
+        with torch.device(device):
+            model = LlamaForCausalLM(config).to(dtype).eval()  # random weights: speed only
+    else:
+        model, _ = load_model(args.model, dtype=dtype, device=device)
+    return patch_model(model)
+
+
+def print_table(kind: str, result: dict) -> None:
+    rows = result["rows"]
+    if kind == "memory":
+        print("bits  G    R    tokens   KIVI MiB   theory MiB   fp16 MiB   fp16/KIVI")
+        for r in rows:
+            print(f"{r['bits']:>4} {r['group_size']:>3} {r['residual_length']:>4} {r['tokens']:>8} "
+                  f"{r['kivi_bytes'] / 2**20:>10.1f} {r['theory_bytes'] / 2**20:>12.1f} {r['fp16_bytes'] / 2**20:>10.1f} "
+                  f"{r['ratio']:>10.2f}")
+    elif kind == "attention":
+        print("tokens  bits   SDPA ms   KIVI ms   speedup" + ("   bandwidth share" if "bandwidth_share" in rows[0] else ""))
+        for r in rows:
+            extra = f"   {r['bandwidth_share']:.0%}" if "bandwidth_share" in r else ""
+            print(f"{r['tokens']:>6} {r['bits']:>5} {r['sdpa_s'] * 1e3:>9.3f} {r['kivi_s'] * 1e3:>9.3f} "
+                  f"{r['speedup']:>9.2f}x{extra}")
+    else:
+        print("batch  context   fp tok/s   KIVI tok/s   KIVI/fp")
+        for r in rows:
+            print(f"{r['batch']:>5} {r['context']:>8} {r['fp_tokens_per_s']:>10.1f} {r['kivi_tokens_per_s']:>12.1f} "
+                  f"{r['speedup']:>9.2f}x")
