@@ -1,0 +1,28 @@
+"""Performance harness: memory accounting against the formula, the attention bench runs and writes results."""
+
+import json
+
+import pytest
+
+from kivi_models.cli import main
+
+
+def test_bench_memory_matches_formula_and_paper_ratios(tmp_path, capsys):
+    assert main(["bench", "memory", "--contexts", "4096,32768", "--budget-gib", "16", "--out", str(tmp_path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = {(r["bits"], r["group_size"], r["residual_length"], r["tokens"]): r for r in result["rows"]}
+    for r in result["rows"]:
+        assert r["kivi_bytes"] == r["theory_bytes"]
+        assert r["max_batch_kivi"] >= r["max_batch_fp16"]
+    assert rows[(2, 32, 128, 4096)]["ratio"] == pytest.approx(4.57, abs=0.01)
+    assert rows[(2, 32, 128, 32768)]["ratio"] == pytest.approx(5.22, abs=0.01)
+    assert (2, 128, 32, 4096) not in rows  # R must be a multiple of G
+    assert (tmp_path / "bench_memory.png").stat().st_size > 0
+
+
+def test_bench_attention_cpu_runs(tmp_path, capsys):
+    assert main(["bench", "attention", "--device", "cpu", "--contexts", "256", "--out", str(tmp_path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["bits"] for r in result["rows"]] == [2, 4]
+    assert all(r["kivi_s"] > 0 and r["sdpa_s"] > 0 for r in result["rows"])
+    assert result["environment"]["torch"] and (tmp_path / "bench_attention_cpu.json").exists()
