@@ -1,5 +1,22 @@
 """KIVI for Hugging Face Llama-family models: patched attention, static caches, generation, CLI."""
 
+import logging
+
+
+class _DropKnownImportNoise(logging.Filter):
+    """transformers imports torchao (installed for weight quantization), which logs that its
+    CUDA-only extensions cannot load on a CPU machine, and torch logs a pytree deprecation
+    for it. Only those two messages are dropped; everything else from both loggers passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Failed to load") and "torchao" in message
+                    or "is an Enum subclass and is now natively supported" in message)
+
+
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).addFilter(_DropKnownImportNoise())
+
 from .attention import KIVIAttention, patch_model
 from .fp_cache import FPCache
 from .generate import GenerationResult, SamplingConfig, compile_decode_step, decode_step, generate, make_cache
