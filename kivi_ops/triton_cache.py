@@ -69,6 +69,18 @@ F32_DOT_PRECISION = "tf32x3"
 
 
 @triton.jit
+def _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS: tl.constexpr):
+    """L: tokens sequence b stores; c: tokens it appends now, clamped to [0, n] and to the free room S - L."""
+    L = tl.load(lengths_ptr + b).to(tl.int32)
+    if HAS_COUNTS:
+        c = tl.minimum(tl.load(counts_ptr + b).to(tl.int32), N)
+    else:
+        c = tl.zeros_like(L) + N
+    c = tl.maximum(tl.minimum(c, S - L), 0)
+    return L, c
+
+
+@triton.jit
 def _append_key_flush_kernel(
     k_codes, k_scale, k_zero, k_res, key_ptr, lengths_ptr, counts_ptr,
     s_kb, s_kh, s_kn, s_kd,
@@ -79,13 +91,7 @@ def _append_key_flush_kernel(
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
-    # L: tokens stored; c: tokens appended now, clamped to [0, n] and to the free room S - L.
-    L = tl.load(lengths_ptr + b).to(tl.int32)
-    if HAS_COUNTS:
-        c = tl.minimum(tl.load(counts_ptr + b).to(tl.int32), N)
-    else:
-        c = N
-    c = tl.maximum(tl.minimum(c, S - L), 0)
+    L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS)
     nqk = (L // R) * R
     nqk_end = ((L + c) // R) * R
     start = nqk + tl.program_id(1) * G
@@ -123,13 +129,7 @@ def _append_value_flush_kernel(
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
-    # L: tokens stored; c: tokens appended now, clamped to [0, n] and to the free room S - L.
-    L = tl.load(lengths_ptr + b).to(tl.int32)
-    if HAS_COUNTS:
-        c = tl.minimum(tl.load(counts_ptr + b).to(tl.int32), N)
-    else:
-        c = N
-    c = tl.maximum(tl.minimum(c, S - L), 0)
+    L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS)
     q0 = tl.maximum(L - R, 0)
     q1 = tl.maximum(L + c - R, 0)
     first = q0 + tl.program_id(1) * BLOCK_T
@@ -173,13 +173,7 @@ def _append_residual_kernel(
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
-    # L: tokens stored; c: tokens appended now, clamped to [0, n] and to the free room S - L.
-    L = tl.load(lengths_ptr + b).to(tl.int32)
-    if HAS_COUNTS:
-        c = tl.minimum(tl.load(counts_ptr + b).to(tl.int32), N)
-    else:
-        c = N
-    c = tl.maximum(tl.minimum(c, S - L), 0)
+    L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS)
     end = L + c
     i = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     u = L + i
