@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import ops  # noqa: F401  (registers torch.ops.kivi)
+from .cache_reference import check_capacity
 from .config import KIVIConfig
 from .ops import CACHE_BUFFERS
 from .packing import FLOAT_DTYPES, codes_per_byte
@@ -147,15 +148,8 @@ class KIVICache(StaticCacheBase):
         if key.shape != value.shape:
             raise ValueError(f"key and value must have the same shape, got {list(key.shape)} and {list(value.shape)}")
         self._check_counts(counts, key.shape[2])
-        if not torch.compiler.is_compiling():
-            added = key.shape[2] if counts is None else counts
-            over = self.lengths(layer_idx) + added > self.max_seq_len
-            if bool(over.any()):
-                b = int(over.nonzero()[0])
-                raise ValueError(
-                    f"KIVICache is full: sequence {b} holds {int(self.lengths(layer_idx)[b])} tokens and appending "
-                    f"{key.shape[2] if counts is None else int(counts[b])} would exceed max_seq_len={self.max_seq_len}"
-                )
+        if not torch.compiler.is_compiling():  # the CUDA kernel cannot raise: check here, in eager mode
+            check_capacity(self.lengths(layer_idx), counts, key.shape[2], self.max_seq_len)
         c = self.config
         torch.ops.kivi.cache_append(
             *self.layer_buffers(layer_idx), key, value, counts, c.k_bits, c.v_bits, c.group_size, c.residual_length

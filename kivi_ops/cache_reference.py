@@ -38,6 +38,18 @@ def quantized_counts(lengths: torch.Tensor, residual_length: int):
     return nqk, nqv
 
 
+def check_capacity(lengths: torch.Tensor, counts, n: int, max_seq_len: int) -> None:
+    """Raise before anything is written if a sequence would grow past max_seq_len (host sync)."""
+    added = torch.full_like(lengths, n) if counts is None else counts.to(lengths.dtype)
+    over = (lengths + added > max_seq_len).nonzero()
+    if len(over):
+        b = int(over[0])
+        raise ValueError(
+            f"KIVICache is full: sequence {b} holds {int(lengths[b])} tokens and appending "
+            f"{int(added[b])} would exceed max_seq_len={max_seq_len}"
+        )
+
+
 def cache_append_reference(
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
     key, value, counts, k_bits, v_bits, group_size, residual_length,
@@ -46,14 +58,9 @@ def cache_append_reference(
     B, H, n, D = key.shape
     R, G = residual_length, group_size
     S = k_codes.shape[2]
+    check_capacity(lengths, counts, n, S)
     counts_list = [n] * B if counts is None else counts.tolist()
     lengths_list = lengths.tolist()
-    for b in range(B):
-        if lengths_list[b] + counts_list[b] > S:
-            raise ValueError(
-                f"KIVICache is full: sequence {b} holds {lengths_list[b]} tokens and appending "
-                f"{counts_list[b]} would exceed max_seq_len={S}"
-            )
     for b in range(B):
         L, c = lengths_list[b], counts_list[b]
         if c == 0:
