@@ -8,7 +8,7 @@ Python int that changes per token (no recompiles, CUDA-graph friendly).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -17,7 +17,6 @@ from kivi_ops import KIVICache, KIVIConfig
 
 from .fp_cache import FPCache
 from .hf_cache import KIVIHFCache
-from .loading import log
 
 METHODS = ("fp", "kivi")
 
@@ -107,7 +106,6 @@ class GenerationResult:
     compile_s: float = 0.0
     cache_bytes: int = 0
     fp16_cache_bytes: int = 0
-    stats: dict = field(default_factory=dict)
 
     @property
     def decode_tokens_per_s(self) -> float:
