@@ -18,6 +18,15 @@ from .config import KIVIConfig
 from .ops import CACHE_BUFFERS
 from .packing import FLOAT_DTYPES, codes_per_byte
 
+IMPLS = ("op", "decomposed")
+ATTEND_FORMS = ("auto", "fused", "materialized")
+
+
+def _decomposed():
+    from . import decomposed
+
+    return decomposed
+
 
 def fp16_cache_nbytes(*, num_layers: int, batch_size: int, num_tokens: int, num_kv_heads: int, head_dim: int) -> int:
     """Bytes of an unquantized fp16 K+V cache holding num_tokens tokens per sequence."""
@@ -79,6 +88,7 @@ class KIVICache(StaticCacheBase):
                          num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
         config.check_head_dim(head_dim)
         self.config = config
+        self.impl, self.attend_form = "op", "auto"
         device = torch.device(device)
         B, H, S, D, R, G = batch_size, num_kv_heads, max_seq_len, head_dim, config.residual_length, config.group_size
         gv = config.value_group_size(D)
@@ -151,9 +161,8 @@ class KIVICache(StaticCacheBase):
         if not torch.compiler.is_compiling():  # the CUDA kernel cannot raise: check here, in eager mode
             check_capacity(self.lengths(layer_idx), counts, key.shape[2], self.max_seq_len)
         c = self.config
-        torch.ops.kivi.cache_append(
-            *self.layer_buffers(layer_idx), key, value, counts, c.k_bits, c.v_bits, c.group_size, c.residual_length
-        )
+        append = torch.ops.kivi.cache_append if self.impl == "op" else _decomposed().cache_append_decomposed
+        append(*self.layer_buffers(layer_idx), key, value, counts, c.k_bits, c.v_bits, c.group_size, c.residual_length)
 
     def attend(self, layer_idx: int, query: torch.Tensor, scale: Optional[float] = None,
                counts: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -169,9 +178,22 @@ class KIVICache(StaticCacheBase):
         self._check_counts(counts, query.shape[2])
         c = self.config
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
-        return torch.ops.kivi.cache_attend(
-            query, *self.layer_buffers(layer_idx), counts, c.k_bits, c.v_bits, c.group_size, c.residual_length, scale
-        )
+        args = (query, *self.layer_buffers(layer_idx), counts, c.k_bits, c.v_bits, c.group_size, c.residual_length, scale)
+        if self.impl == "op":
+            return torch.ops.kivi.cache_attend(*args)
+        return _decomposed().cache_attend_decomposed(*args, form=self.attend_form)
+
+    def use_impl(self, impl: str, attend_form: str = "auto") -> "KIVICache":
+        """impl "op": the kivi custom ops (eager, compile, pt2, AOTInductor). "decomposed": the same
+        math in core ATen ops (decomposed.py), for exporters that cannot carry custom ops (ONNX,
+        ExecuTorch) and for Inductor on CPU, which fuses it into loops over the packed codes.
+        attend_form (decomposed only): "auto", "fused" or "materialized" (see decomposed.py)."""
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if attend_form not in ATTEND_FORMS:
+            raise ValueError(f"attend_form must be one of {ATTEND_FORMS}, got {attend_form!r}")
+        self.impl, self.attend_form = impl, attend_form
+        return self
 
     def dequantized(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) [batch, kv_heads, max length, head_dim] exactly as attention sees them

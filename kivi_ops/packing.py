@@ -68,7 +68,8 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
         return q.contiguous()
     q = q.reshape(*q.shape[:-1], q.shape[-1] // per, per).to(torch.int32)
     shifts = torch.arange(per, device=q.device, dtype=torch.int32) * bits
-    return (q << shifts).sum(dim=-1).to(torch.uint8)
+    # bitwise_*_shift rather than << / >>: the ONNX exporter translates those ops, not __lshift__.
+    return torch.bitwise_left_shift(q, shifts).sum(dim=-1).to(torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -77,7 +78,7 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if per == 1:
         return packed
     shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
-    q = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & (2**bits - 1)
+    q = torch.bitwise_right_shift(packed.to(torch.int32).unsqueeze(-1), shifts) & (2**bits - 1)
     return q.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
 
 
