@@ -1,4 +1,4 @@
-"""`kivi bench memory | attention | decode`: the performance harness's command line."""
+"""`kivi bench memory | attention | decode | weight-quant`: the performance harness's command line."""
 
 from __future__ import annotations
 
@@ -27,8 +27,27 @@ def add_bench_parser(sub, add_model_arguments, positive_int) -> None:
     dec.add_argument("--contexts", type=_int_list, default=None, help="default: 1024,4096 on cpu")
     dec.add_argument("--batches", type=_int_list_any, default=None, help="default: 1,4")
     dec.add_argument("--new-tokens", type=positive_int, default=32)
+    from kivi_models.weight_quant import WEIGHT_QUANT_MODES
 
-    for p in (mem, att, dec):
+    dec.add_argument("--weight-quant", choices=WEIGHT_QUANT_MODES, default="none",
+                     help="torchao weight-only quantization of the Linear layers, for both the fp and KIVI rows")
+
+    wq = bsub.add_parser("weight-quant", help="{fp, int8/int4 weights} x {fp, KIVI cache}: model + cache bytes, "
+                                              "compiled decode tokens/s, one run")
+    wq.add_argument("--model", default="default", help="'default', 'llama2-7b-shape' (random weights) or a directory")
+    wq.add_argument("--modes", type=_mode_list, default=None,
+                    help="comma-separated weight modes, 'none' first "
+                         "(default: none,int8 on cpu, none,int8,int4 on cuda)")
+    wq.add_argument("--contexts", type=_int_list, default=[1024])
+    wq.add_argument("--batches", type=_int_list_any, default=[1, 4])
+    wq.add_argument("--new-tokens", type=positive_int, default=32)
+
+    for p in (dec, wq):
+        p.add_argument("--threads", type=positive_int, default=None,
+                       help="torch CPU threads (default: torch's, one per core). On a CPU other work is using, "
+                            "1 avoids OpenMP oversubscription, which slows every row several-fold and erratically")
+
+    for p in (mem, att, dec, wq):
         p.add_argument("--device", choices=("cpu", "cuda"), default=None)
         p.add_argument("--out", type=Path, default=DEFAULT_OUT)
         p.add_argument("--json", action="store_true", help="print the result object")
@@ -37,6 +56,19 @@ def add_bench_parser(sub, add_model_arguments, positive_int) -> None:
 
 def _int_list_any(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def _mode_list(text: str) -> list[str]:
+    import argparse
+
+    from kivi_models.weight_quant import WEIGHT_QUANT_MODES
+
+    modes = [x for x in text.split(",") if x]
+    bad = [m for m in modes if m not in WEIGHT_QUANT_MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"expected comma-separated modes from {', '.join(WEIGHT_QUANT_MODES)}, "
+                                         f"got {text!r}")
+    return modes
 
 
 def _device(args, parser) -> str:
@@ -53,6 +85,10 @@ def cmd_bench(args, parser) -> int:
     from .plots import plot_bench
 
     device = _device(args, parser)
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.bench_command == "memory":
         result = perf.bench_memory(args.contexts)
         if args.budget_gib:
@@ -66,21 +102,55 @@ def cmd_bench(args, parser) -> int:
         contexts = args.contexts or ([1024 * 2**i for i in range(8)] if device == "cuda" else [1024, 4096, 16384])
         result = perf.bench_attention(device, contexts, batch=args.batch or (8 if device == "cuda" else 1))
         name = f"bench_attention_{device}"
-    else:
-        model = _decode_model(args, device, parser)
+    elif args.bench_command == "decode":
+        _check_weight_quant([args.weight_quant], device, parser)
+        model = _quantized(_decode_model(args, device, parser), args.weight_quant, parser)
         result = perf.bench_decode(model, device=device, contexts=args.contexts or [1024, 4096],
                                    batches=args.batches or [1, 4], new_tokens=args.new_tokens)
         result["model"] = args.model
-        name = f"bench_decode_{device}"
+        result["weight_quant"] = args.weight_quant
+        name = f"bench_decode_{device}" + ("" if args.weight_quant == "none" else f"_{args.weight_quant}")
+    else:
+        modes = args.modes or (["none", "int8", "int4"] if device == "cuda" else ["none", "int8"])
+        _check_weight_quant(modes, device, parser)
+        result = perf.bench_weight_quant(lambda mode: _quantized(_decode_model(args, device, parser), mode, parser),
+                                         device=device, contexts=args.contexts, batches=args.batches,
+                                         weight_modes=modes, new_tokens=args.new_tokens)
+        result["model"] = args.model
+        name = f"bench_weight_quant_{device}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
-    plot_bench(name, result, args.out / f"{name}.png")
+    if args.bench_command == "weight-quant":
+        (args.out / f"{name}.md").write_text(perf.weight_quant_markdown(result))
+        written = f"{name}.md"
+    else:
+        plot_bench(name, result, args.out / f"{name}.png")
+        written = f"{name}.png"
     if args.json:
         print(json.dumps(result))
     else:
         print_table(args.bench_command, result)
-        print(f"\nwrote {args.out / (name + '.json')} and {name}.png")
+        print(f"\nwrote {args.out / (name + '.json')} and {written}")
     return 0
+
+
+def _check_weight_quant(modes, device, parser) -> None:
+    from kivi_models.weight_quant import check_weight_quant
+
+    try:
+        for mode in modes:
+            check_weight_quant(mode, device)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def _quantized(model, mode, parser):
+    from kivi_models.weight_quant import apply_weight_quant
+
+    try:
+        return apply_weight_quant(model, mode)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def _decode_model(args, device, parser):
@@ -115,6 +185,10 @@ def print_table(kind: str, result: dict) -> None:
             extra = f"   {r['bandwidth_share']:.0%}" if "bandwidth_share" in r else ""
             print(f"{r['tokens']:>6} {r['bits']:>5} {r['sdpa_s'] * 1e3:>9.3f} {r['kivi_s'] * 1e3:>9.3f} "
                   f"{r['speedup']:>9.2f}x{extra}")
+    elif kind == "weight-quant":
+        from .perf import weight_quant_markdown
+
+        print(weight_quant_markdown(result))
     else:
         print("batch  context   fp tok/s   KIVI tok/s   KIVI/fp")
         for r in rows:

@@ -60,14 +60,27 @@ def add_eval_parser(sub, add_model_arguments, positive_int) -> None:
 def _load(args, parser, *, patched: bool, plain: bool):
     from kivi_models import load_model, patch_model
     from kivi_models.cli import device_and_dtype
+    from kivi_models.weight_quant import apply_weight_quant, check_weight_quant
 
     device, dtype = device_and_dtype(args, parser)
+    weight_quant = getattr(args, "weight_quant", "none")  # `eval table` has no --weight-quant
+
+    def quantized(model):
+        try:
+            return apply_weight_quant(model, weight_quant)
+        except ValueError as e:
+            parser.error(str(e))
+
+    try:
+        check_weight_quant(weight_quant, device)
+    except ValueError as e:
+        parser.error(str(e))
     out = []
     if plain:
-        out.append(load_model(args.model, dtype=dtype, device=device)[0])
+        out.append(quantized(load_model(args.model, dtype=dtype, device=device)[0]))
     if patched:
         model, tokenizer = load_model(args.model, dtype=dtype, device=device)
-        out.append(patch_model(model))
+        out.append(patch_model(quantized(model)))
     else:
         from transformers import AutoTokenizer
 

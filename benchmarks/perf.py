@@ -8,6 +8,7 @@ random, never zeros. Results carry the device, versions, git sha and the exact c
 from __future__ import annotations
 
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -137,32 +138,145 @@ def bench_attention(device: str, contexts, bits_list=(2, 4), batch: int = 1, q_h
 # ---------------------------------------------------------------- decode
 
 
-def bench_decode(model, *, device: str, contexts, batches, new_tokens: int = 32, kivi_config=None) -> dict:
-    """Compiled decode tokens/s, fp vs KIVI, same model, same run (CUDA graphs on GPU)."""
+def _random_prompts(model, batch: int, context: int, gen: torch.Generator) -> list[list[int]]:
+    return torch.randint(3, model.config.vocab_size, (batch, context), generator=gen).tolist()
+
+
+def measure_decode(model, prompts, *, device: str, method: str, new_tokens: int, kivi_config,
+                   warmup_steps: int = 3) -> dict:
+    """Compiled decode of `prompts` with a fresh `method` cache, one generation of new_tokens:
+    tokens/s over the steps after the compile + warm-up steps (total tokens / total time, as
+    generate() reports it), tokens/s of the median step (batch / median step time), cache bytes,
+    CUDA peak bytes."""
     from kivi_models import compile_decode_step, generate, make_cache
 
+    cache = make_cache(model, method=method, batch_size=len(prompts), max_seq_len=len(prompts[0]) + new_tokens,
+                       kivi_config=kivi_config)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    compiled, step_times = compile_decode_step(torch.device(device)), []
+
+    def timed_step(*args):
+        start = time.perf_counter()
+        logits = compiled(*args)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - start)
+        return logits
+
+    r = generate(model, prompts, max_new_tokens=new_tokens, cache=cache, step_fn=timed_step, warmup_steps=warmup_steps)
+    timed = step_times[warmup_steps:]
+    out = dict(tokens_per_s=r.decode_tokens_per_s, median_step_tokens_per_s=len(prompts) / statistics.median(timed),
+               timed_steps=len(timed), compile_and_warmup_s=r.compile_s, prefill_s=r.prefill_s,
+               cache_bytes=cache.nbytes())
+    if device == "cuda":
+        out["peak_bytes"] = torch.cuda.max_memory_allocated()
+    return out
+
+
+def bench_decode(model, *, device: str, contexts, batches, new_tokens: int = 32, kivi_config=None) -> dict:
+    """Compiled decode tokens/s, fp vs KIVI, same model, same run (CUDA graphs on GPU)."""
     kivi_config = kivi_config or KIVIConfig()
     rows = []
-    vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     for batch in batches:
         for n in contexts:
-            prompts = torch.randint(3, vocab, (batch, n), generator=gen).tolist()
+            prompts = _random_prompts(model, batch, n, gen)
             row = dict(batch=batch, context=n, new_tokens=new_tokens)
             for method in ("fp", "kivi"):
-                cache = make_cache(model, method=method, batch_size=batch, max_seq_len=n + new_tokens,
+                m = measure_decode(model, prompts, device=device, method=method, new_tokens=new_tokens,
                                    kivi_config=kivi_config)
+                row[f"{method}_tokens_per_s"] = m["tokens_per_s"]
+                row[f"{method}_cache_bytes"] = m["cache_bytes"]
                 if device == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                r = generate(model, prompts, max_new_tokens=new_tokens, cache=cache,
-                             step_fn=compile_decode_step(torch.device(device)), warmup_steps=3)
-                row[f"{method}_tokens_per_s"] = r.decode_tokens_per_s
-                row[f"{method}_cache_bytes"] = cache.nbytes()
-                if device == "cuda":
-                    row[f"{method}_peak_bytes"] = torch.cuda.max_memory_allocated()
-                del cache
+                    row[f"{method}_peak_bytes"] = m["peak_bytes"]
             row["speedup"] = row["kivi_tokens_per_s"] / row["fp_tokens_per_s"]
             print(f"  batch {batch} context {n}: fp {row['fp_tokens_per_s']:.1f} tok/s, "
                   f"KIVI {row['kivi_tokens_per_s']:.1f} tok/s ({row['speedup']:.2f}x)", file=sys.stderr, flush=True)
             rows.append(row)
     return dict(device=device, kivi=kivi_config.to_dict(), rows=rows, environment=environment(device))
+
+
+# ---------------------------------------------------------------- weight quantization x cache
+
+
+def bench_weight_quant(load_model_fn, *, device: str, contexts, batches, weight_modes=("none", "int8"),
+                       new_tokens: int = 32, kivi_config=None) -> dict:
+    """{weight modes} x {fp static cache, KIVI} compiled decode in one run: model bytes (real, packed
+    weights + scales), cache bytes at the measured context, decode tokens/s of the median step
+    after compile + 3 warm-up steps (and the mean over those steps).
+
+    load_model_fn(mode) returns a fresh patched model with its weights quantized by `mode` (see
+    kivi_models.weight_quant.apply_weight_quant): quantization is in place and one-way, so each mode
+    gets its own copy; all copies are loaded first, and for each (batch, context) the configurations
+    run back to back, so a change in the machine's load hits them alike. The same random prompts go
+    to every configuration. torch.compile's caches are reset between configurations so that none
+    hits the recompile limit."""
+    from kivi_models.weight_quant import model_weight_nbytes
+
+    try:
+        import torchao
+
+        torchao_version = torchao.__version__
+    except ImportError:
+        torchao_version = None
+    kivi_config = kivi_config or KIVIConfig()
+    load_before = os.getloadavg()  # the CPU is shared: a busy machine slows every row, record it
+    rows = []
+    models = {mode: load_model_fn(mode) for mode in weight_modes}
+    gen = torch.Generator().manual_seed(0)
+    for batch in batches:
+        for n in contexts:
+            prompts = _random_prompts(models[weight_modes[0]], batch, n, gen)
+            for mode, model in models.items():
+                model_bytes = model_weight_nbytes(model)
+                for method in ("fp", "kivi"):
+                    torch.compiler.reset()
+                    start = time.perf_counter()
+                    m = measure_decode(model, prompts, device=device, method=method, new_tokens=new_tokens,
+                                       kivi_config=kivi_config)
+                    row = dict(weights=mode, cache=method, batch=batch, context=n, new_tokens=new_tokens,
+                               model_bytes=model_bytes, **m,
+                               total_bytes=model_bytes + m["cache_bytes"], seconds=time.perf_counter() - start)
+                    rows.append(row)
+                    print(f"  weights {mode:>4}, {method:>4} cache, batch {batch} context {n}: "
+                          f"{row['median_step_tokens_per_s']:.2f} tok/s (median step), "
+                          f"model {model_bytes / 2**20:.1f} MiB + cache {row['cache_bytes'] / 2**20:.1f} MiB "
+                          f"({row['seconds']:.0f} s)", file=sys.stderr, flush=True)
+    del models
+    base = {(r["batch"], r["context"]): r for r in rows if r["weights"] == "none" and r["cache"] == "fp"}
+    for r in rows:
+        b = base.get((r["batch"], r["context"]))
+        if b:
+            r["speedup_vs_fp"] = r["median_step_tokens_per_s"] / b["median_step_tokens_per_s"]
+            r["memory_vs_fp"] = r["total_bytes"] / b["total_bytes"]
+    env = environment(device)
+    env.update(torchao=torchao_version, load_average_before=load_before, load_average_after=os.getloadavg())
+    return dict(device=device, kivi=kivi_config.to_dict(), weight_modes=list(weight_modes), rows=rows,
+                environment=env)
+
+
+def weight_quant_markdown(result: dict) -> str:
+    env = result["environment"]
+    k = result["kivi"]
+    lines = [f"# Weight quantization x KV cache, compiled decode ({result['device']})", "",
+             f"Model `{result.get('model', '')}`; KIVI-{k['k_bits']}/{k['v_bits']} G={k['group_size']} "
+             f"R={k['residual_length']}. Decode tok/s: batch / median step time over the "
+             f"{result['rows'][0]['timed_steps']} steps after compile and 3 warm-up steps (mean over those steps "
+             "beside it). Model bytes: real storage, quantized weights as their integer data + scales + zero points. "
+             "Cache bytes: the static cache for context + new tokens. All rows from one process.", "",
+             "| weights | cache | batch | context | model MiB | cache MiB | model + cache MiB | vs fp/fp "
+             "| decode tok/s (median step) | (mean) | vs fp/fp |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        cache = "fp static" if r["cache"] == "fp" else f"KIVI-{k['k_bits']}"
+        weights = "fp" if r["weights"] == "none" else r["weights"]
+        lines.append(f"| {weights} | {cache} | {r['batch']} | {r['context']} | {r['model_bytes'] / 2**20:.1f} "
+                     f"| {r['cache_bytes'] / 2**20:.1f} | {r['total_bytes'] / 2**20:.1f} "
+                     f"| {r.get('memory_vs_fp', float('nan')):.2f}x | {r['median_step_tokens_per_s']:.2f} "
+                     f"| {r['tokens_per_s']:.2f} "
+                     f"| {r.get('speedup_vs_fp', float('nan')):.2f}x |")
+    lines += ["", f"Device {env['device']}, {env['threads']} threads; torch {env['torch']}, torchao {env['torchao']}, "
+              f"git {env['git_sha']}; 1-minute load average {env['load_average_before'][0]:.1f} before, "
+              f"{env['load_average_after'][0]:.1f} after", "", f"Command: `{env['command']}`", ""]
+    return "\n".join(lines)

@@ -30,6 +30,10 @@ def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
     p.add_argument("--residual-length", type=int, default=128, help="full-precision recent tokens (multiple of --group-size)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, float16 on cuda")
+    from .weight_quant import WEIGHT_QUANT_MODES
+
+    p.add_argument("--weight-quant", choices=WEIGHT_QUANT_MODES, default="none",
+                   help="torchao weight-only quantization of the Linear layers: int8 (cpu, cuda) or int4 (cuda)")
 
 
 def kivi_config_from(args, parser) -> KIVIConfig:
@@ -73,6 +77,12 @@ def cmd_generate(args, parser) -> int:
     device, dtype = device_and_dtype(args, parser)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompts = read_prompts(args, parser)
+    from .weight_quant import apply_weight_quant, check_weight_quant, model_weight_nbytes
+
+    try:
+        check_weight_quant(args.weight_quant, device)
+    except ValueError as e:
+        parser.error(str(e))
     try:
         model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     except FileNotFoundError as e:
@@ -80,6 +90,11 @@ def cmd_generate(args, parser) -> int:
         return 1
     from .attention import patch_model
 
+    try:
+        apply_weight_quant(model, args.weight_quant)
+    except ValueError as e:
+        parser.error(str(e))
+    model_bytes = model_weight_nbytes(model)
     patch_model(model)
     ids = [encode(tokenizer, p, args.chat) for p in prompts]
     max_seq_len = max(len(i) for i in ids) + args.max_new_tokens
@@ -99,7 +114,8 @@ def cmd_generate(args, parser) -> int:
     texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
     batched = len(ids) > 1
     config = {"model": args.model, "method": args.method, "device": device, "dtype": str(dtype).replace("torch.", ""),
-              "compile": args.compile, "batch_size": len(ids), "max_new_tokens": args.max_new_tokens,
+              "compile": args.compile, "weight_quant": args.weight_quant, "batch_size": len(ids),
+              "max_new_tokens": args.max_new_tokens,
               "sampling": vars(sampling), **({"kivi": kivi_config.to_dict()} if args.method == "kivi" else {})}
     report = {
         "text": texts if batched else texts[0],
@@ -111,6 +127,7 @@ def cmd_generate(args, parser) -> int:
         "compile_s": result.compile_s,
         "cache_bytes": result.cache_bytes,
         "fp16_cache_bytes": result.fp16_cache_bytes,
+        "model_bytes": model_bytes,
         "wall_s": time.perf_counter() - start,
         "config": config,
     }
@@ -125,6 +142,9 @@ def cmd_generate(args, parser) -> int:
     print(f"\nprefill: {result.prefill_tokens_per_s:.1f} tokens/s ({sum(result.prompt_tokens)} tokens)")
     print(f"decode:  {result.decode_tokens_per_s:.1f} tokens/s ({result.decode_tokens} timed tokens"
           + (f"; compile + warm-up {result.compile_s:.1f} s not counted" if args.compile else "") + ")")
+    weights = ("unquantized" if args.weight_quant == "none"
+               else f"{args.weight_quant} weight-only Linear layers (torchao); embeddings and norms {config['dtype']}")
+    print(f"model:   {model_bytes / 2**20:.1f} MiB, {weights}")
     label = (f"KIVI-{kivi_config.k_bits}/{kivi_config.v_bits} G={kivi_config.group_size} "
              f"R={kivi_config.residual_length}, {config['dtype']} scales and residual" if args.method == "kivi"
              else f"fp ({config['dtype']})")
@@ -163,8 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     from kivi_benchmarks.bench_cli import add_bench_parser
     from kivi_benchmarks.eval_cli import add_eval_parser
 
+    from kivi_export.cli import add_export_parsers
+
     add_eval_parser(sub, add_model_arguments, positive_int)
     add_bench_parser(sub, add_model_arguments, positive_int)
+    add_export_parsers(sub, add_model_arguments, positive_int)
     return parser
 
 
