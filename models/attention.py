@@ -55,14 +55,28 @@ class KIVIAttention(nn.Module):
         counts = kwargs.get("kivi_counts")
         prefill = n > 1 and not past_key_values.prefilled[self.layer_idx]
         past_key_values.append(self.layer_idx, k.contiguous(), v.contiguous(), counts)
-        if prefill:
-            # Prefill attends over the exact keys/values (right padding: pads come after every
-            # real token, so the causal mask already hides them from real queries).
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
+        exact = past_key_values.exact_attention
+        if exact is not None:
+            # Exported programs (export/decoder.py): one graph serves prompts and decode steps, so
+            # the prefill-or-not decision is a tensor. Both paths run and a select picks one:
+            # for a decode step the exact path covers one token (nearly free), for a prompt the
+            # cached path costs about what the exact one does. (torch.cond was tried: Inductor
+            # in torch 2.13 mixed up the strides of its operands and AOTInductor computed garbage.)
+            out = torch.where(exact, self._exact_attention(q, k, v), self._cached_attention(q, counts, past_key_values))
+        elif prefill:
+            out = self._exact_attention(q, k, v)
         else:
-            out = past_key_values.attend(self.layer_idx, q.contiguous(), self.scaling, counts)
+            out = self._cached_attention(q, counts, past_key_values)
         out = out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim)
         return self.o_proj(out), None
+
+    def _exact_attention(self, q, k, v):
+        # Prefill attends over the exact keys/values (right padding: pads come after every
+        # real token, so the causal mask already hides them from real queries).
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
+
+    def _cached_attention(self, q, counts, past_key_values):
+        return past_key_values.attend(self.layer_idx, q.contiguous(), self.scaling, counts)
 
 
 def _reject_padding_mask(module, args, kwargs):

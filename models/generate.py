@@ -137,24 +137,56 @@ def generate(
 ) -> GenerationResult:
     """Generate up to max_new_tokens per prompt with a static cache; stops when every row hit EOS.
     The first `warmup_steps` decode steps (compilation, CUDA-graph recording) are not timed."""
+    backing = cache.backing
+    check_generation_args(prompts, max_new_tokens, batch_size=backing.batch_size, max_seq_len=backing.max_seq_len)
+    cache.reset()
+    result = generation_loop(
+        lambda input_ids, counts: prefill(model, cache, input_ids, counts),
+        lambda tokens, positions: step_fn(model, cache, tokens, positions),
+        prompts, max_new_tokens=max_new_tokens, device=model.device, sampling=sampling,
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, warmup_steps=warmup_steps, seed=seed,
+    )
+    result.cache_bytes = backing.nbytes()
+    result.fp16_cache_bytes = backing.fp16_nbytes()  # same capacity, unquantized fp16
+    return result
+
+
+def check_generation_args(prompts: list[list[int]], max_new_tokens: int, *, batch_size: int, max_seq_len: int) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token lists")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    backing = cache.backing
-    B = len(prompts)
-    if B != backing.batch_size:
-        raise ValueError(f"the cache was built for batch_size={backing.batch_size}, got {B} prompts")
+    if len(prompts) != batch_size:
+        raise ValueError(f"the cache was built for batch_size={batch_size}, got {len(prompts)} prompts")
     longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > backing.max_seq_len:
+    if longest + max_new_tokens > max_seq_len:
         raise ValueError(
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the cache's "
-            f"max_seq_len={backing.max_seq_len}; build a larger cache"
+            f"max_seq_len={max_seq_len}; build a larger cache"
         )
-    device = model.device
+
+
+def generation_loop(
+    prefill_fn,
+    step_fn,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    device: torch.device,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_token_id: Optional[int | list[int]] = None,
+    pad_token_id: int = 0,
+    warmup_steps: int = 0,
+    seed: Optional[int] = None,
+) -> GenerationResult:
+    """The token loop shared by `generate` and exported programs (kivi run-exported):
+    prefill_fn(input_ids [B, n] right-padded, counts [B]) and step_fn(tokens [B], positions [B])
+    both return the logits [B, V] of each row's last token."""
+    device = torch.device(device)
     if seed is not None:
         torch.manual_seed(seed)
-    cache.reset()
+    B = len(prompts)
+    longest = max(len(p) for p in prompts)
     input_ids = torch.full((B, longest), pad_token_id, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
         input_ids[b, : len(p)] = torch.tensor(p, device=device)
@@ -164,7 +196,7 @@ def generate(
 
     _sync(device)
     start = time.perf_counter()
-    token = sample(prefill(model, cache, input_ids, counts), sampling)
+    token = sample(prefill_fn(input_ids, counts), sampling)
     _sync(device)
     prefill_s = time.perf_counter() - start
 
@@ -177,7 +209,7 @@ def generate(
         if bool(done.all()):
             break
         start = time.perf_counter()
-        token = sample(step_fn(model, cache, token, positions), sampling)
+        token = sample(step_fn(token, positions), sampling)
         positions += 1
         token = torch.where(done, torch.full_like(token, pad_token_id), token)
         _sync(device)
@@ -203,6 +235,4 @@ def generate(
         decode_s=decode_s,
         decode_tokens=timed_steps * B,
         compile_s=compile_s,
-        cache_bytes=backing.nbytes(),
-        fp16_cache_bytes=backing.fp16_nbytes(),  # same capacity, unquantized fp16
     )

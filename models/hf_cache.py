@@ -61,6 +61,9 @@ class KIVIHFCache(Cache):
         # attention uses the exact keys/values (KIVI Algorithm 1); set once, so compiled decode
         # steps see a constant.
         self.prefilled = [False] * backing.num_layers
+        # Set only inside exported programs: a bool tensor, True when this call is the prompt of
+        # fresh sequences (exact attention) rather than a step over what the cache holds.
+        self.exact_attention = None
 
     def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, counts=None) -> None:
         self.backing.append(layer_idx, key, value, counts)

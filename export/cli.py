@@ -1,0 +1,128 @@
+"""`kivi export` and `kivi run-exported`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .artifact import FORMATS, ArtifactError
+
+
+def add_export_parsers(sub, add_model_arguments, positive_int) -> None:
+    e = sub.add_parser("export", help="export the KIVI decoder (model + static cache) for deployment")
+    e.add_argument("--format", required=True, choices=FORMATS,
+                   help="pt2: torch.export program; aoti: AOTInductor package; onnx: ONNX for onnxruntime; "
+                        "pte: ExecuTorch program")
+    e.add_argument("--out", required=True, help="directory to write (must not exist or be empty, see --overwrite)")
+    add_model_arguments(e)
+    e.add_argument("--batch-size", type=positive_int, default=1, help="sequences per call (static)")
+    e.add_argument("--max-seq-len", type=positive_int, default=1024, help="cache capacity: prompt + new tokens")
+    e.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
+    e.set_defaults(func=cmd_export, parser=e)
+
+    r = sub.add_parser("run-exported", help="generate with an exported decoder (no model is built in Python)")
+    r.add_argument("path", help="a directory written by `kivi export`")
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help="a file holding one prompt")
+    src.add_argument("--batch-file", help="a file with one prompt per line (as many as the export's batch size)")
+    r.add_argument("--max-new-tokens", type=positive_int, default=64)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    r.add_argument("--top-k", type=positive_int, default=None)
+    r.add_argument("--top-p", type=float, default=None)
+    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    r.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    r.set_defaults(func=cmd_run_exported, parser=r)
+
+
+def cmd_export(args, parser) -> int:
+    from kivi_models.cli import device_and_dtype, kivi_config_from
+    from kivi_models.loading import load_model
+    from kivi_models.weight_quant import apply_weight_quant, check_weight_quant
+
+    from .exporter import export_decoder
+
+    kivi_config = kivi_config_from(args, parser)
+    device, dtype = device_and_dtype(args, parser)
+    try:
+        check_weight_quant(args.weight_quant, device)
+        model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
+    from kivi_models.attention import patch_model
+
+    apply_weight_quant(model, args.weight_quant)
+    patch_model(model)
+    try:
+        meta = export_decoder(model, tokenizer, Path(args.out), fmt=args.format, model_name=args.model,
+                              method=args.method, kivi_config=kivi_config, batch_size=args.batch_size,
+                              max_seq_len=args.max_seq_len, weight_quant=args.weight_quant, overwrite=args.overwrite)
+    except (FileExistsError, ValueError) as e:
+        parser.error(str(e))
+    print(json.dumps({"out": str(args.out), "format": meta.format, "program": meta.program,
+                      "sha256": meta.sha256, "config": meta.config_summary()}))
+    return 0
+
+
+def cmd_run_exported(args, parser) -> int:
+    from kivi_models.cli import encode, read_prompts
+    from kivi_models.generate import SamplingConfig, check_generation_args, generation_loop
+
+    from .runtime import load_exported
+
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    prompts = read_prompts(args, parser)
+    start = time.perf_counter()
+    try:
+        meta, tokenizer, step = load_exported(Path(args.path))
+    except ArtifactError as e:
+        print(f"kivi run-exported: error: {e}", file=sys.stderr)
+        return 1
+    load_s = time.perf_counter() - start
+    ids = [encode(tokenizer, p, args.chat) for p in prompts]
+    if len(ids) != meta.batch_size:
+        parser.error(f"{len(ids)} prompt(s), but {args.path} was exported for --batch-size {meta.batch_size}")
+    try:
+        check_generation_args(ids, args.max_new_tokens, batch_size=meta.batch_size, max_seq_len=meta.max_seq_len)
+    except ValueError as e:
+        parser.error(f"{e} (re-export with a larger --max-seq-len)")
+    result = generation_loop(
+        lambda input_ids, counts: step(input_ids, torch.zeros_like(counts), counts),  # position 0: new sequences
+        lambda tokens, positions: step(tokens[:, None], positions, torch.ones_like(positions)),
+        ids, max_new_tokens=args.max_new_tokens, device="cpu", sampling=sampling,
+        eos_token_id=meta.eos_token_id, pad_token_id=meta.pad_token_id, seed=args.seed,
+    )
+    tokens = result.tokens
+    texts = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+    batched = len(ids) > 1
+    report = {
+        "text": texts if batched else texts[0],
+        "tokens": tokens if batched else tokens[0],
+        "prompt_tokens": result.prompt_tokens if batched else result.prompt_tokens[0],
+        "new_tokens": [len(t) for t in tokens] if batched else len(tokens[0]),
+        "prefill_tokens_per_s": result.prefill_tokens_per_s,
+        "decode_tokens_per_s": result.decode_tokens_per_s,
+        "compile_s": 0.0,
+        "load_s": load_s,
+        "cache_bytes": meta.cache_bytes,
+        "fp16_cache_bytes": meta.fp16_cache_bytes,
+        "wall_s": time.perf_counter() - start,
+        "config": {**meta.config_summary(), "format": meta.format, "exported": str(args.path),
+                   "max_new_tokens": args.max_new_tokens, "sampling": vars(sampling)},
+    }
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    for prompt, text in zip(prompts, texts):
+        print(f"{prompt}{text}" if not args.chat else text)
+        if batched:
+            print("-" * 40)
+    print(f"\n{meta.format} program loaded in {load_s:.1f} s; prefill {result.prefill_tokens_per_s:.1f} tokens/s, "
+          f"decode {result.decode_tokens_per_s:.1f} tokens/s")
+    return 0
+
