@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.fx.experimental._config as fx_config
 
 from kivi_models.generate import make_cache
 from kivi_models.loading import log
@@ -27,17 +26,13 @@ def example_inputs(batch_size: int, device) -> tuple[torch.Tensor, ...]:
             torch.full((batch_size,), n, dtype=torch.long, device=device))
 
 
-def trace(decoder: ExportableDecoder, max_seq_len: int) -> torch.export.ExportedProgram:
+def trace(decoder: ExportableDecoder) -> torch.export.ExportedProgram:
     args = example_inputs(decoder.cache.batch_size, decoder.cache.device)
-    tokens = torch.export.Dim("tokens", min=1, max=max_seq_len)
+    tokens = torch.export.Dim("tokens", min=1, max=decoder.cache.max_seq_len)
     shapes = ({1: tokens}, None, None)
     if decoder.cache_as_io:  # forward(..., *cache): the varargs are one tuple in dynamic_shapes
         args, shapes = (*args, *decoder.cache_tensors()), (*shapes, (None,) * len(decoder.cache_names))
-    # The decomposed cache math (ONNX, ExecuTorch) reshapes by window counts derived from the
-    # token count; symbolic-shape reasoning would specialize on whether such a count is 1 (a
-    # contiguity question only, not a semantic one), so size-1 checks are made size-oblivious.
-    oblivious = getattr(decoder.cache, "impl", "op") == "decomposed"
-    with torch.no_grad(), fx_config.patch(backed_size_oblivious=oblivious):
+    with torch.no_grad():
         return torch.export.export(decoder, args, dynamic_shapes=shapes)
 
 
@@ -83,7 +78,7 @@ def export_decoder(
 
     start = time.perf_counter()
     log(f"Tracing the decoder with torch.export ({fmt})...")
-    ep = trace(decoder, max_seq_len)
+    ep = trace(decoder)
     log(f"Traced in {time.perf_counter() - start:.1f} s; writing {out / PROGRAM_FILES[fmt]}...")
     file = out / PROGRAM_FILES[fmt]
     extra_files: list[str] = []
@@ -104,7 +99,8 @@ def export_decoder(
         dtype=str(model.dtype).replace("torch.", ""), weight_quant=weight_quant, eos_token_id=eos,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0),
         cache_bytes=cache.backing.nbytes(), fp16_cache_bytes=cache.backing.fp16_nbytes(),
-        cache_names=decoder.cache_names, extra_files=extra_files,
+        cache_names=decoder.cache_names,
+        extra_files=extra_files,
     )
     write_metadata(out, meta)
     log(f"Exported in {time.perf_counter() - start:.1f} s to {out}")

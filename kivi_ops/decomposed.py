@@ -42,6 +42,13 @@ VALUE_CHUNK_TOKENS = 1024
 MAX_SPLIT_ACCUMULATORS = 32
 
 
+
+def _mod_nonneg(x: Tensor, m: int, bound: int) -> Tensor:
+    """x mod m for integer x >= -bound, computed on a non-negative operand: ExecuTorch's portable
+    remainder kernel does not follow Python's sign convention for negative operands."""
+    return torch.remainder(x + m * (bound // m + 2), m)
+
+
 def _bh_index(B: int, H: int, device) -> tuple[Tensor, Tensor]:
     """Broadcastable batch [B, 1, 1] and head [1, H, 1] indices for buf[b, h, rows[:, None, :]]."""
     return (torch.arange(B, device=device)[:, None, None], torch.arange(H, device=device)[None, :, None])
@@ -90,14 +97,23 @@ def cache_append_decomposed(
     L = lengths
     c = torch.full_like(L, n) if counts is None else counts.to(L.dtype)
     end = L + c
-    # sym_min/sym_max: with a dynamic token count n (one exported program for prompts and
-    # decode steps) these stay symbolic instead of specializing the graph to one n.
-    last_new = torch.sym_max(n - 1, 0)
+    symbolic = isinstance(n, torch.SymInt)
+    if symbolic:
+        # A dynamic token count (one exported program for prompts and decode steps), which the
+        # exporter bounds to 1 <= n <= S: the min/max below are n - 1 and n without clamping, so
+        # no symbolic min/max reaches the graph (ExecuTorch rejects those Python-level ops).
+        last_new = n - 1
+    else:
+        last_new = max(n - 1, 0)
 
     # ---- keys: quantize the whole R-windows the append completes.
     nqk = torch.div(L, R, rounding_mode="floor") * R
     nqk_end = torch.div(end, R, rounding_mode="floor") * R
-    W = torch.sym_min((R - 1 + n) // R, S // R) * R  # static: most tokens one append can flush
+    # A symbolic n would make the window count symbolic, and shape reasoning would specialize on
+    # whether it is 1; the traced program instead always quantizes the S // R windows it could
+    # ever flush (about the cost of the materialized attention it runs anyway).
+    windows = S // R if symbolic else min((R - 1 + n) // R, S // R)
+    W = windows * R  # static: most tokens one append can flush
     if W > 0 and n > 0:
         j = torch.arange(W, device=device)
         u = nqk[:, None] + j[None, :]  # [B, W]
@@ -115,7 +131,7 @@ def cache_append_decomposed(
         _write_rows(k_zero, bi, hi, grows, zero, gvalid)
 
     # ---- values: quantize per token the tokens leaving the window of the last R.
-    NV = torch.sym_min(n, S)
+    NV = n if symbolic else min(n, S)
     q0 = (L - R).clamp(min=0)
     q1 = (end - R).clamp(min=0)
     if NV > 0 and S > R:  # with S <= R no value ever leaves the window
@@ -139,7 +155,7 @@ def cache_append_decomposed(
         take = (u >= L[:, None]) & (u < end[:, None])
         new = _take_tokens(key, bi, hi, (u - L[:, None]).clamp(0, last_new))
         k_res.copy_(torch.where(take[:, None, :, None], new, k_res))
-        u = end[:, None] - R + torch.remainder(s[None, :] - end[:, None], R)  # values: newest u = s mod R below end
+        u = end[:, None] - R + _mod_nonneg(s[None, :] - end[:, None], R, S)  # values: newest u = s mod R below end
         take = u >= L[:, None]
         new = _take_tokens(value, bi, hi, (u - L[:, None]).clamp(0, last_new))
         v_res.copy_(torch.where(take[:, None, :, None], new, v_res))
@@ -155,9 +171,11 @@ def unpack_codes_float(packed: Tensor, bits: int) -> Tensor:
     per = codes_per_byte(bits)
     if per == 1:
         return packed.float()
-    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
-    # bitwise_right_shift rather than >>: the ONNX exporter translates that op, not __rshift__.
-    q = torch.bitwise_right_shift(packed.to(torch.int32)[..., None], shifts) & (2**bits - 1)
+    # (byte >> (i * bits)) & mask as floor division and remainder: exact for bytes, and core ATen
+    # ops the ONNX and ExecuTorch exporters take (shifts are not core ATen). This is the form the
+    # exports use; the Inductor decode path (unpack_codes_ij) keeps the shifts it vectorizes.
+    place = 2 ** (torch.arange(per, device=packed.device, dtype=torch.int32) * bits)
+    q = torch.remainder(torch.div(packed.to(torch.int32)[..., None], place, rounding_mode="floor"), 2**bits)
     return q.reshape(*packed.shape[:-1], packed.shape[-1] * per).float()
 
 
@@ -214,7 +232,10 @@ def _softmax_rows(scores: Tensor, visible: Tensor):
 def _finish(acc: Tensor, denom: Tensor, query: Tensor) -> Tensor:
     out = acc / denom.clamp(min=torch.finfo(torch.float32).tiny)
     out = torch.where(denom > 0, out, torch.zeros_like(out))
-    return out.reshape(query.shape).to(query.dtype)
+    # unflatten rather than reshape: reshape's view check on the symbolic rows = groups * q
+    # specializes a dynamic query length (torch.export).
+    B, Hq, q, D = query.shape
+    return out.unflatten(2, (Hq // out.shape[1], q)).reshape(B, Hq, q, D).to(query.dtype)
 
 
 def _residual_slot_probs(p: Tensor, lengths: Tensor, R: int, RR: int) -> Tensor:
@@ -222,7 +243,7 @@ def _residual_slot_probs(p: Tensor, lengths: Tensor, R: int, RR: int) -> Tensor:
     u = s (mod R) below L, from the last min(L, R) tokens (0 if there is none)."""
     B, H, rows, S = p.shape
     s = torch.arange(RR, device=p.device)
-    u = lengths[:, None] - R + torch.remainder(s[None, :] - lengths[:, None], R)  # [B, RR]
+    u = lengths[:, None] - R + _mod_nonneg(s[None, :] - lengths[:, None], R, S)  # [B, RR]
     idx = u.clamp(0, S - 1)[:, None, None, :].expand(B, H, rows, RR)
     return torch.where((u >= 0)[:, None, None, :], torch.gather(p, -1, idx), torch.zeros((), device=p.device))
 

@@ -67,9 +67,10 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     if per == 1:
         return q.contiguous()
     q = q.reshape(*q.shape[:-1], q.shape[-1] // per, per).to(torch.int32)
-    shifts = torch.arange(per, device=q.device, dtype=torch.int32) * bits
-    # bitwise_*_shift rather than << / >>: the ONNX exporter translates those ops, not __lshift__.
-    return torch.bitwise_left_shift(q, shifts).sum(dim=-1).to(torch.uint8)
+    # q << (i * bits) written as a product with 2^(i * bits): exact, and a core ATen op that the
+    # ONNX and ExecuTorch exporters take (shifts are not core ATen; ONNX lacks __lshift__).
+    place = 2 ** (torch.arange(per, device=q.device, dtype=torch.int32) * bits)
+    return (q * place).sum(dim=-1).to(torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
