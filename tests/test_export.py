@@ -185,3 +185,18 @@ def test_decoder_cache_as_io_leaves_its_own_buffers_alone():
             logits, *state = functional(token, pos, torch.ones(1, dtype=torch.long), *state)
             assert torch.equal(logits, stateful(token, pos, torch.ones(1, dtype=torch.long)))
     assert all(int(t.abs().sum()) == 0 for t in functional.cache_tensors())
+
+
+def test_int8_weights_export_to_pt2_with_plain_tensors(tmp_path, capsys):
+    """torchao int8 weights export unwrapped (plain int8 + scales, no pickled subclasses), and the
+    program's greedy tokens equal `kivi generate --weight-quant int8`."""
+    argv = ["--weight-quant", "int8", *CONFIG]
+    eager = cli_json(["generate", "--prompt", PROMPT, "--max-new-tokens", "8", "--json", *argv], capsys)
+    out = tmp_path / "int8"
+    assert main(["export", "--format", "pt2", "--out", str(out), "--max-seq-len", "32", *argv]) == 0
+    capsys.readouterr()
+    check_pt2_has_no_pickles(out / "model.pt2")
+    assert (out / "model.pt2").stat().st_size < 0.5 * 538e6  # int8 weights, not fp32
+    report = cli_json(["run-exported", str(out), "--prompt", PROMPT, "--max-new-tokens", "8", "--json"], capsys)
+    assert report["tokens"] == eager["tokens"]
+    assert report["config"]["weight_quant"] == "int8"
