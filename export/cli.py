@@ -13,6 +13,8 @@ from .artifact import FORMATS, ArtifactError
 
 
 def add_export_parsers(sub, add_model_arguments, positive_int) -> None:
+    from kivi_models.cli import add_prompt_arguments, add_sampling_arguments
+
     e = sub.add_parser("export", help="export the KIVI decoder (model + static cache) for deployment")
     e.add_argument("--format", required=True, choices=FORMATS,
                    help="pt2: torch.export program; aoti: AOTInductor package; onnx: ONNX for onnxruntime; "
@@ -26,17 +28,8 @@ def add_export_parsers(sub, add_model_arguments, positive_int) -> None:
 
     r = sub.add_parser("run-exported", help="generate with an exported decoder (no model is built in Python)")
     r.add_argument("path", help="a directory written by `kivi export`")
-    src = r.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="the prompt text")
-    src.add_argument("--prompt-file", help="a file holding one prompt")
-    src.add_argument("--batch-file", help="a file with one prompt per line (as many as the export's batch size)")
-    r.add_argument("--max-new-tokens", type=positive_int, default=64)
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    r.add_argument("--top-k", type=positive_int, default=None)
-    r.add_argument("--top-p", type=float, default=None)
-    r.add_argument("--seed", type=int, default=None)
-    r.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    r.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_prompt_arguments(r, batch_help="a file with one prompt per line (as many as the export's batch size)")
+    add_sampling_arguments(r)
     r.set_defaults(func=cmd_run_exported, parser=r)
 
 

@@ -161,23 +161,33 @@ def cmd_generate(args, parser) -> int:
     return 0
 
 
+def add_prompt_arguments(p: argparse.ArgumentParser, *, batch_help: str) -> None:
+    """Where the prompts come from, and how many tokens to generate (generate, run-exported)."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help="a file holding one prompt")
+    src.add_argument("--batch-file", help=batch_help)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """Sampling, chat template and output format (generate, run-exported)."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=positive_int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kivi", description="KIVI 2/4-bit KV-cache quantization for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text with a KIVI or fp static cache")
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="the prompt text")
-    src.add_argument("--prompt-file", help="a file holding one prompt")
-    src.add_argument("--batch-file", help="a file with one prompt per line (batched generation)")
-    g.add_argument("--max-new-tokens", type=positive_int, default=64)
+    add_prompt_arguments(g, batch_help="a file with one prompt per line (batched generation)")
     add_model_arguments(g)
     g.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=positive_int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_sampling_arguments(g)
     g.set_defaults(func=cmd_generate, parser=g)
 
     from kivi_benchmarks.bench_cli import add_bench_parser
