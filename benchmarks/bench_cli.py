@@ -42,7 +42,7 @@ def add_bench_parser(sub, add_model_arguments, positive_int) -> None:
     wq.add_argument("--batches", type=_int_list_any, default=[1, 4])
     wq.add_argument("--new-tokens", type=positive_int, default=32)
 
-    for p in (dec, wq):
+    for p in (att, dec, wq):
         p.add_argument("--threads", type=positive_int, default=None,
                        help="torch CPU threads (default: torch's, one per core). On a CPU other work is using, "
                             "1 avoids OpenMP oversubscription, which slows every row several-fold and erratically")
@@ -124,7 +124,7 @@ def cmd_bench(args, parser) -> int:
         (args.out / f"{name}.md").write_text(perf.weight_quant_markdown(result))
         written = f"{name}.md"
     else:
-        plot_bench(name, result, args.out / f"{name}.png")
+        plot_bench(name, _plot_view(result), args.out / f"{name}.png")
         written = f"{name}.png"
     if args.json:
         print(json.dumps(result))
@@ -132,6 +132,16 @@ def cmd_bench(args, parser) -> int:
         print_table(args.bench_command, result)
         print(f"\nwrote {args.out / (name + '.json')} and {written}")
     return 0
+
+
+def _plot_view(result: dict) -> dict:
+    """The attention plot draws one line per `bits` value of rows: with compiled rows, label the
+    eager and compiled lines apart (the JSON keeps them in separate lists)."""
+    if not result.get("compiled_rows"):
+        return result
+    rows = [dict(r, bits=f"{r['bits']} op vs SDPA, eager") for r in result["rows"]]
+    rows += [dict(r, bits=f"{r['bits']} decomposed vs SDPA, both compiled") for r in result["compiled_rows"]]
+    return dict(result, rows=rows)
 
 
 def _check_weight_quant(modes, device, parser) -> None:
@@ -180,17 +190,25 @@ def print_table(kind: str, result: dict) -> None:
                   f"{r['kivi_bytes'] / 2**20:>10.1f} {r['theory_bytes'] / 2**20:>12.1f} {r['fp16_bytes'] / 2**20:>10.1f} "
                   f"{r['ratio']:>10.2f}")
     elif kind == "attention":
+        print("eager: the kivi op vs SDPA")
         print("tokens  bits   SDPA ms   KIVI ms   speedup" + ("   bandwidth share" if "bandwidth_share" in rows[0] else ""))
         for r in rows:
             extra = f"   {r['bandwidth_share']:.0%}" if "bandwidth_share" in r else ""
             print(f"{r['tokens']:>6} {r['bits']:>5} {r['sdpa_s'] * 1e3:>9.3f} {r['kivi_s'] * 1e3:>9.3f} "
                   f"{r['speedup']:>9.2f}x{extra}")
+        if result.get("compiled_rows"):
+            print("\ncompiled: KIVI decomposed attention vs SDPA over a static fp cache (torch.compile, both)")
+            print("tokens  bits   SDPA ms   KIVI ms   speedup   (median of per-round ratios)")
+            for r in result["compiled_rows"]:
+                print(f"{r['tokens']:>6} {r['bits']:>5} {r['sdpa_compiled_s'] * 1e3:>9.3f} "
+                      f"{r['kivi_compiled_s'] * 1e3:>9.3f} {r['speedup']:>9.2f}x   ({r['median_round_speedup']:.2f}x)")
     elif kind == "weight-quant":
         from .perf import weight_quant_markdown
 
         print(weight_quant_markdown(result))
     else:
-        print("batch  context   fp tok/s   KIVI tok/s   KIVI/fp")
+        print("batch  context   fp tok/s   KIVI tok/s   KIVI/fp   (median step)")
         for r in rows:
+            step = f"   ({r['median_step_speedup']:.2f}x)" if "median_step_speedup" in r else ""
             print(f"{r['batch']:>5} {r['context']:>8} {r['fp_tokens_per_s']:>10.1f} {r['kivi_tokens_per_s']:>12.1f} "
-                  f"{r['speedup']:>9.2f}x")
+                  f"{r['speedup']:>9.2f}x{step}")

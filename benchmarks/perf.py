@@ -109,10 +109,18 @@ def attend_read_bytes(cache: KIVICache, tokens: int) -> int:
 
 
 def bench_attention(device: str, contexts, bits_list=(2, 4), batch: int = 1, q_heads: int = 32, kv_heads: int = 32,
-                    head_dim: int = 128, repeats: int = 20) -> dict:
+                    head_dim: int = 128, repeats: int = 20, compiled: bool | None = None) -> dict:
+    """Eager rows: the kivi op (fused kernel on CUDA, reference on CPU) vs SDPA, per bits.
+    compiled (default: on CPU): also `compiled_rows`, KIVI-2's decomposed attention
+    (kivi_ops/decomposed.py, what compiled CPU decode runs) under torch.compile vs compiled SDPA
+    over a static fp cache with a length mask (what FPCache runs), timed round by round."""
     dtype = torch.float16 if device == "cuda" else torch.float32
+    compiled = device == "cpu" if compiled is None else compiled
     bandwidth = copy_bandwidth(device) if device == "cuda" else None
-    rows = []
+    load_before = os.getloadavg()  # the CPU may be shared: record how busy it was
+    rows, compiled_rows = [], []
+    if compiled:
+        torch.compiler.reset()
     for n in tqdm(contexts, desc="attention", leave=False):
         k = torch.randn(batch, kv_heads, n, head_dim, device=device, dtype=dtype)
         v = torch.randn_like(k)
@@ -130,9 +138,71 @@ def bench_attention(device: str, contexts, bits_list=(2, 4), batch: int = 1, q_h
                 row.update(read_bytes=read, achieved_bytes_per_s=read / t, copy_bandwidth=bandwidth,
                            bandwidth_share=read / t / (bandwidth / 2))  # copy reads half its bytes
             rows.append(row)
+            if compiled and bits == 2:
+                compiled_rows.append(_compiled_attention_row(cache, q, k, v, repeats, device))
             del cache
         del k, v
-    return dict(device=device, dtype=str(dtype), rows=rows, environment=environment(device))
+    result = dict(device=device, dtype=str(dtype), rows=rows, environment=environment(device))
+    if compiled:
+        result["compiled_rows"] = compiled_rows
+    result["environment"].update(load_average_before=load_before, load_average_after=os.getloadavg())
+    return result
+
+
+def _sdpa_static_cache(query, k, v, lengths):
+    """fp static-cache decode attention as models/fp_cache.py runs it: keys t < lengths visible."""
+    t = torch.arange(k.shape[2], device=query.device)
+    visible = t[None, :] < lengths[:, None]
+    return F.scaled_dot_product_attention(query, k, v, attn_mask=visible[:, None, None, :], enable_gqa=True)
+
+
+def _attend_layer0(cache: KIVICache, query):
+    return cache.attend(0, query)
+
+
+def _compiled_attention_row(cache: KIVICache, q, k, v, repeats: int, device: str) -> dict:
+    """Compiled KIVI decomposed attention vs compiled SDPA on the same data (cache holds k, v)."""
+    B, Hq, _, D = q.shape
+    n = k.shape[2]
+    lengths = torch.full((B,), n, dtype=torch.int64, device=device)
+    sdpa_c = torch.compile(_sdpa_static_cache, fullgraph=True, dynamic=False)
+    kivi_c = torch.compile(_attend_layer0, fullgraph=True, dynamic=False)
+    reference = cache.attend(0, q)  # the kivi op
+    cache.use_impl("decomposed")
+    try:
+        fns = dict(sdpa=lambda: sdpa_c(q, k, v, lengths), kivi=lambda: kivi_c(cache, q))
+        start = time.perf_counter()
+        diff = (fns["kivi"]() - reference).abs().max().item()
+        fns["sdpa"]()
+        compile_s = time.perf_counter() - start
+        times = _interleaved_times(fns, device, repeats)
+    finally:
+        cache.use_impl("op")
+    sdpa_s, kivi_s = statistics.median(times["sdpa"]), statistics.median(times["kivi"])
+    return dict(tokens=n, bits=cache.config.k_bits, impl="decomposed", batch=B, q_heads=Hq,
+                kv_heads=cache.num_kv_heads, head_dim=D, sdpa_compiled_s=sdpa_s, kivi_compiled_s=kivi_s,
+                speedup=sdpa_s / kivi_s,
+                median_round_speedup=statistics.median(a / b for a, b in zip(times["sdpa"], times["kivi"])),
+                max_abs_diff_vs_op=diff, compile_s=compile_s)
+
+
+def _interleaved_times(fns: dict, device: str, repeats: int, warmup: int = 3) -> dict:
+    """Seconds per call of each fn, the fns alternating round by round (a busy neighbour hits
+    them alike)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 # ---------------------------------------------------------------- decode
@@ -177,6 +247,7 @@ def measure_decode(model, prompts, *, device: str, method: str, new_tokens: int,
 def bench_decode(model, *, device: str, contexts, batches, new_tokens: int = 32, kivi_config=None) -> dict:
     """Compiled decode tokens/s, fp vs KIVI, same model, same run (CUDA graphs on GPU)."""
     kivi_config = kivi_config or KIVIConfig()
+    load_before = os.getloadavg()  # the CPU may be shared: record how busy it was
     rows = []
     gen = torch.Generator().manual_seed(0)
     for batch in batches:
@@ -184,17 +255,26 @@ def bench_decode(model, *, device: str, contexts, batches, new_tokens: int = 32,
             prompts = _random_prompts(model, batch, n, gen)
             row = dict(batch=batch, context=n, new_tokens=new_tokens)
             for method in ("fp", "kivi"):
+                torch.compiler.reset()  # one compiled graph per row: no recompile limit, no stale guards
                 m = measure_decode(model, prompts, device=device, method=method, new_tokens=new_tokens,
                                    kivi_config=kivi_config)
                 row[f"{method}_tokens_per_s"] = m["tokens_per_s"]
+                row[f"{method}_median_step_tokens_per_s"] = m["median_step_tokens_per_s"]
                 row[f"{method}_cache_bytes"] = m["cache_bytes"]
                 if device == "cuda":
                     row[f"{method}_peak_bytes"] = m["peak_bytes"]
             row["speedup"] = row["kivi_tokens_per_s"] / row["fp_tokens_per_s"]
+            row["median_step_speedup"] = row["kivi_median_step_tokens_per_s"] / row["fp_median_step_tokens_per_s"]
+            row["load_average"] = os.getloadavg()[0]  # 1-minute, when the row finished
             print(f"  batch {batch} context {n}: fp {row['fp_tokens_per_s']:.1f} tok/s, "
-                  f"KIVI {row['kivi_tokens_per_s']:.1f} tok/s ({row['speedup']:.2f}x)", file=sys.stderr, flush=True)
+                  f"KIVI {row['kivi_tokens_per_s']:.1f} tok/s ({row['speedup']:.2f}x; median step "
+                  f"{row['median_step_speedup']:.2f}x; load {row['load_average']:.2f})", file=sys.stderr, flush=True)
             rows.append(row)
-    return dict(device=device, kivi=kivi_config.to_dict(), rows=rows, environment=environment(device))
+    env = environment(device)
+    env.update(load_average_before=load_before, load_average_after=os.getloadavg())
+    # What the compiled KIVI steps run (kivi_models.compile_decode_step): the decomposed ops on CPU.
+    impl = "decomposed" if device == "cpu" else "op"
+    return dict(device=device, kivi=kivi_config.to_dict(), kivi_compiled_impl=impl, rows=rows, environment=env)
 
 
 # ---------------------------------------------------------------- weight quantization x cache

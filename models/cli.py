@@ -101,8 +101,8 @@ def cmd_generate(args, parser) -> int:
     cache = make_cache(model, method=args.method, batch_size=len(ids), max_seq_len=max_seq_len, kivi_config=kivi_config)
     step_fn, warmup = decode_step, 0
     if args.compile:
-        log("Compiling the decode step (torch.compile fullgraph"
-            + (", CUDA graphs" if device == "cuda" else "") + "); the first steps are not timed...")
+        how = ", CUDA graphs" if device == "cuda" else ", KIVI ops decomposed for Inductor" if args.method == "kivi" else ""
+        log(f"Compiling the decode step (torch.compile fullgraph{how}); the first steps are not timed...")
         step_fn, warmup = compile_decode_step(torch.device(device)), 2
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos

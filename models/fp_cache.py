@@ -42,13 +42,21 @@ class FPCache(StaticCacheBase):
             added = n if counts is None else counts
             if bool((lengths + added > self.max_seq_len).any()):
                 raise ValueError(f"FPCache is full: appending {n} tokens would exceed max_seq_len={self.max_seq_len}")
+        B, H = key.shape[:2]
         i = torch.arange(n, device=key.device)
         pos = lengths[:, None] + i[None, :]  # [B, n]
         if counts is not None:
             pos = torch.where(i[None, :] < counts[:, None], pos, self.max_seq_len)
-        pos = pos.clamp(max=self.max_seq_len)[:, None, :, None].expand_as(key)
-        getattr(self, f"k_{layer_idx}").scatter_(2, pos, key)
-        getattr(self, f"v_{layer_idx}").scatter_(2, pos, value)
+        pos = pos.clamp(max=self.max_seq_len)
+        # index_put_ on (batch, head, position) rows, not scatter_ along dim 2: under Inductor
+        # (torch 2.13, CPU) a scatter_ into a cache buffer is functionalized into a scatter on a
+        # full copy of the buffer plus a copy back (two full-cache copies per layer per step),
+        # while index_put_ is re-inplaced into a kernel that writes only the new rows. Several
+        # padding tokens may land on the spare row; which one wins does not matter (never read).
+        idx = (torch.arange(B, device=key.device)[:, None, None], torch.arange(H, device=key.device)[None, :, None],
+               pos[:, None, :])  # broadcast to [B, H, n]
+        getattr(self, f"k_{layer_idx}").index_put_(idx, key)
+        getattr(self, f"v_{layer_idx}").index_put_(idx, value)
         lengths += n if counts is None else counts
 
     def attend(self, layer_idx: int, query: torch.Tensor, scale: Optional[float] = None,

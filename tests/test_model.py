@@ -192,3 +192,70 @@ def test_sliding_window_models_are_refused():
     model.config.sliding_window = 64
     with pytest.raises(ValueError, match="sliding-window attention is not supported"):
         patch_model(model)
+
+
+@pytest.mark.parametrize("method", ["kivi", "fp"])
+def test_compiled_cpu_decode_is_inductor_code_and_matches_eager(loaded, method):
+    # On CPU, compile_decode_step runs a KIVICache's steps with the decomposed impl (Inductor fuses
+    # it) and restores the custom ops afterwards (eager prefill); FPCache's append is re-inplaced.
+    from torch._inductor.utils import run_and_get_code
+
+    _, kivi_model, tok = loaded
+    prompts = [PROMPT, "def fibonacci(n):"]
+    config = KIVIConfig(group_size=8, residual_length=8)  # key flushes and value quantization within the run
+    eager = run(kivi_model, tok, prompts, method=method, config=config, max_new_tokens=14)
+    torch.compiler.reset()
+    step, codes = compile_decode_step(torch.device("cpu")), []
+
+    def step_fn(*args):
+        if codes:
+            return step(*args)
+        out, code = run_and_get_code(step, *args)
+        codes.extend(code)
+        return out
+
+    ids = [tok(p)["input_ids"] for p in prompts]
+    cache = make_cache(kivi_model, method=method, batch_size=2, max_seq_len=max(map(len, ids)) + 14, kivi_config=config)
+    compiled = generate(kivi_model, ids, max_new_tokens=14, cache=cache, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.eos_token_id, step_fn=step_fn, warmup_steps=1)
+    assert compiled.tokens == eager.tokens
+    code = "\n".join(codes)
+    assert "torch.ops.kivi" not in code  # no opaque custom op left in the compiled step
+    # No buffer of a cache's sequence-sized shape is allocated per step (that would be a copy).
+    S = cache.backing.max_seq_len
+    for buf in cache.backing.buffers():
+        if buf.dim() == 4 and buf.shape[2] >= S:
+            assert f"empty_strided_cpu({tuple(buf.shape)}" not in code, buf.shape
+    if method == "kivi":
+        assert cache.backing.impl == "op"  # the switch covers the compiled steps only
+
+
+def test_fp_cache_append_with_counts_matches_scatter_reference():
+    from kivi_models import FPCache
+
+    cache = FPCache(num_layers=1, batch_size=2, max_seq_len=8, num_kv_heads=2, head_dim=4)
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4)
+    cache.append(0, k, v, torch.tensor([3, 1]))
+    k2, v2 = torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4)
+    torch.compile(cache.append, fullgraph=True)(0, k2, v2)
+    assert cache.lengths(0).tolist() == [4, 2]
+    want_k = torch.zeros(2, 2, 9, 4)
+    want_k[0, :, :3], want_k[0, :, 3] = k[0], k2[0, :, 0]
+    want_k[1, :, :1], want_k[1, :, 1] = k[1, :, :1], k2[1, :, 0]
+    torch.testing.assert_close(cache.k_0[:, :, :8], want_k[:, :, :8], rtol=0, atol=0)
+    assert torch.equal(cache.v_0[0, :, 3], v2[0, :, 0]) and torch.equal(cache.v_0[1, :, 1], v2[1, :, 0])
+
+
+def test_compiled_cpu_decode_step_past_capacity_raises_before_writing():
+    # The decomposed append compiled on CPU cannot raise; the step checks capacity before it runs.
+    patched = patch_model(tiny_model("llama"))
+    cache = make_cache(patched, method="kivi", batch_size=1, max_seq_len=6, kivi_config=KIVIConfig(residual_length=32))
+    for layer in range(cache.backing.num_layers):
+        cache.backing.lengths(layer).fill_(6)
+    before = [b.clone() for b in cache.backing.buffers()]
+    step = compile_decode_step(torch.device("cpu"))
+    with pytest.raises(ValueError, match="KIVICache is full: sequence 0 holds 6 tokens"):
+        step(patched, cache, torch.tensor([5]), torch.tensor([6]))
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.backing.buffers()))
+    assert cache.backing.impl == "op"
