@@ -548,9 +548,10 @@ def cache_attend_triton(
     query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
     counts, k_bits, v_bits, group_size, residual_length, scale,
     num_splits: Optional[int] = None, block_n: Optional[int] = None,
+    num_warps: Optional[int] = None, num_stages: int = 2,
 ) -> torch.Tensor:
     """Attention of query [B, Hq, q, D] over the cache, like cache_attend_reference (module doc).
-    num_splits / block_n override the static choices (tests)."""
+    num_splits / block_n / num_warps / num_stages override the static choices (tests, tuning)."""
     B, H, S, D, R, RR, G, gv = _check_cache(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
                                         lengths, k_bits, v_bits, group_size, residual_length)
     Bq, Hq, q_len, Dq = query.shape
@@ -564,7 +565,8 @@ def cache_attend_triton(
     if D < 16:
         raise ValueError(f"cache_attend_triton needs head_dim >= 16 (tl.dot), got {D}")
     lowp = k_res.dtype != torch.float32
-    block_m, default_block_n, num_warps = attend_launch_config(D, lowp, M)
+    block_m, default_block_n, default_warps = attend_launch_config(D, lowp, M)
+    num_warps = num_warps or default_warps
     m_blocks = triton.cdiv(M, block_m)
     m_pad = m_blocks * block_m
     d_p = next_pow2(D)
@@ -606,7 +608,7 @@ def cache_attend_triton(
             G=G, NGB=max(block_n // G, 1), NGV=ngv, NGV_P=ngv_p, GV_P=gv_p,
             R=R, RR=RR, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             LOWP=lowp, DOT_F32=dot_f32, F32_PRECISION=F32_DOT_PRECISION, EMULATE_RTNE=interp,
-            num_warps=num_warps, num_stages=2,
+            num_warps=num_warps, num_stages=num_stages,
         )
         if num_splits > 1:
             wrap(_attend_reduce_kernel)[(B * H * M,)](
