@@ -61,22 +61,29 @@ def main():
         want = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
         sdpa = graph_us(lambda: F.scaled_dot_product_attention(q, k, v))
         read = attend_read_bytes(cache, n)
-        floor_us = read / (bw / 2) * 1e6
+        floor_us = read / bw * 1e6  # bw counts bytes read + written: the DRAM traffic rate
         bufs = cache.layer_buffers(0)
+        first = None
         for cfg in configs:
-            kw = {} if cfg is None else dict(num_splits=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+            kw = {} if cfg is None else dict(num_splits=cfg[0] or None, block_n=cfg[1], num_warps=cfg[2],
+                                             num_stages=cfg[3])  # splits 0: the launcher's choice
             fn = lambda: tc.cache_attend_triton(q, *bufs, None, bits, bits, 32, 128, D ** -0.5, **kw)  # noqa: E731
-            err = ((fn().float() - want).norm() / want.norm()).item()
+            got = fn().float()
+            err = ((got - want).norm() / want.norm()).item()
+            first = first if cfg is not configs[0] else got  # every config must compute the same function
+            diff = (got - first).abs().max().item()
             us = graph_us(fn)
             row = dict(tokens=n, config=cfg or "default", us=us, sdpa_us=sdpa, speedup=sdpa / us,
-                       bandwidth_share=floor_us / us, rel_err_vs_fp=err)
+                       bandwidth_share=floor_us / us, rel_err_vs_fp=err, max_diff_vs_first_config=diff)
             rows.append(row)
             print(f"n={n:>6} cfg={str(cfg or 'default'):>18}  {us:8.1f} us  SDPA {sdpa:8.1f} us  "
-                  f"{sdpa / us:5.2f}x  bw share {floor_us / us:5.1%}  floor {floor_us:7.1f} us  err {err:.3f}",
+                  f"{sdpa / us:5.2f}x  bw share {floor_us / us:5.1%}  floor {floor_us:7.1f} us  err {err:.3f} "
+                  f"diff {diff:.1e}",
                   flush=True)
         del k, v, cache
-    for info in kernel_info(tc._attend_split_kernel):
-        print("split kernel:", info)
+    for name in ("_attend_split_kernel", "_attend_decode_kernel"):
+        for info in kernel_info(getattr(tc, name)):
+            print(name, info)
     if "--json" in sys.argv:
         print(json.dumps(rows))
 

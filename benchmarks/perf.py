@@ -136,7 +136,7 @@ def bench_attention(device: str, contexts, bits_list=(2, 4), batch: int = 1, q_h
             if bandwidth:
                 read = attend_read_bytes(cache, n)
                 row.update(read_bytes=read, achieved_bytes_per_s=read / t, copy_bandwidth=bandwidth,
-                           bandwidth_share=read / t / (bandwidth / 2))  # copy reads half its bytes
+                           bandwidth_share=read / t / bandwidth)  # bandwidth counts read + written bytes: the DRAM traffic rate
             rows.append(row)
             if compiled and bits == 2:
                 compiled_rows.append(_compiled_attention_row(cache, q, k, v, repeats, device))

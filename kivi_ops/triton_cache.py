@@ -480,6 +480,157 @@ def _attend_split_kernel(
 
 
 @triton.jit
+def _decode_tile(
+    acc, accz, m_i, l_i, q2, t0, limit, nqk, nqv, bh64, S, NSG,
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
+    MIXED: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr, K_PER: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER: tl.constexpr, G: tl.constexpr, NGV: tl.constexpr, GV: tl.constexpr,
+    R: tl.constexpr, RR: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One online-softmax step of one query over tokens [t0, t0 + BLOCK_N), all in fp32 registers
+    with no tl.dot and no reshapes (see _attend_decode_kernel). BLOCK_N divides G, so the tile lies
+    in one key group g = t0 // G. A code tensor is [PER, BLOCK_N, D // PER]: element (i, t, j) is
+    channel j * PER + i of token t, the i-th code of byte j. MIXED=False: every token of the tile
+    is quantized for keys and values (t0 + BLOCK_N <= min(nqk, nqv)), so nothing is masked and the
+    key scale/zero fold into the query: q . (c * s + z) = (q * s) . c + q . z."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    row = bh64 * S + t  # int64 token row of codes and value scales
+    g = t0 // G
+
+    # ---- keys
+    ik = tl.arange(0, K_PER)
+    jk = tl.arange(0, D // K_PER)
+    ch_k = jk[None, :] * K_PER + ik[:, None]  # [K_PER, NBK] channel of (i, j)
+    k_off = (row[:, None] * (D // K_PER) + jk[None, :])[None, :, :]
+    ks_off = (bh64 * NSG + g) * D + ch_k
+    sh_k = (ik * K_BITS)[:, None, None]
+    if MIXED:
+        tm = t < limit
+        kq = tm & (t < nqk)
+        kb = tl.load(k_codes + k_off, mask=kq[None, :, None], other=0)
+        gq = g * G < nqk
+        ks = tl.load(k_scale + ks_off, mask=gq, other=0.0).to(tl.float32)
+        kz = tl.load(k_zero + ks_off, mask=gq, other=0.0).to(tl.float32)
+        kc = ((kb.to(tl.int32) >> sh_k) & ((1 << K_BITS) - 1)).to(tl.float32)
+        kdq = kc * ks[:, None, :] + kz[:, None, :]
+        slot = (bh64 * RR + t % R)[None, :, None] * D + ch_k[:, None, :]
+        kres = tl.load(k_res + slot, mask=(tm & (t >= nqk))[None, :, None], other=0.0).to(tl.float32)
+        k = tl.where(kq[None, :, None], kdq, kres)
+        s = tl.sum(tl.sum(q2[:, None, :] * k, axis=2), axis=0)
+        s = tl.where(tm, s, float("-inf"))
+    else:
+        kb = tl.load(k_codes + k_off)
+        ks = tl.load(k_scale + ks_off).to(tl.float32)
+        kz = tl.load(k_zero + ks_off).to(tl.float32)
+        kc = ((kb.to(tl.int32) >> sh_k) & ((1 << K_BITS) - 1)).to(tl.float32)
+        s = tl.sum(tl.sum((q2 * ks)[:, None, :] * kc, axis=2), axis=0) + tl.sum(tl.sum(q2 * kz, axis=1), axis=0)
+
+    # ---- online softmax (base 2; scale * log2(e) is folded into the query)
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    p = tl.math.exp2(s - m_new)
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+
+    # ---- values: per-token scale/zero of the GV-channel group of byte j (GV is a multiple of V_PER)
+    iv = tl.arange(0, V_PER)
+    jv = tl.arange(0, D // V_PER)
+    v_off = (row[:, None] * (D // V_PER) + jv[None, :])[None, :, :]
+    vs_off = row[:, None] * NGV + (jv * V_PER // GV)[None, :]  # [BLOCK_N, NBV]
+    sh_v = (iv * V_BITS)[:, None, None]
+    if MIXED:
+        vq = tm & (t < nqv)
+        vb = tl.load(v_codes + v_off, mask=vq[None, :, None], other=0)
+        vs = tl.load(v_scale + vs_off, mask=vq[:, None], other=0.0).to(tl.float32)
+        vz = tl.load(v_zero + vs_off, mask=vq[:, None], other=0.0).to(tl.float32)
+        vc = ((vb.to(tl.int32) >> sh_v) & ((1 << V_BITS) - 1)).to(tl.float32)
+        vdq = vc * vs[None, :, :] + vz[None, :, :]
+        ch_v = jv[None, :] * V_PER + iv[:, None]
+        slot = (bh64 * RR + t % R)[None, :, None] * D + ch_v[:, None, :]
+        vres = tl.load(v_res + slot, mask=(tm & (t >= nqv))[None, :, None], other=0.0).to(tl.float32)
+        v = tl.where(vq[None, :, None], vdq, vres)
+        acc = acc * alpha + p[None, :, None] * v
+        accz = accz * alpha  # [NBV]: the zero-point term sum_t p_t z_t of the fast tiles
+    else:
+        vb = tl.load(v_codes + v_off)
+        vs = tl.load(v_scale + vs_off).to(tl.float32)
+        vz = tl.load(v_zero + vs_off).to(tl.float32)
+        vc = ((vb.to(tl.int32) >> sh_v) & ((1 << V_BITS) - 1)).to(tl.float32)
+        # sum_t p_t (c s + z) = sum_t (p_t s) c + sum_t p_t z: the zero term has no code axis
+        acc = acc * alpha + (p[:, None] * vs)[None, :, :] * vc
+        accz = accz * alpha + tl.sum(p[:, None] * vz, axis=0)
+    return acc, accz, m_new, l_i
+
+
+@triton.jit
+def _attend_decode_kernel(
+    q_ptr, s_qb, s_qh, s_qd,
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths_ptr, counts_ptr,
+    ws_m, ws_l, ws_acc, out_ptr,
+    H, HQ, S, NSG, qk_scale,
+    HAS_COUNTS: tl.constexpr, QG: tl.constexpr, D: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr,
+    G: tl.constexpr, NGV: tl.constexpr, GV: tl.constexpr, R: tl.constexpr, RR: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+):
+    """Decode (q_len == 1): one program per (batch row, query head, split). GQA heads of one kv
+    head read the same codes (L2 hits). Work items are per element, no tl.dot: a decode query is
+    one row, and padding it to a 16-row tensor-core tile cost more in layout shuffles through
+    shared memory than the products themselves (measured on H100, see benchmarks/results)."""
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = pid // HQ
+    hq = pid % HQ
+    bh64 = (b * H + hq // QG).to(tl.int64)
+    L = tl.load(lengths_ptr + b).to(tl.int32)
+    nqk = (L // R) * R
+    nqv = tl.maximum(L - R, 0)
+
+    ik = tl.arange(0, K_PER)
+    jk = tl.arange(0, D // K_PER)
+    ch_k = jk[None, :] * K_PER + ik[:, None]
+    q2 = tl.load(q_ptr + b.to(tl.int64) * s_qb + hq.to(tl.int64) * s_qh + ch_k.to(tl.int64) * s_qd).to(tl.float32)
+    q2 = q2 * qk_scale
+
+    split_len = tl.cdiv(tl.cdiv(L, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = sp * split_len
+    hi = tl.minimum(lo + split_len, L)
+    if HAS_COUNTS:
+        hi = tl.where(tl.load(counts_ptr + b) > 0, hi, lo)  # a padded row (counts 0) attends to nothing: 0
+    mid = tl.maximum(tl.minimum((tl.minimum(nqk, nqv) // BLOCK_N) * BLOCK_N, hi), lo)
+
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.zeros([], tl.float32)
+    acc = tl.zeros([V_PER, BLOCK_N, D // V_PER], tl.float32)
+    accz = tl.zeros([D // V_PER], tl.float32)
+    for t0 in range(lo, mid, BLOCK_N):
+        acc, accz, m_i, l_i = _decode_tile(
+            acc, accz, m_i, l_i, q2, t0, mid, nqk, nqv, bh64, S, NSG,
+            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
+            False, D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, BLOCK_N,
+        )
+    for t0 in range(mid, hi, BLOCK_N):
+        acc, accz, m_i, l_i = _decode_tile(
+            acc, accz, m_i, l_i, q2, t0, hi, nqk, nqv, bh64, S, NSG,
+            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
+            True, D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, BLOCK_N,
+        )
+
+    iv = tl.arange(0, V_PER)
+    jv = tl.arange(0, D // V_PER)
+    ch_v = jv[None, :] * V_PER + iv[:, None]  # [V_PER, NBV]
+    o = tl.sum(acc, axis=1) + accz[None, :]
+    if NUM_SPLITS == 1:
+        o = tl.math.div_rn(o, tl.zeros_like(o) + tl.where(l_i > 0.0, l_i, 1.0))
+        o = tl.where(l_i > 0.0, o, 0.0)
+        tl.store(out_ptr + pid.to(tl.int64) * D + ch_v, _cast(o, out_ptr.dtype.element_ty, EMULATE_RTNE))
+    else:
+        w = (bh64 * NUM_SPLITS + sp) * QG + hq % QG
+        tl.store(ws_m + w, m_i)
+        tl.store(ws_l + w, l_i)
+        tl.store(ws_acc + w * D + ch_v, o)
+
+
+@triton.jit
 def _attend_reduce_kernel(
     ws_m, ws_l, ws_acc, out_ptr, M, M_PAD,
     D: tl.constexpr, D_P: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
@@ -562,6 +713,10 @@ def cache_attend_triton(
         return out
     QG = Hq // H
     M = QG * q_len
+    if q_len == 1 and D == next_pow2(D):
+        return _attend_decode(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+                              counts, k_bits, v_bits, G, R, RR, gv, scale, out, num_splits, block_n, num_warps,
+                              num_stages)
     if D < 16:
         raise ValueError(f"cache_attend_triton needs head_dim >= 16 (tl.dot), got {D}")
     lowp = k_res.dtype != torch.float32
@@ -614,6 +769,53 @@ def cache_attend_triton(
             wrap(_attend_reduce_kernel)[(B * H * M,)](
                 ws_m, ws_l, ws_acc, out, M, m_pad,
                 D=D, D_P=d_p, NUM_SPLITS=num_splits, SPLITS_P=next_pow2(num_splits),
+                EMULATE_RTNE=interp, num_warps=4,
+            )
+    return out
+
+
+DECODE_BLOCK_N = 32
+DECODE_PROGRAMS_PER_SM = 16
+DECODE_NUM_WARPS = 1
+
+
+def _attend_decode(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
+                   k_bits, v_bits, G, R, RR, gv, scale, out, num_splits, block_n, num_warps, num_stages):
+    """Launch _attend_decode_kernel (q_len == 1, power-of-two head_dim) and the split merge."""
+    B, Hq, _, D = query.shape
+    H, S = k_codes.shape[1], k_codes.shape[2]
+    QG = Hq // H
+    block_n = min(block_n or DECODE_BLOCK_N, G)  # a tile never straddles a key group
+    if num_splits is None:
+        target = _num_programs_target(query.device) // 2 * DECODE_PROGRAMS_PER_SM
+        num_splits = max(1, min(triton.cdiv(target, B * Hq), triton.cdiv(max(S, 1), block_n), MAX_SPLITS))
+    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    if query.dtype != k_res.dtype:
+        query = query.to(k_res.dtype)
+    has_counts = counts is not None
+    if num_splits > 1:
+        ws_m = torch.empty((B * H, num_splits, QG), dtype=torch.float32, device=query.device)
+        ws_l = torch.empty_like(ws_m)
+        ws_acc = torch.empty((B * H, num_splits, QG, D), dtype=torch.float32, device=query.device)
+    else:
+        ws_m = ws_l = ws_acc = out  # unused
+    interp = interpreting()
+    wrap = torch.library.wrap_triton
+    with device_ctx(query):
+        wrap(_attend_decode_kernel)[(B * Hq, num_splits)](
+            query, query.stride(0), query.stride(1), query.stride(3),
+            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+            counts if has_counts else lengths, ws_m, ws_l, ws_acc, out,
+            H, Hq, S, k_scale.shape[2], float(scale) * LOG2E,
+            HAS_COUNTS=has_counts, QG=QG, D=D, K_BITS=k_bits, K_PER=codes_per_byte(k_bits),
+            V_BITS=v_bits, V_PER=codes_per_byte(v_bits), G=G, NGV=D // gv, GV=gv, R=R, RR=RR,
+            BLOCK_N=block_n, NUM_SPLITS=num_splits, EMULATE_RTNE=interp,
+            num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages,
+        )
+        if num_splits > 1:
+            wrap(_attend_reduce_kernel)[(B * Hq,)](
+                ws_m, ws_l, ws_acc, out, QG, QG,
+                D=D, D_P=D, NUM_SPLITS=num_splits, SPLITS_P=next_pow2(num_splits),
                 EMULATE_RTNE=interp, num_warps=4,
             )
     return out

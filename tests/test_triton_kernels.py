@@ -224,10 +224,12 @@ ATTEND_CASES = [
     (9, 3, 4, [37, 5, 21], [4, 2, 0], 4),  # causal chunk, right padding, a row with nothing to attend
     (4, 4, 3, [48, 3], None, None),  # MHA q_len=3, default (static) number of splits
     (9, 3, 7, [40, 9], [7, 5], 2),  # 21 rows per kv head: a 32-row tile
+    (4, 2, 1, [45, 30], [1, 0], 2),  # decode with a padded row (counts 0 -> zeros)
 ]
 
 
-@pytest.mark.parametrize("case", ATTEND_CASES, ids=["gqa-decode", "mha-1split", "gqa-causal-padded", "mha-q3-auto", "gqa-q7-rows32"])
+@pytest.mark.parametrize("case", ATTEND_CASES, ids=["gqa-decode", "mha-1split", "gqa-causal-padded", "mha-q3-auto", "gqa-q7-rows32",
+                              "decode-padded-row"])
 def test_attend_fp32_matches_reference(case):
     Hq, H, q_len, lengths, counts, num_splits = case
     out, ref, c = _attend_case(torch.float32, Hq, H, q_len, lengths, counts, num_splits)
