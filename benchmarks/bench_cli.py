@@ -27,6 +27,10 @@ def add_bench_parser(sub, add_model_arguments, positive_int) -> None:
     dec.add_argument("--contexts", type=_int_list, default=None, help="default: 1024,4096 on cpu")
     dec.add_argument("--batches", type=_int_list_any, default=None, help="default: 1,4")
     dec.add_argument("--new-tokens", type=positive_int, default=32)
+    dec.add_argument("--budget-gib", type=_positive_float, default=None,
+                     help="instead of fixed batches: the largest batch whose fp / KIVI cache fits this many GiB "
+                          "(context + new tokens per sequence), and the decode throughput at it (KIVI's Figure 16)")
+    dec.add_argument("--max-batch", type=positive_int, default=None, help="with --budget-gib: cap each batch")
     from kivi_models.weight_quant import WEIGHT_QUANT_MODES
 
     dec.add_argument("--weight-quant", choices=WEIGHT_QUANT_MODES, default="none",
@@ -52,6 +56,18 @@ def add_bench_parser(sub, add_model_arguments, positive_int) -> None:
         p.add_argument("--out", type=Path, default=DEFAULT_OUT)
         p.add_argument("--json", action="store_true", help="print the result object")
         p.set_defaults(func=cmd_bench, parser=p)
+
+
+def _positive_float(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
+    return value
 
 
 def _int_list_any(text: str) -> list[int]:
@@ -102,7 +118,21 @@ def cmd_bench(args, parser) -> int:
         contexts = args.contexts or ([1024 * 2**i for i in range(8)] if device == "cuda" else [1024, 4096, 16384])
         result = perf.bench_attention(device, contexts, batch=args.batch or (8 if device == "cuda" else 1))
         name = f"bench_attention_{device}"
+    elif args.bench_command == "decode" and args.budget_gib:
+        if args.batches:
+            parser.error("--batches and --budget-gib exclude each other: the budget picks each cache's batch")
+        _check_weight_quant([args.weight_quant], device, parser)
+        model = _quantized(_decode_model(args, device, parser), args.weight_quant, parser)
+        try:
+            result = perf.bench_budget(model, device=device, contexts=args.contexts or [1024], budget_bytes=args.budget_gib * 2**30,
+                                       new_tokens=args.new_tokens, max_batch=args.max_batch)
+        except ValueError as e:
+            parser.error(str(e))
+        result.update(model=args.model, weight_quant=args.weight_quant, budget_gib=args.budget_gib)
+        name = f"bench_budget_{device}" + ("" if args.weight_quant == "none" else f"_{args.weight_quant}")
     elif args.bench_command == "decode":
+        if args.max_batch:
+            parser.error("--max-batch applies only with --budget-gib")
         _check_weight_quant([args.weight_quant], device, parser)
         model = _quantized(_decode_model(args, device, parser), args.weight_quant, parser)
         result = perf.bench_decode(model, device=device, contexts=args.contexts or [1024, 4096],
@@ -129,7 +159,7 @@ def cmd_bench(args, parser) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print_table(args.bench_command, result)
+        print_table("budget" if name.startswith("bench_budget") else args.bench_command, result)
         print(f"\nwrote {args.out / (name + '.json')} and {written}")
     return 0
 
@@ -202,6 +232,13 @@ def print_table(kind: str, result: dict) -> None:
             for r in result["compiled_rows"]:
                 print(f"{r['tokens']:>6} {r['bits']:>5} {r['sdpa_compiled_s'] * 1e3:>9.3f} "
                       f"{r['kivi_compiled_s'] * 1e3:>9.3f} {r['speedup']:>9.2f}x   ({r['median_round_speedup']:.2f}x)")
+    elif kind == "budget":
+        print(f"cache budget {result['budget_gib']} GiB; throughput = batch / median decode step")
+        print("context   fp batch   fp tok/s   KIVI batch   KIVI tok/s   batch ratio   throughput ratio")
+        for r in rows:
+            print(f"{r['context']:>7} {r['fp_batch']:>10} {r['fp_median_step_tokens_per_s']:>10.1f} "
+                  f"{r['kivi_batch']:>12} {r['kivi_median_step_tokens_per_s']:>12.1f} {r['batch_ratio']:>12.2f}x "
+                  f"{r['throughput_ratio']:>17.2f}x")
     elif kind == "weight-quant":
         from .perf import weight_quant_markdown
 

@@ -277,6 +277,110 @@ def bench_decode(model, *, device: str, contexts, batches, new_tokens: int = 32,
     return dict(device=device, kivi=kivi_config.to_dict(), kivi_compiled_impl=impl, rows=rows, environment=env)
 
 
+# ---------------------------------------------------------------- memory budget (KIVI Figure 16)
+
+
+def cache_bytes_per_sequence(model, *, method: str, tokens: int, kivi_config=None) -> int:
+    """Exact bytes one sequence of `tokens` costs in a `method` cache (sized on the meta device)."""
+    from kivi_models import make_cache
+
+    return make_cache(model, method=method, batch_size=1, max_seq_len=tokens, kivi_config=kivi_config,
+                      device="meta").nbytes()
+
+
+def max_batch_for_budget(per_sequence_bytes: int, budget_bytes: float) -> int:
+    """The largest batch whose cache fits the budget (0 if not even one sequence does)."""
+    return int(budget_bytes // per_sequence_bytes)
+
+
+def fill_cache_randomly(cache, context: int, gen: torch.Generator, chunk: int = 1024) -> None:
+    """Store `context` random (never zero) keys/values per sequence in every layer, `chunk` tokens
+    per append: what a prefill would leave behind, without a prefill's activations (a batch of
+    90 x 4K prompt tokens through a 7B model would need far more memory than its cache). Decode
+    speed does not depend on the values, only on how many tokens the cache holds."""
+    backing = cache.backing
+    shape = (backing.batch_size, backing.num_kv_heads, 0, backing.head_dim)
+    for layer in range(backing.num_layers):
+        for start in range(0, context, chunk):
+            n = min(chunk, context - start)
+            k = torch.randn(shape[:2] + (n, shape[3]), generator=gen, device=gen.device, dtype=backing.dtype)
+            backing.append(layer, k, torch.randn_like(k))
+    cache.prefilled = [True] * backing.num_layers  # what a prefill sets: later steps attend over the cache
+
+
+def measure_filled_decode(model, *, device: str, method: str, batch: int, context: int, new_tokens: int,
+                          kivi_config=None, warmup_steps: int = 3) -> dict:
+    """Compiled decode steps (CUDA graphs on GPU) over a cache holding `context` random tokens per
+    sequence: tokens/s of the median step after compile + warm-up, cache bytes, CUDA peak bytes."""
+    from kivi_models import compile_decode_step, make_cache
+
+    cache = make_cache(model, method=method, batch_size=batch, max_seq_len=context + new_tokens,
+                       kivi_config=kivi_config)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.inference_mode():
+        fill_cache_randomly(cache, context, gen)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        step = compile_decode_step(torch.device(device))
+        tokens = torch.randint(3, model.config.vocab_size, (batch,), generator=gen, device=device)
+        positions = torch.full((batch,), context, dtype=torch.int64, device=device)
+        times = []
+        for _ in range(new_tokens):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            tokens = step(model, cache, tokens, positions).argmax(dim=-1)
+            positions += 1
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    timed = times[warmup_steps:]
+    out = dict(batch=batch, tokens_per_s=batch * len(timed) / sum(timed),
+               median_step_tokens_per_s=batch / statistics.median(timed), timed_steps=len(timed),
+               compile_and_warmup_s=sum(times[:warmup_steps]), cache_bytes=cache.nbytes())
+    if device == "cuda":
+        out["peak_bytes"] = torch.cuda.max_memory_allocated()
+    del cache
+    return out
+
+
+def bench_budget(model, *, device: str, contexts, budget_bytes: float, new_tokens: int = 32,
+                 max_batch: int | None = None, kivi_config=None) -> dict:
+    """KIVI's Figure 16: the largest batch whose cache fits `budget_bytes` with the fp static cache
+    and with KIVI, and the decode throughput (tokens/s, all rows) at that batch, side by side per
+    context. The cache holds context + new_tokens tokens per sequence."""
+    kivi_config = kivi_config or KIVIConfig()
+    rows = []
+    for n in contexts:
+        row = dict(context=n, new_tokens=new_tokens, budget_bytes=budget_bytes)
+        for method in ("fp", "kivi"):
+            per_seq = cache_bytes_per_sequence(model, method=method, tokens=n + new_tokens, kivi_config=kivi_config)
+            batch = max_batch_for_budget(per_seq, budget_bytes)
+            row[f"{method}_bytes_per_sequence"] = per_seq
+            row[f"{method}_max_batch"] = batch
+            if max_batch is not None:
+                batch = min(batch, max_batch)
+            if batch == 0:
+                raise ValueError(f"budget {budget_bytes / 2**30:.2f} GiB does not hold one {method} sequence of "
+                                 f"{n + new_tokens} tokens ({per_seq / 2**30:.2f} GiB); raise --budget-gib")
+            torch.compiler.reset()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            m = measure_filled_decode(model, device=device, method=method, batch=batch, context=n,
+                                      new_tokens=new_tokens, kivi_config=kivi_config)
+            row.update({f"{method}_{k}": v for k, v in m.items()})
+        row["batch_ratio"] = row["kivi_batch"] / row["fp_batch"]
+        row["throughput_ratio"] = row["kivi_median_step_tokens_per_s"] / row["fp_median_step_tokens_per_s"]
+        print(f"  context {n}: fp batch {row['fp_batch']} {row['fp_median_step_tokens_per_s']:.1f} tok/s, "
+              f"KIVI batch {row['kivi_batch']} {row['kivi_median_step_tokens_per_s']:.1f} tok/s "
+              f"({row['batch_ratio']:.2f}x batch, {row['throughput_ratio']:.2f}x throughput)", file=sys.stderr,
+              flush=True)
+        rows.append(row)
+    impl = "decomposed" if device == "cpu" else "op"
+    return dict(device=device, kivi=kivi_config.to_dict(), kivi_compiled_impl=impl, budget_bytes=budget_bytes,
+                max_batch=max_batch, rows=rows, environment=environment(device))
+
+
 # ---------------------------------------------------------------- weight quantization x cache
 
 

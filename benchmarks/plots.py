@@ -12,6 +12,9 @@ def plot_bench(name: str, result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
+    if name.startswith("bench_budget"):
+        _plot_budget(plt, result, path)
+        return
     fig, ax = plt.subplots(figsize=(6.5, 4))
     if name == "bench_memory":
         configs = sorted({(r["bits"], r["group_size"], r["residual_length"]) for r in rows})
@@ -39,6 +42,24 @@ def plot_bench(name: str, result: dict, path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_budget(plt, result: dict, path: Path) -> None:
+    """Two panels per context: the batch each cache fits in the budget, and the throughput at it."""
+    rows = result["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.6))
+    x = range(len(rows))
+    for ax, key, label in ((axes[0], "batch", "largest batch in budget"),
+                           (axes[1], "median_step_tokens_per_s", "decode tokens/s at that batch")):
+        ax.bar([i - 0.2 for i in x], [r[f"fp_{key}"] for r in rows], width=0.4, label="fp16 static cache")
+        ax.bar([i + 0.2 for i in x], [r[f"kivi_{key}"] for r in rows], width=0.4, label="KIVI-2")
+        ax.set_xticks(list(x), [f"{r['context']} tokens" for r in rows])
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Cache budget {result['budget_gib']} GiB ({result['device']}, {result.get('model', '')})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

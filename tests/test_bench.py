@@ -26,3 +26,50 @@ def test_bench_attention_cpu_runs(tmp_path, capsys):
     assert [r["bits"] for r in result["rows"]] == [2, 4]
     assert all(r["kivi_s"] > 0 and r["sdpa_s"] > 0 for r in result["rows"])
     assert result["environment"]["torch"] and (tmp_path / "bench_attention_cpu.json").exists()
+
+
+def tiny_patched_llama():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kivi_models import patch_model
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    return patch_model(LlamaForCausalLM(config).eval())
+
+
+def test_budget_batches_follow_exact_cache_bytes():
+    from kivi_benchmarks.perf import cache_bytes_per_sequence, max_batch_for_budget
+    from kivi_ops import KIVIConfig, fp16_cache_nbytes
+
+    model = tiny_patched_llama()  # fp32: 2 layers, 2 kv heads, head_dim 16
+    fp = cache_bytes_per_sequence(model, method="fp", tokens=512)
+    assert fp == 2 * fp16_cache_nbytes(num_layers=2, batch_size=1, num_tokens=512, num_kv_heads=2, head_dim=16)
+    kivi = cache_bytes_per_sequence(model, method="kivi", tokens=512, kivi_config=KIVIConfig())
+    assert kivi < fp
+    assert max_batch_for_budget(fp, 10 * fp + 1) == 10 and max_batch_for_budget(fp, fp - 1) == 0
+
+
+def test_bench_budget_runs_each_cache_at_its_largest_batch(monkeypatch):
+    from kivi_benchmarks import perf
+
+    model = tiny_patched_llama()
+    context, new = 256, 6
+    fp_seq = perf.cache_bytes_per_sequence(model, method="fp", tokens=context + new)
+    kivi_seq = perf.cache_bytes_per_sequence(model, method="kivi", tokens=context + new)
+    budget = 3 * fp_seq + 1  # 3 fp sequences; KIVI fits more
+    result = perf.bench_budget(model, device="cpu", contexts=[context], budget_bytes=budget, new_tokens=new)
+    (row,) = result["rows"]
+    assert row["fp_batch"] == 3 and row["kivi_batch"] == budget // kivi_seq > 3
+    assert row["kivi_cache_bytes"] <= budget and row["fp_cache_bytes"] <= budget
+    assert row["fp_timed_steps"] == new - 3 and row["kivi_median_step_tokens_per_s"] > 0
+    assert row["batch_ratio"] == row["kivi_batch"] / 3
+
+
+def test_bench_budget_refuses_a_budget_below_one_sequence():
+    from kivi_benchmarks import perf
+
+    with pytest.raises(ValueError, match="raise --budget-gib"):
+        perf.bench_budget(tiny_patched_llama(), device="cpu", contexts=[128], budget_bytes=1000, new_tokens=4)
