@@ -7,6 +7,7 @@ random, never zeros. Results carry the device, versions, git sha and the exact c
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import platform
@@ -363,7 +364,11 @@ def bench_budget(model, *, device: str, contexts, budget_bytes: float, new_token
             if batch == 0:
                 raise ValueError(f"budget {budget_bytes / 2**30:.2f} GiB does not hold one {method} sequence of "
                                  f"{n + new_tokens} tokens ({per_seq / 2**30:.2f} GiB); raise --budget-gib")
+            # Free the previous cache before allocating the next: it sits in a reference cycle
+            # (the transformers Cache and its layer views), and compiled graphs / CUDA-graph pools
+            # hold it until reset.
             torch.compiler.reset()
+            gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
             m = measure_filled_decode(model, device=device, method=method, batch=batch, context=n,
