@@ -16,7 +16,7 @@ for stage in $stages; do
   case $stage in
     tests) timeout 240 python3 -m pytest -q -p no:randomly tests/test_triton_kernels.py tests/test_gpu.py 2>&1 | tail -25 ;;
     sweep) timeout 120 python3 benchmarks/gpu_attend_sweep.py 32768 0:32:1:2,0:32:2:2,0:32:4:2 2>&1 | tail -8 ;;
-    attention) timeout 150 kivi bench attention --device cuda --out "$OUT" 2>&1 | sed "/it\/s/d" ;;
+    attention) timeout 200 kivi bench attention --device cuda --out "$OUT" 2>&1 | sed "/it\/s/d" ;;
     decode) timeout 300 kivi bench decode --device cuda --model llama2-7b-shape --contexts 1024,32768 --batches 1 \
               --new-tokens 64 --out "$OUT" 2>&1 | sed "/it\/s/d" ;;
     budget) timeout 300 kivi bench decode --device cuda --model llama2-7b-shape --contexts 4096 --budget-gib 40 \
