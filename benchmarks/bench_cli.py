@@ -111,8 +111,8 @@ def cmd_bench(args, parser) -> int:
             result["budget_gib"] = args.budget_gib
             budget = args.budget_gib * 2**30
             for row in result["rows"]:
-                per_seq_kivi, per_seq_fp16 = row["kivi_bytes"], row["fp16_bytes"]
-                row["max_batch_kivi"], row["max_batch_fp16"] = int(budget // per_seq_kivi), int(budget // per_seq_fp16)
+                row["max_batch_kivi"] = perf.max_batch_for_budget(row["kivi_bytes"], budget)
+                row["max_batch_fp16"] = perf.max_batch_for_budget(row["fp16_bytes"], budget)
         name = "bench_memory"
     elif args.bench_command == "attention":
         contexts = args.contexts or ([1024 * 2**i for i in range(8)] if device == "cuda" else [1024, 4096, 16384])
