@@ -695,6 +695,15 @@ def attend_launch_config(head_dim: int, lowp: bool, rows: int) -> tuple[int, int
     return (block_m, 32, 8) if head_dim <= 64 else (block_m, 16, 8)
 
 
+def _split_workspace(rows: int, num_splits: int, m: int, D: int, out: torch.Tensor):
+    """fp32 (max, sum, partial output) per split for the reduction kernel; none for one split
+    (the kernel then writes `out` directly and never touches the workspace arguments)."""
+    if num_splits == 1:
+        return out, out, out
+    ws_m = torch.empty((rows, num_splits, m), dtype=torch.float32, device=out.device)
+    return ws_m, torch.empty_like(ws_m), torch.empty((rows, num_splits, m, D), dtype=torch.float32, device=out.device)
+
+
 def cache_attend_triton(
     query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
     counts, k_bits, v_bits, group_size, residual_length, scale,
@@ -745,12 +754,7 @@ def cache_attend_triton(
         query = query.to(dtype)
     has_counts = counts is not None
     cnt = counts if has_counts else lengths
-    if num_splits > 1:
-        ws_m = torch.empty((B * H, num_splits, m_pad), dtype=torch.float32, device=query.device)
-        ws_l = torch.empty_like(ws_m)
-        ws_acc = torch.empty((B * H, num_splits, m_pad, D), dtype=torch.float32, device=query.device)
-    else:
-        ws_m = ws_l = ws_acc = out  # unused
+    ws_m, ws_l, ws_acc = _split_workspace(B * H, num_splits, m_pad, D, out)
     kper, vper = codes_per_byte(k_bits), codes_per_byte(v_bits)
     wrap = torch.library.wrap_triton
     with device_ctx(query):
@@ -793,12 +797,7 @@ def _attend_decode(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_z
     if query.dtype != k_res.dtype:
         query = query.to(k_res.dtype)
     has_counts = counts is not None
-    if num_splits > 1:
-        ws_m = torch.empty((B * H, num_splits, QG), dtype=torch.float32, device=query.device)
-        ws_l = torch.empty_like(ws_m)
-        ws_acc = torch.empty((B * H, num_splits, QG, D), dtype=torch.float32, device=query.device)
-    else:
-        ws_m = ws_l = ws_acc = out  # unused
+    ws_m, ws_l, ws_acc = _split_workspace(B * H, num_splits, QG, D, out)
     interp = interpreting()
     wrap = torch.library.wrap_triton
     with device_ctx(query):
