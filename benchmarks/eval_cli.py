@@ -36,6 +36,8 @@ def add_eval_parser(sub, add_model_arguments, positive_int) -> None:
     add_model_arguments(ppl, methods=("fp", "kivi", "fake"))
     ppl.add_argument("--k-axis", choices=("token", "channel"), default="channel", help="--method fake only")
     ppl.add_argument("--v-axis", choices=("token", "channel"), default="token", help="--method fake only")
+    ppl.add_argument("--nuq", default=None, metavar="PATH",
+                     help="--method fake only: per-layer nuqX levels from `kivi calibrate` instead of the uniform grid")
     ppl.add_argument("--json", action="store_true")
     ppl.set_defaults(func=cmd_ppl, parser=ppl)
 
@@ -106,9 +108,13 @@ def cmd_ppl(args, parser) -> int:
             parser.error(f"--window must be a multiple of --group-size={args.group_size} for --method fake")
         spec = FakeQuantConfig(args.k_bits, args.v_bits, args.group_size, args.k_axis, args.v_axis)
         model, tokenizer = _load(args, parser, patched=False, plain=True)
+        nuq = _nuq_tables(args, parser, model.config.num_hidden_layers) if args.nuq else None
         windows = _windows(tokenizer, text, args, parser)
-        result, config = fake_quant_perplexity(model, windows, spec, batch_size=args.batch_size), spec.to_dict()
+        result = fake_quant_perplexity(model, windows, spec, batch_size=args.batch_size, nuq=nuq)
+        config = dict(spec.to_dict(), nuq=args.nuq)
     else:
+        if args.nuq:
+            parser.error("--nuq works with --method fake so far (the cache does not store nuq codes yet)")
         model, tokenizer = _load(args, parser, patched=True, plain=False)
         windows = _windows(tokenizer, text, args, parser)
         result = cache_perplexity(model, windows, method=args.method, kivi_config=kivi_config, chunk=args.chunk,
@@ -123,6 +129,21 @@ def cmd_ppl(args, parser) -> int:
         print(f"perplexity {result.ppl:.3f} over {result.tokens} predicted tokens "
               f"({report['windows']} x {args.window}-token windows, method {args.method}, {result.seconds:.0f} s)")
     return 0
+
+
+def _nuq_tables(args, parser, num_layers: int) -> dict:
+    """{"k": key levels per layer at --k-bits, "v": value levels per layer at --v-bits}."""
+    from .calibrate import KEY_AXIS, VALUE_AXIS, load_tables
+
+    if (args.k_axis, args.v_axis) != (KEY_AXIS, VALUE_AXIS):
+        parser.error(f"--nuq levels are calibrated for --k-axis {KEY_AXIS} --v-axis {VALUE_AXIS}, "
+                     f"got --k-axis {args.k_axis} --v-axis {args.v_axis}")
+    try:
+        keys = load_tables(args.nuq, bits=args.k_bits, num_layers=num_layers, group_size=args.group_size)["k"]
+        values = load_tables(args.nuq, bits=args.v_bits, num_layers=num_layers, group_size=args.group_size)["v"]
+    except ValueError as e:
+        parser.error(str(e))
+    return dict(k=keys, v=values)
 
 
 def _windows(tokenizer, text, args, parser):

@@ -191,12 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate, parser=g)
 
     from kivi_benchmarks.bench_cli import add_bench_parser
+    from kivi_benchmarks.calibrate import add_calibrate_parser
     from kivi_benchmarks.eval_cli import add_eval_parser
 
     from kivi_export.cli import add_export_parsers
 
     add_eval_parser(sub, add_model_arguments, positive_int)
     add_bench_parser(sub, add_model_arguments, positive_int)
+    add_calibrate_parser(sub, add_model_arguments, positive_int)
     add_export_parsers(sub, add_model_arguments, positive_int)
     return parser
 

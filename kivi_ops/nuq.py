@@ -1,0 +1,119 @@
+"""KVQuant's nuqX datatype (paper 004, Section 3.3 and Appendix E): non-uniform quantization levels
+derived offline, rescaled per group online.
+
+Each group keeps KIVI's min/max scale and zero point: scale = (max - min) / (2^B - 1). A value is
+normalized to x_n = (x - zero) / scale in [0, 2^B - 1] and stored as the index of the nearest of
+2^B *levels* (per layer, separately for keys and values); it dequantizes to levels[code] * scale + zero.
+Levels [0, 1, ..., 2^B - 1] are exactly KIVI's uniform grid, so nuq only moves the signposts and
+the scale/zero folding of the fused attention stays valid.
+
+The levels come from a sensitivity-weighted 1-D k-means over calibration activations in the
+normalized domain: each element weighs F_ii * scale^2, F_ii the diagonal Fisher information (the
+squared gradient of the loss with respect to that activation) and scale^2 carrying the normalized
+error back to the activation's own units (Appendix E). `kivi calibrate` computes them offline;
+the per-group scale and zero point are still computed online, as in KIVI.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import check_axis, check_bits, check_group_size
+from .packing import token_group_size
+
+
+def uniform_levels(bits: int) -> torch.Tensor:
+    return torch.arange(2**bits, dtype=torch.float32)
+
+
+def check_levels(name: str, levels: torch.Tensor, bits: int) -> None:
+    if not isinstance(levels, torch.Tensor) or levels.shape != (2**bits,) or not levels.is_floating_point():
+        raise ValueError(f"{name} must be a float tensor of {2**bits} levels for {bits}-bit codes, "
+                         f"got {getattr(levels, 'shape', levels)}")
+    if not bool(torch.isfinite(levels).all()) or bool((levels[1:] < levels[:-1]).any()):
+        raise ValueError(f"{name} must be finite and sorted ascending, got {levels.tolist()}")
+
+
+def _grouped(x: torch.Tensor, group_size: int, axis: str) -> torch.Tensor:
+    """x [..., T, D] viewed with each quantization group on the last dim."""
+    *lead, T, D = x.shape
+    if axis == "channel":  # groups of G consecutive tokens per channel
+        if T % group_size:
+            raise ValueError(f"axis='channel' needs the token dim T={T} to be a multiple of group_size={group_size}")
+        return x.reshape(*lead, T // group_size, group_size, D).transpose(-1, -2)
+    gv = token_group_size(group_size, D)
+    return x.reshape(*lead, T, D // gv, gv)
+
+
+def _ungrouped(g: torch.Tensor, shape, axis: str) -> torch.Tensor:
+    if axis == "channel":
+        return g.transpose(-1, -2).reshape(shape)
+    return g.reshape(shape)
+
+
+def normalize_groups(x: torch.Tensor, bits: int, group_size: int, axis: str):
+    """(x_n, scale, zero), grouped as _grouped: x_n = (x - min) / scale in [0, 2^B - 1] per group
+    (0 for a constant group), scale and zero broadcastable against x_n."""
+    g = _grouped(x.float(), group_size, axis)
+    zero = g.amin(dim=-1, keepdim=True)
+    scale = (g.amax(dim=-1, keepdim=True) - zero) / (2**bits - 1)
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return (g - zero) / safe, scale, zero
+
+
+def nearest_level(x_n: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest level for each normalized value (levels sorted ascending)."""
+    midpoints = (levels[1:] + levels[:-1]) / 2
+    return torch.bucketize(x_n.contiguous(), midpoints.to(x_n.device))
+
+
+def fake_quantize_nuq(x: torch.Tensor, bits: int, group_size: int, axis: str, levels: torch.Tensor) -> torch.Tensor:
+    """x [..., T, D] quantized to the nuq levels per group and dequantized, in x's dtype."""
+    check_bits("bits", bits)
+    check_group_size("group_size", group_size)
+    check_axis(axis)
+    check_levels("levels", levels, bits)
+    x_n, scale, zero = normalize_groups(x, bits, group_size, axis)
+    levels = levels.to(x.device)
+    out = levels[nearest_level(x_n, levels)] * scale + zero
+    return _ungrouped(out, x.shape, axis).to(x.dtype)
+
+
+def weighted_kmeans_1d(values: torch.Tensor, weights: torch.Tensor, k: int, *, init: torch.Tensor,
+                       iterations: int = 50) -> torch.Tensor:
+    """Lloyd's algorithm in one dimension: k sorted centroids minimizing sum(w * (v - c)^2).
+    Starts from `init` (the uniform grid: the result is never worse than it on the data); a
+    cluster that loses every point keeps its centroid."""
+    values, weights = values.flatten().float(), weights.flatten().float()
+    centroids = init.clone().float()
+    for _ in range(iterations):
+        assign = nearest_level(values, centroids)
+        mass = torch.zeros(k).index_add_(0, assign, weights)
+        moment = torch.zeros(k).index_add_(0, assign, weights * values)
+        updated = torch.where(mass > 0, moment / mass.clamp(min=torch.finfo(torch.float32).tiny), centroids)
+        updated, _ = updated.sort()
+        if torch.allclose(updated, centroids, atol=1e-6, rtol=0):
+            return updated
+        centroids = updated
+    return centroids
+
+
+def weighted_error(values: torch.Tensor, weights: torch.Tensor, levels: torch.Tensor) -> float:
+    """sum(w * (v - nearest level)^2): the objective the levels minimize."""
+    values, weights = values.flatten().float(), weights.flatten().float()
+    return float((weights * (values - levels[nearest_level(values, levels)]) ** 2).sum())
+
+
+def normalized_with_weights(x: torch.Tensor, fisher: torch.Tensor, bits: int, group_size: int, axis: str):
+    """(x_n, weights) grouped: the normalized values and their weights fisher * scale^2, which make
+    the normalized squared error equal the Fisher-weighted error in the activation's units."""
+    x_n, scale, _ = normalize_groups(x, bits, group_size, axis)
+    return x_n, _grouped(fisher.float(), group_size, axis) * scale**2
+
+
+def calibrate_levels(x: torch.Tensor, fisher: torch.Tensor, bits: int, group_size: int, axis: str,
+                     iterations: int = 50) -> torch.Tensor:
+    """nuq levels for activations x [..., T, D] with diagonal Fisher information `fisher` (same
+    shape): k-means on the normalized values, each weighted by fisher * scale^2."""
+    x_n, weights = normalized_with_weights(x, fisher, bits, group_size, axis)
+    return weighted_kmeans_1d(x_n, weights, 2**bits, init=uniform_levels(bits), iterations=iterations)
