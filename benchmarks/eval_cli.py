@@ -10,6 +10,17 @@ from pathlib import Path
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
+def _fraction(text: str) -> float:
+    from kivi_ops.dense_sparse import check_outlier_fraction
+
+    try:
+        value = float(text)
+        check_outlier_fraction(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 0.5), e.g. 0.01, got {text!r}")
+    return value
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x]
@@ -38,6 +49,9 @@ def add_eval_parser(sub, add_model_arguments, positive_int) -> None:
     ppl.add_argument("--v-axis", choices=("token", "channel"), default="token", help="--method fake only")
     ppl.add_argument("--nuq", default=None, metavar="PATH",
                      help="--method fake only: per-layer nuqX levels from `kivi calibrate` instead of the uniform grid")
+    ppl.add_argument("--sparse-outliers", type=_fraction, default=0.0, metavar="FRACTION",
+                     help="--method fake only: KVQuant's per-vector dense-and-sparse quantization, e.g. 0.01 "
+                          "keeps 1%% of each key channel / value token exact")
     ppl.add_argument("--json", action="store_true")
     ppl.set_defaults(func=cmd_ppl, parser=ppl)
 
@@ -110,11 +124,13 @@ def cmd_ppl(args, parser) -> int:
         model, tokenizer = _load(args, parser, patched=False, plain=True)
         nuq = _nuq_tables(args, parser, model.config.num_hidden_layers) if args.nuq else None
         windows = _windows(tokenizer, text, args, parser)
-        result = fake_quant_perplexity(model, windows, spec, batch_size=args.batch_size, nuq=nuq)
-        config = dict(spec.to_dict(), nuq=args.nuq)
+        result = fake_quant_perplexity(model, windows, spec, batch_size=args.batch_size, nuq=nuq,
+                                       sparse_outliers=args.sparse_outliers)
+        config = dict(spec.to_dict(), nuq=args.nuq, sparse_outliers=args.sparse_outliers)
     else:
-        if args.nuq:
-            parser.error("--nuq works with --method fake so far (the cache does not store nuq codes yet)")
+        if args.nuq or args.sparse_outliers:
+            parser.error("--nuq and --sparse-outliers work with --method fake so far "
+                         "(the cache does not store nuq codes or sparse outliers yet)")
         model, tokenizer = _load(args, parser, patched=True, plain=False)
         windows = _windows(tokenizer, text, args, parser)
         result = cache_perplexity(model, windows, method=args.method, kivi_config=kivi_config, chunk=args.chunk,

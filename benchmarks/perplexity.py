@@ -26,7 +26,7 @@ from transformers.masking_utils import sdpa_mask
 from kivi_models import make_cache
 from kivi_ops import KIVIConfig, fake_quantize
 from kivi_ops.config import check_axis, check_bits, check_group_size
-from kivi_ops.nuq import fake_quantize_nuq
+from kivi_ops.nuq import fake_quantize_nuq, uniform_levels
 
 FAKE_ATTN = "kivi_fake"
 
@@ -55,14 +55,16 @@ class FakeQuantConfig:
 
 def _fake_quant_attention(module, query, key, value, attention_mask, **kwargs):
     spec: FakeQuantConfig = module.config.kivi_fake_quant
-    nuq = module.config.kivi_fake_nuq
-    if nuq is None:
+    nuq, sparse = module.config.kivi_fake_nuq, module.config.kivi_fake_sparse
+    if nuq is None and not sparse:
         key = fake_quantize(key.contiguous(), spec.k_bits, spec.group_size, spec.k_axis)
         value = fake_quantize(value.contiguous(), spec.v_bits, spec.group_size, spec.v_axis)
-    else:
+    else:  # KVQuant: nuq levels (or KIVI's uniform grid) with dense-and-sparse outliers
         layer = module.layer_idx
-        key = fake_quantize_nuq(key, spec.k_bits, spec.group_size, spec.k_axis, nuq["k"][layer])
-        value = fake_quantize_nuq(value, spec.v_bits, spec.group_size, spec.v_axis, nuq["v"][layer])
+        k_levels = nuq["k"][layer] if nuq else uniform_levels(spec.k_bits)
+        v_levels = nuq["v"][layer] if nuq else uniform_levels(spec.v_bits)
+        key = fake_quantize_nuq(key, spec.k_bits, spec.group_size, spec.k_axis, k_levels, sparse)
+        value = fake_quantize_nuq(value, spec.v_bits, spec.group_size, spec.v_axis, v_levels, sparse)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -87,14 +89,17 @@ def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def fake_quant_perplexity(plain_model, windows: torch.Tensor, spec: Optional[FakeQuantConfig], *,
-                          batch_size: int = 8, desc: str = "ppl", nuq: Optional[dict] = None) -> PerplexityResult:
+                          batch_size: int = 8, desc: str = "ppl", nuq: Optional[dict] = None,
+                          sparse_outliers: float = 0.0) -> PerplexityResult:
     """One full forward per window with every key/value fake-quantized (spec=None: 16-bit).
-    nuq: per-layer nuqX levels {"k": [...], "v": [...]} (kivi_ops/nuq.py) instead of the uniform grid."""
+    nuq: per-layer nuqX levels {"k": [...], "v": [...]} (kivi_ops/nuq.py) instead of the uniform grid.
+    sparse_outliers: the fraction of each vector kept exact (kivi_ops/dense_sparse.py)."""
     if spec is not None and windows.shape[1] % spec.group_size:
         raise ValueError(f"--window must be a multiple of group_size={spec.group_size} for fake quantization")
     previous = plain_model.config._attn_implementation
     plain_model.config.kivi_fake_quant = spec
     plain_model.config.kivi_fake_nuq = nuq
+    plain_model.config.kivi_fake_sparse = sparse_outliers
     plain_model.config._attn_implementation = FAKE_ATTN if spec is not None else "sdpa"
     start, nll, count = time.perf_counter(), 0.0, 0
     try:

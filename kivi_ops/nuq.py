@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .config import check_axis, check_bits, check_group_size
+from .dense_sparse import outlier_mask
 from .packing import token_group_size
 
 
@@ -51,12 +52,21 @@ def _ungrouped(g: torch.Tensor, shape, axis: str) -> torch.Tensor:
     return g.reshape(shape)
 
 
-def normalize_groups(x: torch.Tensor, bits: int, group_size: int, axis: str):
+def normalize_groups(x: torch.Tensor, bits: int, group_size: int, axis: str, exclude: torch.Tensor | None = None):
     """(x_n, scale, zero), grouped as _grouped: x_n = (x - min) / scale in [0, 2^B - 1] per group
-    (0 for a constant group), scale and zero broadcastable against x_n."""
+    (0 for a constant group), scale and zero broadcastable against x_n. Elements where `exclude`
+    (x's shape) is True stay out of the min/max (dense-and-sparse outliers)."""
     g = _grouped(x.float(), group_size, axis)
-    zero = g.amin(dim=-1, keepdim=True)
-    scale = (g.amax(dim=-1, keepdim=True) - zero) / (2**bits - 1)
+    if exclude is None:
+        lo, hi = g, g
+    else:
+        e = _grouped(exclude, group_size, axis)
+        lo, hi = g.masked_fill(e, float("inf")), g.masked_fill(e, float("-inf"))
+    zero = lo.amin(dim=-1, keepdim=True)
+    high = hi.amax(dim=-1, keepdim=True)
+    everything_excluded = torch.isinf(zero)
+    zero, high = zero.masked_fill(everything_excluded, 0.0), high.masked_fill(everything_excluded, 0.0)
+    scale = (high - zero) / (2**bits - 1)
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     return (g - zero) / safe, scale, zero
 
@@ -67,16 +77,22 @@ def nearest_level(x_n: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(x_n.contiguous(), midpoints.to(x_n.device))
 
 
-def fake_quantize_nuq(x: torch.Tensor, bits: int, group_size: int, axis: str, levels: torch.Tensor) -> torch.Tensor:
-    """x [..., T, D] quantized to the nuq levels per group and dequantized, in x's dtype."""
+def fake_quantize_nuq(x: torch.Tensor, bits: int, group_size: int, axis: str, levels: torch.Tensor,
+                      outlier_fraction: float = 0.0) -> torch.Tensor:
+    """x [..., T, D] quantized to the nuq levels per group and dequantized, in x's dtype.
+    outlier_fraction > 0: KVQuant's per-vector dense-and-sparse quantization: that fraction of each
+    vector (see dense_sparse.outlier_mask) stays exact and out of its group's min/max."""
     check_bits("bits", bits)
     check_group_size("group_size", group_size)
     check_axis(axis)
     check_levels("levels", levels, bits)
-    x_n, scale, zero = normalize_groups(x, bits, group_size, axis)
+    exclude = outlier_mask(x, outlier_fraction, axis) if outlier_fraction else None
+    x_n, scale, zero = normalize_groups(x, bits, group_size, axis, exclude)
     levels = levels.to(x.device)
-    out = levels[nearest_level(x_n, levels)] * scale + zero
-    return _ungrouped(out, x.shape, axis).to(x.dtype)
+    out = _ungrouped(levels[nearest_level(x_n, levels)] * scale + zero, x.shape, axis)
+    if exclude is not None:
+        out = torch.where(exclude, x.float(), out)
+    return out.to(x.dtype)
 
 
 def weighted_kmeans_1d(values: torch.Tensor, weights: torch.Tensor, k: int, *, init: torch.Tensor,

@@ -120,7 +120,42 @@ def test_cli_refuses_nuq_where_it_does_not_apply(tmp_path, capsys):
 
     with pytest.raises(SystemExit) as e:
         main(["eval", "ppl", "--corpus", "pydoc", "--method", "kivi", "--nuq", str(tmp_path / "x.json")])
-    assert e.value.code == 2 and "--nuq works with --method fake" in capsys.readouterr().err
+    assert e.value.code == 2 and "work with --method fake so far" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["calibrate", "--out", str(tmp_path / "t.json"), "--bits", "3"])
     assert "from 2,4" in capsys.readouterr().err
+
+
+def test_outlier_mask_takes_the_largest_magnitudes_per_vector():
+    from kivi_ops.dense_sparse import outlier_mask
+
+    x = torch.randn(1, 1, 100, 8)
+    x[0, 0, 7, 3] = -50.0  # an outlier of channel 3 (keys: vectors are channels over tokens)
+    mask = outlier_mask(x, 0.01, "channel")
+    assert mask.sum(dim=-2).tolist() == [[[1] * 8]] and bool(mask[0, 0, 7, 3])
+    tok = outlier_mask(x, 0.25, "token")  # values: vectors are tokens, 2 of 8 channels each
+    assert bool((tok.sum(dim=-1) == 2).all())
+    assert torch.equal(tok, x.abs() >= x.abs().topk(2, dim=-1).values[..., -1:])
+    with pytest.raises(ValueError, match=r"\[0, 0.5\)"):
+        outlier_mask(x, 0.7, "token")
+
+
+def test_dense_and_sparse_keeps_outliers_exact_and_out_of_the_range():
+    from kivi_ops.dense_sparse import outlier_mask
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 64, 32)
+    x[0, 1, 5, 2] = 40.0
+    out = fake_quantize_nuq(x, 2, 32, "token", uniform_levels(2), outlier_fraction=1 / 32)
+    mask = outlier_mask(x, 1 / 32, "token")
+    assert torch.equal(out[mask], x[mask])
+    # The rest equals uniform quantization of the group with the outlier removed from its min/max:
+    # a direct reference on token (1, 5), whose single group holds all 32 channels.
+    row, keep = x[0, 1, 5], ~mask[0, 1, 5]
+    lo, hi = row[keep].min(), row[keep].max()
+    scale = (hi - lo) / 3
+    want = torch.clamp(torch.round((row - lo) / scale), 0, 3) * scale + lo
+    torch.testing.assert_close(out[0, 1, 5][keep], want[keep], rtol=0, atol=1e-5)
+    # Without outlier removal the 40.0 stretches the range: every other element loses precision.
+    plain_err = (fake_quantize_nuq(x, 2, 32, "token", uniform_levels(2))[0, 1, 5] - row)[keep].abs().mean()
+    assert (out[0, 1, 5] - row)[keep].abs().mean() < plain_err / 4

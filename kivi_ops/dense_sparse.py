@@ -1,0 +1,51 @@
+"""KVQuant's per-vector dense-and-sparse quantization (paper 004, Section 3.4): in each vector a
+small fraction of numerical outliers stays in full precision (stored sparsely) and out of the
+quantization range of the rest.
+
+Vectors follow the quantization axis: keys are quantized per channel, so a key outlier is
+extreme within its channel (over the tokens at hand); values are quantized per token, so a value
+outlier is extreme within its token's channels. KVQuant calibrates the per-channel key thresholds
+offline and computes the per-token value thresholds online; this fake-quantization path computes
+both from the tensor it is given (for keys, an upper bound on what offline thresholds reach).
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from .config import check_axis
+
+
+def check_outlier_fraction(fraction: float) -> None:
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 0.5:
+        raise ValueError(f"outlier fraction must be a number in [0, 0.5), e.g. 0.01, got {fraction!r}")
+
+
+def outlier_count(fraction: float, vector_length: int) -> int:
+    """Outliers per vector: the fraction of its length, rounded (at least 1 when fraction > 0)."""
+    return max(1, round(fraction * vector_length)) if fraction > 0 else 0
+
+
+def outlier_mask(x: torch.Tensor, fraction: float, axis: str) -> torch.Tensor:
+    """True at the outliers of x [..., T, D]: per vector (a channel over T tokens for axis
+    "channel", a token's D channels for "token"), the elements of largest magnitude."""
+    check_outlier_fraction(fraction)
+    check_axis(axis)
+    dim = -2 if axis == "channel" else -1
+    k = outlier_count(fraction, x.shape[dim])
+    mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+    if k == 0:
+        return mask
+    top = x.float().abs().topk(k, dim=dim).indices
+    return mask.scatter_(dim, top, True)
+
+
+def outlier_bits_per_element(fraction: float, value_bits: int = 16, index_bits: int = 16) -> float:
+    """Storage the sparse part adds per cache element: each outlier keeps its value and its index
+    inside the vector (a 16-bit index covers any head_dim or context up to 64K tokens)."""
+    check_outlier_fraction(fraction)
+    return fraction * (value_bits + index_bits) if fraction else 0.0
+
+
+__all__ = ["outlier_mask", "outlier_count", "check_outlier_fraction", "outlier_bits_per_element"]
