@@ -25,6 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from kivi_ops.nuq import calibrate_levels, normalized_with_weights, uniform_levels, weighted_error
+from kivi_ops.rope import undo_rope
 
 CALIB_ATTN = "kivi_calibrate"
 FORMAT = "kivi-nuq-v1"
@@ -53,8 +54,10 @@ def calibration_windows(tokenizer, text: str, *, window: int, windows: int) -> t
     return torch.tensor(ids[len(ids) - window * windows:]).reshape(windows, window)
 
 
-def collect_kv_fisher(model, windows: torch.Tensor, *, batch_size: int = 2) -> list[dict]:
-    """Per layer: keys, values [N, H, T, D] (fp32) and their squared loss gradients."""
+def collect_kv_fisher(model, windows: torch.Tensor, *, batch_size: int = 2, pre_rope: bool = False) -> list[dict]:
+    """Per layer: keys, values [N, H, T, D] (fp32) and their squared loss gradients. pre_rope: the
+    keys as they were before RoPE, with the gradient with respect to them (RoPE is a rotation R per
+    position: k_pre = R^T k, dL/dk_pre = R^T dL/dk, so both are un-rotated)."""
     layers = model.config.num_hidden_layers
     record = [dict(k=[], v=[], k_grad=[], v_grad=[]) for _ in range(layers)]
     previous = model.config._attn_implementation
@@ -76,15 +79,22 @@ def collect_kv_fisher(model, windows: torch.Tensor, *, batch_size: int = 2) -> l
         del model.config.kivi_calibration_record
         for p, flag in zip(model.parameters(), params):
             p.requires_grad_(flag)
+    if pre_rope:
+        from .perplexity import _rope_tables
+
+        cos, sin = (t.float() for t in _rope_tables(model, windows.shape[1]))
     out = []
     for r in record:
         # Hooks fire in backward order within a batch: one gradient per recorded batch either way.
-        out.append(dict(k=torch.cat(r["k"]).float(), v=torch.cat(r["v"]).float(),
-                        k_fisher=torch.cat(r["k_grad"]).float() ** 2, v_fisher=torch.cat(r["v_grad"]).float() ** 2))
+        k, k_grad = torch.cat(r["k"]).float(), torch.cat(r["k_grad"]).float()
+        if pre_rope:
+            k, k_grad = undo_rope(k, cos, sin), undo_rope(k_grad, cos, sin)
+        out.append(dict(k=k, v=torch.cat(r["v"]).float(), k_fisher=k_grad**2,
+                        v_fisher=torch.cat(r["v_grad"]).float() ** 2))
     return out
 
 
-def calibrate_tables(activations: list[dict], *, bits_list, group_size: int) -> dict:
+def calibrate_tables(activations: list[dict], *, bits_list, group_size: int, sparse_outliers: float = 0.0) -> dict:
     """{bits: {"k": [levels per layer], "v": [...], "k_error_vs_uniform": [...], ...}}: the
     weighted error of each layer's levels relative to the uniform grid's (< 1 is better)."""
     tables = {}
@@ -93,8 +103,8 @@ def calibrate_tables(activations: list[dict], *, bits_list, group_size: int) -> 
         for layer in tqdm(activations, desc=f"nuq{bits} k-means", leave=False):
             for part, axis in (("k", KEY_AXIS), ("v", VALUE_AXIS)):
                 x, fisher = layer[part], layer[f"{part}_fisher"]
-                levels = calibrate_levels(x, fisher, bits, group_size, axis)
-                x_n, weights = normalized_with_weights(x, fisher, bits, group_size, axis)
+                levels = calibrate_levels(x, fisher, bits, group_size, axis, outlier_fraction=sparse_outliers)
+                x_n, weights = normalized_with_weights(x, fisher, bits, group_size, axis, sparse_outliers)
                 ratio = weighted_error(x_n, weights, levels) / max(weighted_error(x_n, weights, uniform_levels(bits)),
                                                                    torch.finfo(torch.float32).tiny)
                 entry[part].append([round(float(v), 6) for v in levels])
@@ -104,20 +114,22 @@ def calibrate_tables(activations: list[dict], *, bits_list, group_size: int) -> 
 
 
 def run_calibration(model, tokenizer, text: str, *, bits_list, group_size: int, window: int, windows: int,
-                    model_name: str, batch_size: int = 2) -> dict:
+                    model_name: str, batch_size: int = 2, pre_rope: bool = False,
+                    sparse_outliers: float = 0.0) -> dict:
     start = time.perf_counter()
     win = calibration_windows(tokenizer, text, window=window, windows=windows)
-    activations = collect_kv_fisher(model, win, batch_size=batch_size)
-    tables = calibrate_tables(activations, bits_list=bits_list, group_size=group_size)
+    activations = collect_kv_fisher(model, win, batch_size=batch_size, pre_rope=pre_rope)
+    tables = calibrate_tables(activations, bits_list=bits_list, group_size=group_size, sparse_outliers=sparse_outliers)
     return dict(format=FORMAT, model=model_name, num_layers=len(activations), group_size=group_size,
-                key_axis=KEY_AXIS, value_axis=VALUE_AXIS, keys="post-RoPE",
+                key_axis=KEY_AXIS, value_axis=VALUE_AXIS, pre_rope=pre_rope, sparse_outliers=sparse_outliers,
                 calibration=dict(corpus_part="last tokens", window=window, windows=windows,
                                  tokens=int(win.numel()), weighting="Fisher (squared loss gradient) x scale^2",
                                  seconds=round(time.perf_counter() - start, 1)),
                 bits=tables)
 
 
-def load_tables(path, *, bits: int, num_layers: int, group_size: int) -> dict:
+def load_tables(path, *, bits: int, num_layers: int, group_size: int, pre_rope: bool = False,
+                sparse_outliers: float = 0.0) -> dict:
     """{"k": [levels tensor per layer], "v": [...]} from a `kivi calibrate` file, checked against
     the model and the quantization settings that will use it."""
     try:
@@ -131,6 +143,11 @@ def load_tables(path, *, bits: int, num_layers: int, group_size: int) -> dict:
     if data["group_size"] != group_size:
         raise ValueError(f"--nuq {path}: calibrated with group_size={data['group_size']}, "
                          f"but --group-size is {group_size}")
+    for flag, name, want in ((data.get("pre_rope", False), "--pre-rope", pre_rope),
+                             (data.get("sparse_outliers", 0.0), "--sparse-outliers", sparse_outliers)):
+        if flag != want:
+            raise ValueError(f"--nuq {path}: calibrated with {name} {flag}, but this run uses {name} {want}; "
+                             f"calibrate with the same settings (kivi calibrate {name} ...)")
     if str(bits) not in data["bits"]:
         raise ValueError(f"--nuq {path}: has levels for bits {sorted(data['bits'])}, not {bits}")
     entry = data["bits"][str(bits)]
@@ -146,6 +163,9 @@ def add_calibrate_parser(sub, add_model_arguments, positive_int) -> None:
     c.add_argument("--group-size", type=positive_int, default=32)
     c.add_argument("--window", type=positive_int, default=512)
     c.add_argument("--windows", type=positive_int, default=8)
+    c.add_argument("--pre-rope", action="store_true", help="levels for keys quantized before RoPE (KVQuant)")
+    c.add_argument("--sparse-outliers", type=_fraction, default=0.0, metavar="FRACTION",
+                   help="levels for the dense part when this fraction of each vector is kept exact (e.g. 0.01)")
     c.set_defaults(func=cmd_calibrate, parser=c)
 
 
@@ -159,6 +179,12 @@ def _bits_list(text: str) -> list[int]:
     if not bits or any(b not in (2, 4) for b in bits):
         raise argparse.ArgumentTypeError(f"expected comma-separated bit widths from 2,4, got {text!r}")
     return bits
+
+
+def _fraction(text: str) -> float:
+    from .eval_cli import _fraction as fraction
+
+    return fraction(text)
 
 
 def cmd_calibrate(args, parser) -> int:
@@ -177,7 +203,8 @@ def cmd_calibrate(args, parser) -> int:
     model, tokenizer = load_model(args.model, dtype=torch.float32, device="cpu")
     try:
         result = run_calibration(model, tokenizer, text, bits_list=args.bits, group_size=args.group_size,
-                                 window=args.window, windows=args.windows, model_name=args.model)
+                                 window=args.window, windows=args.windows, model_name=args.model,
+                                 pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers)
     except ValueError as e:
         parser.error(str(e))
     args.out.parent.mkdir(parents=True, exist_ok=True)

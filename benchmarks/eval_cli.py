@@ -49,6 +49,8 @@ def add_eval_parser(sub, add_model_arguments, positive_int) -> None:
     ppl.add_argument("--v-axis", choices=("token", "channel"), default="token", help="--method fake only")
     ppl.add_argument("--nuq", default=None, metavar="PATH",
                      help="--method fake only: per-layer nuqX levels from `kivi calibrate` instead of the uniform grid")
+    ppl.add_argument("--pre-rope", action="store_true",
+                     help="--method fake only: KVQuant's pre-RoPE keys (quantized before the rotation)")
     ppl.add_argument("--sparse-outliers", type=_fraction, default=0.0, metavar="FRACTION",
                      help="--method fake only: KVQuant's per-vector dense-and-sparse quantization, e.g. 0.01 "
                           "keeps 1%% of each key channel / value token exact")
@@ -125,12 +127,12 @@ def cmd_ppl(args, parser) -> int:
         nuq = _nuq_tables(args, parser, model.config.num_hidden_layers) if args.nuq else None
         windows = _windows(tokenizer, text, args, parser)
         result = fake_quant_perplexity(model, windows, spec, batch_size=args.batch_size, nuq=nuq,
-                                       sparse_outliers=args.sparse_outliers)
-        config = dict(spec.to_dict(), nuq=args.nuq, sparse_outliers=args.sparse_outliers)
+                                       sparse_outliers=args.sparse_outliers, pre_rope=args.pre_rope)
+        config = dict(spec.to_dict(), nuq=args.nuq, sparse_outliers=args.sparse_outliers, pre_rope=args.pre_rope)
     else:
-        if args.nuq or args.sparse_outliers:
-            parser.error("--nuq and --sparse-outliers work with --method fake so far "
-                         "(the cache does not store nuq codes or sparse outliers yet)")
+        if args.nuq or args.sparse_outliers or args.pre_rope:
+            parser.error("--nuq, --sparse-outliers and --pre-rope work with --method fake so far "
+                         "(the cache does not store nuq codes, sparse outliers or pre-RoPE keys yet)")
         model, tokenizer = _load(args, parser, patched=True, plain=False)
         windows = _windows(tokenizer, text, args, parser)
         result = cache_perplexity(model, windows, method=args.method, kivi_config=kivi_config, chunk=args.chunk,
@@ -155,8 +157,10 @@ def _nuq_tables(args, parser, num_layers: int) -> dict:
         parser.error(f"--nuq levels are calibrated for --k-axis {KEY_AXIS} --v-axis {VALUE_AXIS}, "
                      f"got --k-axis {args.k_axis} --v-axis {args.v_axis}")
     try:
-        keys = load_tables(args.nuq, bits=args.k_bits, num_layers=num_layers, group_size=args.group_size)["k"]
-        values = load_tables(args.nuq, bits=args.v_bits, num_layers=num_layers, group_size=args.group_size)["v"]
+        settings = dict(num_layers=num_layers, group_size=args.group_size, pre_rope=args.pre_rope,
+                        sparse_outliers=args.sparse_outliers)
+        keys = load_tables(args.nuq, bits=args.k_bits, **settings)["k"]
+        values = load_tables(args.nuq, bits=args.v_bits, **settings)["v"]
     except ValueError as e:
         parser.error(str(e))
     return dict(k=keys, v=values)

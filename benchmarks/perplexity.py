@@ -27,6 +27,7 @@ from kivi_models import make_cache
 from kivi_ops import KIVIConfig, fake_quantize
 from kivi_ops.config import check_axis, check_bits, check_group_size
 from kivi_ops.nuq import fake_quantize_nuq, uniform_levels
+from kivi_ops.rope import apply_rope, undo_rope
 
 FAKE_ATTN = "kivi_fake"
 
@@ -56,6 +57,10 @@ class FakeQuantConfig:
 def _fake_quant_attention(module, query, key, value, attention_mask, **kwargs):
     spec: FakeQuantConfig = module.config.kivi_fake_quant
     nuq, sparse = module.config.kivi_fake_nuq, module.config.kivi_fake_sparse
+    rope = module.config.kivi_fake_pre_rope  # (cos, sin) [1, 1, T, D] of positions 0..T-1, or None
+    if rope is not None:  # KVQuant pre-RoPE: quantize the keys as they were before the rotation
+        cos, sin = (t[:, :, : key.shape[2]].to(key.dtype) for t in rope)
+        key = undo_rope(key, cos, sin)
     if nuq is None and not sparse:
         key = fake_quantize(key.contiguous(), spec.k_bits, spec.group_size, spec.k_axis)
         value = fake_quantize(value.contiguous(), spec.v_bits, spec.group_size, spec.v_axis)
@@ -65,12 +70,23 @@ def _fake_quant_attention(module, query, key, value, attention_mask, **kwargs):
         v_levels = nuq["v"][layer] if nuq else uniform_levels(spec.v_bits)
         key = fake_quantize_nuq(key, spec.k_bits, spec.group_size, spec.k_axis, k_levels, sparse)
         value = fake_quantize_nuq(value, spec.v_bits, spec.group_size, spec.v_axis, v_levels, sparse)
+    if rope is not None:
+        key = apply_rope(key, cos, sin)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 # The mask function is registered too: without it transformers would silently build no mask.
 AttentionInterface.register(FAKE_ATTN, _fake_quant_attention)
 AttentionMaskInterface.register(FAKE_ATTN, sdpa_mask)
+
+
+def _rope_tables(model, length: int):
+    """The model's own RoPE cos/sin for positions 0..length-1 (every fake window starts at 0),
+    shaped [1, 1, length, head_dim] to broadcast over [batch, heads, tokens, head_dim]."""
+    positions = torch.arange(length, device=model.device)[None]
+    probe = torch.zeros(1, length, 1, device=model.device, dtype=model.dtype)
+    cos, sin = model.model.rotary_emb(probe, positions)
+    return cos[:, None], sin[:, None]
 
 
 @dataclass
@@ -90,16 +106,18 @@ def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def fake_quant_perplexity(plain_model, windows: torch.Tensor, spec: Optional[FakeQuantConfig], *,
                           batch_size: int = 8, desc: str = "ppl", nuq: Optional[dict] = None,
-                          sparse_outliers: float = 0.0) -> PerplexityResult:
+                          sparse_outliers: float = 0.0, pre_rope: bool = False) -> PerplexityResult:
     """One full forward per window with every key/value fake-quantized (spec=None: 16-bit).
     nuq: per-layer nuqX levels {"k": [...], "v": [...]} (kivi_ops/nuq.py) instead of the uniform grid.
-    sparse_outliers: the fraction of each vector kept exact (kivi_ops/dense_sparse.py)."""
+    sparse_outliers: the fraction of each vector kept exact (kivi_ops/dense_sparse.py).
+    pre_rope: quantize keys before RoPE and rotate after dequantization (kivi_ops/rope.py)."""
     if spec is not None and windows.shape[1] % spec.group_size:
         raise ValueError(f"--window must be a multiple of group_size={spec.group_size} for fake quantization")
     previous = plain_model.config._attn_implementation
     plain_model.config.kivi_fake_quant = spec
     plain_model.config.kivi_fake_nuq = nuq
     plain_model.config.kivi_fake_sparse = sparse_outliers
+    plain_model.config.kivi_fake_pre_rope = _rope_tables(plain_model, windows.shape[1]) if pre_rope else None
     plain_model.config._attn_implementation = FAKE_ATTN if spec is not None else "sdpa"
     start, nll, count = time.perf_counter(), 0.0, 0
     try:

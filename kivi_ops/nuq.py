@@ -120,16 +120,22 @@ def weighted_error(values: torch.Tensor, weights: torch.Tensor, levels: torch.Te
     return float((weights * (values - levels[nearest_level(values, levels)]) ** 2).sum())
 
 
-def normalized_with_weights(x: torch.Tensor, fisher: torch.Tensor, bits: int, group_size: int, axis: str):
+def normalized_with_weights(x: torch.Tensor, fisher: torch.Tensor, bits: int, group_size: int, axis: str,
+                            outlier_fraction: float = 0.0):
     """(x_n, weights) grouped: the normalized values and their weights fisher * scale^2, which make
-    the normalized squared error equal the Fisher-weighted error in the activation's units."""
-    x_n, scale, _ = normalize_groups(x, bits, group_size, axis)
-    return x_n, _grouped(fisher.float(), group_size, axis) * scale**2
+    the normalized squared error equal the Fisher-weighted error in the activation's units.
+    Dense-and-sparse outliers (kept exact at run time) get weight 0 and stay out of the ranges."""
+    exclude = outlier_mask(x, outlier_fraction, axis) if outlier_fraction else None
+    x_n, scale, _ = normalize_groups(x, bits, group_size, axis, exclude)
+    weights = _grouped(fisher.float(), group_size, axis) * scale**2
+    if exclude is not None:
+        weights = weights.masked_fill(_grouped(exclude, group_size, axis), 0.0)
+    return x_n, weights
 
 
 def calibrate_levels(x: torch.Tensor, fisher: torch.Tensor, bits: int, group_size: int, axis: str,
-                     iterations: int = 50) -> torch.Tensor:
+                     iterations: int = 50, outlier_fraction: float = 0.0) -> torch.Tensor:
     """nuq levels for activations x [..., T, D] with diagonal Fisher information `fisher` (same
     shape): k-means on the normalized values, each weighted by fisher * scale^2."""
-    x_n, weights = normalized_with_weights(x, fisher, bits, group_size, axis)
+    x_n, weights = normalized_with_weights(x, fisher, bits, group_size, axis, outlier_fraction)
     return weighted_kmeans_1d(x_n, weights, 2**bits, init=uniform_levels(bits), iterations=iterations)

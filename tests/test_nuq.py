@@ -159,3 +159,36 @@ def test_dense_and_sparse_keeps_outliers_exact_and_out_of_the_range():
     # Without outlier removal the 40.0 stretches the range: every other element loses precision.
     plain_err = (fake_quantize_nuq(x, 2, 32, "token", uniform_levels(2))[0, 1, 5] - row)[keep].abs().mean()
     assert (out[0, 1, 5] - row)[keep].abs().mean() < plain_err / 4
+
+
+def test_undo_rope_inverts_the_models_rope():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from kivi_ops.rope import apply_rope, undo_rope
+
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=256))
+    k = torch.randn(1, 2, 40, 32, dtype=torch.float64)
+    cos, sin = rotary(k.float(), torch.arange(40)[None])
+    cos, sin = cos[:, None].double(), sin[:, None].double()
+    _, rotated = apply_rotary_pos_emb(k, k, cos[:, 0], sin[:, 0])  # transformers' own RoPE
+    torch.testing.assert_close(apply_rope(k, cos, sin), rotated)
+    torch.testing.assert_close(undo_rope(rotated, cos, sin), k)
+
+
+def test_pre_rope_fake_quantization_quantizes_unrotated_keys():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kivi_benchmarks.perplexity import FakeQuantConfig, fake_quant_perplexity
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    windows = torch.randint(0, 64, (2, 64))
+    exact = fake_quant_perplexity(model, windows, None).ppl
+    spec8 = FakeQuantConfig(8, 8, 32)
+    # 8 bits before RoPE: still near exact (the rotation is undone and redone exactly).
+    assert fake_quant_perplexity(model, windows, spec8, pre_rope=True).ppl == pytest.approx(exact, rel=1e-3)
+    spec2 = FakeQuantConfig(2, 2, 32)
+    assert fake_quant_perplexity(model, windows, spec2, pre_rope=True).ppl != fake_quant_perplexity(
+        model, windows, spec2).ppl
