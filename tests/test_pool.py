@@ -302,3 +302,21 @@ def test_export_with_pool(impl):
     module = ep.module()
     for x, out in zip(inputs, want):
         torch.testing.assert_close(module(*x), out, atol=ATOL, rtol=RTOL)
+
+
+# ---------------------------------------------------------------- command line
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--prompt", "x", "--sink-tokens", "-1"], "--sink-tokens must be a non-negative int"),
+    (["generate", "--prompt", "x", "--outlier-tokens", "129"], "--outlier-tokens must be at most residual_length=128"),
+    (["generate", "--prompt", "x", "--sink-tokens", "x"], "invalid int value"),
+    (["generate", "--prompt", "x", "--method", "fp", "--sink-tokens", "1"], "options of the KIVI cache"),
+    (["eval", "ppl", "--corpus", "pydoc", "--method", "fake", "--outlier-tokens", "3"], "options of the KIVI cache"),
+])
+def test_cli_rejects_invalid_options(argv, message, capsys):
+    from kivi_models.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
