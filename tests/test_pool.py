@@ -172,6 +172,33 @@ def test_reference_and_decomposed_write_identical_buffers():
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_reference_and_decomposed_agree(dtype):
+    K, V = make_keys(45, 4)
+    caches = [KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D, dtype=dtype)
+              .use_impl(impl) for impl in ("op", "decomposed")]
+    for cache in caches:
+        cache.append(0, K[:, :, :21].to(dtype), V[:, :, :21].to(dtype), torch.tensor([21, 13]))
+        for t in range(21, 45):
+            cache.append(0, K[:, :, t : t + 1].to(dtype), V[:, :, t : t + 1].to(dtype))
+    for (name, a), (_, b) in zip(caches[0].named_buffers(), caches[1].named_buffers()):
+        assert torch.equal(a, b), name
+    q = torch.randn(B, HQ, 1, D).to(dtype)
+    torch.testing.assert_close(caches[0].attend(0, q), caches[1].attend(0, q), atol=1e-2, rtol=1e-2)
+
+
+def test_dequantized_shows_pooled_tokens_exact():
+    K, V = make_keys(40, 6)
+    cache = KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
+    cache.append(0, K, V)
+    keys, values = cache.dequantized(0)
+    pos = cache.pool_buffers(0)[2]
+    assert (pos[..., 1:] >= 0).any()
+    for b, h, i in (pos >= 0).nonzero().tolist():
+        t = int(pos[b, h, i])
+        assert torch.equal(keys[b, h, t], K[b, h, t]) and torch.equal(values[b, h, t], V[b, h, t])
+
+
 def test_prefill_at_once_equals_token_by_token():
     K, V = make_keys(40, 7)
     caches = [KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D) for _ in range(2)]
