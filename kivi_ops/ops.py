@@ -189,7 +189,9 @@ def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, l
 #   kivi::cache_attend_pool(query, <9 buffers>, pool_k, pool_v, pool_pos, counts?,
 #                           k_bits, v_bits, group_size, residual_length, scale) -> out
 # The pool has P = sink_tokens + outlier_tokens + spill slots; spill = P - sink - outliers.
-# CUDA: the decomposed (core ATen, no host sync, CUDA-graph safe) formulation; no Triton kernel yet.
+# CUDA: the decomposed (core ATen, no host sync, CUDA-graph safe) formulation; no Triton kernel yet,
+# so with the options on a CUDA step dequantizes each layer's cache to fp32 once per attention call
+# (correct, but memory- and bandwidth-hungry at long contexts).
 
 POOL_CACHE_BUFFERS = CACHE_BUFFERS + ("pool_k", "pool_v", "pool_pos")
 
@@ -276,7 +278,10 @@ def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, l
     from .decomposed import cache_attend_decomposed
 
     check_pool_args(pool_k, pool_v, pool_pos, k_res, 0, 0)
+    # Eager ATen on the GPU: the matmul form (one fp32 dequantized copy of the layer's cache per
+    # call, cuBLAS products); the fused form is written for Inductor's CPU loops.
     return cache_attend_decomposed(
         query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-        counts, k_bits, v_bits, group_size, residual_length, scale, pool=(pool_k, pool_v, pool_pos),
+        counts, k_bits, v_bits, group_size, residual_length, scale, form="materialized",
+        pool=(pool_k, pool_v, pool_pos),
     )
