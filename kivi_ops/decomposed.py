@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .cache_reference import quantized_counts
 from .packing import codes_per_byte, quantize_pack_reference, token_group_size
-from .pool import ott_step, pool_attention_scores, pooled_mask, replace_pooled_rows
+from .pool import ott_step, pool_attention_scores, pooled_mask_dense, replace_pooled_rows
 
 
 # Longest token run one value-side accumulator sums before the chunks are added (see _token_chunk).
@@ -304,13 +304,13 @@ def _token_chunk(S: int) -> int:
     return S
 
 
-def _with_pool(scores: Tensor, visible: Tensor, t: Tensor, qf: Tensor, pos: Tensor, valid_row: Tensor, pool):
+def _with_pool(scores: Tensor, visible: Tensor, qf: Tensor, pos: Tensor, valid_row: Tensor, pool):
     """Mask pooled tokens out of scores/visible [B, H|1, rows, S] and append the pool's columns."""
     if pool is None:
         return scores, visible
     pool_k, _, pool_pos = pool
     B, H, rows, S = scores.shape
-    visible = visible & ~pooled_mask(pool_pos, t)[:, :, None, :]
+    visible = visible & ~pooled_mask_dense(pool_pos, S)[:, :, None, :]
     ps, pvis = pool_attention_scores(qf, pool_k, pool_pos, pos, valid_row)
     return torch.cat([scores, ps], dim=-1), torch.cat([visible.expand(B, H, rows, S), pvis], dim=-1)
 
@@ -374,7 +374,7 @@ def _attend_fused(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_ze
     sr = _dot(qf[:, :, :, None, :], k_res.float()[:, :, None], -1)  # [B, H, rows, RR]
     scores = torch.where((t[None, :] < nqk[:, None])[:, None, None, :], sq, sr[..., t % R])
     visible = ((t[None, None, :] <= pos[:, :, None]) & valid_row[:, :, None])[:, None]
-    p, denom = _softmax_rows(*_with_pool(scores, visible, t, qf, pos, valid_row, pool))
+    p, denom = _softmax_rows(*_with_pool(scores, visible, qf, pos, valid_row, pool))
     p, pool_acc = _pool_values(p, S, pool)
 
     # Values: quantized part (t < nqv), then the residual window through its slots.
@@ -419,7 +419,7 @@ def _attend_materialized(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scal
     values = torch.where((t[None, :] < nqv[:, None])[:, None, :, None], values, v_res.float()[:, :, slot])
     scores = qf @ keys.transpose(-1, -2)  # [B, H, rows, S]
     visible = ((t[None, None, :] <= pos[:, :, None]) & valid_row[:, :, None])[:, None]
-    p, denom = _softmax_rows(*_with_pool(scores, visible, t, qf, pos, valid_row, pool))
+    p, denom = _softmax_rows(*_with_pool(scores, visible, qf, pos, valid_row, pool))
     p, pool_acc = _pool_values(p, S, pool)
     acc = p @ values
     return _finish(acc if pool_acc is None else acc + pool_acc, denom, query)

@@ -56,6 +56,15 @@ def pooled_mask(pool_pos: Tensor, t: Tensor) -> Tensor:
     return (pool_pos[:, :, :, None] == t[None, None, None, :]).any(dim=2)
 
 
+def pooled_mask_dense(pool_pos: Tensor, S: int) -> Tensor:
+    """pooled_mask(pool_pos, arange(S)) by one scatter of the P positions: O(P + S) instead of
+    O(P * S) (the decomposed attention's mask over the whole cache)."""
+    B, H, P = pool_pos.shape
+    idx = torch.where(pool_pos >= 0, pool_pos, S).clamp(max=S)  # empty slots hit a spare column
+    flags = torch.zeros((B, H, S + 1), dtype=torch.int32, device=pool_pos.device)
+    return flags.scatter(2, idx, 1)[..., :S] > 0
+
+
 def replace_pooled_rows(x: Tensor, pooled: Tensor, group_size: int) -> Tensor:
     """x [B, H, T, D] (T a multiple of G), pooled [B, H, T]: each pooled row replaced by the mean
     of its G-token group's other rows (0 if the whole group is pooled), in x's dtype."""

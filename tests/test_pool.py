@@ -306,8 +306,9 @@ def test_compile_fullgraph_with_pool_ops():
         assert torch.equal(a, b), name
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # Inductor compile, 15-35 s on 2 cores with a cold cache
 def test_compile_fullgraph_decomposed_with_pool():
+    # What compiled CPU decode runs (generate.compile_decode_step switches the cache to "decomposed").
     eager, compiled_step = Step("op"), Step("decomposed")
     compiled = torch.compile(compiled_step, fullgraph=True)
     for k, v, q in step_inputs(3):
