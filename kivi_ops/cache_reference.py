@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .packing import dequantize_codes, expand_groups, quantize_pack_reference, unpack, unpack_float
-from .pool import pool_attention_scores, pooled_mask
+from .pool import ott_step, pool_attention_scores, pooled_mask, replace_pooled_rows
 
 # Tokens per step of the reference attention's online softmax: bounds the temporary
 # dequantized block, so no dequantized copy of the whole cache is ever materialized.
@@ -124,11 +124,8 @@ def _pool_flush(pool, b, nqk, nqk_end, keys, values, R, G):
     """OTT steps (pool.py) over the R-token windows [nqk, nqk_end) of sequence b, in order; keys /
     values [H, nqk_end - nqk, D] exact. Returns the keys to quantize: sinks and new outliers
     replaced by their group's mean."""
-    from .pool import ott_step, replace_pooled_rows
-
     pool_k, pool_v, pool_pos, sink, N = pool
-    pooled = torch.arange(nqk, nqk_end, device=keys.device)[None, :].expand(keys.shape[0], -1) < sink
-    pooled = pooled.clone()
+    pooled = (torch.arange(nqk, nqk_end, device=keys.device) < sink)[None, :].repeat(keys.shape[0], 1)  # sinks
     if N > 0:
         a, z = sink, sink + N
         for w0 in range(0, nqk_end - nqk, R):
