@@ -90,6 +90,11 @@ class KIVICache(StaticCacheBase):
         super().__init__(num_layers=num_layers, batch_size=batch_size, max_seq_len=max_seq_len,
                          num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
         config.check_head_dim(head_dim)
+        if config.outlier_tokens and config.outlier_skip_layers >= num_layers:
+            raise ValueError(
+                f"outlier_tokens={config.outlier_tokens} would apply to no layer: outlier_skip_layers="
+                f"{config.outlier_skip_layers} skips all {num_layers} (lower it or set outlier_tokens=0)"
+            )
         self.config = config
         self.impl, self.attend_form = "op", "auto"
         device = torch.device(device)

@@ -264,6 +264,12 @@ def test_invalid_options_raise(kwargs, match):
         KIVIConfig(2, 2, 32, 128, **kwargs)
 
 
+def test_outliers_skipping_every_layer_raise():
+    with pytest.raises(ValueError, match="would apply to no layer"):
+        KIVICache(KIVIConfig(2, 2, 4, 8, outlier_tokens=3, outlier_skip_layers=2), num_layers=2, batch_size=1,
+                  max_seq_len=16, num_kv_heads=1, head_dim=16)
+
+
 def test_pool_ops_opcheck():
     cache = run(BOTH, "op", check_every=False)
     c = BOTH
