@@ -16,6 +16,9 @@ def add_bench_parser(sub, add_model_arguments, positive_int) -> None:
     mem.add_argument("--contexts", type=_int_list, default=[1024, 4096, 16384, 32768, 131072])
     mem.add_argument("--budget-gib", type=float, default=None,
                      help="also report the largest batch whose cache fits this many GiB, per context")
+    mem.add_argument("--sink-tokens", type=int, default=0, help="count a sink pool of N tokens per layer")
+    mem.add_argument("--outlier-tokens", type=int, default=0,
+                     help="count OTT outlier pools (N + 32 spill slots, none in the first two layers)")
 
     att = bsub.add_parser("attention", help="fused KIVI decode attention vs scaled_dot_product_attention")
     att.add_argument("--contexts", type=_int_list, default=None,
@@ -106,7 +109,10 @@ def cmd_bench(args, parser) -> int:
 
         torch.set_num_threads(args.threads)
     if args.bench_command == "memory":
-        result = perf.bench_memory(args.contexts)
+        try:
+            result = perf.bench_memory(args.contexts, sink_tokens=args.sink_tokens, outlier_tokens=args.outlier_tokens)
+        except ValueError as e:
+            parser.error(str(e))
         if args.budget_gib:
             result["budget_gib"] = args.budget_gib
             budget = args.budget_gib * 2**30
@@ -218,6 +224,9 @@ def _decode_model(args, device, parser):
 def print_table(kind: str, result: dict) -> None:
     rows = result["rows"]
     if kind == "memory":
+        if rows and (rows[0].get("sink_tokens") or rows[0].get("outlier_tokens")):
+            print(f"with sink_tokens={rows[0]['sink_tokens']}, outlier_tokens={rows[0]['outlier_tokens']} "
+                  "(pools included in KIVI and theory bytes)")
         print("bits  G    R    tokens   KIVI MiB   theory MiB   fp16 MiB   fp16/KIVI")
         for r in rows:
             print(f"{r['bits']:>4} {r['group_size']:>3} {r['residual_length']:>4} {r['tokens']:>8} "

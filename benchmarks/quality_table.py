@@ -27,7 +27,7 @@ from .perplexity import FakeQuantConfig, cache_perplexity, fake_quant_perplexity
 @dataclass(frozen=True)
 class Row:
     name: str
-    group: str  # "baseline" | "fake" | "kivi" | "group size" | "residual"
+    group: str  # "baseline" | "fake" | "kivi" | "group size" | "residual" | "ott / sink"
     method: str  # "fp" | "kivi" | "fake"
     kivi: Optional[KIVIConfig] = None
     fake: Optional[FakeQuantConfig] = None
@@ -58,7 +58,22 @@ def standard_rows(quick: bool) -> list[Row]:
     ]
     rows += [Row(f"KIVI-2 G={g} (R=128)", "group size", "kivi", kivi=KIVIConfig(2, 2, g, 128)) for g in (32, 64, 128)]
     rows += [Row(f"KIVI-2 R={r} (G=32)", "residual", "kivi", kivi=KIVIConfig(2, 2, 32, r)) for r in (32, 64, 96, 128)]
-    return rows
+    return rows + extension_rows()
+
+
+def extension_rows() -> list[Row]:
+    """OTT-2 (paper 003: 3 outlier tokens, none in the first two layers, spill pool 32) and
+    attention-sink rows, comparable to the KIVI-2 rows of the same G and R. The paper's OTT runs
+    G=128, R=32, which our layout cannot hold (keys flush R at a time, R a multiple of G): the
+    G=128 row is the closest (its KIVI-2 counterpart is "KIVI-2 G=128 (R=128)")."""
+    return [
+        Row("OTT-2 (G=32, R=128, 3 outliers)", "ott / sink", "kivi", kivi=KIVIConfig(2, 2, 32, 128, outlier_tokens=3)),
+        Row("OTT-2 G=128 (R=128, 3 outliers)", "ott / sink", "kivi", kivi=KIVIConfig(2, 2, 128, 128, outlier_tokens=3)),
+        Row("KIVI-2 + sink 1 (G=32, R=128)", "ott / sink", "kivi", kivi=KIVIConfig(2, 2, 32, 128, sink_tokens=1)),
+        Row("KIVI-2 + sink 4 (G=32, R=128)", "ott / sink", "kivi", kivi=KIVIConfig(2, 2, 32, 128, sink_tokens=4)),
+        Row("OTT-2 + sink 1 (G=32, R=128)", "ott / sink", "kivi",
+            kivi=KIVIConfig(2, 2, 32, 128, sink_tokens=1, outlier_tokens=3)),
+    ]
 
 
 def passkey_rows(quick: bool) -> list[Row]:
@@ -66,7 +81,8 @@ def passkey_rows(quick: bool) -> list[Row]:
         return [Row("16-bit", "baseline", "fp"), Row("KIVI-2 (G=32, R=32)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 32))]
     return [Row("16-bit", "baseline", "fp"),
             Row("KIVI-4 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(4, 4, 32, 128)),
-            Row("KIVI-2 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 128))]
+            Row("KIVI-2 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 128)),
+            *[r for r in extension_rows() if "G=128" not in r.name and "OTT-2 + sink" not in r.name]]
 
 
 def environment() -> dict:
@@ -148,7 +164,7 @@ def write_outputs(report: dict, out_dir: Path) -> None:
 
     rows = report["perplexity"]
     colors = {"baseline": "tab:gray", "fake": "tab:orange", "kivi": "tab:blue", "group size": "tab:green",
-              "residual": "tab:purple"}
+              "residual": "tab:purple", "ott / sink": "tab:red"}
     fig, ax = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.2))
     ax.barh(range(len(rows)), [r["ppl"] for r in rows], color=[colors[r["group"]] for r in rows])
     ax.set_yticks(range(len(rows)), [r["name"] for r in rows])

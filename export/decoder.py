@@ -4,10 +4,10 @@
 
 Row b holds counts[b] real tokens (right padding) that start at position input_pos[b]; the
 result is the logits of each row's last real token. A row whose input_pos is 0 starts a new
-sequence (its cache length is reset in the graph). When every row starts fresh, the layers
-attend over the exact prompt keys/values (as `kivi generate`'s prefill does); otherwise over
-the cache (decode steps, or a prompt continued in chunks). Both paths are branches of one
-`torch.cond`, so a single program with a dynamic token count serves prompts and decode steps.
+sequence (its cache length is reset in the graph, its sink / outlier pools emptied). When every
+row starts fresh, the layers attend over the exact prompt keys/values (as `kivi generate`'s
+prefill does); otherwise over the cache (decode steps, or a prompt continued in chunks). Both
+paths are branches of one `torch.cond`, so a single program with a dynamic token count serves prompts and decode steps.
 
 The cache lives in the module's buffers (`torch.export` records their in-place updates), or,
 with `cache_as_io=True` for formats without mutable state (ONNX), comes in as extra inputs and
@@ -50,6 +50,9 @@ class ExportableDecoder(nn.Module):
         for layer in range(backing.num_layers):
             lengths = backing.lengths(layer)
             lengths.copy_(torch.where(fresh, torch.zeros_like(lengths), lengths))
+            pool = backing.pool_buffers(layer) if hasattr(backing, "pool_buffers") else ()
+            if pool:  # sink / outlier pools: a fresh row's slots are empty again
+                pool[2].copy_(torch.where(fresh[:, None, None], torch.full_like(pool[2], -1), pool[2]))
         hf_cache = KIVIHFCache(backing)
         hf_cache.exact_attention = fresh.all()
         n = input_ids.shape[1]

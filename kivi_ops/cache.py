@@ -1,7 +1,9 @@
 """KIVICache: a preallocated, static-shape KV cache stored the KIVI way.
 
-Each layer owns nine separately registered buffers (layout in cache_reference.py). Ops always
-receive whole buffers, so a compiled decode step updates them in place without copies.
+Each layer owns nine separately registered buffers (layout in cache_reference.py), plus three
+for the sink / OTT outlier pool when those options are on (pool.py; the pool ops
+kivi::cache_append_pool / cache_attend_pool then replace the plain ones). Ops always receive
+whole buffers, so a compiled decode step updates them in place without copies.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .cache_reference import check_capacity
 from .config import KIVIConfig
 from .ops import CACHE_BUFFERS
 from .packing import FLOAT_DTYPES, codes_per_byte
+from .pool import POOL_BUFFERS
 
 IMPLS = ("op", "decomposed")
 ATTEND_FORMS = ("auto", "fused", "materialized")
@@ -87,6 +90,11 @@ class KIVICache(StaticCacheBase):
         super().__init__(num_layers=num_layers, batch_size=batch_size, max_seq_len=max_seq_len,
                          num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
         config.check_head_dim(head_dim)
+        if config.outlier_tokens and config.outlier_skip_layers >= num_layers:
+            raise ValueError(
+                f"outlier_tokens={config.outlier_tokens} would apply to no layer: outlier_skip_layers="
+                f"{config.outlier_skip_layers} skips all {num_layers} (lower it or set outlier_tokens=0)"
+            )
         self.config = config
         self.impl, self.attend_form = "op", "auto"
         device = torch.device(device)
@@ -108,13 +116,35 @@ class KIVICache(StaticCacheBase):
             for name in CACHE_BUFFERS:
                 shape, dt = shapes[name]
                 self.register_buffer(f"{name}_{layer}", torch.zeros(shape, dtype=dt, device=device), persistent=False)
+            # Sink / OTT outlier pool (pool.py): only for layers that have one (none when the options are off).
+            P = config.layer_pool_size(layer)
+            if P:
+                self.register_buffer(f"pool_k_{layer}", torch.zeros((B, H, P, D), dtype=dtype, device=device),
+                                     persistent=False)
+                self.register_buffer(f"pool_v_{layer}", torch.zeros((B, H, P, D), dtype=dtype, device=device),
+                                     persistent=False)
+                self.register_buffer(f"pool_pos_{layer}", torch.full((B, H, P), -1, dtype=torch.int64, device=device),
+                                     persistent=False)
 
     def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, f"{name}_{layer_idx}") for name in CACHE_BUFFERS)
 
+    def pool_buffers(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
+        """(pool_k, pool_v, pool_pos) of a layer with a sink/outlier pool, () otherwise."""
+        if not self.config.layer_pool_size(layer_idx):
+            return ()
+        return tuple(getattr(self, f"{name}_{layer_idx}") for name in POOL_BUFFERS)
+
     def nbytes(self) -> int:
-        """Exact bytes held: codes + scales + zeros + residual buffers + lengths, all layers."""
+        """Exact bytes held: codes + scales + zeros + residual buffers + lengths, and the sink /
+        outlier pools (keys, values, positions) where the options are on, all layers."""
         return sum(buf.numel() * buf.element_size() for buf in self.buffers())
+
+    def reset(self) -> None:
+        super().reset()
+        for layer in range(self.num_layers):
+            if self.config.layer_pool_size(layer):
+                getattr(self, f"pool_pos_{layer}").fill_(-1)
 
     # ------------------------------------------------------------------ checks
 
@@ -161,6 +191,16 @@ class KIVICache(StaticCacheBase):
         if not torch.compiler.is_compiling():  # the CUDA kernel cannot raise: check here, in eager mode
             check_capacity(self.lengths(layer_idx), counts, key.shape[2], self.max_seq_len)
         c = self.config
+        pool = self.pool_buffers(layer_idx)
+        if pool:
+            extra = (c.sink_tokens, c.layer_outlier_tokens(layer_idx))
+            if self.impl == "op":
+                torch.ops.kivi.cache_append_pool(*self.layer_buffers(layer_idx), *pool, key, value, counts,
+                                                 c.k_bits, c.v_bits, c.group_size, c.residual_length, *extra)
+            else:
+                _decomposed().cache_append_decomposed(*self.layer_buffers(layer_idx), key, value, counts, c.k_bits,
+                                                      c.v_bits, c.group_size, c.residual_length, pool=(*pool, *extra))
+            return
         append = torch.ops.kivi.cache_append if self.impl == "op" else _decomposed().cache_append_decomposed
         append(*self.layer_buffers(layer_idx), key, value, counts, c.k_bits, c.v_bits, c.group_size, c.residual_length)
 
@@ -179,6 +219,11 @@ class KIVICache(StaticCacheBase):
         c = self.config
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
         args = (query, *self.layer_buffers(layer_idx), counts, c.k_bits, c.v_bits, c.group_size, c.residual_length, scale)
+        pool = self.pool_buffers(layer_idx)
+        if pool:
+            if self.impl == "op":
+                return torch.ops.kivi.cache_attend_pool(query, *self.layer_buffers(layer_idx), *pool, *args[10:])
+            return _decomposed().cache_attend_decomposed(*args, form=self.attend_form, pool=pool)
         if self.impl == "op":
             return torch.ops.kivi.cache_attend(*args)
         return _decomposed().cache_attend_decomposed(*args, form=self.attend_form)
@@ -206,6 +251,12 @@ class KIVICache(StaticCacheBase):
         stop = int(lengths.max())
         c = self.config
         keys, values = materialize_block(*bufs, 0, stop, c.k_bits, c.v_bits, c.group_size, c.residual_length)
+        pool = self.pool_buffers(layer_idx)
+        if pool:  # pooled tokens are seen exact
+            pool_k, pool_v, pool_pos = pool
+            for b, h, i in (pool_pos >= 0).nonzero().tolist():
+                t = int(pool_pos[b, h, i])
+                keys[b, h, t], values[b, h, t] = pool_k[b, h, i].float(), pool_v[b, h, i].float()
         inside = (torch.arange(stop, device=lengths.device)[None, :] < lengths[:, None])[:, None, :, None]
         zero = torch.zeros((), device=keys.device)
         return torch.where(inside, keys, zero).to(self.dtype), torch.where(inside, values, zero).to(self.dtype)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .packing import dequantize_codes, expand_groups, quantize_pack_reference, unpack, unpack_float
+from .pool import ott_step, pool_attention_scores, pooled_mask, replace_pooled_rows
 
 # Tokens per step of the reference attention's online softmax: bounds the temporary
 # dequantized block, so no dequantized copy of the whole cache is ever materialized.
@@ -52,9 +53,12 @@ def check_capacity(lengths: torch.Tensor, counts, n: int, max_seq_len: int) -> N
 
 def cache_append_reference(
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-    key, value, counts, k_bits, v_bits, group_size, residual_length,
+    key, value, counts, k_bits, v_bits, group_size, residual_length, pool=None,
 ) -> None:
-    """Append key/value [B, H, n, D] (the first counts[b] tokens of row b are real) in place."""
+    """Append key/value [B, H, n, D] (the first counts[b] tokens of row b are real) in place.
+
+    pool: None (plain KIVI) or (pool_k, pool_v, pool_pos, sink_tokens, outlier_tokens), the
+    full-precision token pool of pool.py, updated in place."""
     B, H, n, D = key.shape
     R, G = residual_length, group_size
     S = k_codes.shape[2]
@@ -70,9 +74,15 @@ def cache_append_reference(
 
         # Keys: flush whole residual windows, keep the remainder in the residual.
         nqk, nqk_end = L // R * R, end // R * R
+        if pool is not None:
+            _pool_sinks(pool, b, L, end, new_k, new_v)
         if nqk_end > nqk:
             stream = torch.cat([k_res[b, :, : L - nqk], new_k], dim=1)  # tokens [nqk, end)
-            codes, scale, zero = quantize_pack_reference(stream[:, : nqk_end - nqk], k_bits, G, "channel")
+            flushed = stream[:, : nqk_end - nqk]
+            if pool is not None:
+                v_stream = torch.cat([v_res[b][:, torch.arange(nqk, L, device=key.device) % R], new_v], dim=1)
+                flushed = _pool_flush(pool, b, nqk, nqk_end, flushed, v_stream[:, : nqk_end - nqk], R, G)
+            codes, scale, zero = quantize_pack_reference(flushed, k_bits, G, "channel")
             k_codes[b, :, nqk:nqk_end] = codes
             k_scale[b, :, nqk // G : nqk_end // G] = scale
             k_zero[b, :, nqk // G : nqk_end // G] = zero
@@ -99,6 +109,37 @@ def cache_append_reference(
         lengths += n
     else:
         lengths += counts.to(lengths.dtype)
+
+
+def _pool_sinks(pool, b, L, end, new_k, new_v) -> None:
+    """Sink slots s < sink_tokens take the new tokens at positions s (exact)."""
+    pool_k, pool_v, pool_pos, sink, _ = pool
+    for s in range(L, min(end, sink)):
+        pool_k[b, :, s] = new_k[:, s - L]
+        pool_v[b, :, s] = new_v[:, s - L]
+        pool_pos[b, :, s] = s
+
+
+def _pool_flush(pool, b, nqk, nqk_end, keys, values, R, G):
+    """OTT steps (pool.py) over the R-token windows [nqk, nqk_end) of sequence b, in order; keys /
+    values [H, nqk_end - nqk, D] exact. Returns the keys to quantize: sinks and new outliers
+    replaced by their group's mean."""
+    pool_k, pool_v, pool_pos, sink, N = pool
+    pooled = (torch.arange(nqk, nqk_end, device=keys.device) < sink)[None, :].repeat(keys.shape[0], 1)  # sinks
+    if N > 0:
+        a, z = sink, sink + N
+        for w0 in range(0, nqk_end - nqk, R):
+            u = torch.arange(nqk + w0, nqk + w0 + R, device=keys.device)
+            state = ott_step(
+                pool_k[b : b + 1, :, a:z], pool_v[b : b + 1, :, a:z], pool_pos[b : b + 1, :, a:z],
+                pool_k[b : b + 1, :, z:], pool_v[b : b + 1, :, z:], pool_pos[b : b + 1, :, z:],
+                keys[None, :, w0 : w0 + R], values[None, :, w0 : w0 + R], u[None], (u >= sink)[None],
+                torch.ones(1, dtype=torch.bool, device=keys.device),
+            )
+            pool_k[b : b + 1, :, a:z], pool_v[b : b + 1, :, a:z], pool_pos[b : b + 1, :, a:z] = state[:3]
+            pool_k[b : b + 1, :, z:], pool_v[b : b + 1, :, z:], pool_pos[b : b + 1, :, z:] = state[3:6]
+            pooled[:, w0 : w0 + R] |= state[6][0]
+    return replace_pooled_rows(keys[None], pooled[None], G)[0]
 
 
 def materialize_block(
@@ -159,9 +200,12 @@ def _quantized_value_sum(p, v_codes, v_scale, v_zero, start, stop, bits, G):
 
 def cache_attend_reference(
     query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-    counts, k_bits, v_bits, group_size, residual_length, scale,
+    counts, k_bits, v_bits, group_size, residual_length, scale, pool=None,
 ) -> torch.Tensor:
     """Softmax attention of query [B, Hq, q, D] over each sequence's cache, one online softmax.
+
+    pool: None or (pool_k, pool_v, pool_pos) (pool.py): pooled tokens are masked out of the
+    quantized part and residual, and their exact keys/values join the same softmax.
 
     Query i of row b sits at position lengths[b] - counts[b] + i (its own key is already
     appended) and sees keys at positions <= its own (causal). Rows i >= counts[b] are padding
@@ -198,8 +242,10 @@ def cache_attend_reference(
             exact = qf @ k_res[:, :, t_tail % R].float().transpose(-1, -2)
             scores[..., a - start :] = torch.where(from_k_res, exact, scores[..., a - start :])
         t = torch.arange(start, stop, device=query.device)
-        visible = (t[None, None, :] <= pos[:, :, None]) & valid_row[:, :, None]
-        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        visible = ((t[None, None, :] <= pos[:, :, None]) & valid_row[:, :, None])[:, None]
+        if pool is not None:
+            visible = visible & ~pooled_mask(pool[2], t)[:, :, None, :]
+        scores = scores.masked_fill(~visible, float("-inf"))
         m_new = torch.maximum(m, scores.amax(dim=-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(scores - m_safe[..., None])
@@ -215,6 +261,17 @@ def cache_attend_reference(
         else:
             pv = _quantized_value_sum(p, v_codes, v_scale, v_zero, start, stop, v_bits, G)
         acc = acc * correction[..., None] + pv
+        m = m_new
+    if pool is not None and pool[2].shape[-1]:
+        pool_k, pool_v, pool_pos = pool
+        scores, visible = pool_attention_scores(qf, pool_k, pool_pos, pos, valid_row)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        m_new = torch.maximum(m, scores.amax(dim=-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(scores - m_safe[..., None])
+        correction = torch.exp(m - m_safe)
+        denom = denom * correction + p.sum(dim=-1)
+        acc = acc * correction[..., None] + p @ pool_v.float()
         m = m_new
     out = acc / denom.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
     out = torch.where(denom[..., None] > 0, out, torch.zeros_like(out))

@@ -8,6 +8,9 @@ SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_AXES = ("channel", "token")
 # Triton block shapes must be powers of two, so group sizes are too.
 SUPPORTED_GROUP_SIZES = (4, 8, 16, 32, 64, 128, 256)
+# Attention-sink tokens kept exact: a handful (KVQuant keeps 1, StreamingLLM 4); the pool is
+# scanned by every attention call, so it is bounded.
+MAX_SINK_TOKENS = 64
 
 
 def check_bits(name: str, bits: int) -> None:
@@ -35,12 +38,28 @@ class KIVIConfig:
     residual_length (R): the most recent tokens kept in full precision. Keys accumulate in a
         residual and are quantized R at a time (R must be a multiple of G); values keep the last
         R tokens exact and quantize the oldest one as it leaves the window.
+
+    Extensions, all off (0) by default; off gives exactly KIVI and allocates nothing extra:
+    sink_tokens: the first N tokens of each sequence are kept in full precision (KVQuant's
+        attention-sink-aware quantization) and never enter key quantization statistics.
+    outlier_tokens: OTT (paper 003, Section 3.2): per layer and kv head, a pool of N
+        full-precision outlier tokens chosen at each key quantization step by the smallest key
+        magnitude (L1 norm over head_dim, Appendix E) among the tokens being quantized and the pool.
+    outlier_spill: capacity of OTT's auxiliary pool for tokens evicted from the outlier pool (the
+        paper's 32); when a step would evict more tokens than it has room for, the step selects
+        no new outliers (the paper stops identifying outliers when that pool is full).
+    outlier_skip_layers: the first layers get no outlier pool (the paper uses 0 outliers in the
+        first two layers).
     """
 
     k_bits: int = 2
     v_bits: int = 2
     group_size: int = 32
     residual_length: int = 128
+    sink_tokens: int = 0
+    outlier_tokens: int = 0
+    outlier_spill: int = 32
+    outlier_skip_layers: int = 2
 
     def __post_init__(self) -> None:
         check_bits("k_bits", self.k_bits)
@@ -52,6 +71,31 @@ class KIVIConfig:
                 f"residual_length must be a positive multiple of group_size={self.group_size} "
                 f"(e.g. {self.group_size}, {4 * self.group_size}), got {r!r}"
             )
+        for name in ("sink_tokens", "outlier_tokens", "outlier_spill", "outlier_skip_layers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if self.sink_tokens > MAX_SINK_TOKENS:
+            raise ValueError(f"sink_tokens must be at most {MAX_SINK_TOKENS} (the first tokens kept exact), "
+                             f"got {self.sink_tokens}")
+        if self.outlier_tokens > r:
+            raise ValueError(
+                f"outlier_tokens must be at most residual_length={r} (the tokens one quantization step "
+                f"considers), got {self.outlier_tokens}"
+            )
+
+    def layer_outlier_tokens(self, layer_idx: int) -> int:
+        """Outlier pool size of one layer: 0 in the first outlier_skip_layers layers."""
+        return 0 if layer_idx < self.outlier_skip_layers else self.outlier_tokens
+
+    def layer_pool_size(self, layer_idx: int) -> int:
+        """Full-precision pool slots of one layer: sink + outlier + spill (spill only with outliers)."""
+        n = self.layer_outlier_tokens(layer_idx)
+        return self.sink_tokens + (n + self.outlier_spill if n else 0)
+
+    @property
+    def has_pool(self) -> bool:
+        return self.sink_tokens > 0 or self.outlier_tokens > 0
 
     def value_group_size(self, head_dim: int) -> int:
         """Values are grouped along channels; a group never exceeds the head."""

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .cache_reference import quantized_counts
 from .packing import codes_per_byte, quantize_pack_reference, token_group_size
+from .pool import ott_step, pool_attention_scores, pooled_mask_dense, replace_pooled_rows
 
 
 # Longest token run one value-side accumulator sums before the chunks are added (see _token_chunk).
@@ -72,9 +73,10 @@ def cache_append_decomposed(
     k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, k_res: Tensor,
     v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, v_res: Tensor, lengths: Tensor,
     key: Tensor, value: Tensor, counts: Optional[Tensor],
-    k_bits: int, v_bits: int, group_size: int, residual_length: int,
+    k_bits: int, v_bits: int, group_size: int, residual_length: int, pool=None,
 ) -> None:
-    """cache_append_reference without host syncs or data-dependent shapes (mutates the 9 buffers).
+    """cache_append_reference without host syncs or data-dependent shapes (mutates the 9 buffers,
+    and the pool's 3 when pool = (pool_k, pool_v, pool_pos, sink_tokens, outlier_tokens), see pool.py).
 
     key/value [B, H, n, D]; row b's first counts[b] tokens are real (all n if counts is None).
     Per sequence b with L = lengths[b] stored tokens, c new ones and end = L + c:
@@ -106,6 +108,18 @@ def cache_append_decomposed(
     else:
         last_new = max(n - 1, 0)
 
+    if pool is not None:
+        pool_k, pool_v, pool_pos, sink, n_out = pool
+        pk, pv, ppos = pool_k, pool_v, pool_pos
+        if sink > 0 and n > 0:  # sink slot s takes the token at position s if it is new
+            s = torch.arange(sink, device=device)
+            take = (s[None, :] >= L[:, None]) & (s[None, :] < end[:, None])  # [B, sink]
+            idx = (s[None, :] - L[:, None]).clamp(0, last_new)
+            tk = take[:, None, :, None]
+            pk = torch.cat([torch.where(tk, _take_tokens(key, bi, hi, idx), pk[:, :, :sink]), pk[:, :, sink:]], 2)
+            pv = torch.cat([torch.where(tk, _take_tokens(value, bi, hi, idx), pv[:, :, :sink]), pv[:, :, sink:]], 2)
+            ppos = torch.cat([torch.where(take[:, None, :], s[None, None, :], ppos[:, :, :sink]), ppos[:, :, sink:]], 2)
+
     # ---- keys: quantize the whole R-windows the append completes.
     nqk = torch.div(L, R, rounding_mode="floor") * R
     nqk_end = torch.div(end, R, rounding_mode="floor") * R
@@ -121,8 +135,27 @@ def cache_append_decomposed(
         old_part = k_res[:, :, j.clamp(max=RR - 1)]  # slot of u < L is u % R = j (nqk % R == 0)
         new_part = _take_tokens(key, bi, hi, (u - L[:, None]).clamp(0, last_new))
         stream = torch.where(from_res[:, None, :, None], old_part.expand(B, H, W, D), new_part)
-        codes, scale, zero = quantize_pack_reference(stream, k_bits, G, "channel")
         flushed = (nqk_end - nqk)[:, None]
+        if pool is not None:
+            pooled = (u < sink)[:, None, :].expand(B, H, W)
+            if n_out > 0:
+                a, z = sink, sink + n_out
+                v_old = v_res[:, :, j.clamp(max=RR - 1)]  # value slot of u < L is u % R = j too
+                v_new = _take_tokens(value, bi, hi, (u - L[:, None]).clamp(0, last_new))
+                v_stream = torch.where(from_res[:, None, :, None], v_old.expand(B, H, W, D), v_new)
+                state = (pk[:, :, a:z], pv[:, :, a:z], ppos[:, :, a:z], pk[:, :, z:], pv[:, :, z:], ppos[:, :, z:])
+                entrants = []
+                for w in range(windows):  # OTT steps, window by window (pool.py)
+                    win = slice(w * R, (w + 1) * R)
+                    *state, entered = ott_step(*state, stream[:, :, win], v_stream[:, :, win], u[:, win],
+                                               u[:, win] >= sink, w * R < flushed[:, 0])
+                    entrants.append(entered)
+                pooled = pooled | torch.cat(entrants, dim=2)
+                pk = torch.cat([pk[:, :, :a], state[0], state[3]], 2)
+                pv = torch.cat([pv[:, :, :a], state[1], state[4]], 2)
+                ppos = torch.cat([ppos[:, :, :a], state[2], state[5]], 2)
+            stream = replace_pooled_rows(stream, pooled, G)
+        codes, scale, zero = quantize_pack_reference(stream, k_bits, G, "channel")
         _write_rows(k_codes, bi, hi, u % S, codes, j[None, :] < flushed)
         gj = torch.arange(W // G, device=device)
         grows = (torch.div(nqk, G, rounding_mode="floor")[:, None] + gj[None, :]) % k_scale.shape[2]
@@ -160,6 +193,10 @@ def cache_append_decomposed(
         new = _take_tokens(value, bi, hi, (u - L[:, None]).clamp(0, last_new))
         v_res.copy_(torch.where(take[:, None, :, None], new, v_res))
 
+    if pool is not None and pool_pos.shape[2] > 0:
+        pool_k.copy_(pk)
+        pool_v.copy_(pv)
+        pool_pos.copy_(ppos)
     lengths.add_(c)
 
 
@@ -267,8 +304,26 @@ def _token_chunk(S: int) -> int:
     return S
 
 
+def _with_pool(scores: Tensor, visible: Tensor, qf: Tensor, pos: Tensor, valid_row: Tensor, pool):
+    """Mask pooled tokens out of scores/visible [B, H|1, rows, S] and append the pool's columns."""
+    if pool is None:
+        return scores, visible
+    pool_k, _, pool_pos = pool
+    B, H, rows, S = scores.shape
+    visible = visible & ~pooled_mask_dense(pool_pos, S)[:, :, None, :]
+    ps, pvis = pool_attention_scores(qf, pool_k, pool_pos, pos, valid_row)
+    return torch.cat([scores, ps], dim=-1), torch.cat([visible.expand(B, H, rows, S), pvis], dim=-1)
+
+
+def _pool_values(p: Tensor, S: int, pool) -> tuple[Tensor, Optional[Tensor]]:
+    """Split probabilities into the cache's S columns and the pool's contribution [B, H, rows, D]."""
+    if pool is None:
+        return p, None
+    return p[..., :S], _dot(p[..., S:, None], pool[1].float()[:, :, None], -2)
+
+
 def _attend_fused(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
-                  k_bits, v_bits, group_size, residual_length, scale):
+                  k_bits, v_bits, group_size, residual_length, scale, pool=None):
     """Decode form: reads the packed codes in fused loops, never a dequantized copy of the cache.
 
     Channels are in byte-major order (i, j) (see unpack_codes_ij); g = t // G; grp(j) is the
@@ -319,7 +374,8 @@ def _attend_fused(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_ze
     sr = _dot(qf[:, :, :, None, :], k_res.float()[:, :, None], -1)  # [B, H, rows, RR]
     scores = torch.where((t[None, :] < nqk[:, None])[:, None, None, :], sq, sr[..., t % R])
     visible = ((t[None, None, :] <= pos[:, :, None]) & valid_row[:, :, None])[:, None]
-    p, denom = _softmax_rows(scores, visible)
+    p, denom = _softmax_rows(*_with_pool(scores, visible, qf, pos, valid_row, pool))
+    p, pool_acc = _pool_values(p, S, pool)
 
     # Values: quantized part (t < nqv), then the residual window through its slots.
     pq = torch.where((t[None, :] < nqv[:, None])[:, None, None, :], p, zero)  # [B, H, rows, S]
@@ -339,11 +395,13 @@ def _attend_fused(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_ze
         acc = (pc[..., None, None] * vdq[:, :, :, None]).sum(4).sum(2)
     acc = from_ij_order(acc)  # [B, H, rows, D]
     acc = acc + _dot(_residual_slot_probs(p, lengths, R, RR)[..., None], v_res.float()[:, :, None], -2)
+    if pool_acc is not None:
+        acc = acc + pool_acc
     return _finish(acc, denom, query)
 
 
 def _attend_materialized(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
-                         k_bits, v_bits, group_size, residual_length, scale):
+                         k_bits, v_bits, group_size, residual_length, scale, pool=None):
     """Prefill/chunk form: dequantize all S rows once (fp32) and use matmuls."""
     B, Hq, q, D = query.shape
     H, S, RR = k_codes.shape[1], k_codes.shape[2], k_res.shape[2]
@@ -361,8 +419,10 @@ def _attend_materialized(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scal
     values = torch.where((t[None, :] < nqv[:, None])[:, None, :, None], values, v_res.float()[:, :, slot])
     scores = qf @ keys.transpose(-1, -2)  # [B, H, rows, S]
     visible = ((t[None, None, :] <= pos[:, :, None]) & valid_row[:, :, None])[:, None]
-    p, denom = _softmax_rows(scores, visible)
-    return _finish(p @ values, denom, query)
+    p, denom = _softmax_rows(*_with_pool(scores, visible, qf, pos, valid_row, pool))
+    p, pool_acc = _pool_values(p, S, pool)
+    acc = p @ values
+    return _finish(acc if pool_acc is None else acc + pool_acc, denom, query)
 
 
 def cache_attend_decomposed(
@@ -371,7 +431,7 @@ def cache_attend_decomposed(
     v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, v_res: Tensor, lengths: Tensor,
     counts: Optional[Tensor],
     k_bits: int, v_bits: int, group_size: int, residual_length: int, scale: float,
-    *, form: str = "auto",
+    *, form: str = "auto", pool=None,
 ) -> Tensor:
     """cache_attend_reference with static shapes: query [B, Hq, q, D] -> [B, Hq, q, D].
 
@@ -389,4 +449,4 @@ def cache_attend_decomposed(
     else:
         raise ValueError(f"form must be 'auto', 'fused' or 'materialized', got {form!r}")
     return impl(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
-                k_bits, v_bits, group_size, residual_length, scale)
+                k_bits, v_bits, group_size, residual_length, scale, pool=pool)

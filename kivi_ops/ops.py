@@ -178,3 +178,110 @@ def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, l
         query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
         counts, k_bits, v_bits, group_size, residual_length, scale,
     )
+
+
+# ---------------------------------------------------------------- cache with a full-precision pool
+#
+# The same two ops over the 9 KIVI buffers plus the pool of pool.py (sink and OTT outlier tokens):
+# separate ops, so a cache without the options runs exactly the code above and allocates nothing.
+#   kivi::cache_append_pool(<9 buffers>, pool_k, pool_v, pool_pos (all mutated), key, value, counts?,
+#                           k_bits, v_bits, group_size, residual_length, sink_tokens, outlier_tokens)
+#   kivi::cache_attend_pool(query, <9 buffers>, pool_k, pool_v, pool_pos, counts?,
+#                           k_bits, v_bits, group_size, residual_length, scale) -> out
+# The pool has P = sink_tokens + outlier_tokens + spill slots; spill = P - sink - outliers.
+# CUDA: the decomposed (core ATen, no host sync, CUDA-graph safe) formulation; no Triton kernel yet,
+# so with the options on a CUDA step dequantizes each layer's cache to fp32 once per attention call
+# (correct, but memory- and bandwidth-hungry at long contexts).
+
+POOL_CACHE_BUFFERS = CACHE_BUFFERS + ("pool_k", "pool_v", "pool_pos")
+
+
+def check_pool_args(pool_k: Tensor, pool_v: Tensor, pool_pos: Tensor, k_res: Tensor, sink_tokens: int,
+                    outlier_tokens: int) -> None:
+    B, H, _, D = k_res.shape
+    P = pool_pos.shape[-1] if pool_pos.dim() == 3 else -1
+    if tuple(pool_k.shape) != (B, H, P, D) or tuple(pool_v.shape) != (B, H, P, D) or pool_pos.dtype != torch.int64:
+        raise ValueError(f"pool_k/pool_v must be [B, H, P, D] = {(B, H, P, D)} and pool_pos int64 [B, H, P]; got "
+                         f"{tuple(pool_k.shape)}, {tuple(pool_v.shape)}, {pool_pos.dtype} {tuple(pool_pos.shape)}")
+    if pool_k.dtype != k_res.dtype or pool_v.dtype != k_res.dtype:
+        raise ValueError(f"pool_k/pool_v must have the cache dtype {k_res.dtype}")
+    for name, v in (("sink_tokens", sink_tokens), ("outlier_tokens", outlier_tokens)):
+        if v < 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+    if sink_tokens + outlier_tokens > P:
+        raise ValueError(f"the pool has {P} slots, fewer than sink_tokens + outlier_tokens = "
+                         f"{sink_tokens} + {outlier_tokens}")
+
+
+@torch.library.custom_op("kivi::cache_append_pool", mutates_args=POOL_CACHE_BUFFERS)
+def cache_append_pool(
+    k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, k_res: Tensor,
+    v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, v_res: Tensor, lengths: Tensor,
+    pool_k: Tensor, pool_v: Tensor, pool_pos: Tensor,
+    key: Tensor, value: Tensor, counts: Optional[Tensor],
+    k_bits: int, v_bits: int, group_size: int, residual_length: int, sink_tokens: int, outlier_tokens: int,
+) -> None:
+    check_pool_args(pool_k, pool_v, pool_pos, k_res, sink_tokens, outlier_tokens)
+    cache_append_reference(
+        k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+        key, value, counts, k_bits, v_bits, group_size, residual_length,
+        pool=(pool_k, pool_v, pool_pos, sink_tokens, outlier_tokens),
+    )
+
+
+@cache_append_pool.register_fake
+def _(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, pool_k, pool_v, pool_pos,
+      key, value, counts, k_bits, v_bits, group_size, residual_length, sink_tokens, outlier_tokens):
+    check_pool_args(pool_k, pool_v, pool_pos, k_res, sink_tokens, outlier_tokens)
+    return None
+
+
+@cache_append_pool.register_kernel("cuda")
+def _(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, pool_k, pool_v, pool_pos,
+      key, value, counts, k_bits, v_bits, group_size, residual_length, sink_tokens, outlier_tokens):
+    from .decomposed import cache_append_decomposed
+
+    check_pool_args(pool_k, pool_v, pool_pos, k_res, sink_tokens, outlier_tokens)
+    cache_append_decomposed(
+        k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+        key.to(k_res.dtype), value.to(v_res.dtype), counts, k_bits, v_bits, group_size, residual_length,
+        pool=(pool_k, pool_v, pool_pos, sink_tokens, outlier_tokens),
+    )
+
+
+@torch.library.custom_op("kivi::cache_attend_pool", mutates_args=())
+def cache_attend_pool(
+    query: Tensor,
+    k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, k_res: Tensor,
+    v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, v_res: Tensor, lengths: Tensor,
+    pool_k: Tensor, pool_v: Tensor, pool_pos: Tensor,
+    counts: Optional[Tensor],
+    k_bits: int, v_bits: int, group_size: int, residual_length: int, scale: float,
+) -> Tensor:
+    check_pool_args(pool_k, pool_v, pool_pos, k_res, 0, 0)
+    return cache_attend_reference(
+        query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+        counts, k_bits, v_bits, group_size, residual_length, scale, pool=(pool_k, pool_v, pool_pos),
+    )
+
+
+@cache_attend_pool.register_fake
+def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, pool_k, pool_v, pool_pos,
+      counts, k_bits, v_bits, group_size, residual_length, scale):
+    check_pool_args(pool_k, pool_v, pool_pos, k_res, 0, 0)
+    return torch.empty_like(query)
+
+
+@cache_attend_pool.register_kernel("cuda")
+def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, pool_k, pool_v, pool_pos,
+      counts, k_bits, v_bits, group_size, residual_length, scale):
+    from .decomposed import cache_attend_decomposed
+
+    check_pool_args(pool_k, pool_v, pool_pos, k_res, 0, 0)
+    # Eager ATen on the GPU: the matmul form (one fp32 dequantized copy of the layer's cache per
+    # call, cuBLAS products); the fused form is written for Inductor's CPU loops.
+    return cache_attend_decomposed(
+        query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+        counts, k_bits, v_bits, group_size, residual_length, scale, form="materialized",
+        pool=(pool_k, pool_v, pool_pos),
+    )

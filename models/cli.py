@@ -28,6 +28,14 @@ def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
     p.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, default=2)
     p.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=32)
     p.add_argument("--residual-length", type=int, default=128, help="full-precision recent tokens (multiple of --group-size)")
+    p.add_argument("--sink-tokens", type=int, default=0,
+                   help="keep the first N tokens of each sequence in full precision (KVQuant's attention sink)")
+    p.add_argument("--outlier-tokens", type=int, default=0,
+                   help="OTT: N full-precision outlier tokens per layer and kv head, chosen by smallest key magnitude "
+                        "(the paper uses 3)")
+    p.add_argument("--outlier-spill", type=int, default=32,
+                   help="OTT: slots for tokens evicted from the outlier pool; when full, no new outliers")
+    p.add_argument("--outlier-skip-layers", type=int, default=2, help="OTT: the first N layers get no outlier pool")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, float16 on cuda")
     from .weight_quant import WEIGHT_QUANT_MODES
@@ -38,10 +46,17 @@ def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
 
 def kivi_config_from(args, parser) -> KIVIConfig:
     try:
-        return KIVIConfig(k_bits=args.k_bits, v_bits=args.v_bits, group_size=args.group_size,
-                          residual_length=args.residual_length)
+        config = KIVIConfig(k_bits=args.k_bits, v_bits=args.v_bits, group_size=args.group_size,
+                            residual_length=args.residual_length, sink_tokens=args.sink_tokens,
+                            outlier_tokens=args.outlier_tokens, outlier_spill=args.outlier_spill,
+                            outlier_skip_layers=args.outlier_skip_layers)
     except ValueError as e:
-        parser.error(str(e))
+        parser.error(str(e).replace("sink_tokens", "--sink-tokens").replace("outlier_tokens", "--outlier-tokens")
+                     .replace("outlier_spill", "--outlier-spill").replace("outlier_skip_layers", "--outlier-skip-layers"))
+    if getattr(args, "method", "kivi") != "kivi" and config.has_pool:
+        parser.error(f"--sink-tokens / --outlier-tokens are options of the KIVI cache (--method kivi), "
+                     f"not of --method {args.method}")
+    return config
 
 
 def device_and_dtype(args, parser) -> tuple[str, torch.dtype]:
@@ -145,8 +160,10 @@ def cmd_generate(args, parser) -> int:
     weights = ("unquantized" if args.weight_quant == "none"
                else f"{args.weight_quant} weight-only Linear layers (torchao); embeddings and norms {config['dtype']}")
     print(f"model:   {model_bytes / 2**20:.1f} MiB, {weights}")
+    extras = "".join([f" sink={kivi_config.sink_tokens}" if kivi_config.sink_tokens else "",
+                      f" outliers={kivi_config.outlier_tokens}" if kivi_config.outlier_tokens else ""])
     label = (f"KIVI-{kivi_config.k_bits}/{kivi_config.v_bits} G={kivi_config.group_size} "
-             f"R={kivi_config.residual_length}, {config['dtype']} scales and residual" if args.method == "kivi"
+             f"R={kivi_config.residual_length}{extras}, {config['dtype']} scales and residual" if args.method == "kivi"
              else f"fp ({config['dtype']})")
     print(f"cache:   {result.cache_bytes / 2**20:.2f} MiB {label} vs {result.fp16_cache_bytes / 2**20:.2f} MiB "
           f"fp16 for {max_seq_len} tokens x {len(ids)} sequence(s): fp16 / this = {ratio:.2f}x"

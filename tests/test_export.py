@@ -200,3 +200,17 @@ def test_int8_weights_export_to_pt2_with_plain_tensors(tmp_path, capsys):
     report = cli_json(["run-exported", str(out), "--prompt", PROMPT, "--max-new-tokens", "8", "--json"], capsys)
     assert report["tokens"] == eager["tokens"]
     assert report["config"]["weight_quant"] == "int8"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["pt2", "onnx"])
+def test_export_with_sink_and_outlier_tokens(fmt, tmp_path, capsys):
+    # Sink 1 + OTT 3 outliers in every layer, G=R=8: 16 new tokens flush and pick outliers in-graph.
+    options = [*CONFIG, "--sink-tokens", "1", "--outlier-tokens", "3", "--outlier-skip-layers", "0"]
+    want = cli_json(["generate", "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json", *options], capsys)
+    assert main(["export", "--format", fmt, "--out", str(tmp_path), "--max-seq-len", "64", *options]) == 0
+    capsys.readouterr()
+    report = cli_json(["run-exported", str(tmp_path), "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json"],
+                      capsys)
+    assert report["tokens"] == want["tokens"]
+    assert report["config"]["kivi"]["outlier_tokens"] == 3 and report["config"]["kivi"]["sink_tokens"] == 1

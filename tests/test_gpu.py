@@ -56,3 +56,42 @@ def test_cuda_graph_decode_matches_eager(method):
         kwargs = dict(step_fn=step, warmup_steps=2) if step else {}
         runs[name] = generate(model, PROMPTS, max_new_tokens=30, cache=cache, **kwargs).tokens
     assert runs["graphs"] == runs["eager"]
+
+
+POOL_CFG = KIVIConfig(2, 2, group_size=8, residual_length=8, sink_tokens=1, outlier_tokens=2, outlier_spill=4,
+                      outlier_skip_layers=1)
+
+
+def test_pool_ops_on_cuda_match_the_cpu_reference():
+    # Sink + OTT pools on CUDA (the decomposed ATen formulation) vs the CPU reference op.
+    from kivi_ops import KIVICache
+
+    torch.manual_seed(0)
+    B, H, D = 2, 2, 32
+    caches = {dev: KIVICache(POOL_CFG, num_layers=2, batch_size=B, max_seq_len=64, num_kv_heads=H, head_dim=D,
+                             device=dev) for dev in ("cpu", "cuda")}
+    k, v = torch.randn(B, H, 40, D), torch.randn(B, H, 40, D)
+    k[:, :, ::7] *= 0.1  # low-magnitude keys: outlier candidates
+    appends = [(k[:, :, :19], v[:, :, :19], torch.tensor([19, 11]))] + [
+        (k[:, :, 19 + i : 20 + i], v[:, :, 19 + i : 20 + i], None) for i in range(21)]
+    for key, value, counts in appends:
+        for dev, cache in caches.items():
+            cache.append(1, key.to(dev), value.to(dev), None if counts is None else counts.to(dev))
+    for name, buf in caches["cpu"].named_buffers():
+        if name.endswith("_1"):
+            torch.testing.assert_close(getattr(caches["cuda"], name).cpu(), buf, atol=1e-5, rtol=1e-5, msg=name)
+    q = torch.randn(B, 4, 1, D)
+    torch.testing.assert_close(caches["cuda"].attend(1, q.cuda()).cpu(), caches["cpu"].attend(1, q),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_cuda_graph_decode_with_sink_and_outliers_matches_eager():
+    model = tiny_llama(torch.float32)
+    runs = {}
+    for name, step in (("eager", None), ("graphs", compile_decode_step(torch.device("cuda")))):
+        torch.compiler.reset()
+        cache = make_cache(model, method="kivi", batch_size=2, max_seq_len=64, kivi_config=POOL_CFG)
+        kwargs = dict(step_fn=step, warmup_steps=2) if step else {}
+        runs[name] = generate(model, PROMPTS, max_new_tokens=30, cache=cache, **kwargs).tokens
+        assert (cache.backing.pool_buffers(1)[2][..., 1:] >= 0).any()  # outliers were selected
+    assert runs["graphs"] == runs["eager"]

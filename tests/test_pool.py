@@ -1,0 +1,356 @@
+"""Sink tokens and OTT outlier tokens (kivi_ops/pool.py) against an independent reference.
+
+The reference below re-derives, per sequence and kv head, what attention must see from the
+exact keys/values alone (Python lists and sorted(), dense fake quantization, plain softmax):
+which tokens are pooled, the quantized keys of each group computed without its pooled rows,
+and exact K/V for pooled tokens. The cache ops (CPU reference kernel and the decomposed
+formulation) must agree with it after every append.
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+from kivi_ops import KIVICache, KIVIConfig
+from kivi_ops.ops import CACHE_BUFFERS
+
+B, H, HQ, D, S = 2, 2, 4, 16, 72
+ATOL = RTOL = 1e-5
+
+
+# ---------------------------------------------------------------- the independent reference
+
+
+def fake_quant_rows(x, lo, hi, bits):
+    """x quantized with per-column min lo / max hi (fp32 cache: no dtype rounding)."""
+    scale = (hi - lo) / (2**bits - 1)
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.floor((x - lo) / safe + 0.5).clamp(0, 2**bits - 1)
+    return q * scale + lo
+
+
+def reference_view(K, V, L, cfg, n_out):
+    """(keys, values, pooled positions) attention sees for one sequence/head holding tokens
+    [0, L) with exact K, V [T, D]: KIVI streaming plus the pool, derived step by step."""
+    R, G, sink, spill = cfg.residual_length, cfg.group_size, cfg.sink_tokens, cfg.outlier_spill
+    mags = K.abs().sum(-1).tolist()
+    outliers, spilled = [], []
+    keys = K[:L].clone()
+    nqk = L // R * R
+    for w0 in range(0, nqk, R):
+        entrants = []
+        if n_out:
+            cands = [(mags[p], i, p) for i, p in enumerate(outliers)]
+            cands += [(mags[p], n_out + j, p) for j, p in enumerate(range(w0, w0 + R)) if p >= sink]
+            new = [p for _, _, p in sorted(cands)[:n_out]]
+            evicted = [p for p in outliers if p not in new]
+            if len(evicted) <= spill - len(spilled):
+                spilled += evicted
+                entrants = [p for p in new if p >= w0]
+                outliers = new
+        out_of_stats = set(entrants) | set(range(w0, min(w0 + R, sink)))
+        for g0 in range(w0, w0 + R, G):
+            rows = [p for p in range(g0, g0 + G) if p not in out_of_stats]
+            if rows:
+                lo, hi = K[rows].amin(0), K[rows].amax(0)
+                keys[rows] = fake_quant_rows(K[rows], lo, hi, cfg.k_bits)
+    values = V[:L].clone()
+    gv, nqv = min(G, D), max(L - R, 0)
+    g = V[:nqv].reshape(nqv, D // gv, gv)  # values: per token, groups of gv channels
+    values[:nqv] = fake_quant_rows(g, g.amin(-1, keepdim=True), g.amax(-1, keepdim=True),
+                                   cfg.v_bits).reshape(nqv, D)
+    pooled = set(range(min(sink, L))) | set(outliers) | set(spilled)
+    for p in pooled:
+        keys[p], values[p] = K[p], V[p]
+    return keys, values, pooled
+
+
+def reference_attend(query, K, V, lengths, counts, cfg, n_out, scale):
+    """Plain softmax attention of query [B, HQ, q, D] over reference_view of every row/head."""
+    out = torch.zeros_like(query)
+    q_len = query.shape[2]
+    for b in range(B):
+        L = int(lengths[b])
+        c = q_len if counts is None else int(counts[b])
+        views = [reference_view(K[b, h], V[b, h], L, cfg, n_out) for h in range(H)]
+        for hq in range(HQ):
+            keys, values, _ = views[hq // (HQ // H)]
+            for i in range(c):
+                pos = L - c + i
+                p = torch.softmax(query[b, hq, i] @ keys[: pos + 1].T * scale, dim=-1)
+                out[b, hq, i] = p @ values[: pos + 1]
+    return out
+
+
+# ---------------------------------------------------------------- driving the cache
+
+
+def make_keys(T, seed):
+    """Keys with an outlier channel and a few low-magnitude tokens (OTT's outlier tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    K = torch.randn(B, H, T, D, generator=gen)
+    K[..., 3] += 6.0
+    low = torch.randperm(T, generator=gen)[: T // 6]
+    K[:, :, low] *= 0.05 + 0.2 * torch.rand(B, H, len(low), 1, generator=gen)
+    return K, torch.randn(B, H, T, D, generator=gen)
+
+
+def schedule(seed):
+    """Appends: a ragged prefill spanning several key windows, decode steps, a chunk, decode steps."""
+    rnd = random.Random(seed)
+    return [[rnd.randint(17, 26), rnd.randint(9, 26)]] + [[1, 1]] * 9 + [[7, rnd.randint(0, 7)]] + [[1, 1]] * 12
+
+
+def run(cfg, impl, seed=0, layer=0, num_layers=1, check_every=True):
+    """Append per schedule to a cache; after every append compare decode (and chunk) attention
+    with the independent reference. Returns the cache."""
+    cache = KIVICache(cfg, num_layers=num_layers, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
+    cache.use_impl(impl)
+    n_out = cfg.layer_outlier_tokens(layer)
+    T = sum(max(c) for c in schedule(seed))
+    K, V = make_keys(T, seed)
+    stored = [[], []]  # positions -> source index per row, to rebuild each row's exact tokens
+    gen = torch.Generator().manual_seed(seed + 1)
+    src = 0
+    scale = 1 / math.sqrt(D)
+    for step, counts in enumerate(schedule(seed)):
+        n = max(counts)
+        key, value = K[:, :, src : src + n], V[:, :, src : src + n]
+        for b in range(B):
+            stored[b] += list(range(src, src + counts[b]))
+        src += n
+        cnt = torch.tensor(counts)
+        cache.append(layer, key, value, cnt)
+        rowsK = [K[b][:, stored[b]] for b in range(B)]
+        rowsV = [V[b][:, stored[b]] for b in range(B)]
+        T_max = max(len(s) for s in stored)
+        Kr = torch.zeros(B, H, T_max, D)
+        Vr = torch.zeros(B, H, T_max, D)
+        for b in range(B):
+            Kr[b, :, : len(stored[b])], Vr[b, :, : len(stored[b])] = rowsK[b], rowsV[b]
+        if check_every or step == len(schedule(seed)) - 1:
+            q = torch.randn(B, HQ, 1, D, generator=gen)
+            want = reference_attend(q, Kr, Vr, cache.lengths(layer), None, cfg, n_out, scale)
+            torch.testing.assert_close(cache.attend(layer, q), want, atol=ATOL, rtol=RTOL)
+            if n > 1:  # the chunk's own queries, causal over the chunk
+                q = torch.randn(B, HQ, n, D, generator=gen)
+                want = reference_attend(q, Kr, Vr, cache.lengths(layer), cnt, cfg, n_out, scale)
+                torch.testing.assert_close(cache.attend(layer, q, counts=cnt), want, atol=ATOL, rtol=RTOL)
+    # The pool holds exactly the reference's pooled positions.
+    for b in range(B):
+        for h in range(H):
+            _, _, pooled = reference_view(Kr[b, h], Vr[b, h], int(cache.lengths(layer)[b]), cfg, n_out)
+            pos = cache.pool_buffers(layer)[2][b, h] if cache.pool_buffers(layer) else torch.empty(0)
+            assert sorted(p for p in pos.tolist() if p >= 0) == sorted(pooled)
+    return cache
+
+
+SINK = KIVIConfig(2, 2, group_size=4, residual_length=8, sink_tokens=2)
+OTT = KIVIConfig(2, 2, group_size=4, residual_length=8, outlier_tokens=2, outlier_spill=3, outlier_skip_layers=0)
+BOTH = KIVIConfig(2, 4, group_size=4, residual_length=16, sink_tokens=1, outlier_tokens=3, outlier_spill=4,
+                  outlier_skip_layers=0)
+
+
+@pytest.mark.parametrize("cfg", [SINK, OTT, BOTH], ids=["sink", "ott", "sink+ott"])
+@pytest.mark.parametrize("impl", ["op", "decomposed"])
+def test_cache_matches_independent_reference(cfg, impl):
+    run(cfg, impl, check_every=impl == "op")
+
+
+def test_spill_pool_fills_and_stops_new_outliers():
+    cfg = KIVIConfig(2, 2, group_size=4, residual_length=8, outlier_tokens=2, outlier_spill=1, outlier_skip_layers=0)
+    cache = run(cfg, "op", seed=3, check_every=False)
+    pos = cache.pool_buffers(0)[2]
+    assert (pos[..., 2] >= 0).all()  # every spill slot used
+
+
+def test_reference_and_decomposed_write_identical_buffers():
+    caches = [run(BOTH, impl, seed=5, check_every=False) for impl in ("op", "decomposed")]
+    for (name, a), (_, b) in zip(caches[0].named_buffers(), caches[1].named_buffers()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_reference_and_decomposed_agree(dtype):
+    K, V = make_keys(45, 4)
+    caches = [KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D, dtype=dtype)
+              .use_impl(impl) for impl in ("op", "decomposed")]
+    for cache in caches:
+        cache.append(0, K[:, :, :21].to(dtype), V[:, :, :21].to(dtype), torch.tensor([21, 13]))
+        for t in range(21, 45):
+            cache.append(0, K[:, :, t : t + 1].to(dtype), V[:, :, t : t + 1].to(dtype))
+    for (name, a), (_, b) in zip(caches[0].named_buffers(), caches[1].named_buffers()):
+        assert torch.equal(a, b), name
+    q = torch.randn(B, HQ, 1, D).to(dtype)
+    torch.testing.assert_close(caches[0].attend(0, q), caches[1].attend(0, q), atol=1e-2, rtol=1e-2)
+
+
+def test_dequantized_shows_pooled_tokens_exact():
+    K, V = make_keys(40, 6)
+    cache = KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
+    cache.append(0, K, V)
+    keys, values = cache.dequantized(0)
+    pos = cache.pool_buffers(0)[2]
+    assert (pos[..., 1:] >= 0).any()
+    for b, h, i in (pos >= 0).nonzero().tolist():
+        t = int(pos[b, h, i])
+        assert torch.equal(keys[b, h, t], K[b, h, t]) and torch.equal(values[b, h, t], V[b, h, t])
+
+
+def test_prefill_at_once_equals_token_by_token():
+    K, V = make_keys(40, 7)
+    caches = [KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D) for _ in range(2)]
+    caches[0].append(0, K, V)
+    for t in range(40):
+        caches[1].append(0, K[:, :, t : t + 1], V[:, :, t : t + 1])
+    for (name, a), (_, b) in zip(caches[0].named_buffers(), caches[1].named_buffers()):
+        if name.startswith(("k_res", "v_res")):  # slots past the window hold stale tokens either way
+            continue
+        assert torch.equal(a, b), name
+
+
+# ---------------------------------------------------------------- options off, layers, memory, errors
+
+
+def test_options_off_is_plain_kivi():
+    plain = KIVIConfig(2, 2, 4, 8)
+    cache = KIVICache(plain, num_layers=2, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
+    assert [n for n, _ in cache.named_buffers()] == [f"{n}_{i}" for i in range(2) for n in CACHE_BUFFERS]
+    assert cache.pool_buffers(0) == ()
+    # outliers only from layer outlier_skip_layers on; the first layers run the plain ops, bit for bit
+    cfg = KIVIConfig(2, 2, 4, 8, outlier_tokens=3)
+    ott = KIVICache(cfg, num_layers=3, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
+    assert [cfg.layer_outlier_tokens(i) for i in range(3)] == [0, 0, 3]
+    assert ott.pool_buffers(1) == () and len(ott.pool_buffers(2)) == 3
+    K, V = make_keys(30, 1)
+    q = torch.randn(B, HQ, 1, D)
+    for layer in (0, 1):
+        ott.append(layer, K, V)
+    cache.append(0, K, V)
+    for name in CACHE_BUFFERS:
+        assert torch.equal(getattr(ott, f"{name}_1"), getattr(cache, f"{name}_0")), name
+    assert torch.equal(ott.attend(1, q), cache.attend(0, q))
+
+
+def test_nbytes_counts_the_pool():
+    base = KIVICache(KIVIConfig(2, 2, 4, 8), num_layers=3, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
+    cfg = KIVIConfig(2, 2, 4, 8, sink_tokens=1, outlier_tokens=3, outlier_spill=32)
+    both = KIVICache(cfg, num_layers=3, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
+    P = [1, 1, 36]
+    assert [cfg.layer_pool_size(i) for i in range(3)] == P
+    assert both.nbytes() - base.nbytes() == sum(B * H * p * (2 * D * 4 + 8) for p in P)
+
+
+def test_reset_empties_the_pool():
+    cache = run(SINK, "op", check_every=False)
+    cache.reset()
+    assert (cache.pool_buffers(0)[2] == -1).all()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(sink_tokens=-1), "sink_tokens"),
+    (dict(sink_tokens=1.5), "sink_tokens"),
+    (dict(sink_tokens=True), "sink_tokens"),
+    (dict(sink_tokens=65), "at most 64"),
+    (dict(outlier_tokens=-2), "outlier_tokens"),
+    (dict(outlier_tokens=200), "at most residual_length"),
+    (dict(outlier_spill=-1), "outlier_spill"),
+    (dict(outlier_skip_layers="2"), "outlier_skip_layers"),
+])
+def test_invalid_options_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KIVIConfig(2, 2, 32, 128, **kwargs)
+
+
+def test_outliers_skipping_every_layer_raise():
+    with pytest.raises(ValueError, match="would apply to no layer"):
+        KIVICache(KIVIConfig(2, 2, 4, 8, outlier_tokens=3, outlier_skip_layers=2), num_layers=2, batch_size=1,
+                  max_seq_len=16, num_kv_heads=1, head_dim=16)
+
+
+def test_pool_ops_opcheck():
+    cache = run(BOTH, "op", check_every=False)
+    c = BOTH
+    bufs = (*cache.layer_buffers(0), *cache.pool_buffers(0))
+    k, v = torch.randn(B, H, 3, D), torch.randn(B, H, 3, D)
+    torch.library.opcheck(torch.ops.kivi.cache_append_pool.default,
+                          (*[t.clone() for t in bufs], k, v, torch.tensor([3, 1]), 2, 4, 4, 16, 1, 3))
+    torch.library.opcheck(torch.ops.kivi.cache_attend_pool.default,
+                          (torch.randn(B, HQ, 2, D), *bufs, torch.tensor([2, 1]), c.k_bits, c.v_bits, 4, 16, 0.25))
+
+
+# ---------------------------------------------------------------- compile / export with the options on
+
+
+class Step(torch.nn.Module):
+    def __init__(self, impl):
+        super().__init__()
+        self.cache = KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
+        K, V = make_keys(31, 2)
+        self.cache.append(0, K, V, torch.tensor([31, 20]))
+        self.cache.use_impl(impl)
+
+    def forward(self, key, value, query):
+        self.cache.append(0, key, value)
+        return self.cache.attend(0, query)
+
+
+def step_inputs(n):
+    gen = torch.Generator().manual_seed(9)
+    return [(torch.randn(B, H, 1, D, generator=gen), torch.randn(B, H, 1, D, generator=gen),
+             torch.randn(B, HQ, 1, D, generator=gen)) for _ in range(n)]
+
+
+def test_compile_fullgraph_with_pool_ops():
+    eager, compiled_step = Step("op"), Step("op")
+    compiled = torch.compile(compiled_step, fullgraph=True)
+    for k, v, q in step_inputs(3):  # row 0 crosses a key flush (32 tokens) at the first step
+        torch.testing.assert_close(compiled(k, v, q), eager(k, v, q), atol=0, rtol=0)
+    for (name, a), (_, b) in zip(eager.named_buffers(), compiled_step.named_buffers()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.slow  # Inductor compile, 15-35 s on 2 cores with a cold cache
+def test_compile_fullgraph_decomposed_with_pool():
+    # What compiled CPU decode runs (generate.compile_decode_step switches the cache to "decomposed").
+    eager, compiled_step = Step("op"), Step("decomposed")
+    compiled = torch.compile(compiled_step, fullgraph=True)
+    for k, v, q in step_inputs(3):
+        torch.testing.assert_close(compiled(k, v, q), eager(k, v, q), atol=ATOL, rtol=RTOL)
+    for (name, a), (_, b) in zip(eager.named_buffers(), compiled_step.named_buffers()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("impl", ["op", "decomposed"])
+def test_export_with_pool(impl):
+    inputs = step_inputs(2)
+    eager = Step("op")
+    want = [eager(*x) for x in inputs]
+    ep = torch.export.export(Step(impl), inputs[0])
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert any("cache_attend_pool" in t for t in targets) == (impl == "op")
+    if impl == "decomposed":
+        assert not any("kivi" in t for t in targets)
+    module = ep.module()
+    for x, out in zip(inputs, want):
+        torch.testing.assert_close(module(*x), out, atol=ATOL, rtol=RTOL)
+
+
+# ---------------------------------------------------------------- command line
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--prompt", "x", "--sink-tokens", "-1"], "--sink-tokens must be a non-negative int"),
+    (["generate", "--prompt", "x", "--outlier-tokens", "129"], "--outlier-tokens must be at most residual_length=128"),
+    (["generate", "--prompt", "x", "--sink-tokens", "x"], "invalid int value"),
+    (["generate", "--prompt", "x", "--method", "fp", "--sink-tokens", "1"], "options of the KIVI cache"),
+    (["eval", "ppl", "--corpus", "pydoc", "--method", "fake", "--outlier-tokens", "3"], "options of the KIVI cache"),
+])
+def test_cli_rejects_invalid_options(argv, message, capsys):
+    from kivi_models.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
