@@ -198,6 +198,16 @@ def _quantized_value_sum(p, v_codes, v_scale, v_zero, start, stop, bits, G):
     return out.reshape(B, H, rows, D)
 
 
+def _online_softmax_step(scores, m, denom):
+    """One block of the online softmax: (p, correction, new max, new denominator). Rows whose
+    scores are all -inf so far keep max -inf and contribute nothing."""
+    m_new = torch.maximum(m, scores.amax(dim=-1))
+    m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+    p = torch.exp(scores - m_safe[..., None])
+    correction = torch.exp(m - m_safe)
+    return p, correction, m_new, denom * correction + p.sum(dim=-1)
+
+
 def cache_attend_reference(
     query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
     counts, k_bits, v_bits, group_size, residual_length, scale, pool=None,
@@ -245,12 +255,7 @@ def cache_attend_reference(
         visible = ((t[None, None, :] <= pos[:, :, None]) & valid_row[:, :, None])[:, None]
         if pool is not None:
             visible = visible & ~pooled_mask(pool[2], t)[:, :, None, :]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        m_new = torch.maximum(m, scores.amax(dim=-1))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(scores - m_safe[..., None])
-        correction = torch.exp(m - m_safe)
-        denom = denom * correction + p.sum(dim=-1)
+        p, correction, m, denom = _online_softmax_step(scores.masked_fill(~visible, float("-inf")), m, denom)
         if a < stop:
             from_v_res = (t_tail[None, :] >= nqv[:, None])[:, None, None, :]
             p_tail = p[..., a - start :]
@@ -261,18 +266,11 @@ def cache_attend_reference(
         else:
             pv = _quantized_value_sum(p, v_codes, v_scale, v_zero, start, stop, v_bits, G)
         acc = acc * correction[..., None] + pv
-        m = m_new
     if pool is not None and pool[2].shape[-1]:
         pool_k, pool_v, pool_pos = pool
         scores, visible = pool_attention_scores(qf, pool_k, pool_pos, pos, valid_row)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        m_new = torch.maximum(m, scores.amax(dim=-1))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(scores - m_safe[..., None])
-        correction = torch.exp(m - m_safe)
-        denom = denom * correction + p.sum(dim=-1)
+        p, correction, m, denom = _online_softmax_step(scores.masked_fill(~visible, float("-inf")), m, denom)
         acc = acc * correction[..., None] + p @ pool_v.float()
-        m = m_new
     out = acc / denom.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
     out = torch.where(denom[..., None] > 0, out, torch.zeros_like(out))
     return out.reshape(B, Hq, q, D).to(query.dtype)
