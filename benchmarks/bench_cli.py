@@ -124,28 +124,27 @@ def cmd_bench(args, parser) -> int:
         contexts = args.contexts or ([1024 * 2**i for i in range(8)] if device == "cuda" else [1024, 4096, 16384])
         result = perf.bench_attention(device, contexts, batch=args.batch or (8 if device == "cuda" else 1))
         name = f"bench_attention_{device}"
-    elif args.bench_command == "decode" and args.budget_gib:
-        if args.batches:
-            parser.error("--batches and --budget-gib exclude each other: the budget picks each cache's batch")
-        _check_weight_quant([args.weight_quant], device, parser)
-        model = _quantized(_decode_model(args, device, parser), args.weight_quant, parser)
-        try:
-            result = perf.bench_budget(model, device=device, contexts=args.contexts or [1024], budget_bytes=args.budget_gib * 2**30,
-                                       new_tokens=args.new_tokens, max_batch=args.max_batch)
-        except ValueError as e:
-            parser.error(str(e))
-        result.update(model=args.model, weight_quant=args.weight_quant, budget_gib=args.budget_gib)
-        name = f"bench_budget_{device}" + ("" if args.weight_quant == "none" else f"_{args.weight_quant}")
     elif args.bench_command == "decode":
-        if args.max_batch:
+        if args.budget_gib and args.batches:
+            parser.error("--batches and --budget-gib exclude each other: the budget picks each cache's batch")
+        if args.max_batch and not args.budget_gib:
             parser.error("--max-batch applies only with --budget-gib")
         _check_weight_quant([args.weight_quant], device, parser)
         model = _quantized(_decode_model(args, device, parser), args.weight_quant, parser)
-        result = perf.bench_decode(model, device=device, contexts=args.contexts or [1024, 4096],
-                                   batches=args.batches or [1, 4], new_tokens=args.new_tokens)
-        result["model"] = args.model
-        result["weight_quant"] = args.weight_quant
-        name = f"bench_decode_{device}" + ("" if args.weight_quant == "none" else f"_{args.weight_quant}")
+        if args.budget_gib:
+            try:
+                result = perf.bench_budget(model, device=device, contexts=args.contexts or [1024],
+                                           budget_bytes=args.budget_gib * 2**30, new_tokens=args.new_tokens,
+                                           max_batch=args.max_batch)
+            except ValueError as e:
+                parser.error(str(e))
+            result["budget_gib"] = args.budget_gib
+        else:
+            result = perf.bench_decode(model, device=device, contexts=args.contexts or [1024, 4096],
+                                       batches=args.batches or [1, 4], new_tokens=args.new_tokens)
+        result.update(model=args.model, weight_quant=args.weight_quant)
+        name = (f"bench_budget_{device}" if args.budget_gib else f"bench_decode_{device}") + (
+            "" if args.weight_quant == "none" else f"_{args.weight_quant}")
     else:
         modes = args.modes or (["none", "int8", "int4"] if device == "cuda" else ["none", "int8"])
         _check_weight_quant(modes, device, parser)

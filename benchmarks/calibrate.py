@@ -25,7 +25,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from kivi_ops.nuq import calibrate_levels, normalized_with_weights, uniform_levels, weighted_error
-from kivi_ops.rope import undo_rope
+from kivi_ops.rope import model_rope_tables, undo_rope
+
+from .eval_cli import _fraction
 
 CALIB_ATTN = "kivi_calibrate"
 FORMAT = "kivi-nuq-v1"
@@ -80,9 +82,7 @@ def collect_kv_fisher(model, windows: torch.Tensor, *, batch_size: int = 2, pre_
         for p, flag in zip(model.parameters(), params):
             p.requires_grad_(flag)
     if pre_rope:
-        from .perplexity import _rope_tables
-
-        cos, sin = (t.float() for t in _rope_tables(model, windows.shape[1]))
+        cos, sin = (t.float() for t in model_rope_tables(model, windows.shape[1]))
     out = []
     for r in record:
         # Hooks fire in backward order within a batch: one gradient per recorded batch either way.
@@ -179,12 +179,6 @@ def _bits_list(text: str) -> list[int]:
     if not bits or any(b not in (2, 4) for b in bits):
         raise argparse.ArgumentTypeError(f"expected comma-separated bit widths from 2,4, got {text!r}")
     return bits
-
-
-def _fraction(text: str) -> float:
-    from .eval_cli import _fraction as fraction
-
-    return fraction(text)
 
 
 def cmd_calibrate(args, parser) -> int:

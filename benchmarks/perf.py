@@ -322,11 +322,11 @@ def fill_cache_randomly(cache, context: int, gen: torch.Generator, chunk: int = 
     90 x 4K prompt tokens through a 7B model would need far more memory than its cache). Decode
     speed does not depend on the values, only on how many tokens the cache holds."""
     backing = cache.backing
-    shape = (backing.batch_size, backing.num_kv_heads, 0, backing.head_dim)
+    B, H, D = backing.batch_size, backing.num_kv_heads, backing.head_dim
     for layer in range(backing.num_layers):
         for start in range(0, context, chunk):
             n = min(chunk, context - start)
-            k = torch.randn(shape[:2] + (n, shape[3]), generator=gen, device=gen.device, dtype=backing.dtype)
+            k = torch.randn(B, H, n, D, generator=gen, device=gen.device, dtype=backing.dtype)
             backing.append(layer, k, torch.randn_like(k))
     cache.prefilled = [True] * backing.num_layers  # what a prefill sets: later steps attend over the cache
 

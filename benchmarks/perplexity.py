@@ -27,7 +27,7 @@ from kivi_models import make_cache
 from kivi_ops import KIVIConfig, fake_quantize
 from kivi_ops.config import check_axis, check_bits, check_group_size
 from kivi_ops.nuq import fake_quantize_nuq, uniform_levels
-from kivi_ops.rope import apply_rope, undo_rope
+from kivi_ops.rope import apply_rope, model_rope_tables, undo_rope
 
 FAKE_ATTN = "kivi_fake"
 
@@ -80,15 +80,6 @@ AttentionInterface.register(FAKE_ATTN, _fake_quant_attention)
 AttentionMaskInterface.register(FAKE_ATTN, sdpa_mask)
 
 
-def _rope_tables(model, length: int):
-    """The model's own RoPE cos/sin for positions 0..length-1 (every fake window starts at 0),
-    shaped [1, 1, length, head_dim] to broadcast over [batch, heads, tokens, head_dim]."""
-    positions = torch.arange(length, device=model.device)[None]
-    probe = torch.zeros(1, length, 1, device=model.device, dtype=model.dtype)
-    cos, sin = model.model.rotary_emb(probe, positions)
-    return cos[:, None], sin[:, None]
-
-
 @dataclass
 class PerplexityResult:
     ppl: float
@@ -117,7 +108,8 @@ def fake_quant_perplexity(plain_model, windows: torch.Tensor, spec: Optional[Fak
     plain_model.config.kivi_fake_quant = spec
     plain_model.config.kivi_fake_nuq = nuq
     plain_model.config.kivi_fake_sparse = sparse_outliers
-    plain_model.config.kivi_fake_pre_rope = _rope_tables(plain_model, windows.shape[1]) if pre_rope else None
+    # every fake window starts at position 0
+    plain_model.config.kivi_fake_pre_rope = model_rope_tables(plain_model, windows.shape[1]) if pre_rope else None
     plain_model.config._attn_implementation = FAKE_ATTN if spec is not None else "sdpa"
     start, nll, count = time.perf_counter(), 0.0, 0
     try:

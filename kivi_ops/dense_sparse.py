@@ -39,13 +39,3 @@ def outlier_mask(x: torch.Tensor, fraction: float, axis: str) -> torch.Tensor:
         return mask
     top = x.float().abs().topk(k, dim=dim).indices
     return mask.scatter_(dim, top, True)
-
-
-def outlier_bits_per_element(fraction: float, value_bits: int = 16, index_bits: int = 16) -> float:
-    """Storage the sparse part adds per cache element: each outlier keeps its value and its index
-    inside the vector (a 16-bit index covers any head_dim or context up to 64K tokens)."""
-    check_outlier_fraction(fraction)
-    return fraction * (value_bits + index_bits) if fraction else 0.0
-
-
-__all__ = ["outlier_mask", "outlier_count", "check_outlier_fraction", "outlier_bits_per_element"]

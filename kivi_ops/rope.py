@@ -18,6 +18,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def model_rope_tables(model, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Hugging Face Llama-family model's own RoPE cos/sin for positions 0..length-1, shaped
+    [1, 1, length, head_dim] to broadcast over [batch, heads, tokens, head_dim]."""
+    positions = torch.arange(length, device=model.device)[None]
+    probe = torch.zeros(1, length, 1, device=model.device, dtype=model.dtype)
+    cos, sin = model.model.rotary_emb(probe, positions)
+    return cos[:, None], sin[:, None]
+
+
 def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The inverse: undo_rope(apply_rope(x, cos, sin), cos, sin) == x (up to rounding). Divides by
     cos^2 + sin^2, which is 1 unless the RoPE variant scales its tables (attention_scaling)."""
