@@ -24,14 +24,13 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from kivi_ops.nuq import calibrate_levels, normalized_with_weights, uniform_levels, weighted_error
+from kivi_ops.nuq import (FORMAT, KEY_AXIS, VALUE_AXIS, calibrate_levels, load_tables,  # noqa: F401 (load_tables: API)
+                          normalized_with_weights, uniform_levels, weighted_error)
 from kivi_ops.rope import model_rope_tables, undo_rope
 
-from .eval_cli import _fraction
+from kivi_models.cli import fraction_arg
 
 CALIB_ATTN = "kivi_calibrate"
-FORMAT = "kivi-nuq-v1"
-KEY_AXIS, VALUE_AXIS = "channel", "token"  # KIVI's grouping, which the cache uses
 
 
 def _recording_attention(module, query, key, value, attention_mask, **kwargs):
@@ -128,32 +127,6 @@ def run_calibration(model, tokenizer, text: str, *, bits_list, group_size: int, 
                 bits=tables)
 
 
-def load_tables(path, *, bits: int, num_layers: int, group_size: int, pre_rope: bool = False,
-                sparse_outliers: float = 0.0) -> dict:
-    """{"k": [levels tensor per layer], "v": [...]} from a `kivi calibrate` file, checked against
-    the model and the quantization settings that will use it."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"--nuq {path}: cannot read a calibration file ({e})")
-    if data.get("format") != FORMAT:
-        raise ValueError(f"--nuq {path}: not a `kivi calibrate` file (format {data.get('format')!r}, want {FORMAT!r})")
-    if data["num_layers"] != num_layers:
-        raise ValueError(f"--nuq {path}: calibrated for {data['num_layers']} layers, the model has {num_layers}")
-    if data["group_size"] != group_size:
-        raise ValueError(f"--nuq {path}: calibrated with group_size={data['group_size']}, "
-                         f"but --group-size is {group_size}")
-    for flag, name, want in ((data.get("pre_rope", False), "--pre-rope", pre_rope),
-                             (data.get("sparse_outliers", 0.0), "--sparse-outliers", sparse_outliers)):
-        if flag != want:
-            raise ValueError(f"--nuq {path}: calibrated with {name} {flag}, but this run uses {name} {want}; "
-                             f"calibrate with the same settings (kivi calibrate {name} ...)")
-    if str(bits) not in data["bits"]:
-        raise ValueError(f"--nuq {path}: has levels for bits {sorted(data['bits'])}, not {bits}")
-    entry = data["bits"][str(bits)]
-    return {part: [torch.tensor(levels, dtype=torch.float32) for levels in entry[part]] for part in ("k", "v")}
-
-
 def add_calibrate_parser(sub, add_model_arguments, positive_int) -> None:
     c = sub.add_parser("calibrate", help="derive per-layer nuqX levels offline (KVQuant), Fisher-weighted k-means")
     c.add_argument("--out", type=Path, required=True, help="the JSON file to write")
@@ -164,7 +137,7 @@ def add_calibrate_parser(sub, add_model_arguments, positive_int) -> None:
     c.add_argument("--window", type=positive_int, default=512)
     c.add_argument("--windows", type=positive_int, default=8)
     c.add_argument("--pre-rope", action="store_true", help="levels for keys quantized before RoPE (KVQuant)")
-    c.add_argument("--sparse-outliers", type=_fraction, default=0.0, metavar="FRACTION",
+    c.add_argument("--sparse-outliers", type=fraction_arg, default=0.0, metavar="FRACTION",
                    help="levels for the dense part when this fraction of each vector is kept exact (e.g. 0.01)")
     c.set_defaults(func=cmd_calibrate, parser=c)
 

@@ -10,17 +10,6 @@ from pathlib import Path
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
-def _fraction(text: str) -> float:
-    from kivi_ops.dense_sparse import check_outlier_fraction
-
-    try:
-        value = float(text)
-        check_outlier_fraction(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 0.5), e.g. 0.01, got {text!r}")
-    return value
-
-
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x]
@@ -47,13 +36,6 @@ def add_eval_parser(sub, add_model_arguments, positive_int) -> None:
     add_model_arguments(ppl, methods=("fp", "kivi", "fake"))
     ppl.add_argument("--k-axis", choices=("token", "channel"), default="channel", help="--method fake only")
     ppl.add_argument("--v-axis", choices=("token", "channel"), default="token", help="--method fake only")
-    ppl.add_argument("--nuq", default=None, metavar="PATH",
-                     help="--method fake only: per-layer nuqX levels from `kivi calibrate` instead of the uniform grid")
-    ppl.add_argument("--pre-rope", action="store_true",
-                     help="--method fake only: KVQuant's pre-RoPE keys (quantized before the rotation)")
-    ppl.add_argument("--sparse-outliers", type=_fraction, default=0.0, metavar="FRACTION",
-                     help="--method fake only: KVQuant's per-vector dense-and-sparse quantization, e.g. 0.01 "
-                          "keeps 1%% of each key channel / value token exact")
     ppl.add_argument("--json", action="store_true")
     ppl.set_defaults(func=cmd_ppl, parser=ppl)
 
@@ -130,14 +112,11 @@ def cmd_ppl(args, parser) -> int:
                                        sparse_outliers=args.sparse_outliers, pre_rope=args.pre_rope)
         config = dict(spec.to_dict(), nuq=args.nuq, sparse_outliers=args.sparse_outliers, pre_rope=args.pre_rope)
     else:
-        if args.nuq or args.sparse_outliers or args.pre_rope:
-            parser.error("--nuq, --sparse-outliers and --pre-rope work with --method fake so far "
-                         "(the cache does not store nuq codes, sparse outliers or pre-RoPE keys yet)")
         model, tokenizer = _load(args, parser, patched=True, plain=False)
         windows = _windows(tokenizer, text, args, parser)
         result = cache_perplexity(model, windows, method=args.method, kivi_config=kivi_config, chunk=args.chunk,
                                   batch_size=args.batch_size)
-        config = kivi_config.to_dict() if args.method == "kivi" else {}
+        config = _config_record(kivi_config, args) if args.method == "kivi" else {}
     report = dict(ppl=result.ppl, tokens=result.tokens, method=args.method, config=config, window=args.window,
                   windows=int(windows.shape[0]), chunk=args.chunk if args.method != "fake" else None,
                   seconds=result.seconds)
@@ -149,9 +128,16 @@ def cmd_ppl(args, parser) -> int:
     return 0
 
 
+def _config_record(kivi_config, args) -> dict:
+    """The cache configuration for reports: the nuq levels by their file, not the numbers."""
+    record = kivi_config.to_dict()
+    del record["key_levels"], record["value_levels"]
+    return dict(record, nuq=args.nuq)
+
+
 def _nuq_tables(args, parser, num_layers: int) -> dict:
     """{"k": key levels per layer at --k-bits, "v": value levels per layer at --v-bits}."""
-    from .calibrate import KEY_AXIS, VALUE_AXIS, load_tables
+    from kivi_ops.nuq import KEY_AXIS, VALUE_AXIS, load_tables
 
     if (args.k_axis, args.v_axis) != (KEY_AXIS, VALUE_AXIS):
         parser.error(f"--nuq levels are calibrated for --k-axis {KEY_AXIS} --v-axis {VALUE_AXIS}, "
@@ -186,7 +172,7 @@ def cmd_passkey(args, parser) -> int:
                            kivi_config=kivi_config, seed=args.seed)
     if args.json:
         print(json.dumps(dict(accuracy=res["accuracy"], method=args.method,
-                              config=kivi_config.to_dict() if args.method == "kivi" else {},
+                              config=_config_record(kivi_config, args) if args.method == "kivi" else {},
                               trials=args.trials, details=res["details"], seconds=res["seconds"])))
     else:
         for length, acc in res["accuracy"].items():

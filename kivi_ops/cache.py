@@ -17,9 +17,11 @@ from torch import nn
 from . import ops  # noqa: F401  (registers torch.ops.kivi)
 from .cache_reference import check_capacity
 from .config import KIVIConfig
+from .extras import Extras
 from .ops import CACHE_BUFFERS
 from .packing import FLOAT_DTYPES, codes_per_byte
 from .pool import POOL_BUFFERS
+from .rope import rope_at
 
 IMPLS = ("op", "decomposed")
 ATTEND_FORMS = ("auto", "fused", "materialized")
@@ -84,7 +86,11 @@ class KIVICache(StaticCacheBase):
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        rope_inv_freq: Optional[torch.Tensor] = None,
+        rope_scaling: float = 1.0,
     ):
+        """rope_inv_freq / rope_scaling: the model's RoPE frequencies [head_dim / 2] and
+        attention_scaling (rope.model_rope_frequencies), required when config.pre_rope."""
         if not isinstance(config, KIVIConfig):
             raise TypeError(f"config must be a KIVIConfig, got {type(config).__name__}")
         super().__init__(num_layers=num_layers, batch_size=batch_size, max_seq_len=max_seq_len,
@@ -95,7 +101,18 @@ class KIVICache(StaticCacheBase):
                 f"outlier_tokens={config.outlier_tokens} would apply to no layer: outlier_skip_layers="
                 f"{config.outlier_skip_layers} skips all {num_layers} (lower it or set outlier_tokens=0)"
             )
+        if config.has_nuq and (len(config.key_levels) != num_layers or len(config.value_levels) != num_layers):
+            raise ValueError(f"key_levels/value_levels must have one entry per layer ({num_layers}), "
+                             f"got {len(config.key_levels)} and {len(config.value_levels)}")
+        if config.pre_rope:
+            if not isinstance(rope_inv_freq, torch.Tensor) or rope_inv_freq.shape != (head_dim // 2,):
+                raise ValueError(f"pre_rope=True needs rope_inv_freq, the model's RoPE frequencies [head_dim / 2 = "
+                                 f"{head_dim // 2}] (kivi_models.make_cache passes them), got "
+                                 f"{getattr(rope_inv_freq, 'shape', rope_inv_freq)}")
+        elif rope_inv_freq is not None:
+            raise ValueError("rope_inv_freq is only used with pre_rope=True")
         self.config = config
+        self.rope_scaling = float(rope_scaling)
         self.impl, self.attend_form = "op", "auto"
         device = torch.device(device)
         B, H, S, D, R, G = batch_size, num_kv_heads, max_seq_len, head_dim, config.residual_length, config.group_size
@@ -125,6 +142,21 @@ class KIVICache(StaticCacheBase):
                                      persistent=False)
                 self.register_buffer(f"pool_pos_{layer}", torch.full((B, H, P), -1, dtype=torch.int64, device=device),
                                      persistent=False)
+            # KVQuant (extras.py): nuq levels, the dense-and-sparse store.
+            if config.has_nuq:
+                for name, levels in (("k_levels", config.key_levels[layer]), ("v_levels", config.value_levels[layer])):
+                    self.register_buffer(f"{name}_{layer}", torch.tensor(levels, dtype=torch.float32, device=device),
+                                         persistent=False)
+            nk, nv = config.sparse_counts(D)
+            if nv:
+                for name, shape in (("k_sparse", (B, H, S // R * nk, D)), ("v_sparse", (B, H, S, nv))):
+                    self.register_buffer(f"{name}_{layer}", torch.zeros(shape, dtype=dtype, device=device),
+                                         persistent=False)
+                    self.register_buffer(f"{name}_idx_{layer}", torch.full(shape, -1, dtype=torch.int16, device=device),
+                                         persistent=False)
+        if config.pre_rope:
+            self.register_buffer("rope_inv_freq", rope_inv_freq.detach().to(device=device, dtype=torch.float32).clone(),
+                                 persistent=False)
 
     def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, f"{name}_{layer_idx}") for name in CACHE_BUFFERS)
@@ -135,16 +167,30 @@ class KIVICache(StaticCacheBase):
             return ()
         return tuple(getattr(self, f"{name}_{layer_idx}") for name in POOL_BUFFERS)
 
+    def layer_extras(self, layer_idx: int, *, attend: bool = False) -> Extras:
+        """KVQuant's inputs of a layer's ops (extras.py); all None when the options are off.
+        rope_inv_freq is an input of attention only."""
+        c = self.config
+        get = lambda name, on: getattr(self, f"{name}_{layer_idx}") if on else None  # noqa: E731
+        sparse = c.sparse_outliers > 0
+        return Extras(get("k_levels", c.has_nuq), get("v_levels", c.has_nuq),
+                      get("k_sparse", sparse), get("k_sparse_idx", sparse),
+                      get("v_sparse", sparse), get("v_sparse_idx", sparse),
+                      self.rope_inv_freq if c.pre_rope and attend else None)
+
     def nbytes(self) -> int:
-        """Exact bytes held: codes + scales + zeros + residual buffers + lengths, and the sink /
-        outlier pools (keys, values, positions) where the options are on, all layers."""
+        """Exact bytes held: codes + scales + zeros + residual buffers + lengths, the sink /
+        outlier pools (keys, values, positions) and KVQuant's parts (sparse outlier values and
+        indices, nuq levels, RoPE frequencies) where the options are on, all layers."""
         return sum(buf.numel() * buf.element_size() for buf in self.buffers())
 
     def reset(self) -> None:
-        super().reset()
-        for layer in range(self.num_layers):
-            if self.config.layer_pool_size(layer):
-                getattr(self, f"pool_pos_{layer}").fill_(-1)
+        """Empty every sequence: state buffers to zero, slot indices to -1 (empty); the constants
+        (nuq levels, RoPE frequencies) stay."""
+        for name, buf in self.named_buffers():
+            if name.startswith(("k_levels_", "v_levels_", "rope_inv_freq")):
+                continue
+            buf.fill_(-1 if name.startswith(("pool_pos_", "k_sparse_idx_", "v_sparse_idx_")) else 0)
 
     # ------------------------------------------------------------------ checks
 
@@ -192,17 +238,22 @@ class KIVICache(StaticCacheBase):
             check_capacity(self.lengths(layer_idx), counts, key.shape[2], self.max_seq_len)
         c = self.config
         pool = self.pool_buffers(layer_idx)
+        extras = self.layer_extras(layer_idx)
         if pool:
             extra = (c.sink_tokens, c.layer_outlier_tokens(layer_idx))
             if self.impl == "op":
                 torch.ops.kivi.cache_append_pool(*self.layer_buffers(layer_idx), *pool, key, value, counts,
-                                                 c.k_bits, c.v_bits, c.group_size, c.residual_length, *extra)
+                                                 c.k_bits, c.v_bits, c.group_size, c.residual_length, *extra, *extras[:6])
             else:
                 _decomposed().cache_append_decomposed(*self.layer_buffers(layer_idx), key, value, counts, c.k_bits,
-                                                      c.v_bits, c.group_size, c.residual_length, pool=(*pool, *extra))
+                                                      c.v_bits, c.group_size, c.residual_length, pool=(*pool, *extra),
+                                                      extras=extras)
             return
-        append = torch.ops.kivi.cache_append if self.impl == "op" else _decomposed().cache_append_decomposed
-        append(*self.layer_buffers(layer_idx), key, value, counts, c.k_bits, c.v_bits, c.group_size, c.residual_length)
+        args = (*self.layer_buffers(layer_idx), key, value, counts, c.k_bits, c.v_bits, c.group_size, c.residual_length)
+        if self.impl == "op":
+            torch.ops.kivi.cache_append(*args, *extras[:6])
+        else:
+            _decomposed().cache_append_decomposed(*args, extras=extras)
 
     def attend(self, layer_idx: int, query: torch.Tensor, scale: Optional[float] = None,
                counts: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -218,15 +269,18 @@ class KIVICache(StaticCacheBase):
         self._check_counts(counts, query.shape[2])
         c = self.config
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
+        if c.pre_rope:  # the model's RoPE scales keys by attention_scaling; ours are rotated here
+            scale *= self.rope_scaling
+        extras = self.layer_extras(layer_idx, attend=True)
         args = (query, *self.layer_buffers(layer_idx), counts, c.k_bits, c.v_bits, c.group_size, c.residual_length, scale)
         pool = self.pool_buffers(layer_idx)
         if pool:
             if self.impl == "op":
-                return torch.ops.kivi.cache_attend_pool(query, *self.layer_buffers(layer_idx), *pool, *args[10:])
-            return _decomposed().cache_attend_decomposed(*args, form=self.attend_form, pool=pool)
+                return torch.ops.kivi.cache_attend_pool(query, *self.layer_buffers(layer_idx), *pool, *args[10:], *extras)
+            return _decomposed().cache_attend_decomposed(*args, form=self.attend_form, pool=pool, extras=extras)
         if self.impl == "op":
-            return torch.ops.kivi.cache_attend(*args)
-        return _decomposed().cache_attend_decomposed(*args, form=self.attend_form)
+            return torch.ops.kivi.cache_attend(*args, *extras)
+        return _decomposed().cache_attend_decomposed(*args, form=self.attend_form, extras=extras)
 
     def use_impl(self, impl: str, attend_form: str = "auto") -> "KIVICache":
         """impl "op": the kivi custom ops (eager, compile, pt2, AOTInductor). "decomposed": the same
@@ -250,13 +304,16 @@ class KIVICache(StaticCacheBase):
         lengths = bufs[-1]
         stop = int(lengths.max())
         c = self.config
-        keys, values = materialize_block(*bufs, 0, stop, c.k_bits, c.v_bits, c.group_size, c.residual_length)
+        extras = self.layer_extras(layer_idx, attend=True)
+        keys, values = materialize_block(*bufs, 0, stop, c.k_bits, c.v_bits, c.group_size, c.residual_length, extras)
         pool = self.pool_buffers(layer_idx)
         if pool:  # pooled tokens are seen exact
             pool_k, pool_v, pool_pos = pool
             for b, h, i in (pool_pos >= 0).nonzero().tolist():
                 t = int(pool_pos[b, h, i])
                 keys[b, h, t], values[b, h, t] = pool_k[b, h, i].float(), pool_v[b, h, i].float()
+        if c.pre_rope:  # as attention sees them: rotated, with the model's attention_scaling
+            keys = rope_at(keys, torch.arange(stop, device=keys.device), self.rope_inv_freq) * self.rope_scaling
         inside = (torch.arange(stop, device=lengths.device)[None, :] < lengths[:, None])[:, None, :, None]
         zero = torch.zeros((), device=keys.device)
         return torch.where(inside, keys, zero).to(self.dtype), torch.where(inside, values, zero).to(self.dtype)

@@ -24,8 +24,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .packing import dequantize_codes, expand_groups, quantize_pack_reference, unpack, unpack_float
+from .extras import (NO_EXTRAS, Extras, apply_key_outliers, apply_value_outliers, key_outliers_per_window,
+                     select_key_outliers, select_outliers)
+from .packing import code_values, expand_groups, quantize_pack_reference, unpack, unpack_float
 from .pool import ott_step, pool_attention_scores, pooled_mask, replace_pooled_rows
+from .rope import rope_at
 
 # Tokens per step of the reference attention's online softmax: bounds the temporary
 # dequantized block, so no dequantized copy of the whole cache is ever materialized.
@@ -53,15 +56,17 @@ def check_capacity(lengths: torch.Tensor, counts, n: int, max_seq_len: int) -> N
 
 def cache_append_reference(
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-    key, value, counts, k_bits, v_bits, group_size, residual_length, pool=None,
+    key, value, counts, k_bits, v_bits, group_size, residual_length, pool=None, extras: Extras = NO_EXTRAS,
 ) -> None:
     """Append key/value [B, H, n, D] (the first counts[b] tokens of row b are real) in place.
 
     pool: None (plain KIVI) or (pool_k, pool_v, pool_pos, sink_tokens, outlier_tokens), the
-    full-precision token pool of pool.py, updated in place."""
+    full-precision token pool of pool.py, updated in place.
+    extras: KVQuant's nuq levels and dense-and-sparse store (extras.py), the store updated in place."""
     B, H, n, D = key.shape
     R, G = residual_length, group_size
     S = k_codes.shape[2]
+    nk = key_outliers_per_window(extras.k_sparse, S, R) if extras.sparse else 0
     check_capacity(lengths, counts, n, S)
     counts_list = [n] * B if counts is None else counts.tolist()
     lengths_list = lengths.tolist()
@@ -82,7 +87,13 @@ def cache_append_reference(
             if pool is not None:
                 v_stream = torch.cat([v_res[b][:, torch.arange(nqk, L, device=key.device) % R], new_v], dim=1)
                 flushed = _pool_flush(pool, b, nqk, nqk_end, flushed, v_stream[:, : nqk_end - nqk], R, G)
-            codes, scale, zero = quantize_pack_reference(flushed, k_bits, G, "channel")
+            exclude = None
+            if nk:
+                exclude, vals, idx = select_key_outliers(flushed[None], nk, R)
+                rows = slice(nqk // R * nk, nqk_end // R * nk)
+                extras.k_sparse[b, :, rows], extras.k_sparse_idx[b, :, rows] = vals[0], idx[0]
+                exclude = exclude[0]
+            codes, scale, zero = quantize_pack_reference(flushed, k_bits, G, "channel", extras.k_levels, exclude)
             k_codes[b, :, nqk:nqk_end] = codes
             k_scale[b, :, nqk // G : nqk_end // G] = scale
             k_zero[b, :, nqk // G : nqk_end // G] = zero
@@ -98,7 +109,11 @@ def cache_append_reference(
             from_window = v_res[b][:, u.clamp(max=L - 1) % R]
             from_new = new_v[:, (u - L).clamp(min=0)]
             leaving = torch.where((u < L)[None, :, None], from_window, from_new)
-            codes, scale, zero = quantize_pack_reference(leaving, v_bits, G, "token")
+            exclude = None
+            if extras.sparse:
+                exclude, vals, idx = select_outliers(leaving, extras.v_sparse.shape[-1], dim=-1)
+                extras.v_sparse[b, :, q0:q1], extras.v_sparse_idx[b, :, q0:q1] = vals, idx
+            codes, scale, zero = quantize_pack_reference(leaving, v_bits, G, "token", extras.v_levels, exclude)
             v_codes[b, :, q0:q1] = codes
             v_scale[b, :, q0:q1] = scale
             v_zero[b, :, q0:q1] = zero
@@ -144,10 +159,11 @@ def _pool_flush(pool, b, nqk, nqk_end, keys, values, R, G):
 
 def materialize_block(
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-    start, stop, k_bits, v_bits, group_size, residual_length,
+    start, stop, k_bits, v_bits, group_size, residual_length, extras: Extras = NO_EXTRAS,
 ):
-    """Keys and values (fp32) of token rows [start, stop): dequantized where quantized, exact
-    from the residuals elsewhere. start must be a multiple of group_size."""
+    """Keys and values (fp32) of token rows [start, stop): dequantized where quantized (nuq
+    levels and exact sparse outliers included), exact from the residuals elsewhere. Keys are in
+    stored form (pre-RoPE when the cache stores them so). start must be a multiple of group_size."""
     R, G, D = residual_length, group_size, k_res.shape[-1]
     t = torch.arange(start, stop, device=k_codes.device)
     nqk, nqv = quantized_counts(lengths, R)
@@ -156,8 +172,12 @@ def materialize_block(
     k_z = expand_groups(k_zero[:, :, g0:g1], G, "channel", D)[:, :, : stop - start]
     v_s = expand_groups(v_scale[:, :, start:stop], G, "token", D)
     v_z = expand_groups(v_zero[:, :, start:stop], G, "token", D)
-    k_q = dequantize_codes(unpack(k_codes[:, :, start:stop], k_bits), k_s, k_z, torch.float32)
-    v_q = dequantize_codes(unpack(v_codes[:, :, start:stop], v_bits), v_s, v_z, torch.float32)
+    k_q = code_values(unpack(k_codes[:, :, start:stop], k_bits), extras.k_levels) * k_s.float() + k_z.float()
+    v_q = code_values(unpack(v_codes[:, :, start:stop], v_bits), extras.v_levels) * v_s.float() + v_z.float()
+    if extras.sparse:
+        nk = key_outliers_per_window(extras.k_sparse, k_codes.shape[2], R)
+        k_q = apply_key_outliers(k_q, start, extras.k_sparse, extras.k_sparse_idx, nk, R)
+        v_q = apply_value_outliers(v_q, extras.v_sparse[:, :, start:stop], extras.v_sparse_idx[:, :, start:stop])
     slot = t % R
     k_quantized = (t[None, :] < nqk[:, None])[:, None, :, None]
     v_quantized = (t[None, :] < nqv[:, None])[:, None, :, None]
@@ -210,20 +230,23 @@ def _online_softmax_step(scores, m, denom):
 
 def cache_attend_reference(
     query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-    counts, k_bits, v_bits, group_size, residual_length, scale, pool=None,
+    counts, k_bits, v_bits, group_size, residual_length, scale, pool=None, extras: Extras = NO_EXTRAS,
 ) -> torch.Tensor:
     """Softmax attention of query [B, Hq, q, D] over each sequence's cache, one online softmax.
 
     pool: None or (pool_k, pool_v, pool_pos) (pool.py): pooled tokens are masked out of the
     quantized part and residual, and their exact keys/values join the same softmax.
+    extras (extras.py): nuq levels, exact sparse outliers, and rope_inv_freq when keys are stored
+    pre-RoPE: every key (quantized, residual, pooled) is rotated to its position before the dot.
 
     Query i of row b sits at position lengths[b] - counts[b] + i (its own key is already
     appended) and sees keys at positions <= its own (causal). Rows i >= counts[b] are padding
     and return zeros. Grouped-query attention maps query head h to kv head h // (Hq / H).
 
-    Quantized tokens are used in the packed domain (scales folded into the query and the
+    Plain KIVI uses quantized tokens in the packed domain (scales folded into the query and the
     probabilities, see the two helpers above); only the residual tail, at most R tokens beyond
-    the shortest sequence's quantized part, is read in full precision.
+    the shortest sequence's quantized part, is read in full precision. With extras each block
+    of tokens is dequantized (materialize_block) and rotated first; the block bounds the copy.
     """
     B, Hq, q, D = query.shape
     H = k_codes.shape[1]
@@ -237,6 +260,7 @@ def cache_attend_reference(
     valid_row = i[None, :] < counts[:, None]
     nqk, nqv = quantized_counts(lengths, R)
     tail = int(torch.minimum(nqk, nqv).min()) if B else 0  # residual tokens start here or later
+    buffers = (k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths)
 
     m = torch.full((B, H, groups * q), float("-inf"), device=query.device)
     denom = torch.zeros_like(m)
@@ -244,6 +268,18 @@ def cache_attend_reference(
     max_len = int(lengths.max()) if B else 0
     for start in range(0, max_len, ATTEND_BLOCK_TOKENS):
         stop = min(start + ATTEND_BLOCK_TOKENS, max_len)
+        t = torch.arange(start, stop, device=query.device)
+        visible = ((t[None, None, :] <= pos[:, :, None]) & valid_row[:, :, None])[:, None]
+        if pool is not None:
+            visible = visible & ~pooled_mask(pool[2], t)[:, :, None, :]
+        if extras.active:
+            keys, values = materialize_block(*buffers, start, stop, k_bits, v_bits, G, R, extras)
+            if extras.rope_inv_freq is not None:
+                keys = rope_at(keys, t, extras.rope_inv_freq)
+            p, correction, m, denom = _online_softmax_step(
+                (qf @ keys.transpose(-1, -2)).masked_fill(~visible, float("-inf")), m, denom)
+            acc = acc * correction[..., None] + p @ values
+            continue
         scores = _quantized_key_scores(qf, k_codes, k_scale, k_zero, start, stop, k_bits, G)  # [B, H, rows, T]
         a = max(start, tail)  # tokens [a, stop) may come from the residual windows
         if a < stop:
@@ -251,10 +287,6 @@ def cache_attend_reference(
             from_k_res = (t_tail[None, :] >= nqk[:, None])[:, None, None, :]
             exact = qf @ k_res[:, :, t_tail % R].float().transpose(-1, -2)
             scores[..., a - start :] = torch.where(from_k_res, exact, scores[..., a - start :])
-        t = torch.arange(start, stop, device=query.device)
-        visible = ((t[None, None, :] <= pos[:, :, None]) & valid_row[:, :, None])[:, None]
-        if pool is not None:
-            visible = visible & ~pooled_mask(pool[2], t)[:, :, None, :]
         p, correction, m, denom = _online_softmax_step(scores.masked_fill(~visible, float("-inf")), m, denom)
         if a < stop:
             from_v_res = (t_tail[None, :] >= nqv[:, None])[:, None, None, :]
@@ -268,7 +300,7 @@ def cache_attend_reference(
         acc = acc * correction[..., None] + pv
     if pool is not None and pool[2].shape[-1]:
         pool_k, pool_v, pool_pos = pool
-        scores, visible = pool_attention_scores(qf, pool_k, pool_pos, pos, valid_row)
+        scores, visible = pool_attention_scores(qf, pool_k, pool_pos, pos, valid_row, extras.rope_inv_freq)
         p, correction, m, denom = _online_softmax_step(scores.masked_fill(~visible, float("-inf")), m, denom)
         acc = acc * correction[..., None] + p @ pool_v.float()
     out = acc / denom.clamp(min=torch.finfo(torch.float32).tiny)[..., None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -21,6 +22,18 @@ def check_bits(name: str, bits: int) -> None:
 def check_group_size(name: str, group_size: int) -> None:
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in SUPPORTED_GROUP_SIZES:
         raise ValueError(f"{name} must be one of {SUPPORTED_GROUP_SIZES}, got {group_size!r}")
+
+
+def _check_level_tables(name: str, tables, bits: int) -> None:
+    """nuq levels: a tuple (one entry per layer) of 2^bits finite, ascending floats."""
+    if not isinstance(tables, tuple):
+        raise ValueError(f"{name} must be a tuple of per-layer level tuples, got {type(tables).__name__}")
+    for i, levels in enumerate(tables):
+        ok = isinstance(levels, tuple) and len(levels) == 2**bits and all(
+            isinstance(v, float) and math.isfinite(v) for v in levels)
+        if not ok or any(b < a for a, b in zip(levels, levels[1:])):
+            raise ValueError(f"{name}[{i}] must be {2**bits} finite floats in ascending order "
+                             f"(for {bits}-bit codes), got {levels!r}")
 
 
 def check_axis(axis: str) -> None:
@@ -50,6 +63,16 @@ class KIVIConfig:
         no new outliers (the paper stops identifying outliers when that pool is full).
     outlier_skip_layers: the first layers get no outlier pool (the paper uses 0 outliers in the
         first two layers).
+
+    KVQuant (paper 004), also off by default:
+    pre_rope: keys are stored (quantized and in the residual) before RoPE; the attention op
+        rotates them after dequantization, at their positions (Section 3.2).
+    sparse_outliers: per-vector dense-and-sparse quantization (Section 3.4): this fraction of each
+        key channel (over each flushed R-token window) and of each value token (over head_dim) is
+        kept exact in a sparse store and out of its group's min/max; at least one per vector.
+    key_levels / value_levels: nuqX (Section 3.3): per layer, the 2^bits sorted levels codes
+        index (offline calibration, `kivi calibrate`), rescaled per group by KIVI's online
+        scale/zero; () keeps the uniform grid 0..2^bits-1, exactly KIVI.
     """
 
     k_bits: int = 2
@@ -60,6 +83,10 @@ class KIVIConfig:
     outlier_tokens: int = 0
     outlier_spill: int = 32
     outlier_skip_layers: int = 2
+    pre_rope: bool = False
+    sparse_outliers: float = 0.0
+    key_levels: tuple = ()
+    value_levels: tuple = ()
 
     def __post_init__(self) -> None:
         check_bits("k_bits", self.k_bits)
@@ -84,6 +111,16 @@ class KIVIConfig:
                 f"considers), got {self.outlier_tokens}"
             )
 
+        if not isinstance(self.pre_rope, bool):
+            raise ValueError(f"pre_rope must be a bool, got {self.pre_rope!r}")
+        f = self.sparse_outliers
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 0.5:
+            raise ValueError(f"sparse_outliers must be a fraction in [0, 0.5), e.g. 0.01, got {f!r}")
+        for name, bits in (("key_levels", self.k_bits), ("value_levels", self.v_bits)):
+            _check_level_tables(name, getattr(self, name), bits)
+        if bool(self.key_levels) != bool(self.value_levels):
+            raise ValueError("key_levels and value_levels must be given together (nuq levels for keys and values)")
+
     def layer_outlier_tokens(self, layer_idx: int) -> int:
         """Outlier pool size of one layer: 0 in the first outlier_skip_layers layers."""
         return 0 if layer_idx < self.outlier_skip_layers else self.outlier_tokens
@@ -92,6 +129,18 @@ class KIVIConfig:
         """Full-precision pool slots of one layer: sink + outlier + spill (spill only with outliers)."""
         n = self.layer_outlier_tokens(layer_idx)
         return self.sink_tokens + (n + self.outlier_spill if n else 0)
+
+    def sparse_counts(self, head_dim: int) -> tuple[int, int]:
+        """(exact entries per key channel per R-token window, per value token): the fraction of
+        the vector, rounded, at least 1 when sparse_outliers > 0; (0, 0) when off."""
+        if not self.sparse_outliers:
+            return 0, 0
+        return (max(1, round(self.sparse_outliers * self.residual_length)),
+                max(1, round(self.sparse_outliers * head_dim)))
+
+    @property
+    def has_nuq(self) -> bool:
+        return bool(self.key_levels)
 
     @property
     def has_pool(self) -> bool:

@@ -32,8 +32,11 @@ import torch
 from torch import Tensor
 
 from .cache_reference import quantized_counts
-from .packing import codes_per_byte, quantize_pack_reference, token_group_size
+from .extras import (NO_EXTRAS, Extras, apply_key_outliers, apply_value_outliers, key_outliers_per_window,
+                     select_key_outliers, select_outliers)
+from .packing import code_values, codes_per_byte, quantize_pack_reference, token_group_size
 from .pool import ott_step, pool_attention_scores, pooled_mask_dense, replace_pooled_rows
+from .rope import rope_at
 
 
 # Longest token run one value-side accumulator sums before the chunks are added (see _token_chunk).
@@ -73,10 +76,11 @@ def cache_append_decomposed(
     k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, k_res: Tensor,
     v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, v_res: Tensor, lengths: Tensor,
     key: Tensor, value: Tensor, counts: Optional[Tensor],
-    k_bits: int, v_bits: int, group_size: int, residual_length: int, pool=None,
+    k_bits: int, v_bits: int, group_size: int, residual_length: int, pool=None, extras: Extras = NO_EXTRAS,
 ) -> None:
     """cache_append_reference without host syncs or data-dependent shapes (mutates the 9 buffers,
-    and the pool's 3 when pool = (pool_k, pool_v, pool_pos, sink_tokens, outlier_tokens), see pool.py).
+    and the pool's 3 when pool = (pool_k, pool_v, pool_pos, sink_tokens, outlier_tokens), see pool.py,
+    and the sparse outlier store when extras has one, see extras.py).
 
     key/value [B, H, n, D]; row b's first counts[b] tokens are real (all n if counts is None).
     Per sequence b with L = lengths[b] stored tokens, c new ones and end = L + c:
@@ -155,7 +159,16 @@ def cache_append_decomposed(
                 pv = torch.cat([pv[:, :, :a], state[1], state[4]], 2)
                 ppos = torch.cat([ppos[:, :, :a], state[2], state[5]], 2)
             stream = replace_pooled_rows(stream, pooled, G)
-        codes, scale, zero = quantize_pack_reference(stream, k_bits, G, "channel")
+        exclude = None
+        nk = key_outliers_per_window(extras.k_sparse, S, R) if extras.sparse else 0
+        if nk:  # dense-and-sparse: per channel, the window's largest keys stay exact
+            exclude, vals, idx = select_key_outliers(stream, nk, R)
+            oj = torch.arange(windows * nk, device=device)
+            orows = (torch.div(nqk, R, rounding_mode="floor")[:, None] * nk + oj[None, :]) % extras.k_sparse.shape[2]
+            ovalid = torch.div(oj, nk, rounding_mode="floor")[None, :] * R < flushed
+            _write_rows(extras.k_sparse, bi, hi, orows, vals, ovalid)
+            _write_rows(extras.k_sparse_idx, bi, hi, orows, idx, ovalid)
+        codes, scale, zero = quantize_pack_reference(stream, k_bits, G, "channel", extras.k_levels, exclude)
         _write_rows(k_codes, bi, hi, u % S, codes, j[None, :] < flushed)
         gj = torch.arange(W // G, device=device)
         grows = (torch.div(nqk, G, rounding_mode="floor")[:, None] + gj[None, :]) % k_scale.shape[2]
@@ -174,9 +187,14 @@ def cache_append_decomposed(
         win = _take_tokens(v_res, bi, hi, (u % R).clamp(max=RR - 1))
         new = _take_tokens(value, bi, hi, (u - L[:, None]).clamp(0, last_new))
         leaving = torch.where(from_win[:, None, :, None], win, new)
-        codes, scale, zero = quantize_pack_reference(leaving, v_bits, G, "token")
         valid = u < q1[:, None]
         rows = u % S
+        exclude = None
+        if extras.sparse:  # dense-and-sparse: per token, the largest channels stay exact
+            exclude, vals, idx = select_outliers(leaving, extras.v_sparse.shape[-1], dim=-1)
+            _write_rows(extras.v_sparse, bi, hi, rows, vals, valid)
+            _write_rows(extras.v_sparse_idx, bi, hi, rows, idx, valid)
+        codes, scale, zero = quantize_pack_reference(leaving, v_bits, G, "token", extras.v_levels, exclude)
         _write_rows(v_codes, bi, hi, rows, codes, valid)
         _write_rows(v_scale, bi, hi, rows, scale, valid)
         _write_rows(v_zero, bi, hi, rows, zero, valid)
@@ -304,14 +322,15 @@ def _token_chunk(S: int) -> int:
     return S
 
 
-def _with_pool(scores: Tensor, visible: Tensor, qf: Tensor, pos: Tensor, valid_row: Tensor, pool):
+def _with_pool(scores: Tensor, visible: Tensor, qf: Tensor, pos: Tensor, valid_row: Tensor, pool,
+               rope_inv_freq: Optional[Tensor] = None):
     """Mask pooled tokens out of scores/visible [B, H|1, rows, S] and append the pool's columns."""
     if pool is None:
         return scores, visible
     pool_k, _, pool_pos = pool
     B, H, rows, S = scores.shape
     visible = visible & ~pooled_mask_dense(pool_pos, S)[:, :, None, :]
-    ps, pvis = pool_attention_scores(qf, pool_k, pool_pos, pos, valid_row)
+    ps, pvis = pool_attention_scores(qf, pool_k, pool_pos, pos, valid_row, rope_inv_freq)
     return torch.cat([scores, ps], dim=-1), torch.cat([visible.expand(B, H, rows, S), pvis], dim=-1)
 
 
@@ -401,8 +420,9 @@ def _attend_fused(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_ze
 
 
 def _attend_materialized(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
-                         k_bits, v_bits, group_size, residual_length, scale, pool=None):
-    """Prefill/chunk form: dequantize all S rows once (fp32) and use matmuls."""
+                         k_bits, v_bits, group_size, residual_length, scale, pool=None, extras: Extras = NO_EXTRAS):
+    """Prefill/chunk form, and every form with KVQuant's extras: dequantize all S rows once
+    (fp32; nuq levels, exact sparse outliers, keys rotated when stored pre-RoPE) and use matmuls."""
     B, Hq, q, D = query.shape
     H, S, RR = k_codes.shape[1], k_codes.shape[2], k_res.shape[2]
     R, G = residual_length, group_size
@@ -413,13 +433,21 @@ def _attend_materialized(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scal
     gv = token_group_size(G, D)
     dgrp = torch.div(torch.arange(D, device=query.device), gv, rounding_mode="floor")
     slot = t % R
-    keys = unpack_codes_float(k_codes, k_bits) * k_scale.float()[:, :, g] + k_zero.float()[:, :, g]
+    keys = (code_values(unpack_codes_float(k_codes, k_bits), extras.k_levels) * k_scale.float()[:, :, g]
+            + k_zero.float()[:, :, g])
+    values = (code_values(unpack_codes_float(v_codes, v_bits), extras.v_levels) * v_scale.float()[..., dgrp]
+              + v_zero.float()[..., dgrp])
+    if extras.sparse:
+        nk = key_outliers_per_window(extras.k_sparse, S, R)
+        keys = apply_key_outliers(keys, 0, extras.k_sparse, extras.k_sparse_idx, nk, R)
+        values = apply_value_outliers(values, extras.v_sparse, extras.v_sparse_idx)
     keys = torch.where((t[None, :] < nqk[:, None])[:, None, :, None], keys, k_res.float()[:, :, slot])
-    values = unpack_codes_float(v_codes, v_bits) * v_scale.float()[..., dgrp] + v_zero.float()[..., dgrp]
     values = torch.where((t[None, :] < nqv[:, None])[:, None, :, None], values, v_res.float()[:, :, slot])
+    if extras.rope_inv_freq is not None:
+        keys = rope_at(keys, t, extras.rope_inv_freq)
     scores = qf @ keys.transpose(-1, -2)  # [B, H, rows, S]
     visible = ((t[None, None, :] <= pos[:, :, None]) & valid_row[:, :, None])[:, None]
-    p, denom = _softmax_rows(*_with_pool(scores, visible, qf, pos, valid_row, pool))
+    p, denom = _softmax_rows(*_with_pool(scores, visible, qf, pos, valid_row, pool, extras.rope_inv_freq))
     p, pool_acc = _pool_values(p, S, pool)
     acc = p @ values
     return _finish(acc if pool_acc is None else acc + pool_acc, denom, query)
@@ -431,22 +459,24 @@ def cache_attend_decomposed(
     v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, v_res: Tensor, lengths: Tensor,
     counts: Optional[Tensor],
     k_bits: int, v_bits: int, group_size: int, residual_length: int, scale: float,
-    *, form: str = "auto", pool=None,
+    *, form: str = "auto", pool=None, extras: Extras = NO_EXTRAS,
 ) -> Tensor:
     """cache_attend_reference with static shapes: query [B, Hq, q, D] -> [B, Hq, q, D].
 
     Causal (query i of row b sits at lengths[b] - counts[b] + i), GQA (head h -> kv head
     h // (Hq / H)), rows i >= counts[b] return zeros. form: "fused" (decode formulation, no
     dequantized copy of the cache), "materialized" (dequantize + matmul) or "auto" (fused for
-    q_len == 1, materialized otherwise).
+    q_len == 1, materialized otherwise). KVQuant's extras (extras.py) run in the materialized form.
     """
     if form == "auto":
-        form = "fused" if query.shape[2] == 1 else "materialized"
+        form = "fused" if query.shape[2] == 1 and not extras.active else "materialized"
     if form == "fused":
-        impl = _attend_fused
-    elif form == "materialized":
-        impl = _attend_materialized
-    else:
+        if extras.active:
+            raise ValueError("form='fused' does not support nuq levels, sparse outliers or pre-RoPE keys; "
+                             "use form='materialized' or 'auto'")
+        return _attend_fused(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+                             counts, k_bits, v_bits, group_size, residual_length, scale, pool=pool)
+    if form != "materialized":
         raise ValueError(f"form must be 'auto', 'fused' or 'materialized', got {form!r}")
-    return impl(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
-                k_bits, v_bits, group_size, residual_length, scale, pool=pool)
+    return _attend_materialized(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+                                counts, k_bits, v_bits, group_size, residual_length, scale, pool=pool, extras=extras)

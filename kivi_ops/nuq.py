@@ -16,11 +16,18 @@ the per-group scale and zero point are still computed online, as in KIVI.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from .config import check_axis, check_bits, check_group_size
 from .dense_sparse import outlier_mask
 from .packing import token_group_size
+
+
+FORMAT = "kivi-nuq-v1"  # the file `kivi calibrate` writes
+KEY_AXIS, VALUE_AXIS = "channel", "token"  # KIVI's grouping, which the cache uses
 
 
 def uniform_levels(bits: int) -> torch.Tensor:
@@ -139,3 +146,30 @@ def calibrate_levels(x: torch.Tensor, fisher: torch.Tensor, bits: int, group_siz
     shape): k-means on the normalized values, each weighted by fisher * scale^2."""
     x_n, weights = normalized_with_weights(x, fisher, bits, group_size, axis, outlier_fraction)
     return weighted_kmeans_1d(x_n, weights, 2**bits, init=uniform_levels(bits), iterations=iterations)
+
+
+def load_tables(path, *, bits: int, num_layers: int | None, group_size: int, pre_rope: bool = False,
+                sparse_outliers: float = 0.0) -> dict:
+    """{"k": [levels tensor per layer], "v": [...]} from a `kivi calibrate` file, checked against
+    the model (num_layers; None: checked later by the cache) and the quantization settings that
+    will use it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--nuq {path}: cannot read a calibration file ({e})")
+    if data.get("format") != FORMAT:
+        raise ValueError(f"--nuq {path}: not a `kivi calibrate` file (format {data.get('format')!r}, want {FORMAT!r})")
+    if num_layers is not None and data["num_layers"] != num_layers:
+        raise ValueError(f"--nuq {path}: calibrated for {data['num_layers']} layers, the model has {num_layers}")
+    if data["group_size"] != group_size:
+        raise ValueError(f"--nuq {path}: calibrated with group_size={data['group_size']}, "
+                         f"but --group-size is {group_size}")
+    for flag, name, want in ((data.get("pre_rope", False), "--pre-rope", pre_rope),
+                             (data.get("sparse_outliers", 0.0), "--sparse-outliers", sparse_outliers)):
+        if flag != want:
+            raise ValueError(f"--nuq {path}: calibrated with {name} {flag}, but this run uses {name} {want}; "
+                             f"calibrate with the same settings (kivi calibrate {name} ...)")
+    if str(bits) not in data["bits"]:
+        raise ValueError(f"--nuq {path}: has levels for bits {sorted(data['bits'])}, not {bits}")
+    entry = data["bits"][str(bits)]
+    return {part: [torch.tensor(levels, dtype=torch.float32) for levels in entry[part]] for part in ("k", "v")}

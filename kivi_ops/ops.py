@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .cache_reference import cache_append_reference, cache_attend_reference
 from .config import check_axis, check_bits, check_group_size
+from .extras import SPARSE_BUFFERS, Extras, check_extras
 from .packing import FLOAT_DTYPES, codes_per_byte, quantize_pack_reference, token_group_size, unpack_dequantize_reference
 
 CACHE_BUFFERS = ("k_codes", "k_scale", "k_zero", "k_res", "v_codes", "v_scale", "v_zero", "v_res", "lengths")
@@ -119,30 +120,48 @@ def _(codes, scale, zero, bits, group_size, axis):
 # ---------------------------------------------------------------- cache append / attend
 
 
-@torch.library.custom_op("kivi::cache_append", mutates_args=CACHE_BUFFERS)
+@torch.library.custom_op("kivi::cache_append", mutates_args=CACHE_BUFFERS + SPARSE_BUFFERS)
 def cache_append(
     k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, k_res: Tensor,
     v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, v_res: Tensor, lengths: Tensor,
     key: Tensor, value: Tensor, counts: Optional[Tensor],
     k_bits: int, v_bits: int, group_size: int, residual_length: int,
+    k_levels: Optional[Tensor] = None, v_levels: Optional[Tensor] = None,
+    k_sparse: Optional[Tensor] = None, k_sparse_idx: Optional[Tensor] = None,
+    v_sparse: Optional[Tensor] = None, v_sparse_idx: Optional[Tensor] = None,
 ) -> None:
+    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
+    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
     cache_append_reference(
         k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-        key, value, counts, k_bits, v_bits, group_size, residual_length,
+        key, value, counts, k_bits, v_bits, group_size, residual_length, extras=extras,
     )
 
 
 @cache_append.register_fake
 def _(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-      key, value, counts, k_bits, v_bits, group_size, residual_length):
+      key, value, counts, k_bits, v_bits, group_size, residual_length,
+      k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None):
+    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
+    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
     return None
 
 
 @cache_append.register_kernel("cuda")
 def _(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-      key, value, counts, k_bits, v_bits, group_size, residual_length):
+      key, value, counts, k_bits, v_bits, group_size, residual_length,
+      k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None):
     from .triton_cache import cache_append_triton
 
+    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
+    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
+    if extras.active:  # KVQuant options: no Triton kernel yet, the decomposed (graph-safe) form
+        from .decomposed import cache_append_decomposed
+
+        cache_append_decomposed(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+                                key.to(k_res.dtype), value.to(v_res.dtype), counts, k_bits, v_bits, group_size,
+                                residual_length, extras=extras)
+        return
     cache_append_triton(
         k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
         key, value, counts, k_bits, v_bits, group_size, residual_length,
@@ -156,24 +175,44 @@ def cache_attend(
     v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, v_res: Tensor, lengths: Tensor,
     counts: Optional[Tensor],
     k_bits: int, v_bits: int, group_size: int, residual_length: int, scale: float,
+    k_levels: Optional[Tensor] = None, v_levels: Optional[Tensor] = None,
+    k_sparse: Optional[Tensor] = None, k_sparse_idx: Optional[Tensor] = None,
+    v_sparse: Optional[Tensor] = None, v_sparse_idx: Optional[Tensor] = None,
+    rope_inv_freq: Optional[Tensor] = None,
 ) -> Tensor:
+    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
+    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
     return cache_attend_reference(
         query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-        counts, k_bits, v_bits, group_size, residual_length, scale,
+        counts, k_bits, v_bits, group_size, residual_length, scale, extras=extras,
     )
 
 
 @cache_attend.register_fake
 def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-      counts, k_bits, v_bits, group_size, residual_length, scale):
+      counts, k_bits, v_bits, group_size, residual_length, scale,
+      k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None,
+      rope_inv_freq=None):
+    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
+    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
     return torch.empty_like(query)
 
 
 @cache_attend.register_kernel("cuda")
 def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-      counts, k_bits, v_bits, group_size, residual_length, scale):
+      counts, k_bits, v_bits, group_size, residual_length, scale,
+      k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None,
+      rope_inv_freq=None):
     from .triton_cache import cache_attend_triton
 
+    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
+    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
+    if extras.active:  # KVQuant options: no Triton kernel yet, the decomposed (graph-safe) form
+        from .decomposed import cache_attend_decomposed
+
+        return cache_attend_decomposed(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
+                                       lengths, counts, k_bits, v_bits, group_size, residual_length, scale,
+                                       form="materialized", extras=extras)
     return cache_attend_triton(
         query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
         counts, k_bits, v_bits, group_size, residual_length, scale,
@@ -213,39 +252,50 @@ def check_pool_args(pool_k: Tensor, pool_v: Tensor, pool_pos: Tensor, k_res: Ten
                          f"{sink_tokens} + {outlier_tokens}")
 
 
-@torch.library.custom_op("kivi::cache_append_pool", mutates_args=POOL_CACHE_BUFFERS)
+@torch.library.custom_op("kivi::cache_append_pool", mutates_args=POOL_CACHE_BUFFERS + SPARSE_BUFFERS)
 def cache_append_pool(
     k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, k_res: Tensor,
     v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, v_res: Tensor, lengths: Tensor,
     pool_k: Tensor, pool_v: Tensor, pool_pos: Tensor,
     key: Tensor, value: Tensor, counts: Optional[Tensor],
     k_bits: int, v_bits: int, group_size: int, residual_length: int, sink_tokens: int, outlier_tokens: int,
+    k_levels: Optional[Tensor] = None, v_levels: Optional[Tensor] = None,
+    k_sparse: Optional[Tensor] = None, k_sparse_idx: Optional[Tensor] = None,
+    v_sparse: Optional[Tensor] = None, v_sparse_idx: Optional[Tensor] = None,
 ) -> None:
     check_pool_args(pool_k, pool_v, pool_pos, k_res, sink_tokens, outlier_tokens)
+    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
+    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
     cache_append_reference(
         k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
         key, value, counts, k_bits, v_bits, group_size, residual_length,
-        pool=(pool_k, pool_v, pool_pos, sink_tokens, outlier_tokens),
+        pool=(pool_k, pool_v, pool_pos, sink_tokens, outlier_tokens), extras=extras,
     )
 
 
 @cache_append_pool.register_fake
 def _(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, pool_k, pool_v, pool_pos,
-      key, value, counts, k_bits, v_bits, group_size, residual_length, sink_tokens, outlier_tokens):
+      key, value, counts, k_bits, v_bits, group_size, residual_length, sink_tokens, outlier_tokens,
+      k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None):
     check_pool_args(pool_k, pool_v, pool_pos, k_res, sink_tokens, outlier_tokens)
+    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
+    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
     return None
 
 
 @cache_append_pool.register_kernel("cuda")
 def _(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, pool_k, pool_v, pool_pos,
-      key, value, counts, k_bits, v_bits, group_size, residual_length, sink_tokens, outlier_tokens):
+      key, value, counts, k_bits, v_bits, group_size, residual_length, sink_tokens, outlier_tokens,
+      k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None):
     from .decomposed import cache_append_decomposed
 
     check_pool_args(pool_k, pool_v, pool_pos, k_res, sink_tokens, outlier_tokens)
+    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
+    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
     cache_append_decomposed(
         k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
         key.to(k_res.dtype), value.to(v_res.dtype), counts, k_bits, v_bits, group_size, residual_length,
-        pool=(pool_k, pool_v, pool_pos, sink_tokens, outlier_tokens),
+        pool=(pool_k, pool_v, pool_pos, sink_tokens, outlier_tokens), extras=extras,
     )
 
 
@@ -257,31 +307,45 @@ def cache_attend_pool(
     pool_k: Tensor, pool_v: Tensor, pool_pos: Tensor,
     counts: Optional[Tensor],
     k_bits: int, v_bits: int, group_size: int, residual_length: int, scale: float,
+    k_levels: Optional[Tensor] = None, v_levels: Optional[Tensor] = None,
+    k_sparse: Optional[Tensor] = None, k_sparse_idx: Optional[Tensor] = None,
+    v_sparse: Optional[Tensor] = None, v_sparse_idx: Optional[Tensor] = None,
+    rope_inv_freq: Optional[Tensor] = None,
 ) -> Tensor:
     check_pool_args(pool_k, pool_v, pool_pos, k_res, 0, 0)
+    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
+    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
     return cache_attend_reference(
         query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-        counts, k_bits, v_bits, group_size, residual_length, scale, pool=(pool_k, pool_v, pool_pos),
+        counts, k_bits, v_bits, group_size, residual_length, scale, pool=(pool_k, pool_v, pool_pos), extras=extras,
     )
 
 
 @cache_attend_pool.register_fake
 def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, pool_k, pool_v, pool_pos,
-      counts, k_bits, v_bits, group_size, residual_length, scale):
+      counts, k_bits, v_bits, group_size, residual_length, scale,
+      k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None,
+      rope_inv_freq=None):
     check_pool_args(pool_k, pool_v, pool_pos, k_res, 0, 0)
+    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
+    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
     return torch.empty_like(query)
 
 
 @cache_attend_pool.register_kernel("cuda")
 def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, pool_k, pool_v, pool_pos,
-      counts, k_bits, v_bits, group_size, residual_length, scale):
+      counts, k_bits, v_bits, group_size, residual_length, scale,
+      k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None,
+      rope_inv_freq=None):
     from .decomposed import cache_attend_decomposed
 
     check_pool_args(pool_k, pool_v, pool_pos, k_res, 0, 0)
+    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
+    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
     # Eager ATen on the GPU: the matmul form (one fp32 dequantized copy of the layer's cache per
     # call, cuBLAS products); the fused form is written for Inductor's CPU loops.
     return cache_attend_decomposed(
         query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
         counts, k_bits, v_bits, group_size, residual_length, scale, form="materialized",
-        pool=(pool_k, pool_v, pool_pos),
+        pool=(pool_k, pool_v, pool_pos), extras=extras,
     )

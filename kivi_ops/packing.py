@@ -49,12 +49,27 @@ def minmax_scale_zero(x_min: torch.Tensor, x_max: torch.Tensor, bits: int, dtype
     return scale, zero
 
 
-def quantize_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """Integer codes of x given broadcastable scale/zero (any shape); returns uint8 codes."""
+def quantize_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                   levels: torch.Tensor | None = None) -> torch.Tensor:
+    """Integer codes of x given broadcastable scale/zero (any shape); returns uint8 codes.
+    levels (nuqX, see nuq.py): the code is the index of the level nearest to (x - zero) / scale,
+    ties going up like the uniform rounding (uniform levels 0..2^B-1 give the same codes)."""
     s = scale.float()
     safe = torch.where(s == 0, torch.ones_like(s), s)
+    if levels is not None:
+        midpoints = (levels[1:] + levels[:-1]) / 2
+        normalized = (x.float() - zero.float()) / safe
+        return torch.bucketize(normalized, midpoints, right=True).to(torch.uint8)
     q = torch.floor((x.float() - zero.float()) / safe + 0.5)
     return q.clamp_(0, 2**bits - 1).to(torch.uint8)
+
+
+def code_values(codes: torch.Tensor, levels: torch.Tensor | None) -> torch.Tensor:
+    """fp32 values the codes stand for before scale and zero: the codes themselves (uniform
+    grid) or, with nuq levels, levels[code]."""
+    if levels is None:
+        return codes.float()
+    return levels.float()[codes.long()]
 
 
 def dequantize_codes(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -97,18 +112,30 @@ def unpack_float(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * codes_per_byte(bits))
 
 
-def quantize_pack_reference(x: torch.Tensor, bits: int, group_size: int, axis: str):
-    """x [..., T, D] -> (codes [..., T, D*B/8] uint8, scale, zero) as described above."""
+def quantize_pack_reference(x: torch.Tensor, bits: int, group_size: int, axis: str,
+                            levels: torch.Tensor | None = None, exclude: torch.Tensor | None = None):
+    """x [..., T, D] -> (codes [..., T, D*B/8] uint8, scale, zero) as described above.
+
+    levels: nuq levels (quantize_codes). exclude (x's shape, bool): elements kept out of their
+    group's min/max (dense-and-sparse outliers stored exactly elsewhere; their codes saturate);
+    a group with every element excluded gets scale 0 and zero 0."""
     *lead, T, D = x.shape
     if axis == "channel":
-        g = x.reshape(*lead, T // group_size, group_size, D)
-        scale, zero = minmax_scale_zero(g.amin(dim=-2), g.amax(dim=-2), bits, x.dtype)
-        q = quantize_codes(g, scale.unsqueeze(-2), zero.unsqueeze(-2), bits).reshape(*lead, T, D)
+        shape, dim = (*lead, T // group_size, group_size, D), -2
     else:
         gs = token_group_size(group_size, D)
-        g = x.reshape(*lead, T, D // gs, gs)
-        scale, zero = minmax_scale_zero(g.amin(dim=-1), g.amax(dim=-1), bits, x.dtype)
-        q = quantize_codes(g, scale.unsqueeze(-1), zero.unsqueeze(-1), bits).reshape(*lead, T, D)
+        shape, dim = (*lead, T, D // gs, gs), -1
+    g = x.reshape(shape)
+    if exclude is None:
+        lo, hi = g.amin(dim=dim), g.amax(dim=dim)
+    else:
+        e = exclude.reshape(shape)
+        lo = g.masked_fill(e, float("inf")).amin(dim=dim)
+        hi = g.masked_fill(e, float("-inf")).amax(dim=dim)
+        empty = e.all(dim=dim)
+        lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+    scale, zero = minmax_scale_zero(lo, hi, bits, x.dtype)
+    q = quantize_codes(g, scale.unsqueeze(dim), zero.unsqueeze(dim), bits, levels).reshape(*lead, T, D)
     return pack(q, bits), scale, zero
 
 

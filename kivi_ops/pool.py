@@ -38,8 +38,12 @@ the decomposed / compiled / exported paths).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
+
+from .rope import rope_at
 
 POOL_BUFFERS = ("pool_k", "pool_v", "pool_pos")
 
@@ -144,10 +148,15 @@ def ott_step(act_k: Tensor, act_v: Tensor, act_pos: Tensor, spill_k: Tensor, spi
     return act_k, act_v, act_pos, spill_k, spill_v, spill_pos, entrants
 
 
-def pool_attention_scores(qf: Tensor, pool_k: Tensor, pool_pos: Tensor, pos: Tensor, valid_row: Tensor):
+def pool_attention_scores(qf: Tensor, pool_k: Tensor, pool_pos: Tensor, pos: Tensor, valid_row: Tensor,
+                          rope_inv_freq: Optional[Tensor] = None):
     """Scores [B, H, rows, P] of the scaled fp32 queries qf [B, H, rows, D] against the pool, and
-    which are visible: a filled slot whose token is at or before the query (causal), real rows."""
-    scores = qf @ pool_k.float().transpose(-1, -2)
+    which are visible: a filled slot whose token is at or before the query (causal), real rows.
+    rope_inv_freq: the pool holds pre-RoPE keys (KVQuant), rotated here to their positions."""
+    keys = pool_k.float()
+    if rope_inv_freq is not None:
+        keys = rope_at(keys, pool_pos, rope_inv_freq)
+    scores = qf @ keys.transpose(-1, -2)
     pp = pool_pos[:, :, None, :]
     visible = (pp >= 0) & (pp <= pos[:, None, :, None]) & valid_row[:, None, :, None]
     return scores, visible

@@ -31,3 +31,25 @@ def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     """The inverse: undo_rope(apply_rope(x, cos, sin), cos, sin) == x (up to rounding). Divides by
     cos^2 + sin^2, which is 1 unless the RoPE variant scales its tables (attention_scaling)."""
     return (x * cos - _rotate_half(x) * sin) / (cos * cos + sin * sin)
+
+
+def rope_at(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x [..., T, D] (fp32) rotated to its positions [..., T] (broadcastable) with the frequencies
+    inv_freq [D/2], computed as transformers does: angle = position * inv_freq in fp32, both
+    halves. The cache's pre-RoPE keys (KVQuant) are rotated this way after dequantization; the
+    model's attention_scaling, if any, is folded into the softmax scale by the cache."""
+    angle = positions.to(torch.float32)[..., None] * inv_freq.float()
+    angle = torch.cat([angle, angle], dim=-1)
+    return x * torch.cos(angle) + _rotate_half(x) * torch.sin(angle)
+
+
+def model_rope_frequencies(model) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2] fp32, attention_scaling) of a Hugging Face Llama-family model's RoPE,
+    for a cache that rotates pre-RoPE keys itself. Variants whose frequencies change with the
+    sequence length (dynamic NTK, longrope) cannot be applied at a fixed table and are refused."""
+    rotary = model.model.rotary_emb
+    rope_type = getattr(rotary, "rope_type", "default")
+    if "dynamic" in rope_type or rope_type == "longrope":
+        raise ValueError(f"pre_rope needs RoPE frequencies that do not depend on the sequence length; "
+                         f"this model's rope_type is {rope_type!r}")
+    return rotary.inv_freq.detach().float().clone(), float(getattr(rotary, "attention_scaling", 1.0))

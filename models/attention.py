@@ -51,10 +51,13 @@ class KIVIAttention(nn.Module):
         k = self.k_proj(hidden_states).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = position_embeddings
-        q, k = self.apply_rotary_pos_emb(q, k, cos, sin)
+        q, k_rotated = self.apply_rotary_pos_emb(q, k, cos, sin)
         counts = kwargs.get("kivi_counts")
         prefill = n > 1 and not past_key_values.prefilled[self.layer_idx]
-        past_key_values.append(self.layer_idx, k.contiguous(), v.contiguous(), counts)
+        # A pre-RoPE cache (KVQuant) stores keys before rotation and rotates them in attention.
+        stored = k if past_key_values.pre_rope else k_rotated
+        past_key_values.append(self.layer_idx, stored.contiguous(), v.contiguous(), counts)
+        k = k_rotated
         exact = past_key_values.exact_attention
         if exact is not None:
             # Exported programs (export/decoder.py): one graph serves prompts and decode steps, so

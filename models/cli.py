@@ -36,6 +36,14 @@ def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
     p.add_argument("--outlier-spill", type=int, default=32,
                    help="OTT: slots for tokens evicted from the outlier pool; when full, no new outliers")
     p.add_argument("--outlier-skip-layers", type=int, default=2, help="OTT: the first N layers get no outlier pool")
+    p.add_argument("--pre-rope", action="store_true",
+                   help="KVQuant: store keys before RoPE (quantized per channel there); attention rotates them")
+    p.add_argument("--nuq", default=None, metavar="PATH",
+                   help="KVQuant nuqX: per-layer non-uniform levels from `kivi calibrate` (same --group-size, "
+                        "--pre-rope and --sparse-outliers as calibrated) instead of the uniform grid")
+    p.add_argument("--sparse-outliers", type=fraction_arg, default=0.0, metavar="FRACTION",
+                   help="KVQuant dense-and-sparse: keep this fraction of each key channel (per R-token window) and "
+                        "of each value token exact, e.g. 0.01")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, float16 on cuda")
     from .weight_quant import WEIGHT_QUANT_MODES
@@ -44,18 +52,64 @@ def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
                    help="torchao weight-only quantization of the Linear layers: int8 (cpu, cuda) or int4 (cuda)")
 
 
+def fraction_arg(text: str) -> float:
+    from kivi_ops.dense_sparse import check_outlier_fraction
+
+    try:
+        value = float(text)
+        check_outlier_fraction(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 0.5), e.g. 0.01, got {text!r}")
+    return value
+
+
+def _nuq_levels(args, parser) -> dict:
+    """{"key_levels": ..., "value_levels": ...} for KIVIConfig from --nuq, checked against the model."""
+    from kivi_ops.nuq import load_tables
+
+    from .loading import resolve_model_path
+
+    try:
+        num_layers = json.loads((resolve_model_path(args.model) / "config.json").read_text())["num_hidden_layers"]
+        settings = dict(num_layers=num_layers, group_size=args.group_size, pre_rope=args.pre_rope,
+                        sparse_outliers=args.sparse_outliers)
+        keys = load_tables(args.nuq, bits=args.k_bits, **settings)["k"]
+        values = load_tables(args.nuq, bits=args.v_bits, **settings)["v"]
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+    as_tuples = lambda tables: tuple(tuple(float(v) for v in levels.tolist()) for levels in tables)  # noqa: E731
+    return dict(key_levels=as_tuples(keys), value_levels=as_tuples(values))
+
+
+# CLI spelling of the KIVIConfig fields in error messages.
+_FLAG_NAMES = (("sink_tokens", "--sink-tokens"), ("outlier_tokens", "--outlier-tokens"),
+               ("outlier_spill", "--outlier-spill"), ("outlier_skip_layers", "--outlier-skip-layers"),
+               ("sparse_outliers", "--sparse-outliers"))
+
+
 def kivi_config_from(args, parser) -> KIVIConfig:
+    """The KIVIConfig the flags describe. KVQuant's flags (--pre-rope, --nuq, --sparse-outliers)
+    configure the cache for --method kivi; --method fake applies them itself (eval ppl)."""
+    method = getattr(args, "method", "kivi")
+    kvquant = dict(pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers)
+    if method == "kivi" and args.nuq:
+        kvquant.update(_nuq_levels(args, parser))
     try:
         config = KIVIConfig(k_bits=args.k_bits, v_bits=args.v_bits, group_size=args.group_size,
                             residual_length=args.residual_length, sink_tokens=args.sink_tokens,
                             outlier_tokens=args.outlier_tokens, outlier_spill=args.outlier_spill,
-                            outlier_skip_layers=args.outlier_skip_layers)
+                            outlier_skip_layers=args.outlier_skip_layers, **(kvquant if method == "kivi" else {}))
     except ValueError as e:
-        parser.error(str(e).replace("sink_tokens", "--sink-tokens").replace("outlier_tokens", "--outlier-tokens")
-                     .replace("outlier_spill", "--outlier-spill").replace("outlier_skip_layers", "--outlier-skip-layers"))
-    if getattr(args, "method", "kivi") != "kivi" and config.has_pool:
+        message = str(e)
+        for field, flag in _FLAG_NAMES:
+            message = message.replace(field, flag)
+        parser.error(message)
+    if method != "kivi" and config.has_pool:
         parser.error(f"--sink-tokens / --outlier-tokens are options of the KIVI cache (--method kivi), "
-                     f"not of --method {args.method}")
+                     f"not of --method {method}")
+    if method == "fp" and (args.pre_rope or args.nuq or args.sparse_outliers):
+        parser.error("--pre-rope / --nuq / --sparse-outliers are options of the KIVI cache (--method kivi) "
+                     "or of fake quantization (--method fake), not of --method fp")
     return config
 
 
@@ -161,7 +215,10 @@ def cmd_generate(args, parser) -> int:
                else f"{args.weight_quant} weight-only Linear layers (torchao); embeddings and norms {config['dtype']}")
     print(f"model:   {model_bytes / 2**20:.1f} MiB, {weights}")
     extras = "".join([f" sink={kivi_config.sink_tokens}" if kivi_config.sink_tokens else "",
-                      f" outliers={kivi_config.outlier_tokens}" if kivi_config.outlier_tokens else ""])
+                      f" outliers={kivi_config.outlier_tokens}" if kivi_config.outlier_tokens else "",
+                      " pre-RoPE" if kivi_config.pre_rope else "",
+                      f" nuq={args.nuq}" if kivi_config.has_nuq else "",
+                      f" sparse={kivi_config.sparse_outliers:g}" if kivi_config.sparse_outliers else ""])
     label = (f"KIVI-{kivi_config.k_bits}/{kivi_config.v_bits} G={kivi_config.group_size} "
              f"R={kivi_config.residual_length}{extras}, {config['dtype']} scales and residual" if args.method == "kivi"
              else f"fp ({config['dtype']})")

@@ -16,6 +16,7 @@ import torch
 
 from kivi_ops import KIVICache, KIVIConfig
 from kivi_ops.cache_reference import check_capacity
+from kivi_ops.rope import model_rope_frequencies
 
 from .fp_cache import FPCache
 from .hf_cache import KIVIHFCache
@@ -33,7 +34,15 @@ def make_cache(model, *, method: str, batch_size: int, max_seq_len: int,
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dims = dict(num_layers=cfg.num_hidden_layers, batch_size=batch_size, max_seq_len=max_seq_len,
                 num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, dtype=model.dtype, device=device or model.device)
-    backing = KIVICache(kivi_config or KIVIConfig(), **dims) if method == "kivi" else FPCache(**dims)
+    if method == "kivi":
+        kivi_config = kivi_config or KIVIConfig()
+        rope = {}
+        if kivi_config.pre_rope:
+            inv_freq, scaling = model_rope_frequencies(model)
+            rope = dict(rope_inv_freq=inv_freq, rope_scaling=scaling)
+        backing = KIVICache(kivi_config, **dims, **rope)
+    else:
+        backing = FPCache(**dims)
     if backing.device.type == "cuda":
         # CUDA graphs only allow in-place updates of tensors at fixed addresses.
         for buf in backing.buffers():

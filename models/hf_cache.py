@@ -64,6 +64,8 @@ class KIVIHFCache(Cache):
         # Set only inside exported programs: a bool tensor, True when this call is the prompt of
         # fresh sequences (exact attention) rather than a step over what the cache holds.
         self.exact_attention = None
+        # The attention layers append keys before RoPE when the backing cache stores them so.
+        self.pre_rope = bool(getattr(getattr(backing, "config", None), "pre_rope", False))
 
     def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, counts=None) -> None:
         self.backing.append(layer_idx, key, value, counts)

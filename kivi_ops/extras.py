@@ -1,0 +1,143 @@
+"""KVQuant's options as extra inputs of the cache ops (paper 004): nuq levels, pre-RoPE keys and
+the dense-and-sparse outlier store. All absent (None) by default: the ops then run plain KIVI.
+
+Per layer, when on (KIVIConfig.sparse_counts gives nk, nv; W = S // R key windows):
+    k_levels      fp32  [2^k_bits]         nuq levels key codes index (nuq.py)
+    v_levels      fp32  [2^v_bits]
+    k_sparse      dtype [B, H, W * nk, D]  exact key outliers: row w * nk + j holds, per channel,
+    k_sparse_idx  int16 [B, H, W * nk, D]  the j-th outlier of R-token window w and its token
+                                           offset in the window (-1: none yet)
+    v_sparse      dtype [B, H, S, nv]      exact value outliers of token t (row t) and their
+    v_sparse_idx  int16 [B, H, S, nv]      channels (-1: none yet)
+and once per cache
+    rope_inv_freq fp32  [D/2]              the model's RoPE frequencies (keys stored pre-RoPE)
+
+Dense-and-sparse (Section 3.4), as implemented: when the cache quantizes a window of R keys, per
+channel the nk entries of largest magnitude among the window's tokens stay exact; when a value
+token is quantized, its nv channels of largest magnitude stay exact. Outliers are left out of
+their group's min/max (their codes saturate) and attention reads the exact entries instead. The
+paper calibrates key thresholds offline and keeps a fixed fraction of values online; here both
+are per-vector counts computed online at quantization time (a fixed count per vector keeps the
+store static-shaped, which compile/export need).
+
+All helpers are static-shape tensor code (used by the CPU reference and the decomposed paths).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+SPARSE_BUFFERS = ("k_sparse", "k_sparse_idx", "v_sparse", "v_sparse_idx")
+
+
+class Extras(NamedTuple):
+    """The optional inputs of the cache ops, in their schema order (trailing arguments)."""
+
+    k_levels: Optional[Tensor] = None
+    v_levels: Optional[Tensor] = None
+    k_sparse: Optional[Tensor] = None
+    k_sparse_idx: Optional[Tensor] = None
+    v_sparse: Optional[Tensor] = None
+    v_sparse_idx: Optional[Tensor] = None
+    rope_inv_freq: Optional[Tensor] = None
+
+    @property
+    def active(self) -> bool:
+        return any(t is not None for t in self)
+
+    @property
+    def sparse(self) -> bool:
+        return self.k_sparse is not None
+
+
+NO_EXTRAS = Extras()
+
+
+def check_extras(extras: Extras, k_codes: Tensor, k_res: Tensor, k_bits: int, v_bits: int, residual_length: int) -> None:
+    """Shapes and dtypes of the extras against the cache buffers (clear errors, never a crash in a kernel)."""
+    B, H, S, _ = k_codes.shape
+    D, dtype = k_res.shape[-1], k_res.dtype
+    for name, levels, bits in (("k_levels", extras.k_levels, k_bits), ("v_levels", extras.v_levels, v_bits)):
+        if levels is not None and (levels.shape != (2**bits,) or levels.dtype != torch.float32):
+            raise ValueError(f"{name} must be float32 [{2**bits}] (levels of {bits}-bit codes), "
+                             f"got {levels.dtype} {list(levels.shape)}")
+    if (extras.k_levels is None) != (extras.v_levels is None):
+        raise ValueError("k_levels and v_levels must be given together")
+    sparse = (extras.k_sparse, extras.k_sparse_idx, extras.v_sparse, extras.v_sparse_idx)
+    if any(t is not None for t in sparse):
+        if any(t is None for t in sparse):
+            raise ValueError("k_sparse, k_sparse_idx, v_sparse and v_sparse_idx must be given together")
+        k_val, k_idx, v_val, v_idx = sparse
+        windows = S // residual_length
+        rows = k_val.shape[2] if k_val.dim() == 4 else -1
+        if (k_val.dim() != 4 or tuple(k_val.shape) != (B, H, rows, D) or (windows and rows % windows)
+                or (not windows and rows)):
+            raise ValueError(f"k_sparse must be [B, H, (S // R) * nk, D] = [{B}, {H}, {windows} * nk, {D}], "
+                             f"got {list(k_val.shape)}")
+        nv = v_val.shape[-1] if v_val.dim() == 4 else -1
+        if v_val.dim() != 4 or tuple(v_val.shape[:3]) != (B, H, S) or not 0 < nv <= D:
+            raise ValueError(f"v_sparse must be [B, H, S, nv] = [{B}, {H}, {S}, 1..{D}], got {list(v_val.shape)}")
+        if k_idx.shape != k_val.shape or v_idx.shape != v_val.shape:
+            raise ValueError("k_sparse_idx / v_sparse_idx must have the shapes of k_sparse / v_sparse")
+        if k_val.dtype != dtype or v_val.dtype != dtype or k_idx.dtype != torch.int16 or v_idx.dtype != torch.int16:
+            raise ValueError(f"k_sparse/v_sparse must have the cache dtype {dtype} and their indices int16")
+    f = extras.rope_inv_freq
+    if f is not None and (f.shape != (D // 2,) or f.dtype != torch.float32):
+        raise ValueError(f"rope_inv_freq must be float32 [{D // 2}] (head_dim / 2), got {f.dtype} {list(f.shape)}")
+
+
+def key_outliers_per_window(k_sparse: Tensor, S: int, R: int) -> int:
+    """nk: exact entries per channel per flushed window (0 when no window fits in the cache)."""
+    return k_sparse.shape[2] // (S // R) if S // R else 0
+
+
+def select_outliers(x: Tensor, count: int, dim: int):
+    """The count entries of largest magnitude along dim, per vector of x: (mask of x's shape,
+    their exact values, their indices along dim as int16)."""
+    idx = x.float().abs().topk(count, dim=dim).indices
+    mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device).scatter(dim, idx, True)
+    return mask, torch.gather(x, dim, idx), idx.to(torch.int16)
+
+
+def select_key_outliers(stream: Tensor, nk: int, R: int):
+    """stream [B, H, windows * R, D] of exact keys about to be quantized, window by window:
+    (exclude mask of stream's shape, values [B, H, windows * nk, D], token offsets int16)."""
+    B, H, W, D = stream.shape
+    mask, vals, idx = select_outliers(stream.reshape(B, H, W // R, R, D), nk, dim=3)
+    return mask.reshape(B, H, W, D), vals.reshape(B, H, -1, D), idx.reshape(B, H, -1, D)
+
+
+def _replace_along(x: Tensor, dim: int, target: Tensor, src: Tensor, hit: Tensor) -> Tensor:
+    """x with x[..., target, ...] = src (along dim) where hit; misses write into a spare slot
+    past the end that is cut off again (static shapes: no boolean indexing)."""
+    n = x.shape[dim]
+    pad_shape = list(x.shape)
+    pad_shape[dim] = 1
+    padded = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+    index = torch.where(hit, target, torch.full_like(target, n))
+    return padded.scatter(dim, index, torch.where(hit, src.to(x.dtype), torch.zeros((), dtype=x.dtype,
+                                                                                        device=x.device))).narrow(dim, 0, n)
+
+
+def apply_key_outliers(keys: Tensor, start: int, k_sparse: Tensor, k_sparse_idx: Tensor, nk: int, R: int) -> Tensor:
+    """keys [B, H, T, D] (fp32, the dequantized rows [start, start + T)) with the exact key
+    outliers of those rows written in. Callers choose quantized vs residual rows afterwards:
+    outliers exist only for flushed windows, whose rows are all quantized."""
+    if nk == 0:
+        return keys
+    T = keys.shape[2]
+    window = torch.div(torch.arange(k_sparse.shape[2], device=keys.device), nk, rounding_mode="floor")
+    offset = k_sparse_idx.long()
+    position = window[None, None, :, None] * R + offset  # [B, H, W * nk, D]
+    hit = (offset >= 0) & (position >= start) & (position < start + T)
+    return _replace_along(keys, 2, position - start, k_sparse, hit)
+
+
+def apply_value_outliers(values: Tensor, v_sparse: Tensor, v_sparse_idx: Tensor) -> Tensor:
+    """values [B, H, T, D] (fp32, dequantized rows) with the exact value outliers of the same T
+    rows (v_sparse / v_sparse_idx [B, H, T, nv]) written in."""
+    idx = v_sparse_idx.long()
+    return _replace_along(values, 3, idx, v_sparse, idx >= 0)

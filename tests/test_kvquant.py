@@ -1,0 +1,325 @@
+"""KVQuant's options in the KIVI cache (kivi_ops/extras.py): nuq levels, dense-and-sparse outliers
+and pre-RoPE keys, against an independent reference of their math.
+
+The reference re-derives what attention must see from the exact (pre-RoPE) keys/values alone:
+each flushed R-token key window fake-quantized per channel by nuq.fake_quantize_nuq (which picks
+its own outliers per channel), each quantized value token per token, the rest exact; keys then
+rotated with RoPE written as complex multiplication (independent of rope.py's rotate-half form);
+attention a plain dense softmax.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kivi_ops import KIVICache, KIVIConfig
+from kivi_ops.nuq import fake_quantize_nuq, uniform_levels
+from kivi_ops.ops import CACHE_BUFFERS
+
+B, H, HQ, D, S, G, R = 2, 2, 4, 16, 72, 8, 16
+INV_FREQ = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+K_LEVELS = (0.15, 1.05, 1.95, 2.9)  # 2-bit nuq levels (sorted, inside [0, 3])
+V_LEVELS = tuple(float(x) for x in torch.linspace(0, 15, 16) ** 1.1 / 15**0.1)  # 4-bit, skewed
+# fp32 throughout: dequantized values agree up to the rounding of a handful of fp32 operations.
+ATOL = RTOL = 1e-5
+
+NUQ = dict(key_levels=(K_LEVELS,), value_levels=(V_LEVELS,))
+CONFIGS = {
+    "nuq": KIVIConfig(2, 4, G, R, **NUQ),
+    "sparse": KIVIConfig(2, 4, G, R, sparse_outliers=0.1),
+    "pre_rope": KIVIConfig(2, 4, G, R, pre_rope=True),
+    "all": KIVIConfig(2, 4, G, R, pre_rope=True, sparse_outliers=0.1, **NUQ),
+}
+# Appends: a right-padded prefill, then a chunk and single tokens (crossing key flushes at 16, 32, 48).
+SCHEDULE = [(23, [23, 17]), (5, [5, 3]), *[(1, None)] * 26]
+
+
+def make_cache(cfg, *, layers=1, dtype=torch.float32):
+    rope = dict(rope_inv_freq=INV_FREQ) if cfg.pre_rope else {}
+    return KIVICache(cfg, num_layers=layers, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D,
+                     dtype=dtype, **rope)
+
+
+def make_tokens(seed, n):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, H, n, D, generator=gen)
+    keys[..., 3] *= 6  # an outlier channel, as real keys have
+    return keys, torch.randn(B, H, n, D, generator=gen) * torch.linspace(0.5, 3, D)
+
+
+# ---------------------------------------------------------------- the independent reference
+
+
+def rotate(x, positions):
+    """RoPE of x [T, D] at positions [T]: channel pairs (i, i + D/2) as complex numbers times e^(i t f_i)."""
+    half = x.shape[-1] // 2
+    z = torch.complex(x[:, :half].double(), x[:, half:].double())
+    z = z * torch.polar(torch.ones(len(positions), half, dtype=torch.float64), positions[:, None].double() * INV_FREQ.double())
+    return torch.cat([z.real, z.imag], dim=-1).float()
+
+
+def reference_view(K, V, L, cfg):
+    """(keys, values) attention sees for one sequence/head holding tokens [0, L), exact K, V [T, D]."""
+    k_levels = torch.tensor(cfg.key_levels[0]) if cfg.has_nuq else uniform_levels(cfg.k_bits)
+    v_levels = torch.tensor(cfg.value_levels[0]) if cfg.has_nuq else uniform_levels(cfg.v_bits)
+    keys, values = K[:L].clone(), V[:L].clone()
+    for w0 in range(0, L // R * R, R):
+        keys[w0:w0 + R] = fake_quantize_nuq(K[w0:w0 + R], cfg.k_bits, G, "channel", k_levels, cfg.sparse_outliers)
+    for t in range(max(L - R, 0)):
+        values[t:t + 1] = fake_quantize_nuq(V[t:t + 1], cfg.v_bits, G, "token", v_levels, cfg.sparse_outliers)
+    if cfg.pre_rope:
+        keys = rotate(keys, torch.arange(L))
+    return keys, values
+
+
+def reference_attention(query, K, V, lengths, counts, cfg, scale):
+    out = torch.zeros_like(query)
+    for b in range(B):
+        L, c = int(lengths[b]), int(counts[b])
+        for h in range(HQ):
+            keys, values = reference_view(K[b, h * H // HQ], V[b, h * H // HQ], L, cfg)
+            for i in range(c):
+                p = torch.softmax(query[b, h, i] @ keys[: L - c + i + 1].T * scale, dim=-1)
+                out[b, h, i] = p @ values[: L - c + i + 1]
+    return out
+
+
+def run(cfg, impl, *, check=True):
+    cache = make_cache(cfg).use_impl(impl)
+    K, V = make_tokens(0, S)
+    gen = torch.Generator().manual_seed(1)
+    L = torch.zeros(B, dtype=torch.long)
+    for step, (n, counts) in enumerate(SCHEDULE):
+        c = torch.full((B,), n) if counts is None else torch.tensor(counts)
+        key = torch.stack([K[b, :, int(L[b]):int(L[b]) + n] for b in range(B)])
+        value = torch.stack([V[b, :, int(L[b]):int(L[b]) + n] for b in range(B)])
+        cache.append(0, key, value, None if counts is None else c)
+        L += c
+        if check and (step < 3 or step % 7 == 0 or step == len(SCHEDULE) - 1):
+            query = torch.randn(B, HQ, n, D, generator=gen)
+            want = reference_attention(query, K, V, L, c, cfg, 0.3)
+            got = cache.attend(0, query, 0.3, None if counts is None else c)
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+            keys, values = cache.dequantized(0)
+            for b in range(B):
+                for h in range(H):
+                    rk, rv = reference_view(K[b, h], V[b, h], int(L[b]), cfg)
+                    torch.testing.assert_close(keys[b, h, : int(L[b])], rk, atol=ATOL, rtol=RTOL)
+                    torch.testing.assert_close(values[b, h, : int(L[b])], rv, atol=ATOL, rtol=RTOL)
+    return cache
+
+
+@pytest.mark.parametrize("impl", ["op", "decomposed"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cache_matches_independent_reference(name, impl):
+    run(CONFIGS[name], impl)
+
+
+def test_op_and_decomposed_write_identical_buffers_with_every_option():
+    cfg = KIVIConfig(2, 4, G, R, pre_rope=True, sparse_outliers=0.1, sink_tokens=1, outlier_tokens=2,
+                     outlier_skip_layers=0, **NUQ)
+    a, b = run(cfg, "op", check=False), run(cfg, "decomposed", check=False)
+    for (name, x), (_, y) in zip(a.named_buffers(), b.named_buffers()):
+        assert torch.equal(x, y), name
+    query = torch.randn(B, HQ, 1, D)
+    torch.testing.assert_close(a.attend(0, query), b.attend(0, query), atol=ATOL, rtol=RTOL)
+
+
+def test_uniform_levels_store_exactly_what_kivi_stores():
+    uniform = KIVIConfig(2, 4, G, R, key_levels=(tuple(uniform_levels(2).tolist()),),
+                         value_levels=(tuple(uniform_levels(4).tolist()),))
+    a, b = run(KIVIConfig(2, 4, G, R), "op", check=False), run(uniform, "op", check=False)
+    for name in CACHE_BUFFERS:
+        assert torch.equal(getattr(a, f"{name}_0"), getattr(b, f"{name}_0")), name
+    query = torch.randn(B, HQ, 1, D)
+    torch.testing.assert_close(a.attend(0, query), b.attend(0, query), atol=ATOL, rtol=RTOL)
+
+
+def test_sparse_outliers_leave_the_group_range():
+    # One huge entry per value token: with dense-and-sparse it is exact and the rest of its group
+    # keeps a fine scale; without, the group's scale is set by the outlier.
+    cfg = KIVIConfig(4, 4, G, R, sparse_outliers=0.01)
+    err = {}
+    for name, c in (("sparse", cfg), ("plain", KIVIConfig(4, 4, G, R))):
+        cache = make_cache(c)
+        K, V = make_tokens(3, 40)
+        V[..., 5] = 100.0
+        cache.append(0, K, V)
+        _, values = cache.dequantized(0)
+        if name == "sparse":
+            assert torch.equal(values[:, :, :24, 5], V[:, :, :24, 5])
+        err[name] = (values[:, :, :24] - V[:, :, :24]).abs().mean()
+    assert err["sparse"] < err["plain"] / 10
+
+
+def test_pre_rope_keys_are_stored_unrotated():
+    cache = make_cache(CONFIGS["pre_rope"])
+    K, V = make_tokens(4, 10)
+    cache.append(0, K, V)
+    assert torch.equal(cache.k_res_0[:, :, :10], K)  # residual: the pre-RoPE keys as given
+
+
+def test_nbytes_counts_the_sparse_store_and_constants():
+    cfg = CONFIGS["all"]
+    nk, nv = cfg.sparse_counts(D)
+    assert (nk, nv) == (2, 2)  # round(0.1 * 16) for both
+    plain = make_cache(KIVIConfig(2, 4, G, R))
+    full = make_cache(cfg)
+    sparse_bytes = B * H * (S // R * nk * D + S * nv) * (4 + 2)  # fp32 value + int16 index
+    constants = (4 + 16) * 4 + D // 2 * 4  # nuq levels + RoPE frequencies, fp32
+    assert full.nbytes() - plain.nbytes() == sparse_bytes + constants
+
+
+def test_reset_empties_the_sparse_store_and_keeps_constants():
+    cache = run(CONFIGS["all"], "op", check=False)
+    levels, freq = cache.k_levels_0.clone(), cache.rope_inv_freq.clone()
+    cache.reset()
+    assert (cache.k_sparse_idx_0 == -1).all() and (cache.v_sparse_idx_0 == -1).all()
+    assert not cache.k_sparse_0.any() and int(cache.lengths_0.sum()) == 0
+    assert torch.equal(cache.k_levels_0, levels) and torch.equal(cache.rope_inv_freq, freq)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(sparse_outliers=0.5), "sparse_outliers must be a fraction in"),
+    (dict(sparse_outliers=True), "sparse_outliers must be a fraction in"),
+    (dict(pre_rope=1), "pre_rope must be a bool"),
+    (dict(key_levels=((0.0, 1.0, 2.0),), value_levels=((0.0, 1.0, 2.0, 3.0),)), r"key_levels\[0\] must be 4 finite"),
+    (dict(key_levels=((0.0, 2.0, 1.0, 3.0),), value_levels=((0.0, 1.0, 2.0, 3.0),)), "ascending"),
+    (dict(key_levels=((0.0, 1.0, 2.0, 3.0),)), "given together"),
+    (dict(key_levels=[(0.0, 1.0, 2.0, 3.0)], value_levels=[(0.0, 1.0, 2.0, 3.0)]), "must be a tuple"),
+])
+def test_invalid_config_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KIVIConfig(2, 2, **kwargs)
+
+
+def test_cache_checks_levels_per_layer_and_rope_frequencies():
+    with pytest.raises(ValueError, match="one entry per layer"):
+        make_cache(CONFIGS["nuq"], layers=2)
+    with pytest.raises(ValueError, match="pre_rope=True needs rope_inv_freq"):
+        KIVICache(CONFIGS["pre_rope"], num_layers=1, batch_size=1, max_seq_len=8, num_kv_heads=1, head_dim=D)
+    with pytest.raises(ValueError, match="only used with pre_rope"):
+        KIVICache(KIVIConfig(), num_layers=1, batch_size=1, max_seq_len=8, num_kv_heads=1, head_dim=D,
+                  rope_inv_freq=INV_FREQ)
+
+
+def test_ops_check_extras_and_opcheck():
+    cache = run(CONFIGS["all"], "op", check=False)
+    c = cache.config
+    ex = cache.layer_extras(0, attend=True)
+    bufs = cache.layer_buffers(0)
+    k, v = torch.randn(B, H, 3, D), torch.randn(B, H, 3, D)
+    clone = lambda ts: [t.clone() for t in ts]  # noqa: E731
+    torch.library.opcheck(torch.ops.kivi.cache_append.default,
+                          (*clone(bufs), k, v, torch.tensor([3, 1]), 2, 4, G, R, *ex[:2], *clone(ex[2:6])))
+    torch.library.opcheck(torch.ops.kivi.cache_attend.default,
+                          (torch.randn(B, HQ, 2, D), *bufs, torch.tensor([2, 1]), c.k_bits, c.v_bits, G, R, 0.25, *ex))
+    with pytest.raises(ValueError, match=r"k_levels must be float32 \[4\]"):
+        torch.ops.kivi.cache_attend(torch.randn(B, HQ, 1, D), *bufs, None, 2, 4, G, R, 0.25,
+                                    ex.v_levels, ex.v_levels)
+    with pytest.raises(ValueError, match="rope_inv_freq must be float32"):
+        torch.ops.kivi.cache_attend(torch.randn(B, HQ, 1, D), *bufs, None, 2, 4, G, R, 0.25, rope_inv_freq=INV_FREQ[:3])
+
+
+# ---------------------------------------------------------------- compile / export with the options on
+
+
+class Step(torch.nn.Module):
+    def __init__(self, impl, cfg=CONFIGS["all"]):
+        super().__init__()
+        self.cache = make_cache(cfg)
+        K, V = make_tokens(5, 31)
+        self.cache.append(0, K, V, torch.tensor([31, 20]))
+        self.cache.use_impl(impl)
+
+    def forward(self, key, value, query):
+        self.cache.append(0, key, value)
+        return self.cache.attend(0, query)
+
+
+def step_inputs(n):
+    gen = torch.Generator().manual_seed(9)
+    return [(torch.randn(B, H, 1, D, generator=gen), torch.randn(B, H, 1, D, generator=gen),
+             torch.randn(B, HQ, 1, D, generator=gen)) for _ in range(n)]
+
+
+def test_compile_fullgraph_with_every_option():
+    eager, compiled_step = Step("op"), Step("op")
+    compiled = torch.compile(compiled_step, fullgraph=True)
+    for k, v, q in step_inputs(3):  # row 0 crosses a key flush (32 tokens) at the second step
+        torch.testing.assert_close(compiled(k, v, q), eager(k, v, q), atol=0, rtol=0)
+    for (name, a), (_, b) in zip(eager.named_buffers(), compiled_step.named_buffers()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.slow  # Inductor compile, about 30 s on 2 cores with a cold cache
+def test_compile_fullgraph_decomposed_with_every_option():
+    eager, compiled_step = Step("op"), Step("decomposed")
+    compiled = torch.compile(compiled_step, fullgraph=True)
+    for k, v, q in step_inputs(3):
+        torch.testing.assert_close(compiled(k, v, q), eager(k, v, q), atol=ATOL, rtol=RTOL)
+    for (name, a), (_, b) in zip(eager.named_buffers(), compiled_step.named_buffers()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("impl", ["op", "decomposed"])
+def test_export_with_every_option(impl):
+    inputs = step_inputs(2)
+    eager = Step("op")
+    want = [eager(*x) for x in inputs]
+    ep = torch.export.export(Step(impl), inputs[0])
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert any("cache_attend" in t for t in targets) == (impl == "op")
+    if impl == "decomposed":
+        assert not any("kivi" in t for t in targets)
+    module = ep.module()
+    for x, out in zip(inputs, want):
+        torch.testing.assert_close(module(*x), out, atol=ATOL, rtol=RTOL)
+
+
+# ---------------------------------------------------------------- the model
+
+
+def test_pre_rope_cache_rotates_like_the_model():
+    """Every token still exact (sequence shorter than R, sink pooled): a pre-RoPE cache must give
+    the logits of an unquantized cache, so the op's rotation (of residual and pooled keys) is
+    the model's own RoPE."""
+    from kivi_models import make_cache as make_model_cache, patch_model
+    from kivi_models.generate import decode_step, prefill
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         rope_theta=500.0)
+    model = patch_model(LlamaForCausalLM(config).eval())
+    ids = torch.randint(0, 64, (1, 9))
+    logits = {}
+    for name, method, cfg in (("fp", "fp", None),
+                              ("pre_rope", "kivi", KIVIConfig(2, 2, 32, 128, pre_rope=True, sink_tokens=1))):
+        cache = make_model_cache(model, method=method, batch_size=1, max_seq_len=20, kivi_config=cfg)
+        with torch.no_grad():
+            out = [prefill(model, cache, ids, torch.tensor([9]))]
+            for step in range(4):
+                out.append(decode_step(model, cache, out[-1].argmax(-1), torch.tensor([9 + step])))
+        logits[name] = torch.stack(out)
+    torch.testing.assert_close(logits["pre_rope"], logits["fp"], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- command line
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--prompt", "x", "--sparse-outliers", "0.7"], "expected a fraction in [0, 0.5)"),
+    (["generate", "--prompt", "x", "--method", "fp", "--pre-rope"], "options of the KIVI cache"),
+    (["generate", "--prompt", "x", "--nuq", "/nonexistent.json"], "cannot read a calibration file"),
+    (["generate", "--prompt", "x", "--nuq", "benchmarks/results/nuq_levels_smollm2.json", "--pre-rope"],
+     "calibrated with --pre-rope False"),
+])
+def test_cli_rejects_invalid_options(argv, message, capsys):
+    from kivi_models.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
