@@ -275,13 +275,12 @@ def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, l
 @cache_attend_pool.register_kernel("cuda")
 def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, pool_k, pool_v, pool_pos,
       counts, k_bits, v_bits, group_size, residual_length, scale):
-    from .decomposed import cache_attend_decomposed
+    from .triton_cache import cache_attend_triton
 
     check_pool_args(pool_k, pool_v, pool_pos, k_res, 0, 0)
-    # Eager ATen on the GPU: the matmul form (one fp32 dequantized copy of the layer's cache per
-    # call, cuBLAS products); the fused form is written for Inductor's CPU loops.
-    return cache_attend_decomposed(
+    # The fused Triton kernels of cache_attend, with the pool's tokens masked out of the cache
+    # tiles and their exact keys/values in the same online softmax (no dequantized copy).
+    return cache_attend_triton(
         query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-        counts, k_bits, v_bits, group_size, residual_length, scale, form="materialized",
-        pool=(pool_k, pool_v, pool_pos),
+        counts, k_bits, v_bits, group_size, residual_length, scale, pool=(pool_k, pool_v, pool_pos),
     )
