@@ -228,9 +228,13 @@ def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, l
 #   kivi::cache_attend_pool(query, <9 buffers>, pool_k, pool_v, pool_pos, counts?,
 #                           k_bits, v_bits, group_size, residual_length, scale) -> out
 # The pool has P = sink_tokens + outlier_tokens + spill slots; spill = P - sink - outliers.
-# CUDA: the decomposed (core ATen, no host sync, CUDA-graph safe) formulation; no Triton kernel yet,
-# so with the options on a CUDA step dequantizes each layer's cache to fp32 once per attention call
-# (correct, but memory- and bandwidth-hungry at long contexts).
+# CUDA: attention runs the fused Triton kernels (pooled tokens masked out of the cache tiles, the
+# pool's exact K/V in the same online softmax); append runs the decomposed (core ATen, no host
+# sync, CUDA-graph safe) formulation, OTT's selection included.
+#
+# Every cache op also takes KVQuant's optional inputs (extras.py: nuq levels, the sparse outlier
+# store, RoPE frequencies for pre-RoPE keys) as trailing arguments, None by default. With any of
+# them on CUDA, the ops run the decomposed form (no Triton kernel for them yet).
 
 POOL_CACHE_BUFFERS = CACHE_BUFFERS + ("pool_k", "pool_v", "pool_pos")
 
@@ -337,15 +341,22 @@ def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, l
       counts, k_bits, v_bits, group_size, residual_length, scale,
       k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None,
       rope_inv_freq=None):
-    from .decomposed import cache_attend_decomposed
-
     check_pool_args(pool_k, pool_v, pool_pos, k_res, 0, 0)
     extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
     check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
-    # Eager ATen on the GPU: the matmul form (one fp32 dequantized copy of the layer's cache per
-    # call, cuBLAS products); the fused form is written for Inductor's CPU loops.
-    return cache_attend_decomposed(
+    pool = (pool_k, pool_v, pool_pos)
+    if extras.active:  # KVQuant options: no Triton kernel yet, the decomposed (graph-safe) form
+        from .decomposed import cache_attend_decomposed
+
+        return cache_attend_decomposed(
+            query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+            counts, k_bits, v_bits, group_size, residual_length, scale, form="materialized", pool=pool, extras=extras,
+        )
+    from .triton_cache import cache_attend_triton
+
+    # The fused Triton kernels of cache_attend, with the pool's tokens masked out of the cache
+    # tiles and their exact keys/values in the same online softmax (no dequantized copy).
+    return cache_attend_triton(
         query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-        counts, k_bits, v_bits, group_size, residual_length, scale, form="materialized",
-        pool=(pool_k, pool_v, pool_pos), extras=extras,
+        counts, k_bits, v_bits, group_size, residual_length, scale, pool=pool,
     )

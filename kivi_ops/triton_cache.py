@@ -36,6 +36,12 @@ cache_attend_triton (flash decoding):
      workspace; with num_splits == 1 the kernel normalizes and writes the output directly.
   2. _attend_reduce_kernel grid (B*H*M,): merges the splits of one row. Empty splits (m = -inf,
      l = 0) weigh 0; rows with no visible key (padding rows, empty sequences) return 0.
+  With the full-precision token pool (pool=(pool_k, pool_v, pool_pos), pool.py; HAS_POOL, else the
+  kernels compile exactly as without it): each program loads the P pooled positions of its kv head
+  once and masks the cache tokens at those positions in every tile (a [BLOCK_N, P] comparison; P,
+  sinks + outliers + spill, is small); split 0 then runs the P exact pool keys/values through the
+  same online softmax in BLOCK_N-slot tiles (visible: filled slots at or before the query, real
+  rows), so the reduce kernel merges them like any other split's tokens.
   Products use tl.dot: fp16/bf16 caches on tensor cores with the dequantized keys/values and the
   probabilities rounded to the cache dtype and fp32 accumulation (like fp16 flash attention);
   fp32 caches with F32_DOT_PRECISION ("tf32x3" by default, see there).
@@ -300,10 +306,64 @@ def _cast(x, DTYPE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
 
 
 @triton.jit
+def _in_pool(t, pp):
+    """[T] bool: token t[i] is one of this (sequence, kv head)'s pooled positions pp [P_P]
+    (-1 marks an empty slot and never matches). P is small (sinks + outliers + spill)."""
+    return tl.max((t[:, None] == pp[None, :]).to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _load_pool_positions(pool_pos, bh64, P, P_P: tl.constexpr, HAS_POOL: tl.constexpr):
+    """Pooled positions [P_P] of kv head bh64 (int32, -1 = empty), loaded once per program; all -1
+    without a pool (then a dead value: the tiles never read it)."""
+    pp = tl.full([P_P], -1, tl.int32)
+    if HAS_POOL:
+        j = tl.arange(0, P_P)
+        pp = tl.load(pool_pos + bh64 * P + j, mask=j < P, other=-1).to(tl.int32)
+    return pp
+
+
+@triton.jit
+def _qk_dot(q, k, DOT_F32: tl.constexpr, F32_PRECISION: tl.constexpr):
+    """Scores q [BLOCK_M, D_P] . k [T, D_P]^T, fp32 accumulation."""
+    if DOT_F32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=F32_PRECISION)
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s
+
+
+@triton.jit
+def _softmax_step(s, visible, m_i, l_i, qk_scale):
+    """Online softmax over raw scores s [BLOCK_M, T] (base 2; scale * log2(e) folded into qk_scale),
+    invisible entries masked: (probabilities, rescale of the old accumulator, new max, new sum)."""
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows stay NaN-free
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _accumulate_pv(acc, alpha, p, v, DT: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr,
+                   F32_PRECISION: tl.constexpr, EMULATE_RTNE: tl.constexpr):
+    """acc * alpha + p @ v; low-precision caches round p to the cache dtype first (tensor cores)."""
+    if LOWP:
+        p = _cast(p, DT, EMULATE_RTNE)
+    if DOT_F32:
+        pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=F32_PRECISION)
+    else:
+        pv = tl.dot(p, v)
+    return acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, t0, limit, nqk, nqv, pos, row_ok, bh64, S, NSG, qk_scale,
+    acc, m_i, l_i, q, t0, limit, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
-    MIXED: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+    MIXED: tl.constexpr, HAS_POOL: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
     K_BITS: tl.constexpr, K_PER: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr,
     G: tl.constexpr, NGB: tl.constexpr, NGV: tl.constexpr, NGV_P: tl.constexpr, GV_P: tl.constexpr,
     R: tl.constexpr, RR: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -311,7 +371,8 @@ def _attend_tile(
 ):
     """One online-softmax step over tokens [t0, t0 + BLOCK_N) (t0 a multiple of BLOCK_N), tokens
     >= limit masked. MIXED=False: every token is quantized for keys and values (no residual loads);
-    MIXED=True: per-token choice between the dequantized codes and the residual ring."""
+    MIXED=True: per-token choice between the dequantized codes and the residual ring. HAS_POOL:
+    tokens at the pooled positions pp are masked (their exact copies come in _attend_pool_tile)."""
     DT = k_res.dtype.element_ty
     t = t0 + tl.arange(0, BLOCK_N)
     tm = t < limit
@@ -345,19 +406,12 @@ def _attend_tile(
         k = tl.where(kq[:, None], kdq, kres.to(kdq.dtype))
     else:
         k = kdq
-    if DOT_F32:
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=F32_PRECISION)
-    else:
-        s = tl.dot(q, tl.trans(k))
+    s = _qk_dot(q, k, DOT_F32, F32_PRECISION)
 
-    # ---- online softmax (base 2; scale * log2(e) folded into qk_scale)
     visible = row_ok[:, None] & tm[None, :] & (t[None, :] <= pos[:, None])
-    s = tl.where(visible, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows stay NaN-free
-    p = tl.math.exp2(s - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if HAS_POOL:
+        visible = visible & ~_in_pool(t, pp)[None, :]
+    p, alpha, m_new, l_i = _softmax_step(s, visible, m_i, l_i, qk_scale)
 
     # ---- values [BLOCK_N, D_P]: per-token groups of GV channels
     if MIXED:
@@ -382,18 +436,36 @@ def _attend_tile(
     vdq = vc * vs + vz
     if LOWP:
         vdq = _cast(vdq, DT, EMULATE_RTNE)
-        p = _cast(p, DT, EMULATE_RTNE)
     if MIXED:
         slot = (bh64 * RR + (t % R)[:, None]) * D + d[None, :]
         vres = tl.load(v_res + slot, mask=(tm & (t >= nqv))[:, None] & dmask[None, :], other=0.0)
         v = tl.where(vq[:, None], vdq, vres.to(vdq.dtype))
     else:
         v = vdq
-    if DOT_F32:
-        pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=F32_PRECISION)
-    else:
-        pv = tl.dot(p, v)
-    acc = acc * alpha[:, None] + pv
+    acc = _accumulate_pv(acc, alpha, p, v, DT, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_pool_tile(
+    acc, m_i, l_i, q, j0, pos, row_ok, bh64, P, qk_scale, pool_k, pool_v, pool_pos,
+    D: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOWP: tl.constexpr, DOT_F32: tl.constexpr, F32_PRECISION: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+):
+    """One online-softmax step over pool slots [j0, j0 + BLOCK_N): exact keys/values (cache dtype),
+    each visible to the real query rows at or after its token's position; empty slots (-1) to none."""
+    j = j0 + tl.arange(0, BLOCK_N)
+    jm = j < P
+    ppos = tl.load(pool_pos + bh64 * P + j, mask=jm, other=-1)
+    d = tl.arange(0, D_P)
+    off = (bh64 * P + j)[:, None] * D + d[None, :]
+    m2 = jm[:, None] & (d < D)[None, :]
+    k = tl.load(pool_k + off, mask=m2, other=0.0)
+    s = _qk_dot(q, k, DOT_F32, F32_PRECISION)
+    visible = row_ok[:, None] & (ppos >= 0)[None, :] & (ppos[None, :] <= pos[:, None])
+    p, alpha, m_new, l_i = _softmax_step(s, visible, m_i, l_i, qk_scale)
+    v = tl.load(pool_v + off, mask=m2, other=0.0)
+    acc = _accumulate_pv(acc, alpha, p, v, pool_v.dtype.element_ty, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE)
     return acc, m_new, l_i
 
 
@@ -401,9 +473,10 @@ def _attend_tile(
 def _attend_split_kernel(
     q_ptr, s_qb, s_qh, s_qm, s_qd,
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths_ptr, counts_ptr,
-    ws_m, ws_l, ws_acc, out_ptr,
-    H, S, NSG, Q_LEN, M, M_PAD, qk_scale,
-    HAS_COUNTS: tl.constexpr, QG: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+    pool_k, pool_v, pool_pos, ws_m, ws_l, ws_acc, out_ptr,
+    H, S, NSG, Q_LEN, M, M_PAD, P, qk_scale,
+    HAS_COUNTS: tl.constexpr, HAS_POOL: tl.constexpr, P_P: tl.constexpr,
+    QG: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
     K_BITS: tl.constexpr, K_PER: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr,
     G: tl.constexpr, NGB: tl.constexpr, NGV: tl.constexpr, NGV_P: tl.constexpr, GV_P: tl.constexpr,
     R: tl.constexpr, RR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -448,23 +521,31 @@ def _attend_split_kernel(
     # <= R + BLOCK_N tokens go through the mixed path that also reads the residual rings.
     mid = tl.maximum(tl.minimum((tl.minimum(nqk, nqv) // BLOCK_N) * BLOCK_N, hi), lo)
 
+    pp = _load_pool_positions(pool_pos, bh64, P, P_P, HAS_POOL)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
     for t0 in range(lo, mid, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, t0, mid, nqk, nqv, pos, row_ok, bh64, S, NSG, qk_scale,
+            acc, m_i, l_i, q, t0, mid, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
             k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
-            False, D, D_P, K_BITS, K_PER, V_BITS, V_PER, G, NGB, NGV, NGV_P, GV_P, R, RR, BLOCK_N,
+            False, HAS_POOL, D, D_P, K_BITS, K_PER, V_BITS, V_PER, G, NGB, NGV, NGV_P, GV_P, R, RR, BLOCK_N,
             LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE,
         )
     for t0 in range(mid, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, t0, hi, nqk, nqv, pos, row_ok, bh64, S, NSG, qk_scale,
+            acc, m_i, l_i, q, t0, hi, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
             k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
-            True, D, D_P, K_BITS, K_PER, V_BITS, V_PER, G, NGB, NGV, NGV_P, GV_P, R, RR, BLOCK_N,
+            True, HAS_POOL, D, D_P, K_BITS, K_PER, V_BITS, V_PER, G, NGB, NGV, NGV_P, GV_P, R, RR, BLOCK_N,
             LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE,
         )
+    if HAS_POOL:
+        # Split 0 also takes the pool's exact tokens; the reduce kernel merges them like any split.
+        for j0 in range(0, tl.where(sp == 0, P, 0), BLOCK_N):
+            acc, m_i, l_i = _attend_pool_tile(
+                acc, m_i, l_i, q, j0, pos, row_ok, bh64, P, qk_scale, pool_k, pool_v, pool_pos,
+                D, D_P, BLOCK_N, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE,
+            )
 
     if NUM_SPLITS == 1:
         o = tl.math.div_rn(acc, tl.zeros_like(acc) + tl.where(l_i > 0.0, l_i, 1.0)[:, None])
@@ -480,10 +561,26 @@ def _attend_split_kernel(
 
 
 @triton.jit
+def _decode_softmax_step(s, m_i, l_i, SAFE: tl.constexpr):
+    """Online softmax of one query over the scores s [BLOCK_N] (base 2, scale folded into the
+    query): (probabilities, rescale of the old accumulator, new max, new sum). SAFE: s may be all
+    -inf while the max is still -inf (a tile of pooled tokens or empty pool slots); without a pool
+    every tile has a visible token, and the kernel keeps the plain form."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    m_ref = m_new
+    if SAFE:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_ref)
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
 def _decode_tile(
-    acc, accz, m_i, l_i, q2, t0, limit, nqk, nqv, bh64, S, NSG,
+    acc, accz, m_i, l_i, q2, t0, limit, nqk, nqv, pp, bh64, S, NSG,
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
-    MIXED: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr, K_PER: tl.constexpr,
+    MIXED: tl.constexpr, HAS_POOL: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr, K_PER: tl.constexpr,
     V_BITS: tl.constexpr, V_PER: tl.constexpr, G: tl.constexpr, NGV: tl.constexpr, GV: tl.constexpr,
     R: tl.constexpr, RR: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -492,7 +589,8 @@ def _decode_tile(
     in one key group g = t0 // G. A code tensor is [PER, BLOCK_N, D // PER]: element (i, t, j) is
     channel j * PER + i of token t, the i-th code of byte j. MIXED=False: every token of the tile
     is quantized for keys and values (t0 + BLOCK_N <= min(nqk, nqv)), so nothing is masked and the
-    key scale/zero fold into the query: q . (c * s + z) = (q * s) . c + q . z."""
+    key scale/zero fold into the query: q . (c * s + z) = (q * s) . c + q . z. HAS_POOL: tokens at
+    the pooled positions pp are masked (their exact copies come in _decode_pool_tile)."""
     t = t0 + tl.arange(0, BLOCK_N)
     row = bh64 * S + t  # int64 token row of codes and value scales
     g = t0 // G
@@ -524,12 +622,9 @@ def _decode_tile(
         kz = tl.load(k_zero + ks_off).to(tl.float32)
         kc = ((kb.to(tl.int32) >> sh_k) & ((1 << K_BITS) - 1)).to(tl.float32)
         s = tl.sum(tl.sum((q2 * ks)[:, None, :] * kc, axis=2), axis=0) + tl.sum(tl.sum(q2 * kz, axis=1), axis=0)
-
-    # ---- online softmax (base 2; scale * log2(e) is folded into the query)
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
-    p = tl.math.exp2(s - m_new)
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=0)
+    if HAS_POOL:
+        s = tl.where(_in_pool(t, pp), float("-inf"), s)
+    p, alpha, m_new, l_i = _decode_softmax_step(s, m_i, l_i, HAS_POOL)
 
     # ---- values: per-token scale/zero of the GV-channel group of byte j (GV is a multiple of V_PER)
     iv = tl.arange(0, V_PER)
@@ -562,12 +657,40 @@ def _decode_tile(
 
 
 @triton.jit
+def _decode_pool_tile(
+    acc, accz, m_i, l_i, q2, j0, bh64, P, pool_k, pool_v, pool_pos,
+    D: tl.constexpr, K_PER: tl.constexpr, V_PER: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One online-softmax step of one query over pool slots [j0, j0 + BLOCK_N): exact keys/values,
+    in the [PER, BLOCK_N, D // PER] layout of _decode_tile. Every filled slot is visible: pooled
+    tokens are stored tokens, all at or before the decode query (position L - 1)."""
+    j = j0 + tl.arange(0, BLOCK_N)
+    jm = j < P
+    filled = tl.load(pool_pos + bh64 * P + j, mask=jm, other=-1) >= 0
+    row = bh64 * P + j
+    ik = tl.arange(0, K_PER)
+    jk = tl.arange(0, D // K_PER)
+    ch_k = jk[None, :] * K_PER + ik[:, None]
+    k = tl.load(pool_k + row[None, :, None] * D + ch_k[:, None, :], mask=jm[None, :, None], other=0.0)
+    s = tl.sum(tl.sum(q2[:, None, :] * k.to(tl.float32), axis=2), axis=0)
+    s = tl.where(filled, s, float("-inf"))
+    p, alpha, m_new, l_i = _decode_softmax_step(s, m_i, l_i, True)
+    iv = tl.arange(0, V_PER)
+    jv = tl.arange(0, D // V_PER)
+    ch_v = jv[None, :] * V_PER + iv[:, None]
+    v = tl.load(pool_v + row[None, :, None] * D + ch_v[:, None, :], mask=jm[None, :, None], other=0.0)
+    acc = acc * alpha + p[None, :, None] * v.to(tl.float32)
+    accz = accz * alpha
+    return acc, accz, m_new, l_i
+
+
+@triton.jit
 def _attend_decode_kernel(
     q_ptr, s_qb, s_qh, s_qd,
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths_ptr, counts_ptr,
-    ws_m, ws_l, ws_acc, out_ptr,
-    H, HQ, S, NSG, qk_scale,
-    HAS_COUNTS: tl.constexpr, QG: tl.constexpr, D: tl.constexpr,
+    pool_k, pool_v, pool_pos, ws_m, ws_l, ws_acc, out_ptr,
+    H, HQ, S, NSG, P, qk_scale,
+    HAS_COUNTS: tl.constexpr, HAS_POOL: tl.constexpr, P_P: tl.constexpr, QG: tl.constexpr, D: tl.constexpr,
     K_BITS: tl.constexpr, K_PER: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr,
     G: tl.constexpr, NGV: tl.constexpr, GV: tl.constexpr, R: tl.constexpr, RR: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, EMULATE_RTNE: tl.constexpr,
@@ -594,26 +717,36 @@ def _attend_decode_kernel(
     split_len = tl.cdiv(tl.cdiv(L, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = sp * split_len
     hi = tl.minimum(lo + split_len, L)
+    # Split 0 also takes the pool's exact tokens; the reduce kernel merges them like any split.
+    pool_end = tl.where(sp == 0, P, 0)
     if HAS_COUNTS:
-        hi = tl.where(tl.load(counts_ptr + b) > 0, hi, lo)  # a padded row (counts 0) attends to nothing: 0
+        real = tl.load(counts_ptr + b) > 0
+        hi = tl.where(real, hi, lo)  # a padded row (counts 0) attends to nothing: 0
+        pool_end = tl.where(real, pool_end, 0)
     mid = tl.maximum(tl.minimum((tl.minimum(nqk, nqv) // BLOCK_N) * BLOCK_N, hi), lo)
 
+    pp = _load_pool_positions(pool_pos, bh64, P, P_P, HAS_POOL)
     m_i = tl.full([], float("-inf"), tl.float32)
     l_i = tl.zeros([], tl.float32)
     acc = tl.zeros([V_PER, BLOCK_N, D // V_PER], tl.float32)
     accz = tl.zeros([D // V_PER], tl.float32)
     for t0 in range(lo, mid, BLOCK_N):
         acc, accz, m_i, l_i = _decode_tile(
-            acc, accz, m_i, l_i, q2, t0, mid, nqk, nqv, bh64, S, NSG,
+            acc, accz, m_i, l_i, q2, t0, mid, nqk, nqv, pp, bh64, S, NSG,
             k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
-            False, D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, BLOCK_N,
+            False, HAS_POOL, D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, BLOCK_N,
         )
     for t0 in range(mid, hi, BLOCK_N):
         acc, accz, m_i, l_i = _decode_tile(
-            acc, accz, m_i, l_i, q2, t0, hi, nqk, nqv, bh64, S, NSG,
+            acc, accz, m_i, l_i, q2, t0, hi, nqk, nqv, pp, bh64, S, NSG,
             k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
-            True, D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, BLOCK_N,
+            True, HAS_POOL, D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, BLOCK_N,
         )
+    if HAS_POOL:
+        for j0 in range(0, pool_end, BLOCK_N):
+            acc, accz, m_i, l_i = _decode_pool_tile(
+                acc, accz, m_i, l_i, q2, j0, bh64, P, pool_k, pool_v, pool_pos, D, K_PER, V_PER, BLOCK_N,
+            )
 
     iv = tl.arange(0, V_PER)
     jv = tl.arange(0, D // V_PER)
@@ -704,16 +837,39 @@ def _split_workspace(rows: int, num_splits: int, m: int, D: int, out: torch.Tens
     return ws_m, torch.empty_like(ws_m), torch.empty((rows, num_splits, m, D), dtype=torch.float32, device=out.device)
 
 
+def _pool_launch_args(pool, k_res, lengths) -> tuple:
+    """(pool_k, pool_v, pool_pos, P, HAS_POOL, P_P) for the attention kernels. Without a pool (or
+    with zero slots) the pointers are dummies the kernels never read and HAS_POOL is False, so
+    they compile exactly as without the pool feature."""
+    if pool is None or pool[2].shape[-1] == 0:
+        return k_res, k_res, lengths, 0, False, 1
+    pool_k, pool_v, pool_pos = pool
+    B, H, _, D = k_res.shape
+    P = pool_pos.shape[-1]
+    if (tuple(pool_k.shape) != (B, H, P, D) or tuple(pool_v.shape) != (B, H, P, D)
+            or tuple(pool_pos.shape) != (B, H, P) or pool_pos.dtype != torch.int64):
+        raise ValueError(f"pool_k/pool_v must be {(B, H, P, D)} and pool_pos int64 {(B, H, P)}")
+    if pool_k.dtype != k_res.dtype or pool_v.dtype != k_res.dtype:
+        raise ValueError(f"pool_k/pool_v must have the cache dtype {k_res.dtype}")
+    if not (pool_k.is_contiguous() and pool_v.is_contiguous() and pool_pos.is_contiguous()):
+        raise ValueError("pool buffers must be contiguous (whole registered buffers)")
+    return pool_k, pool_v, pool_pos, P, True, next_pow2(P)
+
+
 def cache_attend_triton(
     query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
     counts, k_bits, v_bits, group_size, residual_length, scale,
     num_splits: Optional[int] = None, block_n: Optional[int] = None,
-    num_warps: Optional[int] = None, num_stages: int = 2,
+    num_warps: Optional[int] = None, num_stages: int = 2, pool=None,
 ) -> torch.Tensor:
     """Attention of query [B, Hq, q, D] over the cache, like cache_attend_reference (module doc).
-    num_splits / block_n / num_warps / num_stages override the static choices (tests, tuning)."""
+    pool: None or (pool_k, pool_v, pool_pos), the full-precision token pool (pool.py): pooled
+    tokens are masked out of the cache tiles and split 0 adds their exact keys/values to its
+    online softmax. num_splits / block_n / num_warps / num_stages override the static choices
+    (tests, tuning)."""
     B, H, S, D, R, RR, G, gv = _check_cache(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
                                         lengths, k_bits, v_bits, group_size, residual_length)
+    pool_args = _pool_launch_args(pool, k_res, lengths)
     Bq, Hq, q_len, Dq = query.shape
     if Bq != B or Dq != D or Hq % H:
         raise ValueError(f"query {tuple(query.shape)} does not match the cache (B={B}, H={H}, D={D})")
@@ -725,7 +881,7 @@ def cache_attend_triton(
     if q_len == 1 and D == next_pow2(D):
         return _attend_decode(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
                               counts, k_bits, v_bits, G, R, RR, gv, scale, out, num_splits, block_n, num_warps,
-                              num_stages)
+                              num_stages, pool_args)
     if D < 16:
         raise ValueError(f"cache_attend_triton needs head_dim >= 16 (tl.dot), got {D}")
     lowp = k_res.dtype != torch.float32
@@ -756,14 +912,16 @@ def cache_attend_triton(
     cnt = counts if has_counts else lengths
     ws_m, ws_l, ws_acc = _split_workspace(B * H, num_splits, m_pad, D, out)
     kper, vper = codes_per_byte(k_bits), codes_per_byte(v_bits)
+    pool_k, pool_v, pool_pos, P, has_pool, p_p = pool_args
     wrap = torch.library.wrap_triton
     with device_ctx(query):
         wrap(_attend_split_kernel)[(B * H, m_blocks, num_splits)](
             query, query.stride(0), query.stride(1), query.stride(2), query.stride(3),
             k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, cnt,
-            ws_m, ws_l, ws_acc, out,
-            H, S, k_scale.shape[2], q_len, M, m_pad, float(scale) * LOG2E,
-            HAS_COUNTS=has_counts, QG=QG, D=D, D_P=d_p, K_BITS=k_bits, K_PER=kper, V_BITS=v_bits, V_PER=vper,
+            pool_k, pool_v, pool_pos, ws_m, ws_l, ws_acc, out,
+            H, S, k_scale.shape[2], q_len, M, m_pad, P, float(scale) * LOG2E,
+            HAS_COUNTS=has_counts, HAS_POOL=has_pool, P_P=p_p,
+            QG=QG, D=D, D_P=d_p, K_BITS=k_bits, K_PER=kper, V_BITS=v_bits, V_PER=vper,
             G=G, NGB=max(block_n // G, 1), NGV=ngv, NGV_P=ngv_p, GV_P=gv_p,
             R=R, RR=RR, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             LOWP=lowp, DOT_F32=dot_f32, F32_PRECISION=F32_DOT_PRECISION, EMULATE_RTNE=interp,
@@ -784,7 +942,7 @@ DECODE_NUM_WARPS = 1
 
 
 def _attend_decode(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
-                   k_bits, v_bits, G, R, RR, gv, scale, out, num_splits, block_n, num_warps, num_stages):
+                   k_bits, v_bits, G, R, RR, gv, scale, out, num_splits, block_n, num_warps, num_stages, pool_args):
     """Launch _attend_decode_kernel (q_len == 1, power-of-two head_dim) and the split merge."""
     B, Hq, _, D = query.shape
     H, S = k_codes.shape[1], k_codes.shape[2]
@@ -799,14 +957,15 @@ def _attend_decode(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_z
     has_counts = counts is not None
     ws_m, ws_l, ws_acc = _split_workspace(B * H, num_splits, QG, D, out)
     interp = interpreting()
+    pool_k, pool_v, pool_pos, P, has_pool, p_p = pool_args
     wrap = torch.library.wrap_triton
     with device_ctx(query):
         wrap(_attend_decode_kernel)[(B * Hq, num_splits)](
             query, query.stride(0), query.stride(1), query.stride(3),
             k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-            counts if has_counts else lengths, ws_m, ws_l, ws_acc, out,
-            H, Hq, S, k_scale.shape[2], float(scale) * LOG2E,
-            HAS_COUNTS=has_counts, QG=QG, D=D, K_BITS=k_bits, K_PER=codes_per_byte(k_bits),
+            counts if has_counts else lengths, pool_k, pool_v, pool_pos, ws_m, ws_l, ws_acc, out,
+            H, Hq, S, k_scale.shape[2], P, float(scale) * LOG2E,
+            HAS_COUNTS=has_counts, HAS_POOL=has_pool, P_P=p_p, QG=QG, D=D, K_BITS=k_bits, K_PER=codes_per_byte(k_bits),
             V_BITS=v_bits, V_PER=codes_per_byte(v_bits), G=G, NGV=D // gv, GV=gv, R=R, RR=RR,
             BLOCK_N=block_n, NUM_SPLITS=num_splits, EMULATE_RTNE=interp,
             num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages,

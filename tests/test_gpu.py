@@ -63,7 +63,8 @@ POOL_CFG = KIVIConfig(2, 2, group_size=8, residual_length=8, sink_tokens=1, outl
 
 
 def test_pool_ops_on_cuda_match_the_cpu_reference():
-    # Sink + OTT pools on CUDA (the decomposed ATen formulation) vs the CPU reference op.
+    # Sink + OTT pools on CUDA (append: the decomposed ATen formulation; attention: the Triton
+    # kernels, decode and a causal chunk) vs the CPU reference op.
     from kivi_ops import KIVICache
 
     torch.manual_seed(0)
@@ -83,6 +84,9 @@ def test_pool_ops_on_cuda_match_the_cpu_reference():
     q = torch.randn(B, 4, 1, D)
     torch.testing.assert_close(caches["cuda"].attend(1, q.cuda()).cpu(), caches["cpu"].attend(1, q),
                                atol=1e-5, rtol=1e-5)
+    q, counts = torch.randn(B, 4, 3, D), torch.tensor([3, 2])  # the split kernel (q_len > 1), padded row
+    torch.testing.assert_close(caches["cuda"].attend(1, q.cuda(), counts=counts.cuda()).cpu(),
+                               caches["cpu"].attend(1, q, counts=counts), atol=1e-5, rtol=1e-5)
 
 
 def test_cuda_graph_decode_with_sink_and_outliers_matches_eager():

@@ -283,6 +283,92 @@ def test_append_then_attend_end_to_end(S, schedule):
         torch.testing.assert_close(_cpu(got), want, rtol=1e-5, atol=1e-5)
 
 
+# ---------------------------------------------------------------- attention with the token pool
+
+
+def fill_pool_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, schedule, sink, outliers, spill, seed=0):
+    """Reference cache and pool (pool.py) after the appends of `schedule` [(n, counts)], the pool
+    filled by the real sink / OTT logic: keys have a large channel and ~20% low-magnitude tokens,
+    OTT's outlier candidates, so outliers are chosen, evicted and spilled."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = make_cache(B, H, S, D, R, G, k_bits, v_bits, dtype)
+    P = sink + outliers + spill
+    pool = (torch.zeros(B, H, P, D, dtype=dtype), torch.zeros(B, H, P, D, dtype=dtype),
+            torch.full((B, H, P), -1, dtype=torch.int64))
+    for n, counts in schedule:
+        key, value = torch.randn(2, B, H, n, D, generator=gen)
+        key[..., 3] += 4.0
+        key = torch.where(torch.rand(B, H, n, 1, generator=gen) < 0.2, key * 0.1, key)
+        c = None if counts is None else torch.tensor(counts)
+        cache_append_reference(*cache, key.to(dtype), value.to(dtype), c, k_bits, v_bits, G, R,
+                               pool=(*pool, sink, outliers))
+    return cache, pool
+
+
+# (dtype, Hq, H, schedule, (sink, outliers, spill), num_splits, D): the queries are the last
+# append's tokens (q_len = its n, its counts), so chunk queries see only the pooled tokens at or
+# before them (the "prefill" case appends a whole sequence at once, its sinks and outliers inside
+# the chunk). R=8, G=4, block_n=16: several key windows and OTT steps, splits of 16 tokens.
+# "sink-decode-gqa" ends with a padded row and a row of one token, a sink: its only cache tile is
+# all masked and the pool alone is visible. "ott-spill-causal" has P=17 slots, two pool tiles of
+# 16, the second with one (empty) slot.
+POOL_CASES = {
+    "sink-decode-gqa": (torch.float32, 4, 2, [(13, [13, 6, 0]), (1, [1, 1, 0]), (1, [1, 0, 1])], (2, 0, 0), 2, 64),
+    "ott-spill-causal": (torch.float32, 2, 2, [(21, [21, 17])] + [(1, None)] * 8 + [(3, [3, 2])], (0, 2, 15), 3, 64),
+    "sink-ott-prefill": (torch.float32, 6, 2, [(12, [12, 9])], (1, 2, 2), 1, 64),
+    "sink-ott-decode-d128": (torch.float32, 2, 1, [(19, [19, 10])] + [(1, None)] * 5, (1, 3, 2), 2, 128),
+    "sink-ott-bf16-decode": (torch.bfloat16, 4, 2, [(20, [20, 11]), (1, None)], (2, 2, 2), 2, 64),
+    "sink-ott-fp16-causal-d128": (torch.float16, 4, 2, [(17, [17, 9]), (3, [3, 1])], (2, 2, 2), 2, 128),
+}
+
+
+@pytest.mark.parametrize("name", POOL_CASES)
+def test_attend_with_pool_matches_reference(name):
+    dtype, Hq, H, schedule, (sink, outliers, spill), num_splits, D = POOL_CASES[name]
+    B, S, R, G, k_bits, v_bits = len(schedule[0][1]), 48, 8, 4, 2, 4
+    cache, pool = fill_pool_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, schedule, sink, outliers, spill)
+    pos = pool[2]
+    assert (pos[..., sink : sink + outliers] >= 0).any() or not outliers, "no outliers were chosen"
+    if "spill" in name:
+        assert (pos[..., sink + outliers :] >= 0).any(), "the spill pool stayed empty"
+    q_len, counts = schedule[-1]
+    c = None if counts is None else torch.tensor(counts)
+    query = torch.randn(B, Hq, q_len, D, generator=torch.Generator().manual_seed(5)).to(dtype)
+    scale = D**-0.5
+    ref = cache_attend_reference(query, *cache, c, k_bits, v_bits, G, R, scale, pool=pool)
+    no_pool = cache_attend_reference(query, *cache, c, k_bits, v_bits, G, R, scale)
+    assert not torch.equal(ref, no_pool), "the pool changes nothing: the case tests nothing"
+    out = _cpu(cache_attend_triton(
+        query.to(DEVICE), *[_dev(t) for t in cache], _dev(c), k_bits, v_bits, G, R, scale,
+        num_splits=num_splits, block_n=16, pool=tuple(_dev(t) for t in pool),
+    ))
+    assert out.dtype == dtype and out.shape == query.shape
+    # Tolerances as in the tests above: fp32 differs only in summation order; fp16/bf16 round the
+    # dequantized keys/values and the probabilities (pooled keys/values are exact in the dtype
+    # already) and the output, a few eps in all (test_attend_low_precision).
+    tol = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    if c is not None:  # padded query rows are exactly zero
+        for b, cb in enumerate(c.tolist()):
+            assert (out[b, :, cb:] == 0).all()
+
+
+@pytest.mark.parametrize("q_len", (1, 3), ids=("decode", "causal"))
+def test_attend_with_empty_pool_equals_no_pool(q_len):
+    """A pool whose slots are all empty (-1) adds p = 0 and rescales by exp2(0) = 1: bit for bit
+    the plain kernels' output (before any sink or outlier is stored, the pool is in this state)."""
+    dtype, B, H, Hq, S, D, R, G = torch.bfloat16, 2, 2, 4, 48, 64, 8, 4
+    cache = [_dev(t) for t in fill_reference_cache(B, H, S, D, R, G, 2, 4, dtype, [29, 13])]
+    pool = (torch.randn(B, H, 5, D, device=DEVICE).to(dtype), torch.randn(B, H, 5, D, device=DEVICE).to(dtype),
+            torch.full((B, H, 5), -1, dtype=torch.int64, device=DEVICE))
+    query = torch.randn(B, Hq, q_len, D, device=DEVICE).to(dtype)
+    c = torch.tensor([q_len, 1], device=DEVICE)
+    args = (query, *cache, c, 2, 4, G, R, 0.125)
+    plain = cache_attend_triton(*args, num_splits=2, block_n=16)
+    pooled = cache_attend_triton(*args, num_splits=2, block_n=16, pool=pool)
+    assert torch.equal(pooled, plain)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_attend_longer_sequences_slow(dtype):
