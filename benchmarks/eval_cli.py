@@ -54,6 +54,9 @@ def add_eval_parser(sub, add_model_arguments, positive_int) -> None:
     tb.add_argument("--windows", type=positive_int, default=None, help="perplexity windows (default 4; --quick 2)")
     tb.add_argument("--window", type=positive_int, default=None, help="tokens per window (default 1024; --quick 256)")
     tb.add_argument("--trials", type=positive_int, default=None, help="passkey trials per length (default 3; --quick 2)")
+    tb.add_argument("--rows", type=lambda text: [p for p in text.split(",") if p], default=None, metavar="TEXT,...",
+                    help="run only the rows whose name contains one of these (the 16-bit baseline always runs), "
+                         "e.g. KVQuant,OTT")
     tb.set_defaults(func=cmd_table, parser=tb)
 
 
@@ -196,7 +199,10 @@ def cmd_table(args, parser) -> int:
             params[name] = getattr(args, name)
     if args.trials is not None:
         params["passkey_trials"] = args.trials
-    report = run_table(plain, patched, tokenizer, quick=args.quick, out_dir=args.out or DEFAULT_OUT, **params)
+    if args.rows is not None and args.out is None:
+        parser.error("--rows needs --out (the committed results are the full table's)")
+    report = run_table(plain, patched, tokenizer, quick=args.quick, out_dir=args.out or DEFAULT_OUT, only=args.rows,
+                       **params)
     from .quality_table import markdown
 
     sys.stdout.write(markdown(report))

@@ -27,13 +27,21 @@ from .perplexity import FakeQuantConfig, cache_perplexity, fake_quant_perplexity
 @dataclass(frozen=True)
 class Row:
     name: str
-    group: str  # "baseline" | "fake" | "kivi" | "group size" | "residual" | "ott / sink"
+    group: str  # "baseline" | "fake" | "kivi" | "group size" | "residual" | "ott / sink" | "kvquant"
     method: str  # "fp" | "kivi" | "fake"
     kivi: Optional[KIVIConfig] = None
     fake: Optional[FakeQuantConfig] = None
+    levels_file: Optional[str] = None  # where kivi's nuq levels come from (recorded instead of the numbers)
 
     def key(self):
         return (self.method, self.kivi, self.fake)
+
+    def config_record(self) -> Optional[dict]:
+        if self.kivi is None:
+            return self.fake.to_dict() if self.fake else None
+        record = self.kivi.to_dict()
+        del record["key_levels"], record["value_levels"]
+        return dict(record, nuq=self.levels_file)
 
 
 def fake_rows(quick: bool) -> list[Row]:
@@ -58,7 +66,38 @@ def standard_rows(quick: bool) -> list[Row]:
     ]
     rows += [Row(f"KIVI-2 G={g} (R=128)", "group size", "kivi", kivi=KIVIConfig(2, 2, g, 128)) for g in (32, 64, 128)]
     rows += [Row(f"KIVI-2 R={r} (G=32)", "residual", "kivi", kivi=KIVIConfig(2, 2, 32, r)) for r in (32, 64, 96, 128)]
-    return rows + extension_rows()
+    return rows + extension_rows() + kvquant_rows()
+
+
+# nuq levels calibrated on the embedded model by `kivi calibrate` (commands in kvquant_fake.json).
+LEVELS_DIR = Path(__file__).resolve().parent / "results"
+PLAIN, FULL = "nuq_levels_smollm2.json", "nuq_levels_smollm2_prerope_sparse1.json"  # without / with pre-RoPE + 1%
+
+
+def _levels(file: str, bits: int, **settings) -> dict:
+    from kivi_ops.nuq import config_levels
+
+    return config_levels(LEVELS_DIR / file, k_bits=bits, v_bits=bits, num_layers=None, group_size=32, **settings)
+
+
+def kvquant_rows() -> list[Row]:
+    """KVQuant's techniques (paper 004) in the cache, alone and combined, G=32 R=128 like KIVI-2:
+    pre-RoPE keys, nuq levels, 1% dense-and-sparse outliers, attention sink. Their levels are
+    the embedded model's (a calibration file per setting), so these rows need --model default."""
+    full = dict(pre_rope=True, sparse_outliers=0.01)
+    return [
+        Row("KIVI-2 + pre-RoPE (G=32, R=128)", "kvquant", "kivi", kivi=KIVIConfig(2, 2, 32, 128, pre_rope=True)),
+        Row("KIVI-2 + nuq2 (G=32, R=128)", "kvquant", "kivi",
+            kivi=KIVIConfig(2, 2, 32, 128, **_levels(PLAIN, 2)), levels_file=PLAIN),
+        Row("KIVI-2 + 1% sparse (G=32, R=128)", "kvquant", "kivi", kivi=KIVIConfig(2, 2, 32, 128, sparse_outliers=0.01)),
+        Row("KVQuant-2: pre-RoPE + nuq2 + 1% (G=32, R=128)", "kvquant", "kivi",
+            kivi=KIVIConfig(2, 2, 32, 128, **full, **_levels(FULL, 2, **full)), levels_file=FULL),
+        Row("KVQuant-2 + sink 1 (G=32, R=128)", "kvquant", "kivi",
+            kivi=KIVIConfig(2, 2, 32, 128, sink_tokens=1, **full,
+                            **_levels(FULL, 2, **full)), levels_file=FULL),
+        Row("KVQuant-4: pre-RoPE + nuq4 + 1% (G=32, R=128)", "kvquant", "kivi",
+            kivi=KIVIConfig(4, 4, 32, 128, **full, **_levels(FULL, 4, **full)), levels_file=FULL),
+    ]
 
 
 def extension_rows() -> list[Row]:
@@ -82,7 +121,16 @@ def passkey_rows(quick: bool) -> list[Row]:
     return [Row("16-bit", "baseline", "fp"),
             Row("KIVI-4 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(4, 4, 32, 128)),
             Row("KIVI-2 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 128)),
-            *[r for r in extension_rows() if "G=128" not in r.name and "OTT-2 + sink" not in r.name]]
+            *[r for r in extension_rows() if "G=128" not in r.name and "OTT-2 + sink" not in r.name],
+            *[r for r in kvquant_rows() if r.name.startswith("KVQuant")]]
+
+
+def selected(rows: list[Row], only: Optional[list[str]]) -> list[Row]:
+    """The rows whose name contains one of `only` (all when None); the 16-bit baseline always
+    stays, since every row is reported against it."""
+    if only is None:
+        return rows
+    return [r for r in rows if r.method == "fp" or any(part in r.name for part in only)]
 
 
 def environment() -> dict:
@@ -98,12 +146,22 @@ def environment() -> dict:
 
 
 def run_table(plain_model, patched_model, tokenizer, *, quick: bool, out_dir: Path, window: int, windows: int,
-              chunk: int, passkey_lengths: list[int], passkey_trials: int, seed: int = 0) -> dict:
+              chunk: int, passkey_lengths: list[int], passkey_trials: int, seed: int = 0,
+              only: Optional[list[str]] = None) -> dict:
     started = time.perf_counter()
+    num_layers = patched_model.config.num_hidden_layers
+
+    def runnable(row: Row) -> bool:  # nuq levels are per layer of the model they were calibrated on
+        if row.kivi is not None and row.kivi.has_nuq and len(row.kivi.key_levels) != num_layers:
+            print(f"  skipping {row.name}: its nuq levels ({row.levels_file}) are for another model",
+                  file=sys.stderr, flush=True)
+            return False
+        return True
+
     text = load_text(corpus="pydoc")
     wins = token_windows(tokenizer, text, window=window, max_tokens=window * windows)
     ppl_results, done = [], {}
-    for row in standard_rows(quick):
+    for row in filter(runnable, selected(standard_rows(quick), only)):
         if row.key() not in done:
             if row.method == "fake":
                 done[row.key()] = fake_quant_perplexity(plain_model, wins, row.fake, desc=row.name)
@@ -113,18 +171,18 @@ def run_table(plain_model, patched_model, tokenizer, *, quick: bool, out_dir: Pa
         r = done[row.key()]
         print(f"  {row.name:<40} ppl {r.ppl:8.3f}  ({r.seconds:.0f} s)", file=sys.stderr, flush=True)
         ppl_results.append(dict(name=row.name, group=row.group, method=row.method,
-                                config=(row.kivi or row.fake).to_dict() if (row.kivi or row.fake) else None,
+                                config=row.config_record(),
                                 **r.to_dict()))
     passkey_results = []
-    for row in passkey_rows(quick):
+    for row in filter(runnable, selected(passkey_rows(quick), only)):
         res = passkey_accuracy(patched_model, tokenizer, lengths=passkey_lengths, trials=passkey_trials,
                                method=row.method, kivi_config=row.kivi, seed=seed, desc=f"passkey {row.name}")
         print(f"  passkey {row.name:<32} {res['accuracy']}  ({res['seconds']:.0f} s)", file=sys.stderr, flush=True)
         passkey_results.append(dict(name=row.name, method=row.method,
-                                    config=row.kivi.to_dict() if row.kivi else None, **res))
+                                    config=row.config_record(), **res))
     report = dict(
         quick=quick, corpus="pydoc_data.topics", window=window, windows=int(wins.shape[0]), chunk=chunk,
-        passkey_lengths=passkey_lengths, passkey_trials=passkey_trials, seed=seed,
+        passkey_lengths=passkey_lengths, passkey_trials=passkey_trials, seed=seed, rows=only,
         perplexity=ppl_results, passkey=passkey_results, runtime_s=time.perf_counter() - started,
         environment=environment(),
     )
@@ -164,7 +222,7 @@ def write_outputs(report: dict, out_dir: Path) -> None:
 
     rows = report["perplexity"]
     colors = {"baseline": "tab:gray", "fake": "tab:orange", "kivi": "tab:blue", "group size": "tab:green",
-              "residual": "tab:purple", "ott / sink": "tab:red"}
+              "residual": "tab:purple", "ott / sink": "tab:red", "kvquant": "tab:brown"}
     fig, ax = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.2))
     ax.barh(range(len(rows)), [r["ppl"] for r in rows], color=[colors[r["group"]] for r in rows])
     ax.set_yticks(range(len(rows)), [r["name"] for r in rows])

@@ -173,3 +173,13 @@ def load_tables(path, *, bits: int, num_layers: int | None, group_size: int, pre
         raise ValueError(f"--nuq {path}: has levels for bits {sorted(data['bits'])}, not {bits}")
     entry = data["bits"][str(bits)]
     return {part: [torch.tensor(levels, dtype=torch.float32) for levels in entry[part]] for part in ("k", "v")}
+
+
+def config_levels(path, *, k_bits: int, v_bits: int, num_layers: int | None, group_size: int,
+                  pre_rope: bool = False, sparse_outliers: float = 0.0) -> dict:
+    """KIVIConfig's key_levels / value_levels (tuples per layer) from a `kivi calibrate` file."""
+    settings = dict(num_layers=num_layers, group_size=group_size, pre_rope=pre_rope, sparse_outliers=sparse_outliers)
+    keys = load_tables(path, bits=k_bits, **settings)["k"]
+    values = load_tables(path, bits=v_bits, **settings)["v"]
+    as_tuples = lambda tables: tuple(tuple(float(v) for v in levels.tolist()) for levels in tables)  # noqa: E731
+    return dict(key_levels=as_tuples(keys), value_levels=as_tuples(values))

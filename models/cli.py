@@ -65,20 +65,16 @@ def fraction_arg(text: str) -> float:
 
 def _nuq_levels(args, parser) -> dict:
     """{"key_levels": ..., "value_levels": ...} for KIVIConfig from --nuq, checked against the model."""
-    from kivi_ops.nuq import load_tables
+    from kivi_ops.nuq import config_levels
 
     from .loading import resolve_model_path
 
     try:
         num_layers = json.loads((resolve_model_path(args.model) / "config.json").read_text())["num_hidden_layers"]
-        settings = dict(num_layers=num_layers, group_size=args.group_size, pre_rope=args.pre_rope,
-                        sparse_outliers=args.sparse_outliers)
-        keys = load_tables(args.nuq, bits=args.k_bits, **settings)["k"]
-        values = load_tables(args.nuq, bits=args.v_bits, **settings)["v"]
+        return config_levels(args.nuq, k_bits=args.k_bits, v_bits=args.v_bits, num_layers=num_layers,
+                             group_size=args.group_size, pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers)
     except (ValueError, OSError) as e:
         parser.error(str(e))
-    as_tuples = lambda tables: tuple(tuple(float(v) for v in levels.tolist()) for levels in tables)  # noqa: E731
-    return dict(key_levels=as_tuples(keys), value_levels=as_tuples(values))
 
 
 # CLI spelling of the KIVIConfig fields in error messages.
