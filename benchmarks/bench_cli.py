@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kivi_models.cli import fraction_arg
+
 from .eval_cli import DEFAULT_OUT, _int_list
 
 
@@ -19,6 +21,8 @@ def add_bench_parser(sub, add_model_arguments, positive_int) -> None:
     mem.add_argument("--sink-tokens", type=int, default=0, help="count a sink pool of N tokens per layer")
     mem.add_argument("--outlier-tokens", type=int, default=0,
                      help="count OTT outlier pools (N + 32 spill slots, none in the first two layers)")
+    mem.add_argument("--sparse-outliers", type=fraction_arg, default=0.0, metavar="FRACTION",
+                     help="count KVQuant's dense-and-sparse store for this fraction (e.g. 0.01)")
 
     att = bsub.add_parser("attention", help="fused KIVI decode attention vs scaled_dot_product_attention")
     att.add_argument("--contexts", type=_int_list, default=None,
@@ -110,7 +114,8 @@ def cmd_bench(args, parser) -> int:
         torch.set_num_threads(args.threads)
     if args.bench_command == "memory":
         try:
-            result = perf.bench_memory(args.contexts, sink_tokens=args.sink_tokens, outlier_tokens=args.outlier_tokens)
+            result = perf.bench_memory(args.contexts, sink_tokens=args.sink_tokens, outlier_tokens=args.outlier_tokens,
+                                       sparse_outliers=args.sparse_outliers)
         except ValueError as e:
             parser.error(str(e))
         if args.budget_gib:
@@ -223,9 +228,9 @@ def _decode_model(args, device, parser):
 def print_table(kind: str, result: dict) -> None:
     rows = result["rows"]
     if kind == "memory":
-        if rows and (rows[0].get("sink_tokens") or rows[0].get("outlier_tokens")):
-            print(f"with sink_tokens={rows[0]['sink_tokens']}, outlier_tokens={rows[0]['outlier_tokens']} "
-                  "(pools included in KIVI and theory bytes)")
+        if rows and (rows[0].get("sink_tokens") or rows[0].get("outlier_tokens") or rows[0].get("sparse_outliers")):
+            print(f"with sink_tokens={rows[0]['sink_tokens']}, outlier_tokens={rows[0]['outlier_tokens']}, "
+                  f"sparse_outliers={rows[0]['sparse_outliers']} (included in KIVI and theory bytes)")
         print("bits  G    R    tokens   KIVI MiB   theory MiB   fp16 MiB   fp16/KIVI")
         for r in rows:
             print(f"{r['bits']:>4} {r['group_size']:>3} {r['residual_length']:>4} {r['tokens']:>8} "

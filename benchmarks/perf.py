@@ -51,33 +51,39 @@ def theoretical_kivi_bytes(cfg: KIVIConfig, *, tokens: int, num_layers: int, num
     """The paper's accounting: packed codes, a scale and zero per group, the fp residual window;
     with sink / OTT outlier tokens, each layer's pool too: P slots of exact key + value and an
     int64 position per (sequence, kv head), P = sink + outlier + spill (no outliers in the
-    first outlier_skip_layers layers)."""
+    first outlier_skip_layers layers); with KVQuant's dense-and-sparse outliers, nk exact entries
+    per channel per flushed R-window and nv per value token, each a value and an int16 index."""
     D, G = head_dim, cfg.group_size
     per_head = (tokens * D * (cfg.k_bits + cfg.v_bits) // 8          # codes
                 + 2 * math.ceil(tokens / G) * D * scale_bytes          # key scale + zero per (G tokens, channel)
                 + 2 * tokens * (D // min(G, D)) * scale_bytes          # value scale + zero per (token, G channels)
                 + 2 * min(cfg.residual_length, tokens) * D * scale_bytes)  # key and value residual windows
+    nk, nv = cfg.sparse_counts(D)
+    per_head += (tokens // cfg.residual_length * nk * D + tokens * nv) * (scale_bytes + 2)
     pool_slots = sum(cfg.layer_pool_size(layer) for layer in range(num_layers))
     pool = batch_size * num_kv_heads * pool_slots * (2 * D * scale_bytes + 8)
     return num_layers * batch_size * (num_kv_heads * per_head + 8) + pool  # + the int64 length per sequence
 
 
-def bench_memory(contexts=(1024, 4096, 16384, 32768, 131072), sink_tokens: int = 0, outlier_tokens: int = 0) -> dict:
+def bench_memory(contexts=(1024, 4096, 16384, 32768, 131072), sink_tokens: int = 0, outlier_tokens: int = 0,
+                 sparse_outliers: float = 0.0) -> dict:
     """Exact bytes of KIVICache (meta device) vs the formula vs fp16; sink_tokens / outlier_tokens
-    (OTT, paper defaults otherwise: spill 32, none in the first two layers) apply to every row."""
+    (OTT, paper defaults otherwise: spill 32, none in the first two layers) and sparse_outliers
+    (KVQuant's dense-and-sparse fraction) apply to every row."""
     rows = []
     for bits in (2, 4):
         for G in (32, 128):
             for R in (32, 128):
                 if R % G:
                     continue  # keys flush whole groups: R must be a multiple of G (G=128, R=32 is invalid)
-                cfg = KIVIConfig(bits, bits, G, R, sink_tokens=sink_tokens, outlier_tokens=outlier_tokens)
+                cfg = KIVIConfig(bits, bits, G, R, sink_tokens=sink_tokens, outlier_tokens=outlier_tokens,
+                                 sparse_outliers=sparse_outliers)
                 for n in contexts:
                     cache = KIVICache(cfg, max_seq_len=n, batch_size=1, dtype=torch.float16, device="meta",
                                       **LLAMA2_7B)
                     fp16 = fp16_cache_nbytes(batch_size=1, num_tokens=n, **LLAMA2_7B)
                     rows.append(dict(bits=bits, group_size=G, residual_length=R, tokens=n, sink_tokens=sink_tokens,
-                                     outlier_tokens=outlier_tokens,
+                                     outlier_tokens=outlier_tokens, sparse_outliers=sparse_outliers,
                                      kivi_bytes=cache.nbytes(), theory_bytes=theoretical_kivi_bytes(cfg, tokens=n, **LLAMA2_7B),
                                      fp16_bytes=fp16, ratio=fp16 / cache.nbytes()))
     return dict(model_shape=LLAMA2_7B, scale_dtype="float16", rows=rows, environment=environment("cpu"))

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from kivi_models.hf_cache import KIVIHFCache
+from kivi_ops.cache import is_constant_buffer
 
 
 class ExportableDecoder(nn.Module):
@@ -30,10 +31,11 @@ class ExportableDecoder(nn.Module):
         self.model = model
         self.cache = cache.backing
         self.cache_as_io = cache_as_io
-        self.cache_names = [name for name, _ in self.cache.named_buffers()]
+        # The cache's state; constants (nuq levels, RoPE frequencies) stay in the program.
+        self.cache_names = [name for name, _ in self.cache.named_buffers() if not is_constant_buffer(name)]
 
     def cache_tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(buf for _, buf in self.cache.named_buffers())
+        return tuple(getattr(self.cache, name) for name in self.cache_names)
 
     def _cache_over(self, tensors) -> nn.Module:
         """A shallow copy of the cache module whose buffers are `tensors` (the module's own
@@ -41,7 +43,7 @@ class ExportableDecoder(nn.Module):
         if len(tensors) != len(self.cache_names):
             raise ValueError(f"expected {len(self.cache_names)} cache tensors, got {len(tensors)}")
         view = copy.copy(self.cache)
-        view._buffers = dict(zip(self.cache_names, tensors))
+        view._buffers = {**self.cache._buffers, **dict(zip(self.cache_names, tensors))}
         return view
 
     def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor, counts: torch.Tensor, *cache_in):
@@ -62,5 +64,5 @@ class ExportableDecoder(nn.Module):
         last = hidden[torch.arange(input_ids.shape[0], device=input_ids.device), counts - 1]
         logits = self.model.lm_head(last)
         if self.cache_as_io:
-            return (logits, *backing.buffers())
+            return (logits, *(getattr(backing, name) for name in self.cache_names))
         return logits

@@ -97,7 +97,7 @@ def load_onnx(file: Path, meta: ExportMetadata) -> Step:
     if len(inputs) != 3 + len(meta.cache_names):
         raise ArtifactError(f"{file} takes {len(inputs)} inputs; its metadata describes {3 + len(meta.cache_names)}")
     numpy_dtypes = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-                    "tensor(uint8)": np.uint8, "tensor(bfloat16)": None}
+                    "tensor(uint8)": np.uint8, "tensor(int16)": np.int16, "tensor(bfloat16)": None}
     cache = []
     for arg in inputs[3:]:
         dtype = numpy_dtypes.get(arg.type)

@@ -24,6 +24,13 @@ from .pool import POOL_BUFFERS
 from .rope import rope_at
 
 IMPLS = ("op", "decomposed")
+# Buffers that hold constants, not sequence state: reset() keeps them, exporters keep them in the
+# program rather than passing them as state (KVQuant's nuq levels and RoPE frequencies).
+CONSTANT_BUFFER_PREFIXES = ("k_levels_", "v_levels_", "rope_inv_freq")
+
+
+def is_constant_buffer(name: str) -> bool:
+    return name.startswith(CONSTANT_BUFFER_PREFIXES)
 ATTEND_FORMS = ("auto", "fused", "materialized")
 
 
@@ -188,7 +195,7 @@ class KIVICache(StaticCacheBase):
         """Empty every sequence: state buffers to zero, slot indices to -1 (empty); the constants
         (nuq levels, RoPE frequencies) stay."""
         for name, buf in self.named_buffers():
-            if name.startswith(("k_levels_", "v_levels_", "rope_inv_freq")):
+            if is_constant_buffer(name):
                 continue
             buf.fill_(-1 if name.startswith(("pool_pos_", "k_sparse_idx_", "v_sparse_idx_")) else 0)
 

@@ -64,7 +64,9 @@ def _write_rows(buf: Tensor, bi: Tensor, hi: Tensor, rows: Tensor, new: Tensor, 
     rows [B, W] must be distinct within each row b (no scatter conflicts), new [B, H, W, X]."""
     r = rows[:, None, :]
     old = buf[bi, hi, r]
-    buf.index_put_((bi, hi, r), torch.where(valid[:, None, :, None], new, old))
+    # ONNX Runtime has no int16 Where (the sparse store's indices): choose in int32, store back.
+    wide = torch.int32 if buf.dtype == torch.int16 else buf.dtype
+    buf.index_put_((bi, hi, r), torch.where(valid[:, None, :, None], new.to(wide), old.to(wide)).to(buf.dtype))
 
 
 def _take_tokens(x: Tensor, bi: Tensor, hi: Tensor, idx: Tensor) -> Tensor:

@@ -11,6 +11,9 @@ Per layer, when on (KIVIConfig.sparse_counts gives nk, nv; W = S // R key window
     v_sparse_idx  int16 [B, H, S, nv]      channels (-1: none yet)
 and once per cache
     rope_inv_freq fp32  [D/2]              the model's RoPE frequencies (keys stored pre-RoPE)
+Entries of windows / tokens not yet quantized are never read (attention takes those rows from
+the residuals), so -1 only marks them for readers of the buffers; zeros would do as well, which is
+what an exported program's fresh state holds.
 
 Dense-and-sparse (Section 3.4), as implemented: when the cache quantizes a window of R keys, per
 channel the nk entries of largest magnitude among the window's tokens stay exact; when a value

@@ -35,6 +35,20 @@ def test_bench_memory_counts_sink_and_outlier_pools(tmp_path, capsys):
         main(args + ["--outlier-tokens", "-1"])
 
 
+def test_bench_memory_counts_the_sparse_outlier_store(tmp_path, capsys):
+    args = ["bench", "memory", "--contexts", "4096", "--out", str(tmp_path), "--json"]
+    assert main(args) == 0
+    plain = {(r["bits"], r["group_size"], r["residual_length"]): r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert main(args + ["--sparse-outliers", "0.01"]) == 0
+    for r in json.loads(capsys.readouterr().out)["rows"]:
+        assert r["kivi_bytes"] == r["theory_bytes"]
+        # 1% of R and of head_dim 128 rounds to 1 entry per key channel per window / per value token:
+        # fp16 value + int16 index each, 32 layers x 32 kv heads.
+        entries = 4096 // r["residual_length"] * 128 + 4096
+        extra = 32 * 32 * entries * (2 + 2)
+        assert r["kivi_bytes"] - plain[(r["bits"], r["group_size"], r["residual_length"])]["kivi_bytes"] == extra
+
+
 def test_bench_attention_cpu_runs(tmp_path, capsys):
     assert main(["bench", "attention", "--device", "cpu", "--contexts", "256", "--out", str(tmp_path), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

@@ -214,3 +214,22 @@ def test_export_with_sink_and_outlier_tokens(fmt, tmp_path, capsys):
                       capsys)
     assert report["tokens"] == want["tokens"]
     assert report["config"]["kivi"]["outlier_tokens"] == 3 and report["config"]["kivi"]["sink_tokens"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["pt2", "onnx"])
+def test_export_with_kvquant_options(fmt, tmp_path, capsys):
+    # pre-RoPE keys, nuq levels and 10% dense-and-sparse outliers (plus a sink), G=R=8: the new
+    # tokens flush key windows, pick outliers and rotate keys in-graph.
+    levels = {"2": {"k": [[0.1, 1.1, 1.9, 2.9]] * 30, "v": [[0.0, 0.9, 2.2, 3.0]] * 30}}
+    nuq = tmp_path / "levels.json"
+    nuq.write_text(json.dumps(dict(format="kivi-nuq-v1", num_layers=30, group_size=8, pre_rope=True,
+                                   sparse_outliers=0.1, bits=levels)))
+    options = [*CONFIG, "--pre-rope", "--sparse-outliers", "0.1", "--nuq", str(nuq), "--sink-tokens", "1"]
+    want = cli_json(["generate", "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json", *options], capsys)
+    out = tmp_path / "program"
+    assert main(["export", "--format", fmt, "--out", str(out), "--max-seq-len", "64", *options]) == 0
+    capsys.readouterr()
+    report = cli_json(["run-exported", str(out), "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json"], capsys)
+    assert report["tokens"] == want["tokens"]
+    assert report["config"]["kivi"]["pre_rope"] and report["config"]["kivi"]["sparse_outliers"] == 0.1
