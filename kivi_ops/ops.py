@@ -155,7 +155,7 @@ def _(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
 
     extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
     check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
-    if extras.active:  # KVQuant options: no Triton kernel yet, the decomposed (graph-safe) form
+    if extras.sparse:  # dense-and-sparse outliers: no Triton kernel, the decomposed (graph-safe) form
         from .decomposed import cache_append_decomposed
 
         cache_append_decomposed(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
@@ -164,7 +164,7 @@ def _(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
         return
     cache_append_triton(
         k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-        key, value, counts, k_bits, v_bits, group_size, residual_length,
+        key, value, counts, k_bits, v_bits, group_size, residual_length, extras=extras,
     )
 
 
@@ -207,15 +207,16 @@ def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, l
 
     extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
     check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
-    if extras.active:  # KVQuant options: no Triton kernel yet, the decomposed (graph-safe) form
+    if extras.sparse:  # dense-and-sparse outliers: no Triton kernel, the decomposed (graph-safe) form
         from .decomposed import cache_attend_decomposed
 
         return cache_attend_decomposed(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
                                        lengths, counts, k_bits, v_bits, group_size, residual_length, scale,
                                        form="materialized", extras=extras)
+    # nuq levels and pre-RoPE keys run in the fused kernels
     return cache_attend_triton(
         query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-        counts, k_bits, v_bits, group_size, residual_length, scale,
+        counts, k_bits, v_bits, group_size, residual_length, scale, extras=extras,
     )
 
 
@@ -233,8 +234,9 @@ def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, l
 # sync, CUDA-graph safe) formulation, OTT's selection included.
 #
 # Every cache op also takes KVQuant's optional inputs (extras.py: nuq levels, the sparse outlier
-# store, RoPE frequencies for pre-RoPE keys) as trailing arguments, None by default. With any of
-# them on CUDA, the ops run the decomposed form (no Triton kernel for them yet).
+# store, RoPE frequencies for pre-RoPE keys) as trailing arguments, None by default. On CUDA, nuq
+# levels and pre-RoPE keys run in the Triton kernels (appends with a pool are decomposed anyway);
+# with the sparse outlier store the ops run the decomposed form (no Triton kernel for it).
 
 POOL_CACHE_BUFFERS = CACHE_BUFFERS + ("pool_k", "pool_v", "pool_pos")
 
@@ -345,7 +347,7 @@ def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, l
     extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
     check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
     pool = (pool_k, pool_v, pool_pos)
-    if extras.active:  # KVQuant options: no Triton kernel yet, the decomposed (graph-safe) form
+    if extras.sparse:  # dense-and-sparse outliers: no Triton kernel, the decomposed (graph-safe) form
         from .decomposed import cache_attend_decomposed
 
         return cache_attend_decomposed(
@@ -355,8 +357,9 @@ def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, l
     from .triton_cache import cache_attend_triton
 
     # The fused Triton kernels of cache_attend, with the pool's tokens masked out of the cache
-    # tiles and their exact keys/values in the same online softmax (no dequantized copy).
+    # tiles and their exact keys/values in the same online softmax (no dequantized copy); nuq
+    # levels and pre-RoPE keys (pool keys rotated to pool_pos) included.
     return cache_attend_triton(
         query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-        counts, k_bits, v_bits, group_size, residual_length, scale, pool=pool,
+        counts, k_bits, v_bits, group_size, residual_length, scale, pool=pool, extras=extras,
     )

@@ -42,6 +42,17 @@ cache_attend_triton (flash decoding):
   sinks + outliers + spill, is small); split 0 then runs the P exact pool keys/values through the
   same online softmax in BLOCK_N-slot tiles (visible: filled slots at or before the query, real
   rows), so the reduce kernel merges them like any other split's tokens.
+  KVQuant's options (extras.py; constexpr flags, off = the plain kernels, instruction for
+  instruction): HAS_LEVELS, nuq levels: the append kernels quantize to the nearest level (binary
+  search over the level midpoints, nuq_codes) and the attention kernels dequantize levels[code]
+  (a gather from the 2^bits-entry table) before scale and zero. ROPE, keys stored pre-RoPE
+  (rope_inv_freq [D/2]): every key, quantized, residual or pooled, is rotated to its position
+  (cache row t, or pool_pos) with cos/sin computed in-kernel from t * inv_freq (a [S, D] table
+  would read more bytes than the codes). The split kernel dequantizes keys as two D/2-channel
+  halves, rotates them in fp32 (rotate-half is a mix of the two halves) and runs two tl.dot of
+  D/2; the decode kernel rotates the query back per token instead (q . R_t k = (R_t^T q) . k),
+  which needs no partner channel of the key tile, so its key scales no longer fold into the
+  query. The sparse outlier store has no kernel (the ops run the decomposed form for it).
   Products use tl.dot: fp16/bf16 caches on tensor cores with the dequantized keys/values and the
   probabilities rounded to the cache dtype and fp32 accumulation (like fp16 flash attention);
   fp32 caches with F32_DOT_PRECISION ("tf32x3" by default, see there).
@@ -57,9 +68,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .extras import NO_EXTRAS, Extras, check_extras
 from .packing import codes_per_byte, token_group_size
 from .triton_quant import (
-    device_ctx, interpreting, next_pow2, pack_codes, quant_codes, scale_zero_stored, to_dtype_rtne, unpack_codes,
+    device_ctx, interpreting, next_pow2, nuq_codes, pack_codes, quant_codes, scale_zero_stored, to_dtype_rtne,
+    unpack_codes,
 )
 
 LOG2E = 1.0 / math.log(2.0)
@@ -87,11 +100,21 @@ def _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS: tl.conste
 
 
 @triton.jit
+def _quantize(x, scale, zero, levels, BITS: tl.constexpr, HAS_LEVELS: tl.constexpr):
+    """int32 codes of fp32 x (packing.quantize_codes): the uniform grid, or the nearest nuq level."""
+    if HAS_LEVELS:
+        return nuq_codes(x, scale, zero, levels, BITS)
+    else:
+        return quant_codes(x, scale, zero, (1 << BITS) - 1)
+
+
+@triton.jit
 def _append_key_flush_kernel(
-    k_codes, k_scale, k_zero, k_res, key_ptr, lengths_ptr, counts_ptr,
+    k_codes, k_scale, k_zero, k_res, key_ptr, lengths_ptr, counts_ptr, k_levels,
     s_kb, s_kh, s_kn, s_kd,
     H, N, S, NSG,
-    HAS_COUNTS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
+    HAS_COUNTS: tl.constexpr, HAS_LEVELS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr,
+    PER: tl.constexpr,
     G: tl.constexpr, R: tl.constexpr, RR: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -119,17 +142,18 @@ def _append_key_flush_kernel(
         srow = (bh64 * NSG + start // G) * D
         tl.store(k_scale + srow + ch, scale[None, :, :], mask=cmask)
         tl.store(k_zero + srow + ch, zero[None, :, :], mask=cmask)
-        q = quant_codes(x, scale.to(tl.float32)[None, :, :], zero.to(tl.float32)[None, :, :], (1 << BITS) - 1)
+        q = _quantize(x, scale.to(tl.float32)[None, :, :], zero.to(tl.float32)[None, :, :], k_levels, BITS, HAS_LEVELS)
         packed = pack_codes(q, BITS, PER)  # [G, BLOCK_B]
         tl.store(k_codes + (bh64 * S + u[:, None]) * NB + jb[None, :], packed, mask=(jb < NB)[None, :])
 
 
 @triton.jit
 def _append_value_flush_kernel(
-    v_codes, v_scale, v_zero, v_res, value_ptr, lengths_ptr, counts_ptr,
+    v_codes, v_scale, v_zero, v_res, value_ptr, lengths_ptr, counts_ptr, v_levels,
     s_vb, s_vh, s_vn, s_vd,
     H, N, S,
-    HAS_COUNTS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
+    HAS_COUNTS: tl.constexpr, HAS_LEVELS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NG: tl.constexpr,
+    BITS: tl.constexpr,
     PER: tl.constexpr, GV: tl.constexpr, GB_P: tl.constexpr, R: tl.constexpr, RR: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -162,8 +186,8 @@ def _append_value_flush_kernel(
             srow = (bh64 * S + u) * NG + g
             tl.store(v_scale + srow, scale, mask=active)
             tl.store(v_zero + srow, zero, mask=active)
-            q = quant_codes(x, scale.to(tl.float32)[:, None, None], zero.to(tl.float32)[:, None, None],
-                            (1 << BITS) - 1)
+            q = _quantize(x, scale.to(tl.float32)[:, None, None], zero.to(tl.float32)[:, None, None], v_levels,
+                          BITS, HAS_LEVELS)
             packed = pack_codes(q, BITS, PER)  # [BLOCK_T, GB_P]
             tl.store(v_codes + (bh64 * S + u[:, None]) * NB + g * (GV // PER) + jb[None, :], packed,
                      mask=active[:, None] & (jb < GV // PER)[None, :])
@@ -237,13 +261,28 @@ def _check_cache(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_re
     return B, H, S, D, R, RR, G, gv
 
 
+def _check_kernel_extras(extras: Extras, k_codes, k_res, k_bits, v_bits, residual_length) -> Extras:
+    """The extras the kernels take (nuq levels, rope_inv_freq), checked and made contiguous; the
+    sparse outlier store has no kernel (the ops run the decomposed form for it)."""
+    if extras.sparse:
+        raise ValueError("the Triton cache kernels do not take the dense-and-sparse outlier store")
+    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
+    return Extras(*(None if t is None else t.contiguous() for t in extras))
+
+
 def cache_append_triton(
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-    key, value, counts, k_bits, v_bits, group_size, residual_length,
+    key, value, counts, k_bits, v_bits, group_size, residual_length, extras: Extras = NO_EXTRAS,
 ) -> None:
-    """Append key/value [B, H, n, D] in place, like cache_append_reference (see module doc)."""
+    """Append key/value [B, H, n, D] in place, like cache_append_reference (see module doc).
+    extras: nuq levels (k_levels, v_levels) or none; rope_inv_freq plays no part in appends."""
     B, H, S, D, R, RR, G, gv = _check_cache(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
                                         lengths, k_bits, v_bits, group_size, residual_length)
+    extras = _check_kernel_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
+    has_levels = extras.k_levels is not None
+    # Dummy pointers when absent (never read: HAS_LEVELS=False compiles the uniform grid only).
+    k_levels = extras.k_levels if has_levels else k_scale
+    v_levels = extras.v_levels if has_levels else v_scale
     n = key.shape[2]
     if tuple(key.shape) != (B, H, n, D) or tuple(value.shape) != (B, H, n, D):
         raise ValueError(f"key/value must have shape {(B, H, 'n', D)}, got {tuple(key.shape)}, {tuple(value.shape)}")
@@ -269,16 +308,18 @@ def cache_append_triton(
     wrap = torch.library.wrap_triton
     with device_ctx(k_codes):
         wrap(_append_key_flush_kernel)[(B * H, key_groups, triton.cdiv(nbk, block_b))](
-            k_codes, k_scale, k_zero, k_res, key, lengths, cnt,
+            k_codes, k_scale, k_zero, k_res, key, lengths, cnt, k_levels,
             key.stride(0), key.stride(1), key.stride(2), key.stride(3),
             H, n, S, nsg,
-            HAS_COUNTS=has_counts, D=D, NB=nbk, BITS=k_bits, PER=kper, G=G, R=R, RR=RR, BLOCK_B=block_b, num_warps=4,
+            HAS_COUNTS=has_counts, HAS_LEVELS=has_levels, D=D, NB=nbk, BITS=k_bits, PER=kper, G=G, R=R, RR=RR,
+            BLOCK_B=block_b, num_warps=4,
         )
         wrap(_append_value_flush_kernel)[(B * H, triton.cdiv(n, block_tv))](
-            v_codes, v_scale, v_zero, v_res, value, lengths, cnt,
+            v_codes, v_scale, v_zero, v_res, value, lengths, cnt, v_levels,
             value.stride(0), value.stride(1), value.stride(2), value.stride(3),
             H, n, S,
-            HAS_COUNTS=has_counts, D=D, NB=nbv, NG=D // gv, BITS=v_bits, PER=vper, GV=gv, GB_P=gb_p, R=R, RR=RR,
+            HAS_COUNTS=has_counts, HAS_LEVELS=has_levels, D=D, NB=nbv, NG=D // gv, BITS=v_bits, PER=vper, GV=gv,
+            GB_P=gb_p, R=R, RR=RR,
             BLOCK_T=block_tv, num_warps=4,
         )
         wrap(_append_residual_kernel)[(B * H, triton.cdiv(n, block_tr))](
@@ -360,10 +401,87 @@ def _accumulate_pv(acc, alpha, p, v, DT: tl.constexpr, LOWP: tl.constexpr, DOT_F
 
 
 @triton.jit
+def _code_values(codes, levels, HAS_LEVELS: tl.constexpr):
+    """fp32 values of int32 codes before scale and zero (packing.code_values): the codes, or levels[code]
+    (a gather from the 2^bits-entry table, which stays in L1)."""
+    if HAS_LEVELS:
+        return tl.load(levels + codes)
+    else:
+        return codes.to(tl.float32)
+
+
+@triton.jit
+def _rope_cos_sin(positions, freq):
+    """cos and sin of the RoPE angles positions * freq (broadcast), the angle an fp32 product like
+    rope.rope_at's. tl.cos / tl.sin lower to libdevice's __nv_cosf / __nv_sinf (full range
+    reduction, not the approximate cos.approx.f32), numpy's under the interpreter."""
+    angle = positions.to(tl.float32) * freq
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def _rope_qk(q_lo, q_hi, k_lo, k_hi, positions, freq, DT: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr,
+             F32_PRECISION: tl.constexpr, EMULATE_RTNE: tl.constexpr):
+    """Scores of pre-RoPE keys: the query halves q_lo, q_hi [BLOCK_M, HD_P] (channels [0, D/2) and
+    [D/2, D)) against fp32 key halves k_lo, k_hi [T, HD_P] rotated to their positions [T] first
+    (rotate-half: lo' = lo cos - hi sin, hi' = hi cos + lo sin, freq [HD_P] shared by both halves).
+    Working in halves needs no channel shuffle and keeps the products two tl.dot of D/2 each.
+    Low-precision caches round the rotated keys to the cache dtype (tensor cores)."""
+    cos, sin = _rope_cos_sin(positions[:, None], freq[None, :])
+    lo = k_lo * cos - k_hi * sin
+    hi = k_hi * cos + k_lo * sin
+    if LOWP:
+        lo = _cast(lo, DT, EMULATE_RTNE)
+        hi = _cast(hi, DT, EMULATE_RTNE)
+    return _qk_dot(q_lo, lo, DOT_F32, F32_PRECISION) + _qk_dot(q_hi, hi, DOT_F32, F32_PRECISION)
+
+
+@triton.jit
+def _key_tile(
+    t, tm, t0, limit, nqk, row, bh64, NSG, k_codes, k_scale, k_zero, k_res, k_levels,
+    C0: tl.constexpr, W: tl.constexpr, W_P: tl.constexpr, MIXED: tl.constexpr, HAS_LEVELS: tl.constexpr,
+    CAST: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr, K_PER: tl.constexpr, G: tl.constexpr,
+    NGB: tl.constexpr, R: tl.constexpr, RR: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+):
+    """Keys [BLOCK_N, W_P] of tokens t, channels [C0, C0 + W) (the whole head, or one RoPE half):
+    per-channel groups of G tokens, one scale row per group; fp32, or rounded to the cache dtype
+    when CAST. MIXED: per-token choice between the dequantized codes and the residual ring."""
+    c = tl.arange(0, W_P)
+    cmask = c < W
+    if MIXED:
+        kq = tm & (t < nqk)
+    else:
+        kq = tm
+    jk = tl.arange(0, W_P // K_PER)
+    kb = tl.load(k_codes + row[:, None] * (D // K_PER) + (C0 // K_PER + jk)[None, :],
+                 mask=kq[:, None] & (jk < W // K_PER)[None, :], other=0)
+    kc = _code_values(tl.reshape(unpack_codes(kb, K_BITS, K_PER), [BLOCK_N, W_P]), k_levels, HAS_LEVELS)
+    grow = t0 // G + tl.arange(0, NGB)  # the NGB scale rows this tile touches
+    gm = ((grow * G < limit) & (grow * G < nqk))[:, None] & cmask[None, :]
+    ks_off = (bh64 * NSG + grow)[:, None] * D + (C0 + c)[None, :]
+    ks = tl.load(k_scale + ks_off, mask=gm, other=0.0).to(tl.float32)
+    kz = tl.load(k_zero + ks_off, mask=gm, other=0.0).to(tl.float32)
+    if NGB > 1:
+        ks = tl.reshape(tl.broadcast_to(ks[:, None, :], [NGB, BLOCK_N // NGB, W_P]), [BLOCK_N, W_P])
+        kz = tl.reshape(tl.broadcast_to(kz[:, None, :], [NGB, BLOCK_N // NGB, W_P]), [BLOCK_N, W_P])
+    kdq = kc * ks + kz
+    if CAST:
+        kdq = _cast(kdq, k_res.dtype.element_ty, EMULATE_RTNE)
+    if MIXED:
+        slot = (bh64 * RR + (t % R)[:, None]) * D + (C0 + c)[None, :]
+        kres = tl.load(k_res + slot, mask=(tm & (t >= nqk))[:, None] & cmask[None, :], other=0.0)
+        k = tl.where(kq[:, None], kdq, kres.to(kdq.dtype))
+    else:
+        k = kdq
+    return k
+
+
+@triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, t0, limit, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
-    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
-    MIXED: tl.constexpr, HAS_POOL: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+    acc, m_i, l_i, q, q_hi, freq, t0, limit, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
+    MIXED: tl.constexpr, HAS_POOL: tl.constexpr, HAS_LEVELS: tl.constexpr, ROPE: tl.constexpr,
+    D: tl.constexpr, D_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr,
     K_BITS: tl.constexpr, K_PER: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr,
     G: tl.constexpr, NGB: tl.constexpr, NGV: tl.constexpr, NGV_P: tl.constexpr, GV_P: tl.constexpr,
     R: tl.constexpr, RR: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -372,7 +490,10 @@ def _attend_tile(
     """One online-softmax step over tokens [t0, t0 + BLOCK_N) (t0 a multiple of BLOCK_N), tokens
     >= limit masked. MIXED=False: every token is quantized for keys and values (no residual loads);
     MIXED=True: per-token choice between the dequantized codes and the residual ring. HAS_POOL:
-    tokens at the pooled positions pp are masked (their exact copies come in _attend_pool_tile)."""
+    tokens at the pooled positions pp are masked (their exact copies come in _attend_pool_tile).
+    HAS_LEVELS: codes stand for nuq levels. ROPE: keys are pre-RoPE; q / q_hi are then the query's
+    halves and keys are dequantized as halves, rotated to their positions t (freq: inv_freq
+    [HD_P]) in fp32 and only then rounded for the products; otherwise q is the whole query."""
     DT = k_res.dtype.element_ty
     t = t0 + tl.arange(0, BLOCK_N)
     tm = t < limit
@@ -380,33 +501,17 @@ def _attend_tile(
     dmask = d < D
     row = bh64 * S + t  # int64 token row of codes and value scales
 
-    # ---- keys [BLOCK_N, D_P]: per-channel groups of G tokens, one scale row per group
-    if MIXED:
-        kq = tm & (t < nqk)
+    # ---- keys [BLOCK_N, D_P]
+    if ROPE:
+        k_lo = _key_tile(t, tm, t0, limit, nqk, row, bh64, NSG, k_codes, k_scale, k_zero, k_res, k_levels,
+                         0, HD, HD_P, MIXED, HAS_LEVELS, False, D, K_BITS, K_PER, G, NGB, R, RR, BLOCK_N, EMULATE_RTNE)
+        k_hi = _key_tile(t, tm, t0, limit, nqk, row, bh64, NSG, k_codes, k_scale, k_zero, k_res, k_levels,
+                         HD, HD, HD_P, MIXED, HAS_LEVELS, False, D, K_BITS, K_PER, G, NGB, R, RR, BLOCK_N, EMULATE_RTNE)
+        s = _rope_qk(q, q_hi, k_lo, k_hi, t, freq, DT, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE)
     else:
-        kq = tm
-    jk = tl.arange(0, D_P // K_PER)
-    kb = tl.load(k_codes + row[:, None] * (D // K_PER) + jk[None, :],
-                 mask=kq[:, None] & (jk < D // K_PER)[None, :], other=0)
-    kc = tl.reshape(unpack_codes(kb, K_BITS, K_PER), [BLOCK_N, D_P]).to(tl.float32)
-    grow = t0 // G + tl.arange(0, NGB)  # the NGB scale rows this tile touches
-    gm = ((grow * G < limit) & (grow * G < nqk))[:, None] & dmask[None, :]
-    ks_off = (bh64 * NSG + grow)[:, None] * D + d[None, :]
-    ks = tl.load(k_scale + ks_off, mask=gm, other=0.0).to(tl.float32)
-    kz = tl.load(k_zero + ks_off, mask=gm, other=0.0).to(tl.float32)
-    if NGB > 1:
-        ks = tl.reshape(tl.broadcast_to(ks[:, None, :], [NGB, BLOCK_N // NGB, D_P]), [BLOCK_N, D_P])
-        kz = tl.reshape(tl.broadcast_to(kz[:, None, :], [NGB, BLOCK_N // NGB, D_P]), [BLOCK_N, D_P])
-    kdq = kc * ks + kz
-    if LOWP:
-        kdq = _cast(kdq, DT, EMULATE_RTNE)
-    if MIXED:
-        slot = (bh64 * RR + (t % R)[:, None]) * D + d[None, :]
-        kres = tl.load(k_res + slot, mask=(tm & (t >= nqk))[:, None] & dmask[None, :], other=0.0)
-        k = tl.where(kq[:, None], kdq, kres.to(kdq.dtype))
-    else:
-        k = kdq
-    s = _qk_dot(q, k, DOT_F32, F32_PRECISION)
+        k = _key_tile(t, tm, t0, limit, nqk, row, bh64, NSG, k_codes, k_scale, k_zero, k_res, k_levels,
+                      0, D, D_P, MIXED, HAS_LEVELS, LOWP, D, K_BITS, K_PER, G, NGB, R, RR, BLOCK_N, EMULATE_RTNE)
+        s = _qk_dot(q, k, DOT_F32, F32_PRECISION)
 
     visible = row_ok[:, None] & tm[None, :] & (t[None, :] <= pos[:, None])
     if HAS_POOL:
@@ -421,7 +526,7 @@ def _attend_tile(
     jv = tl.arange(0, D_P // V_PER)
     vb = tl.load(v_codes + row[:, None] * (D // V_PER) + jv[None, :],
                  mask=vq[:, None] & (jv < D // V_PER)[None, :], other=0)
-    vc = tl.reshape(unpack_codes(vb, V_BITS, V_PER), [BLOCK_N, D_P]).to(tl.float32)
+    vc = _code_values(tl.reshape(unpack_codes(vb, V_BITS, V_PER), [BLOCK_N, D_P]), v_levels, HAS_LEVELS)
     if NGV == 1:
         vs = tl.load(v_scale + row, mask=vq, other=0.0).to(tl.float32)[:, None]
         vz = tl.load(v_zero + row, mask=vq, other=0.0).to(tl.float32)[:, None]
@@ -448,20 +553,31 @@ def _attend_tile(
 
 @triton.jit
 def _attend_pool_tile(
-    acc, m_i, l_i, q, j0, pos, row_ok, bh64, P, qk_scale, pool_k, pool_v, pool_pos,
-    D: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOWP: tl.constexpr, DOT_F32: tl.constexpr, F32_PRECISION: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+    acc, m_i, l_i, q, q_hi, freq, j0, pos, row_ok, bh64, P, qk_scale, pool_k, pool_v, pool_pos,
+    ROPE: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr,
+    BLOCK_N: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr, F32_PRECISION: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr,
 ):
     """One online-softmax step over pool slots [j0, j0 + BLOCK_N): exact keys/values (cache dtype),
-    each visible to the real query rows at or after its token's position; empty slots (-1) to none."""
+    each visible to the real query rows at or after its token's position; empty slots (-1) to none.
+    ROPE: pre-RoPE pool keys, rotated to their pool_pos (q, q_hi the query halves, _attend_tile)."""
     j = j0 + tl.arange(0, BLOCK_N)
     jm = j < P
     ppos = tl.load(pool_pos + bh64 * P + j, mask=jm, other=-1)
     d = tl.arange(0, D_P)
     off = (bh64 * P + j)[:, None] * D + d[None, :]
     m2 = jm[:, None] & (d < D)[None, :]
-    k = tl.load(pool_k + off, mask=m2, other=0.0)
-    s = _qk_dot(q, k, DOT_F32, F32_PRECISION)
+    if ROPE:
+        c = tl.arange(0, HD_P)
+        half = (bh64 * P + j)[:, None] * D + c[None, :]
+        hm = jm[:, None] & (c < HD)[None, :]
+        k_lo = tl.load(pool_k + half, mask=hm, other=0.0).to(tl.float32)
+        k_hi = tl.load(pool_k + half + HD, mask=hm, other=0.0).to(tl.float32)
+        s = _rope_qk(q, q_hi, k_lo, k_hi, ppos, freq, pool_k.dtype.element_ty, LOWP, DOT_F32, F32_PRECISION,
+                     EMULATE_RTNE)
+    else:
+        k = tl.load(pool_k + off, mask=m2, other=0.0)
+        s = _qk_dot(q, k, DOT_F32, F32_PRECISION)
     visible = row_ok[:, None] & (ppos >= 0)[None, :] & (ppos[None, :] <= pos[:, None])
     p, alpha, m_new, l_i = _softmax_step(s, visible, m_i, l_i, qk_scale)
     v = tl.load(pool_v + off, mask=m2, other=0.0)
@@ -473,10 +589,10 @@ def _attend_pool_tile(
 def _attend_split_kernel(
     q_ptr, s_qb, s_qh, s_qm, s_qd,
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths_ptr, counts_ptr,
-    pool_k, pool_v, pool_pos, ws_m, ws_l, ws_acc, out_ptr,
+    pool_k, pool_v, pool_pos, k_levels, v_levels, rope_inv_freq, ws_m, ws_l, ws_acc, out_ptr,
     H, S, NSG, Q_LEN, M, M_PAD, P, qk_scale,
-    HAS_COUNTS: tl.constexpr, HAS_POOL: tl.constexpr, P_P: tl.constexpr,
-    QG: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+    HAS_COUNTS: tl.constexpr, HAS_POOL: tl.constexpr, P_P: tl.constexpr, HAS_LEVELS: tl.constexpr,
+    ROPE: tl.constexpr, QG: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr,
     K_BITS: tl.constexpr, K_PER: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr,
     G: tl.constexpr, NGB: tl.constexpr, NGV: tl.constexpr, NGV_P: tl.constexpr, GV_P: tl.constexpr,
     R: tl.constexpr, RR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -504,13 +620,21 @@ def _attend_split_kernel(
     row_ok = rmask & (iq < c)
     d = tl.arange(0, D_P)
     dmask = d < D
-    q_off = (b.to(tl.int64) * s_qb + (h * QG + gq).to(tl.int64)[:, None] * s_qh
-             + iq.to(tl.int64)[:, None] * s_qm + d.to(tl.int64)[None, :] * s_qd)
-    q = tl.load(q_ptr + q_off, mask=rmask[:, None] & dmask[None, :], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
+    q_row = b.to(tl.int64) * s_qb + (h * QG + gq).to(tl.int64)[:, None] * s_qh + iq.to(tl.int64)[:, None] * s_qm
+    q_dt = tl.float32 if DOT_F32 else k_res.dtype.element_ty
+    if ROPE:
+        # Pre-RoPE keys are rotated in halves (_rope_qk): the query as its two halves too, and the
+        # frequencies once per program.
+        c = tl.arange(0, HD_P)
+        hm = rmask[:, None] & (c < HD)[None, :]
+        q = tl.load(q_ptr + q_row + c.to(tl.int64)[None, :] * s_qd, mask=hm, other=0.0).to(q_dt)
+        q_hi = tl.load(q_ptr + q_row + (HD + c).to(tl.int64)[None, :] * s_qd, mask=hm, other=0.0).to(q_dt)
+        freq = tl.load(rope_inv_freq + c, mask=c < HD, other=0.0)
     else:
-        q = q.to(k_res.dtype.element_ty)
+        q = tl.load(q_ptr + q_row + d.to(tl.int64)[None, :] * s_qd, mask=rmask[:, None] & dmask[None, :],
+                    other=0.0).to(q_dt)
+        q_hi = q  # unused
+        freq = tl.zeros([HD_P], tl.float32)  # unused
 
     # This split's token range, cut from the sequence's own length (balanced for any L) in
     # whole BLOCK_N tiles, so every tile starts at a multiple of BLOCK_N.
@@ -527,24 +651,24 @@ def _attend_split_kernel(
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
     for t0 in range(lo, mid, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, t0, mid, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
-            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
-            False, HAS_POOL, D, D_P, K_BITS, K_PER, V_BITS, V_PER, G, NGB, NGV, NGV_P, GV_P, R, RR, BLOCK_N,
-            LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE,
+            acc, m_i, l_i, q, q_hi, freq, t0, mid, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
+            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
+            False, HAS_POOL, HAS_LEVELS, ROPE, D, D_P, HD, HD_P, K_BITS, K_PER, V_BITS, V_PER,
+            G, NGB, NGV, NGV_P, GV_P, R, RR, BLOCK_N, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE,
         )
     for t0 in range(mid, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, t0, hi, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
-            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
-            True, HAS_POOL, D, D_P, K_BITS, K_PER, V_BITS, V_PER, G, NGB, NGV, NGV_P, GV_P, R, RR, BLOCK_N,
-            LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE,
+            acc, m_i, l_i, q, q_hi, freq, t0, hi, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
+            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
+            True, HAS_POOL, HAS_LEVELS, ROPE, D, D_P, HD, HD_P, K_BITS, K_PER, V_BITS, V_PER,
+            G, NGB, NGV, NGV_P, GV_P, R, RR, BLOCK_N, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE,
         )
     if HAS_POOL:
         # Split 0 also takes the pool's exact tokens; the reduce kernel merges them like any split.
         for j0 in range(0, tl.where(sp == 0, P, 0), BLOCK_N):
             acc, m_i, l_i = _attend_pool_tile(
-                acc, m_i, l_i, q, j0, pos, row_ok, bh64, P, qk_scale, pool_k, pool_v, pool_pos,
-                D, D_P, BLOCK_N, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE,
+                acc, m_i, l_i, q, q_hi, freq, j0, pos, row_ok, bh64, P, qk_scale, pool_k, pool_v, pool_pos,
+                ROPE, D, D_P, HD, HD_P, BLOCK_N, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE,
             )
 
     if NUM_SPLITS == 1:
@@ -577,10 +701,26 @@ def _decode_softmax_step(s, m_i, l_i, SAFE: tl.constexpr):
 
 
 @triton.jit
+def _decode_scores(q2, q2_rot, freq, positions, k, ROPE: tl.constexpr):
+    """Scores [T] of one query q2 [PER, NB] (_decode_tile's layout, scale folded in) against keys k
+    [PER, T, NB] (fp32). ROPE: k is pre-RoPE at positions [T]; instead of rotating each key (which
+    needs its partner channel, d +- D/2, in another part of the tile) the query is rotated back,
+    q . R_t k = (R_t^T q) . k with R_t^T q = q cos - rot(q) sin, from q2_rot = rot(q2) loaded once
+    (freq [PER, NB]: inv_freq of each channel)."""
+    if ROPE:
+        cos, sin = _rope_cos_sin(positions[None, :, None], freq[:, None, :])
+        q = q2[:, None, :] * cos - q2_rot[:, None, :] * sin
+    else:
+        q = q2[:, None, :]
+    return tl.sum(tl.sum(q * k, axis=2), axis=0)
+
+
+@triton.jit
 def _decode_tile(
-    acc, accz, m_i, l_i, q2, t0, limit, nqk, nqv, pp, bh64, S, NSG,
-    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
-    MIXED: tl.constexpr, HAS_POOL: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr, K_PER: tl.constexpr,
+    acc, accz, m_i, l_i, q2, q2_rot, freq, t0, limit, nqk, nqv, pp, bh64, S, NSG,
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
+    MIXED: tl.constexpr, HAS_POOL: tl.constexpr, HAS_LEVELS: tl.constexpr, ROPE: tl.constexpr, D: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER: tl.constexpr,
     V_BITS: tl.constexpr, V_PER: tl.constexpr, G: tl.constexpr, NGV: tl.constexpr, GV: tl.constexpr,
     R: tl.constexpr, RR: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -590,7 +730,10 @@ def _decode_tile(
     channel j * PER + i of token t, the i-th code of byte j. MIXED=False: every token of the tile
     is quantized for keys and values (t0 + BLOCK_N <= min(nqk, nqv)), so nothing is masked and the
     key scale/zero fold into the query: q . (c * s + z) = (q * s) . c + q . z. HAS_POOL: tokens at
-    the pooled positions pp are masked (their exact copies come in _decode_pool_tile)."""
+    the pooled positions pp are masked (their exact copies come in _decode_pool_tile). HAS_LEVELS:
+    codes stand for nuq levels (c above is levels[code]; the folds still hold). ROPE: pre-RoPE keys,
+    scored by _decode_scores against the query rotated per token, which is no longer one vector
+    for the tile: the keys are dequantized, not folded into the query."""
     t = t0 + tl.arange(0, BLOCK_N)
     row = bh64 * S + t  # int64 token row of codes and value scales
     g = t0 // G
@@ -609,19 +752,23 @@ def _decode_tile(
         gq = g * G < nqk
         ks = tl.load(k_scale + ks_off, mask=gq, other=0.0).to(tl.float32)
         kz = tl.load(k_zero + ks_off, mask=gq, other=0.0).to(tl.float32)
-        kc = ((kb.to(tl.int32) >> sh_k) & ((1 << K_BITS) - 1)).to(tl.float32)
+        kc = _code_values((kb.to(tl.int32) >> sh_k) & ((1 << K_BITS) - 1), k_levels, HAS_LEVELS)
         kdq = kc * ks[:, None, :] + kz[:, None, :]
         slot = (bh64 * RR + t % R)[None, :, None] * D + ch_k[:, None, :]
         kres = tl.load(k_res + slot, mask=(tm & (t >= nqk))[None, :, None], other=0.0).to(tl.float32)
         k = tl.where(kq[None, :, None], kdq, kres)
-        s = tl.sum(tl.sum(q2[:, None, :] * k, axis=2), axis=0)
+        s = _decode_scores(q2, q2_rot, freq, t, k, ROPE)
         s = tl.where(tm, s, float("-inf"))
     else:
         kb = tl.load(k_codes + k_off)
         ks = tl.load(k_scale + ks_off).to(tl.float32)
         kz = tl.load(k_zero + ks_off).to(tl.float32)
-        kc = ((kb.to(tl.int32) >> sh_k) & ((1 << K_BITS) - 1)).to(tl.float32)
-        s = tl.sum(tl.sum((q2 * ks)[:, None, :] * kc, axis=2), axis=0) + tl.sum(tl.sum(q2 * kz, axis=1), axis=0)
+        kc = _code_values((kb.to(tl.int32) >> sh_k) & ((1 << K_BITS) - 1), k_levels, HAS_LEVELS)
+        if ROPE:
+            s = _decode_scores(q2, q2_rot, freq, t, kc * ks[:, None, :] + kz[:, None, :], ROPE)
+        else:
+            s = (tl.sum(tl.sum((q2 * ks)[:, None, :] * kc, axis=2), axis=0)
+                 + tl.sum(tl.sum(q2 * kz, axis=1), axis=0))
     if HAS_POOL:
         s = tl.where(_in_pool(t, pp), float("-inf"), s)
     p, alpha, m_new, l_i = _decode_softmax_step(s, m_i, l_i, HAS_POOL)
@@ -637,7 +784,7 @@ def _decode_tile(
         vb = tl.load(v_codes + v_off, mask=vq[None, :, None], other=0)
         vs = tl.load(v_scale + vs_off, mask=vq[:, None], other=0.0).to(tl.float32)
         vz = tl.load(v_zero + vs_off, mask=vq[:, None], other=0.0).to(tl.float32)
-        vc = ((vb.to(tl.int32) >> sh_v) & ((1 << V_BITS) - 1)).to(tl.float32)
+        vc = _code_values((vb.to(tl.int32) >> sh_v) & ((1 << V_BITS) - 1), v_levels, HAS_LEVELS)
         vdq = vc * vs[None, :, :] + vz[None, :, :]
         ch_v = jv[None, :] * V_PER + iv[:, None]
         slot = (bh64 * RR + t % R)[None, :, None] * D + ch_v[:, None, :]
@@ -649,7 +796,7 @@ def _decode_tile(
         vb = tl.load(v_codes + v_off)
         vs = tl.load(v_scale + vs_off).to(tl.float32)
         vz = tl.load(v_zero + vs_off).to(tl.float32)
-        vc = ((vb.to(tl.int32) >> sh_v) & ((1 << V_BITS) - 1)).to(tl.float32)
+        vc = _code_values((vb.to(tl.int32) >> sh_v) & ((1 << V_BITS) - 1), v_levels, HAS_LEVELS)
         # sum_t p_t (c s + z) = sum_t (p_t s) c + sum_t p_t z: the zero term has no code axis
         acc = acc * alpha + (p[:, None] * vs)[None, :, :] * vc
         accz = accz * alpha + tl.sum(p[:, None] * vz, axis=0)
@@ -658,21 +805,23 @@ def _decode_tile(
 
 @triton.jit
 def _decode_pool_tile(
-    acc, accz, m_i, l_i, q2, j0, bh64, P, pool_k, pool_v, pool_pos,
-    D: tl.constexpr, K_PER: tl.constexpr, V_PER: tl.constexpr, BLOCK_N: tl.constexpr,
+    acc, accz, m_i, l_i, q2, q2_rot, freq, j0, bh64, P, pool_k, pool_v, pool_pos,
+    ROPE: tl.constexpr, D: tl.constexpr, K_PER: tl.constexpr, V_PER: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One online-softmax step of one query over pool slots [j0, j0 + BLOCK_N): exact keys/values,
     in the [PER, BLOCK_N, D // PER] layout of _decode_tile. Every filled slot is visible: pooled
-    tokens are stored tokens, all at or before the decode query (position L - 1)."""
+    tokens are stored tokens, all at or before the decode query (position L - 1). ROPE: pre-RoPE
+    pool keys at their pool_pos (_decode_scores)."""
     j = j0 + tl.arange(0, BLOCK_N)
     jm = j < P
-    filled = tl.load(pool_pos + bh64 * P + j, mask=jm, other=-1) >= 0
+    ppos = tl.load(pool_pos + bh64 * P + j, mask=jm, other=-1)
+    filled = ppos >= 0
     row = bh64 * P + j
     ik = tl.arange(0, K_PER)
     jk = tl.arange(0, D // K_PER)
     ch_k = jk[None, :] * K_PER + ik[:, None]
     k = tl.load(pool_k + row[None, :, None] * D + ch_k[:, None, :], mask=jm[None, :, None], other=0.0)
-    s = tl.sum(tl.sum(q2[:, None, :] * k.to(tl.float32), axis=2), axis=0)
+    s = _decode_scores(q2, q2_rot, freq, ppos, k.to(tl.float32), ROPE)
     s = tl.where(filled, s, float("-inf"))
     p, alpha, m_new, l_i = _decode_softmax_step(s, m_i, l_i, True)
     iv = tl.arange(0, V_PER)
@@ -688,9 +837,10 @@ def _decode_pool_tile(
 def _attend_decode_kernel(
     q_ptr, s_qb, s_qh, s_qd,
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths_ptr, counts_ptr,
-    pool_k, pool_v, pool_pos, ws_m, ws_l, ws_acc, out_ptr,
+    pool_k, pool_v, pool_pos, k_levels, v_levels, rope_inv_freq, ws_m, ws_l, ws_acc, out_ptr,
     H, HQ, S, NSG, P, qk_scale,
-    HAS_COUNTS: tl.constexpr, HAS_POOL: tl.constexpr, P_P: tl.constexpr, QG: tl.constexpr, D: tl.constexpr,
+    HAS_COUNTS: tl.constexpr, HAS_POOL: tl.constexpr, P_P: tl.constexpr, HAS_LEVELS: tl.constexpr,
+    ROPE: tl.constexpr, QG: tl.constexpr, D: tl.constexpr,
     K_BITS: tl.constexpr, K_PER: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr,
     G: tl.constexpr, NGV: tl.constexpr, GV: tl.constexpr, R: tl.constexpr, RR: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, EMULATE_RTNE: tl.constexpr,
@@ -711,8 +861,18 @@ def _attend_decode_kernel(
     ik = tl.arange(0, K_PER)
     jk = tl.arange(0, D // K_PER)
     ch_k = jk[None, :] * K_PER + ik[:, None]
-    q2 = tl.load(q_ptr + b.to(tl.int64) * s_qb + hq.to(tl.int64) * s_qh + ch_k.to(tl.int64) * s_qd).to(tl.float32)
+    q_row = q_ptr + b.to(tl.int64) * s_qb + hq.to(tl.int64) * s_qh
+    q2 = tl.load(q_row + ch_k.to(tl.int64) * s_qd).to(tl.float32)
     q2 = q2 * qk_scale
+    if ROPE:
+        # rot(q) = cat(-q[D/2:], q[:D/2]) (rope._rotate_half), read from the partner channels
+        partner = (ch_k + D // 2) % D
+        q2_rot = tl.load(q_row + partner.to(tl.int64) * s_qd).to(tl.float32) * qk_scale
+        q2_rot = tl.where(ch_k < D // 2, -q2_rot, q2_rot)
+        freq = tl.load(rope_inv_freq + ch_k % (D // 2))
+    else:
+        q2_rot = q2  # unused
+        freq = q2  # unused
 
     split_len = tl.cdiv(tl.cdiv(L, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = sp * split_len
@@ -732,20 +892,21 @@ def _attend_decode_kernel(
     accz = tl.zeros([D // V_PER], tl.float32)
     for t0 in range(lo, mid, BLOCK_N):
         acc, accz, m_i, l_i = _decode_tile(
-            acc, accz, m_i, l_i, q2, t0, mid, nqk, nqv, pp, bh64, S, NSG,
-            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
-            False, HAS_POOL, D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, BLOCK_N,
+            acc, accz, m_i, l_i, q2, q2_rot, freq, t0, mid, nqk, nqv, pp, bh64, S, NSG,
+            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
+            False, HAS_POOL, HAS_LEVELS, ROPE, D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, BLOCK_N,
         )
     for t0 in range(mid, hi, BLOCK_N):
         acc, accz, m_i, l_i = _decode_tile(
-            acc, accz, m_i, l_i, q2, t0, hi, nqk, nqv, pp, bh64, S, NSG,
-            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
-            True, HAS_POOL, D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, BLOCK_N,
+            acc, accz, m_i, l_i, q2, q2_rot, freq, t0, hi, nqk, nqv, pp, bh64, S, NSG,
+            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
+            True, HAS_POOL, HAS_LEVELS, ROPE, D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, BLOCK_N,
         )
     if HAS_POOL:
         for j0 in range(0, pool_end, BLOCK_N):
             acc, accz, m_i, l_i = _decode_pool_tile(
-                acc, accz, m_i, l_i, q2, j0, bh64, P, pool_k, pool_v, pool_pos, D, K_PER, V_PER, BLOCK_N,
+                acc, accz, m_i, l_i, q2, q2_rot, freq, j0, bh64, P, pool_k, pool_v, pool_pos,
+                ROPE, D, K_PER, V_PER, BLOCK_N,
             )
 
     iv = tl.arange(0, V_PER)
@@ -856,20 +1017,36 @@ def _pool_launch_args(pool, k_res, lengths) -> tuple:
     return pool_k, pool_v, pool_pos, P, True, next_pow2(P)
 
 
+def _extras_launch_args(extras: Extras, k_codes, k_scale, k_res, k_bits, v_bits, residual_length) -> tuple:
+    """(k_levels, v_levels, rope_inv_freq, HAS_LEVELS, ROPE) for the attention kernels; absent ones
+    are dummy pointers the kernels never read (the flags off compile the plain kernels)."""
+    extras = _check_kernel_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
+    has_levels, rope = extras.k_levels is not None, extras.rope_inv_freq is not None
+    D = k_res.shape[-1]
+    # Pre-RoPE keys are dequantized in halves of D/2 channels: each half whole bytes of codes.
+    if rope and (D % 2 or (D // 2) % codes_per_byte(k_bits)):
+        raise ValueError(f"pre-RoPE keys need head_dim / 2 = {D / 2} to be a multiple of "
+                         f"{codes_per_byte(k_bits)} ({k_bits}-bit codes per byte)")
+    return (extras.k_levels if has_levels else k_scale, extras.v_levels if has_levels else k_scale,
+            extras.rope_inv_freq if rope else k_scale, has_levels, rope)
+
+
 def cache_attend_triton(
     query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
     counts, k_bits, v_bits, group_size, residual_length, scale,
     num_splits: Optional[int] = None, block_n: Optional[int] = None,
-    num_warps: Optional[int] = None, num_stages: int = 2, pool=None,
+    num_warps: Optional[int] = None, num_stages: int = 2, pool=None, extras: Extras = NO_EXTRAS,
 ) -> torch.Tensor:
     """Attention of query [B, Hq, q, D] over the cache, like cache_attend_reference (module doc).
     pool: None or (pool_k, pool_v, pool_pos), the full-precision token pool (pool.py): pooled
     tokens are masked out of the cache tiles and split 0 adds their exact keys/values to its
-    online softmax. num_splits / block_n / num_warps / num_stages override the static choices
+    online softmax. extras: nuq levels and/or rope_inv_freq (pre-RoPE keys); not the sparse
+    outlier store. num_splits / block_n / num_warps / num_stages override the static choices
     (tests, tuning)."""
     B, H, S, D, R, RR, G, gv = _check_cache(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
                                         lengths, k_bits, v_bits, group_size, residual_length)
     pool_args = _pool_launch_args(pool, k_res, lengths)
+    extras_args = _extras_launch_args(extras, k_codes, k_scale, k_res, k_bits, v_bits, residual_length)
     Bq, Hq, q_len, Dq = query.shape
     if Bq != B or Dq != D or Hq % H:
         raise ValueError(f"query {tuple(query.shape)} does not match the cache (B={B}, H={H}, D={D})")
@@ -881,7 +1058,8 @@ def cache_attend_triton(
     if q_len == 1 and D == next_pow2(D):
         return _attend_decode(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
                               counts, k_bits, v_bits, G, R, RR, gv, scale, out, num_splits, block_n, num_warps,
-                              num_stages, pool_args)
+                              num_stages, pool_args, extras_args)
+    k_levels, v_levels, rope_inv_freq, has_levels, rope = extras_args
     if D < 16:
         raise ValueError(f"cache_attend_triton needs head_dim >= 16 (tl.dot), got {D}")
     lowp = k_res.dtype != torch.float32
@@ -918,10 +1096,12 @@ def cache_attend_triton(
         wrap(_attend_split_kernel)[(B * H, m_blocks, num_splits)](
             query, query.stride(0), query.stride(1), query.stride(2), query.stride(3),
             k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, cnt,
-            pool_k, pool_v, pool_pos, ws_m, ws_l, ws_acc, out,
+            pool_k, pool_v, pool_pos, k_levels, v_levels, rope_inv_freq, ws_m, ws_l, ws_acc, out,
             H, S, k_scale.shape[2], q_len, M, m_pad, P, float(scale) * LOG2E,
-            HAS_COUNTS=has_counts, HAS_POOL=has_pool, P_P=p_p,
-            QG=QG, D=D, D_P=d_p, K_BITS=k_bits, K_PER=kper, V_BITS=v_bits, V_PER=vper,
+            HAS_COUNTS=has_counts, HAS_POOL=has_pool, P_P=p_p, HAS_LEVELS=has_levels, ROPE=rope,
+            # pre-RoPE halves padded to tl.dot's K >= 16 (zero channels add nothing)
+            QG=QG, D=D, D_P=d_p, HD=D // 2, HD_P=max(16, next_pow2(D // 2)),
+            K_BITS=k_bits, K_PER=kper, V_BITS=v_bits, V_PER=vper,
             G=G, NGB=max(block_n // G, 1), NGV=ngv, NGV_P=ngv_p, GV_P=gv_p,
             R=R, RR=RR, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             LOWP=lowp, DOT_F32=dot_f32, F32_PRECISION=F32_DOT_PRECISION, EMULATE_RTNE=interp,
@@ -942,7 +1122,8 @@ DECODE_NUM_WARPS = 1
 
 
 def _attend_decode(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
-                   k_bits, v_bits, G, R, RR, gv, scale, out, num_splits, block_n, num_warps, num_stages, pool_args):
+                   k_bits, v_bits, G, R, RR, gv, scale, out, num_splits, block_n, num_warps, num_stages, pool_args,
+                   extras_args):
     """Launch _attend_decode_kernel (q_len == 1, power-of-two head_dim) and the split merge."""
     B, Hq, _, D = query.shape
     H, S = k_codes.shape[1], k_codes.shape[2]
@@ -958,14 +1139,17 @@ def _attend_decode(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_z
     ws_m, ws_l, ws_acc = _split_workspace(B * H, num_splits, QG, D, out)
     interp = interpreting()
     pool_k, pool_v, pool_pos, P, has_pool, p_p = pool_args
+    k_levels, v_levels, rope_inv_freq, has_levels, rope = extras_args
     wrap = torch.library.wrap_triton
     with device_ctx(query):
         wrap(_attend_decode_kernel)[(B * Hq, num_splits)](
             query, query.stride(0), query.stride(1), query.stride(3),
             k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-            counts if has_counts else lengths, pool_k, pool_v, pool_pos, ws_m, ws_l, ws_acc, out,
+            counts if has_counts else lengths, pool_k, pool_v, pool_pos, k_levels, v_levels, rope_inv_freq,
+            ws_m, ws_l, ws_acc, out,
             H, Hq, S, k_scale.shape[2], P, float(scale) * LOG2E,
-            HAS_COUNTS=has_counts, HAS_POOL=has_pool, P_P=p_p, QG=QG, D=D, K_BITS=k_bits, K_PER=codes_per_byte(k_bits),
+            HAS_COUNTS=has_counts, HAS_POOL=has_pool, P_P=p_p, HAS_LEVELS=has_levels, ROPE=rope,
+            QG=QG, D=D, K_BITS=k_bits, K_PER=codes_per_byte(k_bits),
             V_BITS=v_bits, V_PER=codes_per_byte(v_bits), G=G, NGV=D // gv, GV=gv, R=R, RR=RR,
             BLOCK_N=block_n, NUM_SPLITS=num_splits, EMULATE_RTNE=interp,
             num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages,

@@ -17,7 +17,7 @@ Conversions fp32 -> bf16 go through `to_dtype_rtne`: round-to-nearest-even done 
 ops. On the GPU it equals the native cvt.rn.bf16.f32; it is spelled out because Triton's CPU
 interpreter truncates fp32 -> bf16 casts, which would break bit-exact scales in the tests.
 
-The jit helpers `to_dtype_rtne`, `scale_zero_stored`, `quant_codes`, `pack_codes` and
+The jit helpers `to_dtype_rtne`, `scale_zero_stored`, `quant_codes`, `nuq_codes`, `pack_codes` and
 `unpack_codes` are shared with triton_cache.py (the cache append and attention use the same math).
 """
 
@@ -78,6 +78,23 @@ def quant_codes(x, scale, zero, MAXQ: tl.constexpr):
     q = tl.floor(tl.math.div_rn(x - zero, safe) + 0.5)
     q = tl.minimum(tl.maximum(q, 0.0), MAXQ * 1.0)
     return q.to(tl.int32)
+
+
+@triton.jit
+def nuq_codes(x, scale, zero, levels, BITS: tl.constexpr):
+    """int32 codes of fp32 x for nuq levels (fp32 [2^BITS], sorted ascending; packing.quantize_codes):
+    the number of midpoints (levels[i] + levels[i + 1]) / 2 at or below (x - zero) / scale, which is
+    torch.bucketize(right=True): the nearest level, ties going up. The midpoints are sorted, so the
+    count is found by binary search, one bit per step (BITS gathers from the tiny table, instead of
+    2^BITS - 1 comparisons)."""
+    safe = tl.where(scale == 0.0, 1.0, scale)
+    xn = tl.math.div_rn(x - zero, safe)
+    q = tl.zeros(xn.shape, tl.int32)
+    for i in tl.static_range(BITS):
+        cand = q + (1 << (BITS - 1 - i))  # <= 2^BITS - 1, so levels[cand] exists
+        mid = (tl.load(levels + cand - 1) + tl.load(levels + cand)) * 0.5  # == / 2 (exact scaling)
+        q = tl.where(mid <= xn, cand, q)
+    return q
 
 
 @triton.jit

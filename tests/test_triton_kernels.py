@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from kivi_ops.cache_reference import cache_append_reference, cache_attend_reference  # noqa: E402
+from kivi_ops.extras import NO_EXTRAS, Extras  # noqa: E402
+from kivi_ops.nuq import uniform_levels  # noqa: E402
 from kivi_ops.packing import codes_per_byte, quantize_pack_reference, unpack_dequantize_reference  # noqa: E402
 from kivi_ops.triton_cache import cache_append_triton, cache_attend_triton  # noqa: E402
 from kivi_ops.triton_quant import quantize_pack_triton, unpack_dequantize_triton  # noqa: E402
@@ -127,8 +129,9 @@ def assert_cache_equal(tri, ref, where=""):
         assert torch.equal(_cpu(a), b), f"{name} differs from the reference {where}"
 
 
-def fill_reference_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, lengths, seed=0):
-    """Reference cache holding `lengths` tokens per sequence (prefill chunk then decode steps)."""
+def fill_reference_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, lengths, seed=0, extras=NO_EXTRAS):
+    """Reference cache holding `lengths` tokens per sequence (prefill chunk then decode steps);
+    extras: nuq levels to quantize with."""
     gen = torch.Generator().manual_seed(seed)
     cache = make_cache(B, H, S, D, R, G, k_bits, v_bits, dtype)
     lengths = torch.tensor(lengths)
@@ -136,11 +139,11 @@ def fill_reference_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, lengths, seed=
     n = int(first.max())
     if n:
         kv = torch.randn(2, B, H, n, D, generator=gen).to(dtype)
-        cache_append_reference(*cache, kv[0], kv[1], first, k_bits, v_bits, G, R)
+        cache_append_reference(*cache, kv[0], kv[1], first, k_bits, v_bits, G, R, extras=extras)
     for _ in range(3):
         c = (lengths - cache[-1]).clamp(max=1)
         kv = torch.randn(2, B, H, 1, D, generator=gen).to(dtype)
-        cache_append_reference(*cache, kv[0], kv[1], c, k_bits, v_bits, G, R)
+        cache_append_reference(*cache, kv[0], kv[1], c, k_bits, v_bits, G, R, extras=extras)
     assert cache[-1].tolist() == lengths.tolist()
     return cache
 
@@ -286,7 +289,8 @@ def test_append_then_attend_end_to_end(S, schedule):
 # ---------------------------------------------------------------- attention with the token pool
 
 
-def fill_pool_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, schedule, sink, outliers, spill, seed=0):
+def fill_pool_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, schedule, sink, outliers, spill, seed=0,
+                    extras=NO_EXTRAS):
     """Reference cache and pool (pool.py) after the appends of `schedule` [(n, counts)], the pool
     filled by the real sink / OTT logic: keys have a large channel and ~20% low-magnitude tokens,
     OTT's outlier candidates, so outliers are chosen, evicted and spilled."""
@@ -301,7 +305,7 @@ def fill_pool_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, schedule, sink, out
         key = torch.where(torch.rand(B, H, n, 1, generator=gen) < 0.2, key * 0.1, key)
         c = None if counts is None else torch.tensor(counts)
         cache_append_reference(*cache, key.to(dtype), value.to(dtype), c, k_bits, v_bits, G, R,
-                               pool=(*pool, sink, outliers))
+                               pool=(*pool, sink, outliers), extras=extras)
     return cache, pool
 
 
@@ -409,3 +413,167 @@ def test_cuda_graph_decode_steps():
         assert_cache_equal(tri, ref, f"after replay {i}")
         eps = torch.finfo(torch.float16).eps
         torch.testing.assert_close(_cpu(out).float(), want.float(), rtol=4 * eps, atol=4 * eps)
+
+
+# ---------------------------------------------------------------- KVQuant options: nuq levels, pre-RoPE keys
+
+
+def skewed_levels(bits):
+    """Sorted nuq levels in [0, 2^B - 1], denser near 0 like calibrated ones (nuq.py), on a 1/8 grid
+    so that midpoints are exact and ties can be planted on them (8 bits repeats a level near 0:
+    equal midpoints, which the kernels' binary search must count like torch.bucketize)."""
+    n = 2**bits - 1
+    return (torch.round((torch.arange(n + 1, dtype=torch.float64) / n) ** 1.5 * n * 8) / 8).float()
+
+
+def rope_frequencies(D, scale=1.0):
+    """Llama's inv_freq [D/2] (base 10000), times `scale` to reach large angles in short caches."""
+    return (scale / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))).float()
+
+
+def plant_ties(key, value, k_levels, v_levels, G, first):
+    """Sequence 0, head 0: channel 0 of the new key tokens [first, first + G) (one key group) and the
+    first value group of token `first` made of min 0, max (2^B - 1) / 4 (scale 0.25) and entries
+    exactly on level midpoints (times the scale), so the quantizers meet exact ties (which go up,
+    bucketize right=True)."""
+    for x, levels, axis in ((key, k_levels, 2), (value, v_levels, 3)):
+        mids = (levels[1:] + levels[:-1]) / 2
+        group = torch.cat([torch.tensor([0.0, (len(levels) - 1) * 0.25]), mids[: G - 2] * 0.25])
+        group = torch.cat([group, torch.zeros(G - len(group))]).to(x.dtype)
+        if axis == 2:
+            x[0, 0, first : first + G, 0] = group
+        else:
+            x[0, 0, first, :G] = group
+
+
+@pytest.mark.parametrize(
+    "dtype,k_bits,v_bits,D,schedule",
+    [(torch.float32, 2, 4, 64, LONG_SCHEDULE), (torch.bfloat16, 4, 8, 128, SHORT_SCHEDULE)],
+    ids=["fp32-k2v4-d64", "bf16-k4v8-d128"],
+)
+def test_append_nuq_streaming_matches_reference(dtype, k_bits, v_bits, D, schedule):
+    """nuq codes (nearest level, ties up) written by the append kernels: codes, scales and zeros
+    bit for bit the reference's over a streaming schedule (prefill chunks, padding, key flushes)."""
+    B, H, S, R, G = 3, 2, 80, 16, 8
+    extras = Extras(k_levels=skewed_levels(k_bits), v_levels=skewed_levels(v_bits))
+    dev_extras = Extras(*(_dev(t) for t in extras))
+    ref = make_cache(B, H, S, D, R, G, k_bits, v_bits, dtype)
+    tri = [_dev(t) for t in ref]
+    gen = torch.Generator().manual_seed(11)
+    planted = False
+    for step, (n, counts) in enumerate(schedule):
+        key = torch.randn(B, n, H, D, generator=gen).to(dtype).transpose(1, 2)
+        value = torch.randn(B, n, H, D, generator=gen).to(dtype).transpose(1, 2)
+        first = -int(ref[-1][0]) % G  # the first new token of sequence 0 that starts a key group
+        if not planted and first + G <= (n if counts is None else counts[0]):
+            plant_ties(key, value, extras.k_levels, extras.v_levels, G, first)
+            planted = True
+        c = None if counts is None else torch.tensor(counts)
+        cache_append_reference(*ref, key, value, c, k_bits, v_bits, G, R, extras=extras)
+        cache_append_triton(*tri, _dev(key), _dev(value), _dev(c), k_bits, v_bits, G, R, extras=dev_extras)
+        assert_cache_equal(tri, ref, f"after step {step} (n={n}, counts={counts})")
+    assert planted
+
+
+def test_uniform_levels_are_plain_kivi_bit_for_bit():
+    """Levels 0..2^B-1 are the uniform grid: the nuq kernels (binary search, level gathers) must give
+    the plain kernels' buffers and attention outputs bit for bit."""
+    B, H, Hq, S, D, R, G, kb, vb, dtype = 2, 2, 4, 48, 64, 16, 8, 2, 4, torch.bfloat16
+    uniform = Extras(k_levels=_dev(uniform_levels(kb)), v_levels=_dev(uniform_levels(vb)))
+    plain, nuq = (make_cache(B, H, S, D, R, G, kb, vb, dtype, DEVICE) for _ in range(2))
+    gen = torch.Generator().manual_seed(12)
+    for n, counts in SHORT_SCHEDULE[:3]:
+        kv = _dev(torch.randn(2, B, H, n, D, generator=gen).to(dtype))
+        c = None if counts is None else _dev(torch.tensor(counts[:B]))
+        cache_append_triton(*plain, kv[0], kv[1], c, kb, vb, G, R)
+        cache_append_triton(*nuq, kv[0], kv[1], c, kb, vb, G, R, extras=uniform)
+    assert_cache_equal(nuq, [_cpu(t) for t in plain])
+    for q_len in (1, 3):
+        query = _dev(torch.randn(B, Hq, q_len, D, generator=gen).to(dtype))
+        args = (query, *plain, None, kb, vb, G, R, 0.125)
+        assert torch.equal(cache_attend_triton(*args, num_splits=2, block_n=16, extras=uniform),
+                           cache_attend_triton(*args, num_splits=2, block_n=16))
+
+
+# name: (dtype, Hq, H, q_len, lengths, counts, num_splits, D, nuq, rope frequency scale or None).
+# R=16, G=8, S=64, block_n=16, k 2-bit / v 4-bit: splits and flush boundaries inside every sequence.
+KVQ_CASES = {
+    "nuq-decode-gqa": (torch.float32, 4, 2, 1, [37, 21], None, 2, 64, True, None),
+    "nuq-causal-counts": (torch.float32, 4, 2, 3, [40, 9], [3, 1], 2, 64, True, None),
+    "rope-decode-d128-padded": (torch.float32, 2, 1, 1, [45, 30], [1, 0], 2, 128, False, 1.0),
+    "rope-causal-gqa": (torch.float32, 4, 2, 3, [37, 21], [3, 2], 3, 64, False, 1.0),
+    "rope-causal-d16": (torch.float32, 2, 2, 2, [26, 17], None, 1, 16, False, 1.0),  # halves padded to 16
+    # inv_freq * 300: angles up to ~1.9e4 rad, where cos/sin need a real range reduction
+    "rope-large-angles": (torch.float32, 4, 2, 2, [60, 33], None, 2, 64, False, 300.0),
+    "nuq-rope-bf16-decode": (torch.bfloat16, 4, 2, 1, [40, 23], None, 2, 64, True, 1.0),
+    "nuq-rope-fp16-causal-d128": (torch.float16, 4, 2, 2, [33, 18], [2, 1], 2, 128, True, 1.0),
+}
+# fp32: the reference's dense fp32 products differ from the kernels' only in summation order
+# (1e-5, as above), plus RoPE's cos/sin: numpy's (interpreter) or libdevice's __nv_cosf/__nv_sinf
+# (GPU, <= 2 ulp) against torch's (<= 1 ulp), the angle t * inv_freq being the same fp32 product.
+# 3 ulp of a value <= 1 is 3 * 2^-24 ~ 2e-7 absolute per factor, so a score moves by at most
+# scale * 2e-7 * 2 * sum_d |q_d k_d| ~ 2e-6 here (D <= 128, |q|, |k| ~ N(0, 1)), an output by that
+# times max|v| ~ 3: within 1e-5. Low precision: the rotated keys are rounded to the dtype before
+# the products like the dequantized ones without RoPE: 4 eps as in test_attend_low_precision.
+def _kvq_tolerance(dtype):
+    return 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
+
+
+def _kvq_extras(nuq, rope, D, k_bits, v_bits):
+    levels = dict(k_levels=skewed_levels(k_bits), v_levels=skewed_levels(v_bits)) if nuq else {}
+    return Extras(**levels, rope_inv_freq=None if rope is None else rope_frequencies(D, rope))
+
+
+@pytest.mark.parametrize("name", KVQ_CASES)
+def test_attend_kvquant_matches_reference(name):
+    dtype, Hq, H, q_len, lengths, counts, num_splits, D, nuq, rope = KVQ_CASES[name]
+    B, S, R, G, k_bits, v_bits = len(lengths), 64, 16, 8, 2, 4
+    extras = _kvq_extras(nuq, rope, D, k_bits, v_bits)
+    cache = fill_reference_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, lengths, extras=extras)
+    query = torch.randn(B, Hq, q_len, D, generator=torch.Generator().manual_seed(13)).to(dtype)
+    c = None if counts is None else torch.tensor(counts)
+    scale = D**-0.5
+    ref = cache_attend_reference(query, *cache, c, k_bits, v_bits, G, R, scale, extras=extras)
+    plain = cache_attend_reference(query, *cache, c, k_bits, v_bits, G, R, scale)
+    assert (ref - plain).abs().max() > 0.05, "the extras change nothing: the case tests nothing"
+    out = _cpu(cache_attend_triton(query.to(DEVICE), *[_dev(t) for t in cache], _dev(c), k_bits, v_bits, G, R,
+                                   scale, num_splits=num_splits, block_n=16, extras=Extras(*map(_dev, extras))))
+    assert out.dtype == dtype and out.shape == query.shape
+    tol = _kvq_tolerance(dtype)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    if c is not None:  # padded query rows are exactly zero
+        for b, cb in enumerate(c.tolist()):
+            assert (out[b, :, cb:] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["sink-ott-decode-d128", "sink-ott-bf16-decode", "sink-ott-fp16-causal-d128"])
+def test_attend_pool_with_pre_rope_keys_matches_reference(name):
+    """Sink/OTT pool (POOL_CASES) with pre-RoPE keys and nuq levels: cache keys rotate to their row,
+    pool keys to their pool_pos, in both the decode and the split kernels."""
+    dtype, Hq, H, schedule, (sink, outliers, spill), num_splits, D = POOL_CASES[name]
+    B, S, R, G, k_bits, v_bits = len(schedule[0][1]), 48, 8, 4, 2, 4
+    extras = _kvq_extras(True, 1.0, D, k_bits, v_bits)
+    cache, pool = fill_pool_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, schedule, sink, outliers, spill,
+                                  extras=extras)
+    q_len, counts = schedule[-1]
+    c = None if counts is None else torch.tensor(counts)
+    query = torch.randn(B, Hq, q_len, D, generator=torch.Generator().manual_seed(5)).to(dtype)
+    scale = D**-0.5
+    ref = cache_attend_reference(query, *cache, c, k_bits, v_bits, G, R, scale, pool=pool, extras=extras)
+    no_rope = cache_attend_reference(query, *cache, c, k_bits, v_bits, G, R, scale, pool=pool,
+                                     extras=extras._replace(rope_inv_freq=None))
+    assert (ref - no_rope).abs().max() > 0.05, "RoPE changes nothing: the case tests nothing"
+    out = _cpu(cache_attend_triton(
+        query.to(DEVICE), *[_dev(t) for t in cache], _dev(c), k_bits, v_bits, G, R, scale,
+        num_splits=num_splits, block_n=16, pool=tuple(_dev(t) for t in pool), extras=Extras(*map(_dev, extras)),
+    ))
+    tol = _kvq_tolerance(dtype)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_kernels_refuse_the_sparse_store():
+    """The sparse outlier store has no Triton kernel (the CUDA ops keep it on the decomposed path)."""
+    cache = make_cache(1, 1, 16, 64, 8, 4, 2, 2, torch.float32, DEVICE)
+    sparse = Extras(k_sparse=torch.zeros(1, 1, 2, 64, device=DEVICE))
+    with pytest.raises(ValueError, match="sparse"):
+        cache_attend_triton(torch.zeros(1, 1, 1, 64, device=DEVICE), *cache, None, 2, 2, 4, 8, 0.125, extras=sparse)
