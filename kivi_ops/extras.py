@@ -60,7 +60,9 @@ NO_EXTRAS = Extras()
 
 
 def check_extras(extras: Extras, k_codes: Tensor, k_res: Tensor, k_bits: int, v_bits: int, residual_length: int) -> None:
-    """Shapes and dtypes of the extras against the cache buffers (clear errors, never a crash in a kernel)."""
+    """Shapes and dtypes of the extras against the cache buffers (clear errors, never a crash in a
+    kernel). Values are not read: that would be a host sync inside CUDA graphs. Levels must be
+    sorted ascending; KIVIConfig checks that when the cache is built."""
     B, H, S, _ = k_codes.shape
     D, dtype = k_res.shape[-1], k_res.dtype
     for name, levels, bits in (("k_levels", extras.k_levels, k_bits), ("v_levels", extras.v_levels, v_bits)):
