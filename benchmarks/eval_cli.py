@@ -119,7 +119,7 @@ def cmd_ppl(args, parser) -> int:
         windows = _windows(tokenizer, text, args, parser)
         result = cache_perplexity(model, windows, method=args.method, kivi_config=kivi_config, chunk=args.chunk,
                                   batch_size=args.batch_size)
-        config = _config_record(kivi_config, args) if args.method == "kivi" else {}
+        config = kivi_config.to_record(args.nuq) if args.method == "kivi" else {}
     report = dict(ppl=result.ppl, tokens=result.tokens, method=args.method, config=config, window=args.window,
                   windows=int(windows.shape[0]), chunk=args.chunk if args.method != "fake" else None,
                   seconds=result.seconds)
@@ -129,13 +129,6 @@ def cmd_ppl(args, parser) -> int:
         print(f"perplexity {result.ppl:.3f} over {result.tokens} predicted tokens "
               f"({report['windows']} x {args.window}-token windows, method {args.method}, {result.seconds:.0f} s)")
     return 0
-
-
-def _config_record(kivi_config, args) -> dict:
-    """The cache configuration for reports: the nuq levels by their file, not the numbers."""
-    record = kivi_config.to_dict()
-    del record["key_levels"], record["value_levels"]
-    return dict(record, nuq=args.nuq)
 
 
 def _nuq_tables(args, parser, num_layers: int) -> dict:
@@ -175,7 +168,7 @@ def cmd_passkey(args, parser) -> int:
                            kivi_config=kivi_config, seed=args.seed)
     if args.json:
         print(json.dumps(dict(accuracy=res["accuracy"], method=args.method,
-                              config=_config_record(kivi_config, args) if args.method == "kivi" else {},
+                              config=kivi_config.to_record(args.nuq) if args.method == "kivi" else {},
                               trials=args.trials, details=res["details"], seconds=res["seconds"])))
     else:
         for length, acc in res["accuracy"].items():

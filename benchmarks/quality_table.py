@@ -39,9 +39,7 @@ class Row:
     def config_record(self) -> Optional[dict]:
         if self.kivi is None:
             return self.fake.to_dict() if self.fake else None
-        record = self.kivi.to_dict()
-        del record["key_levels"], record["value_levels"]
-        return dict(record, nuq=self.levels_file)
+        return self.kivi.to_record(self.levels_file)
 
 
 def fake_rows(quick: bool) -> list[Row]:

@@ -160,3 +160,10 @@ class KIVIConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def to_record(self, nuq_source=None) -> dict:
+        """to_dict for reports: the nuq levels named by their source (e.g. the calibration file)
+        instead of listed."""
+        record = self.to_dict()
+        del record["key_levels"], record["value_levels"]
+        return dict(record, nuq=str(nuq_source) if nuq_source is not None else None)

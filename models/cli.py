@@ -181,7 +181,7 @@ def cmd_generate(args, parser) -> int:
     config = {"model": args.model, "method": args.method, "device": device, "dtype": str(dtype).replace("torch.", ""),
               "compile": args.compile, "weight_quant": args.weight_quant, "batch_size": len(ids),
               "max_new_tokens": args.max_new_tokens,
-              "sampling": vars(sampling), **({"kivi": kivi_config.to_dict()} if args.method == "kivi" else {})}
+              "sampling": vars(sampling), **({"kivi": kivi_config.to_record(args.nuq)} if args.method == "kivi" else {})}
     report = {
         "text": texts if batched else texts[0],
         "tokens": result.tokens if batched else result.tokens[0],
