@@ -119,7 +119,7 @@ def test_cli_json(capsys):
                 "fp16_cache_bytes", "config"):
         assert key in report
     assert "Paris" in report["text"] and len(report["tokens"]) == report["new_tokens"] <= 5
-    assert report["config"]["kivi"] == KIVIConfig().to_dict()
+    assert report["config"]["kivi"] == KIVIConfig().to_record()
 
 
 def test_cli_batch_file_json(tmp_path, capsys):

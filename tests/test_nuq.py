@@ -119,8 +119,8 @@ def test_cli_refuses_nuq_where_it_does_not_apply(tmp_path, capsys):
     from kivi_models.cli import main
 
     with pytest.raises(SystemExit) as e:
-        main(["eval", "ppl", "--corpus", "pydoc", "--method", "kivi", "--nuq", str(tmp_path / "x.json")])
-    assert e.value.code == 2 and "work with --method fake so far" in capsys.readouterr().err
+        main(["eval", "ppl", "--corpus", "pydoc", "--method", "fp", "--nuq", str(tmp_path / "x.json")])
+    assert e.value.code == 2 and "not of --method fp" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["calibrate", "--out", str(tmp_path / "t.json"), "--bits", "3"])
     assert "from 2,4" in capsys.readouterr().err
