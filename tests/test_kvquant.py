@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from cache_step import CacheStep, check_compiled_matches_eager, check_export_matches_eager, step_inputs
 from kivi_ops import KIVICache, KIVIConfig
 from kivi_ops.nuq import fake_quantize_nuq, uniform_levels
 from kivi_ops.ops import CACHE_BUFFERS
@@ -225,57 +226,24 @@ def test_ops_check_extras_and_opcheck():
 # ---------------------------------------------------------------- compile / export with the options on
 
 
-class Step(torch.nn.Module):
-    def __init__(self, impl, cfg=CONFIGS["all"]):
-        super().__init__()
-        self.cache = make_cache(cfg)
-        K, V = make_tokens(5, 31)
-        self.cache.append(0, K, V, torch.tensor([31, 20]))
-        self.cache.use_impl(impl)
-
-    def forward(self, key, value, query):
-        self.cache.append(0, key, value)
-        return self.cache.attend(0, query)
-
-
-def step_inputs(n):
-    gen = torch.Generator().manual_seed(9)
-    return [(torch.randn(B, H, 1, D, generator=gen), torch.randn(B, H, 1, D, generator=gen),
-             torch.randn(B, HQ, 1, D, generator=gen)) for _ in range(n)]
+def make_step(impl):
+    return CacheStep(make_cache(CONFIGS["all"]), impl, *make_tokens(5, 31), torch.tensor([31, 20]))
 
 
 def test_compile_fullgraph_with_every_option():
-    eager, compiled_step = Step("op"), Step("op")
-    compiled = torch.compile(compiled_step, fullgraph=True)
-    for k, v, q in step_inputs(3):  # row 0 crosses a key flush (32 tokens) at the second step
-        torch.testing.assert_close(compiled(k, v, q), eager(k, v, q), atol=0, rtol=0)
-    for (name, a), (_, b) in zip(eager.named_buffers(), compiled_step.named_buffers()):
-        assert torch.equal(a, b), name
+    # Row 0 crosses a key flush (32 tokens) at the second step.
+    check_compiled_matches_eager(make_step, "op", step_inputs(3, B=B, H=H, HQ=HQ, D=D), atol=0, rtol=0)
 
 
 @pytest.mark.slow  # Inductor compile, about 30 s on 2 cores with a cold cache
 def test_compile_fullgraph_decomposed_with_every_option():
-    eager, compiled_step = Step("op"), Step("decomposed")
-    compiled = torch.compile(compiled_step, fullgraph=True)
-    for k, v, q in step_inputs(3):
-        torch.testing.assert_close(compiled(k, v, q), eager(k, v, q), atol=ATOL, rtol=RTOL)
-    for (name, a), (_, b) in zip(eager.named_buffers(), compiled_step.named_buffers()):
-        assert torch.equal(a, b), name
+    check_compiled_matches_eager(make_step, "decomposed", step_inputs(3, B=B, H=H, HQ=HQ, D=D), atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("impl", ["op", "decomposed"])
 def test_export_with_every_option(impl):
-    inputs = step_inputs(2)
-    eager = Step("op")
-    want = [eager(*x) for x in inputs]
-    ep = torch.export.export(Step(impl), inputs[0])
-    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
-    assert any("cache_attend" in t for t in targets) == (impl == "op")
-    if impl == "decomposed":
-        assert not any("kivi" in t for t in targets)
-    module = ep.module()
-    for x, out in zip(inputs, want):
-        torch.testing.assert_close(module(*x), out, atol=ATOL, rtol=RTOL)
+    check_export_matches_eager(make_step, impl, step_inputs(2, B=B, H=H, HQ=HQ, D=D), "cache_attend",
+                               atol=ATOL, rtol=RTOL)
 
 
 # ---------------------------------------------------------------- the model

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from cache_step import CacheStep, check_compiled_matches_eager, check_export_matches_eager, step_inputs
 from kivi_ops import KIVICache, KIVIConfig
 from kivi_ops.ops import CACHE_BUFFERS
 
@@ -284,58 +285,26 @@ def test_pool_ops_opcheck():
 # ---------------------------------------------------------------- compile / export with the options on
 
 
-class Step(torch.nn.Module):
-    def __init__(self, impl):
-        super().__init__()
-        self.cache = KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
-        K, V = make_keys(31, 2)
-        self.cache.append(0, K, V, torch.tensor([31, 20]))
-        self.cache.use_impl(impl)
-
-    def forward(self, key, value, query):
-        self.cache.append(0, key, value)
-        return self.cache.attend(0, query)
-
-
-def step_inputs(n):
-    gen = torch.Generator().manual_seed(9)
-    return [(torch.randn(B, H, 1, D, generator=gen), torch.randn(B, H, 1, D, generator=gen),
-             torch.randn(B, HQ, 1, D, generator=gen)) for _ in range(n)]
+def make_step(impl):
+    cache = KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
+    return CacheStep(cache, impl, *make_keys(31, 2), torch.tensor([31, 20]))
 
 
 def test_compile_fullgraph_with_pool_ops():
-    eager, compiled_step = Step("op"), Step("op")
-    compiled = torch.compile(compiled_step, fullgraph=True)
-    for k, v, q in step_inputs(3):  # row 0 crosses a key flush (32 tokens) at the first step
-        torch.testing.assert_close(compiled(k, v, q), eager(k, v, q), atol=0, rtol=0)
-    for (name, a), (_, b) in zip(eager.named_buffers(), compiled_step.named_buffers()):
-        assert torch.equal(a, b), name
+    # Row 0 crosses a key flush (32 tokens) at the first step.
+    check_compiled_matches_eager(make_step, "op", step_inputs(3, B=B, H=H, HQ=HQ, D=D), atol=0, rtol=0)
 
 
 @pytest.mark.slow  # Inductor compile, 15-35 s on 2 cores with a cold cache
 def test_compile_fullgraph_decomposed_with_pool():
     # What compiled CPU decode runs (generate.compile_decode_step switches the cache to "decomposed").
-    eager, compiled_step = Step("op"), Step("decomposed")
-    compiled = torch.compile(compiled_step, fullgraph=True)
-    for k, v, q in step_inputs(3):
-        torch.testing.assert_close(compiled(k, v, q), eager(k, v, q), atol=ATOL, rtol=RTOL)
-    for (name, a), (_, b) in zip(eager.named_buffers(), compiled_step.named_buffers()):
-        assert torch.equal(a, b), name
+    check_compiled_matches_eager(make_step, "decomposed", step_inputs(3, B=B, H=H, HQ=HQ, D=D), atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("impl", ["op", "decomposed"])
 def test_export_with_pool(impl):
-    inputs = step_inputs(2)
-    eager = Step("op")
-    want = [eager(*x) for x in inputs]
-    ep = torch.export.export(Step(impl), inputs[0])
-    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
-    assert any("cache_attend_pool" in t for t in targets) == (impl == "op")
-    if impl == "decomposed":
-        assert not any("kivi" in t for t in targets)
-    module = ep.module()
-    for x, out in zip(inputs, want):
-        torch.testing.assert_close(module(*x), out, atol=ATOL, rtol=RTOL)
+    check_export_matches_eager(make_step, impl, step_inputs(2, B=B, H=H, HQ=HQ, D=D), "cache_attend_pool",
+                               atol=ATOL, rtol=RTOL)
 
 
 # ---------------------------------------------------------------- command line
