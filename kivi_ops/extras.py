@@ -94,6 +94,14 @@ def check_extras(extras: Extras, k_codes: Tensor, k_res: Tensor, k_bits: int, v_
         raise ValueError(f"rope_inv_freq must be float32 [{D // 2}] (head_dim / 2), got {f.dtype} {list(f.shape)}")
 
 
+def checked_extras(k_codes: Tensor, k_res: Tensor, k_bits: int, v_bits: int, residual_length: int,
+                   *inputs: Optional[Tensor]) -> Extras:
+    """The ops' trailing optional inputs as Extras, checked against the cache buffers."""
+    extras = Extras(*inputs)
+    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
+    return extras
+
+
 def key_outliers_per_window(k_sparse: Tensor, S: int, R: int) -> int:
     """nk: exact entries per channel per flushed window (0 when no window fits in the cache)."""
     return k_sparse.shape[2] // (S // R) if S // R else 0

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .cache_reference import cache_append_reference, cache_attend_reference
 from .config import check_axis, check_bits, check_group_size
-from .extras import SPARSE_BUFFERS, Extras, check_extras
+from .extras import SPARSE_BUFFERS, checked_extras
 from .packing import FLOAT_DTYPES, codes_per_byte, quantize_pack_reference, token_group_size, unpack_dequantize_reference
 
 CACHE_BUFFERS = ("k_codes", "k_scale", "k_zero", "k_res", "v_codes", "v_scale", "v_zero", "v_res", "lengths")
@@ -130,8 +130,8 @@ def cache_append(
     k_sparse: Optional[Tensor] = None, k_sparse_idx: Optional[Tensor] = None,
     v_sparse: Optional[Tensor] = None, v_sparse_idx: Optional[Tensor] = None,
 ) -> None:
-    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
-    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
+    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
+                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
     cache_append_reference(
         k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
         key, value, counts, k_bits, v_bits, group_size, residual_length, extras=extras,
@@ -142,8 +142,8 @@ def cache_append(
 def _(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
       key, value, counts, k_bits, v_bits, group_size, residual_length,
       k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None):
-    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
-    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
+    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
+                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
     return None
 
 
@@ -153,8 +153,8 @@ def _(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
       k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None):
     from .triton_cache import cache_append_triton
 
-    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
-    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
+    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
+                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
     if extras.sparse:  # dense-and-sparse outliers: no Triton kernel, the decomposed (graph-safe) form
         from .decomposed import cache_append_decomposed
 
@@ -180,8 +180,8 @@ def cache_attend(
     v_sparse: Optional[Tensor] = None, v_sparse_idx: Optional[Tensor] = None,
     rope_inv_freq: Optional[Tensor] = None,
 ) -> Tensor:
-    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
-    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
+    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
+                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
     return cache_attend_reference(
         query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
         counts, k_bits, v_bits, group_size, residual_length, scale, extras=extras,
@@ -193,8 +193,8 @@ def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, l
       counts, k_bits, v_bits, group_size, residual_length, scale,
       k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None,
       rope_inv_freq=None):
-    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
-    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
+    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
+                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
     return torch.empty_like(query)
 
 
@@ -203,21 +203,28 @@ def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, l
       counts, k_bits, v_bits, group_size, residual_length, scale,
       k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None,
       rope_inv_freq=None):
-    from .triton_cache import cache_attend_triton
+    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
+                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
+    return _attend_cuda(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
+                        k_bits, v_bits, group_size, residual_length, scale, None, extras)
 
-    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
-    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
-    if extras.sparse:  # dense-and-sparse outliers: no Triton kernel, the decomposed (graph-safe) form
+
+def _attend_cuda(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
+                 k_bits, v_bits, group_size, residual_length, scale, pool, extras):
+    """CUDA attention of both attend ops: the fused Triton kernels (pooled tokens masked out of
+    the cache tiles and the pool's exact K/V in the same online softmax; nuq levels and pre-RoPE
+    keys, pool keys rotated to pool_pos). The sparse outlier store has no Triton kernel: the
+    decomposed (graph-safe) form, one dequantized fp32 copy of the layer per call."""
+    if extras.sparse:
         from .decomposed import cache_attend_decomposed
 
         return cache_attend_decomposed(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
                                        lengths, counts, k_bits, v_bits, group_size, residual_length, scale,
-                                       form="materialized", extras=extras)
-    # nuq levels and pre-RoPE keys run in the fused kernels
-    return cache_attend_triton(
-        query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-        counts, k_bits, v_bits, group_size, residual_length, scale, extras=extras,
-    )
+                                       form="materialized", pool=pool, extras=extras)
+    from .triton_cache import cache_attend_triton
+
+    return cache_attend_triton(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+                               counts, k_bits, v_bits, group_size, residual_length, scale, pool=pool, extras=extras)
 
 
 # ---------------------------------------------------------------- cache with a full-precision pool
@@ -270,8 +277,8 @@ def cache_append_pool(
     v_sparse: Optional[Tensor] = None, v_sparse_idx: Optional[Tensor] = None,
 ) -> None:
     check_pool_args(pool_k, pool_v, pool_pos, k_res, sink_tokens, outlier_tokens)
-    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
-    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
+    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
+                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
     cache_append_reference(
         k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
         key, value, counts, k_bits, v_bits, group_size, residual_length,
@@ -284,8 +291,8 @@ def _(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
       key, value, counts, k_bits, v_bits, group_size, residual_length, sink_tokens, outlier_tokens,
       k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None):
     check_pool_args(pool_k, pool_v, pool_pos, k_res, sink_tokens, outlier_tokens)
-    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
-    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
+    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
+                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
     return None
 
 
@@ -296,8 +303,8 @@ def _(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
     from .decomposed import cache_append_decomposed
 
     check_pool_args(pool_k, pool_v, pool_pos, k_res, sink_tokens, outlier_tokens)
-    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
-    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
+    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
+                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
     cache_append_decomposed(
         k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
         key.to(k_res.dtype), value.to(v_res.dtype), counts, k_bits, v_bits, group_size, residual_length,
@@ -319,8 +326,8 @@ def cache_attend_pool(
     rope_inv_freq: Optional[Tensor] = None,
 ) -> Tensor:
     check_pool_args(pool_k, pool_v, pool_pos, k_res, 0, 0)
-    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
-    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
+    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
+                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
     return cache_attend_reference(
         query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
         counts, k_bits, v_bits, group_size, residual_length, scale, pool=(pool_k, pool_v, pool_pos), extras=extras,
@@ -333,8 +340,8 @@ def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, l
       k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None,
       rope_inv_freq=None):
     check_pool_args(pool_k, pool_v, pool_pos, k_res, 0, 0)
-    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
-    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
+    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
+                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
     return torch.empty_like(query)
 
 
@@ -344,22 +351,7 @@ def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, l
       k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None,
       rope_inv_freq=None):
     check_pool_args(pool_k, pool_v, pool_pos, k_res, 0, 0)
-    extras = Extras(k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
-    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
-    pool = (pool_k, pool_v, pool_pos)
-    if extras.sparse:  # dense-and-sparse outliers: no Triton kernel, the decomposed (graph-safe) form
-        from .decomposed import cache_attend_decomposed
-
-        return cache_attend_decomposed(
-            query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-            counts, k_bits, v_bits, group_size, residual_length, scale, form="materialized", pool=pool, extras=extras,
-        )
-    from .triton_cache import cache_attend_triton
-
-    # The fused Triton kernels of cache_attend, with the pool's tokens masked out of the cache
-    # tiles and their exact keys/values in the same online softmax (no dequantized copy); nuq
-    # levels and pre-RoPE keys (pool keys rotated to pool_pos) included.
-    return cache_attend_triton(
-        query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-        counts, k_bits, v_bits, group_size, residual_length, scale, pool=pool, extras=extras,
-    )
+    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
+                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
+    return _attend_cuda(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
+                        k_bits, v_bits, group_size, residual_length, scale, (pool_k, pool_v, pool_pos), extras)

@@ -8,8 +8,6 @@ rotated with RoPE written as complex multiplication (independent of rope.py's ro
 attention a plain dense softmax.
 """
 
-import math
-
 import pytest
 import torch
 
