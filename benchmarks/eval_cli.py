@@ -133,16 +133,15 @@ def cmd_ppl(args, parser) -> int:
 
 def _nuq_tables(args, parser, num_layers: int) -> dict:
     """{"k": key levels per layer at --k-bits, "v": value levels per layer at --v-bits}."""
-    from kivi_ops.nuq import KEY_AXIS, VALUE_AXIS, load_tables
+    from kivi_ops.nuq import KEY_AXIS, VALUE_AXIS, load_kv_levels
 
     if (args.k_axis, args.v_axis) != (KEY_AXIS, VALUE_AXIS):
         parser.error(f"--nuq levels are calibrated for --k-axis {KEY_AXIS} --v-axis {VALUE_AXIS}, "
                      f"got --k-axis {args.k_axis} --v-axis {args.v_axis}")
     try:
-        settings = dict(num_layers=num_layers, group_size=args.group_size, pre_rope=args.pre_rope,
-                        sparse_outliers=args.sparse_outliers)
-        keys = load_tables(args.nuq, bits=args.k_bits, **settings)["k"]
-        values = load_tables(args.nuq, bits=args.v_bits, **settings)["v"]
+        keys, values = load_kv_levels(args.nuq, k_bits=args.k_bits, v_bits=args.v_bits, num_layers=num_layers,
+                                      group_size=args.group_size, pre_rope=args.pre_rope,
+                                      sparse_outliers=args.sparse_outliers)
     except ValueError as e:
         parser.error(str(e))
     return dict(k=keys, v=values)

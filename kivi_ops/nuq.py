@@ -175,11 +175,17 @@ def load_tables(path, *, bits: int, num_layers: int | None, group_size: int, pre
     return {part: [torch.tensor(levels, dtype=torch.float32) for levels in entry[part]] for part in ("k", "v")}
 
 
-def config_levels(path, *, k_bits: int, v_bits: int, num_layers: int | None, group_size: int,
-                  pre_rope: bool = False, sparse_outliers: float = 0.0) -> dict:
-    """KIVIConfig's key_levels / value_levels (tuples per layer) from a `kivi calibrate` file."""
+def load_kv_levels(path, *, k_bits: int, v_bits: int, num_layers: int | None, group_size: int,
+                   pre_rope: bool = False, sparse_outliers: float = 0.0) -> tuple[list, list]:
+    """(key levels per layer at k_bits, value levels per layer at v_bits) from a `kivi calibrate`
+    file, checked against the settings that will use them (load_tables)."""
     settings = dict(num_layers=num_layers, group_size=group_size, pre_rope=pre_rope, sparse_outliers=sparse_outliers)
-    keys = load_tables(path, bits=k_bits, **settings)["k"]
-    values = load_tables(path, bits=v_bits, **settings)["v"]
+    return load_tables(path, bits=k_bits, **settings)["k"], load_tables(path, bits=v_bits, **settings)["v"]
+
+
+def config_levels(path, **settings) -> dict:
+    """KIVIConfig's key_levels / value_levels (tuples per layer) from a `kivi calibrate` file;
+    settings as load_kv_levels."""
+    keys, values = load_kv_levels(path, **settings)
     as_tuples = lambda tables: tuple(tuple(float(v) for v in levels.tolist()) for levels in tables)  # noqa: E731
     return dict(key_levels=as_tuples(keys), value_levels=as_tuples(values))
