@@ -1,5 +1,5 @@
-# Two commands: `make demo` and `make test`. Both set up .venv first (idempotent: the stamp
-# file is rebuilt only when pyproject.toml changes).
+# `make demo`, `make test` (the fast suite, both cores) and `make test-slow` (heavier evidence).
+# All set up .venv first (idempotent: the stamp file is rebuilt only when pyproject.toml changes).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -23,11 +23,15 @@ demo: $(STAMP)
 	$(VENV)/bin/kivi generate --prompt "The capital of France is" --max-new-tokens 48 \
 		--method kivi --k-bits 2 --v-bits 2 --compile
 
+# Two workers (pytest-xdist); --dist loadfile keeps a module's tests (and its module-scoped
+# fixtures: the loaded model, the exports) in one worker.
+XDIST := -n 2 --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m slow $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .model-cache

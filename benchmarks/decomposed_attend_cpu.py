@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from kivi_ops import KIVICache, KIVIConfig
-from kivi_ops.decomposed import cache_append_decomposed, cache_attend_decomposed
+from kivi_ops.kernels.decomposed_append import append_decomposed
+from kivi_ops.kernels.decomposed_attend import attend_fused, attend_materialized
 
 
 def sdpa_decode(query, k, v, lengths, scale):
@@ -94,30 +95,29 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     B, Hq, H, D, S = args.batch, args.q_heads, args.kv_heads, args.head_dim, args.context
     cfg = KIVIConfig(args.bits, args.bits, args.group_size, args.residual_length)
-    c = (cfg.k_bits, cfg.v_bits, cfg.group_size, cfg.residual_length)
     scale = 1.0 / math.sqrt(D)
 
     # Cache state: S - 1 tokens, then one appended token -> decode at context S.
     keys, values = torch.randn(B, H, S, D), torch.randn(B, H, S, D)
     cache = KIVICache(cfg, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
     cache.append(0, keys[:, :, : S - 1], values[:, :, : S - 1])
-    bufs = cache.layer_buffers(0)
-    lengths = bufs[-1]
+    layer, c = cache.layer_tensors(0), cache.layers[0].params
+    bufs, lengths = layer.kivi, layer.lengths
     k_new, v_new = keys[:, :, S - 1 :], values[:, :, S - 1 :]
     k_fp, v_fp = keys.clone(), values.clone()
     fp_lengths = torch.full((B,), S - 1)
 
     # ---- appends (one token; lengths reset each call so every call appends the same position)
-    append_dec = torch.compile(cache_append_decomposed, fullgraph=True)
+    append_dec = torch.compile(append_decomposed, fullgraph=True)
     fp_append_c = torch.compile(fp_append, fullgraph=True)
 
     def run_op_append():
         lengths.fill_(S - 1)
-        torch.ops.kivi.cache_append(*bufs, k_new, v_new, None, *c)
+        torch.ops.kivi.cache_append(*layer, k_new, v_new, None, *c)
 
     def run_dec_append():
         lengths.fill_(S - 1)
-        append_dec(*bufs, k_new, v_new, None, *c)
+        append_dec(layer, k_new, v_new, None, c)
 
     def run_fp_append():
         fp_lengths.fill_(S - 1)
@@ -143,15 +143,13 @@ def main(argv=None) -> dict:
     # ---- attention at context S
     query = torch.randn(B, Hq, 1, D)
     sdpa_c = torch.compile(sdpa_decode, fullgraph=True)
-    fused_c = torch.compile(lambda q, *b: cache_attend_decomposed(q, *b, None, *c, scale, form="fused"),
-                            fullgraph=True)
-    matmul_c = torch.compile(lambda q, *b: cache_attend_decomposed(q, *b, None, *c, scale, form="materialized"),
-                             fullgraph=True)
+    fused_c = torch.compile(lambda q: attend_fused(q, layer, None, c, scale), fullgraph=True)
+    matmul_c = torch.compile(lambda q: attend_materialized(q, layer, None, c, scale), fullgraph=True)
     fns = {
         "sdpa_fp32_compiled": lambda: sdpa_c(query, k_fp, v_fp, fp_lengths, scale),
-        "kivi_op": lambda: torch.ops.kivi.cache_attend(query, *bufs, None, *c, scale),
-        "decomposed_fused_compiled": lambda: fused_c(query, *bufs),
-        "decomposed_matmul_compiled": lambda: matmul_c(query, *bufs),
+        "kivi_op": lambda: torch.ops.kivi.cache_attend(query, *layer, None, *c, scale),
+        "decomposed_fused_compiled": lambda: fused_c(query),
+        "decomposed_matmul_compiled": lambda: matmul_c(query),
     }
     ref = fns["kivi_op"]()
     max_abs_diff = {}

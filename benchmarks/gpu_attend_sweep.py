@@ -1,5 +1,6 @@
 """Tuning sweep of the fused decode attention kernel on a GPU (one device call): CUDA-graph
-replay times (launch overhead excluded) of cache_attend_triton over launch configurations,
+replay times (launch overhead excluded) of attend_decode (kivi_ops/kernels/triton_decode.py, what
+the dispatcher runs for a decode step with head_dim 128) over launch configurations,
 beside SDPA over the fp16 cache of the same shape, with each compiled kernel's registers,
 spills and shared memory. Usage: python3 benchmarks/gpu_attend_sweep.py [contexts] [configs]
 configs: "default" or a list "splits:block_n:warps:stages,...". Prints a table; --json for rows."""
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from kivi_ops import KIVICache, KIVIConfig
-from kivi_ops import triton_cache as tc
+from kivi_ops.kernels import triton_decode, triton_split
 from kivi_benchmarks.perf import attend_read_bytes, copy_bandwidth
 
 
@@ -62,12 +63,12 @@ def main():
         sdpa = graph_us(lambda: F.scaled_dot_product_attention(q, k, v))
         read = attend_read_bytes(cache, n)
         floor_us = read / bw * 1e6  # bw counts bytes read + written: the DRAM traffic rate
-        bufs = cache.layer_buffers(0)
+        layer, params = cache.layer_tensors(0), cache.layers[0].params
         first = None
         for cfg in configs:
             kw = {} if cfg is None else dict(num_splits=cfg[0] or None, block_n=cfg[1], num_warps=cfg[2],
                                              num_stages=cfg[3])  # splits 0: the launcher's choice
-            fn = lambda: tc.cache_attend_triton(q, *bufs, None, bits, bits, 32, 128, D ** -0.5, **kw)  # noqa: E731
+            fn = lambda: triton_decode.attend_decode(q, layer, None, params, D ** -0.5, **kw)  # noqa: E731
             got = fn().float()
             err = ((got - want).norm() / want.norm()).item()
             first = first if cfg is not configs[0] else got  # every config must compute the same function
@@ -81,9 +82,9 @@ def main():
                   f"diff {diff:.1e}",
                   flush=True)
         del k, v, cache
-    for name in ("_attend_split_kernel", "_attend_decode_kernel"):
-        for info in kernel_info(getattr(tc, name)):
-            print(name, info)
+    for jit_fn in (triton_split._attend_split_kernel, triton_decode._attend_decode_kernel):
+        for info in kernel_info(jit_fn):
+            print(jit_fn.__name__, info)
     if "--json" in sys.argv:
         print(json.dumps(rows))
 

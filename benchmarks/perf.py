@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from kivi_ops import KIVICache, KIVIConfig, fp16_cache_nbytes
+from kivi_ops import KIVICache, KIVIConfig, dispatch, fp16_cache_nbytes
 
 # Llama-2-7B's attention shape: 32 layers, 32 KV heads, head_dim 128.
 LLAMA2_7B = dict(num_layers=32, num_kv_heads=32, head_dim=128)
@@ -134,7 +134,7 @@ def bench_attention(device: str, contexts, bits_list=(2, 4), batch: int = 1, q_h
                     head_dim: int = 128, repeats: int = 20, compiled: bool | None = None) -> dict:
     """Eager rows: the kivi op (fused kernel on CUDA, reference on CPU) vs SDPA, per bits.
     compiled (default: on CPU): also `compiled_rows`, KIVI-2's decomposed attention
-    (kivi_ops/decomposed.py, what compiled CPU decode runs) under torch.compile vs compiled SDPA
+    (kivi_ops/kernels/decomposed_attend.py, what compiled CPU decode runs) under torch.compile vs compiled SDPA
     over a static fp cache with a length mask (what FPCache runs), timed round by round."""
     dtype = torch.float16 if device == "cuda" else torch.float32
     compiled = device == "cpu" if compiled is None else compiled
@@ -196,19 +196,16 @@ def _compiled_attention_row(cache: KIVICache, q, k, v, repeats: int, device: str
     lengths = torch.full((B,), n, dtype=torch.int64, device=device)
     sdpa_c = torch.compile(_sdpa_static_cache, fullgraph=True, dynamic=False)
     kivi_c = torch.compile(_attend_layer0, fullgraph=True, dynamic=False)
-    reference = cache.attend(0, q)  # the kivi op
-    cache.use_impl("decomposed")
-    try:
-        fns = dict(sdpa=lambda: sdpa_c(q, k, v, lengths), kivi=lambda: kivi_c(cache, q))
-        start = time.perf_counter()
-        diff = (fns["kivi"]() - reference).abs().max().item()
-        fns["sdpa"]()
-        compile_s = time.perf_counter() - start
-        times = _interleaved_times(fns, device, repeats)
-    finally:
-        cache.use_impl("op")
+    reference = cache.attend(0, q)  # eager: the kivi op
+    # Compiled on CPU, the cache runs its decomposed attention (kivi_ops/dispatch.py).
+    fns = dict(sdpa=lambda: sdpa_c(q, k, v, lengths), kivi=lambda: kivi_c(cache, q))
+    start = time.perf_counter()
+    diff = (fns["kivi"]() - reference).abs().max().item()
+    fns["sdpa"]()
+    compile_s = time.perf_counter() - start
+    times = _interleaved_times(fns, device, repeats)
     sdpa_s, kivi_s = statistics.median(times["sdpa"]), statistics.median(times["kivi"])
-    return dict(tokens=n, bits=cache.config.k_bits, impl="decomposed", batch=B, q_heads=Hq,
+    return dict(tokens=n, bits=cache.config.k_bits, impl=dispatch.compiled_decode(device)["attend"], batch=B, q_heads=Hq,
                 kv_heads=cache.num_kv_heads, head_dim=D, sdpa_compiled_s=sdpa_s, kivi_compiled_s=kivi_s,
                 speedup=sdpa_s / kivi_s,
                 median_round_speedup=statistics.median(a / b for a, b in zip(times["sdpa"], times["kivi"])),
@@ -301,9 +298,9 @@ def bench_decode(model, *, device: str, contexts, batches, new_tokens: int = 32,
             rows.append(row)
     env = environment(device)
     env.update(load_average_before=load_before, load_average_after=os.getloadavg())
-    # What the compiled KIVI steps run (kivi_models.compile_decode_step): the decomposed ops on CPU.
-    impl = "decomposed" if device == "cpu" else "op"
-    return dict(device=device, kivi=kivi_config.to_dict(), kivi_compiled_impl=impl, rows=rows, environment=env)
+    # What the compiled KIVI steps run (kivi_models.compile_decode_step), as kivi_ops.dispatch decides.
+    return dict(device=device, kivi=kivi_config.to_dict(), kivi_compiled_impl=dispatch.compiled_decode(device),
+                rows=rows, environment=env)
 
 
 # ---------------------------------------------------------------- memory budget (KIVI Figure 16)
@@ -409,8 +406,8 @@ def bench_budget(model, *, device: str, contexts, budget_bytes: float, new_token
               f"({row['batch_ratio']:.2f}x batch, {row['throughput_ratio']:.2f}x throughput)", file=sys.stderr,
               flush=True)
         rows.append(row)
-    impl = "decomposed" if device == "cpu" else "op"
-    return dict(device=device, kivi=kivi_config.to_dict(), kivi_compiled_impl=impl, budget_bytes=budget_bytes,
+    return dict(device=device, kivi=kivi_config.to_dict(), kivi_compiled_impl=dispatch.compiled_decode(device),
+                budget_bytes=budget_bytes,
                 max_batch=max_batch, rows=rows, environment=environment(device))
 
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the cache state is named by per-layer modules (layers.N.k_codes, ...)
 METADATA_FILE = "kivi_export.json"
 TOKENIZER_DIR = "tokenizer"
 FORMATS = ("pt2", "aoti", "onnx", "pte")

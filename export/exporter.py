@@ -64,10 +64,9 @@ def export_decoder(
     out.mkdir(parents=True, exist_ok=True)
     kivi_config = kivi_config or KIVIConfig()
     cache = make_cache(model, method=method, batch_size=batch_size, max_seq_len=max_seq_len, kivi_config=kivi_config)
-    if fmt in ("onnx", "pte") and hasattr(cache.backing, "use_impl"):
-        # Core ATen ops instead of the kivi custom ops; one attention form for every token count
-        # (the fused decode form unrolls over query rows, which a dynamic count cannot).
-        cache.backing.use_impl("decomposed", attend_form="materialized")
+    # ONNX and ExecuTorch cannot carry the kivi custom ops: the cache then runs core ATen forms
+    # (kivi_ops/dispatch.py, "portable").
+    cache.backing.portable = fmt in ("onnx", "pte")
     if weight_quant != "none":
         # torchao's quantized weights are tensor subclasses, which the exporters would pickle or
         # refuse; unwrapped, the program holds plain int8 tensors + scales and dequantizes in-graph.

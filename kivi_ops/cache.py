@@ -1,9 +1,9 @@
 """KIVICache: a preallocated, static-shape KV cache stored the KIVI way.
 
-Each layer owns nine separately registered buffers (layout in cache_reference.py), plus three
-for the sink / OTT outlier pool when those options are on (pool.py; the pool ops
-kivi::cache_append_pool / cache_attend_pool then replace the plain ones). Ops always receive
-whole buffers, so a compiled decode step updates them in place without copies.
+`KIVICache.layers` is a list of per-layer modules (layer.py: the nine KIVI buffers, and the
+sink/OTT pool, sparse store and nuq levels as sub-modules when on). append / attend hand a layer
+to the two cache ops as one LayerTensors bundle; dispatch.py decides which implementation runs.
+Ops always receive whole buffers, so a compiled decode step updates them in place without copies.
 """
 
 from __future__ import annotations
@@ -14,30 +14,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import ops  # noqa: F401  (registers torch.ops.kivi)
-from .cache_reference import check_capacity
+from . import dispatch, ops  # noqa: F401  (ops registers torch.ops.kivi, which dispatch calls)
 from .config import KIVIConfig
-from .extras import Extras
-from .ops import CACHE_BUFFERS
-from .packing import FLOAT_DTYPES, codes_per_byte
-from .pool import POOL_BUFFERS
+from .kernels.reference import check_capacity, materialize_block
+from .layer import KIVILayer
+from .layout import LayerTensors
+from .packing import FLOAT_DTYPES
 from .rope import rope_at
-
-IMPLS = ("op", "decomposed")
-# Buffers that hold constants, not sequence state: reset() keeps them, exporters keep them in the
-# program rather than passing them as state (KVQuant's nuq levels and RoPE frequencies).
-CONSTANT_BUFFER_PREFIXES = ("k_levels_", "v_levels_", "rope_inv_freq")
-
-
-def is_constant_buffer(name: str) -> bool:
-    return name.startswith(CONSTANT_BUFFER_PREFIXES)
-ATTEND_FORMS = ("auto", "fused", "materialized")
-
-
-def _decomposed():
-    from . import decomposed
-
-    return decomposed
 
 
 def fp16_cache_nbytes(*, num_layers: int, batch_size: int, num_tokens: int, num_kv_heads: int, head_dim: int) -> int:
@@ -46,7 +29,8 @@ def fp16_cache_nbytes(*, num_layers: int, batch_size: int, num_tokens: int, num_
 
 
 class StaticCacheBase(nn.Module):
-    """What every static cache here shares: dimensions, per-layer length buffers, byte accounting."""
+    """What every static cache here shares: dimensions, `layers` (one module per layer, each with a
+    `lengths` buffer), byte accounting, the state an exported program carries."""
 
     def __init__(self, *, num_layers: int, batch_size: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype):
@@ -59,18 +43,37 @@ class StaticCacheBase(nn.Module):
             raise ValueError(f"dtype must be one of torch.float32, torch.float16, torch.bfloat16, got {dtype}")
         self.num_layers, self.batch_size, self.max_seq_len = num_layers, batch_size, max_seq_len
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        # Built for an exporter that cannot carry custom ops (ONNX, ExecuTorch): dispatch.py's
+        # "portable" mode (core ATen forms only). Set by kivi_export.
+        self.portable = False
 
     @property
     def device(self) -> torch.device:
-        return self.lengths_0.device
+        return self.layers[0].lengths.device
 
     def lengths(self, layer_idx: int = 0) -> torch.Tensor:
         """Tokens stored per sequence (a device tensor; no sync)."""
-        return getattr(self, f"lengths_{layer_idx}")
+        return self.layers[layer_idx].lengths
 
     def reset(self) -> None:
-        for buf in self.buffers():
-            buf.zero_()
+        """Empty every sequence (constants stay)."""
+        for layer in self.layers:
+            layer.reset()
+
+    def restart_rows(self, fresh: torch.Tensor) -> None:
+        """Rows where fresh [B] is True start new sequences (inside a graph: no host sync)."""
+        for layer in self.layers:
+            layer.restart_rows(fresh)
+
+    def constants(self) -> list[torch.Tensor]:
+        """Buffers that hold constants, not sequence state (none here)."""
+        return []
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The sequence state by buffer name: what an exported program without mutable state
+        (ONNX) takes in and gives back each call. Constants stay inside the program."""
+        constants = {id(t) for t in self.constants()}
+        return {name: t for name, t in self.named_buffers() if id(t) not in constants}
 
     def fp16_nbytes(self, num_tokens: Optional[int] = None) -> int:
         """Bytes an fp16 K+V cache would need for num_tokens (default max_seq_len) per sequence."""
@@ -120,84 +123,37 @@ class KIVICache(StaticCacheBase):
             raise ValueError("rope_inv_freq is only used with pre_rope=True")
         self.config = config
         self.rope_scaling = float(rope_scaling)
-        self.impl, self.attend_form = "op", "auto"
         device = torch.device(device)
-        B, H, S, D, R, G = batch_size, num_kv_heads, max_seq_len, head_dim, config.residual_length, config.group_size
-        gv = config.value_group_size(D)
-        # Residual slot of token t is t % R < S: a cache shorter than R needs only S slots.
-        shapes = {
-            "k_codes": ((B, H, S, D // codes_per_byte(config.k_bits)), torch.uint8),
-            "k_scale": ((B, H, math.ceil(S / G), D), dtype),
-            "k_zero": ((B, H, math.ceil(S / G), D), dtype),
-            "k_res": ((B, H, min(R, S), D), dtype),
-            "v_codes": ((B, H, S, D // codes_per_byte(config.v_bits)), torch.uint8),
-            "v_scale": ((B, H, S, D // gv), dtype),
-            "v_zero": ((B, H, S, D // gv), dtype),
-            "v_res": ((B, H, min(R, S), D), dtype),
-            "lengths": ((B,), torch.int64),
-        }
-        for layer in range(num_layers):
-            for name in CACHE_BUFFERS:
-                shape, dt = shapes[name]
-                self.register_buffer(f"{name}_{layer}", torch.zeros(shape, dtype=dt, device=device), persistent=False)
-            # Sink / OTT outlier pool (pool.py): only for layers that have one (none when the options are off).
-            P = config.layer_pool_size(layer)
-            if P:
-                self.register_buffer(f"pool_k_{layer}", torch.zeros((B, H, P, D), dtype=dtype, device=device),
-                                     persistent=False)
-                self.register_buffer(f"pool_v_{layer}", torch.zeros((B, H, P, D), dtype=dtype, device=device),
-                                     persistent=False)
-                self.register_buffer(f"pool_pos_{layer}", torch.full((B, H, P), -1, dtype=torch.int64, device=device),
-                                     persistent=False)
-            # KVQuant (extras.py): nuq levels, the dense-and-sparse store.
-            if config.has_nuq:
-                for name, levels in (("k_levels", config.key_levels[layer]), ("v_levels", config.value_levels[layer])):
-                    self.register_buffer(f"{name}_{layer}", torch.tensor(levels, dtype=torch.float32, device=device),
-                                         persistent=False)
-            nk, nv = config.sparse_counts(D)
-            if nv:
-                for name, shape in (("k_sparse", (B, H, S // R * nk, D)), ("v_sparse", (B, H, S, nv))):
-                    self.register_buffer(f"{name}_{layer}", torch.zeros(shape, dtype=dtype, device=device),
-                                         persistent=False)
-                    self.register_buffer(f"{name}_idx_{layer}", torch.full(shape, -1, dtype=torch.int16, device=device),
-                                         persistent=False)
+        self.layers = nn.ModuleList(
+            KIVILayer(config, layer, batch_size=batch_size, max_seq_len=max_seq_len, num_kv_heads=num_kv_heads,
+                      head_dim=head_dim, dtype=dtype, device=device)
+            for layer in range(num_layers))
         if config.pre_rope:
             self.register_buffer("rope_inv_freq", rope_inv_freq.detach().to(device=device, dtype=torch.float32).clone(),
                                  persistent=False)
+        else:
+            self.rope_inv_freq = None
 
-    def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, f"{name}_{layer_idx}") for name in CACHE_BUFFERS)
+    def check_room(self, n: int, counts: Optional[torch.Tensor] = None, layer_idx: int = 0) -> None:
+        """Raise before anything is written if appending n tokens (counts[b] for row b) would grow a
+        sequence past max_seq_len (a host sync). Compiled appends cannot raise (the CPU's
+        decomposed form and the CUDA kernels do not check); a compiled loop calls this first."""
+        check_capacity(self.lengths(layer_idx), counts, n, self.max_seq_len)
 
-    def pool_buffers(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
-        """(pool_k, pool_v, pool_pos) of a layer with a sink/outlier pool, () otherwise."""
-        if not self.config.layer_pool_size(layer_idx):
-            return ()
-        return tuple(getattr(self, f"{name}_{layer_idx}") for name in POOL_BUFFERS)
+    def layer_tensors(self, layer_idx: int) -> LayerTensors:
+        """One layer as the cache ops take it."""
+        return self.layers[layer_idx].tensors(self.rope_inv_freq)
 
-    def layer_extras(self, layer_idx: int, *, attend: bool = False) -> Extras:
-        """KVQuant's inputs of a layer's ops (extras.py); all None when the options are off.
-        rope_inv_freq is an input of attention only."""
-        c = self.config
-        get = lambda name, on: getattr(self, f"{name}_{layer_idx}") if on else None  # noqa: E731
-        sparse = c.sparse_outliers > 0
-        return Extras(get("k_levels", c.has_nuq), get("v_levels", c.has_nuq),
-                      get("k_sparse", sparse), get("k_sparse_idx", sparse),
-                      get("v_sparse", sparse), get("v_sparse_idx", sparse),
-                      self.rope_inv_freq if c.pre_rope and attend else None)
+    def constants(self) -> list[torch.Tensor]:
+        """The nuq levels and RoPE frequencies: reset keeps them, exports embed them."""
+        rope = [self.rope_inv_freq] if self.rope_inv_freq is not None else []
+        return [t for layer in self.layers for t in layer.constants()] + rope
 
     def nbytes(self) -> int:
         """Exact bytes held: codes + scales + zeros + residual buffers + lengths, the sink /
         outlier pools (keys, values, positions) and KVQuant's parts (sparse outlier values and
         indices, nuq levels, RoPE frequencies) where the options are on, all layers."""
         return sum(buf.numel() * buf.element_size() for buf in self.buffers())
-
-    def reset(self) -> None:
-        """Empty every sequence: state buffers to zero, slot indices to -1 (empty); the constants
-        (nuq levels, RoPE frequencies) stay."""
-        for name, buf in self.named_buffers():
-            if is_constant_buffer(name):
-                continue
-            buf.fill_(-1 if name.startswith(("pool_pos_", "k_sparse_idx_", "v_sparse_idx_")) else 0)
 
     # ------------------------------------------------------------------ checks
 
@@ -241,26 +197,10 @@ class KIVICache(StaticCacheBase):
         if key.shape != value.shape:
             raise ValueError(f"key and value must have the same shape, got {list(key.shape)} and {list(value.shape)}")
         self._check_counts(counts, key.shape[2])
-        if not torch.compiler.is_compiling():  # the CUDA kernel cannot raise: check here, in eager mode
-            check_capacity(self.lengths(layer_idx), counts, key.shape[2], self.max_seq_len)
-        c = self.config
-        pool = self.pool_buffers(layer_idx)
-        extras = self.layer_extras(layer_idx)
-        if pool:
-            extra = (c.sink_tokens, c.layer_outlier_tokens(layer_idx))
-            if self.impl == "op":
-                torch.ops.kivi.cache_append_pool(*self.layer_buffers(layer_idx), *pool, key, value, counts,
-                                                 c.k_bits, c.v_bits, c.group_size, c.residual_length, *extra, *extras[:6])
-            else:
-                _decomposed().cache_append_decomposed(*self.layer_buffers(layer_idx), key, value, counts, c.k_bits,
-                                                      c.v_bits, c.group_size, c.residual_length, pool=(*pool, *extra),
-                                                      extras=extras)
-            return
-        args = (*self.layer_buffers(layer_idx), key, value, counts, c.k_bits, c.v_bits, c.group_size, c.residual_length)
-        if self.impl == "op":
-            torch.ops.kivi.cache_append(*args, *extras[:6])
-        else:
-            _decomposed().cache_append_decomposed(*args, extras=extras)
+        if not torch.compiler.is_compiling():  # compiled forms cannot raise: check here, in eager mode
+            self.check_room(key.shape[2], counts, layer_idx)
+        dispatch.append(self.layer_tensors(layer_idx), key, value, counts, self.layers[layer_idx].params,
+                        portable=self.portable)
 
     def attend(self, layer_idx: int, query: torch.Tensor, scale: Optional[float] = None,
                counts: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -278,44 +218,20 @@ class KIVICache(StaticCacheBase):
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
         if c.pre_rope:  # the model's RoPE scales keys by attention_scaling; ours are rotated here
             scale *= self.rope_scaling
-        extras = self.layer_extras(layer_idx, attend=True)
-        args = (query, *self.layer_buffers(layer_idx), counts, c.k_bits, c.v_bits, c.group_size, c.residual_length, scale)
-        pool = self.pool_buffers(layer_idx)
-        if pool:
-            if self.impl == "op":
-                return torch.ops.kivi.cache_attend_pool(query, *self.layer_buffers(layer_idx), *pool, *args[10:], *extras)
-            return _decomposed().cache_attend_decomposed(*args, form=self.attend_form, pool=pool, extras=extras)
-        if self.impl == "op":
-            return torch.ops.kivi.cache_attend(*args, *extras)
-        return _decomposed().cache_attend_decomposed(*args, form=self.attend_form, extras=extras)
-
-    def use_impl(self, impl: str, attend_form: str = "auto") -> "KIVICache":
-        """impl "op": the kivi custom ops (eager, compile, pt2, AOTInductor). "decomposed": the same
-        math in core ATen ops (decomposed.py), for exporters that cannot carry custom ops (ONNX,
-        ExecuTorch) and for Inductor on CPU, which fuses it into loops over the packed codes.
-        attend_form (decomposed only): "auto", "fused" or "materialized" (see decomposed.py)."""
-        if impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-        if attend_form not in ATTEND_FORMS:
-            raise ValueError(f"attend_form must be one of {ATTEND_FORMS}, got {attend_form!r}")
-        self.impl, self.attend_form = impl, attend_form
-        return self
+        return dispatch.attend(query, self.layer_tensors(layer_idx), counts, self.layers[layer_idx].params, scale,
+                               portable=self.portable)
 
     def dequantized(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) [batch, kv_heads, max length, head_dim] exactly as attention sees them
         (dequantized where quantized, exact from the residual); zeros past a sequence's length."""
-        from .cache_reference import materialize_block
-
         self._check_layer(layer_idx)
-        bufs = self.layer_buffers(layer_idx)
-        lengths = bufs[-1]
+        layer = self.layers[layer_idx]
+        lengths = layer.lengths
         stop = int(lengths.max())
         c = self.config
-        extras = self.layer_extras(layer_idx, attend=True)
-        keys, values = materialize_block(*bufs, 0, stop, c.k_bits, c.v_bits, c.group_size, c.residual_length, extras)
-        pool = self.pool_buffers(layer_idx)
-        if pool:  # pooled tokens are seen exact
-            pool_k, pool_v, pool_pos = pool
+        keys, values = materialize_block(self.layer_tensors(layer_idx), 0, stop, layer.params)
+        if layer.pool is not None:  # pooled tokens are seen exact
+            pool_k, pool_v, pool_pos = layer.pool.k, layer.pool.v, layer.pool.pos
             for b, h, i in (pool_pos >= 0).nonzero().tolist():
                 t = int(pool_pos[b, h, i])
                 keys[b, h, t], values[b, h, t] = pool_k[b, h, i].float(), pool_v[b, h, i].float()

@@ -27,6 +27,15 @@ def outlier_count(fraction: float, vector_length: int) -> int:
     return max(1, round(fraction * vector_length)) if fraction > 0 else 0
 
 
+def select_outliers(x: torch.Tensor, count: int, dim: int):
+    """The count entries of largest magnitude along dim, per vector of x: (mask of x's shape,
+    their exact values, their indices along dim as int16). The one outlier selection: the
+    cache's sparse store and fake quantization both use it."""
+    idx = x.float().abs().topk(count, dim=dim).indices
+    mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device).scatter(dim, idx, True)
+    return mask, torch.gather(x, dim, idx), idx.to(torch.int16)
+
+
 def outlier_mask(x: torch.Tensor, fraction: float, axis: str) -> torch.Tensor:
     """True at the outliers of x [..., T, D]: per vector (a channel over T tokens for axis
     "channel", a token's D channels for "token"), the elements of largest magnitude."""
@@ -34,8 +43,6 @@ def outlier_mask(x: torch.Tensor, fraction: float, axis: str) -> torch.Tensor:
     check_axis(axis)
     dim = -2 if axis == "channel" else -1
     k = outlier_count(fraction, x.shape[dim])
-    mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
     if k == 0:
-        return mask
-    top = x.float().abs().topk(k, dim=dim).indices
-    return mask.scatter_(dim, top, True)
+        return torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+    return select_outliers(x, k, dim)[0]

@@ -33,11 +33,10 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-SPARSE_BUFFERS = ("k_sparse", "k_sparse_idx", "v_sparse", "v_sparse_idx")
-
+from .dense_sparse import select_outliers
 
 class Extras(NamedTuple):
-    """The optional inputs of the cache ops, in their schema order (trailing arguments)."""
+    """KVQuant's optional parts of a layer (layout.LayerTensors.extras), as the kernels read them."""
 
     k_levels: Optional[Tensor] = None
     v_levels: Optional[Tensor] = None
@@ -94,25 +93,9 @@ def check_extras(extras: Extras, k_codes: Tensor, k_res: Tensor, k_bits: int, v_
         raise ValueError(f"rope_inv_freq must be float32 [{D // 2}] (head_dim / 2), got {f.dtype} {list(f.shape)}")
 
 
-def checked_extras(k_codes: Tensor, k_res: Tensor, k_bits: int, v_bits: int, residual_length: int,
-                   *inputs: Optional[Tensor]) -> Extras:
-    """The ops' trailing optional inputs as Extras, checked against the cache buffers."""
-    extras = Extras(*inputs)
-    check_extras(extras, k_codes, k_res, k_bits, v_bits, residual_length)
-    return extras
-
-
 def key_outliers_per_window(k_sparse: Tensor, S: int, R: int) -> int:
     """nk: exact entries per channel per flushed window (0 when no window fits in the cache)."""
     return k_sparse.shape[2] // (S // R) if S // R else 0
-
-
-def select_outliers(x: Tensor, count: int, dim: int):
-    """The count entries of largest magnitude along dim, per vector of x: (mask of x's shape,
-    their exact values, their indices along dim as int16)."""
-    idx = x.float().abs().topk(count, dim=dim).indices
-    mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device).scatter(dim, idx, True)
-    return mask, torch.gather(x, dim, idx), idx.to(torch.int16)
 
 
 def select_key_outliers(stream: Tensor, nk: int, R: int):

@@ -1,30 +1,32 @@
-"""The `torch.ops.kivi` custom ops: schema, fake kernel, CPU reference, CUDA (Triton) kernel.
+"""The `torch.ops.kivi` custom ops: each schema declared once, its fake kernel beside it.
 
     kivi::quantize_pack(x, bits, group_size, axis) -> (codes, scale, zero)
     kivi::unpack_dequantize(codes, scale, zero, bits, group_size, axis) -> x'
-    kivi::cache_append(<9 cache buffers, mutated>, key, value, counts?, k_bits, v_bits, group_size, residual_length)
-    kivi::cache_attend(query, <9 cache buffers>, counts?, k_bits, v_bits, group_size, residual_length, scale) -> out
+    kivi::cache_append(<LayerTensors, mutated>, key, value, counts?, <QuantParams>) -> ()
+    kivi::cache_attend(query, <LayerTensors>, counts?, <QuantParams>, scale) -> out
 
-The ops are opaque to torch.compile/export (`custom_op`, not `triton_op`): the CPU reference
-uses per-sequence Python control flow that Inductor could not trace, and keeping the op whole
-keeps it visible in exported graphs. The CUDA kernels launch Triton directly (graph-capture safe:
-no host syncs). Cache buffers are always passed whole, never sliced, so functionalization can
-re-inplace the mutation instead of cloning the cache.
+The two cache schemas are generated from the bundles in layout.py (one layer's tensors, the
+optional parts None when off, and its integer settings), and every kernel receives those bundles.
+The CPU and CUDA kernels of the cache ops ask dispatch.py which implementation runs.
+
+The ops are opaque to torch.compile/export (not `triton_op`): the CPU reference uses
+per-sequence Python control flow that Inductor could not trace, and keeping the op whole keeps it
+visible in exported graphs. The CUDA kernels launch Triton directly (graph-capture safe: no host
+syncs). Cache buffers are always passed whole, never sliced, so functionalization can re-inplace
+the mutation instead of cloning the cache.
 """
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .cache_reference import cache_append_reference, cache_attend_reference
+from . import dispatch
 from .config import check_axis, check_bits, check_group_size
-from .extras import SPARSE_BUFFERS, checked_extras
+from .extras import check_extras
+from .layout import APPEND_MUTATES, REQUIRED_TENSORS, LayerTensors, QuantParams
 from .packing import FLOAT_DTYPES, codes_per_byte, quantize_pack_reference, token_group_size, unpack_dequantize_reference
-
-CACHE_BUFFERS = ("k_codes", "k_scale", "k_zero", "k_res", "v_codes", "v_scale", "v_zero", "v_res", "lengths")
 
 
 def check_quantize_args(x: Tensor, bits: int, group_size: int, axis: str) -> None:
@@ -74,7 +76,7 @@ def _(x, bits, group_size, axis):
 
 @quantize_pack.register_kernel("cuda")
 def _(x, bits, group_size, axis):
-    from .triton_quant import quantize_pack_triton
+    from .kernels.triton_quant import quantize_pack_triton
 
     check_quantize_args(x, bits, group_size, axis)
     return quantize_pack_triton(x.contiguous(), bits, group_size, axis)
@@ -111,7 +113,7 @@ def _(codes, scale, zero, bits, group_size, axis):
 
 @unpack_dequantize.register_kernel("cuda")
 def _(codes, scale, zero, bits, group_size, axis):
-    from .triton_quant import unpack_dequantize_triton
+    from .kernels.triton_quant import unpack_dequantize_triton
 
     check_dequantize_args(codes, scale, zero, bits, group_size, axis)
     return unpack_dequantize_triton(codes.contiguous(), scale.contiguous(), zero.contiguous(), bits, group_size, axis)
@@ -120,136 +122,65 @@ def _(codes, scale, zero, bits, group_size, axis):
 # ---------------------------------------------------------------- cache append / attend
 
 
-@torch.library.custom_op("kivi::cache_append", mutates_args=CACHE_BUFFERS + SPARSE_BUFFERS)
-def cache_append(
-    k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, k_res: Tensor,
-    v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, v_res: Tensor, lengths: Tensor,
-    key: Tensor, value: Tensor, counts: Optional[Tensor],
-    k_bits: int, v_bits: int, group_size: int, residual_length: int,
-    k_levels: Optional[Tensor] = None, v_levels: Optional[Tensor] = None,
-    k_sparse: Optional[Tensor] = None, k_sparse_idx: Optional[Tensor] = None,
-    v_sparse: Optional[Tensor] = None, v_sparse_idx: Optional[Tensor] = None,
-) -> None:
-    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
-                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
-    cache_append_reference(
-        k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-        key, value, counts, k_bits, v_bits, group_size, residual_length, extras=extras,
-    )
+def _layer_schema(mutable: bool) -> str:
+    """LayerTensors as schema arguments: optional parts `Tensor?`, append's writes aliased `(aN!)`."""
+    args = []
+    for i, name in enumerate(LayerTensors._fields):
+        alias = f"(a{i}!)" if mutable and name in APPEND_MUTATES else ""
+        args.append(f"Tensor{alias}{'' if name in REQUIRED_TENSORS else '?'} {name}")
+    return ", ".join(args)
 
 
-@cache_append.register_fake
-def _(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-      key, value, counts, k_bits, v_bits, group_size, residual_length,
-      k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None):
-    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
-                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
-    return None
+_PARAMS = ", ".join(f"int {name}" for name in QuantParams._fields)
+torch.library.define(
+    "kivi::cache_append",
+    f"({_layer_schema(True)}, Tensor key, Tensor value, Tensor? counts, {_PARAMS}) -> ()")
+torch.library.define(
+    "kivi::cache_attend",
+    f"(Tensor query, {_layer_schema(False)}, Tensor? counts, {_PARAMS}, float scale) -> Tensor")
+
+_N = len(LayerTensors._fields)
+_APPEND_ARGS = (*LayerTensors._fields, "key", "value", "counts", *QuantParams._fields)
+_ATTEND_ARGS = ("query", *LayerTensors._fields, "counts", *QuantParams._fields, "scale")
 
 
-@cache_append.register_kernel("cuda")
-def _(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-      key, value, counts, k_bits, v_bits, group_size, residual_length,
-      k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None):
-    from .triton_cache import cache_append_triton
-
-    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
-                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
-    if extras.sparse:  # dense-and-sparse outliers: no Triton kernel, the decomposed (graph-safe) form
-        from .decomposed import cache_append_decomposed
-
-        cache_append_decomposed(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-                                key.to(k_res.dtype), value.to(v_res.dtype), counts, k_bits, v_bits, group_size,
-                                residual_length, extras=extras)
-        return
-    cache_append_triton(
-        k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-        key, value, counts, k_bits, v_bits, group_size, residual_length, extras=extras,
-    )
+def _bind(names, args, kwargs) -> list:
+    """The op's arguments in schema order, whether they came positionally or by name."""
+    return [*args, *(kwargs[name] for name in names[len(args):])]
 
 
-@torch.library.custom_op("kivi::cache_attend", mutates_args=())
-def cache_attend(
-    query: Tensor,
-    k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, k_res: Tensor,
-    v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, v_res: Tensor, lengths: Tensor,
-    counts: Optional[Tensor],
-    k_bits: int, v_bits: int, group_size: int, residual_length: int, scale: float,
-    k_levels: Optional[Tensor] = None, v_levels: Optional[Tensor] = None,
-    k_sparse: Optional[Tensor] = None, k_sparse_idx: Optional[Tensor] = None,
-    v_sparse: Optional[Tensor] = None, v_sparse_idx: Optional[Tensor] = None,
-    rope_inv_freq: Optional[Tensor] = None,
-) -> Tensor:
-    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
-                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
-    return cache_attend_reference(
-        query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-        counts, k_bits, v_bits, group_size, residual_length, scale, extras=extras,
-    )
+def _append_args(args, kwargs):
+    """(layer, key, value, counts, params) from cache_append's arguments, checked."""
+    a = _bind(_APPEND_ARGS, args, kwargs)
+    layer, (key, value, counts), params = LayerTensors(*a[:_N]), a[_N:_N + 3], QuantParams(*a[_N + 3:])
+    check_layer(layer, params)
+    return layer, key, value, counts, params
 
 
-@cache_attend.register_fake
-def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-      counts, k_bits, v_bits, group_size, residual_length, scale,
-      k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None,
-      rope_inv_freq=None):
-    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
-                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
-    return torch.empty_like(query)
+def _attend_args(args, kwargs):
+    """(query, layer, counts, params, scale) from cache_attend's arguments, checked."""
+    a = _bind(_ATTEND_ARGS, args, kwargs)
+    layer, counts, params, scale = LayerTensors(*a[1:_N + 1]), a[_N + 1], QuantParams(*a[_N + 2:-1]), a[-1]
+    check_layer(layer, params)
+    return a[0], layer, counts, params, scale
 
 
-@cache_attend.register_kernel("cuda")
-def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-      counts, k_bits, v_bits, group_size, residual_length, scale,
-      k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None,
-      rope_inv_freq=None):
-    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
-                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
-    return _attend_cuda(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
-                        k_bits, v_bits, group_size, residual_length, scale, None, extras)
+def check_layer(layer: LayerTensors, params: QuantParams) -> None:
+    """The optional parts against the KIVI tensors (clear errors, never a crash in a kernel).
+    Values are not read: that would be a host sync inside CUDA graphs."""
+    pool = (layer.pool_k, layer.pool_v, layer.pool_pos)
+    if any(t is not None for t in pool):
+        if any(t is None for t in pool):
+            raise ValueError("pool_k, pool_v and pool_pos must be given together")
+        check_pool(*pool, layer.k_res, params.sink_tokens, params.outlier_tokens)
+    elif params.sink_tokens or params.outlier_tokens:
+        raise ValueError(f"sink_tokens={params.sink_tokens} / outlier_tokens={params.outlier_tokens} need a pool "
+                         "(pool_k, pool_v, pool_pos)")
+    check_extras(layer.extras, layer.k_codes, layer.k_res, params.k_bits, params.v_bits, params.residual_length)
 
 
-def _attend_cuda(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
-                 k_bits, v_bits, group_size, residual_length, scale, pool, extras):
-    """CUDA attention of both attend ops: the fused Triton kernels (pooled tokens masked out of
-    the cache tiles and the pool's exact K/V in the same online softmax; nuq levels and pre-RoPE
-    keys, pool keys rotated to pool_pos). The sparse outlier store has no Triton kernel: the
-    decomposed (graph-safe) form, one dequantized fp32 copy of the layer per call."""
-    if extras.sparse:
-        from .decomposed import cache_attend_decomposed
-
-        return cache_attend_decomposed(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res,
-                                       lengths, counts, k_bits, v_bits, group_size, residual_length, scale,
-                                       form="materialized", pool=pool, extras=extras)
-    from .triton_cache import cache_attend_triton
-
-    return cache_attend_triton(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-                               counts, k_bits, v_bits, group_size, residual_length, scale, pool=pool, extras=extras)
-
-
-# ---------------------------------------------------------------- cache with a full-precision pool
-#
-# The same two ops over the 9 KIVI buffers plus the pool of pool.py (sink and OTT outlier tokens):
-# separate ops, so a cache without the options runs exactly the code above and allocates nothing.
-#   kivi::cache_append_pool(<9 buffers>, pool_k, pool_v, pool_pos (all mutated), key, value, counts?,
-#                           k_bits, v_bits, group_size, residual_length, sink_tokens, outlier_tokens)
-#   kivi::cache_attend_pool(query, <9 buffers>, pool_k, pool_v, pool_pos, counts?,
-#                           k_bits, v_bits, group_size, residual_length, scale) -> out
-# The pool has P = sink_tokens + outlier_tokens + spill slots; spill = P - sink - outliers.
-# CUDA: attention runs the fused Triton kernels (pooled tokens masked out of the cache tiles, the
-# pool's exact K/V in the same online softmax); append runs the decomposed (core ATen, no host
-# sync, CUDA-graph safe) formulation, OTT's selection included.
-#
-# Every cache op also takes KVQuant's optional inputs (extras.py: nuq levels, the sparse outlier
-# store, RoPE frequencies for pre-RoPE keys) as trailing arguments, None by default. On CUDA, nuq
-# levels and pre-RoPE keys run in the Triton kernels (appends with a pool are decomposed anyway);
-# with the sparse outlier store the ops run the decomposed form (no Triton kernel for it).
-
-POOL_CACHE_BUFFERS = CACHE_BUFFERS + ("pool_k", "pool_v", "pool_pos")
-
-
-def check_pool_args(pool_k: Tensor, pool_v: Tensor, pool_pos: Tensor, k_res: Tensor, sink_tokens: int,
-                    outlier_tokens: int) -> None:
+def check_pool(pool_k: Tensor, pool_v: Tensor, pool_pos: Tensor, k_res: Tensor, sink_tokens: int,
+               outlier_tokens: int) -> None:
     B, H, _, D = k_res.shape
     P = pool_pos.shape[-1] if pool_pos.dim() == 3 else -1
     if tuple(pool_k.shape) != (B, H, P, D) or tuple(pool_v.shape) != (B, H, P, D) or pool_pos.dtype != torch.int64:
@@ -265,93 +196,32 @@ def check_pool_args(pool_k: Tensor, pool_v: Tensor, pool_pos: Tensor, k_res: Ten
                          f"{sink_tokens} + {outlier_tokens}")
 
 
-@torch.library.custom_op("kivi::cache_append_pool", mutates_args=POOL_CACHE_BUFFERS + SPARSE_BUFFERS)
-def cache_append_pool(
-    k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, k_res: Tensor,
-    v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, v_res: Tensor, lengths: Tensor,
-    pool_k: Tensor, pool_v: Tensor, pool_pos: Tensor,
-    key: Tensor, value: Tensor, counts: Optional[Tensor],
-    k_bits: int, v_bits: int, group_size: int, residual_length: int, sink_tokens: int, outlier_tokens: int,
-    k_levels: Optional[Tensor] = None, v_levels: Optional[Tensor] = None,
-    k_sparse: Optional[Tensor] = None, k_sparse_idx: Optional[Tensor] = None,
-    v_sparse: Optional[Tensor] = None, v_sparse_idx: Optional[Tensor] = None,
-) -> None:
-    check_pool_args(pool_k, pool_v, pool_pos, k_res, sink_tokens, outlier_tokens)
-    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
-                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
-    cache_append_reference(
-        k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-        key, value, counts, k_bits, v_bits, group_size, residual_length,
-        pool=(pool_k, pool_v, pool_pos, sink_tokens, outlier_tokens), extras=extras,
-    )
-
-
-@cache_append_pool.register_fake
-def _(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, pool_k, pool_v, pool_pos,
-      key, value, counts, k_bits, v_bits, group_size, residual_length, sink_tokens, outlier_tokens,
-      k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None):
-    check_pool_args(pool_k, pool_v, pool_pos, k_res, sink_tokens, outlier_tokens)
-    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
-                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
+@torch.library.register_fake("kivi::cache_append")
+def _(*args, **kwargs):
+    _append_args(args, kwargs)
     return None
 
 
-@cache_append_pool.register_kernel("cuda")
-def _(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, pool_k, pool_v, pool_pos,
-      key, value, counts, k_bits, v_bits, group_size, residual_length, sink_tokens, outlier_tokens,
-      k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None):
-    from .decomposed import cache_append_decomposed
-
-    check_pool_args(pool_k, pool_v, pool_pos, k_res, sink_tokens, outlier_tokens)
-    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
-                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx)
-    cache_append_decomposed(
-        k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-        key.to(k_res.dtype), value.to(v_res.dtype), counts, k_bits, v_bits, group_size, residual_length,
-        pool=(pool_k, pool_v, pool_pos, sink_tokens, outlier_tokens), extras=extras,
-    )
-
-
-@torch.library.custom_op("kivi::cache_attend_pool", mutates_args=())
-def cache_attend_pool(
-    query: Tensor,
-    k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, k_res: Tensor,
-    v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, v_res: Tensor, lengths: Tensor,
-    pool_k: Tensor, pool_v: Tensor, pool_pos: Tensor,
-    counts: Optional[Tensor],
-    k_bits: int, v_bits: int, group_size: int, residual_length: int, scale: float,
-    k_levels: Optional[Tensor] = None, v_levels: Optional[Tensor] = None,
-    k_sparse: Optional[Tensor] = None, k_sparse_idx: Optional[Tensor] = None,
-    v_sparse: Optional[Tensor] = None, v_sparse_idx: Optional[Tensor] = None,
-    rope_inv_freq: Optional[Tensor] = None,
-) -> Tensor:
-    check_pool_args(pool_k, pool_v, pool_pos, k_res, 0, 0)
-    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
-                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
-    return cache_attend_reference(
-        query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-        counts, k_bits, v_bits, group_size, residual_length, scale, pool=(pool_k, pool_v, pool_pos), extras=extras,
-    )
-
-
-@cache_attend_pool.register_fake
-def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, pool_k, pool_v, pool_pos,
-      counts, k_bits, v_bits, group_size, residual_length, scale,
-      k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None,
-      rope_inv_freq=None):
-    check_pool_args(pool_k, pool_v, pool_pos, k_res, 0, 0)
-    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
-                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
+@torch.library.register_fake("kivi::cache_attend")
+def _(*args, **kwargs):
+    query = _attend_args(args, kwargs)[0]
     return torch.empty_like(query)
 
 
-@cache_attend_pool.register_kernel("cuda")
-def _(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, pool_k, pool_v, pool_pos,
-      counts, k_bits, v_bits, group_size, residual_length, scale,
-      k_levels=None, v_levels=None, k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None,
-      rope_inv_freq=None):
-    check_pool_args(pool_k, pool_v, pool_pos, k_res, 0, 0)
-    extras = checked_extras(k_codes, k_res, k_bits, v_bits, residual_length,
-                            k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, rope_inv_freq)
-    return _attend_cuda(query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
-                        k_bits, v_bits, group_size, residual_length, scale, (pool_k, pool_v, pool_pos), extras)
+def _append_kernel(*args, **kwargs) -> None:
+    """CPU and CUDA kernel of cache_append: what dispatch.py says runs inside the op."""
+    layer, key, value, counts, params = _append_args(args, kwargs)
+    choice = dispatch.choose("append", device=key.device.type, mode="eager", q_len=key.shape[2], layer=layer)
+    dispatch.run_append(choice.implementation, layer, key, value, counts, params)
+
+
+def _attend_kernel(*args, **kwargs) -> Tensor:
+    """CPU and CUDA kernel of cache_attend."""
+    query, layer, counts, params, scale = _attend_args(args, kwargs)
+    choice = dispatch.choose("attend", device=query.device.type, mode="eager", q_len=query.shape[2], layer=layer)
+    return dispatch.run_attend(choice.implementation, query, layer, counts, params, scale)
+
+
+for _device in ("cpu", "cuda"):
+    torch.library.impl("kivi::cache_append", _device)(_append_kernel)
+    torch.library.impl("kivi::cache_attend", _device)(_attend_kernel)

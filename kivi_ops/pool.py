@@ -45,7 +45,6 @@ from torch import Tensor
 
 from .rope import rope_at
 
-POOL_BUFFERS = ("pool_k", "pool_v", "pool_pos")
 
 
 def key_magnitude(k: Tensor) -> Tensor:

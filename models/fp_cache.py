@@ -12,8 +12,27 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from kivi_ops.cache import StaticCacheBase
+
+
+class FPLayer(nn.Module):
+    """One layer: keys, values [B, H, S + 1, D] and lengths [B]. The spare row past max_seq_len
+    takes the writes of padding tokens, which are never read."""
+
+    def __init__(self, shape, dtype, device):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("lengths", torch.zeros(shape[0], dtype=torch.int64, device=device), persistent=False)
+
+    def reset(self) -> None:
+        for buf in (self.k, self.v, self.lengths):
+            buf.zero_()
+
+    def restart_rows(self, fresh: torch.Tensor) -> None:
+        self.lengths.copy_(torch.where(fresh, torch.zeros_like(self.lengths), self.lengths))
 
 
 class FPCache(StaticCacheBase):
@@ -21,13 +40,8 @@ class FPCache(StaticCacheBase):
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         super().__init__(num_layers=num_layers, batch_size=batch_size, max_seq_len=max_seq_len,
                          num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
-        # One spare row past max_seq_len takes the writes of padding tokens, which are never read.
         shape = (batch_size, num_kv_heads, max_seq_len + 1, head_dim)
-        for layer in range(num_layers):
-            self.register_buffer(f"k_{layer}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-            self.register_buffer(f"v_{layer}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-            self.register_buffer(f"lengths_{layer}", torch.zeros(batch_size, dtype=torch.int64, device=device),
-                                 persistent=False)
+        self.layers = nn.ModuleList(FPLayer(shape, dtype, device) for _ in range(num_layers))
 
     def nbytes(self) -> int:
         """Bytes of the K/V rows a sequence can use (the spare padding row is not counted)."""
@@ -55,8 +69,9 @@ class FPCache(StaticCacheBase):
         # padding tokens may land on the spare row; which one wins does not matter (never read).
         idx = (torch.arange(B, device=key.device)[:, None, None], torch.arange(H, device=key.device)[None, :, None],
                pos[:, None, :])  # broadcast to [B, H, n]
-        getattr(self, f"k_{layer_idx}").index_put_(idx, key)
-        getattr(self, f"v_{layer_idx}").index_put_(idx, value)
+        layer = self.layers[layer_idx]
+        layer.k.index_put_(idx, key)
+        layer.v.index_put_(idx, value)
         lengths += n if counts is None else counts
 
     def attend(self, layer_idx: int, query: torch.Tensor, scale: Optional[float] = None,
@@ -68,7 +83,14 @@ class FPCache(StaticCacheBase):
         t = torch.arange(self.max_seq_len + 1, device=query.device)
         visible = t[None, None, :] <= pos[:, :, None]  # [B, q, S+1]
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else scale
+        layer = self.layers[layer_idx]
         return F.scaled_dot_product_attention(
-            query, getattr(self, f"k_{layer_idx}"), getattr(self, f"v_{layer_idx}"),
+            query, layer.k, layer.v,
             attn_mask=visible[:, None], scale=scale, enable_gqa=True,
         )
+
+    def dequantized(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) [batch, kv_heads, max length, head_dim] as stored (KIVICache's contract)."""
+        layer = self.layers[layer_idx]
+        n = int(layer.lengths.max())
+        return layer.k[:, :, :n], layer.v[:, :, :n]

@@ -8,14 +8,12 @@ Python int that changes per token (no recompiles, CUDA-graph friendly).
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from kivi_ops import KIVICache, KIVIConfig
-from kivi_ops.cache_reference import check_capacity
 from kivi_ops.rope import model_rope_frequencies
 
 from .fp_cache import FPCache
@@ -106,43 +104,21 @@ def compile_decode_step(device: torch.device):
     """decode_step compiled for `device` (fullgraph, static shapes: one graph for all steps).
 
     CUDA: CUDA graphs ("reduce-overhead") around the kivi custom ops (Triton kernels).
-    CPU: a KIVICache runs the compiled steps with its "decomposed" impl (kivi_ops/decomposed.py),
-    whose append/attend Inductor fuses into loops over the packed codes (unpack, dequantize and
-    dot in registers); the custom ops are opaque to Inductor and run the Python/ATen reference.
-    The switch covers only the compiled steps (see _compiled_cpu_impl): the prefill and any
-    eager step keep the custom ops."""
+    CPU: inside the compiled step a KIVICache runs the decomposed forms of its ops, which Inductor
+    fuses into loops over the packed codes (kivi_ops/dispatch.py decides; the custom ops' CPU
+    reference is opaque to Inductor). The prefill and eager steps keep the custom ops. The compiled
+    append cannot raise, so each step checks the cache's room first (a CPU tensor read)."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.compile(decode_step, fullgraph=True, dynamic=False, mode="reduce-overhead")
     compiled = torch.compile(decode_step, fullgraph=True, dynamic=False)
 
     def step(model, cache: KIVIHFCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        with _compiled_cpu_impl(cache.backing):
-            return compiled(model, cache, tokens, positions)
+        if isinstance(cache.backing, KIVICache):  # the compiled append cannot raise: check first
+            cache.backing.check_room(1)
+        return compiled(model, cache, tokens, positions)
 
     return step
-
-
-@contextmanager
-def _compiled_cpu_impl(backing):
-    """A KIVICache on CPU that uses the custom ops switches to impl "decomposed" for one compiled
-    step and back. Why per step rather than in make_cache: make_cache does not know whether the
-    steps will be compiled, and the prefill (eager, n > 1) is better served by the ops (the
-    decomposed append rebuilds per-window gathers of the whole prompt in eager mode; both write
-    the same bits). The impl is a Python attribute read while tracing: Dynamo guards on its value,
-    which is always "decomposed" inside this context, so this neither recompiles nor adds graphs.
-    The decomposed append cannot raise (no host sync in the graph), so the capacity check the CPU
-    op made is made here, before the step (a CPU tensor read, microseconds)."""
-    if not isinstance(backing, KIVICache) or backing.device.type != "cpu" or backing.impl != "op":
-        yield
-        return
-    check_capacity(backing.lengths(0), None, 1, backing.max_seq_len)  # every layer holds as many tokens
-    form = backing.attend_form
-    backing.use_impl("decomposed", "auto")
-    try:
-        yield
-    finally:
-        backing.use_impl("op", form)
 
 
 @dataclass

@@ -28,11 +28,7 @@ class _StaticLayerView(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, **kwargs):
         self.owner.append(self.layer_idx, key_states, value_states)
-        backing = self.owner.backing
-        if hasattr(backing, "dequantized"):
-            return backing.dequantized(self.layer_idx)
-        n = int(backing.lengths(self.layer_idx).max())
-        return getattr(backing, f"k_{self.layer_idx}")[:, :, :n], getattr(backing, f"v_{self.layer_idx}")[:, :, :n]
+        return self.owner.backing.dequantized(self.layer_idx)
 
     def get_seq_length(self) -> int:
         return int(self.owner.backing.lengths(self.layer_idx).max())

@@ -173,18 +173,24 @@ def test_opcheck_cache_ops():
     cfg = KIVIConfig(group_size=8, residual_length=16)
     cache = make_cache(cfg, B=2, S=64)
     cache.append(0, torch.randn(2, 3, 20, 64), torch.randn(2, 3, 20, 64))
-    c = cfg
-    args = (*cache.layer_buffers(0), torch.randn(2, 3, 3, 64), torch.randn(2, 3, 3, 64), torch.tensor([3, 1]),
-            c.k_bits, c.v_bits, c.group_size, c.residual_length)
+    layer, params = cache.layer_tensors(0), cache.layers[0].params
+    args = (*layer, torch.randn(2, 3, 3, 64), torch.randn(2, 3, 3, 64), torch.tensor([3, 1]), *params)
     torch.library.opcheck(torch.ops.kivi.cache_append.default, args)
     q = torch.randn(2, 9, 2, 64)
-    torch.library.opcheck(torch.ops.kivi.cache_attend.default,
-                          (q, *cache.layer_buffers(0), None, c.k_bits, c.v_bits, c.group_size, c.residual_length, 0.125))
+    torch.library.opcheck(torch.ops.kivi.cache_attend.default, (q, *layer, None, *params, 0.125))
 
 
 def decode_step(cache, layer, k, v, q):
     cache.append(layer, k, v)
     return cache.attend(layer, q)
+
+
+def op_decode_step(cache, k, v, q):
+    """decode_step through the kivi ops themselves (what CUDA runs; on CPU the cache's compiled
+    step runs the decomposed forms instead, kivi_ops/dispatch.py)."""
+    params = cache.layers[0].params
+    torch.ops.kivi.cache_append(*cache.layer_tensors(0), k, v, None, *params)
+    return torch.ops.kivi.cache_attend(q, *cache.layer_tensors(0), None, *params, 1 / math.sqrt(cache.head_dim))
 
 
 def test_compiled_decode_step_matches_eager_without_cache_copies():
@@ -196,20 +202,50 @@ def test_compiled_decode_step_matches_eager_without_cache_copies():
     prompt = torch.randn(1, 3, 30, 64), torch.randn(1, 3, 30, 64)
     eager.append(0, *prompt)
     compiled_cache.append(0, *prompt)
-    step = torch.compile(decode_step, fullgraph=True)
+    step = torch.compile(op_decode_step, fullgraph=True)
     for i in range(20):
         k, v, q = torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64), torch.randn(1, 9, 1, 64)
         want = decode_step(eager, 0, k, v, q)
         if i == 0:
-            got, (code,) = run_and_get_code(step, compiled_cache, 0, k, v, q)
+            got, (code,) = run_and_get_code(step, compiled_cache, k, v, q)
         else:
-            got = step(compiled_cache, 0, k, v, q)
+            got = step(compiled_cache, k, v, q)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-    for a, b in zip(eager.layer_buffers(0), compiled_cache.layer_buffers(0)):
+    for a, b in zip(eager.layer_tensors(0).kivi, compiled_cache.layer_tensors(0).kivi):
         assert torch.equal(a, b)
+    assert "torch.ops.kivi.cache_append" in code and "torch.ops.kivi.cache_attend" in code, code
     # Functionalization of the mutating op must be re-inplaced: the generated code may not clone
     # or copy any cache buffer (each would be a full-cache copy per step).
     assert "clone" not in code and "copy_" not in code, code
+
+
+def test_compiled_cache_decode_step_is_decomposed_and_matches_eager():
+    # The cache's own compiled CPU step runs the decomposed forms inline (kivi_ops/dispatch.py):
+    # the append is bit-exact; attention differs from the eager op (the reference) only in the
+    # order of its fp32 sums, within the tolerance justified in test_decomposed.py.
+    from test_decomposed import ATOL, RTOL
+    from torch._inductor.utils import run_and_get_code
+
+    cfg = KIVIConfig(group_size=8, residual_length=16)
+    eager, compiled_cache = make_cache(cfg, S=128), make_cache(cfg, S=128)
+    torch.manual_seed(5)
+    prompt = torch.randn(1, 3, 30, 64), torch.randn(1, 3, 30, 64)
+    eager.append(0, *prompt)
+    compiled_cache.append(0, *prompt)
+    step = torch.compile(decode_step, fullgraph=True)
+    for i in range(20):  # 30 + 20 tokens: crosses the key flushes at 32 and 48
+        k, v, q = torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64), torch.randn(1, 9, 1, 64)
+        want = decode_step(eager, 0, k, v, q)
+        if i == 0:
+            got, codes = run_and_get_code(step, compiled_cache, 0, k, v, q)
+        else:
+            got = step(compiled_cache, 0, k, v, q)
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    for (name, a), (_, b) in zip(eager.layers[0].named_buffers(), compiled_cache.layers[0].named_buffers()):
+        assert torch.equal(a, b), name
+    code = "\n".join(codes)
+    assert codes and "def call(" in code  # Inductor compiled the step
+    assert "torch.ops.kivi" not in code, code
 
 
 def test_export_keeps_cache_ops():
@@ -232,22 +268,25 @@ def test_append_past_capacity_raises_before_writing():
     cfg = KIVIConfig(group_size=8, residual_length=16)
     cache = make_cache(cfg, S=40)
     cache.append(0, torch.randn(1, 3, 35, 64), torch.randn(1, 3, 35, 64))
-    before = [b.clone() for b in cache.layer_buffers(0)]
+    before = [b.clone() for b in cache.layers[0].buffers()]
     with pytest.raises(ValueError, match="KIVICache is full: sequence 0 holds 35 tokens and appending 6 would exceed max_seq_len=40"):
         cache.append(0, torch.randn(1, 3, 6, 64), torch.randn(1, 3, 6, 64))
-    assert all(torch.equal(a, b) for a, b in zip(before, cache.layer_buffers(0)))
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.layers[0].buffers()))
 
 
-def test_compiled_append_past_capacity_raises_on_cpu():
-    # Compiled mode skips the Python-side check; the CPU op itself raises before writing.
+def test_check_room_raises_before_a_compiled_append():
+    # Compiled CPU appends run the decomposed form, which cannot raise (KIVICache.check_room): a
+    # compiled loop asks check_room first, which raises before anything is written.
     cfg = KIVIConfig(group_size=8, residual_length=16)
-    cache = make_cache(cfg, S=20)
-    cache.append(0, torch.randn(1, 3, 20, 64), torch.randn(1, 3, 20, 64))
-    step = torch.compile(decode_step, fullgraph=True)
-    before = [b.clone() for b in cache.layer_buffers(0)]
-    with pytest.raises(Exception, match="KIVICache is full"):
-        step(cache, 0, torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64), torch.randn(1, 9, 1, 64))
-    assert all(torch.equal(a, b) for a, b in zip(before, cache.layer_buffers(0)))
+    cache = make_cache(cfg, B=2, S=20)
+    cache.append(0, torch.randn(2, 3, 20, 64), torch.randn(2, 3, 20, 64), torch.tensor([20, 19]))
+    before = [b.clone() for b in cache.layers[0].buffers()]
+    cache.check_room(1, torch.tensor([0, 1]))  # a row that appends nothing may be full
+    with pytest.raises(ValueError, match="KIVICache is full: sequence 0 holds 20 tokens and appending 1 would exceed max_seq_len=20"):
+        cache.check_room(1)
+    with pytest.raises(ValueError, match="KIVICache is full: sequence 1 holds 19 tokens and appending 2 would exceed max_seq_len=20"):
+        cache.check_room(2, torch.tensor([0, 2]))
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.layers[0].buffers()))
 
 
 @pytest.mark.parametrize(

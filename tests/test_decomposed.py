@@ -1,4 +1,5 @@
-"""kivi_ops.decomposed: static-shape cache append/attend vs the CPU reference; export and compile."""
+"""kivi_ops.kernels.decomposed_{append,attend}: static-shape cache append/attend vs the CPU reference;
+export and compile."""
 
 import random
 
@@ -6,8 +7,10 @@ import pytest
 import torch
 
 from kivi_ops import KIVICache, KIVIConfig
-from kivi_ops.cache_reference import cache_append_reference, cache_attend_reference
-from kivi_ops.decomposed import cache_append_decomposed, cache_attend_decomposed
+from kivi_ops.kernels.decomposed_append import append_decomposed
+from kivi_ops.kernels.decomposed_attend import attend_fused, attend_materialized
+from kivi_ops.kernels.reference import append_reference, attend_reference
+from kivi_ops.layout import LayerTensors, QuantParams
 
 NAMES = ("k_codes", "k_scale", "k_zero", "k_res", "v_codes", "v_scale", "v_zero", "v_res", "lengths")
 
@@ -41,15 +44,15 @@ def scenario():
 
 def run_pair(cfg, S, seed, B=3, H=2, D=32):
     """Apply the same appends to two caches, one with the reference and one decomposed; yield
-    after each step (ref buffers, decomposed buffers, counts, n, generator)."""
+    after each step (ref LayerTensors, decomposed LayerTensors, counts, n, generator)."""
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     caches = [KIVICache(cfg, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
               for _ in range(2)]
-    ref, dec = (c.layer_buffers(0) for c in caches)
-    args = (cfg.k_bits, cfg.v_bits, cfg.group_size, cfg.residual_length)
+    ref, dec = (c.layer_tensors(0) for c in caches)
+    params = caches[0].layers[0].params
     for step, (n, mode) in enumerate(scenario()):
-        room = (S - ref[-1]).tolist()
+        room = (S - ref.lengths).tolist()
         n = min(n, max(room))
         if n == 0:
             break
@@ -63,8 +66,8 @@ def run_pair(cfg, S, seed, B=3, H=2, D=32):
         else:
             counts = None
         key, value = torch.randn(B, H, n, D, generator=gen), torch.randn(B, H, n, D, generator=gen)
-        cache_append_reference(*ref, key, value, counts, *args)
-        cache_append_decomposed(*dec, key, value, counts, *args)
+        append_reference(ref, key, value, counts, params)
+        append_decomposed(dec, key, value, counts, params)
         yield ref, dec, counts, n, gen
 
 
@@ -73,9 +76,9 @@ def test_append_matches_reference_bitwise(cfg_s):
     k_bits, v_bits, G, R, S = cfg_s
     cfg = KIVIConfig(k_bits, v_bits, G, R)
     for ref, dec, counts, n, _ in run_pair(cfg, S, seed=S):
-        for name, a, b in zip(NAMES, ref, dec):
+        for name, a, b in zip(NAMES, ref.kivi, dec.kivi):
             assert torch.equal(a, b), f"{name} differs after appending n={n}, counts={counts}"
-    assert (ref[-1] == S).all()  # ran to capacity
+    assert (ref.lengths == S).all()  # ran to capacity
 
 
 @pytest.mark.parametrize("S", [12, 40])
@@ -85,9 +88,11 @@ def test_append_of_more_padded_tokens_than_capacity(S):
     caches = [KIVICache(cfg, num_layers=1, batch_size=2, max_seq_len=S, num_kv_heads=2, head_dim=32) for _ in range(2)]
     for n, counts in ((50, [S - 3, 5]), (50, [3, S - 5])):
         key, value = torch.randn(2, 2, n, 32), torch.randn(2, 2, n, 32)
-        cache_append_reference(*caches[0].layer_buffers(0), key, value, torch.tensor(counts), 2, 4, 8, 16)
-        cache_append_decomposed(*caches[1].layer_buffers(0), key, value, torch.tensor(counts), 2, 4, 8, 16)
-        for name, a, b in zip(NAMES, caches[0].layer_buffers(0), caches[1].layer_buffers(0)):
+        params = caches[0].layers[0].params
+        assert params[:4] == (2, 4, 8, 16)
+        append_reference(caches[0].layer_tensors(0), key, value, torch.tensor(counts), params)
+        append_decomposed(caches[1].layer_tensors(0), key, value, torch.tensor(counts), params)
+        for name, a, b in zip(NAMES, caches[0].layer_tensors(0).kivi, caches[1].layer_tensors(0).kivi):
             assert torch.equal(a, b), name
 
 
@@ -95,31 +100,17 @@ def test_append_of_more_padded_tokens_than_capacity(S):
 def test_attend_matches_reference(cfg_s):
     k_bits, v_bits, G, R, S = cfg_s
     cfg = KIVIConfig(k_bits, v_bits, G, R)
-    args = (k_bits, v_bits, G, R, 0.3)
+    params = QuantParams(k_bits, v_bits, G, R)
     for ref, dec, counts, n, gen in run_pair(cfg, S, seed=S + 1):
-        B, H = ref[0].shape[:2]
-        query = torch.randn(B, 3 * H, n, ref[3].shape[-1], generator=gen)  # GQA, 3 query heads per kv head
-        want = cache_attend_reference(query, *ref, counts, *args)
-        for form in ("fused", "materialized"):
-            got = cache_attend_decomposed(query, *dec, counts, *args, form=form)
+        B, H = ref.k_codes.shape[:2]
+        query = torch.randn(B, 3 * H, n, ref.k_res.shape[-1], generator=gen)  # GQA, 3 query heads per kv head
+        want = attend_reference(query, ref, counts, params, 0.3)
+        for form, attend in (("fused", attend_fused), ("materialized", attend_materialized)):
+            got = attend(query, dec, counts, params, 0.3)
             torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=lambda m: f"{form}, n={n}: {m}")
             if counts is not None:  # padding query rows are exactly zero
                 pad = torch.arange(n)[None, :] >= counts[:, None]
                 assert (got.transpose(1, 2)[pad] == 0).all()
-
-
-def test_attend_auto_form_and_bad_form():
-    cfg = KIVIConfig(2, 2, 8, 16)
-    cache = KIVICache(cfg, num_layers=1, batch_size=2, max_seq_len=64, num_kv_heads=2, head_dim=32)
-    cache.append(0, torch.randn(2, 2, 40, 32), torch.randn(2, 2, 40, 32))
-    args = (None, 2, 2, 8, 16, 0.2)
-    for q in (1, 4):
-        query = torch.randn(2, 4, q, 32)
-        auto = cache_attend_decomposed(query, *cache.layer_buffers(0), *args)
-        form = "fused" if q == 1 else "materialized"
-        assert torch.equal(auto, cache_attend_decomposed(query, *cache.layer_buffers(0), *args, form=form))
-    with pytest.raises(ValueError, match="form must be"):
-        cache_attend_decomposed(query, *cache.layer_buffers(0), *args, form="nope")
 
 
 # ---------------------------------------------------------------- export / compile
@@ -128,24 +119,24 @@ EXPORT_CFG = KIVIConfig(k_bits=4, v_bits=2, group_size=8, residual_length=16)
 
 
 class DecodeStep(torch.nn.Module):
-    """One decode step over module buffers: decomposed append, then decomposed attention."""
+    """One decode step over module buffers: decomposed append, then the fused decomposed attention
+    (the decode form)."""
 
     def __init__(self, B=2, H=2, S=48, D=32):
         super().__init__()
         self.cache = KIVICache(EXPORT_CFG, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
 
     def forward(self, key, value, query):
-        c = EXPORT_CFG
-        bufs = self.cache.layer_buffers(0)
-        cache_append_decomposed(*bufs, key, value, None, c.k_bits, c.v_bits, c.group_size, c.residual_length)
-        return cache_attend_decomposed(query, *bufs, None, c.k_bits, c.v_bits, c.group_size, c.residual_length, 0.25)
+        layer, params = self.cache.layer_tensors(0), self.cache.layers[0].params
+        append_decomposed(layer, key, value, None, params)
+        return attend_fused(query, layer, None, params, 0.25)
 
 
 def prefilled_step(seed=0):
     torch.manual_seed(seed)
     step = DecodeStep()
     k, v = torch.randn(2, 2, 13, 32), torch.randn(2, 2, 13, 32)
-    cache_append_reference(*step.cache.layer_buffers(0), k, v, torch.tensor([13, 6]), 4, 2, 8, 16)
+    append_reference(step.cache.layer_tensors(0), k, v, torch.tensor([13, 6]), step.cache.layers[0].params)
     return step
 
 
@@ -174,26 +165,27 @@ def test_export_has_only_aten_ops_static_shapes_and_matches_eager():
     # The default export IR keeps the in-place buffer updates; the core ATen program (what
     # ExecuTorch / ONNX consume) is functional, with the nine cache buffers as mutated state.
     core = torch.export.export(prefilled_step(), inputs[0]).run_decompositions()
-    assert set(core.graph_signature.buffers_to_mutate.values()) == {f"cache.{n}_0" for n in NAMES}
+    assert set(core.graph_signature.buffers_to_mutate.values()) == {
+        f"cache.{name}" for name, _ in eager.cache.named_buffers()}
+    assert len(core.graph_signature.buffers_to_mutate) == len(NAMES)
     for program in (ep, core):
         module = program.module()
         for (k, v, q), out in zip(inputs, want):
             assert torch.equal(module(k, v, q), out)
         state = dict(module.named_buffers())
-        for name, buf in zip(NAMES, eager.cache.layer_buffers(0)):
-            assert torch.equal(state[f"cache.{name}_0"], buf), name
+        for name, buf in eager.cache.named_buffers():
+            assert torch.equal(state[f"cache.{name}"], buf), name
 
 
 def test_compile_fullgraph_matches_reference():
-    c = EXPORT_CFG
-    args = (c.k_bits, c.v_bits, c.group_size, c.residual_length)
     step = prefilled_step()
-    ref_bufs = [b.clone() for b in step.cache.layer_buffers(0)]
+    params = step.cache.layers[0].params
+    ref = LayerTensors(*(None if t is None else t.clone() for t in step.cache.layer_tensors(0)))
     compiled = torch.compile(step, fullgraph=True)
     for k, v, q in decode_inputs(8):  # crosses the first row's key flush at 16 tokens
         got = compiled(k, v, q)
-        cache_append_reference(*ref_bufs, k, v, None, *args)
-        want = cache_attend_reference(q, *ref_bufs, None, *args, 0.25)
+        append_reference(ref, k, v, None, params)
+        want = attend_reference(q, ref, None, params, 0.25)
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
-        for name, a, b in zip(NAMES, ref_bufs, step.cache.layer_buffers(0)):
+        for name, a, b in zip(NAMES, ref.kivi, step.cache.layer_tensors(0).kivi):
             assert torch.equal(a, b), name

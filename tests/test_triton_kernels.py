@@ -1,9 +1,12 @@
-"""Triton kernels (kivi_ops/triton_quant.py, kivi_ops/triton_cache.py) against the CPU reference.
+"""Triton kernels (kivi_ops/kernels/triton_quant.py, triton_append.py, triton_split.py,
+triton_decode.py) against the CPU reference (kivi_ops/kernels/reference.py).
 
 Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 must be set before
 the kernel modules are imported, hence the late imports). The interpreter is slow, so shapes are
 small; the reference is always computed on CPU copies (torch's CUDA division by a scalar is a
-reciprocal multiply, which is not the spec's IEEE division).
+reciprocal multiply, which is not the spec's IEEE division). Decode steps (q_len == 1) run both
+attention kernels: the decode kernel (what the dispatcher picks for a power-of-two head_dim) and
+the split kernel (what it picks otherwise).
 """
 
 import os
@@ -15,16 +18,31 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kivi_ops.cache_reference import cache_append_reference, cache_attend_reference  # noqa: E402
 from kivi_ops.extras import NO_EXTRAS, Extras  # noqa: E402
+from kivi_ops.kernels.reference import append_reference, attend_reference  # noqa: E402
+from kivi_ops.kernels.triton_append import append_triton  # noqa: E402
+from kivi_ops.kernels.triton_decode import attend_decode  # noqa: E402
+from kivi_ops.kernels.triton_quant import quantize_pack_triton, unpack_dequantize_triton  # noqa: E402
+from kivi_ops.kernels.triton_split import attend_split  # noqa: E402
+from kivi_ops.layout import LayerTensors, QuantParams  # noqa: E402
 from kivi_ops.nuq import uniform_levels  # noqa: E402
 from kivi_ops.packing import codes_per_byte, quantize_pack_reference, unpack_dequantize_reference  # noqa: E402
-from kivi_ops.triton_cache import cache_append_triton, cache_attend_triton  # noqa: E402
-from kivi_ops.triton_quant import quantize_pack_triton, unpack_dequantize_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BUFFERS = ("k_codes", "k_scale", "k_zero", "k_res", "v_codes", "v_scale", "v_zero", "v_res", "lengths")
+ATTEND = {"decode": attend_decode, "split": attend_split}
+
+
+def kernels(q_len):
+    """The attention kernels of a q_len: both for decode steps, the split kernel otherwise."""
+    return ("decode", "split") if q_len == 1 else ("split",)
+
+
+def layer(bufs, pool=None, extras=NO_EXTRAS):
+    """The nine buffers (BUFFERS order) as the kernels take them, with the token pool (pool_k,
+    pool_v, pool_pos) and KVQuant's parts (an Extras) where given."""
+    return LayerTensors(*bufs, *(pool or (None, None, None)), **extras._asdict())
 
 
 def _cpu(t):
@@ -139,11 +157,11 @@ def fill_reference_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, lengths, seed=
     n = int(first.max())
     if n:
         kv = torch.randn(2, B, H, n, D, generator=gen).to(dtype)
-        cache_append_reference(*cache, kv[0], kv[1], first, k_bits, v_bits, G, R, extras=extras)
+        append_reference(layer(cache, extras=extras), kv[0], kv[1], first, QuantParams(k_bits, v_bits, G, R))
     for _ in range(3):
         c = (lengths - cache[-1]).clamp(max=1)
         kv = torch.randn(2, B, H, 1, D, generator=gen).to(dtype)
-        cache_append_reference(*cache, kv[0], kv[1], c, k_bits, v_bits, G, R, extras=extras)
+        append_reference(layer(cache, extras=extras), kv[0], kv[1], c, QuantParams(k_bits, v_bits, G, R))
     assert cache[-1].tolist() == lengths.tolist()
     return cache
 
@@ -176,8 +194,8 @@ def test_append_streaming_matches_reference(dtype, k_bits, v_bits, D, schedule, 
         key = torch.randn(B, n, H, D, generator=gen).to(dtype).transpose(1, 2)
         value = torch.randn(B, n, H, D, generator=gen).to(dtype).transpose(1, 2)
         c = None if counts is None else torch.tensor(counts)
-        cache_append_reference(*ref, key, value, c, k_bits, v_bits, G, R)
-        cache_append_triton(*tri, _dev(key), _dev(value), _dev(c), k_bits, v_bits, G, R)
+        append_reference(layer(ref), key, value, c, QuantParams(k_bits, v_bits, G, R))
+        append_triton(layer(tri), _dev(key), _dev(value), _dev(c), QuantParams(k_bits, v_bits, G, R))
         assert_cache_equal(tri, ref, f"after step {step} (n={n}, counts={counts})")
     assert ref[-1].tolist() == final
 
@@ -190,11 +208,12 @@ def test_append_drops_tokens_past_max_seq_len():
     tri = [_dev(t) for t in ref]
     gen = torch.Generator().manual_seed(2)
     kv = torch.randn(2, B, H, 20, D, generator=gen)
-    cache_append_reference(*ref, kv[0], kv[1], torch.tensor([20, 6]), 4, 4, G, R)
-    cache_append_triton(*tri, kv[0].to(DEVICE), kv[1].to(DEVICE), torch.tensor([20, 6], device=DEVICE), 4, 4, G, R)
+    params = QuantParams(4, 4, G, R)
+    append_reference(layer(ref), kv[0], kv[1], torch.tensor([20, 6]), params)
+    append_triton(layer(tri), kv[0].to(DEVICE), kv[1].to(DEVICE), torch.tensor([20, 6], device=DEVICE), params)
     kv = torch.randn(2, B, H, 10, D, generator=gen)
-    cache_append_reference(*ref, kv[0], kv[1], torch.tensor([4, 10]), 4, 4, G, R)  # what fits
-    cache_append_triton(*tri, kv[0].to(DEVICE), kv[1].to(DEVICE), None, 4, 4, G, R)  # 10 each
+    append_reference(layer(ref), kv[0], kv[1], torch.tensor([4, 10]), params)  # what fits
+    append_triton(layer(tri), kv[0].to(DEVICE), kv[1].to(DEVICE), None, params)  # 10 each
     assert_cache_equal(tri, ref)
     assert _cpu(tri[-1]).tolist() == [24, 16]
 
@@ -202,7 +221,7 @@ def test_append_drops_tokens_past_max_seq_len():
 # ---------------------------------------------------------------- attention
 
 
-def _attend_case(dtype, Hq, H, q_len, lengths, counts, num_splits, block_n=16, k_bits=2, v_bits=4, D=64,
+def _attend_case(kernel, dtype, Hq, H, q_len, lengths, counts, num_splits, block_n=16, k_bits=2, v_bits=4, D=64,
                  R=16, G=8, S=64, seed=0):
     B = len(lengths)
     cache = fill_reference_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, lengths, seed=seed)
@@ -210,10 +229,11 @@ def _attend_case(dtype, Hq, H, q_len, lengths, counts, num_splits, block_n=16, k
     query = torch.randn(B, Hq, q_len, D, generator=gen).to(dtype)
     c = None if counts is None else torch.tensor(counts)
     scale = D**-0.5
-    ref = cache_attend_reference(query, *cache, c, k_bits, v_bits, G, R, scale)
-    out = cache_attend_triton(
-        query.to(DEVICE), *[_dev(t) for t in cache], None if c is None else c.to(DEVICE),
-        k_bits, v_bits, G, R, scale, num_splits=num_splits, block_n=block_n,
+    params = QuantParams(k_bits, v_bits, G, R)
+    ref = attend_reference(query, layer(cache), c, params, scale)
+    out = ATTEND[kernel](
+        query.to(DEVICE), layer([_dev(t) for t in cache]), None if c is None else c.to(DEVICE), params, scale,
+        num_splits=num_splits, block_n=block_n,
     )
     assert out.dtype == dtype and out.shape == query.shape
     return _cpu(out), ref, c
@@ -231,11 +251,14 @@ ATTEND_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", ATTEND_CASES, ids=["gqa-decode", "mha-1split", "gqa-causal-padded", "mha-q3-auto", "gqa-q7-rows32",
-                              "decode-padded-row"])
-def test_attend_fp32_matches_reference(case):
+ATTEND_IDS = ["gqa-decode", "mha-1split", "gqa-causal-padded", "mha-q3-auto", "gqa-q7-rows32", "decode-padded-row"]
+
+
+@pytest.mark.parametrize("case,kernel", [pytest.param(case, kernel, id=f"{name}-{kernel}")
+                                         for name, case in zip(ATTEND_IDS, ATTEND_CASES) for kernel in kernels(case[2])])
+def test_attend_fp32_matches_reference(case, kernel):
     Hq, H, q_len, lengths, counts, num_splits = case
-    out, ref, c = _attend_case(torch.float32, Hq, H, q_len, lengths, counts, num_splits)
+    out, ref, c = _attend_case(kernel, torch.float32, Hq, H, q_len, lengths, counts, num_splits)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     if c is not None:  # padded query rows are exactly zero
         for b, cb in enumerate(c.tolist()):
@@ -246,23 +269,39 @@ def test_attend_fp32_matches_reference(case):
 
 
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=("fp16", "bf16"))
-@pytest.mark.parametrize("q_len,counts", [(1, None), (3, [3, 1])], ids=("decode", "causal"))
-def test_attend_low_precision(dtype, q_len, counts):
+@pytest.mark.parametrize("q_len,counts,kernel", [(1, None, "decode"), (1, None, "split"), (3, [3, 1], "split")],
+                         ids=("decode", "decode-split", "causal"))
+def test_attend_low_precision(dtype, q_len, counts, kernel):
     # fp16/bf16 caches take the tensor-core path: dequantized keys/values and the softmax
     # probabilities are rounded to the dtype before the products (fp32 accumulation), and the
     # output is rounded to the dtype. Each rounding is a relative error <= eps/2; scores of
     # D=64 products with scale 1/8 move by ~eps, so outputs (|out| <= max|v| ~ 3) stay within a
     # few eps of the fp32 reference: tolerance 4 * eps (fp16 4e-3, bf16 3e-2), rtol as well.
     eps = torch.finfo(dtype).eps
-    out, ref, _ = _attend_case(dtype, 9, 3, q_len, [40, 23], counts, 3, k_bits=4, v_bits=2)
+    out, ref, _ = _attend_case(kernel, dtype, 9, 3, q_len, [40, 23], counts, 3, k_bits=4, v_bits=2)
     torch.testing.assert_close(out.float(), ref.float(), rtol=4 * eps, atol=4 * eps)
 
 
-def test_attend_head_dim_128_8bit_one_value_group():
+@pytest.mark.parametrize("kernel", kernels(1))
+def test_attend_head_dim_128_8bit_one_value_group(kernel):
     # G=128=D: one value scale per token (NGV=1) and tiles inside one key group (BLOCK_N < G)
-    out, ref, _ = _attend_case(torch.float32, 2, 1, 1, [272, 131], None, 2, block_n=64, k_bits=8, v_bits=8, D=128,
-                               R=128, G=128, S=288)
+    out, ref, _ = _attend_case(kernel, torch.float32, 2, 1, 1, [272, 131], None, 2, block_n=64, k_bits=8, v_bits=8,
+                               D=128, R=128, G=128, S=288)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_attend_split_decode_head_dim_not_power_of_two():
+    """A decode step with head_dim 48 is the split kernel's (the dispatcher's choice); the decode
+    kernel refuses it, as it refuses q_len > 1."""
+    out, ref, c = _attend_case("split", torch.float32, 4, 2, 1, [37, 21], [1, 0], 2, D=48)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert (out[1] == 0).all()
+    cache = layer(make_cache(1, 1, 16, 48, 8, 4, 2, 2, torch.float32, DEVICE))
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        attend_decode(torch.zeros(1, 1, 1, 48, device=DEVICE), cache, None, QuantParams(2, 2, 4, 8), 0.125)
+    cache = layer(make_cache(1, 1, 16, 64, 8, 4, 2, 2, torch.float32, DEVICE))
+    with pytest.raises(ValueError, match="q_len == 1"):
+        attend_decode(torch.zeros(1, 1, 2, 64, device=DEVICE), cache, None, QuantParams(2, 2, 4, 8), 0.125)
 
 
 @pytest.mark.parametrize("S,schedule", [(48, ((19, [19, 7]), (1, None), (1, None))),
@@ -274,16 +313,18 @@ def test_append_then_attend_end_to_end(S, schedule):
     B, H, Hq, D, R, G = 2, 1, 3, 64, 16, 8
     ref = make_cache(B, H, S, D, R, G, 2, 2, torch.float32)
     tri = [_dev(t) for t in ref]
+    params = QuantParams(2, 2, G, R)
     gen = torch.Generator().manual_seed(3)
     for n, counts in schedule:
         kv = torch.randn(2, B, H, n, D, generator=gen)
         c = None if counts is None else torch.tensor(counts)
-        cache_append_reference(*ref, kv[0], kv[1], c, 2, 2, G, R)
-        cache_append_triton(*tri, kv[0].to(DEVICE), kv[1].to(DEVICE), None if c is None else c.to(DEVICE), 2, 2, G, R)
+        append_reference(layer(ref), kv[0], kv[1], c, params)
+        append_triton(layer(tri), kv[0].to(DEVICE), kv[1].to(DEVICE), None if c is None else c.to(DEVICE), params)
         query = torch.randn(B, Hq, n, D, generator=gen)
-        want = cache_attend_reference(query, *ref, c, 2, 2, G, R, 0.125)
-        got = cache_attend_triton(query.to(DEVICE), *tri, None if c is None else c.to(DEVICE), 2, 2, G, R, 0.125)
-        torch.testing.assert_close(_cpu(got), want, rtol=1e-5, atol=1e-5)
+        want = attend_reference(query, layer(ref), c, params, 0.125)
+        for kernel in kernels(n):
+            got = ATTEND[kernel](query.to(DEVICE), layer(tri), None if c is None else c.to(DEVICE), params, 0.125)
+            torch.testing.assert_close(_cpu(got), want, rtol=1e-5, atol=1e-5, msg=kernel)
 
 
 # ---------------------------------------------------------------- attention with the token pool
@@ -304,8 +345,8 @@ def fill_pool_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, schedule, sink, out
         key[..., 3] += 4.0
         key = torch.where(torch.rand(B, H, n, 1, generator=gen) < 0.2, key * 0.1, key)
         c = None if counts is None else torch.tensor(counts)
-        cache_append_reference(*cache, key.to(dtype), value.to(dtype), c, k_bits, v_bits, G, R,
-                               pool=(*pool, sink, outliers), extras=extras)
+        append_reference(layer(cache, pool, extras), key.to(dtype), value.to(dtype), c,
+                         QuantParams(k_bits, v_bits, G, R, sink, outliers))
     return cache, pool
 
 
@@ -326,8 +367,9 @@ POOL_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", POOL_CASES)
-def test_attend_with_pool_matches_reference(name):
+@pytest.mark.parametrize("name,kernel", [pytest.param(name, kernel, id=f"{name}-{kernel}") for name, case in
+                                         POOL_CASES.items() for kernel in kernels(case[3][-1][0])])
+def test_attend_with_pool_matches_reference(name, kernel):
     dtype, Hq, H, schedule, (sink, outliers, spill), num_splits, D = POOL_CASES[name]
     B, S, R, G, k_bits, v_bits = len(schedule[0][1]), 48, 8, 4, 2, 4
     cache, pool = fill_pool_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, schedule, sink, outliers, spill)
@@ -339,12 +381,13 @@ def test_attend_with_pool_matches_reference(name):
     c = None if counts is None else torch.tensor(counts)
     query = torch.randn(B, Hq, q_len, D, generator=torch.Generator().manual_seed(5)).to(dtype)
     scale = D**-0.5
-    ref = cache_attend_reference(query, *cache, c, k_bits, v_bits, G, R, scale, pool=pool)
-    no_pool = cache_attend_reference(query, *cache, c, k_bits, v_bits, G, R, scale)
+    params = QuantParams(k_bits, v_bits, G, R, sink, outliers)
+    ref = attend_reference(query, layer(cache, pool), c, params, scale)
+    no_pool = attend_reference(query, layer(cache), c, params, scale)
     assert not torch.equal(ref, no_pool), "the pool changes nothing: the case tests nothing"
-    out = _cpu(cache_attend_triton(
-        query.to(DEVICE), *[_dev(t) for t in cache], _dev(c), k_bits, v_bits, G, R, scale,
-        num_splits=num_splits, block_n=16, pool=tuple(_dev(t) for t in pool),
+    out = _cpu(ATTEND[kernel](
+        query.to(DEVICE), layer([_dev(t) for t in cache], tuple(_dev(t) for t in pool)), _dev(c), params, scale,
+        num_splits=num_splits, block_n=16,
     ))
     assert out.dtype == dtype and out.shape == query.shape
     # Tolerances as in the tests above: fp32 differs only in summation order; fp16/bf16 round the
@@ -367,17 +410,18 @@ def test_attend_with_empty_pool_equals_no_pool(q_len):
             torch.full((B, H, 5), -1, dtype=torch.int64, device=DEVICE))
     query = torch.randn(B, Hq, q_len, D, device=DEVICE).to(dtype)
     c = torch.tensor([q_len, 1], device=DEVICE)
-    args = (query, *cache, c, 2, 4, G, R, 0.125)
-    plain = cache_attend_triton(*args, num_splits=2, block_n=16)
-    pooled = cache_attend_triton(*args, num_splits=2, block_n=16, pool=pool)
-    assert torch.equal(pooled, plain)
+    params = QuantParams(2, 4, G, R)
+    for kernel in kernels(q_len):
+        plain = ATTEND[kernel](query, layer(cache), c, params, 0.125, num_splits=2, block_n=16)
+        pooled = ATTEND[kernel](query, layer(cache, pool), c, params, 0.125, num_splits=2, block_n=16)
+        assert torch.equal(pooled, plain), kernel
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_attend_longer_sequences_slow(dtype):
     eps = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
-    out, ref, _ = _attend_case(dtype, 9, 3, 2, [300, 129, 1], [2, 1, 1], 5, block_n=32, S=320, R=64, G=32)
+    out, ref, _ = _attend_case("split", dtype, 9, 3, 2, [300, 129, 1], [2, 1, 1], 5, block_n=32, S=320, R=64, G=32)
     torch.testing.assert_close(out.float(), ref.float(), rtol=eps, atol=eps)
 
 
@@ -386,17 +430,18 @@ def test_cuda_graph_decode_steps():
     """append + attend captured once in a CUDA graph and replayed across flush boundaries: any host
     sync or data-dependent grid would fail the capture or freeze the first step's lengths."""
     B, H, Hq, S, D, R, G, kb, vb = 2, 3, 9, 96, 64, 16, 8, 2, 2
+    params = QuantParams(kb, vb, G, R)
     gen = torch.Generator().manual_seed(4)
     ref = make_cache(B, H, S, D, R, G, kb, vb, torch.float16)
     kv = torch.randn(2, B, H, 13, D, generator=gen).half()
-    cache_append_reference(*ref, kv[0], kv[1], torch.tensor([13, 4]), kb, vb, G, R)
+    append_reference(layer(ref), kv[0], kv[1], torch.tensor([13, 4]), params)
     tri = [_dev(t) for t in ref]
     key, value = torch.zeros(2, B, H, 1, D, dtype=torch.float16, device="cuda")
     query = torch.zeros(B, Hq, 1, D, dtype=torch.float16, device="cuda")
 
     def step(cache):
-        cache_append_triton(*cache, key, value, None, kb, vb, G, R)
-        return cache_attend_triton(query, *cache, None, kb, vb, G, R, 0.125)
+        append_triton(layer(cache), key, value, None, params)
+        return [ATTEND[kernel](query, layer(cache), None, params, 0.125) for kernel in kernels(1)]
 
     step([t.clone() for t in tri])  # compile the kernels outside the capture
     torch.cuda.synchronize()
@@ -408,11 +453,12 @@ def test_cuda_graph_decode_steps():
         q = torch.randn(B, Hq, 1, D, generator=gen).half()
         key.copy_(k), value.copy_(v), query.copy_(q)
         graph.replay()
-        cache_append_reference(*ref, k, v, None, kb, vb, G, R)
-        want = cache_attend_reference(q, *ref, None, kb, vb, G, R, 0.125)
+        append_reference(layer(ref), k, v, None, params)
+        want = attend_reference(q, layer(ref), None, params, 0.125)
         assert_cache_equal(tri, ref, f"after replay {i}")
         eps = torch.finfo(torch.float16).eps
-        torch.testing.assert_close(_cpu(out).float(), want.float(), rtol=4 * eps, atol=4 * eps)
+        for kernel, o in zip(kernels(1), out):
+            torch.testing.assert_close(_cpu(o).float(), want.float(), rtol=4 * eps, atol=4 * eps, msg=kernel)
 
 
 # ---------------------------------------------------------------- KVQuant options: nuq levels, pre-RoPE keys
@@ -469,8 +515,8 @@ def test_append_nuq_streaming_matches_reference(dtype, k_bits, v_bits, D, schedu
             plant_ties(key, value, extras.k_levels, extras.v_levels, G, first)
             planted = True
         c = None if counts is None else torch.tensor(counts)
-        cache_append_reference(*ref, key, value, c, k_bits, v_bits, G, R, extras=extras)
-        cache_append_triton(*tri, _dev(key), _dev(value), _dev(c), k_bits, v_bits, G, R, extras=dev_extras)
+        append_reference(layer(ref, extras=extras), key, value, c, QuantParams(k_bits, v_bits, G, R))
+        append_triton(layer(tri, extras=dev_extras), _dev(key), _dev(value), _dev(c), QuantParams(k_bits, v_bits, G, R))
         assert_cache_equal(tri, ref, f"after step {step} (n={n}, counts={counts})")
     assert planted
 
@@ -481,18 +527,20 @@ def test_uniform_levels_are_plain_kivi_bit_for_bit():
     B, H, Hq, S, D, R, G, kb, vb, dtype = 2, 2, 4, 48, 64, 16, 8, 2, 4, torch.bfloat16
     uniform = Extras(k_levels=_dev(uniform_levels(kb)), v_levels=_dev(uniform_levels(vb)))
     plain, nuq = (make_cache(B, H, S, D, R, G, kb, vb, dtype, DEVICE) for _ in range(2))
+    params = QuantParams(kb, vb, G, R)
     gen = torch.Generator().manual_seed(12)
     for n, counts in SHORT_SCHEDULE[:3]:
         kv = _dev(torch.randn(2, B, H, n, D, generator=gen).to(dtype))
         c = None if counts is None else _dev(torch.tensor(counts[:B]))
-        cache_append_triton(*plain, kv[0], kv[1], c, kb, vb, G, R)
-        cache_append_triton(*nuq, kv[0], kv[1], c, kb, vb, G, R, extras=uniform)
+        append_triton(layer(plain), kv[0], kv[1], c, params)
+        append_triton(layer(nuq, extras=uniform), kv[0], kv[1], c, params)
     assert_cache_equal(nuq, [_cpu(t) for t in plain])
     for q_len in (1, 3):
         query = _dev(torch.randn(B, Hq, q_len, D, generator=gen).to(dtype))
-        args = (query, *plain, None, kb, vb, G, R, 0.125)
-        assert torch.equal(cache_attend_triton(*args, num_splits=2, block_n=16, extras=uniform),
-                           cache_attend_triton(*args, num_splits=2, block_n=16))
+        for kernel in kernels(q_len):
+            attend = ATTEND[kernel]
+            assert torch.equal(attend(query, layer(plain, extras=uniform), None, params, 0.125, num_splits=2, block_n=16),
+                               attend(query, layer(plain), None, params, 0.125, num_splits=2, block_n=16)), kernel
 
 
 # name: (dtype, Hq, H, q_len, lengths, counts, num_splits, D, nuq, rope frequency scale or None).
@@ -524,8 +572,9 @@ def _kvq_extras(nuq, rope, D, k_bits, v_bits):
     return Extras(**levels, rope_inv_freq=None if rope is None else rope_frequencies(D, rope))
 
 
-@pytest.mark.parametrize("name", KVQ_CASES)
-def test_attend_kvquant_matches_reference(name):
+@pytest.mark.parametrize("name,kernel", [pytest.param(name, kernel, id=f"{name}-{kernel}") for name, case in
+                                         KVQ_CASES.items() for kernel in kernels(case[3])])
+def test_attend_kvquant_matches_reference(name, kernel):
     dtype, Hq, H, q_len, lengths, counts, num_splits, D, nuq, rope = KVQ_CASES[name]
     B, S, R, G, k_bits, v_bits = len(lengths), 64, 16, 8, 2, 4
     extras = _kvq_extras(nuq, rope, D, k_bits, v_bits)
@@ -533,11 +582,12 @@ def test_attend_kvquant_matches_reference(name):
     query = torch.randn(B, Hq, q_len, D, generator=torch.Generator().manual_seed(13)).to(dtype)
     c = None if counts is None else torch.tensor(counts)
     scale = D**-0.5
-    ref = cache_attend_reference(query, *cache, c, k_bits, v_bits, G, R, scale, extras=extras)
-    plain = cache_attend_reference(query, *cache, c, k_bits, v_bits, G, R, scale)
+    params = QuantParams(k_bits, v_bits, G, R)
+    ref = attend_reference(query, layer(cache, extras=extras), c, params, scale)
+    plain = attend_reference(query, layer(cache), c, params, scale)
     assert (ref - plain).abs().max() > 0.05, "the extras change nothing: the case tests nothing"
-    out = _cpu(cache_attend_triton(query.to(DEVICE), *[_dev(t) for t in cache], _dev(c), k_bits, v_bits, G, R,
-                                   scale, num_splits=num_splits, block_n=16, extras=Extras(*map(_dev, extras))))
+    out = _cpu(ATTEND[kernel](query.to(DEVICE), layer([_dev(t) for t in cache], extras=Extras(*map(_dev, extras))),
+                              _dev(c), params, scale, num_splits=num_splits, block_n=16))
     assert out.dtype == dtype and out.shape == query.shape
     tol = _kvq_tolerance(dtype)
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
@@ -546,8 +596,10 @@ def test_attend_kvquant_matches_reference(name):
             assert (out[b, :, cb:] == 0).all()
 
 
-@pytest.mark.parametrize("name", ["sink-ott-decode-d128", "sink-ott-bf16-decode", "sink-ott-fp16-causal-d128"])
-def test_attend_pool_with_pre_rope_keys_matches_reference(name):
+@pytest.mark.parametrize("name,kernel", [pytest.param(name, kernel, id=f"{name}-{kernel}") for name in
+                                         ("sink-ott-decode-d128", "sink-ott-bf16-decode", "sink-ott-fp16-causal-d128")
+                                         for kernel in kernels(POOL_CASES[name][3][-1][0])])
+def test_attend_pool_with_pre_rope_keys_matches_reference(name, kernel):
     """Sink/OTT pool (POOL_CASES) with pre-RoPE keys and nuq levels: cache keys rotate to their row,
     pool keys to their pool_pos, in both the decode and the split kernels."""
     dtype, Hq, H, schedule, (sink, outliers, spill), num_splits, D = POOL_CASES[name]
@@ -559,13 +611,13 @@ def test_attend_pool_with_pre_rope_keys_matches_reference(name):
     c = None if counts is None else torch.tensor(counts)
     query = torch.randn(B, Hq, q_len, D, generator=torch.Generator().manual_seed(5)).to(dtype)
     scale = D**-0.5
-    ref = cache_attend_reference(query, *cache, c, k_bits, v_bits, G, R, scale, pool=pool, extras=extras)
-    no_rope = cache_attend_reference(query, *cache, c, k_bits, v_bits, G, R, scale, pool=pool,
-                                     extras=extras._replace(rope_inv_freq=None))
+    params = QuantParams(k_bits, v_bits, G, R, sink, outliers)
+    ref = attend_reference(query, layer(cache, pool, extras), c, params, scale)
+    no_rope = attend_reference(query, layer(cache, pool, extras._replace(rope_inv_freq=None)), c, params, scale)
     assert (ref - no_rope).abs().max() > 0.05, "RoPE changes nothing: the case tests nothing"
-    out = _cpu(cache_attend_triton(
-        query.to(DEVICE), *[_dev(t) for t in cache], _dev(c), k_bits, v_bits, G, R, scale,
-        num_splits=num_splits, block_n=16, pool=tuple(_dev(t) for t in pool), extras=Extras(*map(_dev, extras)),
+    out = _cpu(ATTEND[kernel](
+        query.to(DEVICE), layer([_dev(t) for t in cache], tuple(_dev(t) for t in pool), Extras(*map(_dev, extras))),
+        _dev(c), params, scale, num_splits=num_splits, block_n=16,
     ))
     tol = _kvq_tolerance(dtype)
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
@@ -575,5 +627,27 @@ def test_kernels_refuse_the_sparse_store():
     """The sparse outlier store has no Triton kernel (the CUDA ops keep it on the decomposed path)."""
     cache = make_cache(1, 1, 16, 64, 8, 4, 2, 2, torch.float32, DEVICE)
     sparse = Extras(k_sparse=torch.zeros(1, 1, 2, 64, device=DEVICE))
+    params = QuantParams(2, 2, 4, 8)
+    for kernel in kernels(1):
+        with pytest.raises(ValueError, match="sparse"):
+            ATTEND[kernel](torch.zeros(1, 1, 1, 64, device=DEVICE), layer(cache, extras=sparse), None, params, 0.125)
+    kv = torch.zeros(1, 1, 1, 64, device=DEVICE)
     with pytest.raises(ValueError, match="sparse"):
-        cache_attend_triton(torch.zeros(1, 1, 1, 64, device=DEVICE), *cache, None, 2, 2, 4, 8, 0.125, extras=sparse)
+        append_triton(layer(cache, extras=sparse), kv, kv, None, params)
+    assert _cpu(cache[-1]).tolist() == [0], "a refused append wrote"
+
+
+def test_append_refuses_the_pool():
+    """No append kernel writes the sink/OTT pool (the dispatcher runs the decomposed append); a
+    pool with zero slots is no pool."""
+    cache = make_cache(1, 1, 16, 64, 8, 4, 2, 2, torch.float32, DEVICE)
+    kv = torch.zeros(1, 1, 1, 64, device=DEVICE)
+    params = QuantParams(2, 2, 4, 8, sink_tokens=1)
+    pool = (torch.zeros(1, 1, 1, 64, device=DEVICE), torch.zeros(1, 1, 1, 64, device=DEVICE),
+            torch.full((1, 1, 1), -1, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="pool"):
+        append_triton(layer(cache, pool), kv, kv, None, params)
+    assert _cpu(cache[-1]).tolist() == [0], "a refused append wrote"
+    empty = tuple(x[..., :0, :] if x.dim() == 4 else x[..., :0] for x in pool)
+    append_triton(layer(cache, empty), kv, kv, None, QuantParams(2, 2, 4, 8))
+    assert _cpu(cache[-1]).tolist() == [1]

@@ -18,7 +18,8 @@ ops. On the GPU it equals the native cvt.rn.bf16.f32; it is spelled out because 
 interpreter truncates fp32 -> bf16 casts, which would break bit-exact scales in the tests.
 
 The jit helpers `to_dtype_rtne`, `scale_zero_stored`, `quant_codes`, `nuq_codes`, `pack_codes` and
-`unpack_codes` are shared with triton_cache.py (the cache append and attention use the same math).
+`unpack_codes` are shared with the cache kernels (triton_append.py, triton_split.py, triton_decode.py:
+the cache append and attention use the same math).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .packing import codes_per_byte, token_group_size
+from ..packing import codes_per_byte, token_group_size
 
 
 def interpreting() -> bool:

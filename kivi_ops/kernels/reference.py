@@ -1,22 +1,8 @@
-"""Reference (plain PyTorch) cache append and fused attention; the CPU kernels of the cache ops.
+"""Reference (plain PyTorch) cache append and fused attention: the CPU kernels of the cache ops,
+and the specification the decomposed and Triton implementations are tested against.
 
-Cache layout of one layer (B batch, H kv heads, S max_seq_len, D head_dim, R residual, G group):
-    k_codes  uint8 [B, H, S, D*kb/8]   keys quantized per channel, packed along D (see packing.py)
-    k_scale  dtype [B, H, ceil(S/G), D]  one scale/zero per (group of G tokens, channel)
-    k_zero   dtype [B, H, ceil(S/G), D]
-    k_res    dtype [B, H, min(R,S), D] full-precision key residual
-    v_codes  uint8 [B, H, S, D*vb/8]   values quantized per token in groups of Gv=min(G, D) channels
-    v_scale  dtype [B, H, S, D/Gv]
-    v_zero   dtype [B, H, S, D/Gv]
-    v_res    dtype [B, H, min(R,S), D] full-precision value window (ring buffer)
-    lengths  int64 [B]                tokens stored per sequence
-
-For a sequence of length L (KIVI Algorithm 1, paper-faithful streaming):
-    keys:   tokens [0, nqk) are quantized, nqk = (L // R) * R; tokens [nqk, L) are in k_res.
-            When the residual reaches R tokens, all R are quantized together (R/G groups).
-    values: tokens [0, nqv) are quantized, nqv = max(L - R, 0); the last min(L, R) are in v_res.
-    In both residuals token t lives in slot t % R.
-Quantized tokens live at row t of the codes (and row t // G of the key scales).
+Layout and streaming policy: kivi_ops/layout.py. Per-sequence Python loops and host reads of the
+lengths make these simple to read and impossible to trace (the decomposed forms trace).
 """
 
 from __future__ import annotations
@@ -24,11 +10,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .extras import (NO_EXTRAS, Extras, apply_key_outliers, apply_value_outliers, key_outliers_per_window,
-                     select_key_outliers, select_outliers)
-from .packing import code_values, expand_groups, quantize_pack_reference, unpack, unpack_float
-from .pool import ott_step, pool_attention_scores, pooled_mask, replace_pooled_rows
-from .rope import rope_at
+from ..extras import (apply_key_outliers, apply_value_outliers, key_outliers_per_window, select_key_outliers,
+                      select_outliers)
+from ..layout import LayerTensors, QuantParams
+from ..packing import code_values, expand_groups, quantize_pack_reference, unpack, unpack_float
+from ..pool import ott_step, pool_attention_scores, pooled_mask, replace_pooled_rows
+from ..rope import rope_at
 
 # Tokens per step of the reference attention's online softmax: bounds the temporary
 # dequantized block, so no dequantized copy of the whole cache is ever materialized.
@@ -54,15 +41,14 @@ def check_capacity(lengths: torch.Tensor, counts, n: int, max_seq_len: int) -> N
         )
 
 
-def cache_append_reference(
-    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-    key, value, counts, k_bits, v_bits, group_size, residual_length, pool=None, extras: Extras = NO_EXTRAS,
-) -> None:
+def append_reference(layer: LayerTensors, key, value, counts, params: QuantParams) -> None:
     """Append key/value [B, H, n, D] (the first counts[b] tokens of row b are real) in place.
 
-    pool: None (plain KIVI) or (pool_k, pool_v, pool_pos, sink_tokens, outlier_tokens), the
-    full-precision token pool of pool.py, updated in place.
-    extras: KVQuant's nuq levels and dense-and-sparse store (extras.py), the store updated in place."""
+    With a pool (layer.pool_*), the full-precision token pool of pool.py is updated in place; with
+    KVQuant's parts, the nuq levels quantize and the dense-and-sparse store is updated in place."""
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = layer.kivi
+    k_bits, v_bits, group_size, residual_length = params[:4]
+    pool, extras = params.pool_args(layer), layer.extras
     B, H, n, D = key.shape
     R, G = residual_length, group_size
     S = k_codes.shape[2]
@@ -157,13 +143,13 @@ def _pool_flush(pool, b, nqk, nqk_end, keys, values, R, G):
     return replace_pooled_rows(keys[None], pooled[None], G)[0]
 
 
-def materialize_block(
-    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-    start, stop, k_bits, v_bits, group_size, residual_length, extras: Extras = NO_EXTRAS,
-):
+def materialize_block(layer: LayerTensors, start: int, stop: int, params: QuantParams):
     """Keys and values (fp32) of token rows [start, stop): dequantized where quantized (nuq
     levels and exact sparse outliers included), exact from the residuals elsewhere. Keys are in
     stored form (pre-RoPE when the cache stores them so). start must be a multiple of group_size."""
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = layer.kivi
+    k_bits, v_bits, group_size, residual_length = params[:4]
+    extras = layer.extras
     R, G, D = residual_length, group_size, k_res.shape[-1]
     t = torch.arange(start, stop, device=k_codes.device)
     nqk, nqv = quantized_counts(lengths, R)
@@ -228,16 +214,13 @@ def _online_softmax_step(scores, m, denom):
     return p, correction, m_new, denom * correction + p.sum(dim=-1)
 
 
-def cache_attend_reference(
-    query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-    counts, k_bits, v_bits, group_size, residual_length, scale, pool=None, extras: Extras = NO_EXTRAS,
-) -> torch.Tensor:
+def attend_reference(query, layer: LayerTensors, counts, params: QuantParams, scale: float) -> torch.Tensor:
     """Softmax attention of query [B, Hq, q, D] over each sequence's cache, one online softmax.
 
-    pool: None or (pool_k, pool_v, pool_pos) (pool.py): pooled tokens are masked out of the
-    quantized part and residual, and their exact keys/values join the same softmax.
-    extras (extras.py): nuq levels, exact sparse outliers, and rope_inv_freq when keys are stored
-    pre-RoPE: every key (quantized, residual, pooled) is rotated to its position before the dot.
+    With a pool (pool.py), pooled tokens are masked out of the quantized part and residual, and
+    their exact keys/values join the same softmax. KVQuant's parts (extras.py): nuq levels, exact
+    sparse outliers, and rope_inv_freq when keys are stored pre-RoPE: every key (quantized,
+    residual, pooled) is rotated to its position before the dot.
 
     Query i of row b sits at position lengths[b] - counts[b] + i (its own key is already
     appended) and sees keys at positions <= its own (causal). Rows i >= counts[b] are padding
@@ -248,9 +231,11 @@ def cache_attend_reference(
     the shortest sequence's quantized part, is read in full precision. With extras each block
     of tokens is dequantized (materialize_block) and rotated first; the block bounds the copy.
     """
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = layer.kivi
+    k_bits, v_bits, G, R = params[:4]
+    pool, extras = layer.pool, layer.extras
     B, Hq, q, D = query.shape
     H = k_codes.shape[1]
-    R, G = residual_length, group_size
     groups = Hq // H
     counts = torch.full_like(lengths, q) if counts is None else counts.to(lengths.dtype)
     # [B, H, groups*q, D]: row r = g*q + i is query i of head h*groups + g.
@@ -260,7 +245,6 @@ def cache_attend_reference(
     valid_row = i[None, :] < counts[:, None]
     nqk, nqv = quantized_counts(lengths, R)
     tail = int(torch.minimum(nqk, nqv).min()) if B else 0  # residual tokens start here or later
-    buffers = (k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths)
 
     m = torch.full((B, H, groups * q), float("-inf"), device=query.device)
     denom = torch.zeros_like(m)
@@ -273,7 +257,7 @@ def cache_attend_reference(
         if pool is not None:
             visible = visible & ~pooled_mask(pool[2], t)[:, :, None, :]
         if extras.active:
-            keys, values = materialize_block(*buffers, start, stop, k_bits, v_bits, G, R, extras)
+            keys, values = materialize_block(layer, start, stop, params)
             if extras.rope_inv_freq is not None:
                 keys = rope_at(keys, t, extras.rope_inv_freq)
             p, correction, m, denom = _online_softmax_step(
@@ -298,7 +282,7 @@ def cache_attend_reference(
         else:
             pv = _quantized_value_sum(p, v_codes, v_scale, v_zero, start, stop, v_bits, G)
         acc = acc * correction[..., None] + pv
-    if pool is not None and pool[2].shape[-1]:
+    if pool is not None:
         pool_k, pool_v, pool_pos = pool
         scores, visible = pool_attention_scores(qf, pool_k, pool_pos, pos, valid_row, extras.rope_inv_freq)
         p, correction, m, denom = _online_softmax_step(scores.masked_fill(~visible, float("-inf")), m, denom)

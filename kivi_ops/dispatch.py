@@ -1,0 +1,137 @@
+"""The one place that decides which implementation of a cache op runs.
+
+`choose` maps (op, device, mode, q_len, the layer's options) to an implementation; `run` runs it.
+KIVICache asks once per call (eager, or while torch.compile / torch.export trace it); the
+kivi ops' own device kernels ask again for what runs inside the op. Nothing else chooses.
+
+Modes: "eager"; "compile" (torch.compile is tracing); "export" (torch.export is tracing: the
+custom ops stay in the program, so pt2 and AOTInductor run our kernels); "portable" (the cache
+is built for exporters that cannot carry custom ops: ONNX, ExecuTorch).
+
+Support matrix (decomposed forms are core ATen: traced inline, never inside the op):
+
+    device  mode            append                attend, q_len == 1         attend, q_len > 1
+    cpu     eager, export   reference (op)        reference (op)             reference (op)
+    cpu     compile         decomposed            decomposed_fused [1]       decomposed_materialized
+    any     portable        decomposed            decomposed_materialized    decomposed_materialized
+    cuda    eager, compile, triton (op) [2]       triton_decode (op) [3]     triton_split (op) [4]
+            export
+
+[1] decomposed_materialized with nuq levels, the sparse store or pre-RoPE keys (the fused loop
+    form covers plain KIVI and the sink/OTT pool).
+[2] decomposed (run inside the op) with a sink/OTT pool or the sparse store: no Triton append
+    kernel covers them.
+[3] triton_split when head_dim is not a power of two; [3] and [4]: decomposed_materialized
+    (inside the op) with the sparse store, which no Triton kernel reads.
+Other devices run the reference inside the op (the op's CPU kernel is the only other one
+registered), which is what the dispatcher would do anyway.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .layout import LayerTensors, QuantParams
+
+OPS = ("append", "attend")
+MODES = ("eager", "compile", "export", "portable")
+IMPLEMENTATIONS = ("reference", "decomposed", "decomposed_fused", "decomposed_materialized", "triton",
+                   "triton_decode", "triton_split")
+
+
+class Choice(NamedTuple):
+    implementation: str
+    in_op: bool  # runs inside the kivi custom op (its device kernel), rather than traced inline
+
+
+def current_mode(portable: bool) -> str:
+    """The mode of the call being made now (see the module doc)."""
+    if portable:
+        return "portable"
+    if torch.compiler.is_exporting():
+        return "export"
+    if torch.compiler.is_compiling():
+        return "compile"
+    return "eager"
+
+
+def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors) -> Choice:
+    """The implementation of `op` for one call (the support matrix above)."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    sparse = layer.k_sparse is not None
+    kvquant = layer.extras.active if op == "attend" else False
+    if mode == "portable":
+        return Choice("decomposed" if op == "append" else "decomposed_materialized", in_op=False)
+    if device == "cuda":
+        if op == "append":
+            return Choice("decomposed" if sparse or layer.pool is not None else "triton", in_op=True)
+        if sparse:
+            return Choice("decomposed_materialized", in_op=True)
+        head_dim = layer.k_res.shape[-1]
+        decode = q_len == 1 and head_dim & (head_dim - 1) == 0
+        return Choice("triton_decode" if decode else "triton_split", in_op=True)
+    if device == "cpu" and mode == "compile":
+        if op == "append":
+            return Choice("decomposed", in_op=False)
+        return Choice("decomposed_fused" if q_len == 1 and not kvquant else "decomposed_materialized", in_op=False)
+    return Choice("reference", in_op=True)
+
+
+def compiled_decode(device: str, head_dim: int = 128) -> dict[str, str]:
+    """What a compiled plain-KIVI decode step runs on `device`, per op (for benchmark reports)."""
+    shape_only = torch.empty((1, 1, 1, head_dim), device="meta")
+    layer = LayerTensors(*[shape_only] * len(LayerTensors._fields[:9]))
+    return {op: choose(op, device=device, mode="compile", q_len=1, layer=layer).implementation for op in OPS}
+
+
+def append(layer: LayerTensors, key, value, counts, params: QuantParams, *, portable: bool = False) -> None:
+    """cache_append as the cache calls it: through the kivi op, or a decomposed form traced inline."""
+    choice = choose("append", device=key.device.type, mode=current_mode(portable), q_len=key.shape[2], layer=layer)
+    if choice.in_op:
+        torch.ops.kivi.cache_append(*layer, key, value, counts, *params)
+    else:
+        run_append(choice.implementation, layer, key, value, counts, params)
+
+
+def attend(query, layer: LayerTensors, counts, params: QuantParams, scale: float, *, portable: bool = False):
+    """cache_attend as the cache calls it."""
+    choice = choose("attend", device=query.device.type, mode=current_mode(portable), q_len=query.shape[2],
+                    layer=layer)
+    if choice.in_op:
+        return torch.ops.kivi.cache_attend(query, *layer, counts, *params, scale)
+    return run_attend(choice.implementation, query, layer, counts, params, scale)
+
+
+def run_append(implementation: str, layer: LayerTensors, key, value, counts, params: QuantParams) -> None:
+    """Run one append implementation (imported on first use: Triton only where it runs)."""
+    if implementation == "reference":
+        from .kernels.reference import append_reference as fn
+    elif implementation == "decomposed":
+        from .kernels.decomposed_append import append_decomposed as fn
+    elif implementation == "triton":
+        from .kernels.triton_append import append_triton as fn
+    else:
+        raise ValueError(f"no append implementation {implementation!r}")
+    fn(layer, key, value, counts, params)
+
+
+def run_attend(implementation: str, query, layer: LayerTensors, counts, params: QuantParams, scale: float):
+    """Run one attention implementation."""
+    if implementation == "reference":
+        from .kernels.reference import attend_reference as fn
+    elif implementation == "decomposed_fused":
+        from .kernels.decomposed_attend import attend_fused as fn
+    elif implementation == "decomposed_materialized":
+        from .kernels.decomposed_attend import attend_materialized as fn
+    elif implementation == "triton_decode":
+        from .kernels.triton_decode import attend_decode as fn
+    elif implementation == "triton_split":
+        from .kernels.triton_split import attend_split as fn
+    else:
+        raise ValueError(f"no attend implementation {implementation!r}")
+    return fn(query, layer, counts, params, scale)

@@ -1,0 +1,195 @@
+"""Static-shape, data-independent cache append: what torch.compile, torch.export, ONNX and
+ExecuTorch trace (the reference in reference.py loops over sequences and reads lengths on the host).
+
+The function computes with tensor ops whose shapes depend only on the buffer and input shapes
+(B, H, n, D, S, R, G, bits), never on the lengths or counts: indices are computed from tensors and
+used with gather / advanced indexing / index_put_, choices are torch.where. No host sync, no
+data-dependent shapes, no Python branch on a tensor value. Layout and policy: layout.py.
+
+append_decomposed writes exactly what append_reference writes, bit for bit, on every slot of every
+buffer (slots the policy does not touch are rewritten with their old contents). Capacity is not
+checked (that needs a host sync): the caller must not append past max_seq_len. If it does,
+nothing raises; rows are written modulo the buffer sizes and the cache is garbage.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..extras import key_outliers_per_window, select_key_outliers, select_outliers
+from ..layout import LayerTensors, QuantParams
+from ..packing import quantize_pack_reference
+from ..pool import ott_step, replace_pooled_rows
+
+
+def mod_nonneg(x: Tensor, m: int, bound: int) -> Tensor:
+    """x mod m for integer x >= -bound, computed on a non-negative operand: ExecuTorch's portable
+    remainder kernel does not follow Python's sign convention for negative operands."""
+    return torch.remainder(x + m * (bound // m + 2), m)
+
+
+def _bh_index(B: int, H: int, device) -> tuple[Tensor, Tensor]:
+    """Broadcastable batch [B, 1, 1] and head [1, H, 1] indices for buf[b, h, rows[:, None, :]]."""
+    return (torch.arange(B, device=device)[:, None, None], torch.arange(H, device=device)[None, :, None])
+
+
+def _write_rows(buf: Tensor, bi: Tensor, hi: Tensor, rows: Tensor, new: Tensor, valid: Tensor) -> None:
+    """buf[b, h, rows[b, j]] = new[b, h, j] where valid[b, j], else rewritten unchanged.
+
+    rows [B, W] must be distinct within each row b (no scatter conflicts), new [B, H, W, X]."""
+    r = rows[:, None, :]
+    old = buf[bi, hi, r]
+    # ONNX Runtime has no int16 Where (the sparse store's indices): choose in int32, store back.
+    wide = torch.int32 if buf.dtype == torch.int16 else buf.dtype
+    buf.index_put_((bi, hi, r), torch.where(valid[:, None, :, None], new.to(wide), old.to(wide)).to(buf.dtype))
+
+
+def _take_tokens(x: Tensor, bi: Tensor, hi: Tensor, idx: Tensor) -> Tensor:
+    """x[b, h, idx[b, j]] -> [B, H, W, D] (idx already clamped in range)."""
+    return x[bi, hi, idx[:, None, :]]
+
+
+def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, params: QuantParams) -> None:
+    """append_reference without host syncs or data-dependent shapes (mutates the nine KIVI
+    tensors, the pool's three when there is a pool, see pool.py, and the sparse outlier store
+    when there is one, see extras.py).
+
+    key/value [B, H, n, D]; row b's first counts[b] tokens are real (all n if counts is None).
+    Per sequence b with L = lengths[b] stored tokens, c new ones and end = L + c:
+
+    keys: the stream of tokens u = nqk + j (nqk = L // R * R) is k_res[j] for u < L and
+        key[u - L] for L <= u < end. Its first W tokens (W = the most whole R-windows n new tokens
+        can complete, capped by S) are quantized per channel window by window; windows below
+        end // R * R are written to rows (nqk + j) % S, the others rewrite the old rows (the rows
+        are distinct since W <= S). The residual slot s then holds token nqk_end + s if it is new.
+    values: tokens u in [q0, q1) = [max(L - R, 0), max(end - R, 0)) leave the window (at most n):
+        j in [0, min(n, S)), u = q0 + j, read from v_res[u % R] (u < L) or value[u - L], quantized
+        per token, written to rows u % S where u < q1. Slot s of v_res holds the newest token
+        u = s (mod R) below end if that token is new.
+    """
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = layer.kivi
+    k_bits, v_bits, G, R = params[:4]
+    pool, extras = params.pool_args(layer), layer.extras
+    # The cache stores new tokens in its own dtype (the reference's slice assignment casts too).
+    key, value = key.to(k_res.dtype), value.to(v_res.dtype)
+    B, H, n, D = key.shape
+    S, RR = k_codes.shape[2], k_res.shape[2]
+    device = key.device
+    bi, hi = _bh_index(B, H, device)
+    L = lengths
+    c = torch.full_like(L, n) if counts is None else counts.to(L.dtype)
+    end = L + c
+    symbolic = isinstance(n, torch.SymInt)
+    if symbolic:
+        # A dynamic token count (one exported program for prompts and decode steps), which the
+        # exporter bounds to 1 <= n <= S: the min/max below are n - 1 and n without clamping, so
+        # no symbolic min/max reaches the graph (ExecuTorch rejects those Python-level ops).
+        last_new = n - 1
+    else:
+        last_new = max(n - 1, 0)
+
+    if pool is not None:
+        pool_k, pool_v, pool_pos, sink, n_out = pool
+        pk, pv, ppos = pool_k, pool_v, pool_pos
+        if sink > 0 and n > 0:  # sink slot s takes the token at position s if it is new
+            s = torch.arange(sink, device=device)
+            take = (s[None, :] >= L[:, None]) & (s[None, :] < end[:, None])  # [B, sink]
+            idx = (s[None, :] - L[:, None]).clamp(0, last_new)
+            tk = take[:, None, :, None]
+            pk = torch.cat([torch.where(tk, _take_tokens(key, bi, hi, idx), pk[:, :, :sink]), pk[:, :, sink:]], 2)
+            pv = torch.cat([torch.where(tk, _take_tokens(value, bi, hi, idx), pv[:, :, :sink]), pv[:, :, sink:]], 2)
+            ppos = torch.cat([torch.where(take[:, None, :], s[None, None, :], ppos[:, :, :sink]), ppos[:, :, sink:]], 2)
+
+    # ---- keys: quantize the whole R-windows the append completes.
+    nqk = torch.div(L, R, rounding_mode="floor") * R
+    nqk_end = torch.div(end, R, rounding_mode="floor") * R
+    # A symbolic n would make the window count symbolic, and shape reasoning would specialize on
+    # whether it is 1; the traced program instead always quantizes the S // R windows it could
+    # ever flush (about the cost of the materialized attention it runs anyway).
+    windows = S // R if symbolic else min((R - 1 + n) // R, S // R)
+    W = windows * R  # static: most tokens one append can flush
+    if W > 0 and n > 0:
+        j = torch.arange(W, device=device)
+        u = nqk[:, None] + j[None, :]  # [B, W]
+        from_res = u < L[:, None]
+        old_part = k_res[:, :, j.clamp(max=RR - 1)]  # slot of u < L is u % R = j (nqk % R == 0)
+        new_part = _take_tokens(key, bi, hi, (u - L[:, None]).clamp(0, last_new))
+        stream = torch.where(from_res[:, None, :, None], old_part.expand(B, H, W, D), new_part)
+        flushed = (nqk_end - nqk)[:, None]
+        if pool is not None:
+            pooled = (u < sink)[:, None, :].expand(B, H, W)
+            if n_out > 0:
+                a, z = sink, sink + n_out
+                v_old = v_res[:, :, j.clamp(max=RR - 1)]  # value slot of u < L is u % R = j too
+                v_new = _take_tokens(value, bi, hi, (u - L[:, None]).clamp(0, last_new))
+                v_stream = torch.where(from_res[:, None, :, None], v_old.expand(B, H, W, D), v_new)
+                state = (pk[:, :, a:z], pv[:, :, a:z], ppos[:, :, a:z], pk[:, :, z:], pv[:, :, z:], ppos[:, :, z:])
+                entrants = []
+                for w in range(windows):  # OTT steps, window by window (pool.py)
+                    win = slice(w * R, (w + 1) * R)
+                    *state, entered = ott_step(*state, stream[:, :, win], v_stream[:, :, win], u[:, win],
+                                               u[:, win] >= sink, w * R < flushed[:, 0])
+                    entrants.append(entered)
+                pooled = pooled | torch.cat(entrants, dim=2)
+                pk = torch.cat([pk[:, :, :a], state[0], state[3]], 2)
+                pv = torch.cat([pv[:, :, :a], state[1], state[4]], 2)
+                ppos = torch.cat([ppos[:, :, :a], state[2], state[5]], 2)
+            stream = replace_pooled_rows(stream, pooled, G)
+        exclude = None
+        nk = key_outliers_per_window(extras.k_sparse, S, R) if extras.sparse else 0
+        if nk:  # dense-and-sparse: per channel, the window's largest keys stay exact
+            exclude, vals, idx = select_key_outliers(stream, nk, R)
+            oj = torch.arange(windows * nk, device=device)
+            orows = (torch.div(nqk, R, rounding_mode="floor")[:, None] * nk + oj[None, :]) % extras.k_sparse.shape[2]
+            ovalid = torch.div(oj, nk, rounding_mode="floor")[None, :] * R < flushed
+            _write_rows(extras.k_sparse, bi, hi, orows, vals, ovalid)
+            _write_rows(extras.k_sparse_idx, bi, hi, orows, idx, ovalid)
+        codes, scale, zero = quantize_pack_reference(stream, k_bits, G, "channel", extras.k_levels, exclude)
+        _write_rows(k_codes, bi, hi, u % S, codes, j[None, :] < flushed)
+        gj = torch.arange(W // G, device=device)
+        grows = (torch.div(nqk, G, rounding_mode="floor")[:, None] + gj[None, :]) % k_scale.shape[2]
+        gvalid = gj[None, :] * G < flushed
+        _write_rows(k_scale, bi, hi, grows, scale, gvalid)
+        _write_rows(k_zero, bi, hi, grows, zero, gvalid)
+
+    # ---- values: quantize per token the tokens leaving the window of the last R.
+    NV = n if symbolic else min(n, S)
+    q0 = (L - R).clamp(min=0)
+    q1 = (end - R).clamp(min=0)
+    if NV > 0 and S > R:  # with S <= R no value ever leaves the window
+        j = torch.arange(NV, device=device)
+        u = q0[:, None] + j[None, :]  # [B, NV]
+        from_win = u < L[:, None]
+        win = _take_tokens(v_res, bi, hi, (u % R).clamp(max=RR - 1))
+        new = _take_tokens(value, bi, hi, (u - L[:, None]).clamp(0, last_new))
+        leaving = torch.where(from_win[:, None, :, None], win, new)
+        valid = u < q1[:, None]
+        rows = u % S
+        exclude = None
+        if extras.sparse:  # dense-and-sparse: per token, the largest channels stay exact
+            exclude, vals, idx = select_outliers(leaving, extras.v_sparse.shape[-1], dim=-1)
+            _write_rows(extras.v_sparse, bi, hi, rows, vals, valid)
+            _write_rows(extras.v_sparse_idx, bi, hi, rows, idx, valid)
+        codes, scale, zero = quantize_pack_reference(leaving, v_bits, G, "token", extras.v_levels, exclude)
+        _write_rows(v_codes, bi, hi, rows, codes, valid)
+        _write_rows(v_scale, bi, hi, rows, scale, valid)
+        _write_rows(v_zero, bi, hi, rows, zero, valid)
+
+    # ---- residuals, rebuilt whole (RR slots) after every read of the old ones above.
+    if n > 0:
+        s = torch.arange(RR, device=device)
+        u = nqk_end[:, None] + s[None, :]  # keys: slot s holds token nqk_end + s
+        take = (u >= L[:, None]) & (u < end[:, None])
+        new = _take_tokens(key, bi, hi, (u - L[:, None]).clamp(0, last_new))
+        k_res.copy_(torch.where(take[:, None, :, None], new, k_res))
+        u = end[:, None] - R + mod_nonneg(s[None, :] - end[:, None], R, S)  # values: newest u = s mod R below end
+        take = u >= L[:, None]
+        new = _take_tokens(value, bi, hi, (u - L[:, None]).clamp(0, last_new))
+        v_res.copy_(torch.where(take[:, None, :, None], new, v_res))
+
+    if pool is not None and pool_pos.shape[2] > 0:
+        pool_k.copy_(pk)
+        pool_v.copy_(pv)
+        pool_pos.copy_(ppos)
+    lengths.add_(c)

@@ -1,0 +1,249 @@
+"""What the Triton cache launchers share (triton_append.py, triton_split.py, triton_decode.py):
+the checks of a layer's tensors, and for the two attention kernels the jit helpers both call, the
+split merge, its workspace, the program-count target and the pool / extras launch arguments.
+
+Both attention launchers (attend_split, attend_decode; the dispatcher picks one) are CUDA-graph
+safe like the append: no host syncs, every grid is derived from static shapes, and all
+data-dependent logic is predicated on `lengths`/`counts` inside the kernels. Both are flash
+decoding: a program cuts its token range at run time from the sequence's own length
+(split_len = cdiv(L, num_splits) rounded up to BLOCK_N), so the work is balanced whatever L is
+while the grid stays static; partial (m, l, acc) go to a small fp32 workspace (split_workspace)
+and with num_splits == 1 the kernel normalizes and writes the output directly.
+
+_attend_reduce_kernel grid (rows,), one program per query row: merges the splits of the row.
+Empty splits (m = -inf, l = 0) weigh 0; rows with no visible key (padding rows, empty sequences)
+return 0.
+
+The full-precision token pool (LayerTensors.pool = (pool_k, pool_v, pool_pos), pool.py; HAS_POOL,
+else the kernels compile exactly as without it): each program loads the P pooled positions of its
+kv head once (_load_pool_positions) and masks the cache tokens at those positions in every tile
+(_in_pool, a [BLOCK_N, P] comparison; P, sinks + outliers + spill, is small); split 0 then runs
+the P exact pool keys/values through the same online softmax, so the reduce kernel merges them
+like any other split's tokens.
+
+KVQuant's options (LayerTensors.extras, extras.py; constexpr flags, off = the plain kernels,
+instruction for instruction): HAS_LEVELS, nuq levels: the attention kernels dequantize
+levels[code] (_code_values, a gather from the 2^bits-entry table) before scale and zero. ROPE,
+keys stored pre-RoPE (rope_inv_freq [D/2]): every key, quantized, residual or pooled, is rotated
+to its position (cache row t, or pool_pos) with cos/sin computed in-kernel from t * inv_freq
+(_rope_cos_sin; a [S, D] table would read more bytes than the codes). The sparse outlier store
+has no kernel: the dispatcher runs the decomposed form for it, and the launchers refuse it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..extras import Extras, check_extras
+from ..layout import REQUIRED_TENSORS, LayerTensors, QuantParams
+from ..packing import codes_per_byte, token_group_size
+from .triton_quant import interpreting, next_pow2, to_dtype_rtne
+
+LOG2E = 1.0 / math.log(2.0)
+MAX_SPLITS = 64
+
+
+# ---------------------------------------------------------------- checks (append and attention)
+
+
+def check_cache(t: LayerTensors, p: QuantParams):
+    """The nine KIVI tensors of t against each other and p: (B, H, S, D, R, RR, G, Gv)."""
+    for name, x in zip(REQUIRED_TENSORS, t.kivi):
+        if not x.is_contiguous():
+            raise ValueError(f"cache buffer {name} must be contiguous (a whole registered buffer)")
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = t.kivi
+    k_bits, v_bits = p.k_bits, p.v_bits
+    B, H, S, _ = k_codes.shape
+    R, G = p.residual_length, p.group_size
+    D = k_res.shape[-1]
+    if R % G:
+        raise ValueError(f"residual_length={R} must be a multiple of group_size={G}")
+    if k_codes.shape[-1] * codes_per_byte(k_bits) != D or v_codes.shape[-1] * codes_per_byte(v_bits) != D:
+        raise ValueError("k_codes/v_codes last dim does not match head_dim at the given bits")
+    # Residual slot of token t is t % R < S, so a cache shorter than R holds only S residual rows.
+    RR = min(R, S)
+    if tuple(k_res.shape) != (B, H, RR, D) or tuple(v_res.shape) != (B, H, RR, D):
+        raise ValueError(f"k_res/v_res must have shape {(B, H, RR, D)}")
+    gv = token_group_size(G, D)
+    if D % gv or tuple(v_scale.shape) != (B, H, S, D // gv):
+        raise ValueError(f"v_scale must have shape {(B, H, S, D // gv)}")
+    if tuple(k_scale.shape) != (B, H, -(-S // G), D):
+        raise ValueError(f"k_scale must have shape {(B, H, -(-S // G), D)}")
+    return B, H, S, D, R, RR, G, gv
+
+
+def check_kernel_extras(t: LayerTensors, p: QuantParams) -> Extras:
+    """The extras the kernels take (nuq levels, rope_inv_freq), checked and made contiguous; the
+    sparse outlier store has no kernel (the dispatcher runs the decomposed form for it)."""
+    extras = t.extras
+    if extras.sparse:
+        raise ValueError("the Triton cache kernels do not take the dense-and-sparse outlier store")
+    check_extras(extras, t.k_codes, t.k_res, p.k_bits, p.v_bits, p.residual_length)
+    return Extras(*(None if x is None else x.contiguous() for x in extras))
+
+
+# ---------------------------------------------------------------- jit helpers of both attention kernels
+
+
+@triton.jit
+def _cast(x, DTYPE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
+    """fp32 -> DTYPE; the native cast on GPU, the exact RTNE emulation under the interpreter."""
+    if EMULATE_RTNE:
+        return to_dtype_rtne(x, DTYPE)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def _in_pool(t, pp):
+    """[T] bool: token t[i] is one of this (sequence, kv head)'s pooled positions pp [P_P]
+    (-1 marks an empty slot and never matches). P is small (sinks + outliers + spill)."""
+    return tl.max((t[:, None] == pp[None, :]).to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _load_pool_positions(pool_pos, bh64, P, P_P: tl.constexpr, HAS_POOL: tl.constexpr):
+    """Pooled positions [P_P] of kv head bh64 (int32, -1 = empty), loaded once per program; all -1
+    without a pool (then a dead value: the tiles never read it)."""
+    pp = tl.full([P_P], -1, tl.int32)
+    if HAS_POOL:
+        j = tl.arange(0, P_P)
+        pp = tl.load(pool_pos + bh64 * P + j, mask=j < P, other=-1).to(tl.int32)
+    return pp
+
+
+@triton.jit
+def _code_values(codes, levels, HAS_LEVELS: tl.constexpr):
+    """fp32 values of int32 codes before scale and zero (packing.code_values): the codes, or levels[code]
+    (a gather from the 2^bits-entry table, which stays in L1)."""
+    if HAS_LEVELS:
+        return tl.load(levels + codes)
+    else:
+        return codes.to(tl.float32)
+
+
+@triton.jit
+def _rope_cos_sin(positions, freq):
+    """cos and sin of the RoPE angles positions * freq (broadcast), the angle an fp32 product like
+    rope.rope_at's. tl.cos / tl.sin lower to libdevice's __nv_cosf / __nv_sinf (full range
+    reduction, not the approximate cos.approx.f32), numpy's under the interpreter."""
+    angle = positions.to(tl.float32) * freq
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def _attend_reduce_kernel(
+    ws_m, ws_l, ws_acc, out_ptr, M, M_PAD,
+    D: tl.constexpr, D_P: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr,
+):
+    rid = tl.program_id(0).to(tl.int64)
+    bh = rid // M
+    r = rid % M
+    sidx = tl.arange(0, SPLITS_P)
+    smask = sidx < NUM_SPLITS
+    w = (bh * NUM_SPLITS + sidx) * M_PAD + r
+    m = tl.load(ws_m + w, mask=smask, other=float("-inf"))
+    l = tl.load(ws_l + w, mask=smask, other=0.0)
+    gmax = tl.max(m, axis=0)
+    gmax = tl.where(gmax == float("-inf"), 0.0, gmax)
+    wt = tl.math.exp2(m - gmax)  # empty splits (m = -inf) weigh 0
+    l_tot = tl.sum(wt * l, axis=0)
+    d = tl.arange(0, D_P)
+    dmask = d < D
+    acc = tl.load(ws_acc + w[:, None] * D + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+    o = tl.sum(wt[:, None] * acc, axis=0)
+    o = tl.math.div_rn(o, tl.zeros_like(o) + tl.where(l_tot > 0.0, l_tot, 1.0))
+    o = tl.where(l_tot > 0.0, o, 0.0)
+    tl.store(out_ptr + (bh * M + r) * D + d, _cast(o, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=dmask)
+
+
+# ---------------------------------------------------------------- launch helpers
+
+
+_SM_COUNT: dict = {}
+
+
+def num_programs_target(device: torch.device) -> int:
+    """Programs that fill the device (static per device, so fine under CUDA graphs)."""
+    if device.type != "cuda":
+        return 8  # interpreter: a few splits, to exercise the merge
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return 2 * _SM_COUNT[idx]
+
+
+def split_workspace(rows: int, num_splits: int, m: int, D: int, out: torch.Tensor):
+    """fp32 (max, sum, partial output) per split for the reduction kernel; none for one split
+    (the kernel then writes `out` directly and never touches the workspace arguments)."""
+    if num_splits == 1:
+        return out, out, out
+    ws_m = torch.empty((rows, num_splits, m), dtype=torch.float32, device=out.device)
+    return ws_m, torch.empty_like(ws_m), torch.empty((rows, num_splits, m, D), dtype=torch.float32, device=out.device)
+
+
+def launch_reduce(ws_m, ws_l, ws_acc, out, kv_rows: int, M: int, m_pad: int, num_splits: int) -> None:
+    """_attend_reduce_kernel over the kv_rows * M query rows of `out` (M rows per (batch row, kv
+    head), m_pad workspace rows each); call inside the launch's device context."""
+    D = out.shape[-1]
+    torch.library.wrap_triton(_attend_reduce_kernel)[(kv_rows * M,)](
+        ws_m, ws_l, ws_acc, out, M, m_pad,
+        D=D, D_P=next_pow2(D), NUM_SPLITS=num_splits, SPLITS_P=next_pow2(num_splits),
+        EMULATE_RTNE=interpreting(), num_warps=4,
+    )
+
+
+def pool_launch_args(t: LayerTensors) -> tuple:
+    """(pool_k, pool_v, pool_pos, P, HAS_POOL, P_P) for the attention kernels. Without a pool (or
+    with zero slots) the pointers are dummies the kernels never read and HAS_POOL is False, so
+    they compile exactly as without the pool feature."""
+    k_res, lengths = t.k_res, t.lengths
+    if t.pool is None:
+        return k_res, k_res, lengths, 0, False, 1
+    pool_k, pool_v, pool_pos = t.pool
+    if pool_k is None or pool_v is None:
+        raise ValueError("pool_k, pool_v and pool_pos must be given together")
+    B, H, _, D = k_res.shape
+    P = pool_pos.shape[-1]
+    if (tuple(pool_k.shape) != (B, H, P, D) or tuple(pool_v.shape) != (B, H, P, D)
+            or tuple(pool_pos.shape) != (B, H, P) or pool_pos.dtype != torch.int64):
+        raise ValueError(f"pool_k/pool_v must be {(B, H, P, D)} and pool_pos int64 {(B, H, P)}")
+    if pool_k.dtype != k_res.dtype or pool_v.dtype != k_res.dtype:
+        raise ValueError(f"pool_k/pool_v must have the cache dtype {k_res.dtype}")
+    if not (pool_k.is_contiguous() and pool_v.is_contiguous() and pool_pos.is_contiguous()):
+        raise ValueError("pool buffers must be contiguous (whole registered buffers)")
+    return pool_k, pool_v, pool_pos, P, True, next_pow2(P)
+
+
+def extras_launch_args(t: LayerTensors, p: QuantParams) -> tuple:
+    """(k_levels, v_levels, rope_inv_freq, HAS_LEVELS, ROPE) for the attention kernels; absent ones
+    are dummy pointers the kernels never read (the flags off compile the plain kernels)."""
+    extras = check_kernel_extras(t, p)
+    has_levels, rope = extras.k_levels is not None, extras.rope_inv_freq is not None
+    D = t.k_res.shape[-1]
+    # Pre-RoPE keys are dequantized in halves of D/2 channels: each half whole bytes of codes.
+    if rope and (D % 2 or (D // 2) % codes_per_byte(p.k_bits)):
+        raise ValueError(f"pre-RoPE keys need head_dim / 2 = {D / 2} to be a multiple of "
+                         f"{codes_per_byte(p.k_bits)} ({p.k_bits}-bit codes per byte)")
+    k_scale = t.k_scale
+    return (extras.k_levels if has_levels else k_scale, extras.v_levels if has_levels else k_scale,
+            extras.rope_inv_freq if rope else k_scale, has_levels, rope)
+
+
+def attend_setup(query: torch.Tensor, t: LayerTensors, p: QuantParams):
+    """The checks both attention launchers start with: ((B, H, S, D, R, RR, G, Gv) of the cache,
+    pool_launch_args, extras_launch_args, the output [B, Hq, q_len, D] in the query's dtype)."""
+    dims = check_cache(t, p)
+    B, H, S, D = dims[:4]
+    pool_args = pool_launch_args(t)
+    extras_args = extras_launch_args(t, p)
+    Bq, Hq, q_len, Dq = query.shape
+    if Bq != B or Dq != D or Hq % H:
+        raise ValueError(f"query {tuple(query.shape)} does not match the cache (B={B}, H={H}, D={D})")
+    out = torch.empty((B, Hq, q_len, D), dtype=query.dtype, device=query.device)
+    return dims, pool_args, extras_args, out

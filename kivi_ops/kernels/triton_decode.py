@@ -1,0 +1,343 @@
+"""Triton decode attention over the KIVI cache (q_len == 1, power-of-two head_dim): attend_decode.
+
+Layout and streaming policy: kivi_ops/layout.py; kernels/reference.py (attend_reference) is the
+specification the kernel is tested against. What both attention kernels share (the split merge,
+the pool and KVQuant options, CUDA-graph safety): triton_attend.py. The dispatcher (dispatch.py)
+picks this kernel for decode steps whose head_dim is a power of two; every other call goes to the
+split kernel (triton_split.py), which computes the same attention.
+
+attend_decode:
+  1. _attend_decode_kernel grid (B*Hq, num_splits): one program per (batch row, query head,
+     split); the query heads of one kv head read the same codes (L2 hits). Everything is per
+     element in fp32 registers, with no tl.dot and no reshapes: a decode query is one row, and
+     padding it to a 16-row tensor-core tile cost more in layout shuffles through shared memory
+     than the products themselves (measured on H100, see benchmarks/results). A code tile is
+     [PER, BLOCK_N, D // PER] (element (i, t, j): channel j * PER + i of token t, the i-th code
+     of byte j), so unpacking is a broadcast shift. BLOCK_N divides G, so a tile lies in one key
+     group. Tiles below min(nqk, nqv) are quantized for keys and values alike: nothing is masked,
+     the key scale/zero fold into the query (q . (c s + z) = (q s) . c + q . z) and the value
+     zeros into a separate sum (sum_t p_t z_t); the last tokens take the mixed path that also
+     reads the residual rings. num_splits comes from static shapes (DECODE_PROGRAMS_PER_SM
+     programs per SM); the scale * log2(e) of the base-2 online softmax is folded into the query.
+  2. _attend_reduce_kernel (triton_attend.py) grid (B*Hq,) when num_splits > 1.
+  With the pool, split 0 runs the P pool slots in the same layout (_decode_pool_tile); every
+  filled slot is visible (pooled tokens are stored tokens, all at or before the decode query).
+  Pre-RoPE keys (ROPE): the query is rotated back per token instead of rotating the keys
+  (q . R_t k = (R_t^T q) . k, _decode_scores), which needs no partner channel of the key tile,
+  so the key scales no longer fold into the query.
+  A padded row (counts 0) attends to nothing and returns 0. The query is cast to the cache dtype
+  (then used in fp32); the output has the query's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layout import LayerTensors, QuantParams
+from ..packing import codes_per_byte
+from .triton_attend import (
+    LOG2E, MAX_SPLITS, _cast, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
+    launch_reduce, num_programs_target, split_workspace,
+)
+from .triton_quant import device_ctx, interpreting
+
+DECODE_BLOCK_N = 32
+DECODE_PROGRAMS_PER_SM = 16
+DECODE_NUM_WARPS = 1
+
+
+@triton.jit
+def _decode_softmax_step(s, m_i, l_i, SAFE: tl.constexpr):
+    """Online softmax of one query over the scores s [BLOCK_N] (base 2, scale folded into the
+    query): (probabilities, rescale of the old accumulator, new max, new sum). SAFE: s may be all
+    -inf while the max is still -inf (a tile of pooled tokens or empty pool slots); without a pool
+    every tile has a visible token, and the kernel keeps the plain form."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    m_ref = m_new
+    if SAFE:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_ref)
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _decode_scores(q2, q2_rot, freq, positions, k, ROPE: tl.constexpr):
+    """Scores [T] of one query q2 [PER, NB] (_decode_tile's layout, scale folded in) against keys k
+    [PER, T, NB] (fp32). ROPE: k is pre-RoPE at positions [T]; instead of rotating each key (which
+    needs its partner channel, d +- D/2, in another part of the tile) the query is rotated back,
+    q . R_t k = (R_t^T q) . k with R_t^T q = q cos - rot(q) sin, from q2_rot = rot(q2) loaded once
+    (freq [PER, NB]: inv_freq of each channel)."""
+    if ROPE:
+        cos, sin = _rope_cos_sin(positions[None, :, None], freq[:, None, :])
+        q = q2[:, None, :] * cos - q2_rot[:, None, :] * sin
+    else:
+        q = q2[:, None, :]
+    return tl.sum(tl.sum(q * k, axis=2), axis=0)
+
+
+@triton.jit
+def _decode_tile(
+    acc, accz, m_i, l_i, q2, q2_rot, freq, t0, limit, nqk, nqv, pp, bh64, S, NSG,
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
+    MIXED: tl.constexpr, HAS_POOL: tl.constexpr, HAS_LEVELS: tl.constexpr, ROPE: tl.constexpr, D: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER: tl.constexpr, G: tl.constexpr, NGV: tl.constexpr, GV: tl.constexpr,
+    R: tl.constexpr, RR: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One online-softmax step of one query over tokens [t0, t0 + BLOCK_N), all in fp32 registers
+    with no tl.dot and no reshapes (see _attend_decode_kernel). BLOCK_N divides G, so the tile lies
+    in one key group g = t0 // G. A code tensor is [PER, BLOCK_N, D // PER]: element (i, t, j) is
+    channel j * PER + i of token t, the i-th code of byte j. MIXED=False: every token of the tile
+    is quantized for keys and values (t0 + BLOCK_N <= min(nqk, nqv)), so nothing is masked and the
+    key scale/zero fold into the query: q . (c * s + z) = (q * s) . c + q . z. HAS_POOL: tokens at
+    the pooled positions pp are masked (their exact copies come in _decode_pool_tile). HAS_LEVELS:
+    codes stand for nuq levels (c above is levels[code]; the folds still hold). ROPE: pre-RoPE keys,
+    scored by _decode_scores against the query rotated per token, which is no longer one vector
+    for the tile: the keys are dequantized, not folded into the query."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    row = bh64 * S + t  # int64 token row of codes and value scales
+    g = t0 // G
+
+    # ---- keys
+    ik = tl.arange(0, K_PER)
+    jk = tl.arange(0, D // K_PER)
+    ch_k = jk[None, :] * K_PER + ik[:, None]  # [K_PER, NBK] channel of (i, j)
+    k_off = (row[:, None] * (D // K_PER) + jk[None, :])[None, :, :]
+    ks_off = (bh64 * NSG + g) * D + ch_k
+    sh_k = (ik * K_BITS)[:, None, None]
+    if MIXED:
+        tm = t < limit
+        kq = tm & (t < nqk)
+        kb = tl.load(k_codes + k_off, mask=kq[None, :, None], other=0)
+        gq = g * G < nqk
+        ks = tl.load(k_scale + ks_off, mask=gq, other=0.0).to(tl.float32)
+        kz = tl.load(k_zero + ks_off, mask=gq, other=0.0).to(tl.float32)
+        kc = _code_values((kb.to(tl.int32) >> sh_k) & ((1 << K_BITS) - 1), k_levels, HAS_LEVELS)
+        kdq = kc * ks[:, None, :] + kz[:, None, :]
+        slot = (bh64 * RR + t % R)[None, :, None] * D + ch_k[:, None, :]
+        kres = tl.load(k_res + slot, mask=(tm & (t >= nqk))[None, :, None], other=0.0).to(tl.float32)
+        k = tl.where(kq[None, :, None], kdq, kres)
+        s = _decode_scores(q2, q2_rot, freq, t, k, ROPE)
+        s = tl.where(tm, s, float("-inf"))
+    else:
+        kb = tl.load(k_codes + k_off)
+        ks = tl.load(k_scale + ks_off).to(tl.float32)
+        kz = tl.load(k_zero + ks_off).to(tl.float32)
+        kc = _code_values((kb.to(tl.int32) >> sh_k) & ((1 << K_BITS) - 1), k_levels, HAS_LEVELS)
+        if ROPE:
+            s = _decode_scores(q2, q2_rot, freq, t, kc * ks[:, None, :] + kz[:, None, :], ROPE)
+        else:
+            s = (tl.sum(tl.sum((q2 * ks)[:, None, :] * kc, axis=2), axis=0)
+                 + tl.sum(tl.sum(q2 * kz, axis=1), axis=0))
+    if HAS_POOL:
+        s = tl.where(_in_pool(t, pp), float("-inf"), s)
+    p, alpha, m_new, l_i = _decode_softmax_step(s, m_i, l_i, HAS_POOL)
+
+    # ---- values: per-token scale/zero of the GV-channel group of byte j (GV is a multiple of V_PER)
+    iv = tl.arange(0, V_PER)
+    jv = tl.arange(0, D // V_PER)
+    v_off = (row[:, None] * (D // V_PER) + jv[None, :])[None, :, :]
+    vs_off = row[:, None] * NGV + (jv * V_PER // GV)[None, :]  # [BLOCK_N, NBV]
+    sh_v = (iv * V_BITS)[:, None, None]
+    if MIXED:
+        vq = tm & (t < nqv)
+        vb = tl.load(v_codes + v_off, mask=vq[None, :, None], other=0)
+        vs = tl.load(v_scale + vs_off, mask=vq[:, None], other=0.0).to(tl.float32)
+        vz = tl.load(v_zero + vs_off, mask=vq[:, None], other=0.0).to(tl.float32)
+        vc = _code_values((vb.to(tl.int32) >> sh_v) & ((1 << V_BITS) - 1), v_levels, HAS_LEVELS)
+        vdq = vc * vs[None, :, :] + vz[None, :, :]
+        ch_v = jv[None, :] * V_PER + iv[:, None]
+        slot = (bh64 * RR + t % R)[None, :, None] * D + ch_v[:, None, :]
+        vres = tl.load(v_res + slot, mask=(tm & (t >= nqv))[None, :, None], other=0.0).to(tl.float32)
+        v = tl.where(vq[None, :, None], vdq, vres)
+        acc = acc * alpha + p[None, :, None] * v
+        accz = accz * alpha  # [NBV]: the zero-point term sum_t p_t z_t of the fast tiles
+    else:
+        vb = tl.load(v_codes + v_off)
+        vs = tl.load(v_scale + vs_off).to(tl.float32)
+        vz = tl.load(v_zero + vs_off).to(tl.float32)
+        vc = _code_values((vb.to(tl.int32) >> sh_v) & ((1 << V_BITS) - 1), v_levels, HAS_LEVELS)
+        # sum_t p_t (c s + z) = sum_t (p_t s) c + sum_t p_t z: the zero term has no code axis
+        acc = acc * alpha + (p[:, None] * vs)[None, :, :] * vc
+        accz = accz * alpha + tl.sum(p[:, None] * vz, axis=0)
+    return acc, accz, m_new, l_i
+
+
+@triton.jit
+def _decode_pool_tile(
+    acc, accz, m_i, l_i, q2, q2_rot, freq, j0, bh64, P, pool_k, pool_v, pool_pos,
+    ROPE: tl.constexpr, D: tl.constexpr, K_PER: tl.constexpr, V_PER: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One online-softmax step of one query over pool slots [j0, j0 + BLOCK_N): exact keys/values,
+    in the [PER, BLOCK_N, D // PER] layout of _decode_tile. Every filled slot is visible: pooled
+    tokens are stored tokens, all at or before the decode query (position L - 1). ROPE: pre-RoPE
+    pool keys at their pool_pos (_decode_scores)."""
+    j = j0 + tl.arange(0, BLOCK_N)
+    jm = j < P
+    ppos = tl.load(pool_pos + bh64 * P + j, mask=jm, other=-1)
+    filled = ppos >= 0
+    row = bh64 * P + j
+    ik = tl.arange(0, K_PER)
+    jk = tl.arange(0, D // K_PER)
+    ch_k = jk[None, :] * K_PER + ik[:, None]
+    k = tl.load(pool_k + row[None, :, None] * D + ch_k[:, None, :], mask=jm[None, :, None], other=0.0)
+    s = _decode_scores(q2, q2_rot, freq, ppos, k.to(tl.float32), ROPE)
+    s = tl.where(filled, s, float("-inf"))
+    p, alpha, m_new, l_i = _decode_softmax_step(s, m_i, l_i, True)
+    iv = tl.arange(0, V_PER)
+    jv = tl.arange(0, D // V_PER)
+    ch_v = jv[None, :] * V_PER + iv[:, None]
+    v = tl.load(pool_v + row[None, :, None] * D + ch_v[:, None, :], mask=jm[None, :, None], other=0.0)
+    acc = acc * alpha + p[None, :, None] * v.to(tl.float32)
+    accz = accz * alpha
+    return acc, accz, m_new, l_i
+
+
+@triton.jit
+def _attend_decode_kernel(
+    q_ptr, s_qb, s_qh, s_qd,
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths_ptr, counts_ptr,
+    pool_k, pool_v, pool_pos, k_levels, v_levels, rope_inv_freq, ws_m, ws_l, ws_acc, out_ptr,
+    H, HQ, S, NSG, P, qk_scale,
+    HAS_COUNTS: tl.constexpr, HAS_POOL: tl.constexpr, P_P: tl.constexpr, HAS_LEVELS: tl.constexpr,
+    ROPE: tl.constexpr, QG: tl.constexpr, D: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr,
+    G: tl.constexpr, NGV: tl.constexpr, GV: tl.constexpr, R: tl.constexpr, RR: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+):
+    """Decode (q_len == 1): one program per (batch row, query head, split). GQA heads of one kv
+    head read the same codes (L2 hits). Work items are per element, no tl.dot: a decode query is
+    one row, and padding it to a 16-row tensor-core tile cost more in layout shuffles through
+    shared memory than the products themselves (measured on H100, see benchmarks/results)."""
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = pid // HQ
+    hq = pid % HQ
+    bh64 = (b * H + hq // QG).to(tl.int64)
+    L = tl.load(lengths_ptr + b).to(tl.int32)
+    nqk = (L // R) * R
+    nqv = tl.maximum(L - R, 0)
+
+    ik = tl.arange(0, K_PER)
+    jk = tl.arange(0, D // K_PER)
+    ch_k = jk[None, :] * K_PER + ik[:, None]
+    q_row = q_ptr + b.to(tl.int64) * s_qb + hq.to(tl.int64) * s_qh
+    q2 = tl.load(q_row + ch_k.to(tl.int64) * s_qd).to(tl.float32)
+    q2 = q2 * qk_scale
+    if ROPE:
+        # rot(q) = cat(-q[D/2:], q[:D/2]) (rope._rotate_half), read from the partner channels
+        partner = (ch_k + D // 2) % D
+        q2_rot = tl.load(q_row + partner.to(tl.int64) * s_qd).to(tl.float32) * qk_scale
+        q2_rot = tl.where(ch_k < D // 2, -q2_rot, q2_rot)
+        freq = tl.load(rope_inv_freq + ch_k % (D // 2))
+    else:
+        q2_rot = q2  # unused
+        freq = q2  # unused
+
+    split_len = tl.cdiv(tl.cdiv(L, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = sp * split_len
+    hi = tl.minimum(lo + split_len, L)
+    # Split 0 also takes the pool's exact tokens; the reduce kernel merges them like any split.
+    pool_end = tl.where(sp == 0, P, 0)
+    if HAS_COUNTS:
+        real = tl.load(counts_ptr + b) > 0
+        hi = tl.where(real, hi, lo)  # a padded row (counts 0) attends to nothing: 0
+        pool_end = tl.where(real, pool_end, 0)
+    mid = tl.maximum(tl.minimum((tl.minimum(nqk, nqv) // BLOCK_N) * BLOCK_N, hi), lo)
+
+    pp = _load_pool_positions(pool_pos, bh64, P, P_P, HAS_POOL)
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.zeros([], tl.float32)
+    acc = tl.zeros([V_PER, BLOCK_N, D // V_PER], tl.float32)
+    accz = tl.zeros([D // V_PER], tl.float32)
+    for t0 in range(lo, mid, BLOCK_N):
+        acc, accz, m_i, l_i = _decode_tile(
+            acc, accz, m_i, l_i, q2, q2_rot, freq, t0, mid, nqk, nqv, pp, bh64, S, NSG,
+            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
+            False, HAS_POOL, HAS_LEVELS, ROPE, D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, BLOCK_N,
+        )
+    for t0 in range(mid, hi, BLOCK_N):
+        acc, accz, m_i, l_i = _decode_tile(
+            acc, accz, m_i, l_i, q2, q2_rot, freq, t0, hi, nqk, nqv, pp, bh64, S, NSG,
+            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
+            True, HAS_POOL, HAS_LEVELS, ROPE, D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, BLOCK_N,
+        )
+    if HAS_POOL:
+        for j0 in range(0, pool_end, BLOCK_N):
+            acc, accz, m_i, l_i = _decode_pool_tile(
+                acc, accz, m_i, l_i, q2, q2_rot, freq, j0, bh64, P, pool_k, pool_v, pool_pos,
+                ROPE, D, K_PER, V_PER, BLOCK_N,
+            )
+
+    iv = tl.arange(0, V_PER)
+    jv = tl.arange(0, D // V_PER)
+    ch_v = jv[None, :] * V_PER + iv[:, None]  # [V_PER, NBV]
+    o = tl.sum(acc, axis=1) + accz[None, :]
+    if NUM_SPLITS == 1:
+        o = tl.math.div_rn(o, tl.zeros_like(o) + tl.where(l_i > 0.0, l_i, 1.0))
+        o = tl.where(l_i > 0.0, o, 0.0)
+        tl.store(out_ptr + pid.to(tl.int64) * D + ch_v, _cast(o, out_ptr.dtype.element_ty, EMULATE_RTNE))
+    else:
+        w = (bh64 * NUM_SPLITS + sp) * QG + hq % QG
+        tl.store(ws_m + w, m_i)
+        tl.store(ws_l + w, l_i)
+        tl.store(ws_acc + w * D + ch_v, o)
+
+
+def attend_decode(
+    query: torch.Tensor, t: LayerTensors, counts: Optional[torch.Tensor], p: QuantParams, scale: float, *,
+    num_splits: Optional[int] = None, block_n: Optional[int] = None, num_warps: Optional[int] = None,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Attention of one query per row, query [B, Hq, 1, D] with D a power of two, over the cache,
+    like attend_reference (module doc); anything else is a ValueError (attend_split takes it).
+    The pool (t.pool) and KVQuant's nuq levels and pre-RoPE keys (t.extras) are read by the
+    kernel; the sparse outlier store is refused (ValueError). num_splits / block_n / num_warps /
+    num_stages override the static choices (tests, tuning)."""
+    (B, H, S, D, R, RR, G, gv), pool_args, extras_args, out = attend_setup(query, t, p)
+    Hq, q_len = query.shape[1], query.shape[2]
+    if q_len != 1:
+        raise ValueError(f"attend_decode takes one query per row (q_len == 1), got q_len={q_len}; "
+                         f"attend_split takes any q_len")
+    if D & (D - 1):
+        raise ValueError(f"attend_decode needs a power-of-two head_dim, got {D}; attend_split takes any")
+    if out.numel() == 0:
+        return out
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = t.kivi
+    k_bits, v_bits = p.k_bits, p.v_bits
+    QG = Hq // H
+    block_n = min(block_n or DECODE_BLOCK_N, G)  # a tile never straddles a key group
+    if num_splits is None:
+        target = num_programs_target(query.device) // 2 * DECODE_PROGRAMS_PER_SM
+        num_splits = max(1, min(triton.cdiv(target, B * Hq), triton.cdiv(max(S, 1), block_n), MAX_SPLITS))
+    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    if query.dtype != k_res.dtype:
+        query = query.to(k_res.dtype)
+    has_counts = counts is not None
+    ws_m, ws_l, ws_acc = split_workspace(B * H, num_splits, QG, D, out)
+    interp = interpreting()
+    pool_k, pool_v, pool_pos, P, has_pool, p_p = pool_args
+    k_levels, v_levels, rope_inv_freq, has_levels, rope = extras_args
+    wrap = torch.library.wrap_triton
+    with device_ctx(query):
+        wrap(_attend_decode_kernel)[(B * Hq, num_splits)](
+            query, query.stride(0), query.stride(1), query.stride(3),
+            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+            counts if has_counts else lengths, pool_k, pool_v, pool_pos, k_levels, v_levels, rope_inv_freq,
+            ws_m, ws_l, ws_acc, out,
+            H, Hq, S, k_scale.shape[2], P, float(scale) * LOG2E,
+            HAS_COUNTS=has_counts, HAS_POOL=has_pool, P_P=p_p, HAS_LEVELS=has_levels, ROPE=rope,
+            QG=QG, D=D, K_BITS=k_bits, K_PER=codes_per_byte(k_bits),
+            V_BITS=v_bits, V_PER=codes_per_byte(v_bits), G=G, NGV=D // gv, GV=gv, R=R, RR=RR,
+            BLOCK_N=block_n, NUM_SPLITS=num_splits, EMULATE_RTNE=interp,
+            num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages,
+        )
+        if num_splits > 1:
+            launch_reduce(ws_m, ws_l, ws_acc, out, B * H, QG, QG, num_splits)
+    return out

@@ -1,0 +1,187 @@
+"""kivi_ops.dispatch: the support matrix of its docstring, its errors, and the rule that only the
+cache modules name cache buffers."""
+
+import itertools
+import pathlib
+import re
+
+import pytest
+import torch
+
+from kivi_ops import KIVICache, KIVIConfig, dispatch
+from kivi_ops.dispatch import Choice
+from kivi_ops.kernels.decomposed_attend import attend_fused, attend_materialized
+from kivi_ops.layout import LayerTensors
+
+# ---------------------------------------------------------------- the support matrix
+
+# kivi_ops/dispatch.py's matrix, written out: (device, mode) -> (append, attend q_len == 1,
+# attend q_len > 1), each (implementation, runs inside the kivi op).
+OP, INLINE = True, False
+REFERENCE_OP = (("reference", OP),) * 3
+PORTABLE = (("decomposed", INLINE), ("decomposed_materialized", INLINE), ("decomposed_materialized", INLINE))
+TRITON = (("triton", OP), ("triton_decode", OP), ("triton_split", OP))
+MATRIX = {
+    ("cpu", "eager"): REFERENCE_OP,
+    ("cpu", "export"): REFERENCE_OP,
+    ("cpu", "compile"): (("decomposed", INLINE), ("decomposed_fused", INLINE), ("decomposed_materialized", INLINE)),
+    ("cpu", "portable"): PORTABLE,
+    ("cuda", "portable"): PORTABLE,
+    ("cuda", "eager"): TRITON,
+    ("cuda", "compile"): TRITON,
+    ("cuda", "export"): TRITON,
+    # "Other devices run the reference inside the op"; portable is the same on any device.
+    ("mps", "eager"): REFERENCE_OP,
+    ("mps", "compile"): REFERENCE_OP,
+    ("mps", "export"): REFERENCE_OP,
+    ("mps", "portable"): PORTABLE,
+}
+DEVICES = ("cpu", "cuda", "mps")
+
+OPTIONS = ("pool", "nuq", "sparse", "pre_rope")
+
+
+def expected_choice(op, device, mode, q_len, options, head_dim):
+    """The matrix cell, then its footnotes."""
+    append, decode, longer = MATRIX[device, mode]
+    impl, in_op = append if op == "append" else decode if q_len == 1 else longer
+    if mode == "portable":
+        return impl, in_op
+    kvquant = {"nuq", "sparse", "pre_rope"} & options
+    if impl == "decomposed_fused" and kvquant:  # [1]
+        impl = "decomposed_materialized"
+    if impl == "triton" and {"pool", "sparse"} & options:  # [2]
+        impl = "decomposed"
+    if impl == "triton_decode" and head_dim & (head_dim - 1):  # [3]
+        impl = "triton_split"
+    if impl in ("triton_decode", "triton_split") and "sparse" in options:  # [3], [4]
+        impl = "decomposed_materialized"
+    return impl, in_op
+
+
+def layer_with(options, head_dim):
+    """A LayerTensors with tiny tensors of the right rank (choose reads shapes and None-ness only)."""
+    B, H, S, R, P, D = 1, 1, 8, 4, 2, head_dim
+    t = LayerTensors(
+        torch.zeros(B, H, S, D // 4, dtype=torch.uint8), torch.zeros(B, H, S // 4, D), torch.zeros(B, H, S // 4, D),
+        torch.zeros(B, H, R, D), torch.zeros(B, H, S, D // 4, dtype=torch.uint8), torch.zeros(B, H, S, D // 4),
+        torch.zeros(B, H, S, D // 4), torch.zeros(B, H, R, D), torch.zeros(B, dtype=torch.int64))
+    if "pool" in options:
+        t = t._replace(pool_k=torch.zeros(B, H, P, D), pool_v=torch.zeros(B, H, P, D),
+                       pool_pos=torch.full((B, H, P), -1, dtype=torch.int64))
+    if "nuq" in options:
+        t = t._replace(k_levels=torch.zeros(4), v_levels=torch.zeros(4))
+    if "sparse" in options:
+        t = t._replace(k_sparse=torch.zeros(B, H, 2, D), k_sparse_idx=torch.zeros(B, H, 2, D, dtype=torch.int16),
+                       v_sparse=torch.zeros(B, H, S, 1), v_sparse_idx=torch.zeros(B, H, S, 1, dtype=torch.int16))
+    if "pre_rope" in options:
+        t = t._replace(rope_inv_freq=torch.zeros(D // 2))
+    return t
+
+
+OPTION_SETS = [frozenset(c) for n in range(len(OPTIONS) + 1) for c in itertools.combinations(OPTIONS, n)]
+
+
+def test_choose_follows_the_support_matrix():
+    seen = set()
+    walk = itertools.product(dispatch.OPS, DEVICES, dispatch.MODES, (1, 4), OPTION_SETS, (64, 48))
+    for op, device, mode, q_len, options, head_dim in walk:
+        got = dispatch.choose(op, device=device, mode=mode, q_len=q_len, layer=layer_with(options, head_dim))
+        want = expected_choice(op, device, mode, q_len, options, head_dim)
+        where = f"{op} on {device}, {mode}, q_len={q_len}, options={sorted(options)}, head_dim={head_dim}"
+        assert isinstance(got, Choice), where
+        assert (got.implementation, got.in_op) == want, where
+        seen.add(got.implementation)
+    assert seen == set(dispatch.IMPLEMENTATIONS)  # the walk reaches every implementation
+    assert len(OPTION_SETS) == 16  # plain, each option alone, and every combination
+
+
+def test_compiled_decode_report():
+    assert dispatch.compiled_decode("cpu") == {"append": "decomposed", "attend": "decomposed_fused"}
+    assert dispatch.compiled_decode("cuda") == {"append": "triton", "attend": "triton_decode"}
+    assert dispatch.compiled_decode("cuda", head_dim=48) == {"append": "triton", "attend": "triton_split"}
+
+
+def test_choose_and_run_reject_unknown_names():
+    layer = layer_with(frozenset(), 64)
+    with pytest.raises(ValueError, match=r"op must be one of \('append', 'attend'\), got 'nope'"):
+        dispatch.choose("nope", device="cpu", mode="eager", q_len=1, layer=layer)
+    with pytest.raises(ValueError, match=r"mode must be one of \('eager', 'compile', 'export', 'portable'\), "
+                                         r"got 'jit'"):
+        dispatch.choose("attend", device="cpu", mode="jit", q_len=1, layer=layer)
+    with pytest.raises(ValueError, match="no append implementation 'nope'"):
+        dispatch.run_append("nope", layer, None, None, None, None)
+    with pytest.raises(ValueError, match="no attend implementation 'nope'"):
+        dispatch.run_attend("nope", None, layer, None, None, 1.0)
+
+
+def test_attend_form_follows_q_len_and_portable():
+    # (was test_decomposed.py's form="auto" test) Compiled on CPU, decode (q_len == 1) runs the
+    # fused form and longer queries the materialized one; a portable cache runs the materialized
+    # form in eager mode too.
+    cfg = KIVIConfig(2, 2, 8, 16)
+    cache = KIVICache(cfg, num_layers=1, batch_size=2, max_seq_len=64, num_kv_heads=2, head_dim=32)
+    cache.append(0, torch.randn(2, 2, 40, 32), torch.randn(2, 2, 40, 32))
+    layer, params = cache.layer_tensors(0), cache.layers[0].params
+    assert dispatch.current_mode(False) == "eager" and dispatch.current_mode(True) == "portable"
+    for q in (1, 4):
+        query = torch.randn(2, 4, q, 32)
+        choice = dispatch.choose("attend", device="cpu", mode="compile", q_len=q, layer=layer)
+        name, form = ("decomposed_fused", attend_fused) if q == 1 else ("decomposed_materialized", attend_materialized)
+        assert choice == Choice(name, in_op=False)
+        got = dispatch.run_attend(choice.implementation, query, layer, None, params, 0.2)
+        assert torch.equal(got, form(query, layer, None, params, 0.2))
+        cache.portable = True
+        assert torch.equal(cache.attend(0, query, scale=0.2), attend_materialized(query, layer, None, params, 0.2))
+        cache.portable = False
+
+
+# ---------------------------------------------------------------- buffer names
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCANNED = ("kivi_ops", "models", "export", "benchmarks", "tests")
+# The modules that own cache buffers and may name them.
+OWNERS = {ROOT / "kivi_ops" / "cache.py", ROOT / "kivi_ops" / "layer.py", ROOT / "models" / "fp_cache.py"}
+# getattr/setattr/... with an f-string name glued to a placeholder by "_": getattr(cache, f"k_{i}"),
+# getattr(a, f"{name}_0").
+ATTR_BY_FSTRING = re.compile(
+    r"""\b(?:getattr|setattr|hasattr|delattr|register_buffer)\(\s*(?:[^,()]|\([^()]*\))*,\s*"""
+    r"""f["'][^"'\n]*(?:_\{|\}_)""")
+# Module._buffers, the dict behind named buffers.
+BUFFER_DICT = re.compile(r"\._buffers\b")
+# Old-style per-layer buffer names built from strings (f"{n}_{i}", f"cache.{name}_0") on a line
+# about cache buffers.
+NAME_BY_FSTRING = re.compile(r"""\bf["'][^"'\n]*\}_(?:\d+|\{[^}]*\})["']""")
+CACHE_LINE = re.compile(r"buffers\(|\bcache|\bstate\b|layer_")
+
+
+def name_building(line: str) -> bool:
+    return bool(ATTR_BY_FSTRING.search(line) or BUFFER_DICT.search(line)
+                or (NAME_BY_FSTRING.search(line) and CACHE_LINE.search(line)))
+
+
+def test_scan_patterns_catch_buffer_names_built_from_strings():
+    for line in ('x = getattr(cache, f"k_codes_{layer}")', 'getattr(self.cache, f"k_{i}")',
+                 'assert torch.equal(getattr(a, f"{name}_0"), getattr(b, f"{name}_0")), name',
+                 'setattr(module, f"v_res_{i}", t)', 'bufs = cache._buffers["k_0"]',
+                 'assert [n for n, _ in cache.named_buffers()] == [f"{n}_{i}" for i in range(2) for n in NAMES]',
+                 'assert torch.equal(state[f"cache.{name}_0"], buf), name'):
+        assert name_building(line), line
+    for line in ('method = getattr(args, "method", "kivi")', 'getattr(t, "shape", t)',
+                 'row.update({f"{method}_{k}": v for k, v in m.items()})',
+                 'for name, buf in cache.named_buffers():', 'bufs = cache.layer_tensors(0).kivi',
+                 'raise ValueError(f"{name} must be >= 0, got {v}")'):
+        assert not name_building(line), line
+
+
+def test_only_the_cache_modules_build_buffer_names():
+    here = pathlib.Path(__file__).resolve()  # this file spells the patterns out
+    found = []
+    for folder in SCANNED:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path in OWNERS or path == here:
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if name_building(line):
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not found, "cache buffer names built from strings (use the layer modules):\n" + "\n".join(found)
