@@ -13,8 +13,8 @@ import torch
 
 from cache_step import CacheStep, check_compiled_matches_eager, check_export_matches_eager, step_inputs
 from kivi_ops import KIVICache, KIVIConfig
+from kivi_ops.layout import REQUIRED_TENSORS, LayerTensors
 from kivi_ops.nuq import fake_quantize_nuq, uniform_levels
-from kivi_ops.ops import CACHE_BUFFERS
 
 B, H, HQ, D, S, G, R = 2, 2, 4, 16, 72, 8, 16
 INV_FREQ = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
@@ -84,8 +84,11 @@ def reference_attention(query, K, V, lengths, counts, cfg, scale):
     return out
 
 
-def run(cfg, impl, *, check=True):
-    cache = make_cache(cfg).use_impl(impl)
+def run(cfg, portable, *, check=True):
+    """portable: the decomposed forms (append_decomposed, attend_materialized, which every
+    KVQuant option takes), else the kivi ops."""
+    cache = make_cache(cfg)
+    cache.portable = portable
     K, V = make_tokens(0, S)
     gen = torch.Generator().manual_seed(1)
     L = torch.zeros(B, dtype=torch.long)
@@ -109,17 +112,17 @@ def run(cfg, impl, *, check=True):
     return cache
 
 
-@pytest.mark.parametrize("impl", ["op", "decomposed"])
+@pytest.mark.parametrize("portable", [False, True], ids=["op", "decomposed"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_cache_matches_independent_reference(name, impl):
-    run(CONFIGS[name], impl)
+def test_cache_matches_independent_reference(name, portable):
+    run(CONFIGS[name], portable)
 
 
 def test_op_and_decomposed_write_identical_buffers_with_every_option():
     cfg = KIVIConfig(2, 4, G, R, pre_rope=True, sparse_outliers=0.1, sink_tokens=1, outlier_tokens=2,
                      outlier_skip_layers=0, **NUQ)
-    a, b = run(cfg, "op", check=False), run(cfg, "decomposed", check=False)
-    for (name, x), (_, y) in zip(a.named_buffers(), b.named_buffers()):
+    a, b = run(cfg, False, check=False), run(cfg, True, check=False)
+    for (name, x), (_, y) in zip(a.named_buffers(), b.named_buffers(), strict=True):
         assert torch.equal(x, y), name
     query = torch.randn(B, HQ, 1, D)
     torch.testing.assert_close(a.attend(0, query), b.attend(0, query), atol=ATOL, rtol=RTOL)
@@ -128,9 +131,9 @@ def test_op_and_decomposed_write_identical_buffers_with_every_option():
 def test_uniform_levels_store_exactly_what_kivi_stores():
     uniform = KIVIConfig(2, 4, G, R, key_levels=(tuple(uniform_levels(2).tolist()),),
                          value_levels=(tuple(uniform_levels(4).tolist()),))
-    a, b = run(KIVIConfig(2, 4, G, R), "op", check=False), run(uniform, "op", check=False)
-    for name in CACHE_BUFFERS:
-        assert torch.equal(getattr(a, f"{name}_0"), getattr(b, f"{name}_0")), name
+    a, b = run(KIVIConfig(2, 4, G, R), False, check=False), run(uniform, False, check=False)
+    for name, x, y in zip(REQUIRED_TENSORS, a.layer_tensors(0).kivi, b.layer_tensors(0).kivi, strict=True):
+        assert torch.equal(x, y), name
     query = torch.randn(B, HQ, 1, D)
     torch.testing.assert_close(a.attend(0, query), b.attend(0, query), atol=ATOL, rtol=RTOL)
 
@@ -156,7 +159,7 @@ def test_pre_rope_keys_are_stored_unrotated():
     cache = make_cache(CONFIGS["pre_rope"])
     K, V = make_tokens(4, 10)
     cache.append(0, K, V)
-    assert torch.equal(cache.k_res_0[:, :, :10], K)  # residual: the pre-RoPE keys as given
+    assert torch.equal(cache.layers[0].k_res[:, :, :10], K)  # residual: the pre-RoPE keys as given
 
 
 def test_nbytes_counts_the_sparse_store_and_constants():
@@ -171,12 +174,13 @@ def test_nbytes_counts_the_sparse_store_and_constants():
 
 
 def test_reset_empties_the_sparse_store_and_keeps_constants():
-    cache = run(CONFIGS["all"], "op", check=False)
-    levels, freq = cache.k_levels_0.clone(), cache.rope_inv_freq.clone()
+    cache = run(CONFIGS["all"], False, check=False)
+    layer = cache.layers[0]
+    levels, freq = layer.levels.k.clone(), cache.rope_inv_freq.clone()
     cache.reset()
-    assert (cache.k_sparse_idx_0 == -1).all() and (cache.v_sparse_idx_0 == -1).all()
-    assert not cache.k_sparse_0.any() and int(cache.lengths_0.sum()) == 0
-    assert torch.equal(cache.k_levels_0, levels) and torch.equal(cache.rope_inv_freq, freq)
+    assert (layer.sparse.k_idx == -1).all() and (layer.sparse.v_idx == -1).all()
+    assert not layer.sparse.k.any() and int(layer.lengths.sum()) == 0
+    assert torch.equal(layer.levels.k, levels) and torch.equal(cache.rope_inv_freq, freq)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -203,45 +207,67 @@ def test_cache_checks_levels_per_layer_and_rope_frequencies():
                   rope_inv_freq=INV_FREQ)
 
 
-def test_ops_check_extras_and_opcheck():
-    cache = run(CONFIGS["all"], "op", check=False)
-    c = cache.config
-    ex = cache.layer_extras(0, attend=True)
-    bufs = cache.layer_buffers(0)
+def clone_layer(layer):
+    return LayerTensors(*(None if t is None else t.clone() for t in layer))
+
+
+def opcheck_cache_ops(cache):
+    """opcheck of both ops on layer 0 of a filled cache (a chunk append, a ragged 2-token attend)."""
+    layer, params = cache.layer_tensors(0), cache.layers[0].params
     k, v = torch.randn(B, H, 3, D), torch.randn(B, H, 3, D)
-    clone = lambda ts: [t.clone() for t in ts]  # noqa: E731
     torch.library.opcheck(torch.ops.kivi.cache_append.default,
-                          (*clone(bufs), k, v, torch.tensor([3, 1]), 2, 4, G, R, *ex[:2], *clone(ex[2:6])))
+                          (*clone_layer(layer), k, v, torch.tensor([3, 1]), *params))
     torch.library.opcheck(torch.ops.kivi.cache_attend.default,
-                          (torch.randn(B, HQ, 2, D), *bufs, torch.tensor([2, 1]), c.k_bits, c.v_bits, G, R, 0.25, *ex))
+                          (torch.randn(B, HQ, 2, D), *layer, torch.tensor([2, 1]), *params, 0.25))
+
+
+def test_ops_check_extras_and_opcheck():
+    cache = run(CONFIGS["all"], False, check=False)
+    layer, params = cache.layer_tensors(0), cache.layers[0].params
+    assert params[:4] == (2, 4, G, R)
+    ex = layer.extras
+    assert ex.k_levels is not None and ex.sparse and ex.rope_inv_freq is not None
+    opcheck_cache_ops(cache)
     with pytest.raises(ValueError, match=r"k_levels must be float32 \[4\]"):
-        torch.ops.kivi.cache_attend(torch.randn(B, HQ, 1, D), *bufs, None, 2, 4, G, R, 0.25,
-                                    ex.v_levels, ex.v_levels)
+        torch.ops.kivi.cache_attend(torch.randn(B, HQ, 1, D), *layer._replace(k_levels=ex.v_levels), None, *params,
+                                    0.25)
     with pytest.raises(ValueError, match="rope_inv_freq must be float32"):
-        torch.ops.kivi.cache_attend(torch.randn(B, HQ, 1, D), *bufs, None, 2, 4, G, R, 0.25, rope_inv_freq=INV_FREQ[:3])
+        torch.ops.kivi.cache_attend(torch.randn(B, HQ, 1, D), *layer._replace(rope_inv_freq=INV_FREQ[:3]), None,
+                                    *params, 0.25)
+
+
+def test_opcheck_with_every_option():
+    # KVQuant's options and the sink/OTT pool on at once.
+    cfg = KIVIConfig(2, 4, G, R, pre_rope=True, sparse_outliers=0.1, sink_tokens=1, outlier_tokens=2,
+                     outlier_skip_layers=0, **NUQ)
+    cache = run(cfg, False, check=False)
+    layer = cache.layer_tensors(0)
+    assert layer.pool is not None and all(t is not None for t in layer)
+    opcheck_cache_ops(cache)
 
 
 # ---------------------------------------------------------------- compile / export with the options on
 
 
-def make_step(impl):
-    return CacheStep(make_cache(CONFIGS["all"]), impl, *make_tokens(5, 31), torch.tensor([31, 20]))
+def make_step(**mode):
+    return CacheStep(make_cache(CONFIGS["all"]), *make_tokens(5, 31), torch.tensor([31, 20]), **mode)
 
 
 def test_compile_fullgraph_with_every_option():
-    # Row 0 crosses a key flush (32 tokens) at the second step.
-    check_compiled_matches_eager(make_step, "op", step_inputs(3, B=B, H=H, HQ=HQ, D=D), atol=0, rtol=0)
+    # The kivi ops themselves in a compiled graph (what CUDA runs). Row 0 crosses a key flush
+    # (32 tokens) at the second step.
+    check_compiled_matches_eager(make_step, step_inputs(3, B=B, H=H, HQ=HQ, D=D), through_op=True, atol=0, rtol=0)
 
 
 @pytest.mark.slow  # Inductor compile, about 30 s on 2 cores with a cold cache
 def test_compile_fullgraph_decomposed_with_every_option():
-    check_compiled_matches_eager(make_step, "decomposed", step_inputs(3, B=B, H=H, HQ=HQ, D=D), atol=ATOL, rtol=RTOL)
+    # What compiled CPU decode runs: the decomposed forms (attend_materialized with KVQuant's options).
+    check_compiled_matches_eager(make_step, step_inputs(3, B=B, H=H, HQ=HQ, D=D), atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("impl", ["op", "decomposed"])
-def test_export_with_every_option(impl):
-    check_export_matches_eager(make_step, impl, step_inputs(2, B=B, H=H, HQ=HQ, D=D), "cache_attend",
-                               atol=ATOL, rtol=RTOL)
+@pytest.mark.parametrize("portable", [False, True], ids=["op", "portable"])
+def test_export_with_every_option(portable):
+    check_export_matches_eager(make_step, portable, step_inputs(2, B=B, H=H, HQ=HQ, D=D), atol=ATOL, rtol=RTOL)
 
 
 # ---------------------------------------------------------------- the model

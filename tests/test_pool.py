@@ -3,8 +3,9 @@
 The reference below re-derives, per sequence and kv head, what attention must see from the
 exact keys/values alone (Python lists and sorted(), dense fake quantization, plain softmax):
 which tokens are pooled, the quantized keys of each group computed without its pooled rows,
-and exact K/V for pooled tokens. The cache ops (CPU reference kernel and the decomposed
-formulation) must agree with it after every append.
+and exact K/V for pooled tokens. The cache ops (CPU reference kernel, eager) and the decomposed
+forms (a portable cache: decomposed append, materialized attention; and the fused decode form
+compiled CPU decode runs) must agree with it after every append.
 """
 
 import math
@@ -15,7 +16,8 @@ import torch
 
 from cache_step import CacheStep, check_compiled_matches_eager, check_export_matches_eager, step_inputs
 from kivi_ops import KIVICache, KIVIConfig
-from kivi_ops.ops import CACHE_BUFFERS
+from kivi_ops.kernels.decomposed_attend import attend_fused
+from kivi_ops.layout import REQUIRED_TENSORS, LayerTensors
 
 B, H, HQ, D, S = 2, 2, 4, 16, 72
 ATOL = RTOL = 1e-5
@@ -104,11 +106,12 @@ def schedule(seed):
     return [[rnd.randint(17, 26), rnd.randint(9, 26)]] + [[1, 1]] * 9 + [[7, rnd.randint(0, 7)]] + [[1, 1]] * 12
 
 
-def run(cfg, impl, seed=0, layer=0, num_layers=1, check_every=True):
-    """Append per schedule to a cache; after every append compare decode (and chunk) attention
-    with the independent reference. Returns the cache."""
+def run(cfg, portable, seed=0, layer=0, num_layers=1, check_every=True):
+    """Append per schedule to a cache (portable: the decomposed forms, else the kivi ops); after
+    every append compare decode (and chunk) attention with the independent reference (portable:
+    decode also in the fused form, attend_fused). Returns the cache."""
     cache = KIVICache(cfg, num_layers=num_layers, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
-    cache.use_impl(impl)
+    cache.portable = portable
     n_out = cfg.layer_outlier_tokens(layer)
     T = sum(max(c) for c in schedule(seed))
     K, V = make_keys(T, seed)
@@ -135,6 +138,9 @@ def run(cfg, impl, seed=0, layer=0, num_layers=1, check_every=True):
             q = torch.randn(B, HQ, 1, D, generator=gen)
             want = reference_attend(q, Kr, Vr, cache.lengths(layer), None, cfg, n_out, scale)
             torch.testing.assert_close(cache.attend(layer, q), want, atol=ATOL, rtol=RTOL)
+            if portable:
+                fused = attend_fused(q, cache.layer_tensors(layer), None, cache.layers[layer].params, scale)
+                torch.testing.assert_close(fused, want, atol=ATOL, rtol=RTOL)
             if n > 1:  # the chunk's own queries, causal over the chunk
                 q = torch.randn(B, HQ, n, D, generator=gen)
                 want = reference_attend(q, Kr, Vr, cache.lengths(layer), cnt, cfg, n_out, scale)
@@ -143,7 +149,8 @@ def run(cfg, impl, seed=0, layer=0, num_layers=1, check_every=True):
     for b in range(B):
         for h in range(H):
             _, _, pooled = reference_view(Kr[b, h], Vr[b, h], int(cache.lengths(layer)[b]), cfg, n_out)
-            pos = cache.pool_buffers(layer)[2][b, h] if cache.pool_buffers(layer) else torch.empty(0)
+            pool = cache.layer_tensors(layer).pool
+            pos = pool[2][b, h] if pool is not None else torch.empty(0)
             assert sorted(p for p in pos.tolist() if p >= 0) == sorted(pooled)
     return cache
 
@@ -155,21 +162,21 @@ BOTH = KIVIConfig(2, 4, group_size=4, residual_length=16, sink_tokens=1, outlier
 
 
 @pytest.mark.parametrize("cfg", [SINK, OTT, BOTH], ids=["sink", "ott", "sink+ott"])
-@pytest.mark.parametrize("impl", ["op", "decomposed"])
-def test_cache_matches_independent_reference(cfg, impl):
-    run(cfg, impl, check_every=impl == "op")
+@pytest.mark.parametrize("portable", [False, True], ids=["op", "decomposed"])
+def test_cache_matches_independent_reference(cfg, portable):
+    run(cfg, portable, check_every=not portable)
 
 
 def test_spill_pool_fills_and_stops_new_outliers():
     cfg = KIVIConfig(2, 2, group_size=4, residual_length=8, outlier_tokens=2, outlier_spill=1, outlier_skip_layers=0)
-    cache = run(cfg, "op", seed=3, check_every=False)
-    pos = cache.pool_buffers(0)[2]
+    cache = run(cfg, False, seed=3, check_every=False)
+    pos = cache.layers[0].pool.pos
     assert (pos[..., 2] >= 0).all()  # every spill slot used
 
 
 def test_reference_and_decomposed_write_identical_buffers():
-    caches = [run(BOTH, impl, seed=5, check_every=False) for impl in ("op", "decomposed")]
-    for (name, a), (_, b) in zip(caches[0].named_buffers(), caches[1].named_buffers()):
+    caches = [run(BOTH, portable, seed=5, check_every=False) for portable in (False, True)]
+    for (name, a), (_, b) in zip(caches[0].named_buffers(), caches[1].named_buffers(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -177,15 +184,19 @@ def test_reference_and_decomposed_write_identical_buffers():
 def test_low_precision_reference_and_decomposed_agree(dtype):
     K, V = make_keys(45, 4)
     caches = [KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D, dtype=dtype)
-              .use_impl(impl) for impl in ("op", "decomposed")]
+              for _ in range(2)]
+    caches[1].portable = True  # the decomposed forms
     for cache in caches:
         cache.append(0, K[:, :, :21].to(dtype), V[:, :, :21].to(dtype), torch.tensor([21, 13]))
         for t in range(21, 45):
             cache.append(0, K[:, :, t : t + 1].to(dtype), V[:, :, t : t + 1].to(dtype))
-    for (name, a), (_, b) in zip(caches[0].named_buffers(), caches[1].named_buffers()):
+    for (name, a), (_, b) in zip(caches[0].named_buffers(), caches[1].named_buffers(), strict=True):
         assert torch.equal(a, b), name
     q = torch.randn(B, HQ, 1, D).to(dtype)
-    torch.testing.assert_close(caches[0].attend(0, q), caches[1].attend(0, q), atol=1e-2, rtol=1e-2)
+    want = caches[0].attend(0, q)
+    torch.testing.assert_close(caches[1].attend(0, q), want, atol=1e-2, rtol=1e-2)  # materialized
+    fused = attend_fused(q, caches[1].layer_tensors(0), None, caches[1].layers[0].params, 1 / math.sqrt(D))
+    torch.testing.assert_close(fused, want, atol=1e-2, rtol=1e-2)
 
 
 def test_dequantized_shows_pooled_tokens_exact():
@@ -193,7 +204,7 @@ def test_dequantized_shows_pooled_tokens_exact():
     cache = KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
     cache.append(0, K, V)
     keys, values = cache.dequantized(0)
-    pos = cache.pool_buffers(0)[2]
+    pos = cache.layers[0].pool.pos
     assert (pos[..., 1:] >= 0).any()
     for b, h, i in (pos >= 0).nonzero().tolist():
         t = int(pos[b, h, i])
@@ -206,8 +217,8 @@ def test_prefill_at_once_equals_token_by_token():
     caches[0].append(0, K, V)
     for t in range(40):
         caches[1].append(0, K[:, :, t : t + 1], V[:, :, t : t + 1])
-    for (name, a), (_, b) in zip(caches[0].named_buffers(), caches[1].named_buffers()):
-        if name.startswith(("k_res", "v_res")):  # slots past the window hold stale tokens either way
+    for (name, a), (_, b) in zip(caches[0].named_buffers(), caches[1].named_buffers(), strict=True):
+        if name.endswith((".k_res", ".v_res")):  # slots past the window hold stale tokens either way
             continue
         assert torch.equal(a, b), name
 
@@ -218,20 +229,25 @@ def test_prefill_at_once_equals_token_by_token():
 def test_options_off_is_plain_kivi():
     plain = KIVIConfig(2, 2, 4, 8)
     cache = KIVICache(plain, num_layers=2, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
-    assert [n for n, _ in cache.named_buffers()] == [f"{n}_{i}" for i in range(2) for n in CACHE_BUFFERS]
-    assert cache.pool_buffers(0) == ()
+    # nothing but the nine KIVI buffers per layer
+    for layer in cache.layers:
+        assert layer.pool is None and layer.sparse is None and layer.levels is None
+        assert [n for n, _ in layer.named_buffers()] == list(REQUIRED_TENSORS)
+    assert len(list(cache.named_buffers())) == 2 * len(REQUIRED_TENSORS)
+    assert cache.layer_tensors(0).pool is None
+    assert all(t is None for t in cache.layer_tensors(0)[len(REQUIRED_TENSORS):])
     # outliers only from layer outlier_skip_layers on; the first layers run the plain ops, bit for bit
     cfg = KIVIConfig(2, 2, 4, 8, outlier_tokens=3)
     ott = KIVICache(cfg, num_layers=3, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
     assert [cfg.layer_outlier_tokens(i) for i in range(3)] == [0, 0, 3]
-    assert ott.pool_buffers(1) == () and len(ott.pool_buffers(2)) == 3
+    assert ott.layer_tensors(1).pool is None and len(ott.layer_tensors(2).pool) == 3
     K, V = make_keys(30, 1)
     q = torch.randn(B, HQ, 1, D)
     for layer in (0, 1):
         ott.append(layer, K, V)
     cache.append(0, K, V)
-    for name in CACHE_BUFFERS:
-        assert torch.equal(getattr(ott, f"{name}_1"), getattr(cache, f"{name}_0")), name
+    for name, a, b in zip(REQUIRED_TENSORS, ott.layer_tensors(1).kivi, cache.layer_tensors(0).kivi, strict=True):
+        assert torch.equal(a, b), name
     assert torch.equal(ott.attend(1, q), cache.attend(0, q))
 
 
@@ -245,9 +261,9 @@ def test_nbytes_counts_the_pool():
 
 
 def test_reset_empties_the_pool():
-    cache = run(SINK, "op", check_every=False)
+    cache = run(SINK, False, check_every=False)
     cache.reset()
-    assert (cache.pool_buffers(0)[2] == -1).all()
+    assert (cache.layers[0].pool.pos == -1).all()
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -272,39 +288,40 @@ def test_outliers_skipping_every_layer_raise():
 
 
 def test_pool_ops_opcheck():
-    cache = run(BOTH, "op", check_every=False)
-    c = BOTH
-    bufs = (*cache.layer_buffers(0), *cache.pool_buffers(0))
+    cache = run(BOTH, False, check_every=False)
+    layer, params = cache.layer_tensors(0), cache.layers[0].params
+    assert layer.pool is not None and params == (2, 4, 4, 16, 1, 3)
+    clone = LayerTensors(*(None if t is None else t.clone() for t in layer))
     k, v = torch.randn(B, H, 3, D), torch.randn(B, H, 3, D)
-    torch.library.opcheck(torch.ops.kivi.cache_append_pool.default,
-                          (*[t.clone() for t in bufs], k, v, torch.tensor([3, 1]), 2, 4, 4, 16, 1, 3))
-    torch.library.opcheck(torch.ops.kivi.cache_attend_pool.default,
-                          (torch.randn(B, HQ, 2, D), *bufs, torch.tensor([2, 1]), c.k_bits, c.v_bits, 4, 16, 0.25))
+    torch.library.opcheck(torch.ops.kivi.cache_append.default, (*clone, k, v, torch.tensor([3, 1]), *params))
+    torch.library.opcheck(torch.ops.kivi.cache_attend.default,
+                          (torch.randn(B, HQ, 2, D), *layer, torch.tensor([2, 1]), *params, 0.25))
 
 
 # ---------------------------------------------------------------- compile / export with the options on
 
 
-def make_step(impl):
+def make_step(**mode):
     cache = KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
-    return CacheStep(cache, impl, *make_keys(31, 2), torch.tensor([31, 20]))
+    return CacheStep(cache, *make_keys(31, 2), torch.tensor([31, 20]), **mode)
 
 
 def test_compile_fullgraph_with_pool_ops():
-    # Row 0 crosses a key flush (32 tokens) at the first step.
-    check_compiled_matches_eager(make_step, "op", step_inputs(3, B=B, H=H, HQ=HQ, D=D), atol=0, rtol=0)
+    # The kivi ops themselves in a compiled graph (what CUDA runs). Row 0 crosses a key flush
+    # (32 tokens) at the first step.
+    check_compiled_matches_eager(make_step, step_inputs(3, B=B, H=H, HQ=HQ, D=D), through_op=True, atol=0, rtol=0)
 
 
 @pytest.mark.slow  # Inductor compile, 15-35 s on 2 cores with a cold cache
 def test_compile_fullgraph_decomposed_with_pool():
-    # What compiled CPU decode runs (generate.compile_decode_step switches the cache to "decomposed").
-    check_compiled_matches_eager(make_step, "decomposed", step_inputs(3, B=B, H=H, HQ=HQ, D=D), atol=ATOL, rtol=RTOL)
+    # What compiled CPU decode runs: dispatch.py traces the decomposed forms (append_decomposed,
+    # attend_fused) inline.
+    check_compiled_matches_eager(make_step, step_inputs(3, B=B, H=H, HQ=HQ, D=D), atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("impl", ["op", "decomposed"])
-def test_export_with_pool(impl):
-    check_export_matches_eager(make_step, impl, step_inputs(2, B=B, H=H, HQ=HQ, D=D), "cache_attend_pool",
-                               atol=ATOL, rtol=RTOL)
+@pytest.mark.parametrize("portable", [False, True], ids=["op", "portable"])
+def test_export_with_pool(portable):
+    check_export_matches_eager(make_step, portable, step_inputs(2, B=B, H=H, HQ=HQ, D=D), atol=ATOL, rtol=RTOL)
 
 
 # ---------------------------------------------------------------- command line
