@@ -138,6 +138,7 @@ class KIVICache(StaticCacheBase):
         """Raise before anything is written if appending n tokens (counts[b] for row b) would grow a
         sequence past max_seq_len (a host sync). Compiled appends cannot raise (the CPU's
         decomposed form and the CUDA kernels do not check); a compiled loop calls this first."""
+        self._check_counts_tensor(counts)
         check_capacity(self.lengths(layer_idx), counts, n, self.max_seq_len)
 
     def layer_tensors(self, layer_idx: int) -> LayerTensors:
@@ -173,14 +174,20 @@ class KIVICache(StaticCacheBase):
         if t.device != self.device:
             raise ValueError(f"{name} must be on the cache device {self.device}, got {t.device}")
 
-    def _check_counts(self, counts: Optional[torch.Tensor], n: int) -> None:
+    def _check_counts_tensor(self, counts: Optional[torch.Tensor]) -> None:
+        """counts' type, shape, dtype and device (no host sync)."""
         if counts is None:
             return
+        want = f"counts must be an int64 tensor of shape [{self.batch_size}] on {self.device} (or None)"
+        if not isinstance(counts, torch.Tensor):
+            raise ValueError(f"{want} (e.g. torch.tensor([...], device=...)), got {type(counts).__name__} {counts!r}")
         if counts.shape != (self.batch_size,) or counts.dtype != torch.int64 or counts.device != self.device:
-            raise ValueError(
-                f"counts must be an int64 tensor of shape [{self.batch_size}] on {self.device}, "
-                f"got {counts.dtype} {list(counts.shape)} on {counts.device}"
-            )
+            raise ValueError(f"{want}, got {counts.dtype} {list(counts.shape)} on {counts.device}")
+
+    def _check_counts(self, counts: Optional[torch.Tensor], n: int) -> None:
+        self._check_counts_tensor(counts)
+        if counts is None:
+            return
         if not torch.compiler.is_compiling() and bool(((counts < 0) | (counts > n)).any()):
             raise ValueError(f"counts must lie in [0, {n}] (the number of new tokens), got {counts.tolist()}")
 
@@ -188,9 +195,11 @@ class KIVICache(StaticCacheBase):
 
     def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, counts: Optional[torch.Tensor] = None) -> None:
         """Store key/value [batch, kv_heads, n, head_dim]; row b's first counts[b] tokens are real
-        (right padding), the rest are never stored. Raises before writing if a sequence would
-        exceed max_seq_len (in eager mode and in compiled mode on CPU; the CUDA kernel drops
-        tokens past capacity instead, since it cannot raise inside a CUDA graph)."""
+        (right padding), the rest are never stored. counts: None (all n tokens of every row) or an
+        int64 tensor [batch] on the cache's device (a list raises ValueError). Raises before
+        writing if a sequence would exceed max_seq_len (in eager mode and in compiled mode on CPU;
+        the CUDA kernel drops tokens past capacity instead, since it cannot raise inside a CUDA
+        graph)."""
         self._check_layer(layer_idx)
         self._check_tensor("key", key, self.num_kv_heads)
         self._check_tensor("value", value, self.num_kv_heads)
@@ -206,7 +215,14 @@ class KIVICache(StaticCacheBase):
                counts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention of query [batch, q_heads, q_len, head_dim] over the cache (quantized part +
         residual, one softmax, GQA, causal for q_len > 1: the queries' own keys must already be
-        appended). counts marks the real queries of right-padded rows, as in append."""
+        appended). counts marks the real queries of right-padded rows, as in append: query i of
+        row b sits at position lengths[b] - counts[b] + i and sees the keys at positions up to
+        its own.
+
+        Defined for any state of the cache: an output row is zeros when its query sees no key,
+        that is for padding rows (i >= counts[b]), for every row of an empty sequence (attend
+        before any append, after reset() or restart_rows()), and for queries placed before a
+        sequence's first token (counts[b], or q_len without counts, above lengths[b]). Never NaN."""
         self._check_layer(layer_idx)
         self._check_tensor("query", query, None)
         if query.shape[1] % self.num_kv_heads:

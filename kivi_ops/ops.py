@@ -38,6 +38,10 @@ def check_quantize_args(x: Tensor, bits: int, group_size: int, axis: str) -> Non
     if x.dim() < 2:
         raise ValueError(f"x must have shape [..., T, D] (at least 2 dims), got {tuple(x.shape)}")
     T, D = x.shape[-2], x.shape[-1]
+    # Zero tokens (T = 0, or an empty leading dim) give empty codes, scales and zeros of the
+    # shapes below; a zero-size head dim has no channel to group or pack and is an error.
+    if D == 0:
+        raise ValueError(f"x's last dim (head dim) must be positive, got D=0 (shape {tuple(x.shape)})")
     if D % codes_per_byte(bits):
         raise ValueError(f"x's last dim D={D} must be a multiple of {codes_per_byte(bits)} to pack {bits}-bit codes")
     if axis == "channel" and T % group_size:
@@ -88,6 +92,10 @@ def check_dequantize_args(codes: Tensor, scale: Tensor, zero: Tensor, bits: int,
     check_axis(axis)
     if codes.dtype != torch.uint8:
         raise ValueError(f"codes must be uint8 (packed), got {codes.dtype}")
+    if codes.dim() < 2:
+        raise ValueError(f"codes must have shape [..., T, D * bits / 8] (at least 2 dims), got {tuple(codes.shape)}")
+    if codes.shape[-1] == 0:  # as in quantize_pack: zero tokens are fine, a zero-size head dim is not
+        raise ValueError(f"codes' last dim must be positive (a zero-size head dim), got shape {tuple(codes.shape)}")
     if scale.dtype not in FLOAT_DTYPES or zero.dtype != scale.dtype:
         raise ValueError(f"scale and zero must share a float dtype, got {scale.dtype} and {zero.dtype}")
     D = codes.shape[-1] * codes_per_byte(bits)

@@ -37,7 +37,10 @@ class QuantizedTensor:
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str) -> QuantizedTensor:
     """Quantize x [..., T, D]: axis="channel" groups G tokens per channel (keys, T % G == 0
-    required), axis="token" groups G channels per token (values)."""
+    required), axis="token" groups G channels per token (values).
+
+    Zero tokens (T = 0, or an empty leading dim) give an empty QuantizedTensor of the same shape,
+    which dequantizes to an empty tensor; D must be positive (a ValueError otherwise)."""
     codes, scale, zero = torch.ops.kivi.quantize_pack(x, bits, group_size, axis)
     return QuantizedTensor(codes, scale, zero, bits, group_size, axis)
 
