@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kivi_models.cli import fraction_arg
+from kivi_models.cli_args import check_weight_quant_modes, fraction_arg, int_list, positive_int, usage_errors
 
-from .eval_cli import DEFAULT_OUT, _int_list
+from . import RESULTS_DIR as DEFAULT_OUT
 
 
-def add_bench_parser(sub, add_model_arguments, positive_int) -> None:
+def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="performance harness: cache memory, fused attention, end-to-end decode")
     bsub = b.add_subparsers(dest="bench_command", required=True)
 
     mem = bsub.add_parser("memory", help="exact cache bytes vs fp16 (Llama-2-7B shape), with the formula beside it")
-    mem.add_argument("--contexts", type=_int_list, default=[1024, 4096, 16384, 32768, 131072])
+    mem.add_argument("--contexts", type=int_list, default=[1024, 4096, 16384, 32768, 131072])
     mem.add_argument("--budget-gib", type=float, default=None,
                      help="also report the largest batch whose cache fits this many GiB, per context")
     mem.add_argument("--sink-tokens", type=int, default=0, help="count a sink pool of N tokens per layer")
@@ -25,13 +25,13 @@ def add_bench_parser(sub, add_model_arguments, positive_int) -> None:
                      help="count KVQuant's dense-and-sparse store for this fraction (e.g. 0.01)")
 
     att = bsub.add_parser("attention", help="fused KIVI decode attention vs scaled_dot_product_attention")
-    att.add_argument("--contexts", type=_int_list, default=None,
+    att.add_argument("--contexts", type=int_list, default=None,
                      help="default: 1K..128K on cuda, 1K..16K on cpu")
     att.add_argument("--batch", type=positive_int, default=None, help="default: 8 on cuda, 1 on cpu")
 
     dec = bsub.add_parser("decode", help="end-to-end compiled decode tokens/s, fp vs KIVI")
     dec.add_argument("--model", default="default", help="'default', 'llama2-7b-shape' (random weights) or a directory")
-    dec.add_argument("--contexts", type=_int_list, default=None, help="default: 1024,4096 on cpu")
+    dec.add_argument("--contexts", type=int_list, default=None, help="default: 1024,4096 on cpu")
     dec.add_argument("--batches", type=_int_list_any, default=None, help="default: 1,4")
     dec.add_argument("--new-tokens", type=positive_int, default=32)
     dec.add_argument("--budget-gib", type=_positive_float, default=None,
@@ -49,7 +49,7 @@ def add_bench_parser(sub, add_model_arguments, positive_int) -> None:
     wq.add_argument("--modes", type=_mode_list, default=None,
                     help="comma-separated weight modes, 'none' first "
                          "(default: none,int8 on cpu, none,int8,int4 on cuda)")
-    wq.add_argument("--contexts", type=_int_list, default=[1024])
+    wq.add_argument("--contexts", type=int_list, default=[1024])
     wq.add_argument("--batches", type=_int_list_any, default=[1, 4])
     wq.add_argument("--new-tokens", type=positive_int, default=32)
 
@@ -113,11 +113,9 @@ def cmd_bench(args, parser) -> int:
 
         torch.set_num_threads(args.threads)
     if args.bench_command == "memory":
-        try:
+        with usage_errors(parser):
             result = perf.bench_memory(args.contexts, sink_tokens=args.sink_tokens, outlier_tokens=args.outlier_tokens,
                                        sparse_outliers=args.sparse_outliers)
-        except ValueError as e:
-            parser.error(str(e))
         if args.budget_gib:
             result["budget_gib"] = args.budget_gib
             budget = args.budget_gib * 2**30
@@ -134,15 +132,13 @@ def cmd_bench(args, parser) -> int:
             parser.error("--batches and --budget-gib exclude each other: the budget picks each cache's batch")
         if args.max_batch and not args.budget_gib:
             parser.error("--max-batch applies only with --budget-gib")
-        _check_weight_quant([args.weight_quant], device, parser)
+        check_weight_quant_modes([args.weight_quant], device, parser)
         model = _quantized(_decode_model(args, device, parser), args.weight_quant, parser)
         if args.budget_gib:
-            try:
+            with usage_errors(parser):
                 result = perf.bench_budget(model, device=device, contexts=args.contexts or [1024],
                                            budget_bytes=args.budget_gib * 2**30, new_tokens=args.new_tokens,
                                            max_batch=args.max_batch)
-            except ValueError as e:
-                parser.error(str(e))
             result["budget_gib"] = args.budget_gib
         else:
             result = perf.bench_decode(model, device=device, contexts=args.contexts or [1024, 4096],
@@ -152,7 +148,7 @@ def cmd_bench(args, parser) -> int:
             "" if args.weight_quant == "none" else f"_{args.weight_quant}")
     else:
         modes = args.modes or (["none", "int8", "int4"] if device == "cuda" else ["none", "int8"])
-        _check_weight_quant(modes, device, parser)
+        check_weight_quant_modes(modes, device, parser)
         result = perf.bench_weight_quant(lambda mode: _quantized(_decode_model(args, device, parser), mode, parser),
                                          device=device, contexts=args.contexts, batches=args.batches,
                                          weight_modes=modes, new_tokens=args.new_tokens)
@@ -188,23 +184,11 @@ def _plot_view(result: dict) -> dict:
     return dict(result, rows=rows)
 
 
-def _check_weight_quant(modes, device, parser) -> None:
-    from kivi_models.weight_quant import check_weight_quant
-
-    try:
-        for mode in modes:
-            check_weight_quant(mode, device)
-    except ValueError as e:
-        parser.error(str(e))
-
-
 def _quantized(model, mode, parser):
     from kivi_models.weight_quant import apply_weight_quant
 
-    try:
+    with usage_errors(parser):
         return apply_weight_quant(model, mode)
-    except ValueError as e:
-        parser.error(str(e))
 
 
 def _decode_model(args, device, parser):

@@ -28,7 +28,7 @@ from kivi_ops.nuq import (FORMAT, KEY_AXIS, VALUE_AXIS, calibrate_levels, load_t
                           normalized_with_weights, uniform_levels, weighted_error)
 from kivi_ops.rope import model_rope_tables, undo_rope
 
-from kivi_models.cli import fraction_arg
+from kivi_models.cli_args import fraction_arg, positive_int, usage_errors
 
 CALIB_ATTN = "kivi_calibrate"
 
@@ -127,7 +127,7 @@ def run_calibration(model, tokenizer, text: str, *, bits_list, group_size: int, 
                 bits=tables)
 
 
-def add_calibrate_parser(sub, add_model_arguments, positive_int) -> None:
+def add_calibrate_parser(sub) -> None:
     c = sub.add_parser("calibrate", help="derive per-layer nuqX levels offline (KVQuant), Fisher-weighted k-means")
     c.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     c.add_argument("--model", default="default")
@@ -160,20 +160,16 @@ def cmd_calibrate(args, parser) -> int:
 
     from .corpus import load_text
 
-    try:
+    with usage_errors(parser, ValueError, OSError):
         check_group_size("--group-size", args.group_size)
         text = load_text(text_file=args.text, corpus=None if args.text else "pydoc")
-    except (ValueError, OSError) as e:
-        parser.error(str(e))
     if args.window % args.group_size:
         parser.error(f"--window must be a multiple of --group-size={args.group_size}")
     model, tokenizer = load_model(args.model, dtype=torch.float32, device="cpu")
-    try:
+    with usage_errors(parser):
         result = run_calibration(model, tokenizer, text, bits_list=args.bits, group_size=args.group_size,
                                  window=args.window, windows=args.windows, model_name=args.model,
                                  pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers)
-    except ValueError as e:
-        parser.error(str(e))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     for bits, entry in result["bits"].items():

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+from kivi_models.cli_args import (add_model_arguments, check_weight_quant_modes, device_and_dtype, int_list,
+                                  kivi_config_from, positive_int, usage_errors)
+
+from . import RESULTS_DIR as DEFAULT_OUT
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not values or min(values) < 16:
-        raise argparse.ArgumentTypeError(f"expected comma-separated lengths >= 16, got {text!r}")
-    return values
-
-
-def add_eval_parser(sub, add_model_arguments, positive_int) -> None:
+def add_eval_parser(sub) -> None:
     ev = sub.add_parser("eval", help="quality harness: perplexity, passkey retrieval, the KIVI tables")
     evsub = ev.add_subparsers(dest="eval_command", required=True)
 
@@ -40,7 +32,7 @@ def add_eval_parser(sub, add_model_arguments, positive_int) -> None:
     ppl.set_defaults(func=cmd_ppl, parser=ppl)
 
     pk = evsub.add_parser("passkey", help="passkey retrieval accuracy per prompt length")
-    pk.add_argument("--lengths", type=_int_list, default=[1024, 2048, 4096, 8000])
+    pk.add_argument("--lengths", type=int_list, default=[1024, 2048, 4096, 8000])
     pk.add_argument("--trials", type=positive_int, default=5)
     pk.add_argument("--seed", type=int, default=0)
     add_model_arguments(pk)
@@ -62,22 +54,16 @@ def add_eval_parser(sub, add_model_arguments, positive_int) -> None:
 
 def _load(args, parser, *, patched: bool, plain: bool):
     from kivi_models import load_model, patch_model
-    from kivi_models.cli import device_and_dtype
-    from kivi_models.weight_quant import apply_weight_quant, check_weight_quant
+    from kivi_models.weight_quant import apply_weight_quant
 
     device, dtype = device_and_dtype(args, parser)
     weight_quant = getattr(args, "weight_quant", "none")  # `eval table` has no --weight-quant
 
     def quantized(model):
-        try:
+        with usage_errors(parser):
             return apply_weight_quant(model, weight_quant)
-        except ValueError as e:
-            parser.error(str(e))
 
-    try:
-        check_weight_quant(weight_quant, device)
-    except ValueError as e:
-        parser.error(str(e))
+    check_weight_quant_modes([weight_quant], device, parser)
     out = []
     if plain:
         out.append(quantized(load_model(args.model, dtype=dtype, device=device)[0]))
@@ -94,9 +80,7 @@ def _load(args, parser, *, patched: bool, plain: bool):
 
 
 def cmd_ppl(args, parser) -> int:
-    from kivi_models.cli import kivi_config_from
-
-    from .corpus import load_text, token_windows
+    from .corpus import load_text
     from .perplexity import FakeQuantConfig, cache_perplexity, fake_quant_perplexity
 
     kivi_config = kivi_config_from(args, parser)
@@ -138,27 +122,21 @@ def _nuq_tables(args, parser, num_layers: int) -> dict:
     if (args.k_axis, args.v_axis) != (KEY_AXIS, VALUE_AXIS):
         parser.error(f"--nuq levels are calibrated for --k-axis {KEY_AXIS} --v-axis {VALUE_AXIS}, "
                      f"got --k-axis {args.k_axis} --v-axis {args.v_axis}")
-    try:
+    with usage_errors(parser):
         keys, values = load_kv_levels(args.nuq, k_bits=args.k_bits, v_bits=args.v_bits, num_layers=num_layers,
                                       group_size=args.group_size, pre_rope=args.pre_rope,
                                       sparse_outliers=args.sparse_outliers)
-    except ValueError as e:
-        parser.error(str(e))
     return dict(k=keys, v=values)
 
 
 def _windows(tokenizer, text, args, parser):
     from .corpus import token_windows
 
-    try:
+    with usage_errors(parser):
         return token_windows(tokenizer, text, window=args.window, max_tokens=args.max_tokens)
-    except ValueError as e:
-        parser.error(str(e))
 
 
 def cmd_passkey(args, parser) -> int:
-    from kivi_models.cli import kivi_config_from
-
     from .passkey import passkey_accuracy
 
     kivi_config = kivi_config_from(args, parser)

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 
+from kivi_models.cli_args import (add_model_arguments, add_prompt_arguments, add_sampling_arguments, device_and_dtype,
+                                  encode, kivi_config_from, positive_int, read_prompts, usage_errors)
+
 from .artifact import FORMATS, ArtifactError
 
 
-def add_export_parsers(sub, add_model_arguments, positive_int) -> None:
-    from kivi_models.cli import add_prompt_arguments, add_sampling_arguments
-
+def add_export_parsers(sub) -> None:
     e = sub.add_parser("export", help="export the KIVI decoder (model + static cache) for deployment")
     e.add_argument("--format", required=True, choices=FORMATS,
                    help="pt2: torch.export program; aoti: AOTInductor package; onnx: ONNX for onnxruntime; "
@@ -34,7 +35,6 @@ def add_export_parsers(sub, add_model_arguments, positive_int) -> None:
 
 
 def cmd_export(args, parser) -> int:
-    from kivi_models.cli import device_and_dtype, kivi_config_from
     from kivi_models.loading import load_model
     from kivi_models.weight_quant import apply_weight_quant, check_weight_quant
 
@@ -42,28 +42,23 @@ def cmd_export(args, parser) -> int:
 
     kivi_config = kivi_config_from(args, parser)
     device, dtype = device_and_dtype(args, parser)
-    try:
+    with usage_errors(parser, FileNotFoundError, ValueError):
         check_weight_quant(args.weight_quant, device)
         model, tokenizer = load_model(args.model, dtype=dtype, device=device)
-    except (FileNotFoundError, ValueError) as e:
-        parser.error(str(e))
     from kivi_models.attention import patch_model
 
     apply_weight_quant(model, args.weight_quant)
     patch_model(model)
-    try:
+    with usage_errors(parser, FileExistsError, ValueError):
         meta = export_decoder(model, tokenizer, Path(args.out), fmt=args.format, model_name=args.model,
                               method=args.method, kivi_config=kivi_config, batch_size=args.batch_size,
                               max_seq_len=args.max_seq_len, weight_quant=args.weight_quant, overwrite=args.overwrite)
-    except (FileExistsError, ValueError) as e:
-        parser.error(str(e))
     print(json.dumps({"out": str(args.out), "format": meta.format, "program": meta.program,
                       "sha256": meta.sha256, "config": meta.config_summary()}))
     return 0
 
 
 def cmd_run_exported(args, parser) -> int:
-    from kivi_models.cli import encode, read_prompts
     from kivi_models.generate import SamplingConfig, check_generation_args, generation_loop
 
     from .runtime import load_exported

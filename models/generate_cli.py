@@ -1,0 +1,112 @@
+"""`kivi generate`: text generation with a KIVI (or fp) static cache."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from .cli_args import (add_model_arguments, add_prompt_arguments, add_sampling_arguments, check_weight_quant_modes,
+                       device_and_dtype, encode, kivi_config_from, read_prompts, usage_errors)
+from .generate import SamplingConfig, compile_decode_step, decode_step, generate, make_cache
+from .loading import load_model, log
+
+
+def add_generate_parser(sub) -> None:
+    g = sub.add_parser("generate", help="generate text with a KIVI or fp static cache")
+    add_prompt_arguments(g, batch_help="a file with one prompt per line (batched generation)")
+    add_model_arguments(g)
+    g.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
+    add_sampling_arguments(g)
+    g.set_defaults(func=cmd_generate, parser=g)
+
+
+def cmd_generate(args, parser) -> int:
+    kivi_config = kivi_config_from(args, parser)
+    device, dtype = device_and_dtype(args, parser)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    prompts = read_prompts(args, parser)
+    from .weight_quant import apply_weight_quant, model_weight_nbytes
+
+    check_weight_quant_modes([args.weight_quant], device, parser)
+    try:
+        model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    except FileNotFoundError as e:
+        print(f"kivi generate: error: {e}", file=sys.stderr)
+        return 1
+    from .attention import patch_model
+
+    with usage_errors(parser):
+        apply_weight_quant(model, args.weight_quant)
+    model_bytes = model_weight_nbytes(model)
+    patch_model(model)
+    ids = [encode(tokenizer, p, args.chat) for p in prompts]
+    max_seq_len = max(len(i) for i in ids) + args.max_new_tokens
+    cache = make_cache(model, method=args.method, batch_size=len(ids), max_seq_len=max_seq_len, kivi_config=kivi_config)
+    step_fn, warmup = decode_step, 0
+    if args.compile:
+        how = ", CUDA graphs" if device == "cuda" else ", KIVI ops decomposed for Inductor" if args.method == "kivi" else ""
+        log(f"Compiling the decode step (torch.compile fullgraph{how}); the first steps are not timed...")
+        step_fn, warmup = compile_decode_step(torch.device(device)), 2
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    start = time.perf_counter()
+    result = generate(model, ids, max_new_tokens=args.max_new_tokens, cache=cache, sampling=sampling,
+                      eos_token_id=eos, pad_token_id=pad, step_fn=step_fn, warmup_steps=warmup, seed=args.seed)
+    if args.compile:
+        log(f"Compiled and warmed up in {result.compile_s:.1f} s")
+    texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
+    batched = len(ids) > 1
+    config = {"model": args.model, "method": args.method, "device": device, "dtype": str(dtype).replace("torch.", ""),
+              "compile": args.compile, "weight_quant": args.weight_quant, "batch_size": len(ids),
+              "max_new_tokens": args.max_new_tokens,
+              "sampling": vars(sampling), **({"kivi": kivi_config.to_record(args.nuq)} if args.method == "kivi" else {})}
+    report = {
+        "text": texts if batched else texts[0],
+        "tokens": result.tokens if batched else result.tokens[0],
+        "prompt_tokens": result.prompt_tokens if batched else result.prompt_tokens[0],
+        "new_tokens": [len(t) for t in result.tokens] if batched else len(result.tokens[0]),
+        "prefill_tokens_per_s": result.prefill_tokens_per_s,
+        "decode_tokens_per_s": result.decode_tokens_per_s,
+        "compile_s": result.compile_s,
+        "cache_bytes": result.cache_bytes,
+        "fp16_cache_bytes": result.fp16_cache_bytes,
+        "model_bytes": model_bytes,
+        "wall_s": time.perf_counter() - start,
+        "config": config,
+    }
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    for prompt, text in zip(prompts, texts):
+        print(f"{prompt}{text}" if not args.chat else text)
+        if batched:
+            print("-" * 40)
+    ratio = result.fp16_cache_bytes / result.cache_bytes
+    print(f"\nprefill: {result.prefill_tokens_per_s:.1f} tokens/s ({sum(result.prompt_tokens)} tokens)")
+    print(f"decode:  {result.decode_tokens_per_s:.1f} tokens/s ({result.decode_tokens} timed tokens"
+          + (f"; compile + warm-up {result.compile_s:.1f} s not counted" if args.compile else "") + ")")
+    weights = ("unquantized" if args.weight_quant == "none"
+               else f"{args.weight_quant} weight-only Linear layers (torchao); embeddings and norms {config['dtype']}")
+    print(f"model:   {model_bytes / 2**20:.1f} MiB, {weights}")
+    extras = "".join([f" sink={kivi_config.sink_tokens}" if kivi_config.sink_tokens else "",
+                      f" outliers={kivi_config.outlier_tokens}" if kivi_config.outlier_tokens else "",
+                      " pre-RoPE" if kivi_config.pre_rope else "",
+                      f" nuq={args.nuq}" if kivi_config.has_nuq else "",
+                      f" sparse={kivi_config.sparse_outliers:g}" if kivi_config.sparse_outliers else ""])
+    label = (f"KIVI-{kivi_config.k_bits}/{kivi_config.v_bits} G={kivi_config.group_size} "
+             f"R={kivi_config.residual_length}{extras}, {config['dtype']} scales and residual" if args.method == "kivi"
+             else f"fp ({config['dtype']})")
+    print(f"cache:   {result.cache_bytes / 2**20:.2f} MiB {label} vs {result.fp16_cache_bytes / 2**20:.2f} MiB "
+          f"fp16 for {max_seq_len} tokens x {len(ids)} sequence(s): fp16 / this = {ratio:.2f}x"
+          + (" (the full-precision residual window dominates a sequence this short)" if ratio < 1 else ""))
+    context = model.config.max_position_embeddings
+    if args.method == "kivi" and context > max_seq_len:
+        # Same cache at the model's full context, built on the meta device (no memory).
+        full = make_cache(model, method="kivi", batch_size=len(ids), max_seq_len=context, kivi_config=kivi_config,
+                          device="meta").backing
+        print(f"         at the full {context}-token context: {full.nbytes() / 2**20:.1f} MiB vs "
+              f"{full.fp16_nbytes() / 2**20:.1f} MiB fp16 ({full.fp16_nbytes() / full.nbytes():.2f}x smaller)")
+    return 0

@@ -1,0 +1,147 @@
+"""The project's import graph: no cycles, and the layers import downward only.
+
+Every module of the four packages is parsed with `ast` (nothing is imported), and every import
+statement counts, at module level or inside a function: a function-level import that closes a
+cycle is still a cycle in the design, only a deferred one. An import resolves to the most specific
+project module it names: `from pkg import name` is an edge to pkg.name when that is a module, else
+to pkg (its __init__); `import a.b` is an edge to a.b. Importing a.b also runs a/__init__.py, but
+that is not counted as an edge from the importer to `a` (a module of `a` importing a sibling would
+otherwise always "cycle" through its own package); the package's __init__ is a module like any
+other, with the edges of its own imports.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Installed package name -> source folder (pyproject.toml [tool.setuptools.package-dir]).
+PACKAGES = {"kivi_ops": "kivi_ops", "kivi_models": "models", "kivi_export": "export", "kivi_benchmarks": "benchmarks"}
+# The `kivi` entry point: the one module that registers the subcommands, so the one that imports
+# the command modules of every package. Nothing imports it.
+ENTRY = "kivi_models.cli"
+# The helpers every subcommand shares (model and cache flags, config from flags, usage errors).
+CLI_HELPERS = "kivi_models.cli_args"
+# Import edges allowed to close a cycle, each with its reason. None today; an entry here needs one.
+CYCLE_EXCEPTIONS: dict[tuple[str, str], str] = {}
+
+
+def project_modules() -> dict[str, Path]:
+    modules = {}
+    for package, folder in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((package, *parts))] = path
+    return modules
+
+
+def _is_package(name: str, modules: dict[str, Path]) -> bool:
+    return modules[name].name == "__init__.py"
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `name` imports, anywhere in its source."""
+    package = name if _is_package(name, modules) else name.rpartition(".")[0]
+    found = set()
+
+    def add(target: str) -> None:
+        # The most specific project module named by a dotted path (a.b.c -> a.b.c, else a.b, else a).
+        parts = target.split(".")
+        for end in range(len(parts), 0, -1):
+            candidate = ".".join(parts[:end])
+            if candidate in modules:
+                found.add(candidate)
+                return
+
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            for alias in node.names:
+                add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    found.discard(name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as [a, b, ..., a], or None (iterative depth-first search)."""
+    WHITE, GREY, BLACK = 0, 1, 2
+    color = dict.fromkeys(graph, WHITE)
+    for root in sorted(graph):
+        if color[root] != WHITE:
+            continue
+        stack, path = [(root, iter(sorted(graph[root])))], [root]
+        color[root] = GREY
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                color[node] = BLACK
+                stack.pop()
+                path.pop()
+            elif color[child] == GREY:
+                return path[path.index(child):] + [child]
+            elif color[child] == WHITE:
+                color[child] = GREY
+                stack.append((child, iter(sorted(graph[child]))))
+                path.append(child)
+    return None
+
+
+def test_the_graph_sees_the_projects_imports():
+    # The parser is right about a few known edges (module-level, relative, function-level, package).
+    graph = import_graph()
+    assert "kivi_ops.packing" in graph["kivi_ops.nuq"]  # from .packing import ...
+    assert "kivi_ops.ops" in graph["kivi_ops.quantized"]  # from . import ops
+    assert "kivi_ops" in graph["kivi_models.generate"]  # from kivi_ops import KIVICache
+    assert "kivi_export.exporter" in graph["kivi_export.cli"]  # inside cmd_export
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    for (importer, imported), reason in CYCLE_EXCEPTIONS.items():
+        assert reason and imported in graph[importer], f"stale exception {importer} -> {imported}"
+        graph[importer].discard(imported)
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_layers_import_downward():
+    # kivi_ops is the base; kivi_models is the library on it; export and benchmarks use both; only
+    # the `kivi` entry point, which registers every subcommand, sits above them all.
+    graph = import_graph()
+    for name, imported in graph.items():
+        packages = {target.partition(".")[0] for target in imported}
+        if name.startswith("kivi_ops"):
+            assert packages <= {"kivi_ops"}, (name, imported)
+        elif name.startswith("kivi_models") and name != ENTRY:
+            assert packages <= {"kivi_ops", "kivi_models"}, (name, imported)
+    assert not any(ENTRY in imported for imported in graph.values())
+
+
+def test_only_the_entry_point_imports_command_modules():
+    # Subcommands are registered in one place; the shared helpers import no command module.
+    graph = import_graph()
+    commands = {name for name in graph if name.rpartition(".")[2].endswith("cli") and name != CLI_HELPERS}
+    assert {"kivi_models.cli", "kivi_export.cli", "kivi_benchmarks.eval_cli"} <= commands
+    for name, imported in graph.items():
+        if name != ENTRY:
+            assert not imported & commands, (name, imported & commands)
+    assert commands - {ENTRY} <= graph[ENTRY]  # ... and the entry point registers every one
