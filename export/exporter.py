@@ -1,11 +1,30 @@
-"""`export_decoder`: a patched model + static cache -> an artifact directory (see artifact.py)."""
+"""`export_decoder`: a patched model + static cache -> an artifact directory (see artifact.py).
+
+Writing is all or nothing: every argument and the target are checked before anything is written;
+the export is built in a staging directory beside the target (`.<name>.kivi-tmp-*`) and moved into
+place only when complete (renameat2 RENAME_EXCHANGE where the OS has it, so the old and the new
+export trade places in one step); a failure or Ctrl-C at any point before that leaves the target as
+it was. An exclusive lock (`.<name>.kivi-lock` beside the target, flock) held for the whole export makes a second export into
+the same target fail at once instead of interleaving files. `--overwrite` only ever replaces a
+directory that is itself a KIVI export (it holds a readable kivi_export.json) or is empty.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
+import json
+import os
 import shutil
+import signal
+import sys
+import tempfile
+import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -13,14 +32,28 @@ from kivi_models.generate import make_cache
 from kivi_models.loading import log
 from kivi_ops import KIVIConfig
 
-from .artifact import FORMATS, PROGRAM_FILES, TOKENIZER_DIR, ExportMetadata, write_metadata
+from .artifact import (FORMATS, MIN_MAX_SEQ_LEN, PROGRAM_FILES, TOKENIZER_DIR, ArtifactError, ExportMetadata,
+                       check_fields, looks_like_export, write_metadata)
 from .decoder import ExportableDecoder
 from .formats import save_aoti, save_onnx, save_pt2, save_pte
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock (the staged, atomic write still applies)
+    fcntl = None
+
+STAGING_TAG = ".kivi-tmp-"  # .<name>.kivi-tmp-XXXX: an export being written, beside its target
+LOCK_TAG = ".kivi-lock"  # .<name>.kivi-lock: held (flock) while an export writes <name>
+
+
+class ExportTargetError(FileExistsError):
+    """--out cannot be written: a file, a directory that is not a KIVI export, a non-empty one without
+    --overwrite, or one another export is writing."""
+
 
 def example_inputs(batch_size: int, device) -> tuple[torch.Tensor, ...]:
-    """A two-token prompt (a dynamic dim must not be traced at size 0 or 1)."""
-    n = 2
+    """A two-token prompt (a dynamic dim must not be traced at size 0 or 1): why max_seq_len >= 2."""
+    n = MIN_MAX_SEQ_LEN
     return (torch.zeros(batch_size, n, dtype=torch.long, device=device),
             torch.zeros(batch_size, dtype=torch.long, device=device),
             torch.full((batch_size,), n, dtype=torch.long, device=device))
@@ -34,6 +67,172 @@ def trace(decoder: ExportableDecoder) -> torch.export.ExportedProgram:
         args, shapes = (*args, *decoder.cache_tensors()), (*shapes, (None,) * len(decoder.cache_names))
     with torch.no_grad():
         return torch.export.export(decoder, args, dynamic_shapes=shapes)
+
+
+# ---------------------------------------------------------------- the target directory
+
+
+def check_target(out: Path, overwrite: bool) -> None:
+    """Refuse (ExportTargetError naming --out) a target this export must not replace."""
+    if out.is_symlink() and not out.exists():
+        raise ExportTargetError(f"--out {out} is a dangling symbolic link; remove it or choose another --out")
+    if out.exists() and not out.is_dir():
+        raise ExportTargetError(f"--out {out} is a file, not a directory; choose a directory path for --out")
+    if out.is_dir() and any(out.iterdir()):
+        if not looks_like_export(out):
+            raise ExportTargetError(
+                f"--out {out} is a non-empty directory that is not a KIVI export (no readable kivi_export.json); "
+                f"refusing to write there: --overwrite only replaces an earlier KIVI export. Choose a new or empty --out")
+        if not overwrite:
+            raise ExportTargetError(f"--out {out} already holds a KIVI export; pass --overwrite to replace it")
+    parent = out.parent
+    if parent.exists() and not parent.is_dir():
+        raise ExportTargetError(f"--out {out}: {parent} is a file, not a directory")
+
+
+def lock_path(out: Path) -> Path:
+    """The lock file of target `out`, beside it (a name of ours: it is truncated and removed)."""
+    return out.with_name(f".{out.name}{LOCK_TAG}")
+
+
+@contextlib.contextmanager
+def target_lock(out: Path) -> Iterator[None]:
+    """Hold the target's lock file (flock, exclusive, non-blocking) until the export is in place; another
+    holder means another export is writing `out`: fail at once. The lock file is removed on release
+    (the inode check below makes that safe against a racing opener)."""
+    if fcntl is None:
+        yield
+        return
+    lock = lock_path(out)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise ExportTargetError(f"--out {out} is being written by another `kivi export` (it holds {lock}); "
+                                        f"wait for it to finish or choose another --out") from None
+            raise
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(lock))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the previous holder removed this file as we opened it: lock the current one
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file and directory under root (and root) to disk before it is renamed into place."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems do not fsync directories
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+@contextlib.contextmanager
+def _no_interrupts() -> Iterator[None]:
+    """Defer Ctrl-C (SIGINT) for the few renames that put an export in place, so they finish together."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            raise KeyboardInterrupt
+
+
+def swap_in(staging: Path, out: Path) -> Optional[Path]:
+    """Put the complete export `staging` at `out`. Returns the path now holding what `out` held (to
+    delete), or None if `out` did not exist."""
+    with _no_interrupts():
+        if not os.path.lexists(out):
+            os.rename(staging, out)  # atomic; refuses (OSError) a non-empty directory created meanwhile
+            return None
+        if _exchange(staging, out):
+            return staging  # the old contents now live at the staging path
+        # No atomic exchange: move the old export aside, the new one in; undo on failure.
+        old = out.with_name(f".{out.name}.kivi-old-{os.getpid()}-{time.monotonic_ns()}")
+        os.rename(out, old)
+        try:
+            os.rename(staging, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        return old
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Staging directories of this target left by a killed export (we hold the lock: none is live)."""
+    prefix = f".{out.name}{STAGING_TAG}"
+    for entry in out.parent.iterdir():
+        if entry.name.startswith(prefix) and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- export
+
+
+def check_export_arguments(model, *, fmt: str, batch_size: int, max_seq_len: int) -> None:
+    """ValueError for a format, batch size or capacity the export would fail on (the other fields
+    are checked with the metadata, artifact.check_fields), before anything is written."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    context = model.config.max_position_embeddings
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or not MIN_MAX_SEQ_LEN <= max_seq_len <= context:
+        raise ValueError(f"max_seq_len must be in [{MIN_MAX_SEQ_LEN}, {context}] (at least {MIN_MAX_SEQ_LEN}: the "
+                         f"exporter traces the program with a {MIN_MAX_SEQ_LEN}-token prompt; at most the model's "
+                         f"context), got {max_seq_len!r}")
 
 
 def export_decoder(
@@ -50,46 +249,19 @@ def export_decoder(
     weight_quant: str = "none",
     overwrite: bool = False,
 ) -> ExportMetadata:
-    """Export `model` (already patched with patch_model, weights already quantized if asked)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    context = model.config.max_position_embeddings
-    if not 1 <= max_seq_len <= context:
-        raise ValueError(f"max_seq_len must be in [1, {context}] (the model's context), got {max_seq_len}")
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{out} exists and is not empty; pass --overwrite to replace it")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    """Export `model` (already patched with patch_model, weights already quantized if asked) to the
+    directory `out`, all or nothing (module docstring)."""
+    check_export_arguments(model, fmt=fmt, batch_size=batch_size, max_seq_len=max_seq_len)
+    out = Path(os.path.abspath(out))
+    if out.is_symlink() and out.is_dir():
+        out = out.resolve()  # replace what the link names; the link keeps naming it
+    check_target(out, overwrite)
     kivi_config = kivi_config or KIVIConfig()
     cache = make_cache(model, method=method, batch_size=batch_size, max_seq_len=max_seq_len, kivi_config=kivi_config)
     # ONNX and ExecuTorch cannot carry the kivi custom ops: the cache then runs core ATen forms
     # (kivi_ops/dispatch.py, "portable").
     cache.backing.portable = fmt in ("onnx", "pte")
-    if weight_quant != "none":
-        # torchao's quantized weights are tensor subclasses, which the exporters would pickle or
-        # refuse; unwrapped, the program holds plain int8 tensors + scales and dequantizes in-graph.
-        from torchao.utils import unwrap_tensor_subclass
-
-        unwrap_tensor_subclass(model)
     decoder = ExportableDecoder(model, cache, cache_as_io=fmt == "onnx").eval()
-
-    start = time.perf_counter()
-    log(f"Tracing the decoder with torch.export ({fmt})...")
-    ep = trace(decoder)
-    log(f"Traced in {time.perf_counter() - start:.1f} s; writing {out / PROGRAM_FILES[fmt]}...")
-    file = out / PROGRAM_FILES[fmt]
-    extra_files: list[str] = []
-    if fmt == "pt2":
-        save_pt2(ep, file)
-    elif fmt == "aoti":
-        save_aoti(ep, file)
-    elif fmt == "onnx":
-        extra_files = save_onnx(ep, file)
-    else:
-        save_pte(ep, file)
-    tokenizer.save_pretrained(out / TOKENIZER_DIR)
     eos = tokenizer.eos_token_id
     meta = ExportMetadata(
         format=fmt, model=model_name, model_type=model.config.model_type, vocab_size=model.config.vocab_size,
@@ -99,8 +271,55 @@ def export_decoder(
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0),
         cache_bytes=cache.backing.nbytes(), fp16_cache_bytes=cache.backing.fp16_nbytes(),
         cache_names=decoder.cache_names,
-        extra_files=extra_files,
     )
-    write_metadata(out, meta)
-    log(f"Exported in {time.perf_counter() - start:.1f} s to {out}")
+    try:  # the metadata's own checks, before the slow part (the file fields come last)
+        check_fields(json.loads(json.dumps(asdict(meta))), "the export's metadata", files=False)
+    except ArtifactError as e:
+        raise ValueError(f"cannot export: {e}") from None
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with target_lock(out):
+        check_target(out, overwrite)  # again, now that no other export can change it
+        _remove_stale_staging(out)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{STAGING_TAG}", dir=out.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 -> what a plain mkdir would give
+        try:
+            _write_export(model, decoder, tokenizer, staging, fmt, weight_quant, meta)
+            _fsync_tree(staging)
+            old = swap_in(staging, out)
+            _fsync_dir(out.parent)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+    log(f"Exported to {out}")
     return meta
+
+
+def _write_export(model, decoder: ExportableDecoder, tokenizer, staging: Path, fmt: str, weight_quant: str,
+                  meta: ExportMetadata) -> None:
+    if weight_quant != "none":
+        # torchao's quantized weights are tensor subclasses, which the exporters would pickle or
+        # refuse; unwrapped, the program holds plain int8 tensors + scales and dequantizes in-graph.
+        from torchao.utils import unwrap_tensor_subclass
+
+        unwrap_tensor_subclass(model)
+    start = time.perf_counter()
+    log(f"Tracing the decoder with torch.export ({fmt})...")
+    ep = trace(decoder)
+    file = staging / PROGRAM_FILES[fmt]
+    log(f"Traced in {time.perf_counter() - start:.1f} s; writing {PROGRAM_FILES[fmt]}...")
+    if fmt == "pt2":
+        save_pt2(ep, file)
+    elif fmt == "aoti":
+        save_aoti(ep, file)
+    elif fmt == "onnx":
+        meta.extra_files = save_onnx(ep, file)
+    else:
+        save_pte(ep, file)
+    tokenizer.save_pretrained(staging / TOKENIZER_DIR)
+    write_metadata(staging, meta)  # last: hashes every file and signs the metadata
+    log(f"Written in {time.perf_counter() - start:.1f} s")

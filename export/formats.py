@@ -3,20 +3,55 @@
     step(input_ids [B, n] int64, input_pos [B] int64, counts [B] int64) -> logits [B, vocab] (torch)
 
 holding the cache state between calls (export/decoder.py documents the calling convention).
+
+Each loader returns (step, ProgramShape | None): the batch size and cache capacity read from the
+program itself, never from kivi_export.json (runtime.py checks the metadata against it and keeps
+every call within it):
+
+    pt2   the cache buffers' static shapes in the ExportedProgram's graph
+    aoti  the cache constants' shapes recorded in the package's generated wrapper source (None if
+          this torch writes packages without it: the runtime then relies on the digest-covered metadata)
+    onnx  the static shapes of the cache inputs
+    pte   input_ids' upper-bound sizes [B, max_seq_len] in the program's method metadata
 """
 
 from __future__ import annotations
 
 import json
+import re
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
 from .artifact import ArtifactError, ExportMetadata
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ProgramShape:
+    """What a loaded program was built for: rows per call and cache capacity (tokens per row)."""
+
+    batch_size: int
+    max_seq_len: int
+    source: str  # where in the program these were read, for messages
+
+
+def shape_from_cache(shapes: Mapping[str, Sequence], source: str) -> Optional[ProgramShape]:
+    """ProgramShape from the cache tensors' static shapes by state name (`layers.0.k_codes` ...):
+    KIVI's k_codes is [B, H, S, D / codes per byte] (kivi_ops/layer.py), the fp cache's k is
+    [B, H, S + 1, D] (models/fp_cache.py). None when neither is there."""
+    for name, spare in (("layers.0.k_codes", 0), ("layers.0.k", 1)):
+        shape = shapes.get(name)
+        if shape is None:
+            continue
+        if len(shape) != 4 or not all(isinstance(d, int) and d > 0 for d in shape):
+            raise ArtifactError(f"{source}: cache tensor {name} has shape {list(shape)}; expected 4 static dims")
+        return ProgramShape(batch_size=shape[0], max_seq_len=shape[2] - spare, source=f"{source} ({name})")
+    return None
 
 
 # ---------------------------------------------------------------- pt2 (torch.export)
@@ -46,12 +81,27 @@ def check_pt2_has_no_pickles(file: Path) -> None:
         raise ArtifactError(f"{file} is not a pt2 archive ({e})") from e
 
 
-def load_pt2(file: Path, meta: ExportMetadata) -> Step:
+def pt2_cache_shapes(ep: torch.export.ExportedProgram) -> dict[str, tuple]:
+    """{cache state name: static shape} of the program's cache buffers (step.cache.*)."""
+    buffers = ep.graph_signature.inputs_to_buffers
+    prefix = "step.cache."
+    shapes = {}
+    for node in ep.graph.nodes:
+        fqn = buffers.get(node.name) if node.op == "placeholder" else None
+        if fqn and fqn.startswith(prefix):
+            val = node.meta.get("val")
+            shapes[fqn[len(prefix):]] = tuple(d if isinstance(d, int) else str(d) for d in getattr(val, "shape", ()))
+    return shapes
+
+
+def load_pt2(file: Path, meta: ExportMetadata) -> tuple[Step, Optional[ProgramShape]]:
     import kivi_ops  # noqa: F401  registers torch.ops.kivi, which the program calls
 
     check_pt2_has_no_pickles(file)
-    module = torch.export.load(file).module()
-    return lambda input_ids, input_pos, counts: module(input_ids, input_pos, counts)
+    ep = torch.export.load(file)
+    shape = shape_from_cache(pt2_cache_shapes(ep), f"{file}: cache buffers")
+    module = ep.module()
+    return (lambda input_ids, input_pos, counts: module(input_ids, input_pos, counts)), shape
 
 
 # ---------------------------------------------------------------- aoti (AOTInductor)
@@ -61,11 +111,36 @@ def save_aoti(ep: torch.export.ExportedProgram, file: Path) -> None:
     torch._inductor.aoti_compile_and_package(ep, package_path=str(file))
 
 
-def load_aoti(file: Path, meta: ExportMetadata) -> Step:
+_AOTI_SHAPE = re.compile(r"constants_info_\[(\d+)\]\.shape = \{([0-9, ]*)\};")
+_AOTI_FQN = re.compile(r'constants_info_\[(\d+)\]\.original_fqn = "([^"]*)";')
+
+
+def aoti_cache_shapes(file: Path) -> dict[str, tuple]:
+    """{cache state name: shape} of the cache constants, as the package's generated wrapper source
+    records them (constants_info_[i].shape / .original_fqn); {} if the package has no such source."""
+    prefix = "step.cache."
+    shapes = {}
+    try:
+        with zipfile.ZipFile(file) as archive:
+            sources = [name for name in archive.namelist() if name.endswith(".wrapper.cpp")]
+            if len(sources) != 1:
+                return {}
+            text = archive.read(sources[0]).decode("utf-8", errors="replace")
+    except zipfile.BadZipFile as e:
+        raise ArtifactError(f"{file} is not an AOTInductor package ({e})") from e
+    dims = {i: tuple(int(d) for d in body.split(",") if d.strip()) for i, body in _AOTI_SHAPE.findall(text)}
+    for i, fqn in _AOTI_FQN.findall(text):
+        if fqn.startswith(prefix) and i in dims:
+            shapes[fqn[len(prefix):]] = dims[i]
+    return shapes
+
+
+def load_aoti(file: Path, meta: ExportMetadata) -> tuple[Step, Optional[ProgramShape]]:
     import kivi_ops  # noqa: F401  the package calls the kivi ops through the dispatcher
 
+    shape = shape_from_cache(aoti_cache_shapes(file), f"{file}: cache constants")
     runner = torch._inductor.aoti_load_package(str(file))
-    return lambda input_ids, input_pos, counts: runner(input_ids, input_pos, counts)
+    return (lambda input_ids, input_pos, counts: runner(input_ids, input_pos, counts)), shape
 
 
 # ---------------------------------------------------------------- onnx (onnxruntime)
@@ -85,7 +160,7 @@ def save_onnx(ep: torch.export.ExportedProgram, file: Path) -> list[str]:
     return [data.name] if data.exists() else []
 
 
-def load_onnx(file: Path, meta: ExportMetadata) -> Step:
+def load_onnx(file: Path, meta: ExportMetadata) -> tuple[Step, Optional[ProgramShape]]:
     import numpy as np
     import onnxruntime as ort
 
@@ -103,8 +178,16 @@ def load_onnx(file: Path, meta: ExportMetadata) -> Step:
         dtype = numpy_dtypes.get(arg.type)
         if dtype is None:
             raise ArtifactError(f"{file}: cache input {arg.name} has unsupported type {arg.type}")
+        if not all(isinstance(d, int) and d > 0 for d in arg.shape):
+            raise ArtifactError(f"{file}: cache input {arg.name} has shape {arg.shape}; a KIVI export's cache is static")
         cache.append(np.zeros(arg.shape, dtype=dtype))
     names = [arg.name for arg in inputs]
+    # The cache inputs come in metadata.cache_names order (decoder.cache_as_io).
+    shape = shape_from_cache({name: tuple(arg.shape) for name, arg in zip(meta.cache_names, inputs[3:])},
+                             f"{file}: cache inputs")
+    batch = inputs[0].shape[0] if inputs[0].shape else None
+    if shape is not None and batch != shape.batch_size:
+        raise ArtifactError(f"{file}: input_ids has batch dim {batch!r}, the cache inputs {shape.batch_size}")
 
     def step(input_ids, input_pos, counts):
         feeds = dict(zip(names, [input_ids.numpy(), input_pos.numpy(), counts.numpy(), *cache]))
@@ -112,7 +195,7 @@ def load_onnx(file: Path, meta: ExportMetadata) -> Step:
         cache[:] = new_cache
         return torch.from_numpy(logits)
 
-    return step
+    return step, shape
 
 
 # ---------------------------------------------------------------- pte (ExecuTorch)
@@ -128,10 +211,15 @@ def save_pte(ep: torch.export.ExportedProgram, file: Path) -> None:
     file.write_bytes(edge.to_executorch(ExecutorchBackendConfig()).buffer)
 
 
-def load_pte(file: Path, meta: ExportMetadata) -> Step:
+def load_pte(file: Path, meta: ExportMetadata) -> tuple[Step, Optional[ProgramShape]]:
     try:
         from executorch.runtime import Runtime
     except ImportError as e:
         raise ArtifactError(f"running a pte export needs the executorch package ({e}); pip install 'kivi-ops[pte]'") from e
     method = Runtime.get().load_program(str(file)).load_method("forward")
-    return lambda input_ids, input_pos, counts: method.execute([input_ids, input_pos, counts])[0]
+    # input_ids is dynamic up to the cache capacity: its planned (upper-bound) sizes are [B, max_seq_len].
+    sizes = tuple(method.metadata.input_tensor_meta(0).sizes())
+    if len(sizes) != 2 or not all(isinstance(d, int) and d > 0 for d in sizes):
+        raise ArtifactError(f"{file}: input_ids has planned sizes {list(sizes)}; expected [batch, max_seq_len]")
+    shape = ProgramShape(batch_size=sizes[0], max_seq_len=sizes[1], source=f"{file}: input_ids upper bound")
+    return (lambda input_ids, input_pos, counts: method.execute([input_ids, input_pos, counts])[0]), shape

@@ -104,7 +104,7 @@ def test_corrupt_or_mismatched_artifacts_are_refused(exports, tmp_path):
         read_metadata(copy)
     # An export made before the cache state was named by per-layer modules: re-export it.
     (copy / METADATA_FILE).write_text(json.dumps({**meta, "schema_version": 1}))
-    with pytest.raises(ArtifactError, match="schema_version 1; this kivi reads 2. Re-export"):
+    with pytest.raises(ArtifactError, match="schema_version 1; this kivi reads 3. Re-export"):
         read_metadata(copy)
 
     (copy / METADATA_FILE).write_text(json.dumps({**meta, "format": "onnx"}))
