@@ -30,8 +30,9 @@ XDIST := -n 2 --dist loadfile
 test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
+# Serial: the slow tests include runtime bounds (the quick quality table) that need both cores.
 test-slow: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .model-cache
