@@ -3,7 +3,9 @@ derived offline, rescaled per group online.
 
 Each group keeps KIVI's min/max scale and zero point: scale = (max - min) / (2^B - 1). A value is
 normalized to x_n = (x - zero) / scale in [0, 2^B - 1] and stored as the index of the nearest of
-2^B *levels* (per layer, separately for keys and values); it dequantizes to levels[code] * scale + zero.
+2^B *levels* (per layer, separately for keys and values; a value halfway between two levels takes
+the upper one: packing.nearest_level, the one rule of the cache, fake quantization and k-means);
+it dequantizes to levels[code] * scale + zero.
 Levels [0, 1, ..., 2^B - 1] are exactly KIVI's uniform grid, so nuq only moves the signposts and
 the scale/zero folding of the fused attention stays valid.
 
@@ -23,7 +25,7 @@ import torch
 
 from .config import check_axis, check_bits, check_group_size
 from .dense_sparse import outlier_mask
-from .packing import token_group_size
+from .packing import nearest_level, token_group_size
 
 
 FORMAT = "kivi-nuq-v1"  # the file `kivi calibrate` writes
@@ -76,12 +78,6 @@ def normalize_groups(x: torch.Tensor, bits: int, group_size: int, axis: str, exc
     scale = (high - zero) / (2**bits - 1)
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     return (g - zero) / safe, scale, zero
-
-
-def nearest_level(x_n: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest level for each normalized value (levels sorted ascending)."""
-    midpoints = (levels[1:] + levels[:-1]) / 2
-    return torch.bucketize(x_n.contiguous(), midpoints.to(x_n.device))
 
 
 def fake_quantize_nuq(x: torch.Tensor, bits: int, group_size: int, axis: str, levels: torch.Tensor,
