@@ -97,7 +97,8 @@ def test_calibrated_levels_never_lose_to_the_uniform_grid():
 def test_calibration_records_kv_and_fisher_and_writes_loadable_tables(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kivi_benchmarks.calibrate import calibrate_tables, collect_kv_fisher, load_tables
+    from kivi_models.calibrate import collect_kv_fisher
+    from kivi_ops.nuq import calibrate_tables, load_tables
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
