@@ -80,7 +80,8 @@ def _load(args, parser, *, patched: bool, plain: bool):
 
 
 def cmd_ppl(args, parser) -> int:
-    from .corpus import load_text
+    from kivi_models.corpus import load_text
+
     from .perplexity import FakeQuantConfig, cache_perplexity, fake_quant_perplexity
 
     kivi_config = kivi_config_from(args, parser)
@@ -130,7 +131,7 @@ def _nuq_tables(args, parser, num_layers: int) -> dict:
 
 
 def _windows(tokenizer, text, args, parser):
-    from .corpus import token_windows
+    from kivi_models.corpus import token_windows
 
     with usage_errors(parser):
         return token_windows(tokenizer, text, window=args.window, max_tokens=args.max_tokens)

@@ -17,9 +17,9 @@ from typing import Optional
 
 import torch
 
+from kivi_models.corpus import load_text, token_windows
 from kivi_ops import KIVIConfig
 
-from .corpus import load_text, token_windows
 from .passkey import passkey_accuracy
 from .perplexity import FakeQuantConfig, cache_perplexity, fake_quant_perplexity
 

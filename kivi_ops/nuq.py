@@ -3,14 +3,18 @@ derived offline, rescaled per group online.
 
 Each group keeps KIVI's min/max scale and zero point: scale = (max - min) / (2^B - 1). A value is
 normalized to x_n = (x - zero) / scale in [0, 2^B - 1] and stored as the index of the nearest of
-2^B *levels* (per layer, separately for keys and values); it dequantizes to levels[code] * scale + zero.
+2^B *levels* (per layer, separately for keys and values; a value halfway between two levels takes
+the upper one: packing.nearest_level, the one rule of the cache, fake quantization and k-means);
+it dequantizes to levels[code] * scale + zero.
 Levels [0, 1, ..., 2^B - 1] are exactly KIVI's uniform grid, so nuq only moves the signposts and
 the scale/zero folding of the fused attention stays valid.
 
 The levels come from a sensitivity-weighted 1-D k-means over calibration activations in the
 normalized domain: each element weighs F_ii * scale^2, F_ii the diagonal Fisher information (the
 squared gradient of the loss with respect to that activation) and scale^2 carrying the normalized
-error back to the activation's own units (Appendix E). `kivi calibrate` computes them offline;
+error back to the activation's own units (Appendix E). `kivi calibrate` computes them offline
+(the activations and their Fisher information: kivi_models.calibrate; the k-means per layer and the
+levels file: calibrate_tables, levels_file and write_levels_file here, read back by load_tables);
 the per-group scale and zero point are still computed online, as in KIVI.
 """
 
@@ -23,7 +27,7 @@ import torch
 
 from .config import check_axis, check_bits, check_group_size
 from .dense_sparse import outlier_mask
-from .packing import token_group_size
+from .packing import nearest_level, token_group_size
 
 
 FORMAT = "kivi-nuq-v1"  # the file `kivi calibrate` writes
@@ -76,12 +80,6 @@ def normalize_groups(x: torch.Tensor, bits: int, group_size: int, axis: str, exc
     scale = (high - zero) / (2**bits - 1)
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     return (g - zero) / safe, scale, zero
-
-
-def nearest_level(x_n: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest level for each normalized value (levels sorted ascending)."""
-    midpoints = (levels[1:] + levels[:-1]) / 2
-    return torch.bucketize(x_n.contiguous(), midpoints.to(x_n.device))
 
 
 def fake_quantize_nuq(x: torch.Tensor, bits: int, group_size: int, axis: str, levels: torch.Tensor,
@@ -146,6 +144,44 @@ def calibrate_levels(x: torch.Tensor, fisher: torch.Tensor, bits: int, group_siz
     shape): k-means on the normalized values, each weighted by fisher * scale^2."""
     x_n, weights = normalized_with_weights(x, fisher, bits, group_size, axis, outlier_fraction)
     return weighted_kmeans_1d(x_n, weights, 2**bits, init=uniform_levels(bits), iterations=iterations)
+
+
+def calibrate_tables(activations: list[dict], *, bits_list, group_size: int, sparse_outliers: float = 0.0,
+                     progress=None) -> dict:
+    """{bits: {"k": [levels per layer], "v": [...], "k_error_vs_uniform": [...], ...}} from each
+    layer's activations {"k", "v", "k_fisher", "v_fisher"} ([..., T, D] each): the levels file's
+    "bits" table. The error ratios are each layer's weighted error with its levels relative to the
+    uniform grid's (< 1 is better). progress(iterable, desc): an optional progress-bar wrapper."""
+    tables = {}
+    for bits in bits_list:
+        entry = {"k": [], "v": [], "k_error_vs_uniform": [], "v_error_vs_uniform": []}
+        layers = activations if progress is None else progress(activations, f"nuq{bits} k-means")
+        for layer in layers:
+            for part, axis in (("k", KEY_AXIS), ("v", VALUE_AXIS)):
+                x, fisher = layer[part], layer[f"{part}_fisher"]
+                levels = calibrate_levels(x, fisher, bits, group_size, axis, outlier_fraction=sparse_outliers)
+                x_n, weights = normalized_with_weights(x, fisher, bits, group_size, axis, sparse_outliers)
+                ratio = weighted_error(x_n, weights, levels) / max(weighted_error(x_n, weights, uniform_levels(bits)),
+                                                                   torch.finfo(torch.float32).tiny)
+                entry[part].append([round(float(v), 6) for v in levels])
+                entry[f"{part}_error_vs_uniform"].append(round(ratio, 4))
+        tables[str(bits)] = entry
+    return tables
+
+
+def levels_file(tables: dict, *, model: str, num_layers: int, group_size: int, pre_rope: bool = False,
+                sparse_outliers: float = 0.0, calibration: dict | None = None) -> dict:
+    """The `kivi calibrate` file (FORMAT) as a dict: calibrate_tables' levels and the settings they
+    were calibrated for, which load_tables checks; calibration: how they were derived (reported)."""
+    return dict(format=FORMAT, model=model, num_layers=num_layers, group_size=group_size, key_axis=KEY_AXIS,
+                value_axis=VALUE_AXIS, pre_rope=pre_rope, sparse_outliers=sparse_outliers,
+                calibration=calibration or {}, bits=tables)
+
+
+def write_levels_file(path, data: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
 
 
 def load_tables(path, *, bits: int, num_layers: int | None, group_size: int, pre_rope: bool = False,

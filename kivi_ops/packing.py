@@ -49,17 +49,26 @@ def minmax_scale_zero(x_min: torch.Tensor, x_max: torch.Tensor, bits: int, dtype
     return scale, zero
 
 
+def nearest_level(normalized: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Index (int64) of the level nearest to each normalized value (x - zero) / scale, for levels
+    sorted ascending: nuq's one quantize-to-levels rule, used by the cache (quantize_codes), fake
+    quantization and the k-means calibration (nuq.py) alike. A value exactly halfway between two
+    levels goes to the upper one, like the uniform grid's round-half-up floor(v + 0.5), so uniform
+    levels 0..2^B-1 give the uniform codes, ties included. The Triton kernels count midpoints the
+    same way (triton_quant.py)."""
+    midpoints = (levels[1:] + levels[:-1]) / 2
+    return torch.bucketize(normalized.contiguous(), midpoints.to(normalized.device), right=True)
+
+
 def quantize_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
                    levels: torch.Tensor | None = None) -> torch.Tensor:
     """Integer codes of x given broadcastable scale/zero (any shape); returns uint8 codes.
-    levels (nuqX, see nuq.py): the code is the index of the level nearest to (x - zero) / scale,
-    ties going up like the uniform rounding (uniform levels 0..2^B-1 give the same codes)."""
+    levels (nuqX, see nuq.py): the code is the index of the level nearest to (x - zero) / scale
+    (nearest_level: ties go up like the uniform rounding)."""
     s = scale.float()
     safe = torch.where(s == 0, torch.ones_like(s), s)
     if levels is not None:
-        midpoints = (levels[1:] + levels[:-1]) / 2
-        normalized = (x.float() - zero.float()) / safe
-        return torch.bucketize(normalized, midpoints, right=True).to(torch.uint8)
+        return nearest_level((x.float() - zero.float()) / safe, levels).to(torch.uint8)
     q = torch.floor((x.float() - zero.float()) / safe + 0.5)
     return q.clamp_(0, 2**bits - 1).to(torch.uint8)
 

@@ -5,9 +5,9 @@ Imports flow one way (tests/test_imports.py checks it):
     kivi_models.cli                 this parser and main(); nothing imports it
       -> command modules            each adds its subcommand(s) and runs them:
            kivi_models.generate_cli     generate
+           kivi_models.calibrate_cli    calibrate
            kivi_benchmarks.eval_cli     eval ppl | passkey | table
            kivi_benchmarks.bench_cli    bench memory | attention | decode | weight-quant
-           kivi_benchmarks.calibrate    calibrate
            kivi_export.cli              export, run-exported
       -> kivi_models.cli_args       the flags, argument types and usage errors they share
       -> the library                kivi_ops, kivi_models (kivi_export, kivi_benchmarks for theirs)
@@ -19,10 +19,10 @@ import argparse
 import sys
 
 from kivi_benchmarks.bench_cli import add_bench_parser
-from kivi_benchmarks.calibrate import add_calibrate_parser
 from kivi_benchmarks.eval_cli import add_eval_parser
 from kivi_export.cli import add_export_parsers
 
+from .calibrate_cli import add_calibrate_parser
 from .cli_args import usage_errors
 from .generate import SamplingConfig
 from .generate_cli import add_generate_parser

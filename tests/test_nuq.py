@@ -13,11 +13,36 @@ from kivi_ops.nuq import (calibrate_levels, fake_quantize_nuq, nearest_level, un
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("axis", ["channel", "token"])
 def test_uniform_levels_reproduce_kivi_fake_quantization(bits, axis):
-    # Random data has no exact rounding ties, where nearest-level and round-half-up could differ.
+    # Ties agree too (test_a_value_on_a_midpoint_goes_to_the_upper_level); random data just has none.
     x = torch.randn(2, 3, 64, 64)
     expected = fake_quantize(x, bits, 32, axis)
     torch.testing.assert_close(fake_quantize_nuq(x, bits, 32, axis, uniform_levels(bits)), expected,
                                rtol=0, atol=1e-5)
+
+
+def test_a_value_on_a_midpoint_goes_to_the_upper_level():
+    # One tie rule (packing.nearest_level) for the cache's quantizer, fake quantization and k-means:
+    # a value exactly halfway between two levels takes the upper one, like KIVI's round-half-up.
+    from kivi_ops.packing import quantize_pack_reference, unpack
+
+    levels = torch.tensor([0.0, 0.5, 2.0, 3.0])  # midpoints 0.25, 1.25, 2.5, exact in fp32
+    # One token-axis group of 32 channels, min 0 and max 3: scale 1 and zero 0 exactly, so the
+    # normalized values are the values themselves.
+    x = torch.zeros(1, 1, 1, 32)
+    x[..., :5] = torch.tensor([0.0, 3.0, 0.25, 1.25, 2.5])
+    codes, scale, zero = quantize_pack_reference(x, 2, 32, "token", levels=levels)  # the cache's quantizer
+    assert scale.item() == 1.0 and zero.item() == 0.0
+    assert unpack(codes, 2)[0, 0, 0, :5].tolist() == [0, 3, 1, 2, 3]
+    fake = fake_quantize_nuq(x, 2, 32, "token", levels)
+    assert fake[0, 0, 0, :5].tolist() == [0.0, 3.0, 0.5, 2.0, 3.0]
+    assert nearest_level(torch.tensor([0.25, 1.25, 2.5]), levels).tolist() == [1, 2, 3]  # k-means assignment
+    # The uniform grid's ties (x.5) round up in all three, as in the uniform quantizer.
+    x[..., 2:5] = torch.tensor([0.5, 1.5, 2.5])
+    uniform = uniform_levels(2)
+    codes = quantize_pack_reference(x, 2, 32, "token", levels=uniform)[0]
+    assert unpack(codes, 2)[0, 0, 0, :5].tolist() == [0, 3, 1, 2, 3]
+    assert torch.equal(fake_quantize_nuq(x, 2, 32, "token", uniform), fake_quantize(x, 2, 32, "token"))
+    assert fake_quantize_nuq(x, 2, 32, "token", uniform)[0, 0, 0, 2:5].tolist() == [1.0, 2.0, 3.0]
 
 
 def test_nuq_matches_a_direct_per_group_reference():
@@ -72,7 +97,8 @@ def test_calibrated_levels_never_lose_to_the_uniform_grid():
 def test_calibration_records_kv_and_fisher_and_writes_loadable_tables(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kivi_benchmarks.calibrate import calibrate_tables, collect_kv_fisher, load_tables
+    from kivi_models.calibrate import collect_kv_fisher
+    from kivi_ops.nuq import calibrate_tables, load_tables
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -1,4 +1,6 @@
-"""Evaluation text: Python's own documentation (`pydoc_data.topics`, ships with CPython) or a file."""
+"""Calibration and evaluation text: Python's own documentation (`pydoc_data.topics`, ships with
+CPython) or a file. `kivi calibrate` takes its windows from the end of the text (calibrate.py),
+`kivi eval` from its beginning (token_windows)."""
 
 from __future__ import annotations
 

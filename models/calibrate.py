@@ -1,0 +1,107 @@
+"""KVQuant's offline calibration of per-layer nuqX levels (kivi_ops/nuq.py), the model side;
+`kivi calibrate` (calibrate_cli.py) runs it.
+
+Runs the model teacher-forced over real text with gradients, records every layer's keys and
+values as attention receives them (keys after RoPE: this cache quantizes post-RoPE keys) and the
+gradient of the summed next-token loss with respect to them, whose square is the diagonal Fisher
+information (KVQuant Appendix D). Each layer's levels then come from a Fisher-weighted k-means
+on the normalized values (Appendix E). Offline: the levels. Online, at quantization time: each
+group's scale and zero point (min/max), as in KIVI. The k-means and the levels file's format are
+kivi_ops.nuq's (calibrate_tables, levels_file, write_levels_file, load_tables).
+
+The calibration text is taken from the *end* of the corpus, the evaluation windows
+(`kivi eval`) from its beginning, so the two never overlap.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from kivi_ops.nuq import calibrate_tables, levels_file
+from kivi_ops.rope import model_rope_tables, undo_rope
+
+CALIB_ATTN = "kivi_calibrate"
+
+
+def _recording_attention(module, query, key, value, attention_mask, **kwargs):
+    """SDPA that keeps this layer's keys/values and, after backward, their gradients."""
+    record = module.config.kivi_calibration_record[module.layer_idx]
+    record["k"].append(key.detach())
+    record["v"].append(value.detach())
+    key.register_hook(lambda g: record["k_grad"].append(g.detach()))
+    value.register_hook(lambda g: record["v_grad"].append(g.detach()))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(CALIB_ATTN, _recording_attention)
+AttentionMaskInterface.register(CALIB_ATTN, sdpa_mask)
+
+
+def calibration_windows(tokenizer, text: str, *, window: int, windows: int) -> torch.Tensor:
+    """The last `windows` non-overlapping windows of the text's tokens [windows, window]."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < window * windows:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than {windows} windows of {window}")
+    return torch.tensor(ids[len(ids) - window * windows:]).reshape(windows, window)
+
+
+def collect_kv_fisher(model, windows: torch.Tensor, *, batch_size: int = 2, pre_rope: bool = False) -> list[dict]:
+    """Per layer: keys, values [N, H, T, D] (fp32) and their squared loss gradients. pre_rope: the
+    keys as they were before RoPE, with the gradient with respect to them (RoPE is a rotation R per
+    position: k_pre = R^T k, dL/dk_pre = R^T dL/dk, so both are un-rotated)."""
+    layers = model.config.num_hidden_layers
+    record = [dict(k=[], v=[], k_grad=[], v_grad=[]) for _ in range(layers)]
+    previous = model.config._attn_implementation
+    model.config.kivi_calibration_record = record
+    model.config._attn_implementation = CALIB_ATTN
+    params = [p.requires_grad for p in model.parameters()]
+    model.requires_grad_(False)  # gradients of activations only, no weight gradients
+    try:
+        for i in tqdm(range(0, len(windows), batch_size), desc="calibration forward+backward", leave=False):
+            win = windows[i : i + batch_size].to(model.device)
+            embeds = model.get_input_embeddings()(win).detach().requires_grad_(True)
+            with torch.enable_grad():
+                logits = model(inputs_embeds=embeds, use_cache=False).logits[:, :-1]
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), win[:, 1:].reshape(-1),
+                                       reduction="sum")
+                loss.backward()
+    finally:
+        model.config._attn_implementation = previous
+        del model.config.kivi_calibration_record
+        for p, flag in zip(model.parameters(), params):
+            p.requires_grad_(flag)
+    if pre_rope:
+        cos, sin = (t.float() for t in model_rope_tables(model, windows.shape[1]))
+    out = []
+    for r in record:
+        # Hooks fire in backward order within a batch: one gradient per recorded batch either way.
+        k, k_grad = torch.cat(r["k"]).float(), torch.cat(r["k_grad"]).float()
+        if pre_rope:
+            k, k_grad = undo_rope(k, cos, sin), undo_rope(k_grad, cos, sin)
+        out.append(dict(k=k, v=torch.cat(r["v"]).float(), k_fisher=k_grad**2,
+                        v_fisher=torch.cat(r["v_grad"]).float() ** 2))
+    return out
+
+
+def run_calibration(model, tokenizer, text: str, *, bits_list, group_size: int, window: int, windows: int,
+                    model_name: str, batch_size: int = 2, pre_rope: bool = False,
+                    sparse_outliers: float = 0.0) -> dict:
+    """The levels file (nuq.levels_file; write it with nuq.write_levels_file) for `model`, calibrated
+    on the last `windows` windows of `window` tokens of `text`."""
+    start = time.perf_counter()
+    win = calibration_windows(tokenizer, text, window=window, windows=windows)
+    activations = collect_kv_fisher(model, win, batch_size=batch_size, pre_rope=pre_rope)
+    tables = calibrate_tables(activations, bits_list=bits_list, group_size=group_size, sparse_outliers=sparse_outliers,
+                              progress=lambda items, desc: tqdm(items, desc=desc, leave=False))
+    return levels_file(tables, model=model_name, num_layers=len(activations), group_size=group_size,
+                       pre_rope=pre_rope, sparse_outliers=sparse_outliers,
+                       calibration=dict(corpus_part="last tokens", window=window, windows=windows,
+                                        tokens=int(win.numel()), weighting="Fisher (squared loss gradient) x scale^2",
+                                        seconds=round(time.perf_counter() - start, 1)))

@@ -1,0 +1,63 @@
+"""`kivi calibrate`: derive per-layer nuqX levels offline (kivi_models.calibrate) and write them
+to a levels file (kivi_ops.nuq)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from .cli_args import fraction_arg, positive_int, usage_errors
+
+
+def add_calibrate_parser(sub) -> None:
+    c = sub.add_parser("calibrate", help="derive per-layer nuqX levels offline (KVQuant), Fisher-weighted k-means")
+    c.add_argument("--out", type=Path, required=True, help="the JSON file to write")
+    c.add_argument("--model", default="default")
+    c.add_argument("--text", default=None, help="a text file (default: the pydoc corpus)")
+    c.add_argument("--bits", type=_bits_list, default=[2, 4], help="comma-separated, from 2,4 (default 2,4)")
+    c.add_argument("--group-size", type=positive_int, default=32)
+    c.add_argument("--window", type=positive_int, default=512)
+    c.add_argument("--windows", type=positive_int, default=8)
+    c.add_argument("--pre-rope", action="store_true", help="levels for keys quantized before RoPE (KVQuant)")
+    c.add_argument("--sparse-outliers", type=fraction_arg, default=0.0, metavar="FRACTION",
+                   help="levels for the dense part when this fraction of each vector is kept exact (e.g. 0.01)")
+    c.set_defaults(func=cmd_calibrate, parser=c)
+
+
+def _bits_list(text: str) -> list[int]:
+    try:
+        bits = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        bits = []
+    if not bits or any(b not in (2, 4) for b in bits):
+        raise argparse.ArgumentTypeError(f"expected comma-separated bit widths from 2,4, got {text!r}")
+    return bits
+
+
+def cmd_calibrate(args, parser) -> int:
+    from kivi_ops.config import check_group_size
+    from kivi_ops.nuq import write_levels_file
+
+    from .calibrate import run_calibration
+    from .corpus import load_text
+    from .loading import load_model
+
+    with usage_errors(parser, ValueError, OSError):
+        check_group_size("--group-size", args.group_size)
+        text = load_text(text_file=args.text, corpus=None if args.text else "pydoc")
+    if args.window % args.group_size:
+        parser.error(f"--window must be a multiple of --group-size={args.group_size}")
+    model, tokenizer = load_model(args.model, dtype=torch.float32, device="cpu")
+    with usage_errors(parser):
+        result = run_calibration(model, tokenizer, text, bits_list=args.bits, group_size=args.group_size,
+                                 window=args.window, windows=args.windows, model_name=args.model,
+                                 pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers)
+    write_levels_file(args.out, result)
+    for bits, entry in result["bits"].items():
+        k, v = entry["k_error_vs_uniform"], entry["v_error_vs_uniform"]
+        print(f"nuq{bits}: Fisher-weighted error vs the uniform grid, mean over {len(k)} layers: "
+              f"keys {sum(k) / len(k):.3f}, values {sum(v) / len(v):.3f}")
+    print(f"wrote {args.out} ({result['calibration']['tokens']} tokens, {result['calibration']['seconds']} s)")
+    return 0
