@@ -12,6 +12,19 @@ with the stored values is within scale/2 of X. A constant group (max == min) has
 codes 0 and reconstructs exactly as zero. Rounding is half-up (floor(v + 0.5)) in both the
 reference and the kernels, so codes match bit for bit, ties included. All arithmetic is fp32.
 
+At the dtype's limits (saturate, WIDE_SCALE):
+    - scale and zero are finite for every finite group. max - min can overflow fp32 only for bf16
+      or fp32 data spanning more than fp32's largest value; such a group's scale is computed from
+      max/2 - min/2 and doubled (exact: powers of two commute with rounding), <= 2/3 of the max.
+    - X' is computed in fp32 and saturated: clamped to [-finfo(dtype).max, finfo(dtype).max]
+      before the cast to the dtype (fp16 [-65504, 65504] at 2 bits: 3 * 43680 - 65504 = 65536).
+      The clamp changes only values the cast would make +-inf, and since X lies in
+      [-max, max] it moves X' towards X: |X - X'| <= scale/2 (+ roundings) still holds.
+    - "Wide" groups (stored scale >= WIDE_SCALE = 2^119: ranges past ~2^120, so bf16 / fp32 data
+      only) quantize and dequantize at half scale: X/2, zero/2, scale/2 in the code formula and
+      (q * scale/2 + zero/2) * 2 for X', where X - zero or q * scale could overflow fp32. Every
+      other group computes exactly the formulas above (times 1), bit for bit as before.
+
 Groups:
     axis="channel" (keys):  G consecutive tokens of one channel. x [..., T, D] -> scale/zero [..., T/G, D]
     axis="token"   (values): G consecutive channels of one token (G clipped to D).
@@ -42,9 +55,18 @@ def token_group_size(group_size: int, head_dim: int) -> int:
     return min(group_size, head_dim)
 
 
+# Stored scales at or above this are "wide" groups (module doc): with at most 255 codes,
+# q * scale < 2^127 below it, and max - min < 2^128 (fp32's range) too.
+WIDE_SCALE = 2.0**119
+
+
 def minmax_scale_zero(x_min: torch.Tensor, x_max: torch.Tensor, bits: int, dtype: torch.dtype):
-    """Scale and zero point of each group, rounded to the storage dtype."""
-    scale = ((x_max.float() - x_min.float()) / (2**bits - 1)).to(dtype)
+    """Scale and zero point of each group, rounded to the storage dtype (finite for finite groups:
+    a range past fp32's is halved, divided, and doubled)."""
+    lo, hi = x_min.float(), x_max.float()
+    wide = torch.isinf(hi - lo).float()
+    f = 1.0 - 0.5 * wide  # 1, or 0.5 for a range past fp32's
+    scale = ((hi * f - lo * f) / (2**bits - 1) * (1.0 + wide)).to(dtype)
     zero = x_min.to(dtype)
     return scale, zero
 
@@ -58,6 +80,18 @@ def nearest_level(normalized: torch.Tensor, levels: torch.Tensor) -> torch.Tenso
     same way (triton_quant.py)."""
     midpoints = (levels[1:] + levels[:-1]) / 2
     return torch.bucketize(normalized.contiguous(), midpoints.to(normalized.device), right=True)
+
+
+def half_if_wide(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 factor per group: 0.5 for wide groups (stored scale >= WIDE_SCALE), else 1."""
+    return 1.0 - 0.5 * (scale.float() >= WIDE_SCALE).float()
+
+
+def saturate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 x clamped to dtype's finite range (still fp32; NaN stays NaN): the cast to dtype that
+    follows cannot overflow, and values it would keep finite are unchanged."""
+    m = torch.finfo(dtype).max
+    return x.clamp(-m, m)
 
 
 def quantize_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
@@ -81,8 +115,14 @@ def code_values(codes: torch.Tensor, levels: torch.Tensor | None) -> torch.Tenso
     return levels.float()[codes.long()]
 
 
+def dequantize_float(c: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """fp32 c * scale + zero (c: fp32 code values), wide groups at half scale (module doc)."""
+    f = half_if_wide(scale)
+    return (c * (scale.float() * f) + zero.float() * f) * (1.0 / f)
+
+
 def dequantize_codes(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scale.float() + zero.float()).to(dtype)
+    return saturate(dequantize_float(q.float(), scale, zero), dtype).to(dtype)
 
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -144,7 +184,8 @@ def quantize_pack_reference(x: torch.Tensor, bits: int, group_size: int, axis: s
         empty = e.all(dim=dim)
         lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
     scale, zero = minmax_scale_zero(lo, hi, bits, x.dtype)
-    q = quantize_codes(g, scale.unsqueeze(dim), zero.unsqueeze(dim), bits, levels).reshape(*lead, T, D)
+    f = half_if_wide(scale).unsqueeze(dim)  # 1 but for wide groups (module doc): exact either way
+    q = quantize_codes(g * f, scale.unsqueeze(dim) * f, zero.unsqueeze(dim) * f, bits, levels).reshape(*lead, T, D)
     return pack(q, bits), scale, zero
 
 

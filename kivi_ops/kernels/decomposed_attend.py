@@ -10,6 +10,12 @@ attend_materialized (longer queries, every query in portable exports, and KVQuan
 dequantizes the cache once and uses matmuls. Rows of the cache past a sequence's length are read
 but masked out with torch.where; they must hold finite values (KIVICache zero-initializes its
 buffers and only ever writes finite ones for finite inputs).
+
+At the dtype's limits (packing.py): attend_materialized saturates the dequantized keys/values to
+the cache dtype's finite range like the reference's materialize_block; attend_fused folds scales
+and zeros into its sums and sees the fp32 reconstruction unsaturated, like the reference's packed
+domain (for fp16 at most scale/2 past 65504, finite in fp32). Both saturate the output to the
+query dtype's range before the cast.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from torch import Tensor
 
 from ..extras import apply_key_outliers, apply_value_outliers, key_outliers_per_window
 from ..layout import LayerTensors, QuantParams
-from ..packing import code_values, codes_per_byte, token_group_size
+from ..packing import code_values, codes_per_byte, dequantize_float, saturate, token_group_size
 from ..pool import pool_attention_scores, pooled_mask_dense
 from ..rope import rope_at
 from .decomposed_append import mod_nonneg
@@ -99,7 +105,7 @@ def _softmax_rows(scores: Tensor, visible: Tensor):
 
 def _finish(acc: Tensor, denom: Tensor, query: Tensor) -> Tensor:
     out = acc / denom.clamp(min=torch.finfo(torch.float32).tiny)
-    out = torch.where(denom > 0, out, torch.zeros_like(out))
+    out = saturate(torch.where(denom > 0, out, torch.zeros_like(out)), query.dtype)
     # unflatten rather than reshape: reshape's view check on the symbolic rows = groups * q
     # specializes a dynamic query length (torch.export).
     B, Hq, q, D = query.shape
@@ -249,10 +255,10 @@ def attend_materialized(query: Tensor, layer: LayerTensors, counts: Optional[Ten
     gv = token_group_size(G, D)
     dgrp = torch.div(torch.arange(D, device=query.device), gv, rounding_mode="floor")
     slot = t % R
-    keys = (code_values(unpack_codes_float(k_codes, k_bits), extras.k_levels) * k_scale.float()[:, :, g]
-            + k_zero.float()[:, :, g])
-    values = (code_values(unpack_codes_float(v_codes, v_bits), extras.v_levels) * v_scale.float()[..., dgrp]
-              + v_zero.float()[..., dgrp])
+    keys = saturate(dequantize_float(code_values(unpack_codes_float(k_codes, k_bits), extras.k_levels),
+                                     k_scale[:, :, g], k_zero[:, :, g]), k_res.dtype)
+    values = saturate(dequantize_float(code_values(unpack_codes_float(v_codes, v_bits), extras.v_levels),
+                                       v_scale[..., dgrp], v_zero[..., dgrp]), v_res.dtype)
     if extras.sparse:
         nk = key_outliers_per_window(extras.k_sparse, S, R)
         keys = apply_key_outliers(keys, 0, extras.k_sparse, extras.k_sparse_idx, nk, R)

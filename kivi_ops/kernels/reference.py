@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from ..extras import (apply_key_outliers, apply_value_outliers, key_outliers_per_window, select_key_outliers,
                       select_outliers)
 from ..layout import LayerTensors, QuantParams
-from ..packing import code_values, expand_groups, quantize_pack_reference, unpack, unpack_float
+from ..packing import (code_values, dequantize_float, expand_groups, quantize_pack_reference, saturate, unpack,
+                       unpack_float)
 from ..pool import ott_step, pool_attention_scores, pooled_mask, replace_pooled_rows
 from ..rope import rope_at
 
@@ -145,8 +146,9 @@ def _pool_flush(pool, b, nqk, nqk_end, keys, values, R, G):
 
 def materialize_block(layer: LayerTensors, start: int, stop: int, params: QuantParams):
     """Keys and values (fp32) of token rows [start, stop): dequantized where quantized (nuq
-    levels and exact sparse outliers included), exact from the residuals elsewhere. Keys are in
-    stored form (pre-RoPE when the cache stores them so). start must be a multiple of group_size."""
+    levels and exact sparse outliers included; saturated to the cache dtype's finite range, see
+    packing.py), exact from the residuals elsewhere. Keys are in stored form (pre-RoPE when the
+    cache stores them so). start must be a multiple of group_size."""
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = layer.kivi
     k_bits, v_bits, group_size, residual_length = params[:4]
     extras = layer.extras
@@ -158,8 +160,10 @@ def materialize_block(layer: LayerTensors, start: int, stop: int, params: QuantP
     k_z = expand_groups(k_zero[:, :, g0:g1], G, "channel", D)[:, :, : stop - start]
     v_s = expand_groups(v_scale[:, :, start:stop], G, "token", D)
     v_z = expand_groups(v_zero[:, :, start:stop], G, "token", D)
-    k_q = code_values(unpack(k_codes[:, :, start:stop], k_bits), extras.k_levels) * k_s.float() + k_z.float()
-    v_q = code_values(unpack(v_codes[:, :, start:stop], v_bits), extras.v_levels) * v_s.float() + v_z.float()
+    k_q = saturate(dequantize_float(code_values(unpack(k_codes[:, :, start:stop], k_bits), extras.k_levels),
+                                    k_s, k_z), k_res.dtype)
+    v_q = saturate(dequantize_float(code_values(unpack(v_codes[:, :, start:stop], v_bits), extras.v_levels),
+                                    v_s, v_z), v_res.dtype)
     if extras.sparse:
         nk = key_outliers_per_window(extras.k_sparse, k_codes.shape[2], R)
         k_q = apply_key_outliers(k_q, start, extras.k_sparse, extras.k_sparse_idx, nk, R)
@@ -230,6 +234,9 @@ def attend_reference(query, layer: LayerTensors, counts, params: QuantParams, sc
     probabilities, see the two helpers above); only the residual tail, at most R tokens beyond
     the shortest sequence's quantized part, is read in full precision. With extras each block
     of tokens is dequantized (materialize_block) and rotated first; the block bounds the copy.
+    At the dtype's limits (packing.py): the packed domain sees the fp32 reconstruction q * s + z
+    unsaturated (for an fp16 cache it may pass 65504 by less than scale/2, still finite in fp32;
+    materialize_block saturates it), and the output is saturated to the query dtype's range.
     """
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = layer.kivi
     k_bits, v_bits, G, R = params[:4]
@@ -289,4 +296,4 @@ def attend_reference(query, layer: LayerTensors, counts, params: QuantParams, sc
         acc = acc * correction[..., None] + p @ pool_v.float()
     out = acc / denom.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
     out = torch.where(denom[..., None] > 0, out, torch.zeros_like(out))
-    return out.reshape(B, Hq, q, D).to(query.dtype)
+    return saturate(out, query.dtype).reshape(B, Hq, q, D).to(query.dtype)

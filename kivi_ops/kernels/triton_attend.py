@@ -41,7 +41,7 @@ import triton.language as tl
 from ..extras import Extras, check_extras
 from ..layout import REQUIRED_TENSORS, LayerTensors, QuantParams
 from ..packing import codes_per_byte, token_group_size
-from .triton_quant import interpreting, next_pow2, to_dtype_rtne
+from .triton_quant import interpreting, next_pow2, saturate, to_dtype_rtne
 
 LOG2E = 1.0 / math.log(2.0)
 MAX_SPLITS = 64
@@ -96,6 +96,14 @@ def _cast(x, DTYPE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
         return to_dtype_rtne(x, DTYPE)
     else:
         return x.to(DTYPE)
+
+
+@triton.jit
+def _cast_sat(x, DTYPE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
+    """_cast of x saturated to DTYPE's finite range first (packing.py's rule): what dequantized
+    keys/values and outputs take, which can round past the dtype's largest value at its limits
+    (fp16: 3 * 43680 - 65504 = 65536). Values the plain cast keeps finite are unchanged."""
+    return _cast(saturate(x, DTYPE), DTYPE, EMULATE_RTNE)
 
 
 @triton.jit
@@ -159,7 +167,7 @@ def _attend_reduce_kernel(
     o = tl.sum(wt[:, None] * acc, axis=0)
     o = tl.math.div_rn(o, tl.zeros_like(o) + tl.where(l_tot > 0.0, l_tot, 1.0))
     o = tl.where(l_tot > 0.0, o, 0.0)
-    tl.store(out_ptr + (bh * M + r) * D + d, _cast(o, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=dmask)
+    tl.store(out_ptr + (bh * M + r) * D + d, _cast_sat(o, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=dmask)
 
 
 # ---------------------------------------------------------------- launch helpers

@@ -26,7 +26,8 @@ attend_decode:
   (q . R_t k = (R_t^T q) . k, _decode_scores), which needs no partner channel of the key tile,
   so the key scales no longer fold into the query.
   A padded row (counts 0) attends to nothing and returns 0. The query is cast to the cache dtype
-  (then used in fp32); the output has the query's dtype.
+  (then used in fp32); the output has the query's dtype, saturated to its finite range
+  (packing.py's rule; keys/values stay fp32, unsaturated, like the reference's packed domain).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import triton.language as tl
 from ..layout import LayerTensors, QuantParams
 from ..packing import codes_per_byte
 from .triton_attend import (
-    LOG2E, MAX_SPLITS, _cast, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
+    LOG2E, MAX_SPLITS, _cast_sat, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
     launch_reduce, num_programs_target, split_workspace,
 )
 from .triton_quant import device_ctx, interpreting
@@ -282,7 +283,7 @@ def _attend_decode_kernel(
     if NUM_SPLITS == 1:
         o = tl.math.div_rn(o, tl.zeros_like(o) + tl.where(l_i > 0.0, l_i, 1.0))
         o = tl.where(l_i > 0.0, o, 0.0)
-        tl.store(out_ptr + pid.to(tl.int64) * D + ch_v, _cast(o, out_ptr.dtype.element_ty, EMULATE_RTNE))
+        tl.store(out_ptr + pid.to(tl.int64) * D + ch_v, _cast_sat(o, out_ptr.dtype.element_ty, EMULATE_RTNE))
     else:
         w = (bh64 * NUM_SPLITS + sp) * QG + hq % QG
         tl.store(ws_m + w, m_i)

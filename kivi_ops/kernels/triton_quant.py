@@ -8,7 +8,11 @@ Numerics and packed layout are those of packing.py, bit for bit:
             div.full.f32 on NVIDIA GPUs), scale == 0 replaced by 1 (constant group -> codes 0)
     byte[t, j] = sum_i q[t, j*P + i] << (i*B),  P = 8/B codes per byte
     x'    = q * scale + zero  in fp32 (may contract to one FMA on the GPU: <= 1 ulp of the
-            dtype away from the reference), then cast to the dtype.
+            dtype away from the reference), saturated to the dtype's finite range, then cast.
+At the dtype's limits the helpers follow packing.py's rule: a group range past fp32's gets its
+scale from max/2 - min/2 (doubled after the division), "wide" groups (stored scale >=
+WIDE_SCALE) quantize and dequantize at half scale (times 1 for every other group: the same bits
+as without), and `saturate` clamps fp32 values to the dtype's range before a cast to it.
 
 Tiles put the P codes of one byte on the last (size-P) axis, so packing is a shift-and-sum over
 that axis and unpacking a broadcast shift; no gather is needed.
@@ -17,9 +21,9 @@ Conversions fp32 -> bf16 go through `to_dtype_rtne`: round-to-nearest-even done 
 ops. On the GPU it equals the native cvt.rn.bf16.f32; it is spelled out because Triton's CPU
 interpreter truncates fp32 -> bf16 casts, which would break bit-exact scales in the tests.
 
-The jit helpers `to_dtype_rtne`, `scale_zero_stored`, `quant_codes`, `nuq_codes`, `pack_codes` and
-`unpack_codes` are shared with the cache kernels (triton_append.py, triton_split.py, triton_decode.py:
-the cache append and attention use the same math).
+The jit helpers `to_dtype_rtne`, `saturate`, `scale_zero_stored`, `quant_codes`, `nuq_codes`,
+`pack_codes` and `unpack_codes` are shared with the cache kernels (triton_append.py,
+triton_split.py, triton_decode.py: the cache append and attention use the same math).
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..packing import codes_per_byte, token_group_size
+from ..packing import WIDE_SCALE, codes_per_byte, token_group_size
+
+_WIDE_SCALE = tl.constexpr(WIDE_SCALE)
+_FP16_MAX = tl.constexpr(torch.finfo(torch.float16).max)
+_BF16_MAX = tl.constexpr(torch.finfo(torch.bfloat16).max)
+_FP32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
 
 
 def interpreting() -> bool:
@@ -66,17 +75,40 @@ def to_dtype_rtne(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def saturate(x, DTYPE: tl.constexpr):
+    """fp32 x clamped to DTYPE's finite range (packing.saturate), still fp32: the cast to DTYPE
+    that follows cannot overflow; values it keeps finite are unchanged, NaN stays NaN."""
+    if DTYPE == tl.float16:
+        return tl.where(x > _FP16_MAX, _FP16_MAX, tl.where(x < -_FP16_MAX, -_FP16_MAX, x))
+    elif DTYPE == tl.bfloat16:
+        return tl.where(x > _BF16_MAX, _BF16_MAX, tl.where(x < -_BF16_MAX, -_BF16_MAX, x))
+    else:
+        return tl.where(x > _FP32_MAX, _FP32_MAX, tl.where(x < -_FP32_MAX, -_FP32_MAX, x))
+
+
+@triton.jit
+def half_if_wide(scale):
+    """0.5 for wide groups (stored scale >= WIDE_SCALE, packing.half_if_wide), else 1."""
+    return tl.where(scale >= _WIDE_SCALE, 0.5, 1.0)
+
+
+@triton.jit
 def scale_zero_stored(mn, mx, MAXQ: tl.constexpr, DTYPE: tl.constexpr):
-    """Stored (DTYPE) scale and zero of groups with fp32 min/max mn, mx."""
-    scale = tl.math.div_rn(mx - mn, tl.full(mn.shape, MAXQ, tl.float32))
+    """Stored (DTYPE) scale and zero of groups with fp32 min/max mn, mx (a range past fp32's is
+    halved before the division and the quotient doubled, as packing.minmax_scale_zero)."""
+    wide = (mx - mn) == float("inf")
+    f = tl.where(wide, 0.5, 1.0)
+    scale = tl.math.div_rn(mx * f - mn * f, tl.full(mn.shape, MAXQ, tl.float32)) * tl.where(wide, 2.0, 1.0)
     return to_dtype_rtne(scale, DTYPE), mn.to(DTYPE)
 
 
 @triton.jit
 def quant_codes(x, scale, zero, MAXQ: tl.constexpr):
-    """int32 codes of fp32 x from broadcastable fp32 (stored-dtype valued) scale, zero."""
-    safe = tl.where(scale == 0.0, 1.0, scale)
-    q = tl.floor(tl.math.div_rn(x - zero, safe) + 0.5)
+    """int32 codes of fp32 x from broadcastable fp32 (stored-dtype valued) scale, zero (wide
+    groups at half scale, as packing.quantize_pack_reference)."""
+    f = half_if_wide(scale)
+    safe = tl.where(scale == 0.0, 1.0, scale * f)
+    q = tl.floor(tl.math.div_rn(x * f - zero * f, safe) + 0.5)
     q = tl.minimum(tl.maximum(q, 0.0), MAXQ * 1.0)
     return q.to(tl.int32)
 
@@ -87,9 +119,10 @@ def nuq_codes(x, scale, zero, levels, BITS: tl.constexpr):
     the number of midpoints (levels[i] + levels[i + 1]) / 2 at or below (x - zero) / scale, which is
     torch.bucketize(right=True): the nearest level, ties going up. The midpoints are sorted, so the
     count is found by binary search, one bit per step (BITS gathers from the tiny table, instead of
-    2^BITS - 1 comparisons)."""
-    safe = tl.where(scale == 0.0, 1.0, scale)
-    xn = tl.math.div_rn(x - zero, safe)
+    2^BITS - 1 comparisons). Wide groups at half scale, as quant_codes."""
+    f = half_if_wide(scale)
+    safe = tl.where(scale == 0.0, 1.0, scale * f)
+    xn = tl.math.div_rn(x * f - zero * f, safe)
     q = tl.zeros(xn.shape, tl.int32)
     for i in tl.static_range(BITS):
         cand = q + (1 << (BITS - 1 - i))  # <= 2^BITS - 1, so levels[cand] exists
@@ -191,8 +224,10 @@ def _dequantize_kernel(
         soff = rows[:, None, None] * NG + ch // G
     s = tl.load(scale_ptr + soff, mask=m3, other=0.0).to(tl.float32)
     z = tl.load(zero_ptr + soff, mask=m3, other=0.0).to(tl.float32)
-    x = q.to(tl.float32) * s + z
-    tl.store(out_ptr + rows[:, None, None] * D + ch, to_dtype_rtne(x, out_ptr.dtype.element_ty), mask=m3)
+    f = half_if_wide(s)  # packing.dequantize_float
+    x = (q.to(tl.float32) * (s * f) + z * f) * tl.where(f < 1.0, 2.0, 1.0)
+    DT = out_ptr.dtype.element_ty
+    tl.store(out_ptr + rows[:, None, None] * D + ch, to_dtype_rtne(saturate(x, DT), DT), mask=m3)
 
 
 # ---------------------------------------------------------------- launchers

@@ -25,7 +25,9 @@ attend_split:
   (rotate-half is a mix of the two halves) and scored with two tl.dot of D/2 (_rope_qk).
   Products use tl.dot: fp16/bf16 caches on tensor cores with the dequantized keys/values and the
   probabilities rounded to the cache dtype and fp32 accumulation (like fp16 flash attention);
-  fp32 caches with F32_DOT_PRECISION ("tf32x3" by default, see there).
+  fp32 caches with F32_DOT_PRECISION ("tf32x3" by default, see there). The rounded keys/values
+  and the output are saturated to the dtype's finite range first (_cast_sat, packing.py's rule:
+  fp16 q * s + z can reach 65536); q . k and p . v accumulate in fp32 and stay finite for fp16.
   The query is used in the cache dtype (cast if it differs); the output has the query's dtype.
 """
 
@@ -40,7 +42,7 @@ import triton.language as tl
 from ..layout import LayerTensors, QuantParams
 from ..packing import codes_per_byte
 from .triton_attend import (
-    LOG2E, MAX_SPLITS, _cast, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
+    LOG2E, MAX_SPLITS, _cast, _cast_sat, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
     launch_reduce, num_programs_target, split_workspace,
 )
 from .triton_quant import device_ctx, interpreting, next_pow2, unpack_codes
@@ -100,8 +102,8 @@ def _rope_qk(q_lo, q_hi, k_lo, k_hi, positions, freq, DT: tl.constexpr, LOWP: tl
     lo = k_lo * cos - k_hi * sin
     hi = k_hi * cos + k_lo * sin
     if LOWP:
-        lo = _cast(lo, DT, EMULATE_RTNE)
-        hi = _cast(hi, DT, EMULATE_RTNE)
+        lo = _cast_sat(lo, DT, EMULATE_RTNE)
+        hi = _cast_sat(hi, DT, EMULATE_RTNE)
     return _qk_dot(q_lo, lo, DOT_F32, F32_PRECISION) + _qk_dot(q_hi, hi, DOT_F32, F32_PRECISION)
 
 
@@ -135,7 +137,7 @@ def _key_tile(
         kz = tl.reshape(tl.broadcast_to(kz[:, None, :], [NGB, BLOCK_N // NGB, W_P]), [BLOCK_N, W_P])
     kdq = kc * ks + kz
     if CAST:
-        kdq = _cast(kdq, k_res.dtype.element_ty, EMULATE_RTNE)
+        kdq = _cast_sat(kdq, k_res.dtype.element_ty, EMULATE_RTNE)
     if MIXED:
         slot = (bh64 * RR + (t % R)[:, None]) * D + (C0 + c)[None, :]
         kres = tl.load(k_res + slot, mask=(tm & (t >= nqk))[:, None] & cmask[None, :], other=0.0)
@@ -209,7 +211,7 @@ def _attend_tile(
         vz = tl.reshape(tl.broadcast_to(vz[:, :, None], [BLOCK_N, NGV_P, GV_P]), [BLOCK_N, D_P])
     vdq = vc * vs + vz
     if LOWP:
-        vdq = _cast(vdq, DT, EMULATE_RTNE)
+        vdq = _cast_sat(vdq, DT, EMULATE_RTNE)
     if MIXED:
         slot = (bh64 * RR + (t % R)[:, None]) * D + d[None, :]
         vres = tl.load(v_res + slot, mask=(tm & (t >= nqv))[:, None] & dmask[None, :], other=0.0)
@@ -344,7 +346,7 @@ def _attend_split_kernel(
         o = tl.math.div_rn(acc, tl.zeros_like(acc) + tl.where(l_i > 0.0, l_i, 1.0)[:, None])
         o = tl.where((l_i > 0.0)[:, None], o, 0.0)
         o_off = (bh64 * M + r[:, None]) * D + d[None, :]
-        tl.store(out_ptr + o_off, _cast(o, out_ptr.dtype.element_ty, EMULATE_RTNE),
+        tl.store(out_ptr + o_off, _cast_sat(o, out_ptr.dtype.element_ty, EMULATE_RTNE),
                  mask=rmask[:, None] & dmask[None, :])
     else:
         w = (bh64 * NUM_SPLITS + sp) * M_PAD + r
