@@ -331,7 +331,8 @@ def fill_cache_randomly(cache, context: int, gen: torch.Generator, chunk: int = 
             n = min(chunk, context - start)
             k = torch.randn(B, H, n, D, generator=gen, device=gen.device, dtype=backing.dtype)
             backing.append(layer, k, torch.randn_like(k))
-    cache.prefilled = [True] * backing.num_layers  # what a prefill sets: later steps attend over the cache
+    for layer in cache.layers:  # what a prefill sets: later steps attend over the cache
+        layer.prefilled = True
 
 
 def measure_filled_decode(model, *, device: str, method: str, batch: int, context: int, new_tokens: int,

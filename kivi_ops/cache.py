@@ -138,8 +138,34 @@ class KIVICache(StaticCacheBase):
         """Raise before anything is written if appending n tokens (counts[b] for row b) would grow a
         sequence past max_seq_len (a host sync). Compiled appends cannot raise (the CPU's
         decomposed form and the CUDA kernels do not check); a compiled loop calls this first."""
-        self._check_counts_tensor(counts)
+        self._check_counts_tensor(counts, self.device)
         check_capacity(self.lengths(layer_idx), counts, n, self.max_seq_len)
+
+    def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, counts: Optional[torch.Tensor] = None) -> None:
+        """Store key/value [batch, kv_heads, n, head_dim] in layer `layer_idx`. Row b's first
+        counts[b] tokens are real (right padding), the rest are never stored. counts: None (all n
+        tokens of every row) or an int64 tensor [batch] on the cache's device (a list raises
+        ValueError). Raises before
+        writing if a sequence would exceed max_seq_len (in eager mode and in compiled mode on CPU;
+        the CUDA kernel drops tokens past capacity instead, since it cannot raise inside a CUDA
+        graph)."""
+        self._check_layer(layer_idx)
+        self.append_to(self.layers[layer_idx], key, value, counts)
+
+    def attend(self, layer_idx: int, query: torch.Tensor, scale: Optional[float] = None,
+               counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Attention of query [batch, q_heads, q_len, head_dim] over layer `layer_idx` (quantized
+        part + residual, one softmax, GQA, causal for q_len > 1: the queries' own keys must already be
+        appended). counts marks the real queries of right-padded rows, as in append: query i of
+        row b sits at position lengths[b] - counts[b] + i and sees the keys at positions up to
+        its own.
+
+        Defined for any state of the cache: an output row is zeros when its query sees no key,
+        that is for padding rows (i >= counts[b]), for every row of an empty sequence (attend
+        before any append, after reset() or restart_rows()), and for queries placed before a
+        sequence's first token (counts[b], or q_len without counts, above lengths[b]). Never NaN."""
+        self._check_layer(layer_idx)
+        return self.attend_to(self.layers[layer_idx], query, scale, counts)
 
     def layer_tensors(self, layer_idx: int) -> LayerTensors:
         """One layer as the cache ops take it."""
@@ -162,7 +188,10 @@ class KIVICache(StaticCacheBase):
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx must be an int in [0, {self.num_layers}), got {layer_idx!r}")
 
-    def _check_tensor(self, name: str, t: torch.Tensor, heads: Optional[int]) -> None:
+    # The checks take the device of the layer at hand rather than self.device (layer 0's): a
+    # compiled region that reads layer 0 while appending to layer i would specialize on i.
+
+    def _check_tensor(self, name: str, t: torch.Tensor, heads: Optional[int], device: torch.device) -> None:
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [batch, heads, tokens, head_dim], got {getattr(t, 'shape', t)}")
         B, H, _, D = t.shape
@@ -171,21 +200,21 @@ class KIVICache(StaticCacheBase):
             raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
         if t.dtype != self.dtype:
             raise ValueError(f"{name} must have the cache dtype {self.dtype}, got {t.dtype}")
-        if t.device != self.device:
-            raise ValueError(f"{name} must be on the cache device {self.device}, got {t.device}")
+        if t.device != device:
+            raise ValueError(f"{name} must be on the cache device {device}, got {t.device}")
 
-    def _check_counts_tensor(self, counts: Optional[torch.Tensor]) -> None:
+    def _check_counts_tensor(self, counts: Optional[torch.Tensor], device: torch.device) -> None:
         """counts' type, shape, dtype and device (no host sync)."""
         if counts is None:
             return
-        want = f"counts must be an int64 tensor of shape [{self.batch_size}] on {self.device} (or None)"
+        want = f"counts must be an int64 tensor of shape [{self.batch_size}] on {device} (or None)"
         if not isinstance(counts, torch.Tensor):
             raise ValueError(f"{want} (e.g. torch.tensor([...], device=...)), got {type(counts).__name__} {counts!r}")
-        if counts.shape != (self.batch_size,) or counts.dtype != torch.int64 or counts.device != self.device:
+        if counts.shape != (self.batch_size,) or counts.dtype != torch.int64 or counts.device != device:
             raise ValueError(f"{want}, got {counts.dtype} {list(counts.shape)} on {counts.device}")
 
-    def _check_counts(self, counts: Optional[torch.Tensor], n: int) -> None:
-        self._check_counts_tensor(counts)
+    def _check_counts(self, counts: Optional[torch.Tensor], n: int, device: torch.device) -> None:
+        self._check_counts_tensor(counts, device)
         if counts is None:
             return
         if not torch.compiler.is_compiling() and bool(((counts < 0) | (counts > n)).any()):
@@ -193,48 +222,35 @@ class KIVICache(StaticCacheBase):
 
     # ------------------------------------------------------------------ ops
 
-    def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, counts: Optional[torch.Tensor] = None) -> None:
-        """Store key/value [batch, kv_heads, n, head_dim]; row b's first counts[b] tokens are real
-        (right padding), the rest are never stored. counts: None (all n tokens of every row) or an
-        int64 tensor [batch] on the cache's device (a list raises ValueError). Raises before
-        writing if a sequence would exceed max_seq_len (in eager mode and in compiled mode on CPU;
-        the CUDA kernel drops tokens past capacity instead, since it cannot raise inside a CUDA
-        graph)."""
-        self._check_layer(layer_idx)
-        self._check_tensor("key", key, self.num_kv_heads)
-        self._check_tensor("value", value, self.num_kv_heads)
+    def append_to(self, layer: KIVILayer, key: torch.Tensor, value: torch.Tensor,
+                  counts: Optional[torch.Tensor] = None) -> None:
+        """append() for one of self.layers given as the module itself: a compiled region shared by
+        all layers passes the layer, since an index would be a constant the region specializes on."""
+        device = layer.lengths.device
+        self._check_tensor("key", key, self.num_kv_heads, device)
+        self._check_tensor("value", value, self.num_kv_heads, device)
         if key.shape != value.shape:
             raise ValueError(f"key and value must have the same shape, got {list(key.shape)} and {list(value.shape)}")
-        self._check_counts(counts, key.shape[2])
+        self._check_counts(counts, key.shape[2], device)
         if not torch.compiler.is_compiling():  # compiled forms cannot raise: check here, in eager mode
-            self.check_room(key.shape[2], counts, layer_idx)
-        dispatch.append(self.layer_tensors(layer_idx), key, value, counts, self.layers[layer_idx].params,
-                        portable=self.portable)
+            check_capacity(layer.lengths, counts, key.shape[2], self.max_seq_len)
+        dispatch.append(layer.tensors(self.rope_inv_freq), key, value, counts, layer.params, portable=self.portable)
 
-    def attend(self, layer_idx: int, query: torch.Tensor, scale: Optional[float] = None,
-               counts: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Attention of query [batch, q_heads, q_len, head_dim] over the cache (quantized part +
-        residual, one softmax, GQA, causal for q_len > 1: the queries' own keys must already be
-        appended). counts marks the real queries of right-padded rows, as in append: query i of
-        row b sits at position lengths[b] - counts[b] + i and sees the keys at positions up to
-        its own.
-
-        Defined for any state of the cache: an output row is zeros when its query sees no key,
-        that is for padding rows (i >= counts[b]), for every row of an empty sequence (attend
-        before any append, after reset() or restart_rows()), and for queries placed before a
-        sequence's first token (counts[b], or q_len without counts, above lengths[b]). Never NaN."""
-        self._check_layer(layer_idx)
-        self._check_tensor("query", query, None)
+    def attend_to(self, layer: KIVILayer, query: torch.Tensor, scale: Optional[float] = None,
+                  counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """attend() for one of self.layers given as the module itself (see append_to)."""
+        device = layer.lengths.device
+        self._check_tensor("query", query, None, device)
         if query.shape[1] % self.num_kv_heads:
             raise ValueError(
                 f"query heads ({query.shape[1]}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
-        self._check_counts(counts, query.shape[2])
+        self._check_counts(counts, query.shape[2], device)
         c = self.config
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
         if c.pre_rope:  # the model's RoPE scales keys by attention_scaling; ours are rotated here
             scale *= self.rope_scaling
-        return dispatch.attend(query, self.layer_tensors(layer_idx), counts, self.layers[layer_idx].params, scale,
+        return dispatch.attend(query, layer.tensors(self.rope_inv_freq), counts, layer.params, scale,
                                portable=self.portable)
 
     def dequantized(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:

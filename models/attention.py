@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .hf_cache import KIVIHFCache
+from .hf_cache import KIVIHFCache, LayerCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 ATTN_IMPLEMENTATION = "kivi"
@@ -41,7 +41,13 @@ class KIVIAttention(nn.Module):
         self.apply_rotary_pos_emb = sys.modules[type(original).__module__].apply_rotary_pos_emb
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
-        if not isinstance(past_key_values, KIVIHFCache):
+        # The model passes the whole cache; a compiled decoder-layer region passes this layer's
+        # LayerCache (generate.compile_decode_step), so that it never indexes by layer_idx.
+        if isinstance(past_key_values, KIVIHFCache):
+            cache = past_key_values.layers[self.layer_idx]
+        elif isinstance(past_key_values, LayerCache):
+            cache = past_key_values
+        else:
             raise ValueError(
                 "a KIVI-patched model needs past_key_values=KIVIHFCache(...) (see kivi_models.make_cache); "
                 f"got {type(past_key_values).__name__}"
@@ -53,23 +59,23 @@ class KIVIAttention(nn.Module):
         cos, sin = position_embeddings
         q, k_rotated = self.apply_rotary_pos_emb(q, k, cos, sin)
         counts = kwargs.get("kivi_counts")
-        prefill = n > 1 and not past_key_values.prefilled[self.layer_idx]
+        prefill = n > 1 and not cache.prefilled
         # A pre-RoPE cache (KVQuant) stores keys before rotation and rotates them in attention.
-        stored = k if past_key_values.pre_rope else k_rotated
-        past_key_values.append(self.layer_idx, stored.contiguous(), v.contiguous(), counts)
+        stored = k if cache.pre_rope else k_rotated
+        cache.append(stored.contiguous(), v.contiguous(), counts)
         k = k_rotated
-        exact = past_key_values.exact_attention
+        exact = cache.exact_attention
         if exact is not None:
             # Exported programs (export/decoder.py): one graph serves prompts and decode steps, so
             # the prefill-or-not decision is a tensor. Both paths run and a select picks one:
             # for a decode step the exact path covers one token (nearly free), for a prompt the
             # cached path costs about what the exact one does. (torch.cond was tried: Inductor
             # in torch 2.13 mixed up the strides of its operands and AOTInductor computed garbage.)
-            out = torch.where(exact, self._exact_attention(q, k, v), self._cached_attention(q, counts, past_key_values))
+            out = torch.where(exact, self._exact_attention(q, k, v), self._cached_attention(q, counts, cache))
         elif prefill:
             out = self._exact_attention(q, k, v)
         else:
-            out = self._cached_attention(q, counts, past_key_values)
+            out = self._cached_attention(q, counts, cache)
         out = out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim)
         return self.o_proj(out), None
 
@@ -78,8 +84,8 @@ class KIVIAttention(nn.Module):
         # real token, so the causal mask already hides them from real queries).
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
 
-    def _cached_attention(self, q, counts, past_key_values):
-        return past_key_values.attend(self.layer_idx, q.contiguous(), self.scaling, counts)
+    def _cached_attention(self, q, counts, cache):
+        return cache.attend(q.contiguous(), self.scaling, counts)
 
 
 def _reject_padding_mask(module, args, kwargs):

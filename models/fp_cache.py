@@ -50,7 +50,15 @@ class FPCache(StaticCacheBase):
         return per_token * self.max_seq_len
 
     def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, counts: Optional[torch.Tensor] = None) -> None:
-        lengths = self.lengths(layer_idx)
+        self.append_to(self.layers[layer_idx], key, value, counts)
+
+    def attend(self, layer_idx: int, query: torch.Tensor, scale: Optional[float] = None,
+               counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.attend_to(self.layers[layer_idx], query, scale, counts)
+
+    def append_to(self, layer: FPLayer, key: torch.Tensor, value: torch.Tensor,
+                  counts: Optional[torch.Tensor] = None) -> None:
+        lengths = layer.lengths
         n = key.shape[2]
         if not torch.compiler.is_compiling():
             added = n if counts is None else counts
@@ -69,21 +77,19 @@ class FPCache(StaticCacheBase):
         # padding tokens may land on the spare row; which one wins does not matter (never read).
         idx = (torch.arange(B, device=key.device)[:, None, None], torch.arange(H, device=key.device)[None, :, None],
                pos[:, None, :])  # broadcast to [B, H, n]
-        layer = self.layers[layer_idx]
         layer.k.index_put_(idx, key)
         layer.v.index_put_(idx, value)
         lengths += n if counts is None else counts
 
-    def attend(self, layer_idx: int, query: torch.Tensor, scale: Optional[float] = None,
-               counts: Optional[torch.Tensor] = None) -> torch.Tensor:
-        lengths = self.lengths(layer_idx)
+    def attend_to(self, layer: FPLayer, query: torch.Tensor, scale: Optional[float] = None,
+                  counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        lengths = layer.lengths
         q = query.shape[2]
         counts = torch.full_like(lengths, q) if counts is None else counts
         pos = (lengths - counts)[:, None] + torch.arange(q, device=query.device)[None, :]  # [B, q]
         t = torch.arange(self.max_seq_len + 1, device=query.device)
         visible = t[None, None, :] <= pos[:, :, None]  # [B, q, S+1]
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else scale
-        layer = self.layers[layer_idx]
         return F.scaled_dot_product_attention(
             query, layer.k, layer.v,
             attn_mask=visible[:, None], scale=scale, enable_gqa=True,

@@ -7,6 +7,7 @@ Python int that changes per token (no recompiles, CUDA-graph friendly).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -100,18 +101,31 @@ def decode_step(model, cache: KIVIHFCache, tokens: torch.Tensor, positions: torc
     return out.logits[:, -1]
 
 
-def compile_decode_step(device: torch.device):
-    """decode_step compiled for `device` (fullgraph, static shapes: one graph for all steps).
+def compile_decode_step(device: torch.device, *, regional: Optional[bool] = None):
+    """decode_step compiled for `device` (fullgraph, static shapes: no recompiles as tokens go by).
 
-    CUDA: CUDA graphs ("reduce-overhead") around the kivi custom ops (Triton kernels).
-    CPU: inside the compiled step a KIVICache runs the decomposed forms of its ops, which Inductor
+    CUDA: the whole step is one graph, run under CUDA graphs ("reduce-overhead") around the kivi
+    custom ops (Triton kernels).
+    CPU (regional, the default there): one decoder layer is compiled and that one graph runs for
+    every layer (each call gets its layer's weights and LayerCache as inputs), the embedding, final
+    norm and LM head run eagerly. A cold compile costs one layer instead of all of them (on the
+    embedded 30-layer model, minutes become seconds); decode speed stays close, since the layers
+    are the work (docs/performance.md). regional=False compiles the whole step instead.
+    Inside the compiled code a KIVICache runs the decomposed forms of its ops, which Inductor
     fuses into loops over the packed codes (kivi_ops/dispatch.py decides; the custom ops' CPU
     reference is opaque to Inductor). The prefill and eager steps keep the custom ops. The compiled
     append cannot raise, so each step checks the cache's room first (a CPU tensor read)."""
     device = torch.device(device)
-    if device.type == "cuda":
+    if device.type == "cuda" and not regional:
         return torch.compile(decode_step, fullgraph=True, dynamic=False, mode="reduce-overhead")
-    compiled = torch.compile(decode_step, fullgraph=True, dynamic=False)
+    if regional is False:
+        compiled = torch.compile(decode_step, fullgraph=True, dynamic=False)
+    else:
+        compiled_layer = torch.compile(_run_decoder_layer, fullgraph=True, dynamic=False)
+
+        def compiled(model, cache, tokens, positions):
+            with _layers_compiled(model, cache, compiled_layer):
+                return decode_step(model, cache, tokens, positions)
 
     def step(model, cache: KIVIHFCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if isinstance(cache.backing, KIVICache):  # the compiled append cannot raise: check first
@@ -119,6 +133,31 @@ def compile_decode_step(device: torch.device):
         return compiled(model, cache, tokens, positions)
 
     return step
+
+
+def _run_decoder_layer(layer, hidden_states, layer_cache, kwargs):
+    """One decoder layer over its own LayerCache: the region compiled once for all layers."""
+    return type(layer).forward(layer, hidden_states, past_key_values=layer_cache, **kwargs)
+
+
+@contextlib.contextmanager
+def _layers_compiled(model, cache: KIVIHFCache, compiled_layer):
+    """For the duration of one step, each decoder layer runs `compiled_layer` with its own LayerCache
+    (an instance attribute `forward` shadows the class's; removed again on exit)."""
+    layers = model.model.layers
+
+    def region(layer, layer_cache):
+        def forward(hidden_states, *, past_key_values=None, **kwargs):
+            return compiled_layer(layer, hidden_states, layer_cache, kwargs)
+        return forward
+
+    try:
+        for layer, layer_cache in zip(layers, cache.layers):
+            layer.forward = region(layer, layer_cache)
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
 
 
 @dataclass

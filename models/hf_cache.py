@@ -12,8 +12,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
-class _StaticLayerView(CacheLayerMixin):
-    """One layer of the backing cache, as transformers' per-layer cache API sees it."""
+class LayerCache(CacheLayerMixin):
+    """One layer of the backing cache: what the patched attention of that layer appends to and
+    attends over, and transformers' per-layer cache API (update, get_seq_length, ...).
+
+    It holds the backing layer module itself, not an index: a compiled decoder-layer region
+    (generate.compile_decode_step on CPU) receives this object and runs, unchanged, for every layer."""
 
     is_compileable = False  # generate() must not auto-compile around our own compiled loop
     is_sliding = False
@@ -21,30 +25,51 @@ class _StaticLayerView(CacheLayerMixin):
     def __init__(self, owner: "KIVIHFCache", layer_idx: int):
         super().__init__()
         self.owner, self.layer_idx = owner, layer_idx
+        self.backing, self.backing_layer = owner.backing, owner.backing.layers[layer_idx]
         self.is_initialized = True
+        # Python-side flag: the first append of a sequence batch is the prefill, whose attention
+        # uses the exact keys/values (KIVI Algorithm 1); set once, so compiled decode steps see a
+        # constant.
+        self.prefilled = False
+
+    def append(self, key: torch.Tensor, value: torch.Tensor, counts=None) -> None:
+        self.backing.append_to(self.backing_layer, key, value, counts)
+        if not self.prefilled:
+            self.prefilled = True
+
+    def attend(self, query: torch.Tensor, scale: float, counts=None) -> torch.Tensor:
+        return self.backing.attend_to(self.backing_layer, query, scale, counts)
+
+    @property
+    def pre_rope(self) -> bool:
+        return self.owner.pre_rope
+
+    @property
+    def exact_attention(self):
+        return self.owner.exact_attention
 
     def lazy_initialization(self, key_states, value_states) -> None:
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        self.owner.append(self.layer_idx, key_states, value_states)
-        return self.owner.backing.dequantized(self.layer_idx)
+        self.append(key_states, value_states)
+        return self.backing.dequantized(self.layer_idx)
 
     def get_seq_length(self) -> int:
-        return int(self.owner.backing.lengths(self.layer_idx).max())
+        return int(self.backing_layer.lengths.max())
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
-        return self.owner.backing.max_seq_len
+        return self.backing.max_seq_len
 
     def reset(self) -> None:
-        pass  # the owner resets the backing cache once for all layers
+        self.prefilled = False  # the owner resets the backing cache once for all layers
 
     @property
     def batch_size(self) -> int:
-        return self.owner.backing.batch_size
+        return self.backing.batch_size
 
 
 class KIVIHFCache(Cache):
@@ -52,11 +77,7 @@ class KIVIHFCache(Cache):
 
     def __init__(self, backing):
         self.backing = backing
-        super().__init__(layers=[_StaticLayerView(self, i) for i in range(backing.num_layers)])
-        # Python-side flag per layer: the first append of a sequence batch is the prefill, whose
-        # attention uses the exact keys/values (KIVI Algorithm 1); set once, so compiled decode
-        # steps see a constant.
-        self.prefilled = [False] * backing.num_layers
+        super().__init__(layers=[LayerCache(self, i) for i in range(backing.num_layers)])
         # Set only inside exported programs: a bool tensor, True when this call is the prompt of
         # fresh sequences (exact attention) rather than a step over what the cache holds.
         self.exact_attention = None
@@ -64,16 +85,19 @@ class KIVIHFCache(Cache):
         self.pre_rope = bool(getattr(getattr(backing, "config", None), "pre_rope", False))
 
     def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, counts=None) -> None:
-        self.backing.append(layer_idx, key, value, counts)
-        if not self.prefilled[layer_idx]:
-            self.prefilled[layer_idx] = True
+        self.layers[layer_idx].append(key, value, counts)
 
     def attend(self, layer_idx: int, query: torch.Tensor, scale: float, counts=None) -> torch.Tensor:
-        return self.backing.attend(layer_idx, query, scale, counts)
+        return self.layers[layer_idx].attend(query, scale, counts)
+
+    @property
+    def prefilled(self) -> list[bool]:
+        return [layer.prefilled for layer in self.layers]
 
     def reset(self) -> None:
         self.backing.reset()
-        self.prefilled = [False] * self.backing.num_layers
+        for layer in self.layers:
+            layer.reset()
 
     @property
     def max_cache_len(self) -> int:

@@ -180,12 +180,16 @@ def test_sliding_window_models_are_refused():
         patch_model(model)
 
 
-@pytest.mark.parametrize("method", ["kivi", "fp"])
-def test_compiled_cpu_decode_is_one_inductor_graph_and_matches_eager(loaded, method):
-    # One compile per cache kind checks everything a compiled step promises (a cold CPU compile of
-    # the model is the suite's most expensive step, so it is done once):
+@pytest.mark.parametrize("method,regional", [
+    ("kivi", None), ("fp", None),  # CPU default: one decoder layer compiled, run for all 30
+    pytest.param("kivi", False, marks=pytest.mark.slow),  # the whole step as one graph
+    pytest.param("fp", False, marks=pytest.mark.slow),
+])
+def test_compiled_cpu_decode_is_one_inductor_graph_and_matches_eager(loaded, method, regional):
+    # One compile per cache kind checks everything a compiled step promises:
     # - tokens equal eager decoding, across key flushes and value quantization;
-    # - one graph for every step (positions are tensors: no per-token recompiles);
+    # - one graph for every step and, compiled regionally, for every layer (positions are
+    #   tensors and each layer passes its LayerCache, not an index: no recompiles);
     # - on CPU a KIVICache's step runs its decomposed forms (kivi_ops/dispatch.py), which Inductor
     #   fuses, while the eager prefill runs the custom ops; FPCache's append is re-inplaced;
     # - no cache-sized buffer is allocated per step (that would be a copy of the cache).
@@ -198,7 +202,7 @@ def test_compiled_cpu_decode_is_one_inductor_graph_and_matches_eager(loaded, met
     eager = run(kivi_model, tok, prompts, method=method, config=config, max_new_tokens=new_tokens)
     torch.compiler.reset()
     torch._dynamo.utils.counters.clear()
-    step, codes = compile_decode_step(torch.device("cpu")), []
+    step, codes = compile_decode_step(torch.device("cpu"), regional=regional), []
 
     def step_fn(*args):
         if codes:
@@ -222,6 +226,7 @@ def test_compiled_cpu_decode_is_one_inductor_graph_and_matches_eager(loaded, met
     for buf in cache.backing.buffers():
         if buf.dim() == 4 and buf.shape[2] >= S:
             assert f"empty_strided_cpu({tuple(buf.shape)}" not in code, buf.shape
+    assert not any("forward" in vars(layer) for layer in kivi_model.model.layers)  # the regions are gone again
 
 
 def test_fp_cache_append_with_counts_matches_scatter_reference():
