@@ -1,0 +1,77 @@
+"""Decode step time of the two CPU compile modes side by side: one decoder layer compiled and run
+for every layer (regional, the default) vs the whole step as one graph, for the fp and KIVI-2
+caches, round robin over the four variants (the machine's noise hits all alike), median step.
+
+    .venv/bin/python -m kivi_benchmarks.compile_modes_cpu --context 1024 --batch 1 --rounds 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from kivi_models import compile_decode_step, load_model, make_cache, patch_model
+
+from .perf import fill_cache_randomly
+
+
+def measure(context: int, batch: int, rounds: int) -> dict:
+    model, _ = load_model()
+    patch_model(model)
+    variants = {}
+    with torch.inference_mode():
+        for method in ("fp", "kivi"):
+            for regional in (True, False):
+                name = f"{method}-{'regional' if regional else 'whole'}"
+                cache = make_cache(model, method=method, batch_size=batch, max_seq_len=context + rounds + 8)
+                gen = torch.Generator().manual_seed(0)
+                fill_cache_randomly(cache, context, gen)
+                step = compile_decode_step(torch.device("cpu"), regional=regional)
+                tokens = torch.randint(3, model.config.vocab_size, (batch,), generator=gen)
+                positions = torch.full((batch,), context, dtype=torch.int64)
+                start = time.perf_counter()
+                for _ in range(2):
+                    tokens = step(model, cache, tokens, positions).argmax(-1)
+                    positions += 1
+                variants[name] = dict(cache=cache, step=step, tokens=tokens, positions=positions, times=[],
+                                      compile_and_2_steps_s=time.perf_counter() - start)
+                print(f"{name}: compile + 2 steps {variants[name]['compile_and_2_steps_s']:.1f} s", flush=True)
+        for _ in range(rounds):
+            for v in variants.values():
+                start = time.perf_counter()
+                v["tokens"] = v["step"](model, v["cache"], v["tokens"], v["positions"]).argmax(-1)
+                v["positions"] += 1
+                v["times"].append(time.perf_counter() - start)
+    ms = {name: statistics.median(v["times"]) * 1e3 for name, v in variants.items()}
+    return dict(context=context, batch=batch, rounds=rounds, threads=torch.get_num_threads(),
+                torch=torch.__version__, machine=platform.processor() or platform.machine(),
+                median_step_ms=ms,
+                compile_and_2_steps_s={n: v["compile_and_2_steps_s"] for n, v in variants.items()},
+                kivi_over_fp_regional=ms["fp-regional"] / ms["kivi-regional"],
+                kivi_over_fp_whole=ms["fp-whole"] / ms["kivi-whole"],
+                regional_over_whole_kivi=ms["kivi-whole"] / ms["kivi-regional"],
+                regional_over_whole_fp=ms["fp-whole"] / ms["fp-regional"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--out", default=None, help="write the JSON here as well")
+    args = parser.parse_args()
+    result = measure(args.context, args.batch, args.rounds)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
