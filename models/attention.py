@@ -35,8 +35,6 @@ class KIVIAttention(nn.Module):
         self.layer_idx = original.layer_idx
         self.head_dim = original.head_dim
         self.scaling = original.scaling
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         # The model family's own RoPE function (identical for Llama, Mistral, Qwen2).
         self.apply_rotary_pos_emb = sys.modules[type(original).__module__].apply_rotary_pos_emb
 
@@ -53,9 +51,11 @@ class KIVIAttention(nn.Module):
                 f"got {type(past_key_values).__name__}"
             )
         B, n, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(B, n, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # Head counts from the projections' outputs: under tensor parallelism (parallel.py) this
+        # rank computes, and caches, only its share of the heads.
+        q = self.q_proj(hidden_states).view(B, n, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(B, n, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(B, n, -1, self.head_dim).transpose(1, 2)
         cos, sin = position_embeddings
         q, k_rotated = self.apply_rotary_pos_emb(q, k, cos, sin)
         counts = kwargs.get("kivi_counts")
@@ -76,7 +76,7 @@ class KIVIAttention(nn.Module):
             out = self._exact_attention(q, k, v)
         else:
             out = self._cached_attention(q, counts, cache)
-        out = out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim)
+        out = out.transpose(1, 2).reshape(B, n, -1)
         return self.o_proj(out), None
 
     def _exact_attention(self, q, k, v):

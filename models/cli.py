@@ -26,6 +26,7 @@ from .calibrate_cli import add_calibrate_parser
 from .cli_args import usage_errors
 from .generate import SamplingConfig
 from .generate_cli import add_generate_parser
+from .parallel import check_launch, rank_zero_output
 
 # In `kivi --help` order.
 SUBCOMMANDS = (add_generate_parser, add_eval_parser, add_bench_parser, add_calibrate_parser, add_export_parsers)
@@ -44,7 +45,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     with usage_errors(args.parser):
         SamplingConfig(temperature=getattr(args, "temperature", 0.0), top_p=getattr(args, "top_p", None))
-    return args.func(args, args.parser)
+        check_launch(args.command)
+    with rank_zero_output():
+        return args.func(args, args.parser)
 
 
 if __name__ == "__main__":

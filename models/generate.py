@@ -19,6 +19,7 @@ from kivi_ops.rope import model_rope_frequencies
 
 from .fp_cache import FPCache
 from .hf_cache import KIVIHFCache
+from .parallel import local_kv_heads
 
 METHODS = ("fp", "kivi")
 
@@ -26,13 +27,14 @@ METHODS = ("fp", "kivi")
 def make_cache(model, *, method: str, batch_size: int, max_seq_len: int,
                kivi_config: Optional[KIVIConfig] = None, device=None) -> KIVIHFCache:
     """A static cache for `model` (patched with patch_model): "kivi" or the unquantized "fp".
-    device defaults to the model's ("meta" sizes a cache without allocating it)."""
+    device defaults to the model's ("meta" sizes a cache without allocating it). Under tensor
+    parallelism it holds this rank's KV heads only."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dims = dict(num_layers=cfg.num_hidden_layers, batch_size=batch_size, max_seq_len=max_seq_len,
-                num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, dtype=model.dtype, device=device or model.device)
+                num_kv_heads=local_kv_heads(model), head_dim=head_dim, dtype=model.dtype, device=device or model.device)
     if method == "kivi":
         kivi_config = kivi_config or KIVIConfig()
         rope = {}

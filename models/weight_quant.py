@@ -96,6 +96,10 @@ def tensor_nbytes(t: torch.Tensor) -> int:
     (packed data, scales, zero points), recursively."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):  # tensor parallelism (parallel.py): this rank's shard
+        return tensor_nbytes(t.to_local())
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
         return sum(tensor_nbytes(inner) for inner in (getattr(t, n) for n in names) if inner is not None)

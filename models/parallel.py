@@ -1,0 +1,94 @@
+"""Tensor parallelism through transformers' own engine (DistributedConfig, DTensor under the hood).
+
+Launched with `torchrun --nproc-per-node N kivi generate ...` (or `kivi eval ppl`), every rank
+loads the model with `DistributedConfig(tp_size=N)`: transformers shards the q/k/v projections and
+the MLP's gate/up by output features (whole heads per rank) and o_proj / down_proj by input
+features, with an all-reduce after them (the model's `base_model_tp_plan`). Attention is local to
+a head, so each rank's KIVI cache holds only its own KV heads and needs no communication: the
+patched attention sees its rank's heads and the cache is built for them (`local_kv_heads`).
+Backend: gloo on CPU, nccl on CUDA (transformers initializes the process group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+# Subcommands that run under torchrun; the others refuse it (one process owns an export or a server).
+TP_COMMANDS = ("generate", "eval")
+
+
+def world_size() -> int:
+    """Processes launched together by torchrun (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_main_process() -> bool:
+    """Rank 0 prints the usual output; the other ranks compute silently."""
+    return rank() == 0
+
+
+def distributed_config(device: str):
+    """transformers' DistributedConfig for this launch, or None outside torchrun."""
+    n = world_size()
+    if n == 1:
+        return None
+    from transformers.distributed import DistributedConfig
+
+    if device == "cuda":  # one GPU per rank
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return DistributedConfig(tp_size=n)
+
+
+def check_tp_size(config, n: int) -> None:
+    """Heads must split evenly: each rank takes whole KV heads (and their query groups)."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if n > 1 and (kv_heads % n or heads % n):
+        raise ValueError(
+            f"--nproc-per-node {n} must divide the model's key/value heads ({kv_heads}) and attention heads "
+            f"({heads}); use one of {[d for d in range(1, kv_heads + 1) if kv_heads % d == 0 and heads % d == 0]}"
+        )
+
+
+def local_rows(weight: torch.Tensor) -> int:
+    """Output features of a Linear weight held on this rank (a DTensor shard's local rows)."""
+    local = weight.to_local() if hasattr(weight, "to_local") else weight
+    return local.shape[0]
+
+
+def local_kv_heads(model) -> int:
+    """KV heads this rank computes (and caches): all of them outside tensor parallelism."""
+    attn = model.model.layers[0].self_attn
+    k_proj = getattr(attn, "k_proj", None)
+    if k_proj is None or not hasattr(k_proj.weight, "to_local"):  # not sharded
+        return model.config.num_key_value_heads
+    return local_rows(k_proj.weight) // attn.head_dim
+
+
+def tp_size(model) -> int:
+    return model.config.num_key_value_heads // local_kv_heads(model)
+
+
+def check_launch(command: str) -> None:
+    """Under torchrun, refuse a command that cannot run tensor-parallel (before any work)."""
+    n = world_size()
+    if n > 1 and command not in TP_COMMANDS:
+        raise ValueError(f"`kivi {command}` does not run under torchrun (WORLD_SIZE={n}); "
+                         f"tensor parallelism covers: {', '.join('kivi ' + c for c in TP_COMMANDS)}")
+
+
+@contextlib.contextmanager
+def rank_zero_output():
+    """Ranks other than 0 write no stdout: rank 0 prints the usual output (errors still reach
+    stderr from every rank). Nothing changes outside torchrun."""
+    if is_main_process():
+        yield
+        return
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        yield
