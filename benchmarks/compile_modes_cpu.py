@@ -1,6 +1,6 @@
 """Decode step time of the two CPU compile modes side by side: one decoder layer compiled and run
 for every layer (regional, the default) vs the whole step as one graph, for the fp and KIVI-2
-caches, round robin over the four variants (the machine's noise hits all alike), median step.
+caches, the four variants alternating step by step (the machine's noise hits all alike), median step.
 
     .venv/bin/python -m kivi_benchmarks.compile_modes_cpu --context 1024 --batch 1 --rounds 40
 """
@@ -17,7 +17,7 @@ import torch
 
 from kivi_models import compile_decode_step, load_model, make_cache, patch_model
 
-from .perf import fill_cache_randomly
+from .perf import fill_cache_randomly, interleaved_times
 
 
 def measure(context: int, batch: int, rounds: int) -> dict:
@@ -38,16 +38,18 @@ def measure(context: int, batch: int, rounds: int) -> dict:
                 for _ in range(2):
                     tokens = step(model, cache, tokens, positions).argmax(-1)
                     positions += 1
-                variants[name] = dict(cache=cache, step=step, tokens=tokens, positions=positions, times=[],
+                variants[name] = dict(cache=cache, step=step, tokens=tokens, positions=positions,
                                       compile_and_2_steps_s=time.perf_counter() - start)
                 print(f"{name}: compile + 2 steps {variants[name]['compile_and_2_steps_s']:.1f} s", flush=True)
-        for _ in range(rounds):
-            for v in variants.values():
-                start = time.perf_counter()
+
+        def one_step(v):
+            def run():
                 v["tokens"] = v["step"](model, v["cache"], v["tokens"], v["positions"]).argmax(-1)
                 v["positions"] += 1
-                v["times"].append(time.perf_counter() - start)
-    ms = {name: statistics.median(v["times"]) * 1e3 for name, v in variants.items()}
+            return run
+
+        times = interleaved_times({name: one_step(v) for name, v in variants.items()}, "cpu", rounds)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     return dict(context=context, batch=batch, rounds=rounds, threads=torch.get_num_threads(),
                 torch=torch.__version__, machine=platform.processor() or platform.machine(),
                 median_step_ms=ms,

@@ -30,7 +30,6 @@ import json
 import math
 import platform
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +37,8 @@ import torch.nn.functional as F
 from kivi_ops import KIVICache, KIVIConfig
 from kivi_ops.kernels.decomposed_append import append_decomposed
 from kivi_ops.kernels.decomposed_attend import attend_fused, attend_materialized
+
+from .perf import interleaved_times
 
 
 def sdpa_decode(query, k, v, lengths, scale):
@@ -59,19 +60,6 @@ def fp_append(k_cache, v_cache, lengths, key, value):
     k_cache.index_put_((b, h, pos), key[:, :, 0])
     v_cache.index_put_((b, h, pos), value[:, :, 0])
     lengths += 1
-
-
-def timed_rounds(fns: dict, repeats: int, warmup: int = 3) -> dict:
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def main(argv=None) -> dict:
@@ -134,9 +122,9 @@ def main(argv=None) -> dict:
     for b, s0 in zip(bufs, state):
         b.copy_(s0)
 
-    append_times = timed_rounds(
+    append_times = interleaved_times(
         {"kivi_op_append": run_op_append, "decomposed_append_compiled": run_dec_append,
-         "fp32_index_put_append_compiled": run_fp_append}, args.repeats)
+         "fp32_index_put_append_compiled": run_fp_append}, "cpu", args.repeats)
     lengths.fill_(S)
     fp_lengths.fill_(S)
 
@@ -156,7 +144,7 @@ def main(argv=None) -> dict:
     for name in ("decomposed_fused_compiled", "decomposed_matmul_compiled"):
         max_abs_diff[name] = (fns[name]() - ref).abs().max().item()
         assert max_abs_diff[name] < 1e-4, f"{name} differs from the op by {max_abs_diff[name]}"
-    attend_times = timed_rounds(fns, args.repeats)
+    attend_times = interleaved_times(fns, "cpu", args.repeats)
 
     def summarize(times, base):
         rows = {}

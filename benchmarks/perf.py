@@ -203,7 +203,7 @@ def _compiled_attention_row(cache: KIVICache, q, k, v, repeats: int, device: str
     diff = (fns["kivi"]() - reference).abs().max().item()
     fns["sdpa"]()
     compile_s = time.perf_counter() - start
-    times = _interleaved_times(fns, device, repeats)
+    times = interleaved_times(fns, device, repeats)
     sdpa_s, kivi_s = statistics.median(times["sdpa"]), statistics.median(times["kivi"])
     return dict(tokens=n, bits=cache.config.k_bits, impl=dispatch.compiled_decode(device)["attend"], batch=B, q_heads=Hq,
                 kv_heads=cache.num_kv_heads, head_dim=D, sdpa_compiled_s=sdpa_s, kivi_compiled_s=kivi_s,
@@ -212,7 +212,7 @@ def _compiled_attention_row(cache: KIVICache, q, k, v, repeats: int, device: str
                 max_abs_diff_vs_op=diff, compile_s=compile_s)
 
 
-def _interleaved_times(fns: dict, device: str, repeats: int, warmup: int = 3) -> dict:
+def interleaved_times(fns: dict, device: str, repeats: int, warmup: int = 3) -> dict:
     """Seconds per call of each fn, the fns alternating round by round (a busy neighbour hits
     them alike)."""
     for fn in fns.values():

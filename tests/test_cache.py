@@ -193,7 +193,10 @@ def op_decode_step(cache, k, v, q):
     return torch.ops.kivi.cache_attend(q, *cache.layer_tensors(0), None, *params, 1 / math.sqrt(cache.head_dim))
 
 
-def test_compiled_decode_step_matches_eager_without_cache_copies():
+def compiled_steps_match_eager(step_fn, *, rtol=0.0, atol=0.0):
+    """20 compiled decode steps of step_fn(cache, k, v, q) after a 30-token prompt (crossing the
+    key flushes at 32 and 48) against eager decode_step on a twin cache; returns the two caches
+    and Inductor's code for the step."""
     from torch._inductor.utils import run_and_get_code
 
     cfg = KIVIConfig(group_size=8, residual_length=16)
@@ -202,15 +205,20 @@ def test_compiled_decode_step_matches_eager_without_cache_copies():
     prompt = torch.randn(1, 3, 30, 64), torch.randn(1, 3, 30, 64)
     eager.append(0, *prompt)
     compiled_cache.append(0, *prompt)
-    step = torch.compile(op_decode_step, fullgraph=True)
+    step, codes = torch.compile(step_fn, fullgraph=True), []
     for i in range(20):
         k, v, q = torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64), torch.randn(1, 9, 1, 64)
         want = decode_step(eager, 0, k, v, q)
         if i == 0:
-            got, (code,) = run_and_get_code(step, compiled_cache, k, v, q)
+            got, codes = run_and_get_code(step, compiled_cache, k, v, q)
         else:
             got = step(compiled_cache, k, v, q)
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    return eager, compiled_cache, "\n".join(codes)
+
+
+def test_compiled_decode_step_matches_eager_without_cache_copies():
+    eager, compiled_cache, code = compiled_steps_match_eager(op_decode_step)
     for a, b in zip(eager.layer_tensors(0).kivi, compiled_cache.layer_tensors(0).kivi):
         assert torch.equal(a, b)
     assert "torch.ops.kivi.cache_append" in code and "torch.ops.kivi.cache_attend" in code, code
@@ -224,27 +232,12 @@ def test_compiled_cache_decode_step_is_decomposed_and_matches_eager():
     # the append is bit-exact; attention differs from the eager op (the reference) only in the
     # order of its fp32 sums, within the tolerance justified in test_decomposed.py.
     from test_decomposed import ATOL, RTOL
-    from torch._inductor.utils import run_and_get_code
 
-    cfg = KIVIConfig(group_size=8, residual_length=16)
-    eager, compiled_cache = make_cache(cfg, S=128), make_cache(cfg, S=128)
-    torch.manual_seed(5)
-    prompt = torch.randn(1, 3, 30, 64), torch.randn(1, 3, 30, 64)
-    eager.append(0, *prompt)
-    compiled_cache.append(0, *prompt)
-    step = torch.compile(decode_step, fullgraph=True)
-    for i in range(20):  # 30 + 20 tokens: crosses the key flushes at 32 and 48
-        k, v, q = torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64), torch.randn(1, 9, 1, 64)
-        want = decode_step(eager, 0, k, v, q)
-        if i == 0:
-            got, codes = run_and_get_code(step, compiled_cache, 0, k, v, q)
-        else:
-            got = step(compiled_cache, 0, k, v, q)
-        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    eager, compiled_cache, code = compiled_steps_match_eager(
+        lambda cache, k, v, q: decode_step(cache, 0, k, v, q), rtol=RTOL, atol=ATOL)
     for (name, a), (_, b) in zip(eager.layers[0].named_buffers(), compiled_cache.layers[0].named_buffers()):
         assert torch.equal(a, b), name
-    code = "\n".join(codes)
-    assert codes and "def call(" in code  # Inductor compiled the step
+    assert "def call(" in code  # Inductor compiled the step
     assert "torch.ops.kivi" not in code, code
 
 
