@@ -73,8 +73,7 @@ class LayerTensors(NamedTuple):
     @property
     def extras(self) -> Extras:
         """KVQuant's parts (nuq levels, sparse store, RoPE frequencies) as the kernels read them."""
-        return Extras(self.k_levels, self.v_levels, self.k_sparse, self.k_sparse_idx, self.v_sparse,
-                      self.v_sparse_idx, self.rope_inv_freq)
+        return Extras(**{name: getattr(self, name) for name in Extras._fields})  # by name: order-proof
 
 
 KIVI_TENSORS = 9
