@@ -1,0 +1,39 @@
+"""The ptxas resource report (benchmarks/ptxas_usage.py) compiles kernels for sm_90 with no GPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+from kivi_benchmarks.ptxas_usage import SM90, occupancy
+
+
+def test_occupancy_follows_the_sm90_limits():
+    assert occupancy(32, 4, 0) == 1.0  # 64 warps resident: the SM's maximum
+    assert occupancy(255, 1, 0) == 8 / 64  # 255 regs -> 8192 per warp -> 8 one-warp blocks
+    assert occupancy(64, 8, SM90["shared_bytes"] // 2) == 2 * 8 / 64  # shared memory allows 2 blocks
+
+
+DECODE_CASE = """
+import json, torch
+from kivi_benchmarks.ptxas_usage import layer_of, measure
+from kivi_ops.kernels.triton_decode import attend_decode
+t, p = layer_of(kv_heads=2, head_dim=64, bits=2, tokens=256)
+q = torch.randn(1, 4, 1, 64, dtype=torch.float16)
+case = lambda: iter([("decode", {}, lambda: attend_decode(q, t, None, p, 0.125, num_splits=2, num_warps=4, block_n=16))])
+print(json.dumps(measure(90, case)))
+"""
+
+
+def test_decode_kernel_compiles_for_sm90_without_a_gpu():
+    # A fresh process without TRITON_INTERPRET (the suite's conftest sets it, and interpreted
+    # kernels are never compiled).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", DECODE_CASE], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    kernels = {r["kernel"]: r for r in rows}
+    assert set(kernels) == {"_attend_decode_kernel", "_attend_reduce_kernel"}
+    decode = kernels["_attend_decode_kernel"]
+    assert 0 < decode["registers"] <= 255 and decode["launch_num_warps"] == 4
+    assert decode["spill_store_bytes"] >= 0 and 0 < decode["occupancy"] <= 1
