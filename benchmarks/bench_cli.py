@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kivi_models.cli_args import check_weight_quant_modes, fraction_arg, int_list, positive_int, usage_errors
+from kivi_models.cli_args import check_weight_quant_modes, dumps_json, fraction_arg, int_list, positive_int, usage_errors
 
-from . import RESULTS_DIR as DEFAULT_OUT
+from . import DEFAULT_OUT
 
 
 def add_bench_parser(sub) -> None:
@@ -60,7 +60,8 @@ def add_bench_parser(sub) -> None:
 
     for p in (mem, att, dec, wq):
         p.add_argument("--device", choices=("cpu", "cuda"), default=None)
-        p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+        p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                       help=f"output folder (default ./{DEFAULT_OUT}; the committed results: --out benchmarks/results)")
         p.add_argument("--json", action="store_true", help="print the result object")
         p.set_defaults(func=cmd_bench, parser=p)
 
@@ -163,10 +164,10 @@ def cmd_bench(args, parser) -> int:
         plot_bench(name, _plot_view(result), args.out / f"{name}.png")
         written = f"{name}.png"
     if args.json:
-        print(json.dumps(result))
+        print(dumps_json(result))
     else:
         print_table("budget" if name.startswith("bench_budget") else args.bench_command, result)
-        print(f"\nwrote {args.out / (name + '.json')} and {written}")
+        print(f"\nwrote {(args.out / (name + '.json')).resolve()} and {written}")
     return 0
 
 

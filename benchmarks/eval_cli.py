@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-from kivi_models.cli_args import (add_model_arguments, check_weight_quant_modes, device_and_dtype, int_list,
+from kivi_models.cli_args import (add_model_arguments, check_weight_quant_modes, device_and_dtype, dumps_json, int_list,
                                   kivi_config_from, positive_int, usage_errors)
 
-from . import RESULTS_DIR as DEFAULT_OUT
+from . import DEFAULT_OUT
 
 
 def add_eval_parser(sub) -> None:
@@ -41,7 +40,8 @@ def add_eval_parser(sub) -> None:
 
     tb = evsub.add_parser("table", help="run the standard set; write quality.json, quality.md and PNG plots")
     tb.add_argument("--quick", action="store_true", help="a small variant (about 3 minutes on 2 CPU cores)")
-    tb.add_argument("--out", type=Path, default=None, help=f"output folder (default {DEFAULT_OUT}; --quick: required)")
+    tb.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help=f"output folder (default ./{DEFAULT_OUT}; the committed table: --out benchmarks/results)")
     tb.add_argument("--model", default="default")
     tb.add_argument("--windows", type=positive_int, default=None, help="perplexity windows (default 4; --quick 2)")
     tb.add_argument("--window", type=positive_int, default=None, help="tokens per window (default 1024; --quick 256)")
@@ -109,7 +109,7 @@ def cmd_ppl(args, parser) -> int:
                   windows=int(windows.shape[0]), chunk=args.chunk if args.method != "fake" else None,
                   seconds=result.seconds)
     if args.json:
-        print(json.dumps(report))
+        print(dumps_json(report))
     else:
         print(f"perplexity {result.ppl:.3f} over {result.tokens} predicted tokens "
               f"({report['windows']} x {args.window}-token windows, method {args.method}, {result.seconds:.0f} s)")
@@ -145,7 +145,7 @@ def cmd_passkey(args, parser) -> int:
     res = passkey_accuracy(model, tokenizer, lengths=args.lengths, trials=args.trials, method=args.method,
                            kivi_config=kivi_config, seed=args.seed)
     if args.json:
-        print(json.dumps(dict(accuracy=res["accuracy"], method=args.method,
+        print(dumps_json(dict(accuracy=res["accuracy"], method=args.method,
                               config=kivi_config.to_record(args.nuq) if args.method == "kivi" else {},
                               trials=args.trials, details=res["details"], seconds=res["seconds"])))
     else:
@@ -157,8 +157,6 @@ def cmd_passkey(args, parser) -> int:
 def cmd_table(args, parser) -> int:
     from .quality_table import run_table
 
-    if args.quick and args.out is None:
-        parser.error("--quick needs --out (the committed results are the full table's)")
     args.device, args.dtype = "cpu", None
     plain, patched, tokenizer = _load(args, parser, patched=True, plain=True)
     # Chunk 1 (exact decode semantics) everywhere; the full table's size is set by its runtime on
@@ -170,11 +168,9 @@ def cmd_table(args, parser) -> int:
             params[name] = getattr(args, name)
     if args.trials is not None:
         params["passkey_trials"] = args.trials
-    if args.rows is not None and args.out is None:
-        parser.error("--rows needs --out (the committed results are the full table's)")
-    report = run_table(plain, patched, tokenizer, quick=args.quick, out_dir=args.out or DEFAULT_OUT, only=args.rows,
-                       **params)
+    report = run_table(plain, patched, tokenizer, quick=args.quick, out_dir=args.out, only=args.rows, **params)
     from .quality_table import markdown
 
     sys.stdout.write(markdown(report))
+    print(f"\nwrote the table's files to {args.out.resolve()}", file=sys.stderr)
     return 0

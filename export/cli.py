@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 import torch
 
 from kivi_models.cli_args import (add_model_arguments, add_prompt_arguments, add_sampling_arguments, device_and_dtype,
-                                  encode, kivi_config_from, positive_int, read_prompts, usage_errors)
+                                  dumps_json, encode, kivi_config_from, positive_int, read_prompts, usage_errors)
 
 from .artifact import FORMATS, ArtifactError
 
@@ -38,10 +37,12 @@ def cmd_export(args, parser) -> int:
     from kivi_models.loading import load_model
     from kivi_models.weight_quant import apply_weight_quant, check_weight_quant
 
-    from .exporter import export_decoder
+    from .exporter import check_target, export_decoder
 
     kivi_config = kivi_config_from(args, parser)
     device, dtype = device_and_dtype(args, parser)
+    with usage_errors(parser, FileExistsError, ValueError):
+        check_target(Path(args.out), args.overwrite)  # before the minutes of loading and tracing (checked again under the lock)
     with usage_errors(parser, FileNotFoundError, ValueError):
         check_weight_quant(args.weight_quant, device)
         model, tokenizer = load_model(args.model, dtype=dtype, device=device)
@@ -53,8 +54,8 @@ def cmd_export(args, parser) -> int:
         meta = export_decoder(model, tokenizer, Path(args.out), fmt=args.format, model_name=args.model,
                               method=args.method, kivi_config=kivi_config, batch_size=args.batch_size,
                               max_seq_len=args.max_seq_len, weight_quant=args.weight_quant, overwrite=args.overwrite)
-    print(json.dumps({"out": str(args.out), "format": meta.format, "program": meta.program,
-                      "sha256": meta.sha256, "config": meta.config_summary()}))
+    print(dumps_json({"out": str(args.out), "format": meta.format, "program": meta.program,
+                      "sha256": meta.sha256, "digest": meta.digest, "config": meta.config_summary()}))
     return 0
 
 
@@ -104,7 +105,7 @@ def cmd_run_exported(args, parser) -> int:
                    "max_new_tokens": args.max_new_tokens, "sampling": vars(sampling)},
     }
     if args.json:
-        print(json.dumps(report))
+        print(dumps_json(report))
         return 0
     for prompt, text in zip(prompts, texts):
         print(f"{prompt}{text}" if not args.chat else text)

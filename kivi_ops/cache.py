@@ -83,6 +83,25 @@ class StaticCacheBase(nn.Module):
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
         )
 
+    # counts, shared by every static cache (KIVICache, FPCache)
+
+    def _check_counts_tensor(self, counts: Optional[torch.Tensor], device: torch.device) -> None:
+        """counts' type, shape, dtype and device (no host sync)."""
+        if counts is None:
+            return
+        want = f"counts must be an int64 tensor of shape [{self.batch_size}] on {device} (or None)"
+        if not isinstance(counts, torch.Tensor):
+            raise ValueError(f"{want} (e.g. torch.tensor([...], device=...)), got {type(counts).__name__} {counts!r}")
+        if counts.shape != (self.batch_size,) or counts.dtype != torch.int64 or counts.device != device:
+            raise ValueError(f"{want}, got {counts.dtype} {list(counts.shape)} on {counts.device}")
+
+    def _check_counts(self, counts: Optional[torch.Tensor], n: int, device: torch.device) -> None:
+        self._check_counts_tensor(counts, device)
+        if counts is None:
+            return
+        if not torch.compiler.is_compiling() and bool(((counts < 0) | (counts > n)).any()):
+            raise ValueError(f"counts must lie in [0, {n}] (the number of new tokens), got {counts.tolist()}")
+
 
 class KIVICache(StaticCacheBase):
     def __init__(
@@ -202,23 +221,6 @@ class KIVICache(StaticCacheBase):
             raise ValueError(f"{name} must have the cache dtype {self.dtype}, got {t.dtype}")
         if t.device != device:
             raise ValueError(f"{name} must be on the cache device {device}, got {t.device}")
-
-    def _check_counts_tensor(self, counts: Optional[torch.Tensor], device: torch.device) -> None:
-        """counts' type, shape, dtype and device (no host sync)."""
-        if counts is None:
-            return
-        want = f"counts must be an int64 tensor of shape [{self.batch_size}] on {device} (or None)"
-        if not isinstance(counts, torch.Tensor):
-            raise ValueError(f"{want} (e.g. torch.tensor([...], device=...)), got {type(counts).__name__} {counts!r}")
-        if counts.shape != (self.batch_size,) or counts.dtype != torch.int64 or counts.device != device:
-            raise ValueError(f"{want}, got {counts.dtype} {list(counts.shape)} on {counts.device}")
-
-    def _check_counts(self, counts: Optional[torch.Tensor], n: int, device: torch.device) -> None:
-        self._check_counts_tensor(counts, device)
-        if counts is None:
-            return
-        if not torch.compiler.is_compiling() and bool(((counts < 0) | (counts > n)).any()):
-            raise ValueError(f"counts must lie in [0, {n}] (the number of new tokens), got {counts.tolist()}")
 
     # ------------------------------------------------------------------ ops
 

@@ -191,13 +191,22 @@ def load_tables(path, *, bits: int, num_layers: int | None, group_size: int, pre
     will use it."""
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"--nuq {path}: cannot read a calibration file ({e})")
-    if data.get("format") != FORMAT:
-        raise ValueError(f"--nuq {path}: not a `kivi calibrate` file (format {data.get('format')!r}, want {FORMAT!r})")
-    if num_layers is not None and data["num_layers"] != num_layers:
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"--nuq {path}: not a `kivi calibrate` file (format {found!r}, want {FORMAT!r})")
+
+    def field(name, kind):
+        if name not in data:
+            raise ValueError(f"--nuq {path}: the field {name!r} is missing; re-create the file with `kivi calibrate`")
+        if not isinstance(data[name], kind) or isinstance(data[name], bool):
+            raise ValueError(f"--nuq {path}: {name!r} must be {kind.__name__}, got {data[name]!r}")
+        return data[name]
+
+    if num_layers is not None and field("num_layers", int) != num_layers:
         raise ValueError(f"--nuq {path}: calibrated for {data['num_layers']} layers, the model has {num_layers}")
-    if data["group_size"] != group_size:
+    if field("group_size", int) != group_size:
         raise ValueError(f"--nuq {path}: calibrated with group_size={data['group_size']}, "
                          f"but --group-size is {group_size}")
     for flag, name, want in ((data.get("pre_rope", False), "--pre-rope", pre_rope),
@@ -205,10 +214,21 @@ def load_tables(path, *, bits: int, num_layers: int | None, group_size: int, pre
         if flag != want:
             raise ValueError(f"--nuq {path}: calibrated with {name} {flag}, but this run uses {name} {want}; "
                              f"calibrate with the same settings (kivi calibrate {name} ...)")
-    if str(bits) not in data["bits"]:
-        raise ValueError(f"--nuq {path}: has levels for bits {sorted(data['bits'])}, not {bits}")
-    entry = data["bits"][str(bits)]
-    return {part: [torch.tensor(levels, dtype=torch.float32) for levels in entry[part]] for part in ("k", "v")}
+    by_bits = field("bits", dict)
+    if str(bits) not in by_bits:
+        raise ValueError(f"--nuq {path}: has levels for bits {sorted(by_bits)}, not {bits}")
+    entry = by_bits[str(bits)]
+    tables = {}
+    for part in ("k", "v"):
+        layers = entry.get(part) if isinstance(entry, dict) else None
+        if not isinstance(layers, list) or (num_layers is not None and len(layers) != num_layers):
+            raise ValueError(f"--nuq {path}: bits {bits} {part!r} must be a list of levels per layer"
+                             + (f" ({num_layers} layers)" if num_layers is not None else ""))
+        try:
+            tables[part] = [torch.tensor(levels, dtype=torch.float32) for levels in layers]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--nuq {path}: bits {bits} {part!r} levels must be lists of numbers ({e})")
+    return tables
 
 
 def load_kv_levels(path, *, k_bits: int, v_bits: int, num_layers: int | None, group_size: int,

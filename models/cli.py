@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 from kivi_benchmarks.bench_cli import add_bench_parser
 from kivi_benchmarks.eval_cli import add_eval_parser
 from kivi_export.cli import add_export_parsers
 
 from .calibrate_cli import add_calibrate_parser
-from .cli_args import usage_errors
+from .cli_args import flag_spelling, usage_errors
 from .generate import SamplingConfig
 from .generate_cli import add_generate_parser
 from .parallel import check_launch, rank_zero_output
@@ -32,12 +34,29 @@ from .parallel import check_launch, rank_zero_output
 SUBCOMMANDS = (add_generate_parser, add_eval_parser, add_bench_parser, add_calibrate_parser, add_export_parsers)
 
 
+# A user's mistake or the environment, reported as one line (exit 2: usage, 1: environment);
+# anything else is a bug and keeps its traceback. --debug shows the traceback for these too.
+USAGE_ERRORS = (ValueError,)  # bad values reaching the library (UnicodeDecodeError, JSONDecodeError too)
+ENVIRONMENT_ERRORS = (OSError, MemoryError, torch.OutOfMemoryError, FloatingPointError)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kivi", description="KIVI 2/4-bit KV-cache quantization for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     for add_parser in SUBCOMMANDS:
         add_parser(sub)
+    _add_debug_flag(parser)
     return parser
+
+
+def _add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    """--debug on every leaf command (`kivi generate ... --debug`, `kivi eval ppl ... --debug`)."""
+    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subparsers:
+        parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
+    for action in subparsers:
+        for child in action.choices.values():
+            _add_debug_flag(child)
 
 
 def main(argv=None) -> int:
@@ -46,8 +65,14 @@ def main(argv=None) -> int:
     with usage_errors(args.parser):
         SamplingConfig(temperature=getattr(args, "temperature", 0.0), top_p=getattr(args, "top_p", None))
         check_launch(args.command)
-    with rank_zero_output():
-        return args.func(args, args.parser)
+    try:
+        with rank_zero_output():
+            return args.func(args, args.parser)
+    except USAGE_ERRORS + ENVIRONMENT_ERRORS as e:
+        if args.debug:
+            raise
+        print(f"{args.parser.prog}: error: {flag_spelling(str(e))}", file=sys.stderr)
+        return 2 if isinstance(e, USAGE_ERRORS) else 1
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
+import re
+import sys
 from pathlib import Path
 
 import torch
@@ -27,11 +30,33 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 @contextlib.contextmanager
 def usage_errors(parser: argparse.ArgumentParser, *errors: type[BaseException]):
     """Turns the given exceptions (default ValueError) raised inside into `parser.error(message)`:
-    the usage line, `prog: error: message` and exit status 2."""
+    the usage line, `prog: error: message` and exit status 2. KIVIConfig / KIVICache field names
+    in the message become the flags that set them (residual_length -> --residual-length)."""
     try:
         yield
     except (errors or (ValueError,)) as e:
-        parser.error(str(e))
+        parser.error(flag_spelling(str(e)))
+
+
+def flag_spelling(message: str) -> str:
+    for field, flag in _FLAG_NAMES:
+        message = re.sub(rf"\b{field}\b", flag, message)
+    return message
+
+
+def dumps_json(obj) -> str:
+    """Strict JSON for --json output: a non-finite float (e.g. a rate over zero timed tokens)
+    becomes null, never the bare NaN / Infinity that strict parsers reject."""
+    def finite(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [finite(v) for v in x]
+        return x
+
+    return json.dumps(finite(obj), allow_nan=False)
 
 
 # Argument types.
@@ -72,10 +97,11 @@ def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="'default' (the embedded SmolLM2-135M-Instruct) or a local Hugging Face Llama-family directory")
     p.add_argument("--method", choices=methods, default="kivi", help="kivi: quantized cache; fp: unquantized static cache")
-    p.add_argument("--k-bits", type=int, choices=SUPPORTED_BITS, default=2)
-    p.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, default=2)
-    p.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=32)
-    p.add_argument("--residual-length", type=int, default=128, help="full-precision recent tokens (multiple of --group-size)")
+    p.add_argument("--k-bits", type=int, choices=SUPPORTED_BITS, default=2, action=_Explicit)
+    p.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, default=2, action=_Explicit)
+    p.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=32, action=_Explicit)
+    p.add_argument("--residual-length", type=int, default=128, action=_Explicit,
+                   help="full-precision recent tokens (multiple of --group-size)")
     p.add_argument("--sink-tokens", type=int, default=0,
                    help="keep the first N tokens of each sequence in full precision (KVQuant's attention sink)")
     p.add_argument("--outlier-tokens", type=int, default=0,
@@ -115,7 +141,20 @@ def _nuq_levels(args, parser) -> dict:
 # CLI spelling of the KIVIConfig fields in error messages.
 _FLAG_NAMES = (("sink_tokens", "--sink-tokens"), ("outlier_tokens", "--outlier-tokens"),
                ("outlier_spill", "--outlier-spill"), ("outlier_skip_layers", "--outlier-skip-layers"),
-               ("sparse_outliers", "--sparse-outliers"))
+               ("sparse_outliers", "--sparse-outliers"), ("residual_length", "--residual-length"),
+               ("group_size", "--group-size"), ("k_bits", "--k-bits"), ("v_bits", "--v-bits"),
+               ("temperature", "--temperature"), ("top_p", "--top-p"), ("top_k", "--top-k"))
+# Flags that only configure the KIVI cache; given explicitly with --method fp they are refused
+# (their defaults are not, so that `--method fp` alone works).
+_KIVI_ONLY_FLAGS = ("k_bits", "v_bits", "group_size", "residual_length")
+
+
+class _Explicit(argparse.Action):
+    """Stores the value and notes that the user gave the flag (args.explicit)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.explicit = getattr(namespace, "explicit", set()) | {self.dest}
 
 
 def kivi_config_from(args, parser) -> KIVIConfig:
@@ -131,10 +170,11 @@ def kivi_config_from(args, parser) -> KIVIConfig:
                             outlier_tokens=args.outlier_tokens, outlier_spill=args.outlier_spill,
                             outlier_skip_layers=args.outlier_skip_layers, **(kvquant if method == "kivi" else {}))
     except ValueError as e:
-        message = str(e)
-        for field, flag in _FLAG_NAMES:
-            message = message.replace(field, flag)
-        parser.error(message)
+        parser.error(flag_spelling(str(e)))
+    if method == "fp" and getattr(args, "explicit", set()) & set(_KIVI_ONLY_FLAGS):
+        given = sorted(flag for field, flag in _FLAG_NAMES if field in args.explicit)
+        parser.error(f"{' / '.join(given)}: options of the KIVI cache (--method kivi), not of --method fp "
+                     "(the fp cache stores every token unquantized)")
     if method != "kivi" and config.has_pool:
         parser.error(f"--sink-tokens / --outlier-tokens are options of the KIVI cache (--method kivi), "
                      f"not of --method {method}")
@@ -182,17 +222,39 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def read_prompts(args, parser) -> list[str]:
+    """The prompts, each non-empty. A --batch-file holds one prompt per line; a blank line is
+    refused (naming it) rather than skipped, so that result i always belongs to line i."""
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            parser.error("--prompt is empty; give the text to continue")
+        return [args.prompt]
+    flag, path = ("--prompt-file", args.prompt_file) if args.prompt_file is not None else ("--batch-file", args.batch_file)
     try:
-        if args.prompt is not None:
-            return [args.prompt]
-        if args.prompt_file is not None:
-            return [Path(args.prompt_file).read_text().rstrip("\n")]
-        prompts = [line for line in Path(args.batch_file).read_text().splitlines() if line.strip()]
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        parser.error(f"{flag} {path} is not UTF-8 text")
     except OSError as e:
-        parser.error(f"cannot read prompt file: {e}")
+        parser.error(f"cannot read {flag} {path}: {e.strerror or e}")
+    if flag == "--prompt-file":
+        text = text.rstrip("\n")
+        if not text.strip():
+            parser.error(f"--prompt-file {path} is empty")
+        return [text]
+    prompts = text.splitlines()
     if not prompts:
-        parser.error(f"--batch-file {args.batch_file} holds no prompts (one per line)")
+        parser.error(f"--batch-file {path} holds no prompts (one per line)")
+    blank = [i + 1 for i, line in enumerate(prompts) if not line.strip()]
+    if blank:
+        parser.error(f"--batch-file {path}: line(s) {', '.join(map(str, blank[:10]))} are blank; each line is one "
+                     "prompt and results follow the lines in order, so remove blank lines")
     return prompts
+
+
+def warn_unused_sampling(args) -> None:
+    """Top-k / top-p only shape sampling: with greedy decoding (temperature 0) say they do nothing."""
+    if args.temperature == 0 and (args.top_k is not None or args.top_p is not None):
+        print("kivi: warning: --top-k / --top-p have no effect with greedy decoding (--temperature 0); "
+              "set --temperature > 0 to sample", file=sys.stderr)
 
 
 def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -200,3 +262,22 @@ def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False)
     return tokenizer(prompt)["input_ids"]
+
+
+def available_memory(device: str) -> int:
+    """Bytes free for new tensors: the GPU's free memory, or the machine's MemAvailable."""
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62  # no /proc/meminfo (not Linux): no check
+
+
+def check_memory(nbytes: int, device: str, *, what: str) -> None:
+    """Refuse (MemoryError: the CLI exits 1) before allocating more than the device has free."""
+    free = available_memory(device)
+    if nbytes > free:
+        raise MemoryError(f"{what} needs {nbytes / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free on {device}; "
+                          "use fewer or shorter prompts, a smaller --max-new-tokens, or fewer --k-bits/--v-bits")

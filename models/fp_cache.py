@@ -60,6 +60,7 @@ class FPCache(StaticCacheBase):
                   counts: Optional[torch.Tensor] = None) -> None:
         lengths = layer.lengths
         n = key.shape[2]
+        self._check_counts(counts, n, lengths.device)
         if not torch.compiler.is_compiling():
             added = n if counts is None else counts
             if bool((lengths + added > self.max_seq_len).any()):
@@ -85,6 +86,7 @@ class FPCache(StaticCacheBase):
                   counts: Optional[torch.Tensor] = None) -> torch.Tensor:
         lengths = layer.lengths
         q = query.shape[2]
+        self._check_counts(counts, q, lengths.device)
         counts = torch.full_like(lengths, q) if counts is None else counts
         pos = (lengths - counts)[:, None] + torch.arange(q, device=query.device)[None, :]  # [B, q]
         t = torch.arange(self.max_seq_len + 1, device=query.device)

@@ -8,6 +8,7 @@ Python int that changes per token (no recompiles, CUDA-graph friendly).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -58,11 +59,11 @@ class SamplingConfig:
     top_p: Optional[float] = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:  # nan passes "< 0"
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
+        if self.top_p is not None and not 0 < self.top_p <= 1:  # also refuses nan
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
@@ -232,6 +233,18 @@ def check_generation_args(prompts: list[list[int]], max_new_tokens: int, *, batc
         )
 
 
+def check_finite(logits: torch.Tensor, where: str) -> torch.Tensor:
+    """Stop with an error naming the cause when the model's logits hold NaN or Inf: sampling from
+    them would emit arbitrary tokens (argmax of NaN is 0). The loop already syncs with the host
+    every step (its EOS check), so this one reduction over [B, V] adds no sync of its own."""
+    if not bool(torch.isfinite(logits).all()):
+        rows = (~torch.isfinite(logits)).any(dim=-1).nonzero().flatten().tolist()
+        raise FloatingPointError(
+            f"the model produced non-finite logits (NaN or Inf) at {where}, row(s) {rows}: the weights "
+            "(--model), the --dtype (float16 overflow?) or the inputs hold non-finite values")
+    return logits
+
+
 def generation_loop(
     prefill_fn,
     step_fn,
@@ -262,7 +275,7 @@ def generation_loop(
 
     _sync(device)
     start = time.perf_counter()
-    token = sample(prefill_fn(input_ids, counts), sampling)
+    token = sample(check_finite(prefill_fn(input_ids, counts), "the prompt"), sampling)
     _sync(device)
     prefill_s = time.perf_counter() - start
 
@@ -275,7 +288,7 @@ def generation_loop(
         if bool(done.all()):
             break
         start = time.perf_counter()
-        token = sample(step_fn(token, positions), sampling)
+        token = sample(check_finite(step_fn(token, positions), f"decode step {step + 1}"), sampling)
         positions += 1
         token = torch.where(done, torch.full_like(token, pad_token_id), token)
         _sync(device)

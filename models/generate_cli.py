@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 
 import torch
 
-from .cli_args import (add_model_arguments, add_prompt_arguments, add_sampling_arguments, check_weight_quant_modes,
-                       device_and_dtype, encode, kivi_config_from, read_prompts, usage_errors)
+from .cli_args import (add_model_arguments, add_prompt_arguments, add_sampling_arguments, check_memory,
+                       check_weight_quant_modes, device_and_dtype, dumps_json, encode, kivi_config_from, read_prompts,
+                       usage_errors, warn_unused_sampling)
 from .generate import SamplingConfig, compile_decode_step, decode_step, generate, make_cache
 from .loading import load_model, log
 from .parallel import tp_size
@@ -20,6 +19,8 @@ def add_generate_parser(sub) -> None:
     add_prompt_arguments(g, batch_help="a file with one prompt per line (batched generation)")
     add_model_arguments(g)
     g.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
+    g.add_argument("--allow-beyond-context", action="store_true",
+                   help="generate past the model's trained context (max_position_embeddings); refused otherwise")
     add_sampling_arguments(g)
     g.set_defaults(func=cmd_generate, parser=g)
 
@@ -28,15 +29,12 @@ def cmd_generate(args, parser) -> int:
     kivi_config = kivi_config_from(args, parser)
     device, dtype = device_and_dtype(args, parser)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    warn_unused_sampling(args)
     prompts = read_prompts(args, parser)
     from .weight_quant import apply_weight_quant, model_weight_nbytes
 
     check_weight_quant_modes([args.weight_quant], device, parser)
-    try:
-        model, tokenizer = load_model(args.model, dtype=dtype, device=device)
-    except FileNotFoundError as e:
-        print(f"kivi generate: error: {e}", file=sys.stderr)
-        return 1
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)  # errors: kivi_models.cli's handler
     from .attention import patch_model
 
     with usage_errors(parser):
@@ -45,6 +43,15 @@ def cmd_generate(args, parser) -> int:
     patch_model(model)
     ids = [encode(tokenizer, p, args.chat) for p in prompts]
     max_seq_len = max(len(i) for i in ids) + args.max_new_tokens
+    context = model.config.max_position_embeddings
+    if max_seq_len > context and not args.allow_beyond_context:
+        parser.error(f"the longest prompt ({max_seq_len - args.max_new_tokens} tokens) + --max-new-tokens "
+                     f"{args.max_new_tokens} = {max_seq_len} exceeds the model's context of {context} tokens "
+                     "(max_position_embeddings); shorten them, or pass --allow-beyond-context")
+    with usage_errors(parser):  # e.g. --outlier-skip-layers covering every layer of this model
+        sized = make_cache(model, method=args.method, batch_size=len(ids), max_seq_len=max_seq_len,
+                           kivi_config=kivi_config, device="meta")
+    check_memory(sized.backing.nbytes(), device, what=f"the cache ({len(ids)} x {max_seq_len} tokens)")
     cache = make_cache(model, method=args.method, batch_size=len(ids), max_seq_len=max_seq_len, kivi_config=kivi_config)
     step_fn, warmup = decode_step, 0
     if args.compile:
@@ -80,7 +87,7 @@ def cmd_generate(args, parser) -> int:
         "config": config,
     }
     if args.json:
-        print(json.dumps(report))
+        print(dumps_json(report))
         return 0
     for prompt, text in zip(prompts, texts):
         print(f"{prompt}{text}" if not args.chat else text)
@@ -103,8 +110,8 @@ def cmd_generate(args, parser) -> int:
              else f"fp ({config['dtype']})")
     print(f"cache:   {result.cache_bytes / 2**20:.2f} MiB {label} vs {result.fp16_cache_bytes / 2**20:.2f} MiB "
           f"fp16 for {max_seq_len} tokens x {len(ids)} sequence(s): fp16 / this = {ratio:.2f}x"
-          + (" (the full-precision residual window dominates a sequence this short)" if ratio < 1 else ""))
-    context = model.config.max_position_embeddings
+          + (" (the full-precision residual window dominates a sequence this short)"
+             if ratio < 1 and args.method == "kivi" else ""))
     if args.method == "kivi" and context > max_seq_len:
         # Same cache at the model's full context, built on the meta device (no memory).
         full = make_cache(model, method="kivi", batch_size=len(ids), max_seq_len=context, kivi_config=kivi_config,

@@ -85,9 +85,15 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
+class ModelLoadError(OSError):
+    """The model directory exists but cannot be loaded (corrupt config, missing or truncated
+    weights, no tokenizer): an environment problem, not a usage error."""
+
+
 def load_model(model: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """(model, tokenizer) in eval mode, on `device`, in `dtype`. Offline only. Under torchrun the
     model is loaded tensor-parallel across the launched processes (parallel.py)."""
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .parallel import check_tp_size, distributed_config, world_size
@@ -96,12 +102,18 @@ def load_model(model: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32
     start = time.perf_counter()
     tp = world_size()
     log(f"Loading {path} ({dtype}, {device}" + (f", tensor-parallel over {tp} processes" if tp > 1 else "") + ")...")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if tp > 1:
-        check_tp_size(AutoConfig.from_pretrained(path, local_files_only=True), tp)
-        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                        distributed_config=distributed_config(device)).eval()
-    else:
-        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        if tp > 1:
+            check_tp_size(config, tp)
+            hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                            distributed_config=distributed_config(device)).eval()
+        else:
+            hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # a broken directory, any file
+        if isinstance(e, ValueError) and "--nproc-per-node" in str(e):
+            raise
+        raise ModelLoadError(f"cannot load --model {model} ({path}): {type(e).__name__}: {str(e).splitlines()[0]}") from e
     log(f"Loaded in {time.perf_counter() - start:.1f} s")
     return hf_model, tokenizer

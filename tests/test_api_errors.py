@@ -49,13 +49,16 @@ def test_counts_tensor_errors_still_name_the_expected_type():
         cache.append(0, *kv(2), torch.tensor([1, 2], dtype=torch.int32))
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="models/fp_cache.py (not this change's file) does not check counts: a list crashes in "
-                          "`lengths + counts` with a TypeError; FPCache.append/attend need KIVICache's check")
 def test_fp_cache_counts_not_a_tensor_is_a_clear_error():
+    # FPCache shares KIVICache's counts check (StaticCacheBase): type, shape, dtype, range.
     cache = FPCache(num_layers=1, batch_size=B, max_seq_len=32, num_kv_heads=H, head_dim=D)
-    with pytest.raises(ValueError, match="counts"):
+    with pytest.raises(ValueError, match="counts must be an int64 tensor"):
         cache.append(0, *kv(2), [1, 2])
+    with pytest.raises(ValueError, match=r"counts must lie in \[0, 2\]"):
+        cache.append(0, *kv(2), torch.tensor([3] + [1] * (B - 1)))
+    with pytest.raises(ValueError, match="counts must be an int64 tensor"):
+        cache.attend(0, torch.randn(B, H, 1, D), None, [1] * B)
+    assert int(cache.lengths(0).sum()) == 0  # nothing was written
 
 
 # ---------------------------------------------------------------- attend with no visible key

@@ -102,3 +102,15 @@ def test_bench_budget_refuses_a_budget_below_one_sequence():
 
     with pytest.raises(ValueError, match="raise --budget-gib"):
         perf.bench_budget(tiny_patched_llama(), device="cpu", contexts=[128], budget_bytes=1000, new_tokens=4)
+
+
+def test_results_default_to_the_current_directory(tmp_path, monkeypatch, capsys):
+    # Not into the package's benchmarks/results (tracked files in an editable install).
+    from kivi_benchmarks import RESULTS_DIR
+
+    before = {p: p.stat().st_mtime_ns for p in RESULTS_DIR.iterdir()}
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "memory", "--contexts", "4096"]) == 0
+    assert (tmp_path / "kivi-results" / "bench_memory.json").is_file()
+    assert str(tmp_path / "kivi-results" / "bench_memory.json") in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in RESULTS_DIR.iterdir()} == before

@@ -74,7 +74,6 @@ def test_eval_ppl_cli_json(capsys):
     (["eval", "ppl", "--corpus", "pydoc", "--window", "48", "--method", "fake"], "multiple of --group-size=32"),
     (["eval", "ppl", "--text", "/nonexistent.txt"], "cannot read --text"),
     (["eval", "passkey", "--lengths", "1k"], "comma-separated integers"),
-    (["eval", "table", "--quick"], "--quick needs --out"),
 ])
 def test_eval_bad_arguments_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
