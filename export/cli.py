@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from kivi_models.cli_args import (add_model_arguments, add_prompt_arguments, add_sampling_arguments, device_and_dtype,
-                                  dumps_json, encode, kivi_config_from, positive_int, read_prompts, usage_errors)
+                                  dumps_json, encode, generation_report, kivi_config_from, positive_int,
+                                  print_generations, read_prompts, usage_errors)
 
 from .artifact import FORMATS, ArtifactError
 
@@ -86,16 +87,8 @@ def cmd_run_exported(args, parser) -> int:
         ids, max_new_tokens=args.max_new_tokens, device="cpu", sampling=sampling,
         eos_token_id=meta.eos_token_id, pad_token_id=meta.pad_token_id, seed=args.seed,
     )
-    tokens = result.tokens
-    texts = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
-    batched = len(ids) > 1
-    report = {
-        "text": texts if batched else texts[0],
-        "tokens": tokens if batched else tokens[0],
-        "prompt_tokens": result.prompt_tokens if batched else result.prompt_tokens[0],
-        "new_tokens": [len(t) for t in tokens] if batched else len(tokens[0]),
-        "prefill_tokens_per_s": result.prefill_tokens_per_s,
-        "decode_tokens_per_s": result.decode_tokens_per_s,
+    texts, report = generation_report(tokenizer, result)
+    report.update({
         "compile_s": 0.0,
         "load_s": load_s,
         "cache_bytes": meta.cache_bytes,
@@ -103,14 +96,11 @@ def cmd_run_exported(args, parser) -> int:
         "wall_s": time.perf_counter() - start,
         "config": {**meta.config_summary(), "format": meta.format, "exported": str(args.path),
                    "max_new_tokens": args.max_new_tokens, "sampling": vars(sampling)},
-    }
+    })
     if args.json:
         print(dumps_json(report))
         return 0
-    for prompt, text in zip(prompts, texts):
-        print(f"{prompt}{text}" if not args.chat else text)
-        if batched:
-            print("-" * 40)
+    print_generations(prompts, texts, args.chat)
     print(f"\n{meta.format} program loaded in {load_s:.1f} s; prefill {result.prefill_tokens_per_s:.1f} tokens/s, "
           f"decode {result.decode_tokens_per_s:.1f} tokens/s")
     return 0

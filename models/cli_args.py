@@ -281,3 +281,29 @@ def check_memory(nbytes: int, device: str, *, what: str) -> None:
     if nbytes > free:
         raise MemoryError(f"{what} needs {nbytes / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free on {device}; "
                           "use fewer or shorter prompts, a smaller --max-new-tokens, or fewer --k-bits/--v-bits")
+
+
+# Output of a generation (generate, run-exported).
+
+def generation_report(tokenizer, result) -> tuple[list[str], dict]:
+    """The decoded texts and the report fields `kivi generate` and `kivi run-exported` share;
+    per-prompt fields are lists when batched, single values otherwise."""
+    texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
+    one = len(texts) == 1
+    report = {
+        "text": texts[0] if one else texts,
+        "tokens": result.tokens[0] if one else result.tokens,
+        "prompt_tokens": result.prompt_tokens[0] if one else result.prompt_tokens,
+        "new_tokens": len(result.tokens[0]) if one else [len(t) for t in result.tokens],
+        "prefill_tokens_per_s": result.prefill_tokens_per_s,
+        "decode_tokens_per_s": result.decode_tokens_per_s,
+    }
+    return texts, report
+
+
+def print_generations(prompts: list[str], texts: list[str], chat: bool) -> None:
+    """Each prompt with its continuation (the reply alone with --chat), separated when batched."""
+    for prompt, text in zip(prompts, texts):
+        print(text if chat else f"{prompt}{text}")
+        if len(texts) > 1:
+            print("-" * 40)

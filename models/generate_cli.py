@@ -7,8 +7,8 @@ import time
 import torch
 
 from .cli_args import (add_model_arguments, add_prompt_arguments, add_sampling_arguments, check_memory,
-                       check_weight_quant_modes, device_and_dtype, dumps_json, encode, kivi_config_from, read_prompts,
-                       usage_errors, warn_unused_sampling)
+                       check_weight_quant_modes, device_and_dtype, dumps_json, encode, generation_report, kivi_config_from,
+                       print_generations, read_prompts, usage_errors, warn_unused_sampling)
 from .generate import SamplingConfig, compile_decode_step, decode_step, generate, make_cache
 from .loading import load_model, log
 from .parallel import tp_size
@@ -65,19 +65,12 @@ def cmd_generate(args, parser) -> int:
                       eos_token_id=eos, pad_token_id=pad, step_fn=step_fn, warmup_steps=warmup, seed=args.seed)
     if args.compile:
         log(f"Compiled and warmed up in {result.compile_s:.1f} s")
-    texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
-    batched = len(ids) > 1
+    texts, report = generation_report(tokenizer, result)
     config = {"model": args.model, "method": args.method, "device": device, "dtype": str(dtype).replace("torch.", ""),
               "compile": args.compile, "weight_quant": args.weight_quant, "batch_size": len(ids),
               "max_new_tokens": args.max_new_tokens,
               "sampling": vars(sampling), **({"kivi": kivi_config.to_record(args.nuq)} if args.method == "kivi" else {})}
-    report = {
-        "text": texts if batched else texts[0],
-        "tokens": result.tokens if batched else result.tokens[0],
-        "prompt_tokens": result.prompt_tokens if batched else result.prompt_tokens[0],
-        "new_tokens": [len(t) for t in result.tokens] if batched else len(result.tokens[0]),
-        "prefill_tokens_per_s": result.prefill_tokens_per_s,
-        "decode_tokens_per_s": result.decode_tokens_per_s,
+    report.update({
         "compile_s": result.compile_s,
         "cache_bytes": result.cache_bytes,
         "fp16_cache_bytes": result.fp16_cache_bytes,
@@ -85,14 +78,11 @@ def cmd_generate(args, parser) -> int:
         "tp_size": tp_size(model),  # cache_bytes and model_bytes are this rank's share
         "wall_s": time.perf_counter() - start,
         "config": config,
-    }
+    })
     if args.json:
         print(dumps_json(report))
         return 0
-    for prompt, text in zip(prompts, texts):
-        print(f"{prompt}{text}" if not args.chat else text)
-        if batched:
-            print("-" * 40)
+    print_generations(prompts, texts, args.chat)
     ratio = result.fp16_cache_bytes / result.cache_bytes
     print(f"\nprefill: {result.prefill_tokens_per_s:.1f} tokens/s ({sum(result.prompt_tokens)} tokens)")
     print(f"decode:  {result.decode_tokens_per_s:.1f} tokens/s ({result.decode_tokens} timed tokens"
