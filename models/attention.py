@@ -60,6 +60,14 @@ class KIVIAttention(nn.Module):
         q, k_rotated = self.apply_rotary_pos_emb(q, k, cos, sin)
         counts = kwargs.get("kivi_counts")
         prefill = n > 1 and not cache.prefilled
+        left_pad = cache.owner.left_pad if prefill else None
+        if left_pad is not None:
+            # A left-padded prompt batch (transformers' generate): each row's real tokens move to
+            # the front (the cache's right-padded layout, `counts` real tokens per row), so pads
+            # never enter the cache or its statistics; outputs go back to the original positions.
+            order, counts = left_pad
+            q, k, k_rotated, v = (t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+                                  for t in (q, k, k_rotated, v))
         # A pre-RoPE cache (KVQuant) stores keys before rotation and rotates them in attention.
         stored = k if cache.pre_rope else k_rotated
         cache.append(stored.contiguous(), v.contiguous(), counts)
@@ -76,6 +84,9 @@ class KIVIAttention(nn.Module):
             out = self._exact_attention(q, k, v)
         else:
             out = self._cached_attention(q, counts, cache)
+        if left_pad is not None:
+            back = left_pad[0].argsort(dim=1)  # the inverse permutation
+            out = out.gather(2, back[:, None, :, None].expand(-1, out.shape[1], -1, out.shape[3]))
         out = out.transpose(1, 2).reshape(B, n, -1)
         return self.o_proj(out), None
 
@@ -88,15 +99,25 @@ class KIVIAttention(nn.Module):
         return cache.attend(q.contiguous(), self.scaling, counts)
 
 
-def _reject_padding_mask(module, args, kwargs):
-    """transformers' generate() left-pads batches; our cache expects right padding with counts.
-    Refuse instead of silently attending to pad tokens."""
+def _note_left_padding(module, args, kwargs):
+    """transformers' generate() left-pads a batch of prompts and passes a 2-D attention mask. At
+    the prompt (the cache still empty), record each row's order with its real tokens first and
+    their count, for the attention layers (KIVIAttention.forward); later calls carry one new token
+    per row, which the cache's per-row lengths already place. Eager Python, outside compiled code."""
+    cache = kwargs.get("past_key_values")
+    if not isinstance(cache, KIVIHFCache):
+        return
     mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not torch.compiler.is_compiling() and bool((mask == 0).any()):
-        raise ValueError(
-            "padded batches are not supported through transformers' generate() with a KIVI cache; "
-            "use kivi_models.generate (right padding with per-sequence lengths) or one prompt at a time"
-        )
+    cache.left_pad = None
+    fresh = not cache.layers[0].prefilled
+    if (fresh and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not torch.compiler.is_compiling()
+            and bool((mask == 0).any())):
+        real = mask.bool()
+        if bool((real[:, 1:] < real[:, :-1]).any()):  # a real token after a pad: not left padding
+            raise ValueError("attention_mask must be left padding (pads before each row's tokens) or right "
+                             "padding through kivi_models.generate; got a mask with pads after real tokens")
+        order = (~real).to(torch.int8).argsort(dim=1, stable=True)  # real tokens first, in order
+        cache.left_pad = (order, real.sum(dim=1))
 
 
 def patch_model(model: nn.Module) -> nn.Module:
@@ -118,6 +139,6 @@ def patch_model(model: nn.Module) -> nn.Module:
     for layer in decoder.layers:
         layer.self_attn = KIVIAttention(layer.self_attn, config)
     config._attn_implementation = ATTN_IMPLEMENTATION
-    decoder.register_forward_pre_hook(_reject_padding_mask, with_kwargs=True)
+    decoder.register_forward_pre_hook(_note_left_padding, with_kwargs=True)
     decoder._kivi_patched = True
     return model

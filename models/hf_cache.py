@@ -78,6 +78,8 @@ class KIVIHFCache(Cache):
     def __init__(self, backing):
         self.backing = backing
         super().__init__(layers=[LayerCache(self, i) for i in range(backing.num_layers)])
+        # Set by the decoder's pre-hook for a left-padded prompt batch (attention.py): (order, counts).
+        self.left_pad = None
         # Set only inside exported programs: a bool tensor, True when this call is the prompt of
         # fresh sequences (exact attention) rather than a step over what the cache holds.
         self.exact_attention = None

@@ -70,12 +70,64 @@ def test_hf_generate_with_kivi_cache(loaded):
     assert cache.get_seq_length() == ids.shape[1] + 11
 
 
-def test_hf_generate_rejects_padded_batches(loaded):
-    _, kivi_model, tok = loaded
+BATCH = [PROMPT, "def fibonacci(n):", "Water boils at a temperature of about"]
+
+
+def hf_generate_left_padded(model, tok, prompts, *, method, config, **kwargs):
+    """transformers' generate() on a left-padded batch with our cache: the new tokens per row."""
     tok.padding_side = "left"
-    batch = tok([PROMPT, "Hi"], return_tensors="pt", padding=True)
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    cache = make_cache(model, method=method, batch_size=len(prompts), max_seq_len=64, kivi_config=config)
+    out = model.generate(**batch, past_key_values=cache, pad_token_id=tok.eos_token_id, **kwargs)
+    return out[:, batch["input_ids"].shape[1]:].tolist(), cache
+
+
+@pytest.mark.parametrize("method", ["kivi", "fp"])
+def test_hf_generate_left_padded_batch_equals_each_prompt_alone(loaded, method):
+    # G=8, R=8: prompts of 5, 6 and 9 tokens flush their first key groups at different steps.
+    _, kivi_model, tok = loaded
+    config = KIVIConfig(group_size=8, residual_length=8) if method == "kivi" else None
+    batched, cache = hf_generate_left_padded(kivi_model, tok, BATCH, method=method, config=config,
+                                             max_new_tokens=16, do_sample=False)
+    lengths = [len(tok(p)["input_ids"]) for p in BATCH]
+    # Pads never entered the cache: each row holds its prompt and 15 appended tokens.
+    assert cache.backing.lengths(0).tolist() == [n + 15 for n in lengths]
+    for prompt, row in zip(BATCH, batched):
+        alone, _ = hf_generate_left_padded(kivi_model, tok, [prompt], method=method, config=config,
+                                           max_new_tokens=16, do_sample=False)
+        assert row == alone[0], prompt
+
+
+def test_hf_generate_left_padded_sampling_eos_and_min_new_tokens(loaded):
+    _, kivi_model, tok = loaded
+    config = KIVIConfig(group_size=8, residual_length=8)
+    torch.manual_seed(0)
+    first, _ = hf_generate_left_padded(kivi_model, tok, BATCH, method="kivi", config=config, max_new_tokens=8,
+                                       do_sample=True, top_k=20)
+    torch.manual_seed(0)
+    again, _ = hf_generate_left_padded(kivi_model, tok, BATCH, method="kivi", config=config, max_new_tokens=8,
+                                       do_sample=True, top_k=20)
+    assert first == again and all(0 <= t < len(tok) for row in first for t in row)
+    # EOS: make row 0's second greedy token the EOS; that row stops (then pads), the others go on.
+    greedy, _ = hf_generate_left_padded(kivi_model, tok, BATCH, method="kivi", config=config, max_new_tokens=8,
+                                        do_sample=False)
+    eos = greedy[0][1]
+    stopped, _ = hf_generate_left_padded(kivi_model, tok, BATCH, method="kivi", config=config, max_new_tokens=8,
+                                         do_sample=False, eos_token_id=eos)
+    assert stopped[0][:2] == greedy[0][:2] and set(stopped[0][2:]) <= {tok.eos_token_id, eos}
+    assert any(stopped[i] == greedy[i] for i in (1, 2) if eos not in greedy[i])
+    # min_new_tokens: the EOS cannot end a row before 6 tokens.
+    held, _ = hf_generate_left_padded(kivi_model, tok, BATCH, method="kivi", config=config, max_new_tokens=8,
+                                      do_sample=False, eos_token_id=eos, min_new_tokens=6)
+    assert eos not in held[0][:5]
+
+
+def test_hf_generate_refuses_pads_after_real_tokens(loaded):
+    _, kivi_model, tok = loaded
+    tok.padding_side = "right"
+    batch = tok(BATCH[:2], return_tensors="pt", padding=True)
     cache = make_cache(kivi_model, method="kivi", batch_size=2, max_seq_len=64)
-    with pytest.raises(ValueError, match="padded batches are not supported"):
+    with pytest.raises(ValueError, match="attention_mask must be left padding"):
         kivi_model.generate(**batch, max_new_tokens=4, do_sample=False, past_key_values=cache)
 
 
