@@ -1,10 +1,11 @@
 """KIVI attention for Hugging Face Llama-family models, swapped in without forking modeling code.
 
 `patch_model(model)` replaces each decoder layer's `self_attn` with `KIVIAttention`, which keeps
-the original q/k/v/o projections (weights untouched) and routes keys/values through the static
-cache's fused append and attend ops. Llama, Mistral and Qwen2 share this attention layout
-(Qwen2's q/k/v biases live in the reused Linear modules). Sliding-window attention (Mistral,
-Qwen2 with use_sliding_window) is not implemented and is rejected with an error.
+the original projections (weights untouched) and routes keys/values through the static cache's
+fused append and attend ops. Llama, Mistral, Qwen2, Qwen3 (q/k norms) and Phi-3 (fused qkv) are
+supported (Qwen2's q/k/v biases live in the reused Linear modules); Gemma 2/3 are refused.
+Sliding-window attention (Mistral, Phi-3, Qwen2/3 with use_sliding_window) is not implemented and
+is rejected with an error.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .hf_cache import KIVIHFCache, LayerCache
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# Families that need attention features the KIVI cache does not implement, and which ones.
+_GEMMA_WHY = ("attention-logit soft-capping (attn_logit_softcapping) and interleaved sliding-window layers, "
+              "which the fused KIVI attention does not implement")
+UNSUPPORTED_WHY = {"gemma2": _GEMMA_WHY, "gemma3": _GEMMA_WHY, "gemma3_text": _GEMMA_WHY}
 ATTN_IMPLEMENTATION = "kivi"
 
 # Registered as an attention implementation without a mask function: transformers then skips
@@ -29,14 +34,38 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, sdpa_attention_forward)
 
 
 class KIVIAttention(nn.Module):
+    """The family's own projections (reused modules, same names, weights untouched), then RoPE,
+    the KIVI cache, and o_proj. What differs between the supported families is only how q, k, v
+    come out of the hidden states (`_project`): separate q/k/v projections (Llama, Mistral, Qwen2),
+    the same plus RMS norms of q and k per head before RoPE (Qwen3), or one fused qkv projection
+    (Phi-3)."""
+
     def __init__(self, original: nn.Module, config):
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = original.q_proj, original.k_proj, original.v_proj, original.o_proj
+        for name in ("q_proj", "k_proj", "v_proj", "qkv_proj", "q_norm", "k_norm"):
+            setattr(self, name, getattr(original, name, None))
+        self.o_proj = original.o_proj
         self.layer_idx = original.layer_idx
         self.head_dim = original.head_dim
         self.scaling = original.scaling
-        # The model family's own RoPE function (identical for Llama, Mistral, Qwen2).
+        # Fused qkv (Phi-3): the split points of its output (no tensor parallelism for it).
+        self.q_size = config.num_attention_heads * self.head_dim
+        self.kv_size = config.num_key_value_heads * self.head_dim
+        # The model family's own RoPE function (partial rotary included where the family has it).
         self.apply_rotary_pos_emb = sys.modules[type(original).__module__].apply_rotary_pos_emb
+
+    def _project(self, hidden_states):
+        """q, k, v [B, heads, n, head_dim]. Head counts come from the outputs: under tensor
+        parallelism (parallel.py) this rank computes, and caches, only its share of the heads."""
+        B, n, _ = hidden_states.shape
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        q, k, v = (t.view(B, n, -1, self.head_dim) for t in (q, k, v))
+        if self.q_norm is not None:  # Qwen3: RMS norm over each head's channels, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
         # The model passes the whole cache; a compiled decoder-layer region passes this layer's
@@ -51,11 +80,7 @@ class KIVIAttention(nn.Module):
                 f"got {type(past_key_values).__name__}"
             )
         B, n, _ = hidden_states.shape
-        # Head counts from the projections' outputs: under tensor parallelism (parallel.py) this
-        # rank computes, and caches, only its share of the heads.
-        q = self.q_proj(hidden_states).view(B, n, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(B, n, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(B, n, -1, self.head_dim).transpose(1, 2)
+        q, k, v = self._project(hidden_states)
         cos, sin = position_embeddings
         q, k_rotated = self.apply_rotary_pos_emb(q, k, cos, sin)
         counts = kwargs.get("kivi_counts")
@@ -123,10 +148,13 @@ def _note_left_padding(module, args, kwargs):
 def patch_model(model: nn.Module) -> nn.Module:
     """Swap every attention module for KIVIAttention, in place; returns the model."""
     config = model.config
+    if config.model_type in UNSUPPORTED_WHY:
+        raise ValueError(f"model_type {config.model_type!r} is not supported by the KIVI attention: "
+                         f"{UNSUPPORTED_WHY[config.model_type]}. Supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {config.model_type!r}")
     window = getattr(config, "sliding_window", None)
-    uses_window = config.use_sliding_window if config.model_type == "qwen2" else window is not None
+    uses_window = (config.use_sliding_window if config.model_type in ("qwen2", "qwen3") else window is not None)
     if uses_window and window is not None and window < config.max_position_embeddings:
         raise ValueError(
             f"sliding-window attention is not supported by the KIVI cache (sliding_window={window} < "

@@ -202,18 +202,31 @@ def tiny_model(model_type):
 
     cls_config, cls_model = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "llama3_rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[model_type]
+    extra = {}
+    if model_type == "llama3_rope":  # Llama 3.x: frequency-dependent RoPE scaling
+        extra["rope_scaling"] = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=64)
     config = cls_config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
-    if model_type == "mistral":
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                        **extra)
+    if model_type in ("mistral", "phi3"):
         config.sliding_window = None  # full attention; a real sliding window is refused by patch_model
+    if model_type == "phi3":
+        config.pad_token_id = 0  # Phi3Config's default pad id (32000) lies outside the tiny vocabulary
     torch.manual_seed(0)
     return cls_model(config).eval()
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+FAMILIES = ["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3"]
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_llama_family_models_match_unpatched_greedy(model_type):
     reference_model = tiny_model(model_type)
     patched = patch_model(tiny_model(model_type))
@@ -223,6 +236,49 @@ def test_llama_family_models_match_unpatched_greedy(model_type):
     cache = make_cache(patched, method="kivi", batch_size=1, max_seq_len=18, kivi_config=KIVIConfig(residual_length=32))
     got = generate(patched, prompt, max_new_tokens=12, cache=cache)
     assert got.tokens[0] == want[0, 6:].tolist()
+
+
+def test_llama3_rope_scaling_with_pre_rope_keys_matches_unpatched_greedy():
+    # KVQuant's pre-RoPE cache rotates keys itself, from the model's (llama3-scaled) frequencies.
+    reference_model = tiny_model("llama3_rope")
+    patched = patch_model(tiny_model("llama3_rope"))
+    prompt = [[5, 17, 99, 3, 42, 7]]
+    with torch.inference_mode():
+        want = reference_model.generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    cache = make_cache(patched, method="kivi", batch_size=1, max_seq_len=18,
+                       kivi_config=KIVIConfig(residual_length=32, pre_rope=True))
+    assert generate(patched, prompt, max_new_tokens=12, cache=cache).tokens[0] == want[0, 6:].tolist()
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_quantized_cache_holds_each_family_within_half_a_step(model_type):
+    # After a 24-token prompt (exact prefill attention, so both caches receive the same keys and
+    # values), every dequantized value of the 2-bit cache is within half a quantization step of
+    # the fp cache's: step = group range / 3. A key group spans G tokens of one channel and a value
+    # group G channels of one token; the range over all the row's tokens of a channel (keys) or all
+    # channels of a token (values) bounds each group's range, so half of it / 3 bounds the error.
+    patched = patch_model(tiny_model(model_type))
+    prompt = torch.tensor([[5, 17, 99, 3, 42, 7, 11, 64, 2, 9, 33, 71, 8, 15, 27, 90, 4, 6, 120, 55, 13, 19, 77, 31]])
+    caches = {m: make_cache(patched, method=m, batch_size=1, max_seq_len=32,
+                            kivi_config=KIVIConfig(group_size=8, residual_length=8)) for m in ("kivi", "fp")}
+    with torch.inference_mode():
+        for cache in caches.values():
+            patched(input_ids=prompt, past_key_values=cache, use_cache=True)
+    for layer in range(patched.config.num_hidden_layers):
+        (kq, vq), (k, v) = (caches[m].backing.dequantized(layer) for m in ("kivi", "fp"))
+        key_bound = (k.amax(dim=2, keepdim=True) - k.amin(dim=2, keepdim=True)) / 3 / 2
+        value_bound = (v.amax(dim=3, keepdim=True) - v.amin(dim=3, keepdim=True)) / 3 / 2
+        assert ((kq - k).abs() <= key_bound + 1e-5).all() and ((vq - v).abs() <= value_bound + 1e-5).all()
+        assert not torch.equal(kq, k)  # quantization did happen
+
+
+def test_gemma_is_refused_naming_what_is_missing():
+    import transformers
+
+    config = transformers.Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="soft-capping .* sliding-window"):
+        patch_model(transformers.Gemma2ForCausalLM(config))
 
 
 def test_sliding_window_models_are_refused():
