@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from kivi_models.generate import cache_bytes_per_sequence
 from kivi_ops import KIVICache, KIVIConfig, dispatch, fp16_cache_nbytes
 
 # Llama-2-7B's attention shape: 32 layers, 32 KV heads, head_dim 128.
@@ -304,14 +305,6 @@ def bench_decode(model, *, device: str, contexts, batches, new_tokens: int = 32,
 
 
 # ---------------------------------------------------------------- memory budget (KIVI Figure 16)
-
-
-def cache_bytes_per_sequence(model, *, method: str, tokens: int, kivi_config=None) -> int:
-    """Exact bytes one sequence of `tokens` costs in a `method` cache (sized on the meta device)."""
-    from kivi_models import make_cache
-
-    return make_cache(model, method=method, batch_size=1, max_seq_len=tokens, kivi_config=kivi_config,
-                      device="meta").nbytes()
 
 
 def max_batch_for_budget(per_sequence_bytes: int, budget_bytes: float) -> int:

@@ -6,6 +6,7 @@ Imports flow one way (tests/test_imports.py checks it):
       -> command modules            each adds its subcommand(s) and runs them:
            kivi_models.generate_cli     generate
            kivi_models.calibrate_cli    calibrate
+           kivi_models.serve_cli        serve
            kivi_benchmarks.eval_cli     eval ppl | passkey | table
            kivi_benchmarks.bench_cli    bench memory | attention | decode | weight-quant
            kivi_export.cli              export, run-exported
@@ -28,10 +29,12 @@ from .calibrate_cli import add_calibrate_parser
 from .cli_args import flag_spelling, usage_errors
 from .generate import SamplingConfig
 from .generate_cli import add_generate_parser
+from .serve_cli import add_serve_parser
 from .parallel import check_launch, rank_zero_output
 
 # In `kivi --help` order.
-SUBCOMMANDS = (add_generate_parser, add_eval_parser, add_bench_parser, add_calibrate_parser, add_export_parsers)
+SUBCOMMANDS = (add_generate_parser, add_serve_parser, add_eval_parser, add_bench_parser, add_calibrate_parser,
+               add_export_parsers)
 
 
 # A user's mistake or the environment, reported as one line (exit 2: usage, 1: environment);

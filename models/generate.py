@@ -52,6 +52,12 @@ def make_cache(model, *, method: str, batch_size: int, max_seq_len: int,
     return KIVIHFCache(backing)
 
 
+def cache_bytes_per_sequence(model, *, method: str, tokens: int, kivi_config: Optional[KIVIConfig] = None) -> int:
+    """Exact bytes one sequence of `tokens` costs in a `method` cache (sized on the meta device)."""
+    return make_cache(model, method=method, batch_size=1, max_seq_len=tokens, kivi_config=kivi_config,
+                      device="meta").nbytes()
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 0.0  # 0 = greedy
@@ -94,13 +100,17 @@ def prefill(model, cache: KIVIHFCache, input_ids: torch.Tensor, counts: torch.Te
     return out.logits[torch.arange(B, device=input_ids.device), counts - 1]
 
 
-def decode_step(model, cache: KIVIHFCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One token per sequence, tokens [B] at positions [B] -> logits [B, V].
+def decode_step(model, cache: KIVIHFCache, tokens: torch.Tensor, positions: torch.Tensor,
+                counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One token per sequence, tokens [B] at positions [B] -> logits [B, V]. counts [B] (0 or 1):
+    rows with 0 take no token (free slots of a server's batch; their logits are meaningless).
 
     Positions come in as an input rather than being read from the cache's length tensor inside
     the step: Inductor (torch 2.13) reordered a clone of a buffer after the opaque op that
     mutates it, so RoPE saw position + 1 in compiled mode."""
-    out = model(input_ids=tokens[:, None], position_ids=positions[:, None], past_key_values=cache, use_cache=True)
+    extra = {} if counts is None else {"kivi_counts": counts}
+    out = model(input_ids=tokens[:, None], position_ids=positions[:, None], past_key_values=cache, use_cache=True,
+                **extra)
     return out.logits[:, -1]
 
 
@@ -126,14 +136,15 @@ def compile_decode_step(device: torch.device, *, regional: Optional[bool] = None
     else:
         compiled_layer = torch.compile(_run_decoder_layer, fullgraph=True, dynamic=False)
 
-        def compiled(model, cache, tokens, positions):
+        def compiled(model, cache, tokens, positions, counts=None):
             with _layers_compiled(model, cache, compiled_layer):
-                return decode_step(model, cache, tokens, positions)
+                return decode_step(model, cache, tokens, positions, counts)
 
-    def step(model, cache: KIVIHFCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def step(model, cache: KIVIHFCache, tokens: torch.Tensor, positions: torch.Tensor,
+             counts: Optional[torch.Tensor] = None) -> torch.Tensor:
         if isinstance(cache.backing, KIVICache):  # the compiled append cannot raise: check first
-            cache.backing.check_room(1)
-        return compiled(model, cache, tokens, positions)
+            cache.backing.check_room(1, counts)
+        return compiled(model, cache, tokens, positions, counts)
 
     return step
 

@@ -329,7 +329,7 @@ def test_export_with_pool(portable):
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--prompt", "x", "--sink-tokens", "-1"], "--sink-tokens must be a non-negative int"),
-    (["generate", "--prompt", "x", "--outlier-tokens", "129"], "--outlier-tokens must be at most residual_length=128"),
+    (["generate", "--prompt", "x", "--outlier-tokens", "129"], "--outlier-tokens must be at most --residual-length=128"),
     (["generate", "--prompt", "x", "--sink-tokens", "x"], "invalid int value"),
     (["generate", "--prompt", "x", "--method", "fp", "--sink-tokens", "1"], "options of the KIVI cache"),
     (["eval", "ppl", "--corpus", "pydoc", "--method", "fake", "--outlier-tokens", "3"], "options of the KIVI cache"),

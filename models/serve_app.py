@@ -1,0 +1,189 @@
+"""The OpenAI-compatible HTTP API of `kivi serve` (FastAPI): completions and chat completions,
+non-streamed or streamed as server-sent events, models, health and Prometheus metrics.
+
+Bad requests get OpenAI's error object (`{"error": {"message", "type", "param", "code"}}`) with a
+4xx status; the engine (serve_engine.py) only ever sees validated requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Optional, Union
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .serve_engine import Engine, Request
+
+
+class _Strict(BaseModel):
+    # Wrong types are errors (no "5" -> 5); unknown OpenAI fields (n=1, user, ...) are ignored.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class CompletionBody(_Strict):
+    model: str
+    prompt: Union[str, list[str]]
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+
+
+class Message(_Strict):
+    role: str
+    content: str
+
+
+class ChatBody(_Strict):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+
+
+def error(status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
+          kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
+                                                               "code": code}})
+
+
+def build_app(engine: Engine, model_name: str) -> FastAPI:
+    app = FastAPI(title="kivi serve")
+    tokenizer = engine.tokenizer
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: HTTPRequest, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        if first.get("type") == "json_invalid":
+            return error(400, "the request body is not valid JSON", code="invalid_json")
+        return error(400, f"{where}: {first.get('msg', 'invalid value')}" if where else str(first.get("msg")),
+                     param=where, code="invalid_value")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kivi"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        s = engine.stats()
+        lines = []
+        for name, kind, help_text, value in (
+            ("kivi_requests_running", "gauge", "requests holding a cache slot", s["running"]),
+            ("kivi_requests_waiting", "gauge", "requests queued for a slot (FIFO)", s["waiting"]),
+            ("kivi_cache_slots_used", "gauge", "cache rows in use", s["slots_used"]),
+            ("kivi_cache_slots_free", "gauge", "cache rows free", s["slots_free"]),
+            ("kivi_cache_bytes", "gauge", "bytes held by the static cache", s["cache_bytes"]),
+            ("kivi_generated_tokens_total", "counter", "tokens generated since start", s["generated_tokens"]),
+            ("kivi_tokens_per_second", "gauge", "generated tokens per second since start", s["tokens_per_s"]),
+        ):
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    def check_model(name: str) -> Optional[JSONResponse]:
+        if name != model_name:
+            return error(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+                         param="model", code="model_not_found")
+        return None
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, http: HTTPRequest):
+        if (bad := check_model(body.model)) is not None:
+            return bad
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if len(prompts) != 1:
+            return error(400, "prompt: give one prompt per request", param="prompt", code="invalid_value")
+        ids = tokenizer(prompts[0])["input_ids"]
+        return await respond(body, ids, http, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody, http: HTTPRequest):
+        if (bad := check_model(body.model)) is not None:
+            return bad
+        messages = [m.model_dump() for m in body.messages]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return await respond(body, ids, http, chat=True)
+
+    async def respond(body, ids: list[int], http: HTTPRequest, *, chat: bool):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        request = Request(prompt_ids=ids, max_tokens=body.max_tokens, temperature=body.temperature,
+                          top_p=body.top_p, seed=body.seed, stop=[s for s in stop if s],
+                          emit=lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload)))
+        try:
+            engine.submit(request)
+        except ValueError as e:
+            return error(400, str(e), param="max_tokens", code="context_length_exceeded")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.id}"
+        created = int(time.time())
+        usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(request.tokens),  # noqa: E731
+                         "total_tokens": len(ids) + len(request.tokens)}
+        if body.stream:
+            return StreamingResponse(stream(request, events, rid, created, chat, usage), media_type="text/event-stream")
+        text, reason = [], None
+        try:
+            while reason is None:
+                kind, payload = await events.get()
+                if kind == "text":
+                    text.append(payload)
+                elif kind == "done":
+                    reason = payload
+                else:
+                    return error(500, f"generation failed: {payload}", kind="server_error")
+        except asyncio.CancelledError:  # the client went away
+            engine.cancel(request)
+            raise
+        content = "".join(text)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason}
+                  if chat else {"index": 0, "text": content, "finish_reason": reason, "logprobs": None})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": model_name, "choices": [choice], "usage": usage()}
+
+    async def stream(request: Request, events: asyncio.Queue, rid: str, created: int, chat: bool, usage):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: Optional[str], reason: Optional[str], first: bool = False) -> str:
+            if chat:
+                delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+            data = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
+            if reason is not None:
+                data["usage"] = usage()
+            return f"data: {json.dumps(data)}\n\n"
+
+        try:
+            if chat:
+                yield chunk(None, None, first=True)
+            while True:
+                kind, payload = await events.get()
+                if kind == "text":
+                    yield chunk(payload, None)
+                elif kind == "done":
+                    yield chunk(None if chat else "", payload)
+                    break
+                else:
+                    yield f"data: {json.dumps({'error': {'message': payload, 'type': 'server_error'}})}\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:  # finished, or the client disconnected mid-stream: free the slot either way
+            engine.cancel(request)
+
+    return app

@@ -1,0 +1,86 @@
+"""`kivi serve`: an OpenAI-compatible server with continuous batching over the KIVI cache."""
+
+from __future__ import annotations
+
+
+from .cli_args import (add_model_arguments, check_memory, check_weight_quant_modes, device_and_dtype,
+                       kivi_config_from, positive_int, usage_errors)
+from .loading import DEFAULT_MODEL, DEFAULT_NAME, load_model, log
+
+
+def add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching over the cache)")
+    add_model_arguments(s)
+    slots = s.add_mutually_exclusive_group()
+    slots.add_argument("--max-batch", type=positive_int, default=None,
+                       help="cache rows (concurrent requests); default 8 unless --cache-budget-gib")
+    slots.add_argument("--cache-budget-gib", type=float, default=None,
+                       help="as many rows as fit this many GiB of cache (exact bytes per row)")
+    s.add_argument("--max-seq-len", type=positive_int, default=2048,
+                   help="tokens per row: prompt + max_tokens of one request (at most the model's context)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model id clients ask for (default: the model's directory name)")
+    s.set_defaults(func=cmd_serve, parser=s)
+
+
+def plan_slots(model, args, kivi_config, parser) -> tuple[int, int, int]:
+    """(slots, bytes per slot, the slots an fp16 cache would get from the same bytes)."""
+    from .generate import cache_bytes_per_sequence, make_cache
+
+    with usage_errors(parser):
+        per_slot = cache_bytes_per_sequence(model, method=args.method, tokens=args.max_seq_len, kivi_config=kivi_config)
+    fp16_per_slot = make_cache(model, method="fp", batch_size=1, max_seq_len=args.max_seq_len,
+                               device="meta").backing.fp16_nbytes()
+    if args.cache_budget_gib is not None:
+        if args.cache_budget_gib <= 0:
+            parser.error(f"--cache-budget-gib must be > 0, got {args.cache_budget_gib}")
+        budget = args.cache_budget_gib * 2**30
+        slots = int(budget // per_slot)
+        if slots == 0:
+            parser.error(f"--cache-budget-gib {args.cache_budget_gib} does not hold one row of --max-seq-len "
+                         f"{args.max_seq_len} tokens ({per_slot / 2**30:.3f} GiB); raise it or lower --max-seq-len")
+    else:
+        slots = args.max_batch or 8
+        budget = slots * per_slot
+    return slots, per_slot, int(budget // fp16_per_slot)
+
+
+def cmd_serve(args, parser) -> int:
+    import uvicorn
+
+    from .serve_app import build_app
+    from .serve_engine import Engine
+
+    kivi_config = kivi_config_from(args, parser)
+    device, dtype = device_and_dtype(args, parser)
+    check_weight_quant_modes([args.weight_quant], device, parser)
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    context = model.config.max_position_embeddings
+    if args.max_seq_len > context:
+        parser.error(f"--max-seq-len {args.max_seq_len} exceeds the model's context of {context} tokens")
+    from .attention import patch_model
+    from .weight_quant import apply_weight_quant
+
+    with usage_errors(parser):
+        apply_weight_quant(model, args.weight_quant)
+    patch_model(model)
+    slots, per_slot, fp16_slots = plan_slots(model, args, kivi_config, parser)
+    check_memory(slots * per_slot, device, what=f"the cache ({slots} rows x {args.max_seq_len} tokens)")
+    engine = Engine(model, tokenizer, method=args.method, kivi_config=kivi_config, slots=slots,
+                    max_seq_len=args.max_seq_len, compile=args.compile)
+    name = args.served_model_name or (DEFAULT_NAME if args.model == DEFAULT_MODEL else args.model.rstrip("/").split("/")[-1])
+    log(f"{slots} slots x {args.max_seq_len} tokens, {slots * per_slot / 2**20:.1f} MiB of {args.method} cache "
+        f"(an fp16 cache would hold {fp16_slots} slots in the same bytes)")
+    log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API; /health, /metrics)")
+    try:
+        uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.close()
+    return 0
+
+

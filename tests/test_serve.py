@@ -1,0 +1,201 @@
+"""`kivi serve` against the real thing: uvicorn on 127.0.0.1 and a free port, the official openai
+client, concurrent and streamed requests, bad requests, a disconnect, a bounded load test."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from kivi_models import generate, load_model, make_cache, patch_model
+from kivi_models.serve_app import build_app
+from kivi_models.serve_engine import Engine
+from kivi_ops import KIVIConfig
+
+NAME = "smollm2-test"
+CONFIG = KIVIConfig(group_size=8, residual_length=8)  # flushes within short completions
+SLOTS, MAX_SEQ_LEN = 3, 96
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of",
+           "The three primary colors are", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    import uvicorn
+
+    model, tokenizer = load_model()
+    patch_model(model)
+    torch._dynamo.utils.counters.clear()
+    engine = Engine(model, tokenizer, method="kivi", kivi_config=CONFIG, slots=SLOTS, max_seq_len=MAX_SEQ_LEN,
+                    compile=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    yield url, engine, model, tokenizer
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.close()
+
+
+def client(url):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def alone(model, tokenizer, prompt: str, max_tokens: int) -> str:
+    """`kivi generate`'s answer: the prompt alone in a batch-1 cache with the same settings."""
+    ids = tokenizer(prompt)["input_ids"]
+    cache = make_cache(model, method="kivi", batch_size=1, max_seq_len=len(ids) + max_tokens, kivi_config=CONFIG)
+    result = generate(model, [ids], max_new_tokens=max_tokens, cache=cache, eos_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode([t for t in result.tokens[0] if t != tokenizer.eos_token_id], skip_special_tokens=True)
+
+
+def metrics(url) -> dict:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def wait_idle(url, timeout=60) -> dict:
+    end = time.time() + timeout
+    while time.time() < end:
+        m = metrics(url)
+        if m["kivi_cache_slots_used"] == 0 and m["kivi_requests_waiting"] == 0:
+            return m
+        time.sleep(0.05)
+    raise AssertionError(f"slots never returned to free: {m}")
+
+
+def test_concurrent_greedy_completions_equal_kivi_generate(server):
+    url, engine, model, tokenizer = server
+    results, lengths = {}, [24, 9, 17, 30, 12]
+
+    def ask(i):
+        time.sleep(0.15 * i)  # arrivals at different times, into a batch that is already decoding
+        r = client(url).completions.create(model=NAME, prompt=PROMPTS[i], max_tokens=lengths[i], temperature=0)
+        results[i] = r
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for i, r in results.items():
+        assert r.choices[0].text == alone(model, tokenizer, PROMPTS[i], lengths[i]), PROMPTS[i]
+        assert r.usage.prompt_tokens == len(tokenizer(PROMPTS[i])["input_ids"])
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert len(results) == len(PROMPTS)  # 5 requests through 3 slots: two waited (FIFO) and got in
+    # One compiled decode graph for every step, whatever joined or left the batch.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert sum(torch._dynamo.utils.counters["recompiles"].values()) == 0
+    wait_idle(url)
+
+
+def test_streams_chat_and_completion(server):
+    url, _, model, tokenizer = server
+    c = client(url)
+    parts = [ch.choices[0].text for ch in c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12,
+                                                                temperature=0, stream=True)]
+    assert "".join(parts) == alone(model, tokenizer, PROMPTS[0], 12) and len(parts) > 2
+    chunks = list(c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Say hi"}],
+                                            max_tokens=8, temperature=0, stream=True))
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    whole = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Say hi"}], max_tokens=8,
+                                      temperature=0)
+    assert whole.choices[0].message.content == streamed and whole.choices[0].message.role == "assistant"
+    raw = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 3, "stream": True},
+                     timeout=60).text
+    assert raw.rstrip().endswith("data: [DONE]")
+    assert [m.id for m in c.models.list().data] == [NAME]
+
+
+def test_stop_strings_seed_and_top_p(server):
+    url, _, model, tokenizer = server
+    c = client(url)
+    full = alone(model, tokenizer, PROMPTS[3], 20)
+    stop = full[5:8]
+    cut = c.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == full[: full.index(stop)]
+    a, b = (c.completions.create(model=NAME, prompt=PROMPTS[4], max_tokens=10, temperature=0.9, top_p=0.9, seed=7)
+            for _ in range(2))
+    assert a.choices[0].text == b.choices[0].text  # the seed makes sampling reproducible
+
+
+@pytest.mark.parametrize("body, status, code", [
+    (b"{not json", 400, "invalid_json"),
+    ({"prompt": "x"}, 400, "invalid_value"),  # missing model
+    ({"model": NAME}, 400, "invalid_value"),  # missing prompt
+    ({"model": "gpt-5", "prompt": "x"}, 404, "model_not_found"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 0}, 400, "invalid_value"),
+    ({"model": NAME, "prompt": "x", "max_tokens": -3}, 400, "invalid_value"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 1000}, 400, "context_length_exceeded"),
+    ({"model": NAME, "prompt": "x", "max_tokens": "5"}, 400, "invalid_value"),
+    ({"model": NAME, "prompt": 5}, 400, "invalid_value"),
+    ({"model": NAME, "prompt": "x", "temperature": "hot"}, 400, "invalid_value"),
+    ({"model": NAME, "prompt": ""}, 400, "context_length_exceeded"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, code):
+    url = server[0]
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{url}/v1/completions", timeout=30, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == code and error["message"] and error["type"] == "invalid_request_error"
+    ok = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
+    url = server[0]
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                      json={"model": NAME, "prompt": PROMPTS[1], "max_tokens": 60, "stream": True}) as r:
+        next(r.iter_lines())  # the first event, then hang up
+    m = wait_idle(url, timeout=30)
+    assert m["kivi_cache_slots_free"] == SLOTS
+
+
+def test_bounded_load(server):
+    # 12 requests from 4 client threads, capped at 180 s: all complete, the slots come back, and
+    # /metrics counts exactly the tokens the clients received.
+    url = server[0]
+    before = metrics(url)["kivi_generated_tokens_total"]
+    done, errors, lock = [], [], threading.Lock()
+    deadline = time.time() + 180
+
+    def worker(w):
+        c = client(url)
+        for i in range(3):
+            if time.time() > deadline:
+                return
+            try:
+                r = c.completions.create(model=NAME, prompt=PROMPTS[(w + i) % len(PROMPTS)], max_tokens=4 + 3 * i,
+                                         temperature=0)
+                with lock:
+                    done.append(r.usage.completion_tokens)
+            except Exception as e:  # noqa: BLE001 - collected and asserted below
+                errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=200)
+    assert not errors and len(done) == 12
+    m = wait_idle(url)
+    assert m["kivi_generated_tokens_total"] - before == sum(done)
+    assert m["kivi_requests_running"] == 0 and m["kivi_cache_bytes"] > 0
