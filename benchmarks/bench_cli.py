@@ -53,12 +53,19 @@ def add_bench_parser(sub) -> None:
     wq.add_argument("--batches", type=_int_list_any, default=[1, 4])
     wq.add_argument("--new-tokens", type=positive_int, default=32)
 
-    for p in (att, dec, wq):
+    srv = bsub.add_parser("serve", help="the kivi serve engine, fp vs KIVI at one cache budget, one request stream")
+    srv.add_argument("--budget-gib", type=_positive_float, default=0.1, help="cache bytes for each method's slots")
+    srv.add_argument("--max-seq-len", type=positive_int, default=512, help="tokens per slot")
+    srv.add_argument("--requests", type=positive_int, default=32)
+    srv.add_argument("--clients", type=positive_int, default=24, help="closed-loop clients (concurrent requests)")
+    srv.add_argument("--compile", action="store_true", help="compile the decode step (as kivi serve --compile)")
+
+    for p in (att, dec, wq, srv):
         p.add_argument("--threads", type=positive_int, default=None,
                        help="torch CPU threads (default: torch's, one per core). On a CPU other work is using, "
                             "1 avoids OpenMP oversubscription, which slows every row several-fold and erratically")
 
-    for p in (mem, att, dec, wq):
+    for p in (mem, att, dec, wq, srv):
         p.add_argument("--device", choices=("cpu", "cuda"), default=None)
         p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                        help=f"output folder (default ./{DEFAULT_OUT}; the committed results: --out benchmarks/results)")
@@ -147,6 +154,22 @@ def cmd_bench(args, parser) -> int:
         result.update(model=args.model, weight_quant=args.weight_quant)
         name = (f"bench_budget_{device}" if args.budget_gib else f"bench_decode_{device}") + (
             "" if args.weight_quant == "none" else f"_{args.weight_quant}")
+    elif args.bench_command == "serve":
+        from kivi_models import load_model, patch_model
+        from kivi_ops import KIVIConfig
+
+        from .serve_bench import bench_serve
+
+        import torch
+
+        model, tokenizer = load_model(dtype=torch.float16 if device == "cuda" else torch.float32, device=device)
+        patch_model(model)
+        with usage_errors(parser):
+            result = bench_serve(model, tokenizer, budget_bytes=args.budget_gib * 2**30, max_seq_len=args.max_seq_len,
+                                 requests=args.requests, clients=args.clients, kivi_config=KIVIConfig(),
+                                 compile=args.compile)
+        result.update(device=device, model="default", compile=args.compile, budget_gib=args.budget_gib)
+        name = f"bench_serve_{device}"
     else:
         modes = args.modes or (["none", "int8", "int4"] if device == "cuda" else ["none", "int8"])
         check_weight_quant_modes(modes, device, parser)
@@ -160,6 +183,11 @@ def cmd_bench(args, parser) -> int:
     if args.bench_command == "weight-quant":
         (args.out / f"{name}.md").write_text(perf.weight_quant_markdown(result))
         written = f"{name}.md"
+    elif args.bench_command == "serve":
+        from .serve_bench import plot_serve
+
+        plot_serve(result, args.out / f"{name}.png")
+        written = f"{name}.png"
     else:
         plot_bench(name, _plot_view(result), args.out / f"{name}.png")
         written = f"{name}.png"
@@ -251,6 +279,14 @@ def print_table(kind: str, result: dict) -> None:
         from .perf import weight_quant_markdown
 
         print(weight_quant_markdown(result))
+    elif kind == "serve":
+        print(f"cache budget {result['budget_gib']:g} GiB, {result['max_seq_len']} tokens per slot")
+        print("cache  slots  concurrency  tokens/s  requests/s  TTFT p50 s  TTFT p99 s")
+        for r in rows:
+            print(f"{r['method']:>5} {r['slots']:>6} {r['mean_concurrency']:>12.1f} {r['tokens_per_s']:>9.1f} "
+                  f"{r['requests_per_s']:>11.2f} {r['ttft_p50_s']:>11.2f} {r['ttft_p99_s']:>11.2f}")
+        print(f"KIVI / fp: {result['kivi_over_fp_tokens_per_s']:.2f}x tokens/s, "
+              f"{result['kivi_over_fp_requests_per_s']:.2f}x requests/s")
     else:
         print("batch  context   fp tok/s   KIVI tok/s   KIVI/fp   (median step)")
         for r in rows:

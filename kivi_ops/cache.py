@@ -75,6 +75,20 @@ class StaticCacheBase(nn.Module):
         constants = {id(t) for t in self.constants()}
         return {name: t for name, t in self.named_buffers() if id(t) not in constants}
 
+    def load_row(self, row: int, source: "StaticCacheBase", source_row: int = 0) -> None:
+        """Make sequence `row` a copy of `source`'s sequence `source_row` (a cache of the same kind
+        and settings, any batch size): every state buffer is batch-first. The other rows are
+        untouched. A server prefills a request in a batch-1 cache and loads it into a free row, so
+        an admission costs the prompt alone, not a forward over every row."""
+        mine, theirs = self.state(), source.state()
+        if mine.keys() != theirs.keys():
+            raise ValueError("load_row needs a cache of the same kind and options")
+        for name, t in mine.items():
+            src = theirs[name]
+            if t.shape[1:] != src.shape[1:]:
+                raise ValueError(f"load_row: {name} has shape {list(src.shape)}, this cache {list(t.shape)}")
+            t[row].copy_(src[source_row])
+
     def fp16_nbytes(self, num_tokens: Optional[int] = None) -> int:
         """Bytes an fp16 K+V cache would need for num_tokens (default max_seq_len) per sequence."""
         return fp16_cache_nbytes(

@@ -2,9 +2,10 @@
 
 Each row of the cache is a slot. One engine thread owns the model and the cache and loops:
 
-1. admit: waiting requests (FIFO) take free rows; those rows restart (`restart_rows`, the other
-   rows are untouched) and their prompts run as one prefill forward over all rows, where only the
-   admitted rows have counts > 0 (exact prefill attention, as `kivi generate`'s);
+1. admit: waiting requests (FIFO) take free rows; each prompt is prefilled alone in a batch-1
+   staging cache (exactly `kivi generate`'s prefill: exact attention, then quantization) and that
+   row's state is copied into the request's row (`load_row`; the other rows are untouched), so an
+   admission costs the prompt alone, not a forward over every row;
 2. step: one decode step for every row, counts 1 for rows with a request and 0 for free rows
    (nothing is stored for those), compiled once with static shapes, so requests coming and going
    never recompile it;
@@ -62,6 +63,7 @@ class Engine:
         self.device = model.device
         self.cache = make_cache(model, method=method, batch_size=slots, max_seq_len=max_seq_len,
                                 kivi_config=kivi_config)
+        self.staging = make_cache(model, method=method, batch_size=1, max_seq_len=max_seq_len, kivi_config=kivi_config)
         self.step_fn = compile_decode_step(self.device) if compile else decode_step
         eos = tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -142,23 +144,17 @@ class Engine:
                 self.rows[slot] = None
 
     def _prefill(self, admitted: list[int]) -> None:
-        B = self.slots
-        fresh = torch.zeros(B, dtype=torch.bool, device=self.device)
-        fresh[admitted] = True
-        self.cache.backing.restart_rows(fresh)
-        for layer in self.cache.layers:  # fresh rows: the prompt's attention is exact (KIVI Algorithm 1)
-            layer.prefilled = False
-        n = max(len(self.rows[s].prompt_ids) for s in admitted)
-        input_ids = torch.zeros((B, n), dtype=torch.long, device=self.device)
-        counts = torch.zeros(B, dtype=torch.long, device=self.device)
-        for s in admitted:
-            ids = self.rows[s].prompt_ids
-            input_ids[s, : len(ids)] = torch.tensor(ids, device=self.device)
-            counts[s] = len(ids)
-        logits = prefill(self.model, self.cache, input_ids, counts)[admitted]
-        for layer in self.cache.layers:  # every row now attends over its cache
+        logits = []
+        for slot in admitted:
+            ids = self.rows[slot].prompt_ids
+            self.staging.reset()
+            input_ids = torch.tensor([ids], device=self.device)
+            counts = torch.tensor([len(ids)], device=self.device)
+            logits.append(prefill(self.model, self.staging, input_ids, counts)[0])
+            self.cache.backing.load_row(slot, self.staging.backing)
+        for layer in self.cache.layers:  # decode steps attend over the cache
             layer.prefilled = True
-        self._advance(check_finite(logits, "the prompt"), admitted)
+        self._advance(check_finite(torch.stack(logits), "the prompt"), admitted)
 
     def _decode(self) -> None:
         B = self.slots
