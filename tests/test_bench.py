@@ -114,3 +114,14 @@ def test_results_default_to_the_current_directory(tmp_path, monkeypatch, capsys)
     assert (tmp_path / "kivi-results" / "bench_memory.json").is_file()
     assert str(tmp_path / "kivi-results" / "bench_memory.json") in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in RESULTS_DIR.iterdir()} == before
+
+
+@pytest.mark.slow
+def test_bench_serve_runs_fp_and_kivi_at_one_budget(tmp_path):
+    assert main(["bench", "serve", "--requests", "4", "--clients", "3", "--budget-gib", "0.05", "--max-seq-len", "256",
+                 "--out", str(tmp_path), "--json"]) == 0
+    result = json.loads((tmp_path / "bench_serve_cpu.json").read_text())
+    fp, kivi = result["rows"]
+    assert kivi["slots"] > fp["slots"] >= 1  # the same bytes hold more KIVI rows
+    assert fp["generated_tokens"] == kivi["generated_tokens"] > 0  # same greedy stream, same lengths
+    assert (tmp_path / "bench_serve_cpu.png").is_file()

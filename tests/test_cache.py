@@ -335,3 +335,22 @@ def test_residual_not_a_multiple_of_group_is_rejected():
     # G=128 with R=32 cannot flush keys in whole per-channel groups (Algorithm 1 needs R % G == 0).
     with pytest.raises(ValueError, match="residual_length must be a positive multiple of group_size=128"):
         KIVIConfig(group_size=128, residual_length=32)
+
+
+def test_load_row_copies_one_sequence_and_leaves_the_others():
+    cfg = KIVIConfig(group_size=8, residual_length=16)
+    big, small = make_cache(cfg, S=64, B=3), make_cache(cfg, S=64, B=1)
+    torch.manual_seed(0)
+    big.append(0, torch.randn(3, 3, 20, 64), torch.randn(3, 3, 20, 64))
+    small.append(0, torch.randn(1, 3, 37, 64), torch.randn(1, 3, 37, 64))
+    before = {name: t.clone() for name, t in big.state().items()}
+    big.load_row(1, small)
+    for name, t in big.state().items():
+        assert torch.equal(t[1], small.state()[name][0]), name
+        assert torch.equal(t[0], before[name][0]) and torch.equal(t[2], before[name][2]), name
+    # Row 1 now attends like the source: the same stored values; only the fp32 sums' order may
+    # differ with the batch size (torch's default fp32 tolerance).
+    q = torch.randn(1, 9, 1, 64)
+    torch.testing.assert_close(big.attend(0, q.expand(3, -1, -1, -1).contiguous())[1:2], small.attend(0, q))
+    with pytest.raises(ValueError, match="same kind"):
+        big.load_row(0, make_cache(KIVIConfig(group_size=8, residual_length=16, sink_tokens=2), S=64, B=1))
