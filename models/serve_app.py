@@ -123,9 +123,14 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        def emit(kind, payload):  # called from the engine thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                pass
+
         request = Request(prompt_ids=ids, max_tokens=body.max_tokens, temperature=body.temperature,
-                          top_p=body.top_p, seed=body.seed, stop=[s for s in stop if s],
-                          emit=lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload)))
+                          top_p=body.top_p, seed=body.seed, stop=[s for s in stop if s], emit=emit)
         try:
             engine.submit(request)
         except ValueError as e:

@@ -199,3 +199,40 @@ def test_bounded_load(server):
     m = wait_idle(url)
     assert m["kivi_generated_tokens_total"] - before == sum(done)
     assert m["kivi_requests_running"] == 0 and m["kivi_cache_bytes"] > 0
+
+
+@pytest.mark.parametrize("method", ["kivi", "fp"])
+def test_a_count_0_row_keeps_every_cache_byte_while_others_decode_restart_and_load(method):
+    # What the engine relies on (written first by a helper session for its own engine): a row
+    # whose count is 0 keeps its state while the other rows decode past key flushes, restart,
+    # and receive a staged prefill (load_row). KIVI with a sink pool, and fp.
+    import transformers
+
+    from kivi_models.generate import decode_step, prefill
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = patch_model(transformers.LlamaForCausalLM(config).eval())
+    cfg = KIVIConfig(group_size=8, residual_length=8, sink_tokens=2) if method == "kivi" else None
+    cache = make_cache(model, method=method, batch_size=2, max_seq_len=40, kivi_config=cfg)
+    staging = make_cache(model, method=method, batch_size=1, max_seq_len=40, kivi_config=cfg)
+    with torch.inference_mode():
+        prefill(model, cache, torch.randint(0, 256, (2, 12)), torch.tensor([12, 12]))
+        before = {k: v[1].clone() for k, v in cache.backing.state().items()}  # dim 0 is the row
+        tokens, positions = torch.tensor([3, 4]), torch.tensor([12, 12])
+        for _ in range(10):  # row 0 decodes past key flushes; row 1 has count 0
+            decode_step(model, cache, tokens, positions, torch.tensor([1, 0]))
+            positions[0] += 1
+        cache.backing.restart_rows(torch.tensor([True, False]))
+        prefill(model, staging, torch.randint(0, 256, (1, 9)), torch.tensor([9]))
+        cache.backing.load_row(0, staging.backing)
+    state = cache.backing.state()
+    assert state.keys() == before.keys() and len(state) > 0
+    for k, v in state.items():
+        row, was = v[1], before[k]
+        if method == "fp" and row.dim() == 3:  # FPCache's spare position S takes padding writes, never read
+            row, was = row[:, :40], was[:, :40]
+        assert torch.equal(row, was), k
+    assert cache.backing.lengths(0).tolist() == [9, 12]
