@@ -187,3 +187,12 @@ def test_export_checks_out_before_loading_the_model(tmp_path, capsys):
     code, _, err = run(["export", "--out", str(target), "--format", "pt2"], capsys)
     assert code == 2 and "is a file" in err and "Loading" not in err, err
     assert target.read_text() == "mine"
+
+
+def test_serve_usage_errors(tiny_dir, capsys):
+    for argv, message in ((["--port", "0"], "--port must be in 1..65535"),
+                          (["--max-seq-len", "100"], "exceeds the model's context of 64 tokens"),
+                          (["--cache-budget-gib", "0.000001", "--max-seq-len", "32"], "does not hold one row"),
+                          (["--max-batch", "2", "--cache-budget-gib", "1"], "not allowed with argument")):
+        code, _, err = run(["serve", "--model", str(tiny_dir), *argv], capsys)
+        assert code == 2 and message in err, (argv, err)
