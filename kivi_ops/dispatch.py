@@ -12,7 +12,7 @@ Support matrix (decomposed forms are core ATen: traced inline, never inside the 
 
     device  mode            append                attend, q_len == 1         attend, q_len > 1
     cpu     eager, export   reference (op)        reference (op)             reference (op)
-    cpu     compile         decomposed            decomposed_fused [1]       decomposed_materialized
+    cpu     compile         decomposed_cond [5]   decomposed_fused [1]       decomposed_materialized
     any     portable        decomposed            decomposed_materialized    decomposed_materialized
     cuda    eager, compile, triton (op) [2]       triton_decode (op) [3]     triton_split (op) [4]
             export
@@ -23,12 +23,15 @@ Support matrix (decomposed forms are core ATen: traced inline, never inside the 
     kernel covers them.
 [3] triton_split when head_dim is not a power of two; [3] and [4]: decomposed_materialized
     (inside the op) with the sparse store, which no Triton kernel reads.
+[5] decomposed, with the key flush under torch.cond: on CPU Inductor makes it a host-side `if`,
+    so a decode step quantizes a key window only on the steps that complete one.
 Other devices run the reference inside the op (the op's CPU kernel is the only other one
 registered), which is what the dispatcher would do anyway.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -37,7 +40,7 @@ from .layout import LayerTensors, QuantParams
 
 OPS = ("append", "attend")
 MODES = ("eager", "compile", "export", "portable")
-IMPLEMENTATIONS = ("reference", "decomposed", "decomposed_fused", "decomposed_materialized", "triton",
+IMPLEMENTATIONS = ("reference", "decomposed", "decomposed_cond", "decomposed_fused", "decomposed_materialized", "triton",
                    "triton_decode", "triton_split")
 
 
@@ -77,7 +80,7 @@ def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors) 
         return Choice("triton_decode" if decode else "triton_split", in_op=True)
     if device == "cpu" and mode == "compile":
         if op == "append":
-            return Choice("decomposed", in_op=False)
+            return Choice("decomposed_cond", in_op=False)
         return Choice("decomposed_fused" if q_len == 1 and not kvquant else "decomposed_materialized", in_op=False)
     return Choice("reference", in_op=True)
 
@@ -111,8 +114,10 @@ def run_append(implementation: str, layer: LayerTensors, key, value, counts, par
     """Run one append implementation (imported on first use: Triton only where it runs)."""
     if implementation == "reference":
         from .kernels.reference import append_reference as fn
-    elif implementation == "decomposed":
-        from .kernels.decomposed_append import append_decomposed as fn
+    elif implementation in ("decomposed", "decomposed_cond"):
+        from .kernels.decomposed_append import append_decomposed
+
+        fn = functools.partial(append_decomposed, flush_under_cond=implementation == "decomposed_cond")
     elif implementation == "triton":
         from .kernels.triton_append import append_triton as fn
     else:

@@ -131,10 +131,13 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     if per == 1:
         return q.contiguous()
     q = q.reshape(*q.shape[:-1], q.shape[-1] // per, per).to(torch.int32)
-    # q << (i * bits) written as a product with 2^(i * bits): exact, and a core ATen op that the
-    # ONNX and ExecuTorch exporters take (shifts are not core ATen; ONNX lacks __lshift__).
-    place = 2 ** (torch.arange(per, device=q.device, dtype=torch.int32) * bits)
-    return (q * place).sum(dim=-1).to(torch.uint8)
+    # sum_i q_i << (i * bits) by Horner's rule with integer constants: exact, core ATen ops the
+    # ONNX and ExecuTorch exporters take (shifts are not core ATen; ONNX lacks __lshift__), and
+    # elementwise work Inductor fuses (a tensor of powers 2 ** arange would be an aten.pow call).
+    packed = q[..., per - 1]
+    for i in range(per - 2, -1, -1):
+        packed = packed * 2**bits + q[..., i]
+    return packed.to(torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:

@@ -134,7 +134,9 @@ def compile_decode_step(device: torch.device, *, regional: Optional[bool] = None
     if regional is False:
         compiled = torch.compile(decode_step, fullgraph=True, dynamic=False)
     else:
-        compiled_layer = torch.compile(_run_decoder_layer, fullgraph=True, dynamic=False)
+        compiled_layer = torch.compile(_run_decoder_layer, fullgraph=True, dynamic=False,
+                                       options={"guard_filter_fn": torch.compiler.skip_guard_on_globals_unsafe,
+                                                "size_asserts": False, "alignment_asserts": False})
 
         def compiled(model, cache, tokens, positions, counts=None):
             with _layers_compiled(model, cache, compiled_layer):

@@ -42,7 +42,7 @@ def scenario():
             + [(1, "ragged")] * 10 + [(10**6, "fill")])
 
 
-def run_pair(cfg, S, seed, B=3, H=2, D=32):
+def run_pair(cfg, S, seed, B=3, H=2, D=32, flush_under_cond=False):
     """Apply the same appends to two caches, one with the reference and one decomposed; yield
     after each step (ref LayerTensors, decomposed LayerTensors, counts, n, generator)."""
     gen = torch.Generator().manual_seed(seed)
@@ -67,15 +67,18 @@ def run_pair(cfg, S, seed, B=3, H=2, D=32):
             counts = None
         key, value = torch.randn(B, H, n, D, generator=gen), torch.randn(B, H, n, D, generator=gen)
         append_reference(ref, key, value, counts, params)
-        append_decomposed(dec, key, value, counts, params)
+        with torch.no_grad():  # the branch is taken with grad off only (decomposed_append.py)
+            append_decomposed(dec, key, value, counts, params, flush_under_cond=flush_under_cond)
         yield ref, dec, counts, n, gen
 
 
+@pytest.mark.parametrize("flush_under_cond", [False, True], ids=["always", "cond"])
 @pytest.mark.parametrize("cfg_s", CONFIGS, ids=lambda c: "k{}v{}G{}R{}S{}".format(*c))
-def test_append_matches_reference_bitwise(cfg_s):
+def test_append_matches_reference_bitwise(cfg_s, flush_under_cond):
+    # "cond": the key flush under torch.cond, as compiled CPU steps run it (run eagerly here).
     k_bits, v_bits, G, R, S = cfg_s
     cfg = KIVIConfig(k_bits, v_bits, G, R)
-    for ref, dec, counts, n, _ in run_pair(cfg, S, seed=S):
+    for ref, dec, counts, n, _ in run_pair(cfg, S, seed=S, flush_under_cond=flush_under_cond):
         for name, a, b in zip(NAMES, ref.kivi, dec.kivi):
             assert torch.equal(a, b), f"{name} differs after appending n={n}, counts={counts}"
     assert (ref.lengths == S).all()  # ran to capacity
@@ -122,19 +125,20 @@ class DecodeStep(torch.nn.Module):
     """One decode step over module buffers: decomposed append, then the fused decomposed attention
     (the decode form)."""
 
-    def __init__(self, B=2, H=2, S=48, D=32):
+    def __init__(self, B=2, H=2, S=48, D=32, flush_under_cond=False):
         super().__init__()
         self.cache = KIVICache(EXPORT_CFG, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
+        self.flush_under_cond = flush_under_cond
 
     def forward(self, key, value, query):
         layer, params = self.cache.layer_tensors(0), self.cache.layers[0].params
-        append_decomposed(layer, key, value, None, params)
+        append_decomposed(layer, key, value, None, params, flush_under_cond=self.flush_under_cond)
         return attend_fused(query, layer, None, params, 0.25)
 
 
-def prefilled_step(seed=0):
+def prefilled_step(seed=0, flush_under_cond=False):
     torch.manual_seed(seed)
-    step = DecodeStep()
+    step = DecodeStep(flush_under_cond=flush_under_cond)
     k, v = torch.randn(2, 2, 13, 32), torch.randn(2, 2, 13, 32)
     append_reference(step.cache.layer_tensors(0), k, v, torch.tensor([13, 6]), step.cache.layers[0].params)
     return step
@@ -177,11 +181,19 @@ def test_export_has_only_aten_ops_static_shapes_and_matches_eager():
             assert torch.equal(state[f"cache.{name}"], buf), name
 
 
-def test_compile_fullgraph_matches_reference():
-    step = prefilled_step()
+@pytest.mark.parametrize("flush_under_cond", [False, True], ids=["always", "cond"])
+@torch.no_grad()
+def test_compile_fullgraph_matches_reference(flush_under_cond):
+    step = prefilled_step(flush_under_cond=flush_under_cond)
     params = step.cache.layers[0].params
     ref = LayerTensors(*(None if t is None else t.clone() for t in step.cache.layer_tensors(0)))
-    compiled = torch.compile(step, fullgraph=True)
+    graphs = []
+
+    def inductor_recording(gm, example_inputs):
+        graphs.append(gm)
+        return torch._inductor.compile(gm, example_inputs)
+
+    compiled = torch.compile(step, fullgraph=True, backend=inductor_recording)
     for k, v, q in decode_inputs(8):  # crosses the first row's key flush at 16 tokens
         got = compiled(k, v, q)
         append_reference(ref, k, v, None, params)
@@ -189,3 +201,5 @@ def test_compile_fullgraph_matches_reference():
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
         for name, a, b in zip(NAMES, ref.kivi, step.cache.layer_tensors(0).kivi):
             assert torch.equal(a, b), name
+    conds = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.higher_order.cond]
+    assert len(graphs) == 1 and len(conds) == int(flush_under_cond)  # the key flush is branched, once

@@ -24,7 +24,7 @@ TRITON = (("triton", OP), ("triton_decode", OP), ("triton_split", OP))
 MATRIX = {
     ("cpu", "eager"): REFERENCE_OP,
     ("cpu", "export"): REFERENCE_OP,
-    ("cpu", "compile"): (("decomposed", INLINE), ("decomposed_fused", INLINE), ("decomposed_materialized", INLINE)),
+    ("cpu", "compile"): (("decomposed_cond", INLINE), ("decomposed_fused", INLINE), ("decomposed_materialized", INLINE)),
     ("cpu", "portable"): PORTABLE,
     ("cuda", "portable"): PORTABLE,
     ("cuda", "eager"): TRITON,
@@ -97,7 +97,7 @@ def test_choose_follows_the_support_matrix():
 
 
 def test_compiled_decode_report():
-    assert dispatch.compiled_decode("cpu") == {"append": "decomposed", "attend": "decomposed_fused"}
+    assert dispatch.compiled_decode("cpu") == {"append": "decomposed_cond", "attend": "decomposed_fused"}
     assert dispatch.compiled_decode("cuda") == {"append": "triton", "attend": "triton_decode"}
     assert dispatch.compiled_decode("cuda", head_dim=48) == {"append": "triton", "attend": "triton_split"}
 

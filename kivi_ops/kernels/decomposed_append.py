@@ -50,7 +50,76 @@ def _take_tokens(x: Tensor, bi: Tensor, hi: Tensor, idx: Tensor) -> Tensor:
     return x[bi, hi, idx[:, None, :]]
 
 
-def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, params: QuantParams) -> None:
+def _branch(pred: Tensor, true_fn, false_fn):
+    """torch.cond(pred, true_fn, false_fn, ()) when traced; eagerly a Python `if` (an eager
+    torch.cond traces its branches with symbolic shapes, which these reshapes do not survive)."""
+    if torch.compiler.is_compiling():
+        return torch.cond(pred, true_fn, false_fn, ())
+    return true_fn() if pred.item() else false_fn()
+
+
+def _flush_key_windows(layer: LayerTensors, key: Tensor, value: Tensor, params: QuantParams, bi: Tensor, hi: Tensor,
+                       L: Tensor, nqk: Tensor, nqk_end: Tensor, windows: int, last_new, pool):
+    """Quantize per channel the first `windows` R-windows of the key stream from token nqk on (the
+    residual window's tokens, then the new ones), and write those below nqk_end (the windows this
+    append completes; the others rewrite old rows). pool: (pool_k, pool_v, pool_pos, sink,
+    outliers) as updated so far, or None; returns its new (pool_k, pool_v, pool_pos) after the
+    OTT steps (None without a pool)."""
+    k_codes, k_scale, k_zero, k_res, _, _, _, v_res, _ = layer.kivi
+    k_bits, _, G, R = params[:4]
+    extras = layer.extras
+    B, H, _, D = key.shape
+    S, RR = k_codes.shape[2], k_res.shape[2]
+    device = key.device
+    W = windows * R
+    flushed = (nqk_end - nqk)[:, None]
+    j = torch.arange(W, device=device)
+    u = nqk[:, None] + j[None, :]  # [B, W]
+    from_res = u < L[:, None]
+    old_part = k_res[:, :, j.clamp(max=RR - 1)]  # slot of u < L is u % R = j (nqk % R == 0)
+    new_part = _take_tokens(key, bi, hi, (u - L[:, None]).clamp(0, last_new))
+    stream = torch.where(from_res[:, None, :, None], old_part.expand(B, H, W, D), new_part)
+    if pool is not None:
+        pk, pv, ppos, sink, n_out = pool
+        pooled = (u < sink)[:, None, :].expand(B, H, W)
+        if n_out > 0:
+            a, z = sink, sink + n_out
+            v_old = v_res[:, :, j.clamp(max=RR - 1)]  # value slot of u < L is u % R = j too
+            v_new = _take_tokens(value, bi, hi, (u - L[:, None]).clamp(0, last_new))
+            v_stream = torch.where(from_res[:, None, :, None], v_old.expand(B, H, W, D), v_new)
+            state = (pk[:, :, a:z], pv[:, :, a:z], ppos[:, :, a:z], pk[:, :, z:], pv[:, :, z:], ppos[:, :, z:])
+            entrants = []
+            for w in range(windows):  # OTT steps, window by window (pool.py)
+                win = slice(w * R, (w + 1) * R)
+                *state, entered = ott_step(*state, stream[:, :, win], v_stream[:, :, win], u[:, win],
+                                           u[:, win] >= sink, w * R < flushed[:, 0])
+                entrants.append(entered)
+            pooled = pooled | torch.cat(entrants, dim=2)
+            pk = torch.cat([pk[:, :, :a], state[0], state[3]], 2)
+            pv = torch.cat([pv[:, :, :a], state[1], state[4]], 2)
+            ppos = torch.cat([ppos[:, :, :a], state[2], state[5]], 2)
+        stream = replace_pooled_rows(stream, pooled, G)
+    exclude = None
+    nk = key_outliers_per_window(extras.k_sparse, S, R) if extras.sparse else 0
+    if nk:  # dense-and-sparse: per channel, the window's largest keys stay exact
+        exclude, vals, idx = select_key_outliers(stream, nk, R)
+        oj = torch.arange(windows * nk, device=device)
+        orows = (torch.div(nqk, R, rounding_mode="floor")[:, None] * nk + oj[None, :]) % extras.k_sparse.shape[2]
+        ovalid = torch.div(oj, nk, rounding_mode="floor")[None, :] * R < flushed
+        _write_rows(extras.k_sparse, bi, hi, orows, vals, ovalid)
+        _write_rows(extras.k_sparse_idx, bi, hi, orows, idx, ovalid)
+    codes, scale, zero = quantize_pack_reference(stream, k_bits, G, "channel", extras.k_levels, exclude)
+    _write_rows(k_codes, bi, hi, u % S, codes, j[None, :] < flushed)
+    gj = torch.arange(W // G, device=device)
+    grows = (torch.div(nqk, G, rounding_mode="floor")[:, None] + gj[None, :]) % k_scale.shape[2]
+    gvalid = gj[None, :] * G < flushed
+    _write_rows(k_scale, bi, hi, grows, scale, gvalid)
+    _write_rows(k_zero, bi, hi, grows, zero, gvalid)
+    return None if pool is None else (pk, pv, ppos)
+
+
+def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, params: QuantParams, *,
+                      flush_under_cond: bool = False) -> None:
     """append_reference without host syncs or data-dependent shapes (mutates the nine KIVI
     tensors, the pool's three when there is a pool, see pool.py, and the sparse outlier store
     when there is one, see extras.py).
@@ -108,50 +177,24 @@ def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, p
     # whether it is 1; the traced program instead always quantizes the S // R windows it could
     # ever flush (about the cost of the materialized attention it runs anyway).
     windows = S // R if symbolic else min((R - 1 + n) // R, S // R)
-    W = windows * R  # static: most tokens one append can flush
-    if W > 0 and n > 0:
-        j = torch.arange(W, device=device)
-        u = nqk[:, None] + j[None, :]  # [B, W]
-        from_res = u < L[:, None]
-        old_part = k_res[:, :, j.clamp(max=RR - 1)]  # slot of u < L is u % R = j (nqk % R == 0)
-        new_part = _take_tokens(key, bi, hi, (u - L[:, None]).clamp(0, last_new))
-        stream = torch.where(from_res[:, None, :, None], old_part.expand(B, H, W, D), new_part)
-        flushed = (nqk_end - nqk)[:, None]
-        if pool is not None:
-            pooled = (u < sink)[:, None, :].expand(B, H, W)
-            if n_out > 0:
-                a, z = sink, sink + n_out
-                v_old = v_res[:, :, j.clamp(max=RR - 1)]  # value slot of u < L is u % R = j too
-                v_new = _take_tokens(value, bi, hi, (u - L[:, None]).clamp(0, last_new))
-                v_stream = torch.where(from_res[:, None, :, None], v_old.expand(B, H, W, D), v_new)
-                state = (pk[:, :, a:z], pv[:, :, a:z], ppos[:, :, a:z], pk[:, :, z:], pv[:, :, z:], ppos[:, :, z:])
-                entrants = []
-                for w in range(windows):  # OTT steps, window by window (pool.py)
-                    win = slice(w * R, (w + 1) * R)
-                    *state, entered = ott_step(*state, stream[:, :, win], v_stream[:, :, win], u[:, win],
-                                               u[:, win] >= sink, w * R < flushed[:, 0])
-                    entrants.append(entered)
-                pooled = pooled | torch.cat(entrants, dim=2)
-                pk = torch.cat([pk[:, :, :a], state[0], state[3]], 2)
-                pv = torch.cat([pv[:, :, :a], state[1], state[4]], 2)
-                ppos = torch.cat([ppos[:, :, :a], state[2], state[5]], 2)
-            stream = replace_pooled_rows(stream, pooled, G)
-        exclude = None
-        nk = key_outliers_per_window(extras.k_sparse, S, R) if extras.sparse else 0
-        if nk:  # dense-and-sparse: per channel, the window's largest keys stay exact
-            exclude, vals, idx = select_key_outliers(stream, nk, R)
-            oj = torch.arange(windows * nk, device=device)
-            orows = (torch.div(nqk, R, rounding_mode="floor")[:, None] * nk + oj[None, :]) % extras.k_sparse.shape[2]
-            ovalid = torch.div(oj, nk, rounding_mode="floor")[None, :] * R < flushed
-            _write_rows(extras.k_sparse, bi, hi, orows, vals, ovalid)
-            _write_rows(extras.k_sparse_idx, bi, hi, orows, idx, ovalid)
-        codes, scale, zero = quantize_pack_reference(stream, k_bits, G, "channel", extras.k_levels, exclude)
-        _write_rows(k_codes, bi, hi, u % S, codes, j[None, :] < flushed)
-        gj = torch.arange(W // G, device=device)
-        grows = (torch.div(nqk, G, rounding_mode="floor")[:, None] + gj[None, :]) % k_scale.shape[2]
-        gvalid = gj[None, :] * G < flushed
-        _write_rows(k_scale, bi, hi, grows, scale, gvalid)
-        _write_rows(k_zero, bi, hi, grows, zero, gvalid)
+    if windows > 0 and n > 0:
+        args = (layer, key, value, params, bi, hi, L, nqk, nqk_end, windows, last_new,
+                None if pool is None else (pk, pv, ppos, sink, n_out))
+        if flush_under_cond and (pool is None or n_out == 0) and not torch.is_grad_enabled():
+            # A decode step completes a window once every R steps: under torch.cond (a host-side
+            # `if` in Inductor's CPU code) the other R - 1 steps skip quantizing R tokens per head.
+            # The OTT pool's updates are new tensors, which a branch cannot rebind: unbranched.
+            # torch.cond traces buffer mutation only with grad off (no_grad, inference_mode:
+            # every decode loop here); a graph traced with grad on takes the unbranched path.
+            def flush():
+                _flush_key_windows(*args)
+                return L.new_zeros(())  # a branch must return a tensor
+
+            _branch((nqk_end > nqk).any(), flush, lambda: L.new_zeros(()))
+        elif pool is None:
+            _flush_key_windows(*args)
+        else:
+            pk, pv, ppos = _flush_key_windows(*args)
 
     # ---- values: quantize per token the tokens leaving the window of the last R.
     NV = n if symbolic else min(n, S)
@@ -176,8 +219,16 @@ def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, p
         _write_rows(v_scale, bi, hi, rows, scale, valid)
         _write_rows(v_zero, bi, hi, rows, zero, valid)
 
-    # ---- residuals, rebuilt whole (RR slots) after every read of the old ones above.
-    if n > 0:
+    # ---- residuals, after every read of the old ones above.
+    if n > 0 and not symbolic and n <= R == RR:
+        # Few new tokens (decode): write their slots only. Consecutive tokens, at most R of them,
+        # have distinct slots mod R, so the rows never collide. Key slot of token u: u - nqk_end
+        # if u >= nqk_end (else it was flushed); value slot u % R if u is among the last R.
+        u = L[:, None] + torch.arange(n, device=device)[None, :]  # [B, n]
+        real = u < end[:, None]
+        _write_rows(k_res, bi, hi, mod_nonneg(u - nqk_end[:, None], R, S), key, real & (u >= nqk_end[:, None]))
+        _write_rows(v_res, bi, hi, u % R, value, real & (u >= end[:, None] - R))
+    elif n > 0:  # rebuilt whole (RR slots)
         s = torch.arange(RR, device=device)
         u = nqk_end[:, None] + s[None, :]  # keys: slot s holds token nqk_end + s
         take = (u >= L[:, None]) & (u < end[:, None])

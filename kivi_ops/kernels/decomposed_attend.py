@@ -48,8 +48,9 @@ def unpack_codes_float(packed: Tensor, bits: int) -> Tensor:
     # (byte >> (i * bits)) & mask as floor division and remainder: exact for bytes, and core ATen
     # ops the ONNX and ExecuTorch exporters take (shifts are not core ATen). This is the form the
     # exports use; the Inductor decode path (unpack_codes_ij) keeps the shifts it vectorizes.
-    place = 2 ** (torch.arange(per, device=packed.device, dtype=torch.int32) * bits)
-    q = torch.remainder(torch.div(packed.to(torch.int32)[..., None], place, rounding_mode="floor"), 2**bits)
+    b = packed.to(torch.int32)
+    q = torch.stack([torch.remainder(torch.div(b, 2 ** (i * bits), rounding_mode="floor"), 2**bits)
+                     for i in range(per)], -1)
     return q.reshape(*packed.shape[:-1], packed.shape[-1] * per).float()
 
 
