@@ -20,14 +20,15 @@ from kivi_models import compile_decode_step, load_model, make_cache, patch_model
 from .perf import fill_cache_randomly, interleaved_times
 
 
-def measure(context: int, batch: int, rounds: int) -> dict:
+def measure(context: int, batch: int, rounds: int, modes=("regional", "whole")) -> dict:
     model, _ = load_model()
     patch_model(model)
     variants = {}
     with torch.inference_mode():
         for method in ("fp", "kivi"):
-            for regional in (True, False):
-                name = f"{method}-{'regional' if regional else 'whole'}"
+            for mode in modes:
+                regional = mode == "regional"
+                name = f"{method}-{mode}"
                 cache = make_cache(model, method=method, batch_size=batch, max_seq_len=context + rounds + 8)
                 gen = torch.Generator().manual_seed(0)
                 fill_cache_randomly(cache, context, gen)
@@ -54,10 +55,9 @@ def measure(context: int, batch: int, rounds: int) -> dict:
                 torch=torch.__version__, machine=platform.processor() or platform.machine(),
                 median_step_ms=ms,
                 compile_and_2_steps_s={n: v["compile_and_2_steps_s"] for n, v in variants.items()},
-                kivi_over_fp_regional=ms["fp-regional"] / ms["kivi-regional"],
-                kivi_over_fp_whole=ms["fp-whole"] / ms["kivi-whole"],
-                regional_over_whole_kivi=ms["kivi-whole"] / ms["kivi-regional"],
-                regional_over_whole_fp=ms["fp-whole"] / ms["fp-regional"])
+                **{f"kivi_over_fp_{m}": ms[f"fp-{m}"] / ms[f"kivi-{m}"] for m in modes},
+                **({} if len(modes) < 2 else dict(regional_over_whole_kivi=ms["kivi-whole"] / ms["kivi-regional"],
+                                                  regional_over_whole_fp=ms["fp-whole"] / ms["fp-regional"])))
 
 
 def main() -> None:
@@ -65,9 +65,14 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--modes", default="regional,whole",
+                        help="comma-separated: regional (one layer compiled, the CPU default), whole (the step)")
     parser.add_argument("--out", default=None, help="write the JSON here as well")
     args = parser.parse_args()
-    result = measure(args.context, args.batch, args.rounds)
+    modes = tuple(args.modes.split(","))
+    if not modes or set(modes) - {"regional", "whole"}:
+        parser.error(f"--modes takes regional and/or whole, got {args.modes!r}")
+    result = measure(args.context, args.batch, args.rounds, modes)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

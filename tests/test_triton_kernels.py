@@ -200,6 +200,42 @@ def test_append_streaming_matches_reference(dtype, k_bits, v_bits, D, schedule, 
     assert ref[-1].tolist() == final
 
 
+@pytest.mark.parametrize(
+    "dtype,k_bits,v_bits,D,nuq",
+    [(torch.float32, 2, 2, 64, False), (torch.float16, 2, 4, 128, False), (torch.bfloat16, 4, 2, 64, True)],
+    ids=["fp32-k2v2-d64", "fp16-k2v4-d128", "bf16-k4v2-d64-nuq"],
+)
+def test_decode_append_is_one_launch_and_matches_reference(dtype, k_bits, v_bits, D, nuq, monkeypatch):
+    """One token per sequence: one kernel (_append_decode_kernel) does the value flush, the
+    residual writes, the key-window flush (every R steps) and lengths, bit for bit the reference's
+    over steps with ragged counts (0 or 1), flushes at different steps per row and a row that
+    reaches capacity (the kernel drops its tokens: the reference gets the clamped counts)."""
+    import kivi_ops.kernels.triton_append as ta
+
+    launched = []
+    wrap = torch.library.wrap_triton
+    monkeypatch.setattr(torch.library, "wrap_triton", lambda k: launched.append(k.fn.__name__) or wrap(k))
+    B, H, S, R, G = 3, 2, 40, 16, 8
+    extras = Extras(k_levels=skewed_levels(k_bits), v_levels=skewed_levels(v_bits)) if nuq else NO_EXTRAS
+    dev_extras = Extras(*(None if t is None else _dev(t) for t in extras))
+    ref = fill_reference_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, [13, 30, 7], extras=extras)
+    tri = [_dev(t) for t in ref]
+    params = QuantParams(k_bits, v_bits, G, R)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(20):
+        key = torch.randn(B, 1, H, D, generator=gen).to(dtype).transpose(1, 2)
+        value = torch.randn(B, 1, H, D, generator=gen).to(dtype).transpose(1, 2)
+        counts = torch.tensor([1, 1, step % 3 != 0])  # row 1 reaches S = 40 after 10 steps
+        room = S - ref[-1]
+        append_reference(layer(ref, extras=extras), key, value, torch.minimum(counts, room), params)
+        launched.clear()
+        append_triton(layer(tri, extras=dev_extras), _dev(key), _dev(value), _dev(counts), params)
+        assert launched == ["_append_decode_kernel"]
+        assert_cache_equal(tri, ref, f"after decode step {step}")
+        assert not ta._ARRIVALS[torch.device(DEVICE)].any()  # the counters are left zeroed
+    assert ref[-1].tolist() == [33, 40, 20]
+
+
 def test_append_drops_tokens_past_max_seq_len():
     """The CPU reference raises when a sequence would overflow S; the kernels cannot raise without a
     host sync, so they store only the tokens that fit and stop lengths at S."""

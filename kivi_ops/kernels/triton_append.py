@@ -5,8 +5,10 @@ specification these kernels are tested against. The launcher is CUDA-graph safe:
 every grid is derived from static shapes, and all data-dependent logic (how many tokens flush,
 which slots are live) is predicated on `lengths`/`counts` inside the kernels.
 
-append_triton, four launches on the current stream (the order removes the read-before-write
-hazards of the residual ring buffers):
+append_triton, for one token per sequence (a decode step): one launch, _append_decode_kernel,
+which does all of the below per (b, h) and updates lengths in the row's last program. For more
+tokens, four launches on the current stream (the order removes the read-before-write hazards of
+the residual ring buffers):
   1. _append_key_flush_kernel   grid (B*H, max key groups flushed per call, D byte blocks):
      group i of the window [nqk, nqk_end) is read from k_res (tokens < L) or from `key`, quantized
      per channel and written to k_codes/k_scale/k_zero.
@@ -62,6 +64,35 @@ def _quantize(x, scale, zero, levels, BITS: tl.constexpr, HAS_LEVELS: tl.constex
 
 
 @triton.jit
+def _flush_key_group(
+    k_codes, k_scale, k_zero, k_res, key_ptr, k_levels, b, h, bh64, L, start, jb,
+    s_kb, s_kh, s_kn, s_kd, S, NSG,
+    HAS_LEVELS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
+    G: tl.constexpr, R: tl.constexpr, RR: tl.constexpr,
+):
+    """Quantize key tokens [start, start + G) (one group, from k_res below L, else from key)
+    per channel, for the packed bytes jb [BLOCK_B], and write codes, scale and zero."""
+    u = start + tl.arange(0, G)
+    ii = tl.arange(0, PER)
+    ch = (jb[:, None] * PER + ii[None, :])[None, :, :]  # [1, BLOCK_B, PER]
+    cmask = ((jb < NB)[:, None] & (ii < PER)[None, :])[None, :, :]
+    from_res = (u < L)[:, None, None]
+    x_res = tl.load(k_res + (bh64 * RR + (u % R)[:, None, None]) * D + ch, mask=from_res & cmask, other=0.0)
+    new_off = (b.to(tl.int64) * s_kb + h.to(tl.int64) * s_kh
+               + (u - L).to(tl.int64)[:, None, None] * s_kn + ch.to(tl.int64) * s_kd)
+    x_new = tl.load(key_ptr + new_off, mask=(~from_res) & cmask, other=0.0)
+    x = tl.where(from_res, x_res, x_new).to(tl.float32)
+    scale, zero = scale_zero_stored(tl.min(x, axis=0), tl.max(x, axis=0), (1 << BITS) - 1,
+                                    k_scale.dtype.element_ty)
+    srow = (bh64 * NSG + start // G) * D
+    tl.store(k_scale + srow + ch, scale[None, :, :], mask=cmask)
+    tl.store(k_zero + srow + ch, zero[None, :, :], mask=cmask)
+    q = _quantize(x, scale.to(tl.float32)[None, :, :], zero.to(tl.float32)[None, :, :], k_levels, BITS, HAS_LEVELS)
+    packed = pack_codes(q, BITS, PER)  # [G, BLOCK_B]
+    tl.store(k_codes + (bh64 * S + u[:, None]) * NB + jb[None, :], packed, mask=(jb < NB)[None, :])
+
+
+@triton.jit
 def _append_key_flush_kernel(
     k_codes, k_scale, k_zero, k_res, key_ptr, lengths_ptr, counts_ptr, k_levels,
     s_kb, s_kh, s_kn, s_kd,
@@ -77,27 +108,45 @@ def _append_key_flush_kernel(
     nqk = (L // R) * R
     nqk_end = ((L + c) // R) * R
     start = nqk + tl.program_id(1) * G
-    if start < nqk_end:
-        bh64 = bh.to(tl.int64)
-        u = start + tl.arange(0, G)  # tokens of this group, all < nqk_end <= L + c
+    if start < nqk_end:  # tokens of this group, all < nqk_end <= L + c
         jb = tl.program_id(2) * BLOCK_B + tl.arange(0, BLOCK_B)
-        ii = tl.arange(0, PER)
-        ch = (jb[:, None] * PER + ii[None, :])[None, :, :]  # [1, BLOCK_B, PER]
-        cmask = ((jb < NB)[:, None] & (ii < PER)[None, :])[None, :, :]
-        from_res = (u < L)[:, None, None]
-        x_res = tl.load(k_res + (bh64 * RR + (u % R)[:, None, None]) * D + ch, mask=from_res & cmask, other=0.0)
-        new_off = (b.to(tl.int64) * s_kb + h.to(tl.int64) * s_kh
-                   + (u - L).to(tl.int64)[:, None, None] * s_kn + ch.to(tl.int64) * s_kd)
-        x_new = tl.load(key_ptr + new_off, mask=(~from_res) & cmask, other=0.0)
+        _flush_key_group(k_codes, k_scale, k_zero, k_res, key_ptr, k_levels, b, h, bh.to(tl.int64), L, start, jb,
+                         s_kb, s_kh, s_kn, s_kd, S, NSG, HAS_LEVELS, D, NB, BITS, PER, G, R, RR)
+
+
+@triton.jit
+def _flush_value_tokens(
+    v_codes, v_scale, v_zero, v_res, value_ptr, v_levels, b, h, bh64, L, u, active,
+    s_vb, s_vh, s_vn, s_vd, S,
+    HAS_LEVELS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
+    PER: tl.constexpr, GV: tl.constexpr, GB_P: tl.constexpr, R: tl.constexpr, RR: tl.constexpr,
+):
+    """Quantize value tokens u [BLOCK_T] (where active; from v_res below L, else from value) per
+    token, and write codes, scales and zeros to their rows u."""
+    from_res = (u < L)[:, None, None]
+    jb = tl.arange(0, GB_P)
+    ii = tl.arange(0, PER)
+    m = active[:, None, None] & (jb < GV // PER)[None, :, None] & (ii < PER)[None, None, :]
+    res_row = (bh64 * RR + (u % R)[:, None, None]) * D
+    new_row = (b.to(tl.int64) * s_vb + h.to(tl.int64) * s_vh + (u - L).to(tl.int64)[:, None, None] * s_vn)
+    for g in range(NG):
+        ch = (g * GV + jb[:, None] * PER + ii[None, :])[None, :, :]
+        x_res = tl.load(v_res + res_row + ch, mask=m & from_res, other=0.0)
+        x_new = tl.load(value_ptr + new_row + ch.to(tl.int64) * s_vd, mask=m & (~from_res), other=0.0)
         x = tl.where(from_res, x_res, x_new).to(tl.float32)
-        scale, zero = scale_zero_stored(tl.min(x, axis=0), tl.max(x, axis=0), (1 << BITS) - 1,
-                                        k_scale.dtype.element_ty)
-        srow = (bh64 * NSG + start // G) * D
-        tl.store(k_scale + srow + ch, scale[None, :, :], mask=cmask)
-        tl.store(k_zero + srow + ch, zero[None, :, :], mask=cmask)
-        q = _quantize(x, scale.to(tl.float32)[None, :, :], zero.to(tl.float32)[None, :, :], k_levels, BITS, HAS_LEVELS)
-        packed = pack_codes(q, BITS, PER)  # [G, BLOCK_B]
-        tl.store(k_codes + (bh64 * S + u[:, None]) * NB + jb[None, :], packed, mask=(jb < NB)[None, :])
+        mn = tl.min(tl.min(tl.where(m, x, float("inf")), axis=2), axis=1)
+        mx = tl.max(tl.max(tl.where(m, x, float("-inf")), axis=2), axis=1)
+        mn = tl.where(active, mn, 0.0)
+        mx = tl.where(active, mx, 0.0)
+        scale, zero = scale_zero_stored(mn, mx, (1 << BITS) - 1, v_scale.dtype.element_ty)
+        srow = (bh64 * S + u) * NG + g
+        tl.store(v_scale + srow, scale, mask=active)
+        tl.store(v_zero + srow, zero, mask=active)
+        q = _quantize(x, scale.to(tl.float32)[:, None, None], zero.to(tl.float32)[:, None, None], v_levels,
+                      BITS, HAS_LEVELS)
+        packed = pack_codes(q, BITS, PER)  # [BLOCK_T, GB_P]
+        tl.store(v_codes + (bh64 * S + u[:, None]) * NB + g * (GV // PER) + jb[None, :], packed,
+                 mask=active[:, None] & (jb < GV // PER)[None, :])
 
 
 @triton.jit
@@ -117,33 +166,9 @@ def _append_value_flush_kernel(
     q1 = tl.maximum(L + c - R, 0)
     first = q0 + tl.program_id(1) * BLOCK_T
     if first < q1:
-        bh64 = bh.to(tl.int64)
         u = first + tl.arange(0, BLOCK_T)
-        active = u < q1
-        from_res = (u < L)[:, None, None]
-        jb = tl.arange(0, GB_P)
-        ii = tl.arange(0, PER)
-        m = active[:, None, None] & (jb < GV // PER)[None, :, None] & (ii < PER)[None, None, :]
-        res_row = (bh64 * RR + (u % R)[:, None, None]) * D
-        new_row = (b.to(tl.int64) * s_vb + h.to(tl.int64) * s_vh + (u - L).to(tl.int64)[:, None, None] * s_vn)
-        for g in range(NG):
-            ch = (g * GV + jb[:, None] * PER + ii[None, :])[None, :, :]
-            x_res = tl.load(v_res + res_row + ch, mask=m & from_res, other=0.0)
-            x_new = tl.load(value_ptr + new_row + ch.to(tl.int64) * s_vd, mask=m & (~from_res), other=0.0)
-            x = tl.where(from_res, x_res, x_new).to(tl.float32)
-            mn = tl.min(tl.min(tl.where(m, x, float("inf")), axis=2), axis=1)
-            mx = tl.max(tl.max(tl.where(m, x, float("-inf")), axis=2), axis=1)
-            mn = tl.where(active, mn, 0.0)
-            mx = tl.where(active, mx, 0.0)
-            scale, zero = scale_zero_stored(mn, mx, (1 << BITS) - 1, v_scale.dtype.element_ty)
-            srow = (bh64 * S + u) * NG + g
-            tl.store(v_scale + srow, scale, mask=active)
-            tl.store(v_zero + srow, zero, mask=active)
-            q = _quantize(x, scale.to(tl.float32)[:, None, None], zero.to(tl.float32)[:, None, None], v_levels,
-                          BITS, HAS_LEVELS)
-            packed = pack_codes(q, BITS, PER)  # [BLOCK_T, GB_P]
-            tl.store(v_codes + (bh64 * S + u[:, None]) * NB + g * (GV // PER) + jb[None, :], packed,
-                     mask=active[:, None] & (jb < GV // PER)[None, :])
+        _flush_value_tokens(v_codes, v_scale, v_zero, v_res, value_ptr, v_levels, b, h, bh.to(tl.int64), L, u,
+                            u < q1, s_vb, s_vh, s_vn, s_vd, S, HAS_LEVELS, D, NB, NG, BITS, PER, GV, GB_P, R, RR)
 
 
 @triton.jit
@@ -186,6 +211,66 @@ def _append_lengths_kernel(lengths_ptr, counts_ptr, B, N, S, HAS_COUNTS: tl.cons
             c = tl.zeros_like(L) + N
         c = tl.maximum(tl.minimum(c, S - L), 0)
         tl.store(lengths_ptr + b, L + c, mask=bm)
+
+
+@triton.jit
+def _append_decode_kernel(
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, key_ptr, value_ptr, lengths_ptr, counts_ptr,
+    k_levels, v_levels, arrivals_ptr,
+    s_kb, s_kh, s_kd, s_vb, s_vh, s_vd,
+    H, S, NSG,
+    HAS_COUNTS: tl.constexpr, HAS_LEVELS: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+    K_NB: tl.constexpr, K_BITS: tl.constexpr, K_PER: tl.constexpr, BLOCK_B: tl.constexpr,
+    V_NB: tl.constexpr, V_NG: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr, GV: tl.constexpr,
+    GB_P: tl.constexpr, G: tl.constexpr, R: tl.constexpr, RR: tl.constexpr,
+):
+    """One token per sequence (a decode step), everything in one launch, one program per (b, h):
+    the value leaving the window is quantized (from slot L % R, which the new value then takes),
+    the new key goes to its residual slot or, when it completes the window [nqk, L], the window is
+    quantized per channel (once every R steps), and lengths[b] += c. The last of row b's H
+    programs to arrive (an acq_rel atomic on arrivals[b], which it resets to 0) updates lengths:
+    every other program of the row has read it by then."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, 1, S, HAS_COUNTS)
+    if c > 0:
+        d = tl.arange(0, D_P)
+        dm = d < D
+        if L >= R:  # token L - R leaves the value window
+            u = L - R + tl.arange(0, 1)
+            _flush_value_tokens(v_codes, v_scale, v_zero, v_res, value_ptr, v_levels, b, h, bh64, L, u, u >= 0,
+                                s_vb, s_vh, 0, s_vd, S, HAS_LEVELS, D, V_NB, V_NG, V_BITS, V_PER, GV, GB_P, R, RR)
+            tl.debug_barrier()  # every thread has read the slot before it is overwritten
+        v = tl.load(value_ptr + b.to(tl.int64) * s_vb + h.to(tl.int64) * s_vh + d * s_vd, mask=dm)
+        tl.store(v_res + (bh64 * RR + L % R) * D + d, v, mask=dm)
+        nqk = (L // R) * R
+        if L + 1 - nqk == R:
+            for g in range(R // G):
+                for jb0 in range(0, K_NB, BLOCK_B):
+                    _flush_key_group(k_codes, k_scale, k_zero, k_res, key_ptr, k_levels, b, h, bh64, L, nqk + g * G,
+                                     jb0 + tl.arange(0, BLOCK_B), s_kb, s_kh, 0, s_kd, S, NSG, HAS_LEVELS, D, K_NB,
+                                     K_BITS, K_PER, G, R, RR)
+        else:
+            k = tl.load(key_ptr + b.to(tl.int64) * s_kb + h.to(tl.int64) * s_kh + d * s_kd, mask=dm)
+            tl.store(k_res + (bh64 * RR + L - nqk) * D + d, k, mask=dm)
+    arrived = tl.atomic_add(arrivals_ptr + b, 1, sem="acq_rel")
+    if arrived == H - 1:
+        tl.store(lengths_ptr + b, (L + c).to(lengths_ptr.dtype.element_ty))
+        tl.store(arrivals_ptr + b, 0)
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, batch: int) -> torch.Tensor:
+    """int32 zeros [>= batch] on `device` for _append_decode_kernel, which leaves them zero: one
+    buffer per device, reused by every layer and call (launches on a stream run in order)."""
+    counters = _ARRIVALS.get(device)
+    if counters is None or counters.numel() < batch:
+        counters = _ARRIVALS[device] = torch.zeros(max(batch, 64), dtype=torch.int32, device=device)
+    return counters
 
 
 def append_triton(t: LayerTensors, key: torch.Tensor, value: torch.Tensor, counts: Optional[torch.Tensor],
@@ -231,6 +316,18 @@ def append_triton(t: LayerTensors, key: torch.Tensor, value: torch.Tensor, count
     d_p = next_pow2(D)
     block_tr = max(1, min(32, next_pow2(n), 4096 // d_p))
     wrap = torch.library.wrap_triton
+    if n == 1:  # a decode step: one launch
+        with device_ctx(k_codes):
+            wrap(_append_decode_kernel)[(B * H,)](
+                k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, key, value, lengths, cnt,
+                k_levels, v_levels, _arrival_counters(lengths.device, B),
+                key.stride(0), key.stride(1), key.stride(3), value.stride(0), value.stride(1), value.stride(3),
+                H, S, nsg,
+                HAS_COUNTS=has_counts, HAS_LEVELS=has_levels, D=D, D_P=d_p, K_NB=nbk, K_BITS=k_bits, K_PER=kper,
+                BLOCK_B=block_b, V_NB=nbv, V_NG=D // gv, V_BITS=v_bits, V_PER=vper, GV=gv, GB_P=gb_p, G=G, R=R,
+                RR=RR, num_warps=4,
+            )
+        return
     with device_ctx(k_codes):
         wrap(_append_key_flush_kernel)[(B * H, key_groups, triton.cdiv(nbk, block_b))](
             k_codes, k_scale, k_zero, k_res, key, lengths, cnt, k_levels,

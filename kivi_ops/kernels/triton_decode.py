@@ -46,9 +46,13 @@ from .triton_attend import (
 )
 from .triton_quant import device_ctx, interpreting
 
-DECODE_BLOCK_N = 32
+# Launch defaults chosen by ptxas, without a GPU (benchmarks/ptxas_usage.py, results/ptxas_sm90.json):
+# 1 warp with 32-token tiles needed 255 registers and spilled up to 1.8 KB per thread at head_dim
+# 128; 4 warps with 16-token tiles use 64-113 registers with no spill at every benchmark shape
+# (occupancy 0.25-0.5). Not yet timed on a GPU: benchmarks/gpu_attend_sweep.py is the check.
+DECODE_BLOCK_N = 16
 DECODE_PROGRAMS_PER_SM = 16
-DECODE_NUM_WARPS = 1
+DECODE_NUM_WARPS = 4
 
 
 @triton.jit
