@@ -97,10 +97,11 @@ def compile_instead_of_launch(arch: int):
         driver._active = previous_driver
 
 
-def layer_of(*, kv_heads: int, head_dim: int, bits: int, tokens: int, batch: int = 1):
+def layer_of(*, kv_heads: int, head_dim: int, bits: int, tokens: int, batch: int = 1, sparse_outliers: float = 0.0):
     from kivi_ops import KIVICache, KIVIConfig
 
-    cache = KIVICache(KIVIConfig(k_bits=bits, v_bits=bits, group_size=32, residual_length=128), num_layers=1,
+    config = KIVIConfig(k_bits=bits, v_bits=bits, group_size=32, residual_length=128, sparse_outliers=sparse_outliers)
+    cache = KIVICache(config, num_layers=1,
                       batch_size=batch, max_seq_len=tokens, num_kv_heads=kv_heads, head_dim=head_dim,
                       dtype=torch.float16, device="cpu")
     layer = cache.layers[0]
@@ -126,6 +127,10 @@ def cases():
             yield (f"split q_len=1 {shape}", {}, lambda t=t, p=p, q1=q1: attend_split(q1, t, None, p, 0.088, num_splits=8))
             q16 = torch.randn(1, q_heads, 16, head_dim, dtype=torch.float16)
             yield (f"split q_len=16 {shape}", {}, lambda t=t, p=p, q16=q16: attend_split(q16, t, None, p, 0.088))
+            ts, ps = layer_of(kv_heads=kv_heads, head_dim=head_dim, bits=bits, tokens=32768 + 256,
+                              sparse_outliers=0.01)
+            yield (f"decode {shape} sparse 1%", {}, lambda t=ts, p=ps, q1=q1: attend_decode(
+                q1, t, None, p, 0.088, num_splits=8))
             kv = torch.randn(1, kv_heads, 1, head_dim, dtype=torch.float16)
             yield (f"append 1 token {shape}", {}, lambda t=t, p=p, kv=kv: append_triton(t, kv, kv, None, p))
 

@@ -21,8 +21,8 @@ Support matrix (decomposed forms are core ATen: traced inline, never inside the 
     form covers plain KIVI and the sink/OTT pool).
 [2] decomposed (run inside the op) with a sink/OTT pool or the sparse store: no Triton append
     kernel covers them.
-[3] triton_split when head_dim is not a power of two; [3] and [4]: decomposed_materialized
-    (inside the op) with the sparse store, which no Triton kernel reads.
+[3] triton_split when head_dim is not a power of two; [4]: decomposed_materialized (inside the
+    op) with the sparse store, which the split kernel does not read (the decode kernel does).
 [5] decomposed, with the key flush under torch.cond: on CPU Inductor makes it a host-side `if`,
     so a decode step quantizes a key window only on the steps that complete one.
 Other devices run the reference inside the op (the op's CPU kernel is the only other one
@@ -73,11 +73,10 @@ def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors) 
     if device == "cuda":
         if op == "append":
             return Choice("decomposed" if sparse or layer.pool is not None else "triton", in_op=True)
-        if sparse:
-            return Choice("decomposed_materialized", in_op=True)
         head_dim = layer.k_res.shape[-1]
-        decode = q_len == 1 and head_dim & (head_dim - 1) == 0
-        return Choice("triton_decode" if decode else "triton_split", in_op=True)
+        if q_len == 1 and head_dim & (head_dim - 1) == 0:
+            return Choice("triton_decode", in_op=True)
+        return Choice("decomposed_materialized" if sparse else "triton_split", in_op=True)
     if device == "cpu" and mode == "compile":
         if op == "append":
             return Choice("decomposed_cond", in_op=False)

@@ -659,14 +659,54 @@ def test_attend_pool_with_pre_rope_keys_matches_reference(name, kernel):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
+def sparse_store(B, H, S, D, R, nk, nv, dtype):
+    """An empty dense-and-sparse store (extras.py): nk key outliers per channel per R-window, nv
+    value outliers per token, indices -1."""
+    W = S // R
+    return dict(k_sparse=torch.zeros(B, H, W * nk, D, dtype=dtype),
+                k_sparse_idx=torch.full((B, H, W * nk, D), -1, dtype=torch.int16),
+                v_sparse=torch.zeros(B, H, S, nv, dtype=dtype), v_sparse_idx=torch.full((B, H, S, nv), -1, dtype=torch.int16))
+
+
+# name: (dtype, Hq, H, lengths, counts, num_splits, D, nuq, rope scale); S=64, R=16, G=8, k2/v4.
+SPARSE_CASES = {
+    "sparse-gqa": (torch.float32, 4, 2, [37, 21], None, 2, 64, False, None),
+    "sparse-mha-d128-padded": (torch.float32, 2, 2, [45, 30], [1, 0], 3, 128, False, None),
+    "sparse-nuq-rope-bf16": (torch.bfloat16, 4, 2, [40, 23], None, 2, 64, True, 1.0),
+    "sparse-fp16-d128-gqa": (torch.float16, 4, 1, [50, 17], None, 1, 128, False, None),
+}
+
+
+@pytest.mark.parametrize("name", SPARSE_CASES)
+def test_decode_kernel_reads_the_sparse_store(name):
+    """The decode kernel writes the exact key and value outliers over their dequantized entries,
+    as the reference's materialize_block does (with nuq levels and pre-RoPE keys too)."""
+    dtype, Hq, H, lengths, counts, num_splits, D, nuq, rope = SPARSE_CASES[name]
+    B, S, R, G, k_bits, v_bits = len(lengths), 64, 16, 8, 2, 4
+    extras = _kvq_extras(nuq, rope, D, k_bits, v_bits)._replace(**sparse_store(B, H, S, D, R, 2, 3, dtype))
+    cache = fill_reference_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, lengths, extras=extras)
+    assert (extras.k_sparse_idx >= 0).any() and (extras.v_sparse_idx >= 0).any()
+    query = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(17)).to(dtype)
+    c = None if counts is None else torch.tensor(counts)
+    scale, params = D**-0.5, QuantParams(k_bits, v_bits, G, R)
+    ref = attend_reference(query, layer(cache, extras=extras), c, params, scale)
+    no_outliers = attend_reference(query, layer(cache, extras=extras._replace(
+        k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None)), c, params, scale)
+    assert (ref - no_outliers).abs().max() > 0.05, "the outliers change nothing: the case tests nothing"
+    out = _cpu(attend_decode(query.to(DEVICE), layer([_dev(t) for t in cache], extras=Extras(*map(_dev, extras))),
+                             _dev(c), params, scale, num_splits=num_splits))
+    tol = _kvq_tolerance(dtype)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
 def test_kernels_refuse_the_sparse_store():
-    """The sparse outlier store has no Triton kernel (the CUDA ops keep it on the decomposed path)."""
+    """The split kernel and the append have no sparse path (the CUDA ops keep those on the
+    decomposed forms); the decode kernel reads it (test above)."""
     cache = make_cache(1, 1, 16, 64, 8, 4, 2, 2, torch.float32, DEVICE)
     sparse = Extras(k_sparse=torch.zeros(1, 1, 2, 64, device=DEVICE))
     params = QuantParams(2, 2, 4, 8)
-    for kernel in kernels(1):
-        with pytest.raises(ValueError, match="sparse"):
-            ATTEND[kernel](torch.zeros(1, 1, 1, 64, device=DEVICE), layer(cache, extras=sparse), None, params, 0.125)
+    with pytest.raises(ValueError, match="sparse"):
+        ATTEND["split"](torch.zeros(1, 1, 1, 64, device=DEVICE), layer(cache, extras=sparse), None, params, 0.125)
     kv = torch.zeros(1, 1, 1, 64, device=DEVICE)
     with pytest.raises(ValueError, match="sparse"):
         append_triton(layer(cache, extras=sparse), kv, kv, None, params)

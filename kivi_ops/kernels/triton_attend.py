@@ -26,8 +26,9 @@ instruction for instruction): HAS_LEVELS, nuq levels: the attention kernels dequ
 levels[code] (_code_values, a gather from the 2^bits-entry table) before scale and zero. ROPE,
 keys stored pre-RoPE (rope_inv_freq [D/2]): every key, quantized, residual or pooled, is rotated
 to its position (cache row t, or pool_pos) with cos/sin computed in-kernel from t * inv_freq
-(_rope_cos_sin; a [S, D] table would read more bytes than the codes). The sparse outlier store
-has no kernel: the dispatcher runs the decomposed form for it, and the launchers refuse it.
+(_rope_cos_sin; a [S, D] table would read more bytes than the codes). SPARSE, the dense-and-sparse
+outlier store: the decode kernel writes each exact outlier over its dequantized entry in the tile
+(triton_decode.py); the split kernel refuses it (the dispatcher runs the decomposed form there).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..extras import Extras, check_extras
+from ..extras import Extras, check_extras, key_outliers_per_window
 from ..layout import REQUIRED_TENSORS, LayerTensors, QuantParams
 from ..packing import codes_per_byte, token_group_size
 from .triton_quant import interpreting, next_pow2, saturate, to_dtype_rtne
@@ -76,12 +77,12 @@ def check_cache(t: LayerTensors, p: QuantParams):
     return B, H, S, D, R, RR, G, gv
 
 
-def check_kernel_extras(t: LayerTensors, p: QuantParams) -> Extras:
-    """The extras the kernels take (nuq levels, rope_inv_freq), checked and made contiguous; the
-    sparse outlier store has no kernel (the dispatcher runs the decomposed form for it)."""
+def check_kernel_extras(t: LayerTensors, p: QuantParams, sparse_ok: bool = False) -> Extras:
+    """The extras the kernels take (nuq levels, rope_inv_freq, and with sparse_ok the sparse
+    outlier store, which only the decode kernel reads), checked and made contiguous."""
     extras = t.extras
-    if extras.sparse:
-        raise ValueError("the Triton cache kernels do not take the dense-and-sparse outlier store")
+    if extras.sparse and not sparse_ok:
+        raise ValueError("this Triton cache kernel does not take the dense-and-sparse outlier store")
     check_extras(extras, t.k_codes, t.k_res, p.k_bits, p.v_bits, p.residual_length)
     return Extras(*(None if x is None else x.contiguous() for x in extras))
 
@@ -228,10 +229,10 @@ def pool_launch_args(t: LayerTensors) -> tuple:
     return pool_k, pool_v, pool_pos, P, True, next_pow2(P)
 
 
-def extras_launch_args(t: LayerTensors, p: QuantParams) -> tuple:
+def extras_launch_args(t: LayerTensors, p: QuantParams, sparse_ok: bool = False) -> tuple:
     """(k_levels, v_levels, rope_inv_freq, HAS_LEVELS, ROPE) for the attention kernels; absent ones
     are dummy pointers the kernels never read (the flags off compile the plain kernels)."""
-    extras = check_kernel_extras(t, p)
+    extras = check_kernel_extras(t, p, sparse_ok)
     has_levels, rope = extras.k_levels is not None, extras.rope_inv_freq is not None
     D = t.k_res.shape[-1]
     # Pre-RoPE keys are dequantized in halves of D/2 channels: each half whole bytes of codes.
@@ -243,13 +244,26 @@ def extras_launch_args(t: LayerTensors, p: QuantParams) -> tuple:
             extras.rope_inv_freq if rope else k_scale, has_levels, rope)
 
 
-def attend_setup(query: torch.Tensor, t: LayerTensors, p: QuantParams):
+def sparse_launch_args(t: LayerTensors, p: QuantParams) -> tuple:
+    """(k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, key rows, NK, NV, SPARSE) for the decode
+    kernel (shapes checked by check_kernel_extras); without the store, dummy pointers it never
+    reads and SPARSE False."""
+    e = t.extras
+    if not e.sparse:
+        return t.k_scale, t.k_scale, t.k_scale, t.k_scale, 0, 0, 0, False
+    S = t.k_codes.shape[2]
+    nk = key_outliers_per_window(e.k_sparse, S, p.residual_length)
+    return (e.k_sparse.contiguous(), e.k_sparse_idx.contiguous(), e.v_sparse.contiguous(),
+            e.v_sparse_idx.contiguous(), e.k_sparse.shape[2], nk, e.v_sparse.shape[-1], True)
+
+
+def attend_setup(query: torch.Tensor, t: LayerTensors, p: QuantParams, sparse_ok: bool = False):
     """The checks both attention launchers start with: ((B, H, S, D, R, RR, G, Gv) of the cache,
     pool_launch_args, extras_launch_args, the output [B, Hq, q_len, D] in the query's dtype)."""
     dims = check_cache(t, p)
     B, H, S, D = dims[:4]
     pool_args = pool_launch_args(t)
-    extras_args = extras_launch_args(t, p)
+    extras_args = extras_launch_args(t, p, sparse_ok)
     Bq, Hq, q_len, Dq = query.shape
     if Bq != B or Dq != D or Hq % H:
         raise ValueError(f"query {tuple(query.shape)} does not match the cache (B={B}, H={H}, D={D})")

@@ -42,7 +42,7 @@ from ..layout import LayerTensors, QuantParams
 from ..packing import codes_per_byte
 from .triton_attend import (
     LOG2E, MAX_SPLITS, _cast_sat, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
-    launch_reduce, num_programs_target, split_workspace,
+    launch_reduce, num_programs_target, sparse_launch_args, split_workspace,
 )
 from .triton_quant import device_ctx, interpreting
 
@@ -90,10 +90,12 @@ def _decode_scores(q2, q2_rot, freq, positions, k, ROPE: tl.constexpr):
 def _decode_tile(
     acc, accz, m_i, l_i, q2, q2_rot, freq, t0, limit, nqk, nqv, pp, bh64, S, NSG,
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
+    k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR,
     MIXED: tl.constexpr, HAS_POOL: tl.constexpr, HAS_LEVELS: tl.constexpr, ROPE: tl.constexpr, D: tl.constexpr,
     K_BITS: tl.constexpr, K_PER: tl.constexpr,
     V_BITS: tl.constexpr, V_PER: tl.constexpr, G: tl.constexpr, NGV: tl.constexpr, GV: tl.constexpr,
     R: tl.constexpr, RR: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
 ):
     """One online-softmax step of one query over tokens [t0, t0 + BLOCK_N), all in fp32 registers
     with no tl.dot and no reshapes (see _attend_decode_kernel). BLOCK_N divides G, so the tile lies
@@ -104,7 +106,10 @@ def _decode_tile(
     the pooled positions pp are masked (their exact copies come in _decode_pool_tile). HAS_LEVELS:
     codes stand for nuq levels (c above is levels[code]; the folds still hold). ROPE: pre-RoPE keys,
     scored by _decode_scores against the query rotated per token, which is no longer one vector
-    for the tile: the keys are dequantized, not folded into the query."""
+    for the tile: the keys are dequantized, not folded into the query. SPARSE (MIXED tiles only):
+    the dense-and-sparse store's exact entries replace their dequantized ones in the tile: per
+    channel, the NK key outliers of the tile's R-window (rows w * NK + j of k_sparse, token offsets
+    in k_sparse_idx), and per token the NV value outliers (channels in v_sparse_idx); -1 is none."""
     t = t0 + tl.arange(0, BLOCK_N)
     row = bh64 * S + t  # int64 token row of codes and value scales
     g = t0 // G
@@ -128,6 +133,15 @@ def _decode_tile(
         slot = (bh64 * RR + t % R)[None, :, None] * D + ch_k[:, None, :]
         kres = tl.load(k_res + slot, mask=(tm & (t >= nqk))[None, :, None], other=0.0).to(tl.float32)
         k = tl.where(kq[None, :, None], kdq, kres)
+        if SPARSE:
+            w = t0 // R  # the tile lies in one window (BLOCK_N divides G, G divides R)
+            flushed = w * R < nqk
+            for j in range(NK):
+                srow = (bh64 * NKR + w * NK + j) * D + ch_k  # [K_PER, NBK]
+                exact = tl.load(k_sparse + srow, mask=flushed, other=0.0).to(tl.float32)
+                off = tl.load(k_sparse_idx + srow, mask=flushed, other=-1).to(tl.int32)
+                hit = ((w * R + off)[:, None, :] == t[None, :, None]) & (off >= 0)[:, None, :] & kq[None, :, None]
+                k = tl.where(hit, exact[:, None, :], k)
         s = _decode_scores(q2, q2_rot, freq, t, k, ROPE)
         s = tl.where(tm, s, float("-inf"))
     else:
@@ -161,6 +175,12 @@ def _decode_tile(
         slot = (bh64 * RR + t % R)[None, :, None] * D + ch_v[:, None, :]
         vres = tl.load(v_res + slot, mask=(tm & (t >= nqv))[None, :, None], other=0.0).to(tl.float32)
         v = tl.where(vq[None, :, None], vdq, vres)
+        if SPARSE:
+            for j in range(NV):
+                voff = (bh64 * S + t) * NV + j  # [BLOCK_N]
+                exact = tl.load(v_sparse + voff, mask=vq, other=0.0).to(tl.float32)
+                vch = tl.load(v_sparse_idx + voff, mask=vq, other=-1).to(tl.int32)
+                v = tl.where(ch_v[:, None, :] == vch[None, :, None], exact[None, :, None], v)
         acc = acc * alpha + p[None, :, None] * v
         accz = accz * alpha  # [NBV]: the zero-point term sum_t p_t z_t of the fast tiles
     else:
@@ -209,12 +229,14 @@ def _attend_decode_kernel(
     q_ptr, s_qb, s_qh, s_qd,
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths_ptr, counts_ptr,
     pool_k, pool_v, pool_pos, k_levels, v_levels, rope_inv_freq, ws_m, ws_l, ws_acc, out_ptr,
-    H, HQ, S, NSG, P, qk_scale,
+    k_sparse, k_sparse_idx, v_sparse, v_sparse_idx,
+    H, HQ, S, NSG, P, NKR, qk_scale,
     HAS_COUNTS: tl.constexpr, HAS_POOL: tl.constexpr, P_P: tl.constexpr, HAS_LEVELS: tl.constexpr,
     ROPE: tl.constexpr, QG: tl.constexpr, D: tl.constexpr,
     K_BITS: tl.constexpr, K_PER: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr,
     G: tl.constexpr, NGV: tl.constexpr, GV: tl.constexpr, R: tl.constexpr, RR: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+    SPARSE: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
 ):
     """Decode (q_len == 1): one program per (batch row, query head, split). GQA heads of one kv
     head read the same codes (L2 hits). Work items are per element, no tl.dot: a decode query is
@@ -255,6 +277,8 @@ def _attend_decode_kernel(
         hi = tl.where(real, hi, lo)  # a padded row (counts 0) attends to nothing: 0
         pool_end = tl.where(real, pool_end, 0)
     mid = tl.maximum(tl.minimum((tl.minimum(nqk, nqv) // BLOCK_N) * BLOCK_N, hi), lo)
+    if SPARSE:  # the outliers replace dequantized entries: every tile takes the MIXED path
+        mid = lo
 
     pp = _load_pool_positions(pool_pos, bh64, P, P_P, HAS_POOL)
     m_i = tl.full([], float("-inf"), tl.float32)
@@ -265,13 +289,17 @@ def _attend_decode_kernel(
         acc, accz, m_i, l_i = _decode_tile(
             acc, accz, m_i, l_i, q2, q2_rot, freq, t0, mid, nqk, nqv, pp, bh64, S, NSG,
             k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
+            k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR,
             False, HAS_POOL, HAS_LEVELS, ROPE, D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, BLOCK_N,
+            SPARSE, NK, NV,
         )
     for t0 in range(mid, hi, BLOCK_N):
         acc, accz, m_i, l_i = _decode_tile(
             acc, accz, m_i, l_i, q2, q2_rot, freq, t0, hi, nqk, nqv, pp, bh64, S, NSG,
             k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
+            k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR,
             True, HAS_POOL, HAS_LEVELS, ROPE, D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, BLOCK_N,
+            SPARSE, NK, NV,
         )
     if HAS_POOL:
         for j0 in range(0, pool_end, BLOCK_N):
@@ -302,10 +330,10 @@ def attend_decode(
 ) -> torch.Tensor:
     """Attention of one query per row, query [B, Hq, 1, D] with D a power of two, over the cache,
     like attend_reference (module doc); anything else is a ValueError (attend_split takes it).
-    The pool (t.pool) and KVQuant's nuq levels and pre-RoPE keys (t.extras) are read by the
-    kernel; the sparse outlier store is refused (ValueError). num_splits / block_n / num_warps /
+    The pool (t.pool) and KVQuant's nuq levels, pre-RoPE keys and sparse outlier store (t.extras)
+    are read by the kernel. num_splits / block_n / num_warps /
     num_stages override the static choices (tests, tuning)."""
-    (B, H, S, D, R, RR, G, gv), pool_args, extras_args, out = attend_setup(query, t, p)
+    (B, H, S, D, R, RR, G, gv), pool_args, extras_args, out = attend_setup(query, t, p, sparse_ok=True)
     Hq, q_len = query.shape[1], query.shape[2]
     if q_len != 1:
         raise ValueError(f"attend_decode takes one query per row (q_len == 1), got q_len={q_len}; "
@@ -329,18 +357,19 @@ def attend_decode(
     interp = interpreting()
     pool_k, pool_v, pool_pos, P, has_pool, p_p = pool_args
     k_levels, v_levels, rope_inv_freq, has_levels, rope = extras_args
+    k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, nkr, nk, nv, sparse = sparse_launch_args(t, p)
     wrap = torch.library.wrap_triton
     with device_ctx(query):
         wrap(_attend_decode_kernel)[(B * Hq, num_splits)](
             query, query.stride(0), query.stride(1), query.stride(3),
             k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
             counts if has_counts else lengths, pool_k, pool_v, pool_pos, k_levels, v_levels, rope_inv_freq,
-            ws_m, ws_l, ws_acc, out,
-            H, Hq, S, k_scale.shape[2], P, float(scale) * LOG2E,
+            ws_m, ws_l, ws_acc, out, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx,
+            H, Hq, S, k_scale.shape[2], P, nkr, float(scale) * LOG2E,
             HAS_COUNTS=has_counts, HAS_POOL=has_pool, P_P=p_p, HAS_LEVELS=has_levels, ROPE=rope,
             QG=QG, D=D, K_BITS=k_bits, K_PER=codes_per_byte(k_bits),
             V_BITS=v_bits, V_PER=codes_per_byte(v_bits), G=G, NGV=D // gv, GV=gv, R=R, RR=RR,
-            BLOCK_N=block_n, NUM_SPLITS=num_splits, EMULATE_RTNE=interp,
+            BLOCK_N=block_n, NUM_SPLITS=num_splits, EMULATE_RTNE=interp, SPARSE=sparse, NK=nk, NV=nv,
             num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages,
         )
         if num_splits > 1:
