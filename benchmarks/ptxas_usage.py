@@ -131,6 +131,8 @@ def cases():
                               sparse_outliers=0.01)
             yield (f"decode {shape} sparse 1%", {}, lambda t=ts, p=ps, q1=q1: attend_decode(
                 q1, t, None, p, 0.088, num_splits=8))
+            yield (f"split q_len=16 {shape} sparse 1%", {}, lambda t=ts, p=ps, q16=q16: attend_split(
+                q16, t, None, p, 0.088))
             kv = torch.randn(1, kv_heads, 1, head_dim, dtype=torch.float16)
             yield (f"append 1 token {shape}", {}, lambda t=t, p=p, kv=kv: append_triton(t, kv, kv, None, p))
 

@@ -14,15 +14,15 @@ Support matrix (decomposed forms are core ATen: traced inline, never inside the 
     cpu     eager, export   reference (op)        reference (op)             reference (op)
     cpu     compile         decomposed_cond [5]   decomposed_fused [1]       decomposed_materialized
     any     portable        decomposed            decomposed_materialized    decomposed_materialized
-    cuda    eager, compile, triton (op) [2]       triton_decode (op) [3]     triton_split (op) [4]
+    cuda    eager, compile, triton (op) [2]       triton_decode (op) [3]     triton_split (op)
             export
 
 [1] decomposed_materialized with nuq levels, the sparse store or pre-RoPE keys (the fused loop
     form covers plain KIVI and the sink/OTT pool).
 [2] decomposed (run inside the op) with a sink/OTT pool or the sparse store: no Triton append
     kernel covers them.
-[3] triton_split when head_dim is not a power of two; [4]: decomposed_materialized (inside the
-    op) with the sparse store, which the split kernel does not read (the decode kernel does).
+[3] triton_split when head_dim is not a power of two. Both attention kernels read the sparse
+    store, nuq levels, pre-RoPE keys and the pool.
 [5] decomposed, with the key flush under torch.cond: on CPU Inductor makes it a host-side `if`,
     so a decode step quantizes a key window only on the steps that complete one.
 Other devices run the reference inside the op (the op's CPU kernel is the only other one
@@ -74,9 +74,8 @@ def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors) 
         if op == "append":
             return Choice("decomposed" if sparse or layer.pool is not None else "triton", in_op=True)
         head_dim = layer.k_res.shape[-1]
-        if q_len == 1 and head_dim & (head_dim - 1) == 0:
-            return Choice("triton_decode", in_op=True)
-        return Choice("decomposed_materialized" if sparse else "triton_split", in_op=True)
+        decode = q_len == 1 and head_dim & (head_dim - 1) == 0
+        return Choice("triton_decode" if decode else "triton_split", in_op=True)
     if device == "cpu" and mode == "compile":
         if op == "append":
             return Choice("decomposed_cond", in_op=False)

@@ -54,8 +54,6 @@ def expected_choice(op, device, mode, q_len, options, head_dim):
         impl = "decomposed"
     if impl == "triton_decode" and head_dim & (head_dim - 1):  # [3]
         impl = "triton_split"
-    if impl == "triton_split" and "sparse" in options:  # [4]
-        impl = "decomposed_materialized"
     return impl, in_op
 
 

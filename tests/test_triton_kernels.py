@@ -668,45 +668,53 @@ def sparse_store(B, H, S, D, R, nk, nv, dtype):
                 v_sparse=torch.zeros(B, H, S, nv, dtype=dtype), v_sparse_idx=torch.full((B, H, S, nv), -1, dtype=torch.int16))
 
 
-# name: (dtype, Hq, H, lengths, counts, num_splits, D, nuq, rope scale); S=64, R=16, G=8, k2/v4.
+# name: (dtype, Hq, H, q_len, lengths, counts, num_splits, D, nuq, rope scale); S=64, R=16, G=8, k2/v4;
+# 2 key outliers per channel per window, 3 value outliers per token.
 SPARSE_CASES = {
-    "sparse-gqa": (torch.float32, 4, 2, [37, 21], None, 2, 64, False, None),
-    "sparse-mha-d128-padded": (torch.float32, 2, 2, [45, 30], [1, 0], 3, 128, False, None),
-    "sparse-nuq-rope-bf16": (torch.bfloat16, 4, 2, [40, 23], None, 2, 64, True, 1.0),
-    "sparse-fp16-d128-gqa": (torch.float16, 4, 1, [50, 17], None, 1, 128, False, None),
+    "sparse-decode-gqa": (torch.float32, 4, 2, 1, [37, 21], None, 2, 64, False, None),
+    "sparse-decode-mha-d128-padded": (torch.float32, 2, 2, 1, [45, 30], [1, 0], 3, 128, False, None),
+    "sparse-decode-nuq-rope-bf16": (torch.bfloat16, 4, 2, 1, [40, 23], None, 2, 64, True, 1.0),
+    "sparse-decode-fp16-d128-gqa": (torch.float16, 4, 1, 1, [50, 17], None, 1, 128, False, None),
+    "sparse-decode-d48": (torch.float32, 2, 1, 1, [41, 33], None, 2, 48, False, None),  # split only
+    "sparse-causal-counts": (torch.float32, 4, 2, 3, [40, 9], [3, 1], 2, 64, False, None),
+    "sparse-causal-nuq-rope-fp16-d128": (torch.float16, 4, 2, 2, [33, 18], [2, 1], 2, 128, True, 1.0),
 }
 
 
-@pytest.mark.parametrize("name", SPARSE_CASES)
-def test_decode_kernel_reads_the_sparse_store(name):
-    """The decode kernel writes the exact key and value outliers over their dequantized entries,
-    as the reference's materialize_block does (with nuq levels and pre-RoPE keys too)."""
-    dtype, Hq, H, lengths, counts, num_splits, D, nuq, rope = SPARSE_CASES[name]
+@pytest.mark.parametrize("name,kernel", [
+    pytest.param(name, kernel, id=f"{name}-{kernel}") for name, case in SPARSE_CASES.items()
+    for kernel in (kernels(case[3]) if case[7] & (case[7] - 1) == 0 else ("split",))])
+def test_attend_reads_the_sparse_store(name, kernel):
+    """Both attention kernels write the exact key and value outliers over their dequantized
+    entries, as the reference's materialize_block does (with nuq levels and pre-RoPE keys too)."""
+    dtype, Hq, H, q_len, lengths, counts, num_splits, D, nuq, rope = SPARSE_CASES[name]
     B, S, R, G, k_bits, v_bits = len(lengths), 64, 16, 8, 2, 4
     extras = _kvq_extras(nuq, rope, D, k_bits, v_bits)._replace(**sparse_store(B, H, S, D, R, 2, 3, dtype))
     cache = fill_reference_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, lengths, extras=extras)
     assert (extras.k_sparse_idx >= 0).any() and (extras.v_sparse_idx >= 0).any()
-    query = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(17)).to(dtype)
+    query = torch.randn(B, Hq, q_len, D, generator=torch.Generator().manual_seed(17)).to(dtype)
     c = None if counts is None else torch.tensor(counts)
     scale, params = D**-0.5, QuantParams(k_bits, v_bits, G, R)
     ref = attend_reference(query, layer(cache, extras=extras), c, params, scale)
     no_outliers = attend_reference(query, layer(cache, extras=extras._replace(
         k_sparse=None, k_sparse_idx=None, v_sparse=None, v_sparse_idx=None)), c, params, scale)
     assert (ref - no_outliers).abs().max() > 0.05, "the outliers change nothing: the case tests nothing"
-    out = _cpu(attend_decode(query.to(DEVICE), layer([_dev(t) for t in cache], extras=Extras(*map(_dev, extras))),
-                             _dev(c), params, scale, num_splits=num_splits))
+    dev_layer = layer([_dev(t) for t in cache], extras=Extras(*map(_dev, extras)))
     tol = _kvq_tolerance(dtype)
-    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    for block_n in (16, 32) if kernel == "split" else (16,):  # 32: a split tile spans two R-windows
+        out = _cpu(ATTEND[kernel](query.to(DEVICE), dev_layer, _dev(c), params, scale, num_splits=num_splits,
+                                  block_n=block_n))
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+        if c is not None:  # padded query rows are exactly zero
+            for b, cb in enumerate(c.tolist()):
+                assert (out[b, :, cb:] == 0).all()
 
 
-def test_kernels_refuse_the_sparse_store():
-    """The split kernel and the append have no sparse path (the CUDA ops keep those on the
-    decomposed forms); the decode kernel reads it (test above)."""
+def test_append_refuses_the_sparse_store():
+    """The append kernels do not write the sparse store (the CUDA op keeps the decomposed append)."""
     cache = make_cache(1, 1, 16, 64, 8, 4, 2, 2, torch.float32, DEVICE)
     sparse = Extras(k_sparse=torch.zeros(1, 1, 2, 64, device=DEVICE))
     params = QuantParams(2, 2, 4, 8)
-    with pytest.raises(ValueError, match="sparse"):
-        ATTEND["split"](torch.zeros(1, 1, 1, 64, device=DEVICE), layer(cache, extras=sparse), None, params, 0.125)
     kv = torch.zeros(1, 1, 1, 64, device=DEVICE)
     with pytest.raises(ValueError, match="sparse"):
         append_triton(layer(cache, extras=sparse), kv, kv, None, params)

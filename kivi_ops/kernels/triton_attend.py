@@ -27,8 +27,9 @@ levels[code] (_code_values, a gather from the 2^bits-entry table) before scale a
 keys stored pre-RoPE (rope_inv_freq [D/2]): every key, quantized, residual or pooled, is rotated
 to its position (cache row t, or pool_pos) with cos/sin computed in-kernel from t * inv_freq
 (_rope_cos_sin; a [S, D] table would read more bytes than the codes). SPARSE, the dense-and-sparse
-outlier store: the decode kernel writes each exact outlier over its dequantized entry in the tile
-(triton_decode.py); the split kernel refuses it (the dispatcher runs the decomposed form there).
+outlier store (sparse_launch_args): both kernels write each exact outlier over its dequantized entry
+in the tile, as the reference's materialize_block does; the append kernels do not write the store
+(the dispatcher runs the decomposed append for it).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def check_cache(t: LayerTensors, p: QuantParams):
 
 def check_kernel_extras(t: LayerTensors, p: QuantParams, sparse_ok: bool = False) -> Extras:
     """The extras the kernels take (nuq levels, rope_inv_freq, and with sparse_ok the sparse
-    outlier store, which only the decode kernel reads), checked and made contiguous."""
+    outlier store, which the attention kernels read and the append kernels do not), checked and
+    made contiguous."""
     extras = t.extras
     if extras.sparse and not sparse_ok:
         raise ValueError("this Triton cache kernel does not take the dense-and-sparse outlier store")
@@ -245,9 +247,9 @@ def extras_launch_args(t: LayerTensors, p: QuantParams, sparse_ok: bool = False)
 
 
 def sparse_launch_args(t: LayerTensors, p: QuantParams) -> tuple:
-    """(k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, key rows, NK, NV, SPARSE) for the decode
-    kernel (shapes checked by check_kernel_extras); without the store, dummy pointers it never
-    reads and SPARSE False."""
+    """(k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, key rows, NK, NV, SPARSE) for the attention
+    kernels (shapes checked by check_kernel_extras); without the store, dummy pointers they never
+    read and SPARSE False."""
     e = t.extras
     if not e.sparse:
         return t.k_scale, t.k_scale, t.k_scale, t.k_scale, 0, 0, 0, False
@@ -257,13 +259,13 @@ def sparse_launch_args(t: LayerTensors, p: QuantParams) -> tuple:
             e.v_sparse_idx.contiguous(), e.k_sparse.shape[2], nk, e.v_sparse.shape[-1], True)
 
 
-def attend_setup(query: torch.Tensor, t: LayerTensors, p: QuantParams, sparse_ok: bool = False):
+def attend_setup(query: torch.Tensor, t: LayerTensors, p: QuantParams):
     """The checks both attention launchers start with: ((B, H, S, D, R, RR, G, Gv) of the cache,
     pool_launch_args, extras_launch_args, the output [B, Hq, q_len, D] in the query's dtype)."""
     dims = check_cache(t, p)
     B, H, S, D = dims[:4]
     pool_args = pool_launch_args(t)
-    extras_args = extras_launch_args(t, p, sparse_ok)
+    extras_args = extras_launch_args(t, p, sparse_ok=True)
     Bq, Hq, q_len, Dq = query.shape
     if Bq != B or Dq != D or Hq % H:
         raise ValueError(f"query {tuple(query.shape)} does not match the cache (B={B}, H={H}, D={D})")

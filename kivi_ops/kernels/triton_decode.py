@@ -333,7 +333,7 @@ def attend_decode(
     The pool (t.pool) and KVQuant's nuq levels, pre-RoPE keys and sparse outlier store (t.extras)
     are read by the kernel. num_splits / block_n / num_warps /
     num_stages override the static choices (tests, tuning)."""
-    (B, H, S, D, R, RR, G, gv), pool_args, extras_args, out = attend_setup(query, t, p, sparse_ok=True)
+    (B, H, S, D, R, RR, G, gv), pool_args, extras_args, out = attend_setup(query, t, p)
     Hq, q_len = query.shape[1], query.shape[2]
     if q_len != 1:
         raise ValueError(f"attend_decode takes one query per row (q_len == 1), got q_len={q_len}; "

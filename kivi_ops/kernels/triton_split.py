@@ -43,7 +43,7 @@ from ..layout import LayerTensors, QuantParams
 from ..packing import codes_per_byte
 from .triton_attend import (
     LOG2E, MAX_SPLITS, _cast, _cast_sat, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
-    launch_reduce, num_programs_target, split_workspace,
+    launch_reduce, num_programs_target, sparse_launch_args, split_workspace,
 )
 from .triton_quant import device_ctx, interpreting, next_pow2, unpack_codes
 
@@ -109,14 +109,17 @@ def _rope_qk(q_lo, q_hi, k_lo, k_hi, positions, freq, DT: tl.constexpr, LOWP: tl
 
 @triton.jit
 def _key_tile(
-    t, tm, t0, limit, nqk, row, bh64, NSG, k_codes, k_scale, k_zero, k_res, k_levels,
+    t, tm, t0, limit, nqk, row, bh64, NSG, k_codes, k_scale, k_zero, k_res, k_levels, k_sparse, k_sparse_idx, NKR,
     C0: tl.constexpr, W: tl.constexpr, W_P: tl.constexpr, MIXED: tl.constexpr, HAS_LEVELS: tl.constexpr,
     CAST: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr, K_PER: tl.constexpr, G: tl.constexpr,
     NGB: tl.constexpr, R: tl.constexpr, RR: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+    SPARSE: tl.constexpr, NK: tl.constexpr,
 ):
     """Keys [BLOCK_N, W_P] of tokens t, channels [C0, C0 + W) (the whole head, or one RoPE half):
     per-channel groups of G tokens, one scale row per group; fp32, or rounded to the cache dtype
-    when CAST. MIXED: per-token choice between the dequantized codes and the residual ring."""
+    when CAST. MIXED: per-token choice between the dequantized codes and the residual ring.
+    SPARSE: the exact key outliers (per channel, NK per R-window: rows w * NK + j of k_sparse,
+    token offsets in k_sparse_idx, -1 none) replace their dequantized entries."""
     c = tl.arange(0, W_P)
     cmask = c < W
     if MIXED:
@@ -138,6 +141,15 @@ def _key_tile(
     kdq = kc * ks + kz
     if CAST:
         kdq = _cast_sat(kdq, k_res.dtype.element_ty, EMULATE_RTNE)
+    if SPARSE:
+        w = t // R  # a tile may span windows (BLOCK_N > R)
+        om = kq[:, None] & cmask[None, :]
+        for j in range(NK):
+            srow = ((bh64 * NKR + w * NK + j)[:, None]) * D + (C0 + c)[None, :]
+            exact = tl.load(k_sparse + srow, mask=om, other=0.0)
+            off = tl.load(k_sparse_idx + srow, mask=om, other=-1).to(tl.int32)
+            hit = (off >= 0) & ((w[:, None] * R + off) == t[:, None]) & om
+            kdq = tl.where(hit, exact.to(kdq.dtype), kdq)
     if MIXED:
         slot = (bh64 * RR + (t % R)[:, None]) * D + (C0 + c)[None, :]
         kres = tl.load(k_res + slot, mask=(tm & (t >= nqk))[:, None] & cmask[None, :], other=0.0)
@@ -151,12 +163,14 @@ def _key_tile(
 def _attend_tile(
     acc, m_i, l_i, q, q_hi, freq, t0, limit, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
+    k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR,
     MIXED: tl.constexpr, HAS_POOL: tl.constexpr, HAS_LEVELS: tl.constexpr, ROPE: tl.constexpr,
     D: tl.constexpr, D_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr,
     K_BITS: tl.constexpr, K_PER: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr,
     G: tl.constexpr, NGB: tl.constexpr, NGV: tl.constexpr, NGV_P: tl.constexpr, GV_P: tl.constexpr,
     R: tl.constexpr, RR: tl.constexpr, BLOCK_N: tl.constexpr,
     LOWP: tl.constexpr, DOT_F32: tl.constexpr, F32_PRECISION: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+    SPARSE: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
 ):
     """One online-softmax step over tokens [t0, t0 + BLOCK_N) (t0 a multiple of BLOCK_N), tokens
     >= limit masked. MIXED=False: every token is quantized for keys and values (no residual loads);
@@ -175,13 +189,16 @@ def _attend_tile(
     # ---- keys [BLOCK_N, D_P]
     if ROPE:
         k_lo = _key_tile(t, tm, t0, limit, nqk, row, bh64, NSG, k_codes, k_scale, k_zero, k_res, k_levels,
-                         0, HD, HD_P, MIXED, HAS_LEVELS, False, D, K_BITS, K_PER, G, NGB, R, RR, BLOCK_N, EMULATE_RTNE)
+                         k_sparse, k_sparse_idx, NKR, 0, HD, HD_P, MIXED, HAS_LEVELS, False, D, K_BITS, K_PER, G, NGB,
+                         R, RR, BLOCK_N, EMULATE_RTNE, SPARSE, NK)
         k_hi = _key_tile(t, tm, t0, limit, nqk, row, bh64, NSG, k_codes, k_scale, k_zero, k_res, k_levels,
-                         HD, HD, HD_P, MIXED, HAS_LEVELS, False, D, K_BITS, K_PER, G, NGB, R, RR, BLOCK_N, EMULATE_RTNE)
+                         k_sparse, k_sparse_idx, NKR, HD, HD, HD_P, MIXED, HAS_LEVELS, False, D, K_BITS, K_PER, G,
+                         NGB, R, RR, BLOCK_N, EMULATE_RTNE, SPARSE, NK)
         s = _rope_qk(q, q_hi, k_lo, k_hi, t, freq, DT, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE)
     else:
         k = _key_tile(t, tm, t0, limit, nqk, row, bh64, NSG, k_codes, k_scale, k_zero, k_res, k_levels,
-                      0, D, D_P, MIXED, HAS_LEVELS, LOWP, D, K_BITS, K_PER, G, NGB, R, RR, BLOCK_N, EMULATE_RTNE)
+                      k_sparse, k_sparse_idx, NKR, 0, D, D_P, MIXED, HAS_LEVELS, LOWP, D, K_BITS, K_PER, G, NGB,
+                      R, RR, BLOCK_N, EMULATE_RTNE, SPARSE, NK)
         s = _qk_dot(q, k, DOT_F32, F32_PRECISION)
 
     visible = row_ok[:, None] & tm[None, :] & (t[None, :] <= pos[:, None])
@@ -212,6 +229,11 @@ def _attend_tile(
     vdq = vc * vs + vz
     if LOWP:
         vdq = _cast_sat(vdq, DT, EMULATE_RTNE)
+    if SPARSE:  # per token, the NV exact value outliers (channels in v_sparse_idx, -1 none)
+        for j in range(NV):
+            exact = tl.load(v_sparse + row * NV + j, mask=vq, other=0.0)
+            vch = tl.load(v_sparse_idx + row * NV + j, mask=vq, other=-1).to(tl.int32)
+            vdq = tl.where(d[None, :] == vch[:, None], exact.to(vdq.dtype)[:, None], vdq)
     if MIXED:
         slot = (bh64 * RR + (t % R)[:, None]) * D + d[None, :]
         vres = tl.load(v_res + slot, mask=(tm & (t >= nqv))[:, None] & dmask[None, :], other=0.0)
@@ -261,13 +283,15 @@ def _attend_split_kernel(
     q_ptr, s_qb, s_qh, s_qm, s_qd,
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths_ptr, counts_ptr,
     pool_k, pool_v, pool_pos, k_levels, v_levels, rope_inv_freq, ws_m, ws_l, ws_acc, out_ptr,
-    H, S, NSG, Q_LEN, M, M_PAD, P, qk_scale,
+    k_sparse, k_sparse_idx, v_sparse, v_sparse_idx,
+    H, S, NSG, Q_LEN, M, M_PAD, P, NKR, qk_scale,
     HAS_COUNTS: tl.constexpr, HAS_POOL: tl.constexpr, P_P: tl.constexpr, HAS_LEVELS: tl.constexpr,
     ROPE: tl.constexpr, QG: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr,
     K_BITS: tl.constexpr, K_PER: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr,
     G: tl.constexpr, NGB: tl.constexpr, NGV: tl.constexpr, NGV_P: tl.constexpr, GV_P: tl.constexpr,
     R: tl.constexpr, RR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     LOWP: tl.constexpr, DOT_F32: tl.constexpr, F32_PRECISION: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+    SPARSE: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
 ):
     bh = tl.program_id(0)
     sp = tl.program_id(2)
@@ -324,15 +348,17 @@ def _attend_split_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_hi, freq, t0, mid, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
             k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
+            k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR,
             False, HAS_POOL, HAS_LEVELS, ROPE, D, D_P, HD, HD_P, K_BITS, K_PER, V_BITS, V_PER,
-            G, NGB, NGV, NGV_P, GV_P, R, RR, BLOCK_N, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE,
+            G, NGB, NGV, NGV_P, GV_P, R, RR, BLOCK_N, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE, SPARSE, NK, NV,
         )
     for t0 in range(mid, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_hi, freq, t0, hi, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
             k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
+            k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR,
             True, HAS_POOL, HAS_LEVELS, ROPE, D, D_P, HD, HD_P, K_BITS, K_PER, V_BITS, V_PER,
-            G, NGB, NGV, NGV_P, GV_P, R, RR, BLOCK_N, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE,
+            G, NGB, NGV, NGV_P, GV_P, R, RR, BLOCK_N, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE, SPARSE, NK, NV,
         )
     if HAS_POOL:
         # Split 0 also takes the pool's exact tokens; the reduce kernel merges them like any split.
@@ -386,8 +412,8 @@ def attend_split(
     num_stages: int = 2,
 ) -> torch.Tensor:
     """Attention of query [B, Hq, q, D] over the cache, like attend_reference (module doc); any
-    q_len, head_dim >= 16. The pool (t.pool) and KVQuant's nuq levels and pre-RoPE keys
-    (t.extras) are read by the kernel; the sparse outlier store is refused (ValueError).
+    q_len, head_dim >= 16. The pool (t.pool) and KVQuant's nuq levels, pre-RoPE keys and sparse
+    outlier store (t.extras) are read by the kernel.
     num_splits / block_n / num_warps / num_stages override the static choices (tests, tuning)."""
     (B, H, S, D, R, RR, G, gv), pool_args, extras_args, out = attend_setup(query, t, p)
     if out.numel() == 0:
@@ -407,7 +433,9 @@ def attend_split(
     m_pad = m_blocks * block_m
     d_p = next_pow2(D)
     if block_n is None:
-        block_n = default_block_n
+        # The outliers' [BLOCK_N, D] rows cost registers: half-size tiles keep the sm_90 compile
+        # free of spills (ptxas_sm90.json).
+        block_n = max(16, default_block_n // 2) if t.extras.sparse else default_block_n
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     ngv, ngv_p, gv_p = D // gv, next_pow2(D // gv), next_pow2(gv)
@@ -429,13 +457,15 @@ def attend_split(
     ws_m, ws_l, ws_acc = split_workspace(B * H, num_splits, m_pad, D, out)
     kper, vper = codes_per_byte(k_bits), codes_per_byte(v_bits)
     pool_k, pool_v, pool_pos, P, has_pool, p_p = pool_args
+    k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, nkr, nk, nv, sparse = sparse_launch_args(t, p)
     wrap = torch.library.wrap_triton
     with device_ctx(query):
         wrap(_attend_split_kernel)[(B * H, m_blocks, num_splits)](
             query, query.stride(0), query.stride(1), query.stride(2), query.stride(3),
             k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, cnt,
             pool_k, pool_v, pool_pos, k_levels, v_levels, rope_inv_freq, ws_m, ws_l, ws_acc, out,
-            H, S, k_scale.shape[2], q_len, M, m_pad, P, float(scale) * LOG2E,
+            k_sparse, k_sparse_idx, v_sparse, v_sparse_idx,
+            H, S, k_scale.shape[2], q_len, M, m_pad, P, nkr, float(scale) * LOG2E,
             HAS_COUNTS=has_counts, HAS_POOL=has_pool, P_P=p_p, HAS_LEVELS=has_levels, ROPE=rope,
             # pre-RoPE halves padded to tl.dot's K >= 16 (zero channels add nothing)
             QG=QG, D=D, D_P=d_p, HD=D // 2, HD_P=max(16, next_pow2(D // 2)),
@@ -443,7 +473,7 @@ def attend_split(
             G=G, NGB=max(block_n // G, 1), NGV=ngv, NGV_P=ngv_p, GV_P=gv_p,
             R=R, RR=RR, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             LOWP=lowp, DOT_F32=dot_f32, F32_PRECISION=F32_DOT_PRECISION, EMULATE_RTNE=interp,
-            num_warps=num_warps, num_stages=num_stages,
+            SPARSE=sparse, NK=nk, NV=nv, num_warps=num_warps, num_stages=num_stages,
         )
         if num_splits > 1:
             launch_reduce(ws_m, ws_l, ws_acc, out, B * H, M, m_pad, num_splits)
