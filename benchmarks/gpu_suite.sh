@@ -15,7 +15,8 @@ for stage in $stages; do
   echo "=== $stage ($(date +%T))"
   case $stage in
     tests) timeout 240 python3 -m pytest -q -p no:randomly tests/test_triton_kernels.py tests/test_gpu.py 2>&1 | tail -25 ;;
-    sweep) timeout 120 python3 benchmarks/gpu_attend_sweep.py 32768 0:32:1:2,0:32:2:2,0:32:4:2 2>&1 | tail -8 ;;
+    # the old default (1 warp x 32 tokens, spills) against the no-spill candidates (ptxas_sm90.json)
+    sweep) timeout 120 python3 benchmarks/gpu_attend_sweep.py 1024,32768 0:32:1:2,0:16:4:2,0:16:8:2,0:32:8:2 2>&1 | tail -12 ;;
     attention) timeout 200 kivi bench attention --device cuda --out "$OUT" 2>&1 | sed "/it\/s/d" ;;
     decode) timeout 300 kivi bench decode --device cuda --model llama2-7b-shape --contexts 1024,32768 --batches 1 \
               --new-tokens 64 --out "$OUT" 2>&1 | sed "/it\/s/d" ;;

@@ -46,13 +46,16 @@ from .triton_attend import (
 )
 from .triton_quant import device_ctx, interpreting
 
-# Launch defaults chosen by ptxas, without a GPU (benchmarks/ptxas_usage.py, results/ptxas_sm90.json):
-# 1 warp with 32-token tiles needed 255 registers and spilled up to 1.8 KB per thread at head_dim
-# 128; 4 warps with 16-token tiles use 64-113 registers with no spill at every benchmark shape
-# (occupancy 0.25-0.5). Not yet timed on a GPU: benchmarks/gpu_attend_sweep.py is the check.
-DECODE_BLOCK_N = 16
+# Launch defaults: 1 warp x 32-token tiles timed fastest on the H100 among 1, 2 and 4 warps x 32
+# tokens (docs/performance.md), although ptxas reports 255 registers and up to 1.8 KB of spills per
+# thread at head_dim 128 (results/ptxas_sm90.json). 4 warps x 16 tokens (64-113 registers, no
+# spills) was never timed: benchmarks/gpu_suite.sh's sweep compares them. The sparse store's path
+# (every tile mixed, never timed either) takes the no-spill configuration: 56-114 registers.
+DECODE_BLOCK_N = 32
 DECODE_PROGRAMS_PER_SM = 16
-DECODE_NUM_WARPS = 4
+DECODE_NUM_WARPS = 1
+SPARSE_DECODE_BLOCK_N = 16
+SPARSE_DECODE_NUM_WARPS = 4
 
 
 @triton.jit
@@ -345,7 +348,8 @@ def attend_decode(
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = t.kivi
     k_bits, v_bits = p.k_bits, p.v_bits
     QG = Hq // H
-    block_n = min(block_n or DECODE_BLOCK_N, G)  # a tile never straddles a key group
+    sparse_store = t.extras.sparse
+    block_n = min(block_n or (SPARSE_DECODE_BLOCK_N if sparse_store else DECODE_BLOCK_N), G)  # within a key group
     if num_splits is None:
         target = num_programs_target(query.device) // 2 * DECODE_PROGRAMS_PER_SM
         num_splits = max(1, min(triton.cdiv(target, B * Hq), triton.cdiv(max(S, 1), block_n), MAX_SPLITS))
@@ -370,7 +374,8 @@ def attend_decode(
             QG=QG, D=D, K_BITS=k_bits, K_PER=codes_per_byte(k_bits),
             V_BITS=v_bits, V_PER=codes_per_byte(v_bits), G=G, NGV=D // gv, GV=gv, R=R, RR=RR,
             BLOCK_N=block_n, NUM_SPLITS=num_splits, EMULATE_RTNE=interp, SPARSE=sparse, NK=nk, NV=nv,
-            num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages,
+            num_warps=num_warps or (SPARSE_DECODE_NUM_WARPS if sparse_store else DECODE_NUM_WARPS),
+            num_stages=num_stages,
         )
         if num_splits > 1:
             launch_reduce(ws_m, ws_l, ws_acc, out, B * H, QG, QG, num_splits)
