@@ -735,3 +735,36 @@ def test_append_refuses_the_pool():
     empty = tuple(x[..., :0, :] if x.dim() == 4 else x[..., :0] for x in pool)
     append_triton(layer(cache, empty), kv, kv, None, QuantParams(2, 2, 4, 8))
     assert _cpu(cache[-1]).tolist() == [1]
+
+
+# ---------------------------------------------------------------- the option matrix (issue 16, item 4)
+
+MATRIX_OPTIONS = ("plain", "nuq", "rope", "sparse", "pool")
+MATRIX = [(option, D, heads, dtype) for option in MATRIX_OPTIONS for D in (64, 128) for heads in ((4, 4), (8, 2))
+          for dtype in (torch.float16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("option,D,heads,dtype,kernel", [
+    pytest.param(*case, kernel, id=f"{case[0]}-d{case[1]}-{case[2][0]}q{case[2][1]}kv-{str(case[3])[6:]}-{kernel}")
+    for case in MATRIX for kernel in kernels(1)])
+def test_decode_attention_option_matrix(option, D, heads, dtype, kernel):
+    """Both attention kernels against the reference for a decode query, for each option alone, head_dim
+    64 and 128, MHA and GQA, fp16 and bf16 (the focused tests above vary lengths, padding and q_len)."""
+    Hq, H = heads
+    B, S, R, G, k_bits, v_bits = 2, 48, 8, 4, 2, 4
+    extras = _kvq_extras(option == "nuq", 1.0 if option == "rope" else None, D, k_bits, v_bits)
+    if option == "sparse":
+        extras = extras._replace(**sparse_store(B, H, S, D, R, 1, 2, dtype))
+    if option == "pool":
+        cache, pool = fill_pool_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, [(19, [19, 11]), (1, None)], 1, 2, 1)
+        params = QuantParams(k_bits, v_bits, G, R, 1, 2)
+    else:
+        cache, pool = fill_reference_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, [20, 12], extras=extras), None
+        params = QuantParams(k_bits, v_bits, G, R)
+    query = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(3)).to(dtype)
+    ref = attend_reference(query, layer(cache, pool, extras), None, params, D**-0.5)
+    out = _cpu(ATTEND[kernel](query.to(DEVICE), layer([_dev(t) for t in cache], None if pool is None else
+                                                      tuple(map(_dev, pool)), Extras(*map(_dev, extras))),
+                              None, params, D**-0.5, num_splits=2, block_n=16))
+    tol = _kvq_tolerance(dtype)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
