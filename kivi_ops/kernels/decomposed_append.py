@@ -136,6 +136,9 @@ def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, p
         j in [0, min(n, S)), u = q0 + j, read from v_res[u % R] (u < L) or value[u - L], quantized
         per token, written to rows u % S where u < q1. Slot s of v_res holds the newest token
         u = s (mod R) below end if that token is new.
+
+    flush_under_cond (dispatch's "decomposed_cond", CPU compile): the key flush runs only when
+    some row completes a window, under torch.cond (eagerly, a Python if). Writes are the same.
     """
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = layer.kivi
     k_bits, v_bits, G, R = params[:4]
