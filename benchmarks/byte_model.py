@@ -32,18 +32,17 @@ import torch  # noqa: E402
 
 @contextlib.contextmanager
 def counting_loads():
-    """Within: {kernel name: [loaded bytes, set of addresses (per element size)]} of every launch."""
+    """Within: {kernel name: {"loaded": bytes of unmasked lanes, "bytes_per_address": {address:
+    element size}}} of every launch."""
     from triton.runtime import interpreter
-    from triton.runtime.jit import JITFunction
 
     counts: dict[str, dict] = {}
     current = [None]
     builder = interpreter.InterpreterBuilder
-    saved_load, saved_getitem = builder.create_masked_load, JITFunction.__getitem__
-    saved_wrap = torch.library.wrap_triton
+    saved_load, saved_wrap = builder.create_masked_load, torch.library.wrap_triton
 
     def load(self, ptrs, mask, other, *args):
-        rec = counts.setdefault(current[0], dict(loaded=0, addresses=set(), bytes_per_address={}))
+        rec = counts.setdefault(current[0], dict(loaded=0, bytes_per_address={}))
         size = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
         addresses = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)]
         rec["loaded"] += int(addresses.size) * size
@@ -65,8 +64,7 @@ def counting_loads():
     try:
         yield counts
     finally:
-        builder.create_masked_load, JITFunction.__getitem__ = saved_load, saved_getitem
-        torch.library.wrap_triton = saved_wrap
+        builder.create_masked_load, torch.library.wrap_triton = saved_load, saved_wrap
 
 
 def must_read_attend(L: int, B: int, Hq: int, H: int, D: int, bits: int, G: int, R: int, elt: int = 2) -> int:
@@ -85,6 +83,17 @@ def must_read_append(B: int, H: int, D: int, R: int, flush: bool, elt: int = 2) 
     window, and the key window it completes (R - 1 residual keys) when it flushes; lengths."""
     per_head = 2 * D * elt + D * elt + ((R - 1) * D * elt if flush else 0)
     return B * H * per_head + B * 8
+
+
+def _rows(shape: dict, step: str, context: int, must: int, counts: dict) -> list[dict]:
+    """One row per kernel of a counting_loads record."""
+    rows = []
+    for kernel, rec in counts.items():
+        distinct = sum(rec["bytes_per_address"].values())
+        rows.append(dict(**shape, step=step, context=context, kernel=kernel, must_read_bytes=must,
+                         loaded_bytes=rec["loaded"], distinct_bytes=distinct, loaded_over_must=rec["loaded"] / must,
+                         distinct_over_must=distinct / must))
+    return rows
 
 
 def measure(tokens: int) -> list[dict]:
@@ -112,21 +121,13 @@ def measure(tokens: int) -> list[dict]:
                 L = int(layer.lengths[0])
                 must = (must_read_append(B, H, D, R, flush=False) if what.startswith("append")
                         else must_read_attend(L, B, Hq, H, D, bits, G, R))
-                for kernel, rec in counts.items():
-                    distinct = sum(rec["bytes_per_address"].values())
-                    rows.append(dict(**shape, step=what, context=L, kernel=kernel, must_read_bytes=must,
-                                     loaded_bytes=rec["loaded"], distinct_bytes=distinct,
-                                     loaded_over_must=rec["loaded"] / must, distinct_over_must=distinct / must))
+                rows += _rows(shape, what, L, must, counts)
             # The step that completes a key window: lengths to R * k - 1, then one token.
             layer.lengths.fill_((tokens // R) * R + R - 1)
             with counting_loads() as counts:
                 append_triton(layer, new[0], new[1], None, params)
-            must = must_read_append(B, H, D, R, flush=True)
-            for kernel, rec in counts.items():
-                distinct = sum(rec["bytes_per_address"].values())
-                rows.append(dict(**shape, step="append (key flush)", context=int(layer.lengths[0]), kernel=kernel,
-                                 must_read_bytes=must, loaded_bytes=rec["loaded"], distinct_bytes=distinct,
-                                 loaded_over_must=rec["loaded"] / must, distinct_over_must=distinct / must))
+            rows += _rows(shape, "append (key flush)", int(layer.lengths[0]), must_read_append(B, H, D, R, flush=True),
+                          counts)
     return rows
 
 

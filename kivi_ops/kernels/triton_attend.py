@@ -231,10 +231,10 @@ def pool_launch_args(t: LayerTensors) -> tuple:
     return pool_k, pool_v, pool_pos, P, True, next_pow2(P)
 
 
-def extras_launch_args(t: LayerTensors, p: QuantParams, sparse_ok: bool = False) -> tuple:
-    """(k_levels, v_levels, rope_inv_freq, HAS_LEVELS, ROPE) for the attention kernels; absent ones
-    are dummy pointers the kernels never read (the flags off compile the plain kernels)."""
-    extras = check_kernel_extras(t, p, sparse_ok)
+def extras_launch_args(t: LayerTensors, p: QuantParams, extras: Extras) -> tuple:
+    """(k_levels, v_levels, rope_inv_freq, HAS_LEVELS, ROPE) for the attention kernels from the
+    checked extras; absent ones are dummy pointers the kernels never read (the flags off compile
+    the plain kernels)."""
     has_levels, rope = extras.k_levels is not None, extras.rope_inv_freq is not None
     D = t.k_res.shape[-1]
     # Pre-RoPE keys are dequantized in halves of D/2 channels: each half whole bytes of codes.
@@ -246,28 +246,28 @@ def extras_launch_args(t: LayerTensors, p: QuantParams, sparse_ok: bool = False)
             extras.rope_inv_freq if rope else k_scale, has_levels, rope)
 
 
-def sparse_launch_args(t: LayerTensors, p: QuantParams) -> tuple:
+def sparse_launch_args(t: LayerTensors, p: QuantParams, extras: Extras) -> tuple:
     """(k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, key rows, NK, NV, SPARSE) for the attention
-    kernels (shapes checked by check_kernel_extras); without the store, dummy pointers they never
-    read and SPARSE False."""
-    e = t.extras
-    if not e.sparse:
+    kernels from the checked extras; without the store, dummy pointers they never read and SPARSE
+    False."""
+    if not extras.sparse:
         return t.k_scale, t.k_scale, t.k_scale, t.k_scale, 0, 0, 0, False
-    S = t.k_codes.shape[2]
-    nk = key_outliers_per_window(e.k_sparse, S, p.residual_length)
-    return (e.k_sparse.contiguous(), e.k_sparse_idx.contiguous(), e.v_sparse.contiguous(),
-            e.v_sparse_idx.contiguous(), e.k_sparse.shape[2], nk, e.v_sparse.shape[-1], True)
+    nk = key_outliers_per_window(extras.k_sparse, t.k_codes.shape[2], p.residual_length)
+    return (extras.k_sparse, extras.k_sparse_idx, extras.v_sparse, extras.v_sparse_idx, extras.k_sparse.shape[2], nk,
+            extras.v_sparse.shape[-1], True)
 
 
 def attend_setup(query: torch.Tensor, t: LayerTensors, p: QuantParams):
     """The checks both attention launchers start with: ((B, H, S, D, R, RR, G, Gv) of the cache,
-    pool_launch_args, extras_launch_args, the output [B, Hq, q_len, D] in the query's dtype)."""
+    pool_launch_args, extras_launch_args, sparse_launch_args, the output [B, Hq, q_len, D] in the
+    query's dtype)."""
     dims = check_cache(t, p)
     B, H, S, D = dims[:4]
     pool_args = pool_launch_args(t)
-    extras_args = extras_launch_args(t, p, sparse_ok=True)
+    extras = check_kernel_extras(t, p, sparse_ok=True)
+    extras_args, sparse_args = extras_launch_args(t, p, extras), sparse_launch_args(t, p, extras)
     Bq, Hq, q_len, Dq = query.shape
     if Bq != B or Dq != D or Hq % H:
         raise ValueError(f"query {tuple(query.shape)} does not match the cache (B={B}, H={H}, D={D})")
     out = torch.empty((B, Hq, q_len, D), dtype=query.dtype, device=query.device)
-    return dims, pool_args, extras_args, out
+    return dims, pool_args, extras_args, sparse_args, out

@@ -42,7 +42,7 @@ from ..layout import LayerTensors, QuantParams
 from ..packing import codes_per_byte
 from .triton_attend import (
     LOG2E, MAX_SPLITS, _cast_sat, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
-    launch_reduce, num_programs_target, sparse_launch_args, split_workspace,
+    launch_reduce, num_programs_target, split_workspace,
 )
 from .triton_quant import device_ctx, interpreting
 
@@ -336,7 +336,8 @@ def attend_decode(
     The pool (t.pool) and KVQuant's nuq levels, pre-RoPE keys and sparse outlier store (t.extras)
     are read by the kernel. num_splits / block_n / num_warps /
     num_stages override the static choices (tests, tuning)."""
-    (B, H, S, D, R, RR, G, gv), pool_args, extras_args, out = attend_setup(query, t, p)
+    (B, H, S, D, R, RR, G, gv), pool_args, extras_args, sparse_args, out = attend_setup(query, t, p)
+    k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, nkr, nk, nv, sparse = sparse_args
     Hq, q_len = query.shape[1], query.shape[2]
     if q_len != 1:
         raise ValueError(f"attend_decode takes one query per row (q_len == 1), got q_len={q_len}; "
@@ -348,8 +349,7 @@ def attend_decode(
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = t.kivi
     k_bits, v_bits = p.k_bits, p.v_bits
     QG = Hq // H
-    sparse_store = t.extras.sparse
-    block_n = min(block_n or (SPARSE_DECODE_BLOCK_N if sparse_store else DECODE_BLOCK_N), G)  # within a key group
+    block_n = min(block_n or (SPARSE_DECODE_BLOCK_N if sparse else DECODE_BLOCK_N), G)  # within a key group
     if num_splits is None:
         target = num_programs_target(query.device) // 2 * DECODE_PROGRAMS_PER_SM
         num_splits = max(1, min(triton.cdiv(target, B * Hq), triton.cdiv(max(S, 1), block_n), MAX_SPLITS))
@@ -361,7 +361,6 @@ def attend_decode(
     interp = interpreting()
     pool_k, pool_v, pool_pos, P, has_pool, p_p = pool_args
     k_levels, v_levels, rope_inv_freq, has_levels, rope = extras_args
-    k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, nkr, nk, nv, sparse = sparse_launch_args(t, p)
     wrap = torch.library.wrap_triton
     with device_ctx(query):
         wrap(_attend_decode_kernel)[(B * Hq, num_splits)](
@@ -374,7 +373,7 @@ def attend_decode(
             QG=QG, D=D, K_BITS=k_bits, K_PER=codes_per_byte(k_bits),
             V_BITS=v_bits, V_PER=codes_per_byte(v_bits), G=G, NGV=D // gv, GV=gv, R=R, RR=RR,
             BLOCK_N=block_n, NUM_SPLITS=num_splits, EMULATE_RTNE=interp, SPARSE=sparse, NK=nk, NV=nv,
-            num_warps=num_warps or (SPARSE_DECODE_NUM_WARPS if sparse_store else DECODE_NUM_WARPS),
+            num_warps=num_warps or (SPARSE_DECODE_NUM_WARPS if sparse else DECODE_NUM_WARPS),
             num_stages=num_stages,
         )
         if num_splits > 1:

@@ -43,7 +43,7 @@ from ..layout import LayerTensors, QuantParams
 from ..packing import codes_per_byte
 from .triton_attend import (
     LOG2E, MAX_SPLITS, _cast, _cast_sat, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
-    launch_reduce, num_programs_target, sparse_launch_args, split_workspace,
+    launch_reduce, num_programs_target, split_workspace,
 )
 from .triton_quant import device_ctx, interpreting, next_pow2, unpack_codes
 
@@ -415,7 +415,8 @@ def attend_split(
     q_len, head_dim >= 16. The pool (t.pool) and KVQuant's nuq levels, pre-RoPE keys and sparse
     outlier store (t.extras) are read by the kernel.
     num_splits / block_n / num_warps / num_stages override the static choices (tests, tuning)."""
-    (B, H, S, D, R, RR, G, gv), pool_args, extras_args, out = attend_setup(query, t, p)
+    (B, H, S, D, R, RR, G, gv), pool_args, extras_args, sparse_args, out = attend_setup(query, t, p)
+    k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, nkr, nk, nv, sparse = sparse_args
     if out.numel() == 0:
         return out
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = t.kivi
@@ -435,7 +436,7 @@ def attend_split(
     if block_n is None:
         # The outliers' [BLOCK_N, D] rows cost registers: half-size tiles keep the sm_90 compile
         # free of spills (ptxas_sm90.json).
-        block_n = max(16, default_block_n // 2) if t.extras.sparse else default_block_n
+        block_n = max(16, default_block_n // 2) if sparse else default_block_n
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     ngv, ngv_p, gv_p = D // gv, next_pow2(D // gv), next_pow2(gv)
@@ -457,7 +458,6 @@ def attend_split(
     ws_m, ws_l, ws_acc = split_workspace(B * H, num_splits, m_pad, D, out)
     kper, vper = codes_per_byte(k_bits), codes_per_byte(v_bits)
     pool_k, pool_v, pool_pos, P, has_pool, p_p = pool_args
-    k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, nkr, nk, nv, sparse = sparse_launch_args(t, p)
     wrap = torch.library.wrap_triton
     with device_ctx(query):
         wrap(_attend_split_kernel)[(B * H, m_blocks, num_splits)](
