@@ -136,6 +136,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args()
+    if args.tokens < 2:
+        parser.error(f"--tokens must be at least 2 (a cache, then one appended token), got {args.tokens}")
     import triton
 
     rows = measure(args.tokens)
