@@ -27,11 +27,26 @@ def outlier_count(fraction: float, vector_length: int) -> int:
     return max(1, round(fraction * vector_length)) if fraction > 0 else 0
 
 
-def select_outliers(x: torch.Tensor, count: int, dim: int):
+def select_outliers(x: torch.Tensor, count: int, dim: int, ignore: torch.Tensor | None = None):
     """The count entries of largest magnitude along dim, per vector of x: (mask of x's shape,
-    their exact values, their indices along dim as int16). The one outlier selection: the
-    cache's sparse store and fake quantization both use it."""
-    idx = x.float().abs().topk(count, dim=dim).indices
+    their exact values, their indices along dim as int16), in order of decreasing magnitude; of
+    equal magnitudes the lowest index comes first. ignore (x's shape, bool): entries picked only
+    after every other one (pooled tokens, exact elsewhere). The one outlier selection: the cache's
+    sparse store and fake quantization both use it, and the Triton append kernels follow the same
+    rule (triton_append._pick_largest), so every implementation keeps the same entries.
+
+    One argmax per outlier (counts are small: 1% of a vector) rather than topk, whose order among
+    ties is unspecified and differs between devices; argmax returns the first maximal index.
+    Magnitudes are >= 0; ignored entries count as -1, picked ones as -2."""
+    mag = x.float().abs()
+    if ignore is not None:
+        mag = mag.masked_fill(ignore, -1.0)
+    picks = []
+    for _ in range(count):
+        pick = mag.argmax(dim=dim, keepdim=True)
+        picks.append(pick)
+        mag = mag.scatter(dim, pick, -2.0)
+    idx = torch.cat(picks, dim=dim)
     mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device).scatter(dim, idx, True)
     return mask, torch.gather(x, dim, idx), idx.to(torch.int16)
 

@@ -98,11 +98,13 @@ def key_outliers_per_window(k_sparse: Tensor, S: int, R: int) -> int:
     return k_sparse.shape[2] // (S // R) if S // R else 0
 
 
-def select_key_outliers(stream: Tensor, nk: int, R: int):
+def select_key_outliers(stream: Tensor, nk: int, R: int, pooled: Optional[Tensor] = None):
     """stream [B, H, windows * R, D] of exact keys about to be quantized, window by window:
-    (exclude mask of stream's shape, values [B, H, windows * nk, D], token offsets int16)."""
+    (exclude mask of stream's shape, values [B, H, windows * nk, D], token offsets int16).
+    pooled [B, H, windows * R]: tokens the pool keeps exact, picked last."""
     B, H, W, D = stream.shape
-    mask, vals, idx = select_outliers(stream.reshape(B, H, W // R, R, D), nk, dim=3)
+    ignore = None if pooled is None else pooled.reshape(B, H, W // R, R, 1).expand(B, H, W // R, R, D)
+    mask, vals, idx = select_outliers(stream.reshape(B, H, W // R, R, D), nk, dim=3, ignore=ignore)
     return mask.reshape(B, H, W, D), vals.reshape(B, H, -1, D), idx.reshape(B, H, -1, D)
 
 

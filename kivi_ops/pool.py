@@ -11,10 +11,11 @@ filled in order.
 
 A pooled token keeps its copies in the quantized part / residual windows, but attention masks
 them out and uses the pool's exact key and value instead, in the same softmax. Key quantization
-groups containing pooled tokens (sinks, new outliers) quantize with those rows replaced by the
-mean of the group's other rows, so pooled tokens never enter the statistics (the mean lies in
-the others' [min, max], so it changes no scale or zero). Values are quantized per token, so a
-pooled token's value affects only its own (masked) slot and is quantized unchanged.
+groups containing pooled tokens (sinks, new outliers) take their min/max without those rows (the
+`exclude` of packing.quantize_pack_reference, as dense-and-sparse outliers do; the rows' own codes
+saturate and are never read), so pooled tokens never enter the statistics, and the sparse store's
+key outlier selection picks them last. Values are quantized per token, so a pooled token's value
+affects only its own (masked) slot and is quantized unchanged.
 
 OTT step (paper 003, Section 3.2 / Appendix E), run per (sequence, kv head) on each window of R
 keys the cache quantizes (our quantization step; KIVI flushes keys R at a time):
@@ -22,7 +23,7 @@ keys the cache quantizes (our quantization step; KIVI flushes keys R at a time):
   score = L1 norm of the exact key over head_dim (Appendix E's ||K_i||_1);
   the N smallest scores form the new outlier pool (ties: pool before window, then by position);
   pool tokens that lost are evicted to the spill pool, appended in their old pool order (they
-  stay exact and masked: their quantized rows already hold the group mean, so they cannot
+  stay exact and masked: their groups were quantized without them, so they cannot
   "return to their original positions", which the paper also avoids with this pool);
   if the spill pool lacks room for this step's evictions, the step changes nothing (no new
   outliers; the window quantizes as plain KIVI, sinks aside): the paper's "when this pool is
@@ -66,19 +67,6 @@ def pooled_mask_dense(pool_pos: Tensor, S: int) -> Tensor:
     idx = torch.where(pool_pos >= 0, pool_pos, S).clamp(max=S)  # empty slots hit a spare column
     flags = torch.zeros((B, H, S + 1), dtype=torch.int32, device=pool_pos.device)
     return flags.scatter(2, idx, 1)[..., :S] > 0
-
-
-def replace_pooled_rows(x: Tensor, pooled: Tensor, group_size: int) -> Tensor:
-    """x [B, H, T, D] (T a multiple of G), pooled [B, H, T]: each pooled row replaced by the mean
-    of its G-token group's other rows (0 if the whole group is pooled), in x's dtype."""
-    B, H, T, D = x.shape
-    G = group_size
-    keep = (~pooled).view(B, H, T // G, G, 1)
-    xf = x.float().view(B, H, T // G, G, D)
-    n = keep.sum(dim=3, keepdim=True)
-    mean = torch.where(keep, xf, torch.zeros((), device=x.device)).sum(dim=3, keepdim=True) / n.clamp(min=1)
-    mean = torch.where(n > 0, mean, torch.zeros((), device=x.device)).to(x.dtype)
-    return torch.where(pooled[..., None], mean.expand(B, H, T // G, G, D).reshape(B, H, T, D), x)
 
 
 def _pick(src: Tensor, onehot: Tensor) -> tuple[Tensor, Tensor]:

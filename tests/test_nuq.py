@@ -166,6 +166,21 @@ def test_outlier_mask_takes_the_largest_magnitudes_per_vector():
         outlier_mask(x, 0.7, "token")
 
 
+def test_outlier_selection_orders_by_magnitude_then_lowest_index():
+    """One tie rule for every implementation (the Triton append kernels follow it too): larger
+    magnitude first, and of equal magnitudes (either sign) the lowest index. topk leaves the
+    order of ties unspecified: on CPU [1, 3, 2, 3, 3].topk(2) gives indices [1, 4]."""
+    from kivi_ops.dense_sparse import select_outliers
+
+    x = torch.tensor([[1.0, 3.0, 2.0, -3.0, 3.0], [0.0, -0.5, 0.5, 4.0, -4.0]])
+    mask, vals, idx = select_outliers(x, 3, dim=-1)
+    assert idx.tolist() == [[1, 3, 4], [3, 4, 1]] and idx.dtype == torch.int16
+    assert vals.tolist() == [[3.0, -3.0, 3.0], [4.0, -4.0, -0.5]]
+    assert mask.tolist() == [[False, True, False, True, True], [False, True, False, True, True]]
+    _, _, idx = select_outliers(x.T, 2, dim=0)  # along another axis
+    assert idx.tolist() == [[1, 3], [3, 4]]
+
+
 def test_dense_and_sparse_keeps_outliers_exact_and_out_of_the_range():
     from kivi_ops.dense_sparse import outlier_mask
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from ..extras import key_outliers_per_window, select_key_outliers, select_outliers
 from ..layout import LayerTensors, QuantParams
 from ..packing import quantize_pack_reference
-from ..pool import ott_step, replace_pooled_rows
+from ..pool import ott_step
 
 
 def mod_nonneg(x: Tensor, m: int, bound: int) -> Tensor:
@@ -79,6 +79,7 @@ def _flush_key_windows(layer: LayerTensors, key: Tensor, value: Tensor, params: 
     old_part = k_res[:, :, j.clamp(max=RR - 1)]  # slot of u < L is u % R = j (nqk % R == 0)
     new_part = _take_tokens(key, bi, hi, (u - L[:, None]).clamp(0, last_new))
     stream = torch.where(from_res[:, None, :, None], old_part.expand(B, H, W, D), new_part)
+    pooled = None
     if pool is not None:
         pk, pv, ppos, sink, n_out = pool
         pooled = (u < sink)[:, None, :].expand(B, H, W)
@@ -98,11 +99,12 @@ def _flush_key_windows(layer: LayerTensors, key: Tensor, value: Tensor, params: 
             pk = torch.cat([pk[:, :, :a], state[0], state[3]], 2)
             pv = torch.cat([pv[:, :, :a], state[1], state[4]], 2)
             ppos = torch.cat([ppos[:, :, :a], state[2], state[5]], 2)
-        stream = replace_pooled_rows(stream, pooled, G)
-    exclude = None
+    # Pooled tokens (sinks, new outliers) are exact in the pool: out of the statistics.
+    exclude = None if pooled is None else pooled[..., None].expand(B, H, W, D)
     nk = key_outliers_per_window(extras.k_sparse, S, R) if extras.sparse else 0
     if nk:  # dense-and-sparse: per channel, the window's largest keys stay exact
-        exclude, vals, idx = select_key_outliers(stream, nk, R)
+        outliers, vals, idx = select_key_outliers(stream, nk, R, pooled)
+        exclude = outliers if exclude is None else exclude | outliers
         oj = torch.arange(windows * nk, device=device)
         orows = (torch.div(nqk, R, rounding_mode="floor")[:, None] * nk + oj[None, :]) % extras.k_sparse.shape[2]
         ovalid = torch.div(oj, nk, rounding_mode="floor")[None, :] * R < flushed

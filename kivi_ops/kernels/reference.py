@@ -15,7 +15,7 @@ from ..extras import (apply_key_outliers, apply_value_outliers, key_outliers_per
 from ..layout import LayerTensors, QuantParams
 from ..packing import (code_values, dequantize_float, expand_groups, quantize_pack_reference, saturate, unpack,
                        unpack_float)
-from ..pool import ott_step, pool_attention_scores, pooled_mask, replace_pooled_rows
+from ..pool import ott_step, pool_attention_scores, pooled_mask
 from ..rope import rope_at
 
 # Tokens per step of the reference attention's online softmax: bounds the temporary
@@ -71,15 +71,16 @@ def append_reference(layer: LayerTensors, key, value, counts, params: QuantParam
         if nqk_end > nqk:
             stream = torch.cat([k_res[b, :, : L - nqk], new_k], dim=1)  # tokens [nqk, end)
             flushed = stream[:, : nqk_end - nqk]
+            pooled = exclude = None
             if pool is not None:
                 v_stream = torch.cat([v_res[b][:, torch.arange(nqk, L, device=key.device) % R], new_v], dim=1)
-                flushed = _pool_flush(pool, b, nqk, nqk_end, flushed, v_stream[:, : nqk_end - nqk], R, G)
-            exclude = None
+                pooled = _pool_flush(pool, b, nqk, nqk_end, flushed, v_stream[:, : nqk_end - nqk], R)
+                exclude = pooled[:, :, None].expand(flushed.shape)
             if nk:
-                exclude, vals, idx = select_key_outliers(flushed[None], nk, R)
+                outliers, vals, idx = select_key_outliers(flushed[None], nk, R, None if pooled is None else pooled[None])
                 rows = slice(nqk // R * nk, nqk_end // R * nk)
                 extras.k_sparse[b, :, rows], extras.k_sparse_idx[b, :, rows] = vals[0], idx[0]
-                exclude = exclude[0]
+                exclude = outliers[0] if exclude is None else exclude | outliers[0]
             codes, scale, zero = quantize_pack_reference(flushed, k_bits, G, "channel", extras.k_levels, exclude)
             k_codes[b, :, nqk:nqk_end] = codes
             k_scale[b, :, nqk // G : nqk_end // G] = scale
@@ -122,10 +123,10 @@ def _pool_sinks(pool, b, L, end, new_k, new_v) -> None:
         pool_pos[b, :, s] = s
 
 
-def _pool_flush(pool, b, nqk, nqk_end, keys, values, R, G):
+def _pool_flush(pool, b, nqk, nqk_end, keys, values, R):
     """OTT steps (pool.py) over the R-token windows [nqk, nqk_end) of sequence b, in order; keys /
-    values [H, nqk_end - nqk, D] exact. Returns the keys to quantize: sinks and new outliers
-    replaced by their group's mean."""
+    values [H, nqk_end - nqk, D] exact. Returns which of the tokens are pooled [H, nqk_end - nqk]
+    (sinks and new outliers: they stay out of the quantization statistics)."""
     pool_k, pool_v, pool_pos, sink, N = pool
     pooled = (torch.arange(nqk, nqk_end, device=keys.device) < sink)[None, :].repeat(keys.shape[0], 1)  # sinks
     if N > 0:
@@ -141,7 +142,7 @@ def _pool_flush(pool, b, nqk, nqk_end, keys, values, R, G):
             pool_k[b : b + 1, :, a:z], pool_v[b : b + 1, :, a:z], pool_pos[b : b + 1, :, a:z] = state[:3]
             pool_k[b : b + 1, :, z:], pool_v[b : b + 1, :, z:], pool_pos[b : b + 1, :, z:] = state[3:6]
             pooled[:, w0 : w0 + R] |= state[6][0]
-    return replace_pooled_rows(keys[None], pooled[None], G)[0]
+    return pooled
 
 
 def materialize_block(layer: LayerTensors, start: int, stop: int, params: QuantParams):
