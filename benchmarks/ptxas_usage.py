@@ -97,10 +97,12 @@ def compile_instead_of_launch(arch: int):
         driver._active = previous_driver
 
 
-def layer_of(*, kv_heads: int, head_dim: int, bits: int, tokens: int, batch: int = 1, sparse_outliers: float = 0.0):
+def layer_of(*, kv_heads: int, head_dim: int, bits: int, tokens: int, batch: int = 1, sparse_outliers: float = 0.0,
+             sink_tokens: int = 0, outlier_tokens: int = 0):
     from kivi_ops import KIVICache, KIVIConfig
 
-    config = KIVIConfig(k_bits=bits, v_bits=bits, group_size=32, residual_length=128, sparse_outliers=sparse_outliers)
+    config = KIVIConfig(k_bits=bits, v_bits=bits, group_size=32, residual_length=128, sparse_outliers=sparse_outliers,
+                        sink_tokens=sink_tokens, outlier_tokens=outlier_tokens, outlier_skip_layers=0)
     cache = KIVICache(config, num_layers=1,
                       batch_size=batch, max_seq_len=tokens, num_kv_heads=kv_heads, head_dim=head_dim,
                       dtype=torch.float16, device="cpu")
@@ -133,8 +135,13 @@ def cases():
                 q1, t, None, p, 0.088, num_splits=8))
             yield (f"split q_len=16 {shape} sparse 1%", {}, lambda t=ts, p=ps, q16=q16: attend_split(
                 q16, t, None, p, 0.088))
-            kv = torch.randn(1, kv_heads, 1, head_dim, dtype=torch.float16)
-            yield (f"append 1 token {shape}", {}, lambda t=t, p=p, kv=kv: append_triton(t, kv, kv, None, p))
+            tp, pp = layer_of(kv_heads=kv_heads, head_dim=head_dim, bits=bits, tokens=32768 + 256, sink_tokens=1,
+                              outlier_tokens=8)
+            for n in (1, 16):  # a decode step (one launch), a prefill chunk
+                kv = torch.randn(1, kv_heads, n, head_dim, dtype=torch.float16)
+                for option, (t_, p_) in (("", (t, p)), (" sparse 1%", (ts, ps)), (" sink 1 + OTT 8", (tp, pp))):
+                    yield (f"append {n} token{'s' if n > 1 else ''} {shape}{option}", {},
+                           lambda t=t_, p=p_, kv=kv: append_triton(t, kv, kv, None, p))
 
 
 def measure(arch: int, cases=cases) -> list[dict]:
@@ -166,7 +173,11 @@ def main() -> None:
         print(f"{r['case']:<40} {r['kernel']:<24} {knobs:<22} {r['launch_num_warps']:>5} {r['registers']:>5} "
               f"{r['spill_store_bytes']:>5}/{r['spill_load_bytes']:<6} {r['shared_bytes']:>7} {r['occupancy']:>5.2f}")
     if args.json:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True).stdout.strip()
         meta = dict(arch=f"sm_{args.arch}a", triton=triton.__version__, torch=torch.__version__,
+                    git_sha=sha + ("+uncommitted" if dirty else ""),
                     command=f"python -m kivi_benchmarks.ptxas_usage --arch {args.arch}",
                     note="compiled without a GPU (Triton's ptxas on the generated PTX); occupancy from sm_90 limits")
         Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")

@@ -12,18 +12,16 @@ Support matrix (decomposed forms are core ATen: traced inline, never inside the 
 
     device  mode            append                attend, q_len == 1         attend, q_len > 1
     cpu     eager, export   reference (op)        reference (op)             reference (op)
-    cpu     compile         decomposed_cond [5]   decomposed_fused [1]       decomposed_materialized
+    cpu     compile         decomposed_cond [3]   decomposed_fused [1]       decomposed_materialized
     any     portable        decomposed            decomposed_materialized    decomposed_materialized
-    cuda    eager, compile, triton (op) [2]       triton_decode (op) [3]     triton_split (op)
+    cuda    eager, compile, triton (op)           triton_decode (op) [2]     triton_split (op)
             export
 
 [1] decomposed_materialized with nuq levels, the sparse store or pre-RoPE keys (the fused loop
     form covers plain KIVI and the sink/OTT pool).
-[2] decomposed (run inside the op) with a sink/OTT pool or the sparse store: no Triton append
-    kernel covers them.
-[3] triton_split when head_dim is not a power of two. Both attention kernels read the sparse
+[2] triton_split when head_dim is not a power of two. Both attention kernels read the sparse
     store, nuq levels, pre-RoPE keys and the pool.
-[5] decomposed, with the key flush under torch.cond: on CPU Inductor makes it a host-side `if`,
+[3] decomposed, with the key flush under torch.cond: on CPU Inductor makes it a host-side `if`,
     so a decode step quantizes a key window only on the steps that complete one.
 Other devices run the reference inside the op (the op's CPU kernel is the only other one
 registered), which is what the dispatcher would do anyway.
@@ -66,13 +64,12 @@ def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors) 
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    sparse = layer.k_sparse is not None
     kvquant = layer.extras.active if op == "attend" else False
     if mode == "portable":
         return Choice("decomposed" if op == "append" else "decomposed_materialized", in_op=False)
     if device == "cuda":
         if op == "append":
-            return Choice("decomposed" if sparse or layer.pool is not None else "triton", in_op=True)
+            return Choice("triton", in_op=True)  # every option: the sparse store, the pool, nuq
         head_dim = layer.k_res.shape[-1]
         decode = q_len == 1 and head_dim & (head_dim - 1) == 0
         return Choice("triton_decode" if decode else "triton_split", in_op=True)

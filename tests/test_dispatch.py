@@ -50,9 +50,7 @@ def expected_choice(op, device, mode, q_len, options, head_dim):
     kvquant = {"nuq", "sparse", "pre_rope"} & options
     if impl == "decomposed_fused" and kvquant:  # [1]
         impl = "decomposed_materialized"
-    if impl == "triton" and {"pool", "sparse"} & options:  # [2]
-        impl = "decomposed"
-    if impl == "triton_decode" and head_dim & (head_dim - 1):  # [3]
+    if impl == "triton_decode" and head_dim & (head_dim - 1):  # [2]
         impl = "triton_split"
     return impl, in_op
 

@@ -60,16 +60,21 @@ def test_cuda_graph_decode_matches_eager(method):
 
 POOL_CFG = KIVIConfig(2, 2, group_size=8, residual_length=8, sink_tokens=1, outlier_tokens=2, outlier_spill=4,
                       outlier_skip_layers=1)
+SPARSE_CFG = KIVIConfig(2, 2, group_size=8, residual_length=8, sparse_outliers=0.1)
+POOL_SPARSE_CFG = KIVIConfig(2, 4, group_size=8, residual_length=16, sink_tokens=2, outlier_tokens=3, outlier_spill=3,
+                             outlier_skip_layers=1, sparse_outliers=0.1)
 
 
-def test_pool_ops_on_cuda_match_the_cpu_reference():
-    # Sink + OTT pools on CUDA (append: the decomposed ATen formulation; attention: the Triton
-    # kernels, decode (triton_decode) and a causal chunk (triton_split)) vs the CPU reference op.
+@pytest.mark.parametrize("cfg", [POOL_CFG, SPARSE_CFG, POOL_SPARSE_CFG], ids=["sink+ott", "sparse", "sink+ott+sparse"])
+def test_option_ops_on_cuda_match_the_cpu_reference(cfg):
+    # Sink + OTT pools and the sparse store on CUDA (append: the Triton kernels, window by window
+    # for the prefill, one launch per decode step; attention: the Triton kernels, decode
+    # (triton_decode) and a causal chunk (triton_split)) vs the CPU reference op.
     from kivi_ops import KIVICache
 
     torch.manual_seed(0)
     B, H, D = 2, 2, 32
-    caches = {dev: KIVICache(POOL_CFG, num_layers=2, batch_size=B, max_seq_len=64, num_kv_heads=H, head_dim=D,
+    caches = {dev: KIVICache(cfg, num_layers=2, batch_size=B, max_seq_len=64, num_kv_heads=H, head_dim=D,
                              device=dev) for dev in ("cpu", "cuda")}
     k, v = torch.randn(B, H, 40, D), torch.randn(B, H, 40, D)
     k[:, :, ::7] *= 0.1  # low-magnitude keys: outlier candidates
@@ -89,13 +94,14 @@ def test_pool_ops_on_cuda_match_the_cpu_reference():
                                caches["cpu"].attend(1, q, counts=counts), atol=1e-5, rtol=1e-5)
 
 
-def test_cuda_graph_decode_with_sink_and_outliers_matches_eager():
+@pytest.mark.parametrize("cfg", [POOL_CFG, POOL_SPARSE_CFG], ids=["sink+ott", "sink+ott+sparse"])
+def test_cuda_graph_decode_with_options_matches_eager(cfg):
     model = tiny_llama(torch.float32)
     runs = {}
     for name, step in (("eager", None), ("graphs", compile_decode_step(torch.device("cuda")))):
         torch.compiler.reset()
-        cache = make_cache(model, method="kivi", batch_size=2, max_seq_len=64, kivi_config=POOL_CFG)
+        cache = make_cache(model, method="kivi", batch_size=2, max_seq_len=64, kivi_config=cfg)
         kwargs = dict(step_fn=step, warmup_steps=2) if step else {}
         runs[name] = generate(model, PROMPTS, max_new_tokens=30, cache=cache, **kwargs).tokens
-        assert (cache.backing.layer_tensors(1).pool_pos[..., 1:] >= 0).any()  # outliers were selected
+        assert (cache.backing.layer_tensors(1).pool_pos[..., cfg.sink_tokens:] >= 0).any()  # outliers selected
     assert runs["graphs"] == runs["eager"]

@@ -710,31 +710,142 @@ def test_attend_reads_the_sparse_store(name, kernel):
                 assert (out[b, :, cb:] == 0).all()
 
 
-def test_append_refuses_the_sparse_store():
-    """The append kernels do not write the sparse store (the CUDA op keeps the decomposed append)."""
-    cache = make_cache(1, 1, 16, 64, 8, 4, 2, 2, torch.float32, DEVICE)
-    sparse = Extras(k_sparse=torch.zeros(1, 1, 2, 64, device=DEVICE))
-    params = QuantParams(2, 2, 4, 8)
+SPARSE_BUFFERS = ("k_sparse", "k_sparse_idx", "v_sparse", "v_sparse_idx")
+
+
+def plant_magnitude_ties(x, gen):
+    """x [B, H, n, D] with exact ties at the largest magnitudes: in each token, a random channel
+    takes minus the token's largest entry; with n > 1, the last token takes minus each channel's
+    largest entry. The outlier selection's tie rule then decides which entries stay exact."""
+    x = x.clone()
+    top = x.abs().argmax(dim=-1, keepdim=True)
+    j = torch.randint(0, x.shape[-1], (1,), generator=gen).item()
+    x[..., j] = -torch.gather(x, -1, top)[..., 0]
+    if x.shape[-2] > 1:
+        top = x[..., :-1, :].abs().argmax(dim=-2, keepdim=True)
+        x[..., -1, :] = -torch.gather(x, -2, top)[..., 0, :]
+    return x
+
+
+@pytest.mark.parametrize("dtype,k_bits,v_bits,D,nuq,nk,nv", [
+    (torch.float32, 2, 4, 64, False, 2, 3),
+    pytest.param(torch.float16, 2, 2, 128, False, 1, 1, marks=pytest.mark.slow),  # the interpreter is slow
+    (torch.bfloat16, 4, 2, 64, True, 3, 2),
+], ids=["fp32-k2v4-d64", "fp16-k2v2-d128", "bf16-k4v2-d64-nuq"])
+def test_append_writes_the_sparse_store_like_the_reference(dtype, k_bits, v_bits, D, nuq, nk, nv):
+    """The append kernels keep the dense-and-sparse outliers as the reference does, bit for bit:
+    the store (values and indices), and codes/scales computed without them, over prefill chunks
+    (the multi-launch path, one chunk past R) and decode steps (the one-launch kernel, with key
+    flushes), with ragged counts and planted magnitude ties (the lowest index wins everywhere)."""
+    B, H, S, R, G = 3, 2, 64, 16, 8
+    extras = _kvq_extras(nuq, None, D, k_bits, v_bits)._replace(**sparse_store(B, H, S, D, R, nk, nv, dtype))
+    ref = make_cache(B, H, S, D, R, G, k_bits, v_bits, dtype)
+    tri = [_dev(t) for t in ref]
+    dev_extras = Extras(*(None if x is None else _dev(x) for x in extras))
+    params = QuantParams(k_bits, v_bits, G, R)
+    gen = torch.Generator().manual_seed(11)
+    schedule = [(5, [5, 3, 0]), (21, [21, 17, 2])] + [(1, [1, 1, step % 4 != 0]) for step in range(18)] + [(9, [9, 2, 5])]
+    key = None
+    for step, (n, counts) in enumerate(schedule):
+        if n == 1 and step % 3 == 0:  # a decode key tying the previous one, channel by channel
+            key = -key
+        else:
+            key = plant_magnitude_ties(torch.randn(B, H, n, D, generator=gen), gen).to(dtype)
+        value = plant_magnitude_ties(torch.randn(B, H, n, D, generator=gen), gen).to(dtype)
+        c = torch.tensor(counts)
+        append_reference(layer(ref, extras=extras), key, value, c, params)
+        append_triton(layer(tri, extras=dev_extras), _dev(key), _dev(value), _dev(c), params)
+        assert_cache_equal(tri, ref, f"after step {step} (n={n}, counts={counts})")
+        for name in SPARSE_BUFFERS:
+            assert torch.equal(_cpu(getattr(dev_extras, name)), getattr(extras, name)), \
+                f"{name} differs from the reference after step {step}"
+    assert (extras.k_sparse_idx >= 0).sum() > 0 and (extras.v_sparse_idx >= 0).sum() > 0
+    assert ref[-1].tolist() == [53, 40, 20]
+
+
+def test_append_refuses_a_non_contiguous_sparse_store():
+    """The store is written in place: a strided view would be written into a copy and lost."""
+    B, H, S, D, R, G = 1, 1, 16, 64, 8, 4
+    cache = make_cache(B, H, S, D, R, G, 2, 2, torch.float32, DEVICE)
+    store = {k: _dev(v) for k, v in sparse_store(B, H, S, D, R, 1, 2, torch.float32).items()}
+    store["v_sparse"] = torch.zeros(B, H, 2, S, device=DEVICE).transpose(2, 3)
     kv = torch.zeros(1, 1, 1, 64, device=DEVICE)
-    with pytest.raises(ValueError, match="sparse"):
-        append_triton(layer(cache, extras=sparse), kv, kv, None, params)
+    with pytest.raises(ValueError, match="v_sparse must be contiguous"):
+        append_triton(layer(cache, extras=Extras(**store)), kv, kv, None, QuantParams(2, 2, G, R))
     assert _cpu(cache[-1]).tolist() == [0], "a refused append wrote"
 
 
-def test_append_refuses_the_pool():
-    """No append kernel writes the sink/OTT pool (the dispatcher runs the decomposed append); a
-    pool with zero slots is no pool."""
+POOL_BUFFERS = ("pool_k", "pool_v", "pool_pos")
+
+
+def pool_keys(B, H, n, D, gen):
+    """Keys as fill_pool_cache makes them (a large channel, ~20% low-magnitude tokens: OTT's
+    outlier candidates), so outliers are chosen, evicted and spilled."""
+    key = torch.randn(B, H, n, D, generator=gen)
+    key[..., 3] += 4.0
+    return torch.where(torch.rand(B, H, n, 1, generator=gen) < 0.2, key * 0.1, key)
+
+
+# name: (dtype, (sink, outliers, spill), sparse (nk, nv) or None, D, R); G = 4, S = 72, B = 3, H = 2.
+POOL_APPEND_CASES = {
+    "sink": (torch.float32, (3, 0, 0), None, 64, 8),
+    "ott-spill-fills": (torch.float32, (0, 3, 4), None, 64, 8),
+    "sink-ott-fp16-d128": (torch.float16, (2, 2, 3), None, 128, 8),
+    "sink-ott-sparse-bf16": (torch.bfloat16, (1, 3, 6), (2, 2), 64, 8),
+    "sink-ott-sparse-r12": (torch.float32, (2, 4, 5), (1, 3), 64, 12),  # R not a power of two
+}
+SLOW_POOL_APPEND_CASES = ("sink-ott-fp16-d128", "sink-ott-sparse-r12")  # the interpreter is slow
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW_POOL_APPEND_CASES
+                                               else []) for name in POOL_APPEND_CASES])
+def test_append_writes_the_pool_like_the_reference(name):
+    """The append kernels update the sink/OTT pool as the reference does, bit for bit (pool rows,
+    positions, spill order, and the key groups quantized without their pooled rows), over a
+    prefill (the window-by-window kernel: several OTT steps in one call), decode steps (the
+    one-launch kernel: sinks, OTT steps at window ends) and a chunk, with ragged counts; with the
+    sparse store too (pooled tokens are its last picks)."""
+    dtype, (sink, n_out, spill), sparse, D, R = POOL_APPEND_CASES[name]
+    B, H, S, G, k_bits, v_bits = 3, 2, 72, 4, 2, 4
+    P = sink + n_out + spill
+    pool = (torch.zeros(B, H, P, D, dtype=dtype), torch.zeros(B, H, P, D, dtype=dtype),
+            torch.full((B, H, P), -1, dtype=torch.int64))
+    extras = NO_EXTRAS if sparse is None else Extras(**sparse_store(B, H, S, D, R, *sparse, dtype))
+    ref = make_cache(B, H, S, D, R, G, k_bits, v_bits, dtype)
+    tri, dev_pool = [_dev(t) for t in ref], tuple(_dev(t) for t in pool)
+    dev_extras = Extras(*(None if x is None else _dev(x) for x in extras))
+    params = QuantParams(k_bits, v_bits, G, R, sink, n_out)
+    gen = torch.Generator().manual_seed(23)
+    schedule = ([(2, [2, 1, 0]), (27, [27, 20, 3])] + [(1, [1, 1, step % 3 != 0]) for step in range(20)]
+                + [(11, [11, 4, 9])])
+    for step, (n, counts) in enumerate(schedule):
+        key = pool_keys(B, H, n, D, gen).to(dtype)
+        value = torch.randn(B, H, n, D, generator=gen).to(dtype)
+        c = torch.tensor(counts)
+        append_reference(layer(ref, pool, extras), key, value, c, params)
+        append_triton(layer(tri, dev_pool, dev_extras), _dev(key), _dev(value), _dev(c), params)
+        assert_cache_equal(tri, ref, f"after step {step} (n={n}, counts={counts})")
+        for buf, name_ in zip(dev_pool + tuple(dev_extras[2:6] if sparse else ()), POOL_BUFFERS + SPARSE_BUFFERS):
+            want = pool[POOL_BUFFERS.index(name_)] if name_ in POOL_BUFFERS else getattr(extras, name_)
+            assert torch.equal(_cpu(buf), want), f"{name_} differs from the reference after step {step}"
+    assert ref[-1].tolist() == [60, 45, 25]
+    if n_out:
+        assert (pool[2][..., sink:sink + n_out] >= 0).all(), "the outlier pool never filled"
+        full = (pool[2][..., sink + n_out:] >= 0).sum(-1) == spill
+        assert full.any(), "no spill pool filled up: the case never tests a step without room"
+    if sink:
+        assert pool[2][0, :, :sink].tolist() == [list(range(sink))] * H
+
+
+def test_append_refuses_a_non_contiguous_pool():
+    """The pool is written in place: a strided view would be written into a copy and lost."""
     cache = make_cache(1, 1, 16, 64, 8, 4, 2, 2, torch.float32, DEVICE)
     kv = torch.zeros(1, 1, 1, 64, device=DEVICE)
-    params = QuantParams(2, 2, 4, 8, sink_tokens=1)
-    pool = (torch.zeros(1, 1, 1, 64, device=DEVICE), torch.zeros(1, 1, 1, 64, device=DEVICE),
-            torch.full((1, 1, 1), -1, dtype=torch.int64, device=DEVICE))
-    with pytest.raises(ValueError, match="pool"):
-        append_triton(layer(cache, pool), kv, kv, None, params)
+    pool = (torch.zeros(1, 1, 64, 2, device=DEVICE).transpose(2, 3), torch.zeros(1, 1, 2, 64, device=DEVICE),
+            torch.full((1, 1, 2), -1, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="pool_k must be contiguous"):
+        append_triton(layer(cache, pool), kv, kv, None, QuantParams(2, 2, 4, 8, sink_tokens=1))
     assert _cpu(cache[-1]).tolist() == [0], "a refused append wrote"
-    empty = tuple(x[..., :0, :] if x.dim() == 4 else x[..., :0] for x in pool)
-    append_triton(layer(cache, empty), kv, kv, None, QuantParams(2, 2, 4, 8))
-    assert _cpu(cache[-1]).tolist() == [1]
 
 
 # ---------------------------------------------------------------- the option matrix (issue 16, item 4)

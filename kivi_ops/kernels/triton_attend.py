@@ -28,8 +28,7 @@ keys stored pre-RoPE (rope_inv_freq [D/2]): every key, quantized, residual or po
 to its position (cache row t, or pool_pos) with cos/sin computed in-kernel from t * inv_freq
 (_rope_cos_sin; a [S, D] table would read more bytes than the codes). SPARSE, the dense-and-sparse
 outlier store (sparse_launch_args): both kernels write each exact outlier over its dequantized entry
-in the tile, as the reference's materialize_block does; the append kernels do not write the store
-(the dispatcher runs the decomposed append for it).
+in the tile, as the reference's materialize_block does (the append kernels write the store).
 """
 
 from __future__ import annotations
