@@ -171,8 +171,8 @@ def ott_step(
     # Window scores: L1 norms of the exact keys, tokens that are not sinks.
     score_w = tl.zeros((R_P,), tl.float32)
     for d0 in tl.static_range(0, D_P, DC):
-        d = d0 + tl.arange(0, DC)[None, :]
-        x = load_rows(k_res, key_ptr, b, h, bh64, L, u[:, None], d, (off < R)[:, None] & (d < D), s_kb, s_kh, s_kn,
+        dc = d0 + tl.arange(0, DC)[None, :]
+        x = load_rows(k_res, key_ptr, b, h, bh64, L, u[:, None], dc, (off < R)[:, None] & (dc < D), s_kb, s_kh, s_kn,
                       s_kd, D, R, RR)
         score_w += tl.sum(tl.abs(x), axis=1)
     score_w = tl.where((off < R) & (u >= SINK), score_w, float("inf"))
