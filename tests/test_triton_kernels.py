@@ -879,3 +879,42 @@ def test_decode_attention_option_matrix(option, D, heads, dtype, kernel):
                               None, params, D**-0.5, num_splits=2, block_n=16))
     tol = _kvq_tolerance(dtype)
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+APPEND_MATRIX = [(option, D, dtype) for option in ("plain", "nuq", "sparse", "pool", "pool+sparse") for D in (64, 128)
+                 for dtype in (torch.float16, torch.bfloat16)]
+
+
+@pytest.mark.slow  # 20 cases of the interpreter; the focused append tests above run in `make test`
+@pytest.mark.parametrize("option,D,dtype", [pytest.param(*case, id=f"{case[0]}-d{case[1]}-{str(case[2])[6:]}")
+                                            for case in APPEND_MATRIX])
+def test_append_option_matrix(option, D, dtype):
+    """Both append paths (a ragged prefill chunk: the multi-launch kernels; decode steps across a key
+    flush: the one-launch kernel) against the reference, bit for bit, for each option, head_dim 64
+    and 128, fp16 and bf16 (GQA and MHA do not exist for an append: it sees kv heads only)."""
+    B, H, S, R, G, k_bits, v_bits = 2, 2, 48, 8, 4, 2, 4
+    extras = _kvq_extras(option == "nuq", None, D, k_bits, v_bits)
+    if "sparse" in option:
+        extras = extras._replace(**sparse_store(B, H, S, D, R, 1, 2, dtype))
+    sink, n_out, spill = (1, 2, 2) if "pool" in option else (0, 0, 0)
+    P = sink + n_out + spill
+    pool = (torch.zeros(B, H, P, D, dtype=dtype), torch.zeros(B, H, P, D, dtype=dtype),
+            torch.full((B, H, P), -1, dtype=torch.int64)) if P else None
+    ref = make_cache(B, H, S, D, R, G, k_bits, v_bits, dtype)
+    tri = [_dev(t) for t in ref]
+    dev_pool = None if pool is None else tuple(_dev(t) for t in pool)
+    dev_extras = Extras(*(None if x is None else _dev(x) for x in extras))
+    params = QuantParams(k_bits, v_bits, G, R, sink, n_out)
+    gen = torch.Generator().manual_seed(31)
+    for step, (n, counts) in enumerate([(13, [13, 9])] + [(1, [1, step % 2]) for step in range(9)]):
+        key = pool_keys(B, H, n, D, gen).to(dtype)
+        value = torch.randn(B, H, n, D, generator=gen).to(dtype)
+        c = torch.tensor(counts)
+        append_reference(layer(ref, pool, extras), key, value, c, params)
+        append_triton(layer(tri, dev_pool, dev_extras), _dev(key), _dev(value), _dev(c), params)
+        assert_cache_equal(tri, ref, f"after step {step}")
+        for name, (a, b) in zip(POOL_BUFFERS + SPARSE_BUFFERS, zip((dev_pool or (None,) * 3) + tuple(dev_extras[2:6]),
+                                                                    (pool or (None,) * 3) + tuple(extras[2:6]))):
+            assert (a is None) == (b is None) and (a is None or torch.equal(_cpu(a), b)), f"{name} after step {step}"
+    assert ref[-1].tolist() == [22, 13]
+
