@@ -6,7 +6,7 @@ Both follow the decomposed and reference appends bit for bit:
     magnitude first, the lowest position of equal ones; pooled tokens, marked -1, are picked only
     after every other entry; picked entries are marked -2, padding -3 and never picked). The last
     pick (magnitude thr at position ithr) describes the whole set: an entry is an outlier iff its
-    magnitude exceeds thr, or equals it at a position up to ithr (_excluded).
+    magnitude exceeds thr, or equals it at a position up to ithr (`excluded`).
   - OTT step: pool.ott_step's rule, one pick at a time (smallest L1 key norm first; of equal
     ones the pool before the window, then the lowest slot or position). Scores are fp32 sums over
     head_dim in the kernel's order (torch sums in another): a tie within an ulp could resolve
