@@ -1,5 +1,10 @@
 """Without CUDA, Triton kernels run in the interpreter; it must be enabled before any kernel module
-is imported, whichever test module imports one first."""
+is imported, whichever test module imports one first.
+
+Under pytest-xdist (`make test`: two workers), each worker takes its share of the cores for
+torch's intra-op threads: by default every worker would start one thread per core, and on two
+cores four spinning OpenMP threads slowed torch-heavy tests several times over (a perplexity test:
+24 s alone, 130 s in the suite)."""
 
 import os
 
@@ -7,3 +12,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
