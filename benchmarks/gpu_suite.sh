@@ -16,7 +16,10 @@ for stage in $stages; do
   case $stage in
     tests) timeout 240 python3 -m pytest -q -p no:randomly tests/test_triton_kernels.py tests/test_gpu.py 2>&1 | tail -25 ;;
     # the old default (1 warp x 32 tokens, spills) against the no-spill candidates (ptxas_sm90.json)
-    sweep) timeout 120 python3 benchmarks/gpu_attend_sweep.py 1024,32768 0:32:1:2,0:16:4:2,0:16:8:2,0:32:8:2 2>&1 | tail -12 ;;
+    # and the tensor-core candidate (issue_model_sm90.json), MHA and GQA 4:1
+    sweep) timeout 240 python3 benchmarks/gpu_attend_sweep.py 1024,32768 \
+             0:32:1:2,0:16:4:2,0:32:8:2,mma/0:32:2:2,mma/0:32:4:2,mma/0:32:4:3,mma/0:32:8:2,mma-magic/0:32:4:2 \
+             32/32,32/8 2>&1 | tail -40 ;;
     # per-layer append / flush / attend, plain KIVI and with each option's Triton append
     layers) timeout 120 python3 benchmarks/gpu_layer_costs.py 1 1024,32768 2>&1 | tail -12 ;;
     attention) timeout 200 kivi bench attention --device cuda --out "$OUT" 2>&1 | sed "/it\/s/d" ;;

@@ -1,5 +1,5 @@
 """Triton kernels (kivi_ops/kernels/triton_quant.py, triton_append.py, triton_split.py,
-triton_decode.py) against the CPU reference (kivi_ops/kernels/reference.py).
+triton_decode.py, triton_decode_mma.py) against the CPU reference (kivi_ops/kernels/reference.py).
 
 Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 must be set before
 the kernel modules are imported, hence the late imports). The interpreter is slow, so shapes are
@@ -22,6 +22,7 @@ from kivi_ops.extras import NO_EXTRAS, Extras  # noqa: E402
 from kivi_ops.kernels.reference import append_reference, attend_reference  # noqa: E402
 from kivi_ops.kernels.triton_append import append_triton  # noqa: E402
 from kivi_ops.kernels.triton_decode import attend_decode  # noqa: E402
+from kivi_ops.kernels.triton_decode_mma import attend_decode_mma  # noqa: E402
 from kivi_ops.kernels.triton_quant import quantize_pack_triton, unpack_dequantize_triton  # noqa: E402
 from kivi_ops.kernels.triton_split import attend_split  # noqa: E402
 from kivi_ops.layout import LayerTensors, QuantParams  # noqa: E402
@@ -846,6 +847,71 @@ def test_append_refuses_a_non_contiguous_pool():
     with pytest.raises(ValueError, match="pool_k must be contiguous"):
         append_triton(layer(cache, pool), kv, kv, None, QuantParams(2, 2, 4, 8, sink_tokens=1))
     assert _cpu(cache[-1]).tolist() == [0], "a refused append wrote"
+
+
+# ---------------------------------------------------------------- the tensor-core decode candidate (issue 16)
+
+# (dtype, Hq, H, D, k_bits, v_bits, lengths, counts, num_splits); G=16, R=32: lengths cross key
+# groups, windows and splits; one sequence empty, one row padded (counts 0).
+MMA_CASES = [
+    (torch.float32, 4, 4, 64, 2, 2, [90, 0, 37], None, 3),
+    (torch.float32, 8, 2, 128, 4, 2, [70, 45], [1, 0], 1),
+    (torch.float32, 2, 2, 64, 8, 8, [96, 17], None, 2),
+    (torch.float16, 4, 4, 128, 2, 4, [90, 0, 37], None, 3),
+    (torch.float16, 8, 2, 64, 2, 2, [70, 45], [1, 0], 1),
+    (torch.bfloat16, 4, 4, 64, 4, 4, [90, 0, 37], None, 3),
+    (torch.bfloat16, 8, 2, 128, 2, 2, [70, 45], [1, 0], 2),
+]
+
+
+def _mma_case(dtype, Hq, H, D, k_bits, v_bits, lengths, counts, num_splits, **kw):
+    G, R, S = 16, 32, 96
+    cache = fill_reference_cache(len(lengths), H, S, D, R, G, k_bits, v_bits, dtype, lengths, seed=1)
+    query = torch.randn(len(lengths), Hq, 1, D, generator=torch.Generator().manual_seed(2)).to(dtype)
+    c = None if counts is None else torch.tensor(counts)
+    params = QuantParams(k_bits, v_bits, G, R)
+    ref = attend_reference(query, layer(cache), c, params, D**-0.5)
+    out = attend_decode_mma(query.to(DEVICE), layer([_dev(t) for t in cache]), None if c is None else c.to(DEVICE),
+                            params, D**-0.5, num_splits=num_splits, **kw)
+    assert out.dtype == dtype and out.shape == query.shape
+    return _cpu(out), ref
+
+
+@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"{str(c[0])[6:]}-{c[1]}q{c[2]}kv-d{c[3]}-k{c[4]}v{c[5]}")
+def test_decode_mma_matches_reference(case):
+    # fp32: exact products ("ieee"), 1e-5 as for the other kernels. fp16/bf16: the tensor-core
+    # numerics of test_attend_low_precision (the query times the key group's scale, the
+    # dequantized values and p each rounded once to the dtype, fp32 accumulation): 4 * eps.
+    out, ref = _mma_case(*case)
+    tol = 1e-5 if case[0] == torch.float32 else 4 * torch.finfo(case[0]).eps
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    lengths, counts = case[6], case[7]
+    for b, L in enumerate(lengths):
+        if L == 0 or (counts is not None and counts[b] == 0):
+            assert (out[b] == 0).all()
+
+
+def test_decode_mma_magic_conversion_matches_reference():
+    # the magic-number conversion (OR into 1024.0's mantissa, bitcast, subtract) is exact for codes < 1024
+    out, ref = _mma_case(torch.float16, 8, 2, 64, 2, 4, [90, 45], None, 2, magic=True)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=4e-3, atol=4e-3)
+
+
+def test_decode_mma_refuses_what_it_does_not_take():
+    cache = make_cache(1, 2, 64, 64, 32, 16, 2, 2, torch.float32, DEVICE)
+    q = torch.zeros(1, 2, 1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="q_len"):
+        attend_decode_mma(torch.zeros(1, 2, 2, 64, device=DEVICE), layer(cache), None, QuantParams(2, 2, 16, 32), 0.1)
+    small = make_cache(1, 2, 64, 64, 32, 8, 2, 2, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="group_size >= 16"):
+        attend_decode_mma(q, layer(small), None, QuantParams(2, 2, 8, 32), 0.1)
+    with pytest.raises(ValueError, match="KVQuant extras=True"):
+        attend_decode_mma(q, layer(cache, extras=Extras(rope_inv_freq=rope_frequencies(64))), None,
+                          QuantParams(2, 2, 16, 32), 0.1)
+    with pytest.raises(ValueError, match="block_n"):
+        attend_decode_mma(q, layer(cache), None, QuantParams(2, 2, 16, 32), 0.1, block_n=32)
+    with pytest.raises(ValueError, match="magic"):
+        attend_decode_mma(q, layer(cache), None, QuantParams(2, 2, 16, 32), 0.1, magic=True)
 
 
 # ---------------------------------------------------------------- the option matrix (issue 16, item 4)
