@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kivi_benchmarks.ptxas_usage import compile_instead_of_launch, layer_of, ptxas_report
+from kivi_benchmarks.ptxas_usage import compile_instead_of_launch, git_revision, layer_of, ptxas_report
 
 # H100 SXM: 132 SMs at 1.98 GHz; 3.0 TB/s is the device-to-device copy bandwidth (read + write)
 # measured in the committed H100 attention run (bench_attention_cuda.json), the bandwidth share's base.
@@ -163,11 +163,8 @@ def main() -> None:
               f"{r['sm_cycles_per_token']:>7} {r['bound']:>6} {r['byte_cycles_per_token']:>9} "
               f"{r['bandwidth_share_ceiling']:>10.0%} {r['registers']:>5} {r['spill_bytes']:>6}")
     if args.json:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True).stdout.strip()
         meta = dict(arch=f"sm_{args.arch}a", triton=triton.__version__, torch=torch.__version__,
-                    git_sha=sha + ("+uncommitted" if dirty else ""), device_model=H100, pipe_rates=PIPE_RATE,
+                    git_sha=git_revision(), device_model=H100, pipe_rates=PIPE_RATE,
                     command=f"python -m kivi_benchmarks.issue_model --arch {args.arch}",
                     note="static: the steady-state loop's SASS counted per token of one kv head; a ceiling "
                          "on the bandwidth share with perfect latency hiding, not a timing")

@@ -40,6 +40,14 @@ def occupancy(regs: int, num_warps: int, shared: int, limits: dict = SM90) -> fl
     return blocks * num_warps / limits["max_warps"]
 
 
+def git_revision() -> str:
+    """HEAD's sha, with "+uncommitted" when tracked files differ from it (what a result measured)."""
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout.strip()
+    return sha + ("+uncommitted" if dirty else "")
+
+
 def ptxas_report(ptx: str, arch: int) -> dict:
     """Registers, spill bytes and stack of the PTX's entry, as `ptxas -v` prints them."""
     import triton
@@ -173,11 +181,7 @@ def main() -> None:
         print(f"{r['case']:<40} {r['kernel']:<24} {knobs:<22} {r['launch_num_warps']:>5} {r['registers']:>5} "
               f"{r['spill_store_bytes']:>5}/{r['spill_load_bytes']:<6} {r['shared_bytes']:>7} {r['occupancy']:>5.2f}")
     if args.json:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True).stdout.strip()
-        meta = dict(arch=f"sm_{args.arch}a", triton=triton.__version__, torch=torch.__version__,
-                    git_sha=sha + ("+uncommitted" if dirty else ""),
+        meta = dict(arch=f"sm_{args.arch}a", triton=triton.__version__, torch=torch.__version__, git_sha=git_revision(),
                     command=f"python -m kivi_benchmarks.ptxas_usage --arch {args.arch}",
                     note="compiled without a GPU (Triton's ptxas on the generated PTX); occupancy from sm_90 limits")
         Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")

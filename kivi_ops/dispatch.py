@@ -20,7 +20,9 @@ Support matrix (decomposed forms are core ATen: traced inline, never inside the 
 [1] decomposed_materialized with nuq levels, the sparse store or pre-RoPE keys (the fused loop
     form covers plain KIVI and the sink/OTT pool).
 [2] triton_split when head_dim is not a power of two. Both attention kernels read the sparse
-    store, nuq levels, pre-RoPE keys and the pool.
+    store, nuq levels, pre-RoPE keys and the pool. The tensor-core candidate
+    (kernels/triton_decode_mma.py) is not chosen here until an H100 times it against
+    triton_decode (docs/performance.md, "Instructions per token").
 [3] decomposed, with the key flush under torch.cond: on CPU Inductor makes it a host-side `if`,
     so a decode step quantizes a key window only on the steps that complete one.
 Other devices run the reference inside the op (the op's CPU kernel is the only other one
