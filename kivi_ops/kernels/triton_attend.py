@@ -188,6 +188,18 @@ def num_programs_target(device: torch.device) -> int:
     return 2 * _SM_COUNT[idx]
 
 
+def attend_num_splits(programs: int, max_seq_len: int, block_n: int, device, *, programs_per_sm: int = 2,
+                      requested=None) -> int:
+    """Splits of the token axis for a launch of `programs` programs per split. `requested` (tests,
+    tuning) is clamped to [1, MAX_SPLITS]; otherwise from static shapes only (CUDA-graph safe):
+    enough splits for programs_per_sm programs per SM, never more than the BLOCK_N-token blocks of
+    a full cache nor MAX_SPLITS."""
+    if requested is None:
+        target = num_programs_target(torch.device(device)) // 2 * programs_per_sm
+        requested = min(triton.cdiv(target, max(1, programs)), triton.cdiv(max(max_seq_len, 1), block_n))
+    return max(1, min(int(requested), MAX_SPLITS))
+
+
 def split_workspace(rows: int, num_splits: int, m: int, D: int, out: torch.Tensor):
     """fp32 (max, sum, partial output) per split for the reduction kernel; none for one split
     (the kernel then writes `out` directly and never touches the workspace arguments)."""

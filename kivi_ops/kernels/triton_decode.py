@@ -41,8 +41,8 @@ import triton.language as tl
 from ..layout import LayerTensors, QuantParams
 from ..packing import codes_per_byte
 from .triton_attend import (
-    LOG2E, MAX_SPLITS, _cast_sat, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
-    launch_reduce, num_programs_target, split_workspace,
+    LOG2E, _cast_sat, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
+    attend_num_splits, launch_reduce, split_workspace,
 )
 from .triton_quant import device_ctx, interpreting
 
@@ -350,10 +350,8 @@ def attend_decode(
     k_bits, v_bits = p.k_bits, p.v_bits
     QG = Hq // H
     block_n = min(block_n or (SPARSE_DECODE_BLOCK_N if sparse else DECODE_BLOCK_N), G)  # within a key group
-    if num_splits is None:
-        target = num_programs_target(query.device) // 2 * DECODE_PROGRAMS_PER_SM
-        num_splits = max(1, min(triton.cdiv(target, B * Hq), triton.cdiv(max(S, 1), block_n), MAX_SPLITS))
-    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    num_splits = attend_num_splits(B * Hq, S, block_n, query.device, programs_per_sm=DECODE_PROGRAMS_PER_SM,
+                                   requested=num_splits)
     if query.dtype != k_res.dtype:
         query = query.to(k_res.dtype)
     has_counts = counts is not None

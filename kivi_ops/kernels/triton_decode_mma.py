@@ -42,7 +42,7 @@ import triton.language as tl
 
 from ..layout import LayerTensors, QuantParams
 from ..packing import codes_per_byte
-from .triton_attend import LOG2E, MAX_SPLITS, _cast, _cast_sat, attend_setup, launch_reduce, num_programs_target, split_workspace
+from .triton_attend import LOG2E, _cast, _cast_sat, attend_num_splits, attend_setup, launch_reduce, split_workspace
 from .triton_quant import _BF16_MAX, _FP16_MAX, device_ctx, interpreting, next_pow2
 
 MMA_BLOCK_N = 32  # tokens per tile, at most G (one key group per tile)
@@ -265,10 +265,8 @@ def attend_decode_mma(
     block_n = block_n or min(MMA_BLOCK_N, G)
     if block_n < 16 or block_n & (block_n - 1) or G % block_n:
         raise ValueError(f"block_n must be a power of two >= 16 that divides group_size={G}, got {block_n}")
-    if num_splits is None:
-        target = num_programs_target(query.device) // 2 * MMA_PROGRAMS_PER_SM
-        num_splits = max(1, min(triton.cdiv(target, B * H), triton.cdiv(max(S, 1), block_n), MAX_SPLITS))
-    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    num_splits = attend_num_splits(B * H, S, block_n, query.device, programs_per_sm=MMA_PROGRAMS_PER_SM,
+                                   requested=num_splits)
     interp = interpreting()
     lowp = k_res.dtype != torch.float32
     # The interpreter's tl.dot takes no bf16 (numpy has none): the operands, exact in the cache

@@ -11,7 +11,7 @@ attend_split:
      program owns every query row of one kv head (GQA without repeat_kv; row r = g*q_len + i is
      query i of head h*Hq/H + g; rows padded to BLOCK_M >= 16 for tl.dot) and one contiguous token
      range of its sequence, cut at run time from the sequence's own length (triton_attend.py);
-     num_splits comes from static shapes only (attend_num_splits).
+     num_splits comes from static shapes only (attend_num_splits, triton_attend.py).
      Per BLOCK_N-token tile (_attend_tile) it unpacks the 2/4/8-bit codes in registers,
      dequantizes (keys: per channel, one scale row per G tokens; values: per token, scale column
      c // Gv), selects quantized vs residual per token (key quantized iff t < (L // R) * R, value
@@ -42,8 +42,8 @@ import triton.language as tl
 from ..layout import LayerTensors, QuantParams
 from ..packing import codes_per_byte
 from .triton_attend import (
-    LOG2E, MAX_SPLITS, _cast, _cast_sat, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
-    launch_reduce, num_programs_target, split_workspace,
+    LOG2E, _cast, _cast_sat, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
+    attend_num_splits, launch_reduce, split_workspace,
 )
 from .triton_quant import device_ctx, interpreting, next_pow2, unpack_codes
 
@@ -381,14 +381,6 @@ def _attend_split_kernel(
         tl.store(ws_acc + w[:, None] * D + d[None, :], acc, mask=dmask[None, :])
 
 
-def attend_num_splits(batch_heads: int, m_blocks: int, max_seq_len: int, block_n: int, device) -> int:
-    """Splits of the token axis from static shapes only: enough programs to fill the GPU, never
-    more than the token blocks of a full cache nor MAX_SPLITS."""
-    programs = max(1, batch_heads * m_blocks)
-    want = triton.cdiv(num_programs_target(torch.device(device)), programs)
-    return max(1, min(want, triton.cdiv(max(max_seq_len, 1), block_n), MAX_SPLITS))
-
-
 def attend_launch_config(head_dim: int, lowp: bool, rows: int) -> tuple[int, int, int]:
     """(BLOCK_M query rows, BLOCK_N tokens per tile, num_warps) for M = rows query rows per kv head.
 
@@ -441,9 +433,7 @@ def attend_split(
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     ngv, ngv_p, gv_p = D // gv, next_pow2(D // gv), next_pow2(gv)
     assert ngv_p * gv_p == d_p, (D, gv)
-    if num_splits is None:
-        num_splits = attend_num_splits(B * H, m_blocks, S, block_n, query.device)
-    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    num_splits = attend_num_splits(B * H * m_blocks, S, block_n, query.device, requested=num_splits)
     dtype = k_res.dtype
     interp = interpreting()
     # The interpreter's tl.dot cannot take bf16 operands (numpy has no bf16): there the rounded
