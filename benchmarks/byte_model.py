@@ -109,8 +109,8 @@ def measure(tokens: int) -> list[dict]:
                               num_kv_heads=H, head_dim=D, dtype=torch.float16)
             gen = torch.Generator().manual_seed(0)
             kv = torch.randn(2, B, H, tokens - 2, D, generator=gen).half()
-            cache.append(0, kv[0], kv[1])  # the CPU reference; the append below completes no window
-            layer, params = cache.layers[0].tensors(None), cache.layers[0].params
+            cache.layers[0].append(kv[0], kv[1])  # the CPU reference; the append below completes no window
+            layer, params = cache.layers[0].tensors(), cache.layers[0].params
             new = torch.randn(2, B, H, 1, D, generator=gen).half()
             q = torch.randn(B, Hq, 1, D, generator=gen).half()
             steps = {"append (no flush)": lambda: append_triton(layer, new[0], new[1], None, params),

@@ -5,7 +5,7 @@ One run, side by side, same shapes (the default model's attention: SmolLM2-135M,
 heads, 3 KV heads, head_dim 64, fp32), context 8192, KIVI-2 with G=32, R=128:
 
     (a) sdpa_compiled      torch.compile of fp32 SDPA decode over a [B, H, S, D] cache, length mask
-                           (what models/fp_cache.py does)
+                           (what kivi_ops/fp_layer.py does)
     (b) kivi_op            torch.ops.kivi.cache_attend: the custom op (CPU reference kernel)
     (c) decomposed_fused   torch.compile of cache_attend_decomposed (q_len 1: fused packed loops)
     (d) decomposed_matmul  torch.compile of cache_attend_decomposed(form="materialized")
@@ -42,7 +42,7 @@ from .perf import interleaved_times
 
 
 def sdpa_decode(query, k, v, lengths, scale):
-    """fp32 static-cache decode attention, as models/fp_cache.py: mask t < lengths."""
+    """fp32 static-cache decode attention, as kivi_ops/fp_layer.py: mask t < lengths."""
     t = torch.arange(k.shape[2], device=query.device)
     visible = t[None, :] < lengths[:, None]
     return F.scaled_dot_product_attention(query, k, v, attn_mask=visible[:, None, None, :], scale=scale,
@@ -51,7 +51,7 @@ def sdpa_decode(query, k, v, lengths, scale):
 
 def fp_append(k_cache, v_cache, lengths, key, value):
     """One-token append to a static fp32 cache with index_put_ (Inductor re-inplaces it; a
-    scatter_ on the cache inputs, as models/fp_cache.py writes it, compiles standalone here to
+    scatter_ on the cache inputs, as kivi_ops/fp_layer.py writes it, compiles standalone here to
     full copies of both caches, ~50 ms at this shape)."""
     B, H = key.shape[:2]
     b = torch.arange(B, device=key.device)[:, None]
@@ -88,8 +88,8 @@ def main(argv=None) -> dict:
     # Cache state: S - 1 tokens, then one appended token -> decode at context S.
     keys, values = torch.randn(B, H, S, D), torch.randn(B, H, S, D)
     cache = KIVICache(cfg, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
-    cache.append(0, keys[:, :, : S - 1], values[:, :, : S - 1])
-    layer, c = cache.layer_tensors(0), cache.layers[0].params
+    cache.layers[0].append(keys[:, :, : S - 1], values[:, :, : S - 1])
+    layer, c = cache.layers[0].tensors(), cache.layers[0].params
     bufs, lengths = layer.kivi, layer.lengths
     k_new, v_new = keys[:, :, S - 1 :], values[:, :, S - 1 :]
     k_fp, v_fp = keys.clone(), values.clone()

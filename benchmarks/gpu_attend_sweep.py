@@ -75,12 +75,12 @@ def main():
         q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.float16)
         cache = KIVICache(KIVIConfig(bits, bits, 32, 128), num_layers=1, batch_size=B, max_seq_len=n,
                           num_kv_heads=H, head_dim=D, dtype=torch.float16, device="cuda")
-        cache.append(0, k, v)
+        cache.layers[0].append(k, v)
         want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
         sdpa = graph_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
         read = attend_read_bytes(cache, n)
         floor_us = read / bw * 1e6  # bw counts bytes read + written: the DRAM traffic rate
-        layer, params = cache.layer_tensors(0), cache.layers[0].params
+        layer, params = cache.layers[0].tensors(), cache.layers[0].params
         first = None
         for cfg in configs:
             kernel, kw = cfg or ("decode", {})

@@ -9,7 +9,7 @@ import sys
 import torch
 from triton.testing import do_bench_cudagraph
 
-from kivi_models.fp_cache import FPCache
+from kivi_ops import FPCache
 from kivi_ops import KIVICache, KIVIConfig
 
 
@@ -45,7 +45,7 @@ def main() -> None:
             dims = dict(num_layers=1, batch_size=batch, max_seq_len=n + 4096, num_kv_heads=H, head_dim=D, dtype=dt,
                         device="cuda")
             cache = FPCache(**dims) if config is None else KIVICache(config, **dims)
-            cache.append(0, k, torch.randn_like(k))
+            cache.layers[0].append(k, torch.randn_like(k))
             lengths = cache.lengths(0)
             # Each replay appends one token from a fixed length, so the cache never fills up (the
             # fp cache attends over its whole static buffer, masked: context + 4096 slots).
@@ -56,11 +56,11 @@ def main() -> None:
 
                 def append():
                     lengths.copy_(start)
-                    cache.append(0, k1, k1)
+                    cache.layers[0].append(k1, k1)
 
                 times[label] = median_us(append) - median_us(lambda: lengths.copy_(start))
             lengths.fill_(n)
-            t = median_us(lambda: cache.attend(0, q))
+            t = median_us(lambda: cache.layers[0].attend(q))
             print(f"{n:>7} {name:>20} {times['append']:>8.1f} {times['flush']:>8.1f} {t:>8.1f} "
                   f"{times['append'] + t:>14.1f}")
 

@@ -152,8 +152,9 @@ def bench_attention(device: str, contexts, bits_list=(2, 4), batch: int = 1, q_h
         for bits in bits_list:
             cache = KIVICache(KIVIConfig(bits, bits, 32, 128), num_layers=1, batch_size=batch, max_seq_len=n,
                               num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device)
-            cache.append(0, k, v)
-            t = _median_time(lambda: cache.attend(0, q), device, repeats)
+            layer = cache.layers[0]
+            layer.append(k, v)
+            t = _median_time(lambda: layer.attend(q), device, repeats)
             row = dict(tokens=n, bits=bits, batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
                        sdpa_s=sdpa, kivi_s=t, speedup=sdpa / t)
             if bandwidth:
@@ -161,7 +162,7 @@ def bench_attention(device: str, contexts, bits_list=(2, 4), batch: int = 1, q_h
                 # about 0.5 ms here), which hides the kernels at short contexts. A decode step runs
                 # under CUDA graphs, so both are also timed replayed from a graph: GPU time only.
                 sdpa_graph = _median_graph_time(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-                kivi_graph = _median_graph_time(lambda: cache.attend(0, q))
+                kivi_graph = _median_graph_time(lambda: layer.attend(q))
                 read = attend_read_bytes(cache, n)
                 # bandwidth counts read + written bytes: the DRAM traffic rate a copy achieves
                 row.update(read_bytes=read, achieved_bytes_per_s=read / t, copy_bandwidth=bandwidth,
@@ -170,7 +171,7 @@ def bench_attention(device: str, contexts, bits_list=(2, 4), batch: int = 1, q_h
             rows.append(row)
             if compiled and bits == 2:
                 compiled_rows.append(_compiled_attention_row(cache, q, k, v, repeats, device))
-            del cache
+            del cache, layer
         del k, v
     result = dict(device=device, dtype=str(dtype), rows=rows, environment=environment(device))
     if compiled:
@@ -180,14 +181,14 @@ def bench_attention(device: str, contexts, bits_list=(2, 4), batch: int = 1, q_h
 
 
 def _sdpa_static_cache(query, k, v, lengths):
-    """fp static-cache decode attention as models/fp_cache.py runs it: keys t < lengths visible."""
+    """fp static-cache decode attention as kivi_ops/fp_layer.py runs it: keys t < lengths visible."""
     t = torch.arange(k.shape[2], device=query.device)
     visible = t[None, :] < lengths[:, None]
     return F.scaled_dot_product_attention(query, k, v, attn_mask=visible[:, None, None, :], enable_gqa=True)
 
 
-def _attend_layer0(cache: KIVICache, query):
-    return cache.attend(0, query)
+def _attend(layer, query):
+    return layer.attend(query)
 
 
 def _compiled_attention_row(cache: KIVICache, q, k, v, repeats: int, device: str) -> dict:
@@ -196,10 +197,11 @@ def _compiled_attention_row(cache: KIVICache, q, k, v, repeats: int, device: str
     n = k.shape[2]
     lengths = torch.full((B,), n, dtype=torch.int64, device=device)
     sdpa_c = torch.compile(_sdpa_static_cache, fullgraph=True, dynamic=False)
-    kivi_c = torch.compile(_attend_layer0, fullgraph=True, dynamic=False)
-    reference = cache.attend(0, q)  # eager: the kivi op
+    kivi_c = torch.compile(_attend, fullgraph=True, dynamic=False)
+    layer = cache.layers[0]
+    reference = layer.attend(q)  # eager: the kivi op
     # Compiled on CPU, the cache runs its decomposed attention (kivi_ops/dispatch.py).
-    fns = dict(sdpa=lambda: sdpa_c(q, k, v, lengths), kivi=lambda: kivi_c(cache, q))
+    fns = dict(sdpa=lambda: sdpa_c(q, k, v, lengths), kivi=lambda: kivi_c(layer, q))
     start = time.perf_counter()
     diff = (fns["kivi"]() - reference).abs().max().item()
     fns["sdpa"]()
@@ -317,15 +319,12 @@ def fill_cache_randomly(cache, context: int, gen: torch.Generator, chunk: int = 
     per append: what a prefill would leave behind, without a prefill's activations (a batch of
     90 x 4K prompt tokens through a 7B model would need far more memory than its cache). Decode
     speed does not depend on the values, only on how many tokens the cache holds."""
-    backing = cache.backing
-    B, H, D = backing.batch_size, backing.num_kv_heads, backing.head_dim
-    for layer in range(backing.num_layers):
+    B, H, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
+    for layer in cache.layers:
         for start in range(0, context, chunk):
             n = min(chunk, context - start)
-            k = torch.randn(B, H, n, D, generator=gen, device=gen.device, dtype=backing.dtype)
-            backing.append(layer, k, torch.randn_like(k))
-    for layer in cache.layers:  # what a prefill sets: later steps attend over the cache
-        layer.prefilled = True
+            k = torch.randn(B, H, n, D, generator=gen, device=gen.device, dtype=cache.dtype)
+            layer.append(k, torch.randn_like(k))
 
 
 def measure_filled_decode(model, *, device: str, method: str, batch: int, context: int, new_tokens: int,

@@ -115,7 +115,7 @@ def layer_of(*, kv_heads: int, head_dim: int, bits: int, tokens: int, batch: int
                       batch_size=batch, max_seq_len=tokens, num_kv_heads=kv_heads, head_dim=head_dim,
                       dtype=torch.float16, device="cpu")
     layer = cache.layers[0]
-    return layer.tensors(None), layer.params
+    return layer.tensors(), layer.params
 
 
 def cases():

@@ -21,35 +21,33 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kivi_models.hf_cache import KIVIHFCache
+from kivi_models.generate import forward
+from kivi_ops import StaticCacheBase, Step
 
 
 class DecoderStep(nn.Module):
     """One call of the decoder over the cache it holds (its buffers are the state)."""
 
-    def __init__(self, model: nn.Module, backing: nn.Module):
+    def __init__(self, model: nn.Module, cache: StaticCacheBase):
         super().__init__()
-        self.model, self.cache = model, backing
+        self.model, self.cache = model, cache
 
     def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         fresh = input_pos == 0
         self.cache.restart_rows(fresh)
-        hf_cache = KIVIHFCache(self.cache)
-        hf_cache.exact_attention = fresh.all()
         n = input_ids.shape[1]
         positions = input_pos[:, None] + torch.arange(n, device=input_ids.device)[None, :]
-        hidden = self.model.model(input_ids=input_ids, position_ids=positions, past_key_values=hf_cache,
-                                  use_cache=True, kivi_counts=counts).last_hidden_state
+        hidden = forward(self.model, self.cache, input_ids, positions, Step(counts=counts, exact=fresh.all()))
         last = hidden[torch.arange(input_ids.shape[0], device=input_ids.device), counts - 1]
         return self.model.lm_head(last)
 
 
 class ExportableDecoder(nn.Module):
-    def __init__(self, model: nn.Module, cache: KIVIHFCache, *, cache_as_io: bool = False):
+    def __init__(self, model: nn.Module, cache: StaticCacheBase, *, cache_as_io: bool = False):
         super().__init__()
-        self.step = DecoderStep(model, cache.backing)
+        self.step = DecoderStep(model, cache)
         self.cache_as_io = cache_as_io
-        self.cache_names = list(cache.backing.state())
+        self.cache_names = list(cache.state())
 
     @property
     def cache(self) -> nn.Module:

@@ -257,10 +257,10 @@ def export_decoder(
         out = out.resolve()  # replace what the link names; the link keeps naming it
     check_target(out, overwrite)
     kivi_config = kivi_config or KIVIConfig()
-    cache = make_cache(model, method=method, batch_size=batch_size, max_seq_len=max_seq_len, kivi_config=kivi_config)
     # ONNX and ExecuTorch cannot carry the kivi custom ops: the cache then runs core ATen forms
     # (kivi_ops/dispatch.py, "portable").
-    cache.backing.portable = fmt in ("onnx", "pte")
+    cache = make_cache(model, method=method, batch_size=batch_size, max_seq_len=max_seq_len, kivi_config=kivi_config,
+                       portable=fmt in ("onnx", "pte"))
     decoder = ExportableDecoder(model, cache, cache_as_io=fmt == "onnx").eval()
     eos = tokenizer.eos_token_id
     meta = ExportMetadata(
@@ -269,7 +269,7 @@ def export_decoder(
         kivi=kivi_config.to_dict() if method == "kivi" else None, batch_size=batch_size, max_seq_len=max_seq_len,
         dtype=str(model.dtype).replace("torch.", ""), weight_quant=weight_quant, eos_token_id=eos,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0),
-        cache_bytes=cache.backing.nbytes(), fp16_cache_bytes=cache.backing.fp16_nbytes(),
+        cache_bytes=cache.nbytes(), fp16_cache_bytes=cache.fp16_nbytes(),
         cache_names=decoder.cache_names,
     )
     try:  # the metadata's own checks, before the slow part (the file fields come last)

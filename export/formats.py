@@ -26,6 +26,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
+from kivi_ops import cache_capacity
+
 from .artifact import ArtifactError, ExportMetadata
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -41,17 +43,16 @@ class ProgramShape:
 
 
 def shape_from_cache(shapes: Mapping[str, Sequence], source: str) -> Optional[ProgramShape]:
-    """ProgramShape from the cache tensors' static shapes by state name (`layers.0.k_codes` ...):
-    KIVI's k_codes is [B, H, S, D / codes per byte] (kivi_ops/layer.py), the fp cache's k is
-    [B, H, S + 1, D] (models/fp_cache.py). None when neither is there."""
-    for name, spare in (("layers.0.k_codes", 0), ("layers.0.k", 1)):
-        shape = shapes.get(name)
-        if shape is None:
-            continue
-        if len(shape) != 4 or not all(isinstance(d, int) and d > 0 for d in shape):
-            raise ArtifactError(f"{source}: cache tensor {name} has shape {list(shape)}; expected 4 static dims")
-        return ProgramShape(batch_size=shape[0], max_seq_len=shape[2] - spare, source=f"{source} ({name})")
-    return None
+    """ProgramShape from the cache tensors' static shapes by state name (kivi_ops.cache_capacity).
+    None when they are not a cache's."""
+    try:
+        found = cache_capacity(shapes)
+    except ValueError as e:
+        raise ArtifactError(f"{source}: {e}") from None
+    if found is None:
+        return None
+    batch_size, max_seq_len, name = found
+    return ProgramShape(batch_size=batch_size, max_seq_len=max_seq_len, source=f"{source} ({name})")
 
 
 # ---------------------------------------------------------------- pt2 (torch.export)

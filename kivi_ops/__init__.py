@@ -1,8 +1,12 @@
 """KIVI KV-cache quantization for PyTorch: custom ops, a static quantized cache and fused attention."""
 
 from . import ops  # noqa: F401  registers torch.ops.kivi.*
-from .cache import KIVICache, StaticCacheBase, fp16_cache_nbytes
+from .cache import FPCache, KIVICache, StaticCacheBase, cache_capacity, fp16_cache_nbytes
 from .config import KIVIConfig
+from .fp_layer import FPLayer
+from .layer import CacheLayer, KIVILayer
 from .quantized import QuantizedTensor, fake_quantize, quantize
+from .step import Step
 
-__all__ = ["KIVIConfig", "KIVICache", "QuantizedTensor", "quantize", "fake_quantize", "fp16_cache_nbytes"]
+__all__ = ["KIVIConfig", "KIVICache", "FPCache", "StaticCacheBase", "CacheLayer", "KIVILayer", "FPLayer", "Step",
+           "QuantizedTensor", "quantize", "fake_quantize", "fp16_cache_nbytes", "cache_capacity"]

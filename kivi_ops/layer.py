@@ -1,5 +1,10 @@
-"""One layer of the KIVI cache as a module of named buffers; its optional parts are sub-modules
-(None when their option is off). `tensors()` hands the layer to the ops as a LayerTensors bundle.
+"""The cache layer: one object per model layer that owns its buffers and runs its append and attend.
+
+A cache is a list of these (cache.py), as in transformers' cache_utils: `CacheLayer` implements
+transformers' `CacheLayerMixin`, so a cache of them is a transformers `Cache` whose `update`
+forwards to the layer. Two kinds exist: `KIVILayer` (the quantized cache, here) and `FPLayer`
+(the unquantized baseline, fp_layer.py). Both take the same `append(key, value, step)` and
+`attend(query, step)`, with per-row lengths as device tensors and right-padded rows (kivi_ops.Step).
 
 Each buffer is registered separately and passed whole to the ops: slices or shared storage would
 make functionalization clone the whole cache every compiled step.
@@ -12,14 +17,136 @@ from typing import Optional
 
 import torch
 from torch import nn
+from transformers.cache_utils import CacheLayerMixin
 
+from . import dispatch
 from .config import KIVIConfig
+from .kernels.reference import check_capacity, materialize_block
 from .layout import LayerTensors, QuantParams
-from .packing import codes_per_byte
+from .packing import FLOAT_DTYPES, codes_per_byte
+from .rope import rope_at
+from .step import DECODE, Step
 
 
 def _zeros(shape, dtype, device) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+class CacheLayer(nn.Module, CacheLayerMixin):
+    """What every cache layer shares: its dimensions, the per-row `lengths` buffer, the checks of
+    the caller's tensors, and transformers' per-layer cache API.
+
+    The checks take the device of the layer's own buffers: a compiled region shared by all layers
+    must not read another layer (it would specialize on which)."""
+
+    is_compileable = False  # generate() must not compile around the library's own compiled steps
+    is_sliding = False
+    pre_rope = False  # the layer stores keys before RoPE (KIVILayer with KVQuant's option)
+
+    def __init__(self, *, batch_size: int, max_seq_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device):
+        nn.Module.__init__(self)
+        CacheLayerMixin.__init__(self)
+        for name, value in (("batch_size", batch_size), ("max_seq_len", max_seq_len),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"dtype must be one of torch.float32, torch.float16, torch.bfloat16, got {dtype}")
+        self.batch_size, self.max_seq_len = batch_size, max_seq_len
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.is_initialized = True  # preallocated: transformers never initializes it lazily
+        self.register_buffer("lengths", _zeros((batch_size,), torch.int64, device), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lengths.device
+
+    # ---------------------------------------------------------------- sequences
+
+    def restart_rows(self, fresh: torch.Tensor) -> None:
+        """Rows where fresh [B] is True start a new sequence: length 0 (graph-safe; nothing past a
+        row's length is read, so the other buffers need no clearing)."""
+        self.lengths.copy_(torch.where(fresh, torch.zeros_like(self.lengths), self.lengths))
+
+    def check_room(self, n: int, counts: Optional[torch.Tensor] = None) -> None:
+        """Raise before anything is written if appending n tokens (counts[b] for row b) would grow a
+        sequence past max_seq_len (a host sync). Compiled appends cannot raise, so a compiled loop
+        calls this first; eager appends check it themselves."""
+        self._check_counts_tensor(counts)
+        check_capacity(self.lengths, counts, n, self.max_seq_len)
+
+    def constants(self) -> list[torch.Tensor]:
+        """Buffers that hold constants, not sequence state (reset keeps them, exports embed them)."""
+        return []
+
+    def nbytes(self) -> int:
+        """Exact bytes held by the layer's buffers."""
+        return sum(buf.numel() * buf.element_size() for buf in self.buffers())
+
+    # ---------------------------------------------------------------- transformers' CacheLayerMixin
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass  # preallocated
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """transformers' API for code that calls the cache itself: append, then return the keys and
+        values as attention sees them (dequantized), a slow but correct path."""
+        self.append(key_states, value_states)
+        return self.dequantized()
+
+    def get_seq_length(self) -> int:
+        return int(self.lengths.max())
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.max_seq_len
+
+    # ---------------------------------------------------------------- checks of the caller's tensors
+
+    def _check_input(self, name: str, t: torch.Tensor, heads: Optional[int]) -> None:
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [batch, heads, tokens, head_dim], got {getattr(t, 'shape', t)}")
+        B, H, _, D = t.shape
+        if B != self.batch_size or D != self.head_dim or (heads is not None and H != heads):
+            want = f"[{self.batch_size}, {heads if heads is not None else 'heads'}, tokens, {self.head_dim}]"
+            raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+        if t.dtype != self.dtype:
+            raise ValueError(f"{name} must have the cache dtype {self.dtype}, got {t.dtype}")
+        if t.device != self.device:
+            raise ValueError(f"{name} must be on the cache device {self.device}, got {t.device}")
+
+    def _check_append(self, key: torch.Tensor, value: torch.Tensor, counts: Optional[torch.Tensor]) -> None:
+        self._check_input("key", key, self.num_kv_heads)
+        self._check_input("value", value, self.num_kv_heads)
+        if key.shape != value.shape:
+            raise ValueError(f"key and value must have the same shape, got {list(key.shape)} and {list(value.shape)}")
+        self._check_counts(counts, key.shape[2])
+        if not torch.compiler.is_compiling():  # compiled forms cannot raise: checked here, in eager mode
+            check_capacity(self.lengths, counts, key.shape[2], self.max_seq_len)
+
+    def _check_attend(self, query: torch.Tensor, counts: Optional[torch.Tensor]) -> None:
+        self._check_input("query", query, None)
+        if query.shape[1] % self.num_kv_heads:
+            raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        self._check_counts(counts, query.shape[2])
+
+    def _check_counts_tensor(self, counts: Optional[torch.Tensor]) -> None:
+        """counts' type, shape, dtype and device (no host sync)."""
+        if counts is None:
+            return
+        want = f"counts must be an int64 tensor of shape [{self.batch_size}] on {self.device} (or None)"
+        if not isinstance(counts, torch.Tensor):
+            raise ValueError(f"{want} (e.g. torch.tensor([...], device=...)), got {type(counts).__name__} {counts!r}")
+        if counts.shape != (self.batch_size,) or counts.dtype != torch.int64 or counts.device != self.device:
+            raise ValueError(f"{want}, got {counts.dtype} {list(counts.shape)} on {counts.device}")
+
+    def _check_counts(self, counts: Optional[torch.Tensor], n: int) -> None:
+        self._check_counts_tensor(counts)
+        if counts is not None and not torch.compiler.is_compiling() and bool(((counts < 0) | (counts > n)).any()):
+            raise ValueError(f"counts must lie in [0, {n}] (the number of new tokens), got {counts.tolist()}")
 
 
 class TokenPool(nn.Module):
@@ -64,12 +191,26 @@ class NuqLevels(nn.Module):
         self.register_buffer("v", torch.tensor(value_levels, dtype=torch.float32, device=device), persistent=False)
 
 
-class KIVILayer(nn.Module):
-    """The nine KIVI buffers of one layer (layout.py) plus `pool`, `sparse` and `levels`."""
+class KIVILayer(CacheLayer):
+    """One layer of the KIVI cache: the nine buffers of layout.py, and as sub-modules (None when
+    their option is off) the sink/OTT `pool`, the dense-and-sparse `sparse` store and the nuq
+    `levels`; with pre-RoPE keys, the model's RoPE frequencies. `tensors()` hands it to the cache
+    ops (dispatch.py picks the implementation) as one LayerTensors bundle.
+
+    layer_idx selects this layer's share of the config (its nuq levels, whether it has an OTT
+    pool); rope: (inv_freq [head_dim / 2], attention_scaling) of the model, required with
+    config.pre_rope (rope.model_rope_frequencies). portable: built for an exporter that cannot
+    carry custom ops (ONNX, ExecuTorch): the ops run in core ATen forms only (dispatch.py)."""
 
     def __init__(self, config: KIVIConfig, layer_idx: int, *, batch_size: int, max_seq_len: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device):
-        super().__init__()
+                 head_dim: int, dtype: torch.dtype = torch.float32, device="cpu",
+                 rope: Optional[tuple[torch.Tensor, float]] = None, portable: bool = False):
+        if not isinstance(config, KIVIConfig):
+            raise TypeError(f"config must be a KIVIConfig, got {type(config).__name__}")
+        device = torch.device(device)
+        super().__init__(batch_size=batch_size, max_seq_len=max_seq_len, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, dtype=dtype, device=device)
+        config.check_head_dim(head_dim)
         B, H, S, D = batch_size, num_kv_heads, max_seq_len, head_dim
         R, G = config.residual_length, config.group_size
         gv = config.value_group_size(D)
@@ -83,7 +224,6 @@ class KIVILayer(nn.Module):
             ("v_scale", (B, H, S, D // gv), dtype),
             ("v_zero", (B, H, S, D // gv), dtype),
             ("v_res", (B, H, RR, D), dtype),
-            ("lengths", (B,), torch.int64),
         ):
             self.register_buffer(name, _zeros(shape, dt, device), persistent=False)
         P = config.layer_pool_size(layer_idx)
@@ -95,8 +235,23 @@ class KIVILayer(nn.Module):
             NuqLevels(config.key_levels[layer_idx], config.value_levels[layer_idx], device) if config.has_nuq else None)
         self.params = QuantParams(config.k_bits, config.v_bits, G, R, config.sink_tokens if P else 0,
                                   config.layer_outlier_tokens(layer_idx))
+        self.pre_rope = config.pre_rope
+        self.rope_scaling = 1.0
+        if config.pre_rope:
+            if rope is None or not isinstance(rope[0], torch.Tensor) or rope[0].shape != (D // 2,):
+                got = None if rope is None else getattr(rope[0], "shape", rope[0])
+                raise ValueError(f"pre_rope=True needs rope_inv_freq, the model's RoPE frequencies [head_dim / 2 = "
+                                 f"{D // 2}] (kivi_models.make_cache passes them), got {got}")
+            inv_freq, self.rope_scaling = rope[0], float(rope[1])
+            self.register_buffer("rope_inv_freq", inv_freq.detach().to(device=device, dtype=torch.float32).clone(),
+                                 persistent=False)
+        elif rope is not None:
+            raise ValueError("rope_inv_freq is only used with pre_rope=True")
+        else:
+            self.rope_inv_freq = None
+        self.portable = bool(portable)
 
-    def tensors(self, rope_inv_freq: Optional[torch.Tensor] = None) -> LayerTensors:
+    def tensors(self) -> LayerTensors:
         """The layer as the cache ops take it (whole buffers, options None when off)."""
         pool, sparse, levels = self.pool, self.sparse, self.levels
         return LayerTensors(
@@ -105,25 +260,68 @@ class KIVILayer(nn.Module):
             *((pool.k, pool.v, pool.pos) if pool is not None else (None,) * 3),
             *((sparse.k, sparse.k_idx, sparse.v, sparse.v_idx) if sparse is not None else (None,) * 4),
             *((levels.k, levels.v) if levels is not None else (None,) * 2),
-            rope_inv_freq,
+            self.rope_inv_freq,
         )
 
+    def append(self, key: torch.Tensor, value: torch.Tensor, step: Step = DECODE) -> None:
+        """Store key/value [batch, kv_heads, n, head_dim]; step.counts marks the real tokens of
+        right-padded rows (the rest are never stored). Raises before writing if a sequence would
+        exceed max_seq_len (in eager mode and in compiled mode on CPU; the CUDA kernel drops tokens
+        past capacity instead, since it cannot raise inside a CUDA graph)."""
+        self._check_append(key, value, step.counts)
+        dispatch.append(self.tensors(), key, value, step.counts, self.params, portable=self.portable)
+
+    def attend(self, query: torch.Tensor, step: Step = DECODE, scale: Optional[float] = None) -> torch.Tensor:
+        """Attention of query [batch, q_heads, q_len, head_dim] over the layer (quantized part +
+        residual [+ pool], one softmax, GQA, causal for q_len > 1: the queries' own keys must already
+        be appended). step.counts marks the real queries of right-padded rows, as in append: query i
+        of row b sits at position lengths[b] - counts[b] + i and sees the keys at positions up to
+        its own. scale: the softmax scale (default 1 / sqrt(head_dim)).
+
+        Defined for any state of the layer: an output row is zeros when its query sees no key,
+        that is for padding rows (i >= counts[b]), for every row of an empty sequence (attend before
+        any append, after reset() or restart_rows()), and for queries placed before a sequence's
+        first token. Never NaN."""
+        self._check_attend(query, step.counts)
+        scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
+        scale *= self.rope_scaling  # pre-RoPE keys: the model's RoPE scales keys; ours are rotated in the op
+        return dispatch.attend(query, self.tensors(), step.counts, self.params, scale, portable=self.portable)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) [batch, kv_heads, max length, head_dim] exactly as attention sees them
+        (dequantized where quantized, exact from the residual and the pool, rotated when stored
+        pre-RoPE); zeros past a sequence's length. Tests and debugging only (host syncs)."""
+        lengths = self.lengths
+        stop = int(lengths.max())
+        keys, values = materialize_block(self.tensors(), 0, stop, self.params)
+        if self.pool is not None:  # pooled tokens are seen exact
+            pool = self.pool
+            for b, h, i in (pool.pos >= 0).nonzero().tolist():
+                t = int(pool.pos[b, h, i])
+                keys[b, h, t], values[b, h, t] = pool.k[b, h, i].float(), pool.v[b, h, i].float()
+        if self.pre_rope:  # as attention sees them: rotated, with the model's attention_scaling
+            keys = rope_at(keys, torch.arange(stop, device=keys.device), self.rope_inv_freq) * self.rope_scaling
+        inside = (torch.arange(stop, device=lengths.device)[None, :] < lengths[:, None])[:, None, :, None]
+        zero = torch.zeros((), device=keys.device)
+        return torch.where(inside, keys, zero).to(self.dtype), torch.where(inside, values, zero).to(self.dtype)
+
     def reset(self) -> None:
-        """Empty every sequence; the nuq levels stay."""
-        for buf in (self.k_codes, self.k_scale, self.k_zero, self.k_res, self.v_codes, self.v_scale, self.v_zero,
-                    self.v_res, self.lengths):
-            buf.zero_()
+        """Empty every sequence; the constants (nuq levels, RoPE frequencies) stay."""
+        constants = {id(t) for t in self.constants()}
+        for buf in self.buffers(recurse=False):
+            if id(buf) not in constants:
+                buf.zero_()
         for part in (self.pool, self.sparse):
             if part is not None:
                 part.reset()
 
     def restart_rows(self, fresh: torch.Tensor) -> None:
-        """Rows where fresh [B] is True start a new sequence: length 0, pool slots empty (graph-safe;
-        the other buffers need no clearing: nothing past a row's length is read)."""
-        self.lengths.copy_(torch.where(fresh, torch.zeros_like(self.lengths), self.lengths))
+        """Rows where fresh [B] is True start a new sequence: length 0, pool slots empty (graph-safe)."""
+        super().restart_rows(fresh)
         if self.pool is not None:
             pos = self.pool.pos
             pos.copy_(torch.where(fresh[:, None, None], torch.full_like(pos, -1), pos))
 
     def constants(self) -> list[torch.Tensor]:
-        return [self.levels.k, self.levels.v] if self.levels is not None else []
+        levels = [self.levels.k, self.levels.v] if self.levels is not None else []
+        return levels + ([self.rope_inv_freq] if self.rope_inv_freq is not None else [])

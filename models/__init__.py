@@ -17,13 +17,13 @@ class _DropKnownImportNoise(logging.Filter):
 for _name in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_name).addFilter(_DropKnownImportNoise())
 
+from kivi_ops import FPCache, KIVICache, Step
+
 from .attention import KIVIAttention, patch_model
-from .fp_cache import FPCache
 from .generate import GenerationResult, SamplingConfig, compile_decode_step, decode_step, generate, make_cache
-from .hf_cache import KIVIHFCache
 from .loading import load_model
 
 __all__ = [
-    "KIVIAttention", "patch_model", "FPCache", "KIVIHFCache", "load_model", "make_cache", "generate",
+    "KIVIAttention", "patch_model", "FPCache", "KIVICache", "Step", "load_model", "make_cache", "generate",
     "GenerationResult", "SamplingConfig", "decode_step", "compile_decode_step",
 ]

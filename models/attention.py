@@ -1,11 +1,15 @@
 """KIVI attention for Hugging Face Llama-family models, swapped in without forking modeling code.
 
 `patch_model(model)` replaces each decoder layer's `self_attn` with `KIVIAttention`, which keeps
-the original projections (weights untouched) and routes keys/values through the static cache's
-fused append and attend ops. Llama, Mistral, Qwen2, Qwen3 (q/k norms) and Phi-3 (fused qkv) are
-supported (Qwen2's q/k/v biases live in the reused Linear modules); Gemma 2/3 are refused.
-Sliding-window attention (Mistral, Phi-3, Qwen2/3 with use_sliding_window) is not implemented and
-is rejected with an error.
+the original projections (weights untouched) and routes keys/values through its cache layer's
+append and attend. Llama, Mistral, Qwen2, Qwen3 (q/k norms) and Phi-3 (fused qkv) are supported
+(Qwen2's q/k/v biases live in the reused Linear modules); Gemma 2/3 are refused. Sliding-window
+attention (Mistral, Phi-3, Qwen2/3 with use_sliding_window) is not implemented and is rejected with
+an error.
+
+What a call does with the cache comes down the call as one `kivi_ops.Step` (keyword `kivi_step`).
+The library's own loops pass it (generate.py); for a call that does not (transformers' generate(),
+a plain `model(...)`), a pre-hook on the decoder derives it from that call's arguments.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
+from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .hf_cache import KIVIHFCache, LayerCache
+from kivi_ops import CacheLayer, StaticCacheBase, Step
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # Families that need attention features the KIVI cache does not implement, and which ones.
@@ -28,14 +33,14 @@ UNSUPPORTED_WHY = {"gemma2": _GEMMA_WHY, "gemma3": _GEMMA_WHY, "gemma3_text": _G
 ATTN_IMPLEMENTATION = "kivi"
 
 # Registered as an attention implementation without a mask function: transformers then skips
-# building masks (our ops mask by per-sequence lengths themselves). The function is only a
+# building masks (the cache layers mask by per-sequence lengths themselves). The function is only a
 # fallback for attention modules we did not replace.
 AttentionInterface.register(ATTN_IMPLEMENTATION, sdpa_attention_forward)
 
 
 class KIVIAttention(nn.Module):
     """The family's own projections (reused modules, same names, weights untouched), then RoPE,
-    the KIVI cache, and o_proj. What differs between the supported families is only how q, k, v
+    the cache layer, and o_proj. What differs between the supported families is only how q, k, v
     come out of the hidden states (`_project`): separate q/k/v projections (Llama, Mistral, Qwen2),
     the same plus RMS norms of q and k per head before RoPE (Qwen3), or one fused qkv projection
     (Phi-3)."""
@@ -67,82 +72,78 @@ class KIVIAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
-        # The model passes the whole cache; a compiled decoder-layer region passes this layer's
-        # LayerCache (generate.compile_decode_step), so that it never indexes by layer_idx.
-        if isinstance(past_key_values, KIVIHFCache):
-            cache = past_key_values.layers[self.layer_idx]
-        elif isinstance(past_key_values, LayerCache):
-            cache = past_key_values
-        else:
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None,
+                kivi_step: Step = Step(), **kwargs):
+        # transformers' model forward passes the whole cache; the library's own loop passes this
+        # layer's cache layer (so one compiled decoder-layer region serves every layer).
+        cache = past_key_values.layers[self.layer_idx] if isinstance(past_key_values, Cache) else past_key_values
+        if not isinstance(cache, CacheLayer):
             raise ValueError(
-                "a KIVI-patched model needs past_key_values=KIVIHFCache(...) (see kivi_models.make_cache); "
+                "a KIVI-patched model needs past_key_values=kivi_models.make_cache(...) (a KIVICache or FPCache); "
                 f"got {type(past_key_values).__name__}"
             )
+        step = kivi_step
         B, n, _ = hidden_states.shape
         q, k, v = self._project(hidden_states)
         cos, sin = position_embeddings
         q, k_rotated = self.apply_rotary_pos_emb(q, k, cos, sin)
-        counts = kwargs.get("kivi_counts")
-        prefill = n > 1 and not cache.prefilled
-        left_pad = cache.owner.left_pad if prefill else None
-        if left_pad is not None:
-            # A left-padded prompt batch (transformers' generate): each row's real tokens move to
-            # the front (the cache's right-padded layout, `counts` real tokens per row), so pads
-            # never enter the cache or its statistics; outputs go back to the original positions.
-            order, counts = left_pad
-            q, k, k_rotated, v = (t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
-                                  for t in (q, k, k_rotated, v))
+        if step.order is not None:
+            # A left-padded prompt batch: each row's real tokens move to the front (the cache's
+            # right-padded layout), so pads never enter the cache or its statistics; outputs go
+            # back to the original positions below.
+            q, k, k_rotated, v = (_gather_tokens(t, step.order) for t in (q, k, k_rotated, v))
         # A pre-RoPE cache (KVQuant) stores keys before rotation and rotates them in attention.
-        stored = k if cache.pre_rope else k_rotated
-        cache.append(stored.contiguous(), v.contiguous(), counts)
-        k = k_rotated
-        exact = cache.exact_attention
-        if exact is not None:
-            # Exported programs (export/decoder.py): one graph serves prompts and decode steps, so
-            # the prefill-or-not decision is a tensor. Both paths run and a select picks one:
-            # for a decode step the exact path covers one token (nearly free), for a prompt the
-            # cached path costs about what the exact one does. (torch.cond was tried: Inductor
-            # in torch 2.13 mixed up the strides of its operands and AOTInductor computed garbage.)
-            out = torch.where(exact, self._exact_attention(q, k, v), self._cached_attention(q, counts, cache))
-        elif prefill:
-            out = self._exact_attention(q, k, v)
+        cache.append((k if cache.pre_rope else k_rotated).contiguous(), v.contiguous(), step)
+        if step.exact is not None:
+            # Exported programs: one graph serves prompts and decode steps, so the choice is a
+            # tensor. Both paths run and a select picks one: for a decode step the exact path covers
+            # one token (nearly free), for a prompt the cached path costs about what the exact one
+            # does. (torch.cond was tried: Inductor in torch 2.13 mixed up the strides of its
+            # operands and AOTInductor computed garbage.)
+            out = torch.where(step.exact, self._exact_attention(q, k_rotated, v),
+                              cache.attend(q.contiguous(), step, self.scaling))
+        elif step.prefill:
+            out = self._exact_attention(q, k_rotated, v)
         else:
-            out = self._cached_attention(q, counts, cache)
-        if left_pad is not None:
-            back = left_pad[0].argsort(dim=1)  # the inverse permutation
-            out = out.gather(2, back[:, None, :, None].expand(-1, out.shape[1], -1, out.shape[3]))
-        out = out.transpose(1, 2).reshape(B, n, -1)
-        return self.o_proj(out), None
+            out = cache.attend(q.contiguous(), step, self.scaling)
+        if step.order is not None:
+            out = _gather_tokens(out, step.order.argsort(dim=1))  # the inverse permutation
+        return self.o_proj(out.transpose(1, 2).reshape(B, n, -1)), None
 
     def _exact_attention(self, q, k, v):
-        # Prefill attends over the exact keys/values (right padding: pads come after every
-        # real token, so the causal mask already hides them from real queries).
+        # A prompt attends over its exact keys/values (right padding: pads come after every real
+        # token, so the causal mask already hides them from real queries).
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
 
-    def _cached_attention(self, q, counts, cache):
-        return cache.attend(q.contiguous(), self.scaling, counts)
+
+def _gather_tokens(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """t [B, H, n, D] with each row's tokens in order [B, n]."""
+    return t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
 
 
-def _note_left_padding(module, args, kwargs):
-    """transformers' generate() left-pads a batch of prompts and passes a 2-D attention mask. At
-    the prompt (the cache still empty), record each row's order with its real tokens first and
-    their count, for the attention layers (KIVIAttention.forward); later calls carry one new token
-    per row, which the cache's per-row lengths already place. Eager Python, outside compiled code."""
+def step_of_call(module, args, kwargs):
+    """The Step of a decoder call that brings none (transformers' generate(), a plain model()
+    call): a call on an empty cache with more than one token is the prompt (exact attention);
+    transformers left-pads a batch of prompts and passes a 2-D attention mask, from which the
+    prompt's token order is derived. Later calls carry one new token per row, which the cache's
+    per-row lengths already place. Eager Python with host reads, outside compiled code."""
     cache = kwargs.get("past_key_values")
-    if not isinstance(cache, KIVIHFCache):
-        return
+    if "kivi_step" in kwargs or not isinstance(cache, StaticCacheBase):
+        return None
+    tokens = kwargs.get("input_ids")
+    tokens = tokens if tokens is not None else kwargs.get("inputs_embeds")
+    n = tokens.shape[1] if tokens is not None else (args[0].shape[1] if args else 1)
+    fresh = cache.get_seq_length() == 0
+    order = counts = None
     mask = kwargs.get("attention_mask")
-    cache.left_pad = None
-    fresh = not cache.layers[0].prefilled
-    if (fresh and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not torch.compiler.is_compiling()
-            and bool((mask == 0).any())):
+    if fresh and isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask == 0).any()):
         real = mask.bool()
         if bool((real[:, 1:] < real[:, :-1]).any()):  # a real token after a pad: not left padding
             raise ValueError("attention_mask must be left padding (pads before each row's tokens) or right "
                              "padding through kivi_models.generate; got a mask with pads after real tokens")
         order = (~real).to(torch.int8).argsort(dim=1, stable=True)  # real tokens first, in order
-        cache.left_pad = (order, real.sum(dim=1))
+        counts = real.sum(dim=1)
+    return args, dict(kwargs, kivi_step=Step(counts=counts, prefill=fresh and n > 1, order=order))
 
 
 def patch_model(model: nn.Module) -> nn.Module:
@@ -167,6 +168,6 @@ def patch_model(model: nn.Module) -> nn.Module:
     for layer in decoder.layers:
         layer.self_attn = KIVIAttention(layer.self_attn, config)
     config._attn_implementation = ATTN_IMPLEMENTATION
-    decoder.register_forward_pre_hook(_note_left_padding, with_kwargs=True)
+    decoder.register_forward_pre_hook(step_of_call, with_kwargs=True)
     decoder._kivi_patched = True
     return model

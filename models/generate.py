@@ -7,7 +7,7 @@ Python int that changes per token (no recompiles, CUDA-graph friendly).
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -15,21 +15,20 @@ from typing import Optional
 
 import torch
 
-from kivi_ops import KIVICache, KIVIConfig
+from kivi_ops import FPCache, KIVICache, KIVIConfig, StaticCacheBase, Step
 from kivi_ops.rope import model_rope_frequencies
 
-from .fp_cache import FPCache
-from .hf_cache import KIVIHFCache
 from .parallel import local_kv_heads
 
 METHODS = ("fp", "kivi")
 
 
 def make_cache(model, *, method: str, batch_size: int, max_seq_len: int,
-               kivi_config: Optional[KIVIConfig] = None, device=None) -> KIVIHFCache:
-    """A static cache for `model` (patched with patch_model): "kivi" or the unquantized "fp".
+               kivi_config: Optional[KIVIConfig] = None, device=None, portable: bool = False) -> StaticCacheBase:
+    """A static cache for `model` (patched with patch_model): "kivi" (a KIVICache) or the
+    unquantized "fp" (an FPCache). Both are transformers Caches: pass one to `model.generate`.
     device defaults to the model's ("meta" sizes a cache without allocating it). Under tensor
-    parallelism it holds this rank's KV heads only."""
+    parallelism it holds this rank's KV heads only. portable: for exporters without custom ops."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     cfg = model.config
@@ -42,14 +41,14 @@ def make_cache(model, *, method: str, batch_size: int, max_seq_len: int,
         if kivi_config.pre_rope:
             inv_freq, scaling = model_rope_frequencies(model)
             rope = dict(rope_inv_freq=inv_freq, rope_scaling=scaling)
-        backing = KIVICache(kivi_config, **dims, **rope)
+        cache = KIVICache(kivi_config, **dims, **rope, portable=portable)
     else:
-        backing = FPCache(**dims)
-    if backing.device.type == "cuda":
+        cache = FPCache(**dims)
+    if cache.device.type == "cuda":
         # CUDA graphs only allow in-place updates of tensors at fixed addresses.
-        for buf in backing.buffers():
+        for buf in cache.buffers():
             torch._dynamo.mark_static_address(buf)
-    return KIVIHFCache(backing)
+    return cache
 
 
 def cache_bytes_per_sequence(model, *, method: str, tokens: int, kivi_config: Optional[KIVIConfig] = None) -> int:
@@ -92,26 +91,43 @@ def sample(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
 
 
-def prefill(model, cache: KIVIHFCache, input_ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Run the right-padded prompts [B, n] through the model; logits of each last real token."""
+def run_decoder_layer(layer, hidden_states, cache_layer, position_embeddings, step: Step):
+    """One decoder layer over its own cache layer: the region that compiles once for every layer."""
+    return layer(hidden_states, position_embeddings=position_embeddings, past_key_values=cache_layer, kivi_step=step)
+
+
+def forward(model, cache: StaticCacheBase, input_ids: torch.Tensor, positions: torch.Tensor, step: Step,
+            run_layer=run_decoder_layer) -> torch.Tensor:
+    """The decoder over the cache, as the model's own forward computes it (embedding, RoPE tables,
+    the layers, final norm) but with each layer handed its cache layer and the step: hidden states
+    [B, n, hidden] of input_ids [B, n] at positions [B, n]."""
+    decoder = model.model
+    hidden = decoder.embed_tokens(input_ids)
+    position_embeddings = decoder.rotary_emb(hidden, positions)
+    for layer, cache_layer in zip(decoder.layers, cache.layers):
+        hidden = run_layer(layer, hidden, cache_layer, position_embeddings, step)
+    return decoder.norm(hidden)
+
+
+def prefill(model, cache: StaticCacheBase, input_ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Run the right-padded prompts [B, n] of fresh sequences through the model (exact attention,
+    the cache stores them); logits [B, V] of each last real token."""
     B, n = input_ids.shape
-    positions = cache.backing.lengths(0)[:, None] + torch.arange(n, device=input_ids.device)[None, :]
-    out = model(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True, kivi_counts=counts)
-    return out.logits[torch.arange(B, device=input_ids.device), counts - 1]
+    positions = cache.lengths()[:, None] + torch.arange(n, device=input_ids.device)[None, :]
+    hidden = forward(model, cache, input_ids, positions, Step(counts=counts, prefill=True))
+    return model.lm_head(hidden[torch.arange(B, device=input_ids.device), counts - 1])
 
 
-def decode_step(model, cache: KIVIHFCache, tokens: torch.Tensor, positions: torch.Tensor,
-                counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+def decode_step(model, cache: StaticCacheBase, tokens: torch.Tensor, positions: torch.Tensor,
+                counts: Optional[torch.Tensor] = None, *, run_layer=run_decoder_layer) -> torch.Tensor:
     """One token per sequence, tokens [B] at positions [B] -> logits [B, V]. counts [B] (0 or 1):
     rows with 0 take no token (free slots of a server's batch; their logits are meaningless).
 
     Positions come in as an input rather than being read from the cache's length tensor inside
     the step: Inductor (torch 2.13) reordered a clone of a buffer after the opaque op that
     mutates it, so RoPE saw position + 1 in compiled mode."""
-    extra = {} if counts is None else {"kivi_counts": counts}
-    out = model(input_ids=tokens[:, None], position_ids=positions[:, None], past_key_values=cache, use_cache=True,
-                **extra)
-    return out.logits[:, -1]
+    hidden = forward(model, cache, tokens[:, None], positions[:, None], Step(counts=counts), run_layer)
+    return model.lm_head(hidden[:, -1])
 
 
 def compile_decode_step(device: torch.device, *, regional: Optional[bool] = None):
@@ -120,60 +136,31 @@ def compile_decode_step(device: torch.device, *, regional: Optional[bool] = None
     CUDA: the whole step is one graph, run under CUDA graphs ("reduce-overhead") around the kivi
     custom ops (Triton kernels).
     CPU (regional, the default there): one decoder layer is compiled and that one graph runs for
-    every layer (each call gets its layer's weights and LayerCache as inputs), the embedding, final
-    norm and LM head run eagerly. A cold compile costs one layer instead of all of them (on the
-    embedded 30-layer model, minutes become seconds); decode speed stays close, since the layers
+    every layer (each call gets its layer's weights and cache layer as inputs); the embedding,
+    final norm and LM head run eagerly. A cold compile costs one layer instead of all of them (on
+    the embedded 30-layer model, minutes become seconds); decode speed stays close, since the layers
     are the work (docs/performance.md). regional=False compiles the whole step instead.
     Inside the compiled code a KIVICache runs the decomposed forms of its ops, which Inductor
     fuses into loops over the packed codes (kivi_ops/dispatch.py decides; the custom ops' CPU
     reference is opaque to Inductor). The prefill and eager steps keep the custom ops. The compiled
-    append cannot raise, so each step checks the cache's room first (a CPU tensor read)."""
+    append cannot raise, so each step checks the cache's room first (a host read of the lengths)."""
     device = torch.device(device)
     if device.type == "cuda" and not regional:
-        return torch.compile(decode_step, fullgraph=True, dynamic=False, mode="reduce-overhead")
-    if regional is False:
+        compiled = torch.compile(decode_step, fullgraph=True, dynamic=False, mode="reduce-overhead")
+    elif regional is False:
         compiled = torch.compile(decode_step, fullgraph=True, dynamic=False)
     else:
-        compiled_layer = torch.compile(_run_decoder_layer, fullgraph=True, dynamic=False,
+        compiled_layer = torch.compile(run_decoder_layer, fullgraph=True, dynamic=False,
                                        options={"guard_filter_fn": torch.compiler.skip_guard_on_globals_unsafe,
                                                 "size_asserts": False, "alignment_asserts": False})
+        compiled = functools.partial(decode_step, run_layer=compiled_layer)
 
-        def compiled(model, cache, tokens, positions, counts=None):
-            with _layers_compiled(model, cache, compiled_layer):
-                return decode_step(model, cache, tokens, positions, counts)
-
-    def step(model, cache: KIVIHFCache, tokens: torch.Tensor, positions: torch.Tensor,
+    def step(model, cache: StaticCacheBase, tokens: torch.Tensor, positions: torch.Tensor,
              counts: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if isinstance(cache.backing, KIVICache):  # the compiled append cannot raise: check first
-            cache.backing.check_room(1, counts)
+        cache.layers[0].check_room(1, counts)  # the compiled append cannot raise: check first
         return compiled(model, cache, tokens, positions, counts)
 
     return step
-
-
-def _run_decoder_layer(layer, hidden_states, layer_cache, kwargs):
-    """One decoder layer over its own LayerCache: the region compiled once for all layers."""
-    return type(layer).forward(layer, hidden_states, past_key_values=layer_cache, **kwargs)
-
-
-@contextlib.contextmanager
-def _layers_compiled(model, cache: KIVIHFCache, compiled_layer):
-    """For the duration of one step, each decoder layer runs `compiled_layer` with its own LayerCache
-    (an instance attribute `forward` shadows the class's; removed again on exit)."""
-    layers = model.model.layers
-
-    def region(layer, layer_cache):
-        def forward(hidden_states, *, past_key_values=None, **kwargs):
-            return compiled_layer(layer, hidden_states, layer_cache, kwargs)
-        return forward
-
-    try:
-        for layer, layer_cache in zip(layers, cache.layers):
-            layer.forward = region(layer, layer_cache)
-        yield
-    finally:
-        for layer in layers:
-            layer.__dict__.pop("forward", None)
 
 
 @dataclass
@@ -207,7 +194,7 @@ def generate(
     prompts: list[list[int]],
     *,
     max_new_tokens: int,
-    cache: KIVIHFCache,
+    cache: StaticCacheBase,
     sampling: SamplingConfig = SamplingConfig(),
     eos_token_id: Optional[int | list[int]] = None,
     pad_token_id: int = 0,
@@ -217,8 +204,7 @@ def generate(
 ) -> GenerationResult:
     """Generate up to max_new_tokens per prompt with a static cache; stops when every row hit EOS.
     The first `warmup_steps` decode steps (compilation, CUDA-graph recording) are not timed."""
-    backing = cache.backing
-    check_generation_args(prompts, max_new_tokens, batch_size=backing.batch_size, max_seq_len=backing.max_seq_len)
+    check_generation_args(prompts, max_new_tokens, batch_size=cache.batch_size, max_seq_len=cache.max_seq_len)
     cache.reset()
     result = generation_loop(
         lambda input_ids, counts: prefill(model, cache, input_ids, counts),
@@ -226,8 +212,8 @@ def generate(
         prompts, max_new_tokens=max_new_tokens, device=model.device, sampling=sampling,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, warmup_steps=warmup_steps, seed=seed,
     )
-    result.cache_bytes = backing.nbytes()
-    result.fp16_cache_bytes = backing.fp16_nbytes()  # same capacity, unquantized fp16
+    result.cache_bytes = cache.nbytes()
+    result.fp16_cache_bytes = cache.fp16_nbytes()  # same capacity, unquantized fp16
     return result
 
 

@@ -51,7 +51,7 @@ def cmd_generate(args, parser) -> int:
     with usage_errors(parser):  # e.g. --outlier-skip-layers covering every layer of this model
         sized = make_cache(model, method=args.method, batch_size=len(ids), max_seq_len=max_seq_len,
                            kivi_config=kivi_config, device="meta")
-    check_memory(sized.backing.nbytes(), device, what=f"the cache ({len(ids)} x {max_seq_len} tokens)")
+    check_memory(sized.nbytes(), device, what=f"the cache ({len(ids)} x {max_seq_len} tokens)")
     cache = make_cache(model, method=args.method, batch_size=len(ids), max_seq_len=max_seq_len, kivi_config=kivi_config)
     step_fn, warmup = decode_step, 0
     if args.compile:
@@ -105,7 +105,7 @@ def cmd_generate(args, parser) -> int:
     if args.method == "kivi" and context > max_seq_len:
         # Same cache at the model's full context, built on the meta device (no memory).
         full = make_cache(model, method="kivi", batch_size=len(ids), max_seq_len=context, kivi_config=kivi_config,
-                          device="meta").backing
+                          device="meta")
         print(f"         at the full {context}-token context: {full.nbytes() / 2**20:.1f} MiB vs "
               f"{full.fp16_nbytes() / 2**20:.1f} MiB fp16 ({full.fp16_nbytes() / full.nbytes():.2f}x smaller)")
     return 0

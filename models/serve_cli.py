@@ -33,7 +33,7 @@ def plan_slots(model, args, kivi_config, parser) -> tuple[int, int, int]:
     with usage_errors(parser):
         per_slot = cache_bytes_per_sequence(model, method=args.method, tokens=args.max_seq_len, kivi_config=kivi_config)
     fp16_per_slot = make_cache(model, method="fp", batch_size=1, max_seq_len=args.max_seq_len,
-                               device="meta").backing.fp16_nbytes()
+                               device="meta").fp16_nbytes()
     if args.cache_budget_gib is not None:
         if args.cache_budget_gib <= 0:
             parser.error(f"--cache-budget-gib must be > 0, got {args.cache_budget_gib}")

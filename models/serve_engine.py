@@ -105,7 +105,7 @@ class Engine:
             running = sum(r is not None for r in self.rows)
             elapsed = time.perf_counter() - self.started_s
             return dict(running=running, waiting=len(self.waiting), slots_used=running, slots_free=self.slots - running,
-                        cache_bytes=self.cache.backing.nbytes(), generated_tokens=self.generated_tokens,
+                        cache_bytes=self.cache.nbytes(), generated_tokens=self.generated_tokens,
                         tokens_per_s=self.generated_tokens / elapsed if elapsed > 0 else 0.0)
 
     def close(self) -> None:
@@ -151,9 +151,7 @@ class Engine:
             input_ids = torch.tensor([ids], device=self.device)
             counts = torch.tensor([len(ids)], device=self.device)
             logits.append(prefill(self.model, self.staging, input_ids, counts)[0])
-            self.cache.backing.load_row(slot, self.staging.backing)
-        for layer in self.cache.layers:  # decode steps attend over the cache
-            layer.prefilled = True
+            self.cache.load_row(slot, self.staging)
         self._advance(check_finite(torch.stack(logits), "the prompt"), admitted)
 
     def _decode(self) -> None:
@@ -164,7 +162,7 @@ class Engine:
         for s in active:
             tokens[s] = self.rows[s].tokens[-1]
             counts[s] = 1
-        positions = self.cache.backing.lengths(0).clone()
+        positions = self.cache.lengths().clone()
         logits = self.step_fn(self.model, self.cache, tokens, positions, counts)
         self._advance(check_finite(logits[active], "a decode step"), active)
 

@@ -1,36 +1,38 @@
-"""A decode step over a prefilled KIVICache as a module, and the compile / export checks that the
+"""A decode step over a KIVICache holding a prompt, as a module, and the compile / export checks that the
 option tests (test_pool.py, test_kvquant.py) share.
 
 Which implementation a step runs is kivi_ops/dispatch.py's choice: eager on CPU and torch.export
 call the kivi ops (CPU kernel: the reference); torch.compile on CPU traces the decomposed forms
 inline; a `portable` cache runs the decomposed append and materialized attention everywhere (no
 kivi op). `through_op=True` calls torch.ops.kivi.* directly instead of the cache's methods, which
-keeps the kivi op in a compiled graph (what CUDA runs)."""
+keeps the kivi op in a compiled graph (what CUDA runs). `make_step(portable=...)` builds the cache
+with that flag (fixed at construction)."""
 
 import math
 
 import torch
 
+from kivi_ops import Step
+
 
 class CacheStep(torch.nn.Module):
     """forward(key, value, query): append one token per row, then attend over layer 0."""
 
-    def __init__(self, cache, prefill_key, prefill_value, counts, *, portable=False, through_op=False):
+    def __init__(self, cache, prefill_key, prefill_value, counts, *, through_op=False):
         super().__init__()
         self.cache = cache
-        self.cache.append(0, prefill_key, prefill_value, counts)
-        self.cache.portable = portable
+        self.cache.layers[0].append(prefill_key, prefill_value, Step(counts=counts))
         self.through_op = through_op
 
     def forward(self, key, value, query):
         cache = self.cache
         if not self.through_op:
-            cache.append(0, key, value)
-            return cache.attend(0, query)
+            cache.layers[0].append(key, value)
+            return cache.layers[0].attend(query)
         params = cache.layers[0].params
-        torch.ops.kivi.cache_append(*cache.layer_tensors(0), key, value, None, *params)
-        scale = 1.0 / math.sqrt(cache.head_dim) * (cache.rope_scaling if cache.config.pre_rope else 1.0)
-        return torch.ops.kivi.cache_attend(query, *cache.layer_tensors(0), None, *params, scale)
+        torch.ops.kivi.cache_append(*cache.layers[0].tensors(), key, value, None, *params)
+        scale = 1.0 / math.sqrt(cache.head_dim) * cache.layers[0].rope_scaling
+        return torch.ops.kivi.cache_attend(query, *cache.layers[0].tensors(), None, *params, scale)
 
 
 def step_inputs(n, *, B, H, HQ, D):

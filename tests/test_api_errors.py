@@ -5,17 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from kivi_models.fp_cache import FPCache
-from kivi_ops import KIVICache, KIVIConfig, dispatch, fake_quantize, quantize
+from kivi_ops import FPCache, KIVICache, KIVIConfig, KIVILayer, Step, dispatch, fake_quantize, quantize
 
 B, H, D = 2, 2, 16
 
 
 def make_cache(portable=False, **cfg):
-    cache = KIVICache(KIVIConfig(group_size=4, residual_length=8, **cfg), num_layers=1, batch_size=B,
-                      max_seq_len=32, num_kv_heads=H, head_dim=D)
-    cache.portable = portable
-    return cache
+    return KIVICache(KIVIConfig(group_size=4, residual_length=8, **cfg), num_layers=1, batch_size=B,
+                     max_seq_len=32, num_kv_heads=H, head_dim=D, portable=portable)
 
 
 def kv(n):
@@ -34,11 +31,11 @@ def test_counts_not_a_tensor_is_a_clear_error(counts, portable):
     cache = make_cache(portable)
     before = [b.clone() for b in cache.buffers()]
     with pytest.raises(ValueError, match=COUNTS_ERROR):
-        cache.append(0, *kv(2), counts)
+        cache.layers[0].append(*kv(2), Step(counts=counts))
     with pytest.raises(ValueError, match=COUNTS_ERROR):
-        cache.attend(0, torch.randn(B, H, 2, D), counts=counts)
+        cache.layers[0].attend(torch.randn(B, H, 2, D), Step(counts=counts))
     with pytest.raises(ValueError, match=COUNTS_ERROR):
-        cache.check_room(2, counts)
+        cache.layers[0].check_room(2, counts)
     assert all(torch.equal(a, b) for a, b in zip(before, cache.buffers()))  # nothing written
 
 
@@ -46,26 +43,26 @@ def test_counts_tensor_errors_still_name_the_expected_type():
     cache = make_cache()
     with pytest.raises(ValueError, match=r"counts must be an int64 tensor of shape \[2\] on cpu \(or None\), got "
                                          r"torch.int32 \[2\] on cpu"):
-        cache.append(0, *kv(2), torch.tensor([1, 2], dtype=torch.int32))
+        cache.layers[0].append(*kv(2), Step(counts=torch.tensor([1, 2], dtype=torch.int32)))
 
 
 def test_fp_cache_counts_not_a_tensor_is_a_clear_error():
-    # FPCache shares KIVICache's counts check (StaticCacheBase): type, shape, dtype, range.
+    # FPLayer shares KIVILayer's counts check (CacheLayer): type, shape, dtype, range.
     cache = FPCache(num_layers=1, batch_size=B, max_seq_len=32, num_kv_heads=H, head_dim=D)
     with pytest.raises(ValueError, match="counts must be an int64 tensor"):
-        cache.append(0, *kv(2), [1, 2])
+        cache.layers[0].append(*kv(2), Step(counts=[1, 2]))
     with pytest.raises(ValueError, match=r"counts must lie in \[0, 2\]"):
-        cache.append(0, *kv(2), torch.tensor([3] + [1] * (B - 1)))
+        cache.layers[0].append(*kv(2), Step(counts=torch.tensor([3] + [1] * (B - 1))))
     with pytest.raises(ValueError, match="counts must be an int64 tensor"):
-        cache.attend(0, torch.randn(B, H, 1, D), None, [1] * B)
-    assert int(cache.lengths(0).sum()) == 0  # nothing was written
+        cache.layers[0].attend(torch.randn(B, H, 1, D), Step(counts=[1] * B))
+    assert int(cache.lengths().sum()) == 0  # nothing was written
 
 
 # ---------------------------------------------------------------- attend with no visible key
 
 
 def test_attend_docstring_defines_empty_rows_as_zeros():
-    doc = " ".join(KIVICache.attend.__doc__.split())
+    doc = " ".join(KIVILayer.attend.__doc__.split())
     assert "zeros when its query sees no key" in doc and "attend before any append" in doc
 
 
@@ -75,40 +72,40 @@ def test_attend_docstring_defines_empty_rows_as_zeros():
 def test_attend_on_an_empty_cache_returns_zeros(portable, q_len, sink_tokens):
     cache = make_cache(portable, sink_tokens=sink_tokens)
     query = torch.randn(B, 2 * H, q_len, D)
-    assert torch.equal(cache.attend(0, query), torch.zeros_like(query))  # before any append
-    assert torch.equal(cache.attend(0, query, counts=torch.tensor([q_len, 0])), torch.zeros_like(query))
-    cache.append(0, *kv(20))
-    assert cache.attend(0, query).abs().sum() > 0
+    assert torch.equal(cache.layers[0].attend(query), torch.zeros_like(query))  # before any append
+    assert torch.equal(cache.layers[0].attend(query, Step(counts=torch.tensor([q_len, 0]))), torch.zeros_like(query))
+    cache.layers[0].append(*kv(20))
+    assert cache.layers[0].attend(query).abs().sum() > 0
     cache.reset()
-    assert torch.equal(cache.attend(0, query), torch.zeros_like(query))  # after reset
+    assert torch.equal(cache.layers[0].attend(query), torch.zeros_like(query))  # after reset
 
 
 @pytest.mark.parametrize("portable", [False, True])
 def test_rows_that_see_no_key_are_zeros_beside_rows_that_do(portable):
     cache = make_cache(portable)
-    cache.append(0, *kv(3), torch.tensor([3, 0]))  # row 1 stays empty
+    cache.layers[0].append(*kv(3), Step(counts=torch.tensor([3, 0])))  # row 1 stays empty
     query = torch.randn(B, 2 * H, 5, D)
-    out = cache.attend(0, query)  # no counts: query i at position lengths - 5 + i
+    out = cache.layers[0].attend(query)  # no counts: query i at position lengths - 5 + i
     assert not out.isnan().any()
     assert torch.equal(out[1], torch.zeros_like(out[1]))  # empty sequence
     assert torch.equal(out[0, :, :2], torch.zeros_like(out[0, :, :2]))  # positions -2, -1
     assert (out[0, :, 2:].abs().sum(-1) > 0).all()  # positions 0..2
     cache.restart_rows(torch.tensor([True, False]))
-    assert torch.equal(cache.attend(0, query), torch.zeros_like(out))
+    assert torch.equal(cache.layers[0].attend(query), torch.zeros_like(out))
 
 
 def test_decode_form_of_an_empty_cache_returns_zeros():
     # decomposed_fused is what a compiled CPU decode step (q_len = 1) runs: same contract.
     cache = make_cache()
     query = torch.randn(B, 2 * H, 1, D)
-    out = dispatch.run_attend("decomposed_fused", query, cache.layer_tensors(0), None, cache.layers[0].params, 0.25)
+    out = dispatch.run_attend("decomposed_fused", query, cache.layers[0].tensors(), None, cache.layers[0].params, 0.25)
     assert torch.equal(out, torch.zeros_like(query))
 
 
 def test_fp_cache_attend_on_an_empty_cache_returns_zeros():
     cache = FPCache(num_layers=1, batch_size=B, max_seq_len=32, num_kv_heads=H, head_dim=D)
     query = torch.randn(B, 2 * H, 1, D)
-    assert torch.equal(cache.attend(0, query), torch.zeros_like(query))
+    assert torch.equal(cache.layers[0].attend(query), torch.zeros_like(query))
 
 
 # ---------------------------------------------------------------- quantize at zero sizes

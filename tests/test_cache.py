@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kivi_ops import KIVICache, KIVIConfig, fake_quantize
+from kivi_ops import KIVICache, KIVIConfig, Step, fake_quantize
 
 
 def make_cache(cfg, *, B=1, H=3, S=256, D=64, layers=1, dtype=torch.float32):
@@ -60,19 +60,19 @@ def test_streaming_token_by_token_matches_policy_over_ten_flushes():
     for step in range(steps):
         k, v = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D)
         counts = torch.tensor([1, int(step % 3 != 0)])  # sequence 1 skips every third step
-        cache.append(0, k, v, counts)
+        cache.layers[0].append(k, v, Step(counts=counts))
         for b in range(B):
             if counts[b]:
                 refs[b].push(k[b, :, 0], v[b, :, 0])
         if step % 7 == 0 or step == steps - 1:
-            keys, values = cache.dequantized(0)
+            keys, values = cache.layers[0].dequantized()
             for b in range(B):
                 if not refs[b].keys:
-                    assert int(cache.lengths(0)[b]) == 0
+                    assert int(cache.lengths()[b]) == 0
                     continue
                 rk, rv = refs[b].state()
                 n = rk.shape[1]
-                assert int(cache.lengths(0)[b]) == n
+                assert int(cache.lengths()[b]) == n
                 assert torch.equal(keys[b, :, :n], rk) and torch.equal(values[b, :, :n], rv)
                 assert (keys[b, :, n:] == 0).all()
     assert refs[0].quantized_keys == 160
@@ -87,9 +87,9 @@ def test_prefill_and_chunks_follow_algorithm_1(chunks):
     cache = make_cache(cfg, H=2)
     start = 0
     for n in chunks:
-        cache.append(0, k[:, :, start:start + n], v[:, :, start:start + n])
+        cache.layers[0].append(k[:, :, start:start + n], v[:, :, start:start + n])
         start += n
-    keys, values = cache.dequantized(0)
+    keys, values = cache.layers[0].dequantized()
     # Prefill split: keys quantize the first L - L mod R tokens, values all but the last R.
     nqk, nqv = total - total % 32, total - 32
     assert torch.equal(keys[:, :, :nqk], fake_quantize(k[:, :, :nqk], 4, 8, "channel"))
@@ -105,10 +105,10 @@ def test_attend_equals_softmax_over_dequantized(q_heads, kv_heads, q_len):
     torch.manual_seed(2)
     cache = make_cache(cfg, B=2, H=kv_heads, S=2200)
     n = 2100  # spans several of the reference's 1024-token softmax blocks
-    cache.append(0, torch.randn(2, kv_heads, n, 64), torch.randn(2, kv_heads, n, 64))
+    cache.layers[0].append(torch.randn(2, kv_heads, n, 64), torch.randn(2, kv_heads, n, 64))
     query = torch.randn(2, q_heads, q_len, 64)
-    out = cache.attend(0, query)
-    keys, values = cache.dequantized(0)
+    out = cache.layers[0].attend(query)
+    keys, values = cache.layers[0].dequantized()
     expected = attention_over(query, keys, values, 1 / 8, causal_offset=n - q_len)
     # fp32 with one online softmax vs one softmax: error is a few ulps of the output scale.
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -119,13 +119,13 @@ def test_residual_covering_everything_is_exact_attention():
     torch.manual_seed(3)
     k, v = torch.randn(1, 3, 200, 64), torch.randn(1, 3, 200, 64)
     cache = make_cache(cfg)
-    cache.append(0, k[:, :, :150], v[:, :, :150])
+    cache.layers[0].append(k[:, :, :150], v[:, :, :150])
     for t in range(150, 200):
-        cache.append(0, k[:, :, t:t + 1], v[:, :, t:t + 1])
+        cache.layers[0].append(k[:, :, t:t + 1], v[:, :, t:t + 1])
     query = torch.randn(1, 9, 1, 64)
     expected = F.scaled_dot_product_attention(query, k, v, enable_gqa=True)
-    torch.testing.assert_close(cache.attend(0, query), expected, rtol=1e-5, atol=1e-5)
-    keys, values = cache.dequantized(0)
+    torch.testing.assert_close(cache.layers[0].attend(query), expected, rtol=1e-5, atol=1e-5)
+    keys, values = cache.layers[0].dequantized()
     assert torch.equal(keys, k) and torch.equal(values, v)
 
 
@@ -136,24 +136,24 @@ def test_batch_of_different_lengths_equals_each_alone():
     n = max(lengths)
     k, v = torch.randn(3, 3, n, 64), torch.randn(3, 3, n, 64)
     batched = make_cache(cfg, B=3, S=64)
-    batched.append(0, k, v, torch.tensor(lengths))
+    batched.layers[0].append(k, v, Step(counts=torch.tensor(lengths)))
     q_prefill = torch.randn(3, 9, n, 64)
-    out_prefill = batched.attend(0, q_prefill, counts=torch.tensor(lengths))
+    out_prefill = batched.layers[0].attend(q_prefill, Step(counts=torch.tensor(lengths)))
     steps = [(torch.randn(3, 3, 1, 64), torch.randn(3, 3, 1, 64), torch.randn(3, 9, 1, 64)) for _ in range(12)]
     outs = []
     for sk, sv, sq in steps:
-        batched.append(0, sk, sv)
-        outs.append(batched.attend(0, sq))
+        batched.layers[0].append(sk, sv)
+        outs.append(batched.layers[0].attend(sq))
     for b, length in enumerate(lengths):
         alone = make_cache(cfg, B=1, S=64)
-        alone.append(0, k[b:b + 1, :, :length], v[b:b + 1, :, :length])
-        torch.testing.assert_close(out_prefill[b:b + 1, :, :length], alone.attend(0, q_prefill[b:b + 1, :, :length]),
+        alone.layers[0].append(k[b:b + 1, :, :length], v[b:b + 1, :, :length])
+        torch.testing.assert_close(out_prefill[b:b + 1, :, :length], alone.layers[0].attend(q_prefill[b:b + 1, :, :length]),
                                    rtol=1e-6, atol=1e-6)
         assert (out_prefill[b, :, length:] == 0).all()  # padded query rows
         for (sk, sv, sq), out in zip(steps, outs):
-            alone.append(0, sk[b:b + 1], sv[b:b + 1])
-            torch.testing.assert_close(out[b:b + 1], alone.attend(0, sq[b:b + 1]), rtol=1e-6, atol=1e-6)
-        for got, want in zip(batched.dequantized(0), alone.dequantized(0)):
+            alone.layers[0].append(sk[b:b + 1], sv[b:b + 1])
+            torch.testing.assert_close(out[b:b + 1], alone.layers[0].attend(sq[b:b + 1]), rtol=1e-6, atol=1e-6)
+        for got, want in zip(batched.layers[0].dequantized(), alone.layers[0].dequantized()):
             assert torch.equal(got[b:b + 1, :, :length + 12], want)
 
 
@@ -163,17 +163,17 @@ def test_padding_never_enters_statistics():
     k[1, :, 20:] = 1e6  # huge padding values would wreck the scales if they were used
     v[1, :, 20:] = 1e6
     cache = make_cache(cfg, B=2, S=64)
-    cache.append(0, k, v, torch.tensor([40, 20]))
-    keys, values = cache.dequantized(0)
+    cache.layers[0].append(k, v, Step(counts=torch.tensor([40, 20])))
+    keys, values = cache.layers[0].dequantized()
     assert keys[1].abs().max() < 100 and values[1].abs().max() < 100
-    assert int(cache.lengths(0)[1]) == 20
+    assert int(cache.lengths()[1]) == 20
 
 
 def test_opcheck_cache_ops():
     cfg = KIVIConfig(group_size=8, residual_length=16)
     cache = make_cache(cfg, B=2, S=64)
-    cache.append(0, torch.randn(2, 3, 20, 64), torch.randn(2, 3, 20, 64))
-    layer, params = cache.layer_tensors(0), cache.layers[0].params
+    cache.layers[0].append(torch.randn(2, 3, 20, 64), torch.randn(2, 3, 20, 64))
+    layer, params = cache.layers[0].tensors(), cache.layers[0].params
     args = (*layer, torch.randn(2, 3, 3, 64), torch.randn(2, 3, 3, 64), torch.tensor([3, 1]), *params)
     torch.library.opcheck(torch.ops.kivi.cache_append.default, args)
     q = torch.randn(2, 9, 2, 64)
@@ -181,16 +181,16 @@ def test_opcheck_cache_ops():
 
 
 def decode_step(cache, layer, k, v, q):
-    cache.append(layer, k, v)
-    return cache.attend(layer, q)
+    cache.layers[layer].append(k, v)
+    return cache.layers[layer].attend(q)
 
 
 def op_decode_step(cache, k, v, q):
     """decode_step through the kivi ops themselves (what CUDA runs; on CPU the cache's compiled
     step runs the decomposed forms instead, kivi_ops/dispatch.py)."""
     params = cache.layers[0].params
-    torch.ops.kivi.cache_append(*cache.layer_tensors(0), k, v, None, *params)
-    return torch.ops.kivi.cache_attend(q, *cache.layer_tensors(0), None, *params, 1 / math.sqrt(cache.head_dim))
+    torch.ops.kivi.cache_append(*cache.layers[0].tensors(), k, v, None, *params)
+    return torch.ops.kivi.cache_attend(q, *cache.layers[0].tensors(), None, *params, 1 / math.sqrt(cache.head_dim))
 
 
 def compiled_steps_match_eager(step_fn, *, rtol=0.0, atol=0.0):
@@ -203,8 +203,8 @@ def compiled_steps_match_eager(step_fn, *, rtol=0.0, atol=0.0):
     eager, compiled_cache = make_cache(cfg, S=128), make_cache(cfg, S=128)
     torch.manual_seed(5)
     prompt = torch.randn(1, 3, 30, 64), torch.randn(1, 3, 30, 64)
-    eager.append(0, *prompt)
-    compiled_cache.append(0, *prompt)
+    eager.layers[0].append(*prompt)
+    compiled_cache.layers[0].append(*prompt)
     step, codes = torch.compile(step_fn, fullgraph=True), []
     for i in range(20):
         k, v, q = torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64), torch.randn(1, 9, 1, 64)
@@ -219,7 +219,7 @@ def compiled_steps_match_eager(step_fn, *, rtol=0.0, atol=0.0):
 
 def test_compiled_decode_step_matches_eager_without_cache_copies():
     eager, compiled_cache, code = compiled_steps_match_eager(op_decode_step)
-    for a, b in zip(eager.layer_tensors(0).kivi, compiled_cache.layer_tensors(0).kivi):
+    for a, b in zip(eager.layers[0].tensors().kivi, compiled_cache.layers[0].tensors().kivi):
         assert torch.equal(a, b)
     assert "torch.ops.kivi.cache_append" in code and "torch.ops.kivi.cache_attend" in code, code
     # Functionalization of the mutating op must be re-inplaced: the generated code may not clone
@@ -260,10 +260,10 @@ def test_export_keeps_cache_ops():
 def test_append_past_capacity_raises_before_writing():
     cfg = KIVIConfig(group_size=8, residual_length=16)
     cache = make_cache(cfg, S=40)
-    cache.append(0, torch.randn(1, 3, 35, 64), torch.randn(1, 3, 35, 64))
+    cache.layers[0].append(torch.randn(1, 3, 35, 64), torch.randn(1, 3, 35, 64))
     before = [b.clone() for b in cache.layers[0].buffers()]
-    with pytest.raises(ValueError, match="KIVICache is full: sequence 0 holds 35 tokens and appending 6 would exceed max_seq_len=40"):
-        cache.append(0, torch.randn(1, 3, 6, 64), torch.randn(1, 3, 6, 64))
+    with pytest.raises(ValueError, match="cache is full: sequence 0 holds 35 tokens and appending 6 would exceed max_seq_len=40"):
+        cache.layers[0].append(torch.randn(1, 3, 6, 64), torch.randn(1, 3, 6, 64))
     assert all(torch.equal(a, b) for a, b in zip(before, cache.layers[0].buffers()))
 
 
@@ -272,30 +272,29 @@ def test_check_room_raises_before_a_compiled_append():
     # compiled loop asks check_room first, which raises before anything is written.
     cfg = KIVIConfig(group_size=8, residual_length=16)
     cache = make_cache(cfg, B=2, S=20)
-    cache.append(0, torch.randn(2, 3, 20, 64), torch.randn(2, 3, 20, 64), torch.tensor([20, 19]))
+    cache.layers[0].append(torch.randn(2, 3, 20, 64), torch.randn(2, 3, 20, 64), Step(counts=torch.tensor([20, 19])))
     before = [b.clone() for b in cache.layers[0].buffers()]
-    cache.check_room(1, torch.tensor([0, 1]))  # a row that appends nothing may be full
-    with pytest.raises(ValueError, match="KIVICache is full: sequence 0 holds 20 tokens and appending 1 would exceed max_seq_len=20"):
-        cache.check_room(1)
-    with pytest.raises(ValueError, match="KIVICache is full: sequence 1 holds 19 tokens and appending 2 would exceed max_seq_len=20"):
-        cache.check_room(2, torch.tensor([0, 2]))
+    cache.layers[0].check_room(1, torch.tensor([0, 1]))  # a row that appends nothing may be full
+    with pytest.raises(ValueError, match="cache is full: sequence 0 holds 20 tokens and appending 1 would exceed max_seq_len=20"):
+        cache.layers[0].check_room(1)
+    with pytest.raises(ValueError, match="cache is full: sequence 1 holds 19 tokens and appending 2 would exceed max_seq_len=20"):
+        cache.layers[0].check_room(2, torch.tensor([0, 2]))
     assert all(torch.equal(a, b) for a, b in zip(before, cache.layers[0].buffers()))
 
 
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda c: c.append(0, torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)), r"key must have shape \[1, 3, tokens, 64\]"),
-        (lambda c: c.append(0, torch.randn(1, 3, 1, 64), torch.randn(1, 3, 2, 64)), "key and value must have the same shape"),
-        (lambda c: c.append(0, torch.randn(1, 3, 1, 64).half(), torch.randn(1, 3, 1, 64)), "key must have the cache dtype"),
-        (lambda c: c.append(0, torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64).double()), "value must have the cache dtype"),
-        (lambda c: c.append(0, torch.randn(1, 3, 64), torch.randn(1, 3, 64)), "key must be a 4-D tensor"),
-        (lambda c: c.append(5, torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64)), r"layer_idx must be an int in \[0, 1\)"),
-        (lambda c: c.append(0, torch.randn(1, 3, 2, 64), torch.randn(1, 3, 2, 64), torch.tensor([3])), r"counts must lie in \[0, 2\]"),
-        (lambda c: c.append(0, torch.randn(1, 3, 2, 64), torch.randn(1, 3, 2, 64), torch.tensor([1.0])), "counts must be an int64"),
-        (lambda c: c.attend(0, torch.randn(1, 4, 1, 64)), r"query heads \(4\) must be a multiple of num_kv_heads \(3\)"),
-        (lambda c: c.attend(0, torch.randn(1, 9, 1, 32)), r"query must have shape"),
-        (lambda c: c.append(0, torch.randn(1, 3, 1, 64, device="meta"), torch.randn(1, 3, 1, 64)), "key must be on the cache device"),
+        (lambda c: c.layers[0].append(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)), r"key must have shape \[1, 3, tokens, 64\]"),
+        (lambda c: c.layers[0].append(torch.randn(1, 3, 1, 64), torch.randn(1, 3, 2, 64)), "key and value must have the same shape"),
+        (lambda c: c.layers[0].append(torch.randn(1, 3, 1, 64).half(), torch.randn(1, 3, 1, 64)), "key must have the cache dtype"),
+        (lambda c: c.layers[0].append(torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64).double()), "value must have the cache dtype"),
+        (lambda c: c.layers[0].append(torch.randn(1, 3, 64), torch.randn(1, 3, 64)), "key must be a 4-D tensor"),
+        (lambda c: c.layers[0].append(torch.randn(1, 3, 2, 64), torch.randn(1, 3, 2, 64), Step(counts=torch.tensor([3]))), r"counts must lie in \[0, 2\]"),
+        (lambda c: c.layers[0].append(torch.randn(1, 3, 2, 64), torch.randn(1, 3, 2, 64), Step(counts=torch.tensor([1.0]))), "counts must be an int64"),
+        (lambda c: c.layers[0].attend(torch.randn(1, 4, 1, 64)), r"query heads \(4\) must be a multiple of num_kv_heads \(3\)"),
+        (lambda c: c.layers[0].attend(torch.randn(1, 9, 1, 32)), r"query must have shape"),
+        (lambda c: c.layers[0].append(torch.randn(1, 3, 1, 64, device="meta"), torch.randn(1, 3, 1, 64)), "key must be on the cache device"),
     ],
 )
 def test_bad_cache_input_raises_clear_errors(call, match):
@@ -341,8 +340,8 @@ def test_load_row_copies_one_sequence_and_leaves_the_others():
     cfg = KIVIConfig(group_size=8, residual_length=16)
     big, small = make_cache(cfg, S=64, B=3), make_cache(cfg, S=64, B=1)
     torch.manual_seed(0)
-    big.append(0, torch.randn(3, 3, 20, 64), torch.randn(3, 3, 20, 64))
-    small.append(0, torch.randn(1, 3, 37, 64), torch.randn(1, 3, 37, 64))
+    big.layers[0].append(torch.randn(3, 3, 20, 64), torch.randn(3, 3, 20, 64))
+    small.layers[0].append(torch.randn(1, 3, 37, 64), torch.randn(1, 3, 37, 64))
     before = {name: t.clone() for name, t in big.state().items()}
     big.load_row(1, small)
     for name, t in big.state().items():
@@ -351,6 +350,6 @@ def test_load_row_copies_one_sequence_and_leaves_the_others():
     # Row 1 now attends like the source: the same stored values; only the fp32 sums' order may
     # differ with the batch size (torch's default fp32 tolerance).
     q = torch.randn(1, 9, 1, 64)
-    torch.testing.assert_close(big.attend(0, q.expand(3, -1, -1, -1).contiguous())[1:2], small.attend(0, q))
+    torch.testing.assert_close(big.layers[0].attend(q.expand(3, -1, -1, -1).contiguous())[1:2], small.layers[0].attend(q))
     with pytest.raises(ValueError, match="same kind"):
         big.load_row(0, make_cache(KIVIConfig(group_size=8, residual_length=16, sink_tokens=2), S=64, B=1))

@@ -48,7 +48,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kivi_ops import KIVICache, KIVIConfig, dispatch
+from kivi_ops import KIVICache, KIVIConfig, Step, dispatch
 
 U = 2.0 ** -24
 
@@ -198,9 +198,8 @@ def check_run(cfg, shape, ops, seed, stats) -> None:
     B, H, D, S, groups = shape["B"], shape["H"], shape["D"], shape["S"], shape["groups"]
     caches = []
     for portable in (False, True):
-        cache = KIVICache(cfg, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
-        cache.portable = portable
-        caches.append(cache)
+        caches.append(KIVICache(cfg, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D,
+                                portable=portable))
     seqs = [SequenceReference(cfg) for _ in range(B)]
     gen = torch.Generator().manual_seed(seed)
     scale = D ** -0.5
@@ -217,7 +216,7 @@ def check_run(cfg, shape, ops, seed, stats) -> None:
             key, value = tokens(gen, style, (B, H, n, D)), tokens(gen, style, (B, H, n, D))
             counts_t = None if counts is None else torch.tensor(counts)
             for cache in caches:
-                cache.append(0, key, value, counts_t)
+                cache.layers[0].append(key, value, Step(counts=counts_t))
             for b, s in enumerate(seqs):
                 c = n if counts is None else counts[b]
                 stats["zero-count rows"] += c == 0 and counts is not None
@@ -226,19 +225,19 @@ def check_run(cfg, shape, ops, seed, stats) -> None:
                     s.push(key[b, :, t], value[b, :, t])
             want = reference_dequantized(seqs, H, D)
             for cache in caches:
-                assert cache.lengths(0).tolist() == [len(s) for s in seqs]
-                got = cache.dequantized(0)
-                assert torch.equal(got[0], want[0]), f"keys differ (portable={cache.portable})"
-                assert torch.equal(got[1], want[1]), f"values differ (portable={cache.portable})"
+                assert cache.lengths().tolist() == [len(s) for s in seqs]
+                got = cache.layers[0].dequantized()
+                assert torch.equal(got[0], want[0]), f"keys differ (portable={cache.layers[0].portable})"
+                assert torch.equal(got[1], want[1]), f"values differ (portable={cache.layers[0].portable})"
         elif op[0] == "attend":
             _, q, counts = op
             query = torch.randn(B, H * groups, q, D, generator=gen)
             counts_t = None if counts is None else torch.tensor(counts)
             want, tol = reference_attend(seqs, query, scale, counts)
-            outs = {f"portable={cache.portable}": cache.attend(0, query, counts=counts_t) for cache in caches}
+            outs = {f"portable={cache.layers[0].portable}": cache.layers[0].attend(query, Step(counts=counts_t)) for cache in caches}
             if q == 1:
                 eager = caches[0]
-                outs["decomposed_fused"] = dispatch.run_attend("decomposed_fused", query, eager.layer_tensors(0),
+                outs["decomposed_fused"] = dispatch.run_attend("decomposed_fused", query, eager.layers[0].tensors(),
                                                                counts_t, eager.layers[0].params, scale)
             for name, out in outs.items():
                 err = (out.double() - want).abs()

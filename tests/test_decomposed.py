@@ -49,7 +49,7 @@ def run_pair(cfg, S, seed, B=3, H=2, D=32, flush_under_cond=False):
     rnd = random.Random(seed)
     caches = [KIVICache(cfg, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
               for _ in range(2)]
-    ref, dec = (c.layer_tensors(0) for c in caches)
+    ref, dec = (c.layers[0].tensors() for c in caches)
     params = caches[0].layers[0].params
     for step, (n, mode) in enumerate(scenario()):
         room = (S - ref.lengths).tolist()
@@ -93,9 +93,9 @@ def test_append_of_more_padded_tokens_than_capacity(S):
         key, value = torch.randn(2, 2, n, 32), torch.randn(2, 2, n, 32)
         params = caches[0].layers[0].params
         assert params[:4] == (2, 4, 8, 16)
-        append_reference(caches[0].layer_tensors(0), key, value, torch.tensor(counts), params)
-        append_decomposed(caches[1].layer_tensors(0), key, value, torch.tensor(counts), params)
-        for name, a, b in zip(NAMES, caches[0].layer_tensors(0).kivi, caches[1].layer_tensors(0).kivi):
+        append_reference(caches[0].layers[0].tensors(), key, value, torch.tensor(counts), params)
+        append_decomposed(caches[1].layers[0].tensors(), key, value, torch.tensor(counts), params)
+        for name, a, b in zip(NAMES, caches[0].layers[0].tensors().kivi, caches[1].layers[0].tensors().kivi):
             assert torch.equal(a, b), name
 
 
@@ -131,7 +131,7 @@ class DecodeStep(torch.nn.Module):
         self.flush_under_cond = flush_under_cond
 
     def forward(self, key, value, query):
-        layer, params = self.cache.layer_tensors(0), self.cache.layers[0].params
+        layer, params = self.cache.layers[0].tensors(), self.cache.layers[0].params
         append_decomposed(layer, key, value, None, params, flush_under_cond=self.flush_under_cond)
         return attend_fused(query, layer, None, params, 0.25)
 
@@ -140,7 +140,7 @@ def prefilled_step(seed=0, flush_under_cond=False):
     torch.manual_seed(seed)
     step = DecodeStep(flush_under_cond=flush_under_cond)
     k, v = torch.randn(2, 2, 13, 32), torch.randn(2, 2, 13, 32)
-    append_reference(step.cache.layer_tensors(0), k, v, torch.tensor([13, 6]), step.cache.layers[0].params)
+    append_reference(step.cache.layers[0].tensors(), k, v, torch.tensor([13, 6]), step.cache.layers[0].params)
     return step
 
 
@@ -186,7 +186,7 @@ def test_export_has_only_aten_ops_static_shapes_and_matches_eager():
 def test_compile_fullgraph_matches_reference(flush_under_cond):
     step = prefilled_step(flush_under_cond=flush_under_cond)
     params = step.cache.layers[0].params
-    ref = LayerTensors(*(None if t is None else t.clone() for t in step.cache.layer_tensors(0)))
+    ref = LayerTensors(*(None if t is None else t.clone() for t in step.cache.layers[0].tensors()))
     graphs = []
 
     def inductor_recording(gm, example_inputs):
@@ -199,7 +199,7 @@ def test_compile_fullgraph_matches_reference(flush_under_cond):
         append_reference(ref, k, v, None, params)
         want = attend_reference(q, ref, None, params, 0.25)
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
-        for name, a, b in zip(NAMES, ref.kivi, step.cache.layer_tensors(0).kivi):
+        for name, a, b in zip(NAMES, ref.kivi, step.cache.layers[0].tensors().kivi):
             assert torch.equal(a, b), name
     conds = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.higher_order.cond]
     assert len(graphs) == 1 and len(conds) == int(flush_under_cond)  # the key flush is branched, once

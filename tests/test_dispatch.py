@@ -116,9 +116,12 @@ def test_attend_form_follows_q_len_and_portable():
     # fused form and longer queries the materialized one; a portable cache runs the materialized
     # form in eager mode too.
     cfg = KIVIConfig(2, 2, 8, 16)
-    cache = KIVICache(cfg, num_layers=1, batch_size=2, max_seq_len=64, num_kv_heads=2, head_dim=32)
-    cache.append(0, torch.randn(2, 2, 40, 32), torch.randn(2, 2, 40, 32))
-    layer, params = cache.layer_tensors(0), cache.layers[0].params
+    cache, portable = (KIVICache(cfg, num_layers=1, batch_size=2, max_seq_len=64, num_kv_heads=2, head_dim=32,
+                                 portable=p) for p in (False, True))
+    kv = torch.randn(2, 2, 40, 32), torch.randn(2, 2, 40, 32)
+    cache.layers[0].append(*kv)
+    portable.layers[0].append(*kv)
+    layer, params = cache.layers[0].tensors(), cache.layers[0].params
     assert dispatch.current_mode(False) == "eager" and dispatch.current_mode(True) == "portable"
     for q in (1, 4):
         query = torch.randn(2, 4, q, 32)
@@ -127,9 +130,8 @@ def test_attend_form_follows_q_len_and_portable():
         assert choice == Choice(name, in_op=False)
         got = dispatch.run_attend(choice.implementation, query, layer, None, params, 0.2)
         assert torch.equal(got, form(query, layer, None, params, 0.2))
-        cache.portable = True
-        assert torch.equal(cache.attend(0, query, scale=0.2), attend_materialized(query, layer, None, params, 0.2))
-        cache.portable = False
+        assert torch.equal(portable.layers[0].attend(query, scale=0.2),
+                           attend_materialized(query, layer, None, params, 0.2))
 
 
 # ---------------------------------------------------------------- buffer names
@@ -137,7 +139,7 @@ def test_attend_form_follows_q_len_and_portable():
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCANNED = ("kivi_ops", "models", "export", "benchmarks", "tests")
 # The modules that own cache buffers and may name them.
-OWNERS = {ROOT / "kivi_ops" / "cache.py", ROOT / "kivi_ops" / "layer.py", ROOT / "models" / "fp_cache.py"}
+OWNERS = {ROOT / "kivi_ops" / "cache.py", ROOT / "kivi_ops" / "layer.py", ROOT / "kivi_ops" / "fp_layer.py"}
 # getattr/setattr/... with an f-string name glued to a placeholder by "_": getattr(cache, f"k_{i}"),
 # getattr(a, f"{name}_0").
 ATTR_BY_FSTRING = re.compile(
@@ -165,7 +167,7 @@ def test_scan_patterns_catch_buffer_names_built_from_strings():
         assert name_building(line), line
     for line in ('method = getattr(args, "method", "kivi")', 'getattr(t, "shape", t)',
                  'row.update({f"{method}_{k}": v for k, v in m.items()})',
-                 'for name, buf in cache.named_buffers():', 'bufs = cache.layer_tensors(0).kivi',
+                 'for name, buf in cache.named_buffers():', 'bufs = cache.layers[0].tensors().kivi',
                  'raise ValueError(f"{name} must be >= 0, got {v}")'):
         assert not name_building(line), line
 

@@ -6,7 +6,7 @@ against the reference in test_triton_kernels.py, which runs on CUDA when there i
 import pytest
 import torch
 
-from kivi_ops import KIVIConfig
+from kivi_ops import KIVIConfig, Step
 from kivi_models import compile_decode_step, generate, make_cache, patch_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -82,16 +82,16 @@ def test_option_ops_on_cuda_match_the_cpu_reference(cfg):
         (k[:, :, 19 + i : 20 + i], v[:, :, 19 + i : 20 + i], None) for i in range(21)]
     for key, value, counts in appends:
         for dev, cache in caches.items():
-            cache.append(1, key.to(dev), value.to(dev), None if counts is None else counts.to(dev))
+            cache.layers[1].append(key.to(dev), value.to(dev), Step(counts=None if counts is None else counts.to(dev)))
     for name, buf in caches["cpu"].named_buffers():
         if name.startswith("layers.1."):  # layer 1 (named_buffers: layers.<i>.<buffer>)
             torch.testing.assert_close(caches["cuda"].get_buffer(name).cpu(), buf, atol=1e-5, rtol=1e-5, msg=name)
     q = torch.randn(B, 4, 1, D)
-    torch.testing.assert_close(caches["cuda"].attend(1, q.cuda()).cpu(), caches["cpu"].attend(1, q),
+    torch.testing.assert_close(caches["cuda"].layers[1].attend(q.cuda()).cpu(), caches["cpu"].layers[1].attend(q),
                                atol=1e-5, rtol=1e-5)
     q, counts = torch.randn(B, 4, 3, D), torch.tensor([3, 2])  # the split kernel (q_len > 1), padded row
-    torch.testing.assert_close(caches["cuda"].attend(1, q.cuda(), counts=counts.cuda()).cpu(),
-                               caches["cpu"].attend(1, q, counts=counts), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches["cuda"].layers[1].attend(q.cuda(), Step(counts=counts.cuda())).cpu(),
+                               caches["cpu"].layers[1].attend(q, Step(counts=counts)), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("cfg", [POOL_CFG, POOL_SPARSE_CFG], ids=["sink+ott", "sink+ott+sparse"])
@@ -103,5 +103,5 @@ def test_cuda_graph_decode_with_options_matches_eager(cfg):
         cache = make_cache(model, method="kivi", batch_size=2, max_seq_len=64, kivi_config=cfg)
         kwargs = dict(step_fn=step, warmup_steps=2) if step else {}
         runs[name] = generate(model, PROMPTS, max_new_tokens=30, cache=cache, **kwargs).tokens
-        assert (cache.backing.layer_tensors(1).pool_pos[..., cfg.sink_tokens:] >= 0).any()  # outliers selected
+        assert (cache.layers[1].tensors().pool_pos[..., cfg.sink_tokens:] >= 0).any()  # outliers selected
     assert runs["graphs"] == runs["eager"]

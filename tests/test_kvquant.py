@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cache_step import CacheStep, check_compiled_matches_eager, check_export_matches_eager, step_inputs
-from kivi_ops import KIVICache, KIVIConfig
+from kivi_ops import KIVICache, KIVIConfig, Step
 from kivi_ops.layout import REQUIRED_TENSORS, LayerTensors
 from kivi_ops.nuq import fake_quantize_nuq, uniform_levels
 
@@ -34,10 +34,10 @@ CONFIGS = {
 SCHEDULE = [(23, [23, 17]), (5, [5, 3]), *[(1, None)] * 26]
 
 
-def make_cache(cfg, *, layers=1, dtype=torch.float32):
+def make_cache(cfg, *, layers=1, dtype=torch.float32, portable=False):
     rope = dict(rope_inv_freq=INV_FREQ) if cfg.pre_rope else {}
     return KIVICache(cfg, num_layers=layers, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D,
-                     dtype=dtype, **rope)
+                     dtype=dtype, portable=portable, **rope)
 
 
 def make_tokens(seed, n):
@@ -87,8 +87,7 @@ def reference_attention(query, K, V, lengths, counts, cfg, scale):
 def run(cfg, portable, *, check=True):
     """portable: the decomposed forms (append_decomposed, attend_materialized, which every
     KVQuant option takes), else the kivi ops."""
-    cache = make_cache(cfg)
-    cache.portable = portable
+    cache = make_cache(cfg, portable=portable)
     K, V = make_tokens(0, S)
     gen = torch.Generator().manual_seed(1)
     L = torch.zeros(B, dtype=torch.long)
@@ -96,14 +95,14 @@ def run(cfg, portable, *, check=True):
         c = torch.full((B,), n) if counts is None else torch.tensor(counts)
         key = torch.stack([K[b, :, int(L[b]):int(L[b]) + n] for b in range(B)])
         value = torch.stack([V[b, :, int(L[b]):int(L[b]) + n] for b in range(B)])
-        cache.append(0, key, value, None if counts is None else c)
+        cache.layers[0].append(key, value, Step(counts=None if counts is None else c))
         L += c
         if check and (step < 3 or step % 7 == 0 or step == len(SCHEDULE) - 1):
             query = torch.randn(B, HQ, n, D, generator=gen)
             want = reference_attention(query, K, V, L, c, cfg, 0.3)
-            got = cache.attend(0, query, 0.3, None if counts is None else c)
+            got = cache.layers[0].attend(query, Step(counts=None if counts is None else c), 0.3)
             torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
-            keys, values = cache.dequantized(0)
+            keys, values = cache.layers[0].dequantized()
             for b in range(B):
                 for h in range(H):
                     rk, rv = reference_view(K[b, h], V[b, h], int(L[b]), cfg)
@@ -125,17 +124,17 @@ def test_op_and_decomposed_write_identical_buffers_with_every_option():
     for (name, x), (_, y) in zip(a.named_buffers(), b.named_buffers(), strict=True):
         assert torch.equal(x, y), name
     query = torch.randn(B, HQ, 1, D)
-    torch.testing.assert_close(a.attend(0, query), b.attend(0, query), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(a.layers[0].attend(query), b.layers[0].attend(query), atol=ATOL, rtol=RTOL)
 
 
 def test_uniform_levels_store_exactly_what_kivi_stores():
     uniform = KIVIConfig(2, 4, G, R, key_levels=(tuple(uniform_levels(2).tolist()),),
                          value_levels=(tuple(uniform_levels(4).tolist()),))
     a, b = run(KIVIConfig(2, 4, G, R), False, check=False), run(uniform, False, check=False)
-    for name, x, y in zip(REQUIRED_TENSORS, a.layer_tensors(0).kivi, b.layer_tensors(0).kivi, strict=True):
+    for name, x, y in zip(REQUIRED_TENSORS, a.layers[0].tensors().kivi, b.layers[0].tensors().kivi, strict=True):
         assert torch.equal(x, y), name
     query = torch.randn(B, HQ, 1, D)
-    torch.testing.assert_close(a.attend(0, query), b.attend(0, query), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(a.layers[0].attend(query), b.layers[0].attend(query), atol=ATOL, rtol=RTOL)
 
 
 def test_sparse_outliers_leave_the_group_range():
@@ -147,8 +146,8 @@ def test_sparse_outliers_leave_the_group_range():
         cache = make_cache(c)
         K, V = make_tokens(3, 40)
         V[..., 5] = 100.0
-        cache.append(0, K, V)
-        _, values = cache.dequantized(0)
+        cache.layers[0].append(K, V)
+        _, values = cache.layers[0].dequantized()
         if name == "sparse":
             assert torch.equal(values[:, :, :24, 5], V[:, :, :24, 5])
         err[name] = (values[:, :, :24] - V[:, :, :24]).abs().mean()
@@ -158,7 +157,7 @@ def test_sparse_outliers_leave_the_group_range():
 def test_pre_rope_keys_are_stored_unrotated():
     cache = make_cache(CONFIGS["pre_rope"])
     K, V = make_tokens(4, 10)
-    cache.append(0, K, V)
+    cache.layers[0].append(K, V)
     assert torch.equal(cache.layers[0].k_res[:, :, :10], K)  # residual: the pre-RoPE keys as given
 
 
@@ -176,11 +175,11 @@ def test_nbytes_counts_the_sparse_store_and_constants():
 def test_reset_empties_the_sparse_store_and_keeps_constants():
     cache = run(CONFIGS["all"], False, check=False)
     layer = cache.layers[0]
-    levels, freq = layer.levels.k.clone(), cache.rope_inv_freq.clone()
+    levels, freq = layer.levels.k.clone(), layer.rope_inv_freq.clone()
     cache.reset()
     assert (layer.sparse.k_idx == -1).all() and (layer.sparse.v_idx == -1).all()
     assert not layer.sparse.k.any() and int(layer.lengths.sum()) == 0
-    assert torch.equal(layer.levels.k, levels) and torch.equal(cache.rope_inv_freq, freq)
+    assert torch.equal(layer.levels.k, levels) and torch.equal(layer.rope_inv_freq, freq)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -213,7 +212,7 @@ def clone_layer(layer):
 
 def opcheck_cache_ops(cache):
     """opcheck of both ops on layer 0 of a filled cache (a chunk append, a ragged 2-token attend)."""
-    layer, params = cache.layer_tensors(0), cache.layers[0].params
+    layer, params = cache.layers[0].tensors(), cache.layers[0].params
     k, v = torch.randn(B, H, 3, D), torch.randn(B, H, 3, D)
     torch.library.opcheck(torch.ops.kivi.cache_append.default,
                           (*clone_layer(layer), k, v, torch.tensor([3, 1]), *params))
@@ -223,7 +222,7 @@ def opcheck_cache_ops(cache):
 
 def test_ops_check_extras_and_opcheck():
     cache = run(CONFIGS["all"], False, check=False)
-    layer, params = cache.layer_tensors(0), cache.layers[0].params
+    layer, params = cache.layers[0].tensors(), cache.layers[0].params
     assert params[:4] == (2, 4, G, R)
     ex = layer.extras
     assert ex.k_levels is not None and ex.sparse and ex.rope_inv_freq is not None
@@ -241,7 +240,7 @@ def test_opcheck_with_every_option():
     cfg = KIVIConfig(2, 4, G, R, pre_rope=True, sparse_outliers=0.1, sink_tokens=1, outlier_tokens=2,
                      outlier_skip_layers=0, **NUQ)
     cache = run(cfg, False, check=False)
-    layer = cache.layer_tensors(0)
+    layer = cache.layers[0].tensors()
     assert layer.pool is not None and all(t is not None for t in layer)
     opcheck_cache_ops(cache)
 
@@ -249,8 +248,8 @@ def test_opcheck_with_every_option():
 # ---------------------------------------------------------------- compile / export with the options on
 
 
-def make_step(**mode):
-    return CacheStep(make_cache(CONFIGS["all"]), *make_tokens(5, 31), torch.tensor([31, 20]), **mode)
+def make_step(portable=False, **mode):
+    return CacheStep(make_cache(CONFIGS["all"], portable=portable), *make_tokens(5, 31), torch.tensor([31, 20]), **mode)
 
 
 def test_compile_fullgraph_with_every_option():

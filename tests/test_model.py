@@ -7,7 +7,7 @@ import torch
 
 from kivi_models import SamplingConfig, compile_decode_step, generate, load_model, make_cache, patch_model
 from kivi_models.cli import main
-from kivi_ops import KIVIConfig
+from kivi_ops import KIVIConfig, Step
 
 PROMPT = "The capital of France is"
 
@@ -91,7 +91,7 @@ def test_hf_generate_left_padded_batch_equals_each_prompt_alone(loaded, method):
                                              max_new_tokens=16, do_sample=False)
     lengths = [len(tok(p)["input_ids"]) for p in BATCH]
     # Pads never entered the cache: each row holds its prompt and 15 appended tokens.
-    assert cache.backing.lengths(0).tolist() == [n + 15 for n in lengths]
+    assert cache.lengths().tolist() == [n + 15 for n in lengths]
     for prompt, row in zip(BATCH, batched):
         alone, _ = hf_generate_left_padded(kivi_model, tok, [prompt], method=method, config=config,
                                            max_new_tokens=16, do_sample=False)
@@ -265,7 +265,7 @@ def test_quantized_cache_holds_each_family_within_half_a_step(model_type):
         for cache in caches.values():
             patched(input_ids=prompt, past_key_values=cache, use_cache=True)
     for layer in range(patched.config.num_hidden_layers):
-        (kq, vq), (k, v) = (caches[m].backing.dequantized(layer) for m in ("kivi", "fp"))
+        (kq, vq), (k, v) = (caches[m].layers[layer].dequantized() for m in ("kivi", "fp"))
         key_bound = (k.amax(dim=2, keepdim=True) - k.amin(dim=2, keepdim=True)) / 3 / 2
         value_bound = (v.amax(dim=3, keepdim=True) - v.amin(dim=3, keepdim=True)) / 3 / 2
         assert ((kq - k).abs() <= key_bound + 1e-5).all() and ((vq - v).abs() <= value_bound + 1e-5).all()
@@ -330,8 +330,8 @@ def test_compiled_cpu_decode_is_one_inductor_graph_and_matches_eager(loaded, met
     assert sum(torch._dynamo.utils.counters["recompiles"].values()) == 0
     code = "\n".join(codes)
     assert "torch.ops.kivi" not in code  # no opaque custom op left in the compiled step
-    S = cache.backing.max_seq_len
-    for buf in cache.backing.buffers():
+    S = cache.max_seq_len
+    for buf in cache.buffers():
         if buf.dim() == 4 and buf.shape[2] >= S:
             assert f"empty_strided_cpu({tuple(buf.shape)}" not in code, buf.shape
     assert not any("forward" in vars(layer) for layer in kivi_model.model.layers)  # the regions are gone again
@@ -343,10 +343,10 @@ def test_fp_cache_append_with_counts_matches_scatter_reference():
     cache = FPCache(num_layers=1, batch_size=2, max_seq_len=8, num_kv_heads=2, head_dim=4)
     torch.manual_seed(0)
     k, v = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4)
-    cache.append(0, k, v, torch.tensor([3, 1]))
+    cache.layers[0].append(k, v, Step(counts=torch.tensor([3, 1])))
     k2, v2 = torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4)
-    torch.compile(cache.append, fullgraph=True)(0, k2, v2)
-    assert cache.lengths(0).tolist() == [4, 2]
+    torch.compile(cache.layers[0].append, fullgraph=True)(k2, v2)
+    assert cache.lengths().tolist() == [4, 2]
     want_k = torch.zeros(2, 2, 9, 4)
     want_k[0, :, :3], want_k[0, :, 3] = k[0], k2[0, :, 0]
     want_k[1, :, :1], want_k[1, :, 1] = k[1, :, :1], k2[1, :, 0]
@@ -359,10 +359,10 @@ def test_compiled_cpu_decode_step_past_capacity_raises_before_writing():
     # The decomposed append compiled on CPU cannot raise; the step checks the room before it runs.
     patched = patch_model(tiny_model("llama"))
     cache = make_cache(patched, method="kivi", batch_size=1, max_seq_len=6, kivi_config=KIVIConfig(residual_length=32))
-    for layer in range(cache.backing.num_layers):
-        cache.backing.lengths(layer).fill_(6)
-    before = [b.clone() for b in cache.backing.buffers()]
+    for layer in range(cache.num_layers):
+        cache.layers[layer].lengths.fill_(6)
+    before = [b.clone() for b in cache.buffers()]
     step = compile_decode_step(torch.device("cpu"))
-    with pytest.raises(ValueError, match="KIVICache is full: sequence 0 holds 6 tokens"):
+    with pytest.raises(ValueError, match="cache is full: sequence 0 holds 6 tokens"):
         step(patched, cache, torch.tensor([5]), torch.tensor([6]))
-    assert all(torch.equal(a, b) for a, b in zip(before, cache.backing.buffers()))
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.buffers()))

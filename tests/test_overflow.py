@@ -198,9 +198,9 @@ def limit_cache(seed=0):
     keys, values = keys.float(), values.float()
     cache = KIVICache(CFG, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D,
                       dtype=torch.float16)
-    cache.append(0, keys[:, :, :100].half(), values[:, :, :100].half())
+    cache.layers[0].append(keys[:, :, :100].half(), values[:, :, :100].half())
     for t in range(100, S):  # decode steps: flushes and values leaving the window one at a time
-        cache.append(0, keys[:, :, t:t + 1].half(), values[:, :, t:t + 1].half())
+        cache.layers[0].append(keys[:, :, t:t + 1].half(), values[:, :, t:t + 1].half())
     return cache, keys.half(), values.half()
 
 
@@ -211,9 +211,9 @@ def filled():
 
 def test_cache_dequantized_is_finite(filled):
     cache, keys, values = filled
-    layer = cache.layer_tensors(0)
+    layer = cache.layers[0].tensors()
     assert all(torch.isfinite(t).all() for t in (layer.k_scale, layer.k_zero, layer.v_scale, layer.v_zero))
-    k, v = cache.dequantized(0)
+    k, v = cache.layers[0].dequantized()
     assert torch.isfinite(k).all() and torch.isfinite(v).all(), "dequantized() is not finite"
     G = CFG.group_size
     ks = expand_groups(layer.k_scale, G, "channel", D)
@@ -230,13 +230,13 @@ def _query(q_len, seed=1):
 
 
 def _on_device(cache):
-    return LayerTensors(*(None if t is None else t.to(DEVICE) for t in cache.layer_tensors(0)))
+    return LayerTensors(*(None if t is None else t.to(DEVICE) for t in cache.layers[0].tensors()))
 
 
 ATTEND = {
-    "reference": lambda q, c, p, s, n: c.attend(0, q, s),  # CPU eager: the reference kernel in the op
-    "fused": lambda q, c, p, s, n: attend_fused(q, c.layer_tensors(0), None, p, s),
-    "materialized": lambda q, c, p, s, n: attend_materialized(q, c.layer_tensors(0), None, p, s),
+    "reference": lambda q, c, p, s, n: c.layers[0].attend(q, scale=s),  # CPU eager: the reference kernel in the op
+    "fused": lambda q, c, p, s, n: attend_fused(q, c.layers[0].tensors(), None, p, s),
+    "materialized": lambda q, c, p, s, n: attend_materialized(q, c.layers[0].tensors(), None, p, s),
     # num_splits 1: the kernel writes the output; 2: the reduce kernel does
     "split": lambda q, c, p, s, n: attend_split(q.to(DEVICE), _on_device(c), None, p, s, num_splits=n).cpu(),
     "decode": lambda q, c, p, s, n: attend_decode(q.to(DEVICE), _on_device(c), None, p, s, num_splits=n).cpu(),
@@ -257,7 +257,7 @@ def test_cache_attend_is_finite(filled, path, q_len, splits):
     # roundings of the output and, on the split kernel's tensor-core path, of keys and values;
     # atol 64 (2 ulps at 65504): paths that fold scales into sums see a top code unsaturated
     # (65536 where dequantized() holds 65504), an output difference <= 32
-    k, v = cache.dequantized(0)
+    k, v = cache.layers[0].dequantized()
     groups = query.shape[1] // H
     kf, vf = k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)
     scores = query.float() @ kf.transpose(-1, -2) * scale

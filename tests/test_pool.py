@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cache_step import CacheStep, check_compiled_matches_eager, check_export_matches_eager, step_inputs
-from kivi_ops import KIVICache, KIVIConfig
+from kivi_ops import KIVICache, KIVIConfig, Step
 from kivi_ops.kernels.decomposed_attend import attend_fused
 from kivi_ops.layout import REQUIRED_TENSORS, LayerTensors
 
@@ -110,8 +110,8 @@ def run(cfg, portable, seed=0, layer=0, num_layers=1, check_every=True):
     """Append per schedule to a cache (portable: the decomposed forms, else the kivi ops); after
     every append compare decode (and chunk) attention with the independent reference (portable:
     decode also in the fused form, attend_fused). Returns the cache."""
-    cache = KIVICache(cfg, num_layers=num_layers, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
-    cache.portable = portable
+    cache = KIVICache(cfg, num_layers=num_layers, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D,
+                      portable=portable)
     n_out = cfg.layer_outlier_tokens(layer)
     T = sum(max(c) for c in schedule(seed))
     K, V = make_keys(T, seed)
@@ -126,7 +126,7 @@ def run(cfg, portable, seed=0, layer=0, num_layers=1, check_every=True):
             stored[b] += list(range(src, src + counts[b]))
         src += n
         cnt = torch.tensor(counts)
-        cache.append(layer, key, value, cnt)
+        cache.layers[layer].append(key, value, Step(counts=cnt))
         rowsK = [K[b][:, stored[b]] for b in range(B)]
         rowsV = [V[b][:, stored[b]] for b in range(B)]
         T_max = max(len(s) for s in stored)
@@ -136,20 +136,20 @@ def run(cfg, portable, seed=0, layer=0, num_layers=1, check_every=True):
             Kr[b, :, : len(stored[b])], Vr[b, :, : len(stored[b])] = rowsK[b], rowsV[b]
         if check_every or step == len(schedule(seed)) - 1:
             q = torch.randn(B, HQ, 1, D, generator=gen)
-            want = reference_attend(q, Kr, Vr, cache.lengths(layer), None, cfg, n_out, scale)
-            torch.testing.assert_close(cache.attend(layer, q), want, atol=ATOL, rtol=RTOL)
+            want = reference_attend(q, Kr, Vr, cache.layers[layer].lengths, None, cfg, n_out, scale)
+            torch.testing.assert_close(cache.layers[layer].attend(q), want, atol=ATOL, rtol=RTOL)
             if portable:
-                fused = attend_fused(q, cache.layer_tensors(layer), None, cache.layers[layer].params, scale)
+                fused = attend_fused(q, cache.layers[layer].tensors(), None, cache.layers[layer].params, scale)
                 torch.testing.assert_close(fused, want, atol=ATOL, rtol=RTOL)
             if n > 1:  # the chunk's own queries, causal over the chunk
                 q = torch.randn(B, HQ, n, D, generator=gen)
-                want = reference_attend(q, Kr, Vr, cache.lengths(layer), cnt, cfg, n_out, scale)
-                torch.testing.assert_close(cache.attend(layer, q, counts=cnt), want, atol=ATOL, rtol=RTOL)
+                want = reference_attend(q, Kr, Vr, cache.layers[layer].lengths, cnt, cfg, n_out, scale)
+                torch.testing.assert_close(cache.layers[layer].attend(q, Step(counts=cnt)), want, atol=ATOL, rtol=RTOL)
     # The pool holds exactly the reference's pooled positions.
     for b in range(B):
         for h in range(H):
-            _, _, pooled = reference_view(Kr[b, h], Vr[b, h], int(cache.lengths(layer)[b]), cfg, n_out)
-            pool = cache.layer_tensors(layer).pool
+            _, _, pooled = reference_view(Kr[b, h], Vr[b, h], int(cache.layers[layer].lengths[b]), cfg, n_out)
+            pool = cache.layers[layer].tensors().pool
             pos = pool[2][b, h] if pool is not None else torch.empty(0)
             assert sorted(p for p in pos.tolist() if p >= 0) == sorted(pooled)
     return cache
@@ -183,27 +183,27 @@ def test_reference_and_decomposed_write_identical_buffers():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_reference_and_decomposed_agree(dtype):
     K, V = make_keys(45, 4)
-    caches = [KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D, dtype=dtype)
-              for _ in range(2)]
-    caches[1].portable = True  # the decomposed forms
+    # the reference, and (portable) the decomposed forms
+    caches = [KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D, dtype=dtype,
+                        portable=portable) for portable in (False, True)]
     for cache in caches:
-        cache.append(0, K[:, :, :21].to(dtype), V[:, :, :21].to(dtype), torch.tensor([21, 13]))
+        cache.layers[0].append(K[:, :, :21].to(dtype), V[:, :, :21].to(dtype), Step(counts=torch.tensor([21, 13])))
         for t in range(21, 45):
-            cache.append(0, K[:, :, t : t + 1].to(dtype), V[:, :, t : t + 1].to(dtype))
+            cache.layers[0].append(K[:, :, t : t + 1].to(dtype), V[:, :, t : t + 1].to(dtype))
     for (name, a), (_, b) in zip(caches[0].named_buffers(), caches[1].named_buffers(), strict=True):
         assert torch.equal(a, b), name
     q = torch.randn(B, HQ, 1, D).to(dtype)
-    want = caches[0].attend(0, q)
-    torch.testing.assert_close(caches[1].attend(0, q), want, atol=1e-2, rtol=1e-2)  # materialized
-    fused = attend_fused(q, caches[1].layer_tensors(0), None, caches[1].layers[0].params, 1 / math.sqrt(D))
+    want = caches[0].layers[0].attend(q)
+    torch.testing.assert_close(caches[1].layers[0].attend(q), want, atol=1e-2, rtol=1e-2)  # materialized
+    fused = attend_fused(q, caches[1].layers[0].tensors(), None, caches[1].layers[0].params, 1 / math.sqrt(D))
     torch.testing.assert_close(fused, want, atol=1e-2, rtol=1e-2)
 
 
 def test_dequantized_shows_pooled_tokens_exact():
     K, V = make_keys(40, 6)
     cache = KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
-    cache.append(0, K, V)
-    keys, values = cache.dequantized(0)
+    cache.layers[0].append(K, V)
+    keys, values = cache.layers[0].dequantized()
     pos = cache.layers[0].pool.pos
     assert (pos[..., 1:] >= 0).any()
     for b, h, i in (pos >= 0).nonzero().tolist():
@@ -214,9 +214,9 @@ def test_dequantized_shows_pooled_tokens_exact():
 def test_prefill_at_once_equals_token_by_token():
     K, V = make_keys(40, 7)
     caches = [KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D) for _ in range(2)]
-    caches[0].append(0, K, V)
+    caches[0].layers[0].append(K, V)
     for t in range(40):
-        caches[1].append(0, K[:, :, t : t + 1], V[:, :, t : t + 1])
+        caches[1].layers[0].append(K[:, :, t : t + 1], V[:, :, t : t + 1])
     for (name, a), (_, b) in zip(caches[0].named_buffers(), caches[1].named_buffers(), strict=True):
         if name.endswith((".k_res", ".v_res")):  # slots past the window hold stale tokens either way
             continue
@@ -232,23 +232,23 @@ def test_options_off_is_plain_kivi():
     # nothing but the nine KIVI buffers per layer
     for layer in cache.layers:
         assert layer.pool is None and layer.sparse is None and layer.levels is None
-        assert [n for n, _ in layer.named_buffers()] == list(REQUIRED_TENSORS)
+        assert sorted(n for n, _ in layer.named_buffers()) == sorted(REQUIRED_TENSORS)
     assert len(list(cache.named_buffers())) == 2 * len(REQUIRED_TENSORS)
-    assert cache.layer_tensors(0).pool is None
-    assert all(t is None for t in cache.layer_tensors(0)[len(REQUIRED_TENSORS):])
+    assert cache.layers[0].tensors().pool is None
+    assert all(t is None for t in cache.layers[0].tensors()[len(REQUIRED_TENSORS):])
     # outliers only from layer outlier_skip_layers on; the first layers run the plain ops, bit for bit
     cfg = KIVIConfig(2, 2, 4, 8, outlier_tokens=3)
     ott = KIVICache(cfg, num_layers=3, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
     assert [cfg.layer_outlier_tokens(i) for i in range(3)] == [0, 0, 3]
-    assert ott.layer_tensors(1).pool is None and len(ott.layer_tensors(2).pool) == 3
+    assert ott.layers[1].tensors().pool is None and len(ott.layers[2].tensors().pool) == 3
     K, V = make_keys(30, 1)
     q = torch.randn(B, HQ, 1, D)
     for layer in (0, 1):
-        ott.append(layer, K, V)
-    cache.append(0, K, V)
-    for name, a, b in zip(REQUIRED_TENSORS, ott.layer_tensors(1).kivi, cache.layer_tensors(0).kivi, strict=True):
+        ott.layers[layer].append(K, V)
+    cache.layers[0].append(K, V)
+    for name, a, b in zip(REQUIRED_TENSORS, ott.layers[1].tensors().kivi, cache.layers[0].tensors().kivi, strict=True):
         assert torch.equal(a, b), name
-    assert torch.equal(ott.attend(1, q), cache.attend(0, q))
+    assert torch.equal(ott.layers[1].attend(q), cache.layers[0].attend(q))
 
 
 def test_nbytes_counts_the_pool():
@@ -289,7 +289,7 @@ def test_outliers_skipping_every_layer_raise():
 
 def test_pool_ops_opcheck():
     cache = run(BOTH, False, check_every=False)
-    layer, params = cache.layer_tensors(0), cache.layers[0].params
+    layer, params = cache.layers[0].tensors(), cache.layers[0].params
     assert layer.pool is not None and params == (2, 4, 4, 16, 1, 3)
     clone = LayerTensors(*(None if t is None else t.clone() for t in layer))
     k, v = torch.randn(B, H, 3, D), torch.randn(B, H, 3, D)
@@ -301,8 +301,8 @@ def test_pool_ops_opcheck():
 # ---------------------------------------------------------------- compile / export with the options on
 
 
-def make_step(**mode):
-    cache = KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
+def make_step(portable=False, **mode):
+    cache = KIVICache(BOTH, num_layers=1, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D, portable=portable)
     return CacheStep(cache, *make_keys(31, 2), torch.tensor([31, 20]), **mode)
 
 

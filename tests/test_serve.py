@@ -220,19 +220,19 @@ def test_a_count_0_row_keeps_every_cache_byte_while_others_decode_restart_and_lo
     staging = make_cache(model, method=method, batch_size=1, max_seq_len=40, kivi_config=cfg)
     with torch.inference_mode():
         prefill(model, cache, torch.randint(0, 256, (2, 12)), torch.tensor([12, 12]))
-        before = {k: v[1].clone() for k, v in cache.backing.state().items()}  # dim 0 is the row
+        before = {k: v[1].clone() for k, v in cache.state().items()}  # dim 0 is the row
         tokens, positions = torch.tensor([3, 4]), torch.tensor([12, 12])
         for _ in range(10):  # row 0 decodes past key flushes; row 1 has count 0
             decode_step(model, cache, tokens, positions, torch.tensor([1, 0]))
             positions[0] += 1
-        cache.backing.restart_rows(torch.tensor([True, False]))
+        cache.restart_rows(torch.tensor([True, False]))
         prefill(model, staging, torch.randint(0, 256, (1, 9)), torch.tensor([9]))
-        cache.backing.load_row(0, staging.backing)
-    state = cache.backing.state()
+        cache.load_row(0, staging)
+    state = cache.state()
     assert state.keys() == before.keys() and len(state) > 0
     for k, v in state.items():
         row, was = v[1], before[k]
         if method == "fp" and row.dim() == 3:  # FPCache's spare position S takes padding writes, never read
             row, was = row[:, :40], was[:, :40]
         assert torch.equal(row, was), k
-    assert cache.backing.lengths(0).tolist() == [9, 12]
+    assert cache.lengths().tolist() == [9, 12]

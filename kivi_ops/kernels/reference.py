@@ -37,7 +37,7 @@ def check_capacity(lengths: torch.Tensor, counts, n: int, max_seq_len: int) -> N
     if len(over):
         b = int(over[0])
         raise ValueError(
-            f"KIVICache is full: sequence {b} holds {int(lengths[b])} tokens and appending "
+            f"the cache is full: sequence {b} holds {int(lengths[b])} tokens and appending "
             f"{int(added[b])} would exceed max_seq_len={max_seq_len}"
         )
 
