@@ -10,9 +10,7 @@ from __future__ import annotations
 import gc
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -23,25 +21,10 @@ from tqdm import tqdm
 from kivi_models.generate import cache_bytes_per_sequence
 from kivi_ops import KIVICache, KIVIConfig, dispatch, fp16_cache_nbytes
 
+from .environment import environment
+
 # Llama-2-7B's attention shape: 32 layers, 32 KV heads, head_dim 128.
 LLAMA2_7B = dict(num_layers=32, num_kv_heads=32, head_dim=128)
-
-
-def environment(device: str) -> dict:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sha = None
-    env = dict(torch=torch.__version__, python=platform.python_version(), git_sha=sha,
-               command=" ".join(["kivi", *sys.argv[1:]]), threads=torch.get_num_threads())
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    env["device"] = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
-    return env
 
 
 # ---------------------------------------------------------------- memory

@@ -7,8 +7,6 @@ and two PNG plots (perplexity per configuration; passkey accuracy vs length).
 from __future__ import annotations
 
 import json
-import platform
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ import torch
 from kivi_models.corpus import load_text, token_windows
 from kivi_ops import KIVIConfig
 
+from .environment import environment
 from .passkey import passkey_accuracy
 from .perplexity import FakeQuantConfig, cache_perplexity, fake_quant_perplexity
 
@@ -79,7 +78,7 @@ def _levels(file: str, bits: int, **settings) -> dict:
 
 
 def kvquant_rows() -> list[Row]:
-    """KVQuant's techniques (paper 004) in the cache, alone and combined, G=32 R=128 like KIVI-2:
+    """KVQuant's techniques in the cache, alone and combined, G=32 R=128 like KIVI-2:
     pre-RoPE keys, nuq levels, 1% dense-and-sparse outliers, attention sink. Their levels are
     the embedded model's (a calibration file per setting), so these rows need --model default."""
     full = dict(pre_rope=True, sparse_outliers=0.01)
@@ -99,7 +98,7 @@ def kvquant_rows() -> list[Row]:
 
 
 def extension_rows() -> list[Row]:
-    """OTT-2 (paper 003: 3 outlier tokens, none in the first two layers, spill pool 32) and
+    """OTT-2 (the OTT paper: 3 outlier tokens, none in the first two layers, spill pool 32) and
     attention-sink rows, comparable to the KIVI-2 rows of the same G and R. The paper's OTT runs
     G=128, R=32, which our layout cannot hold (keys flush R at a time, R a multiple of G): the
     G=128 row is the closest (its KIVI-2 counterpart is "KIVI-2 G=128 (R=128)")."""
@@ -129,18 +128,6 @@ def selected(rows: list[Row], only: Optional[list[str]]) -> list[Row]:
     if only is None:
         return rows
     return [r for r in rows if r.method == "fp" or any(part in r.name for part in only)]
-
-
-def environment() -> dict:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sha = None
-    import transformers
-
-    return dict(torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
-                machine=platform.machine(), processor=platform.processor() or platform.machine(),
-                threads=torch.get_num_threads(), git_sha=sha, command=" ".join(["kivi", *sys.argv[1:]]))
 
 
 def run_table(plain_model, patched_model, tokenizer, *, quick: bool, out_dir: Path, window: int, windows: int,

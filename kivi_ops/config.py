@@ -55,7 +55,7 @@ class KIVIConfig:
     Extensions, all off (0) by default; off gives exactly KIVI and allocates nothing extra:
     sink_tokens: the first N tokens of each sequence are kept in full precision (KVQuant's
         attention-sink-aware quantization) and never enter key quantization statistics.
-    outlier_tokens: OTT (paper 003, Section 3.2): per layer and kv head, a pool of N
+    outlier_tokens: OTT (its paper, Section 3.2): per layer and kv head, a pool of N
         full-precision outlier tokens chosen at each key quantization step by the smallest key
         magnitude (L1 norm over head_dim, Appendix E) among the tokens being quantized and the pool.
     outlier_spill: capacity of OTT's auxiliary pool for tokens evicted from the outlier pool (the
@@ -64,7 +64,7 @@ class KIVIConfig:
     outlier_skip_layers: the first layers get no outlier pool (the paper uses 0 outliers in the
         first two layers).
 
-    KVQuant (paper 004), also off by default:
+    KVQuant, also off by default:
     pre_rope: keys are stored (quantized and in the residual) before RoPE; the attention op
         rotates them after dequantization, at their positions (Section 3.2).
     sparse_outliers: per-vector dense-and-sparse quantization (Section 3.4): this fraction of each

@@ -1,4 +1,4 @@
-"""KVQuant's per-vector dense-and-sparse quantization (paper 004, Section 3.4): in each vector a
+"""KVQuant's per-vector dense-and-sparse quantization (the KVQuant paper, Section 3.4): in each vector a
 small fraction of numerical outliers stays in full precision (stored sparsely) and out of the
 quantization range of the rest.
 

@@ -1,4 +1,4 @@
-"""KVQuant's options as extra inputs of the cache ops (paper 004): nuq levels, pre-RoPE keys and
+"""KVQuant's options as extra inputs of the cache ops: nuq levels, pre-RoPE keys and
 the dense-and-sparse outlier store. All absent (None) by default: the ops then run plain KIVI.
 
 Per layer, when on (KIVIConfig.sparse_counts gives nk, nv; W = S // R key windows):

@@ -1,4 +1,4 @@
-"""KVQuant's nuqX datatype (paper 004, Section 3.3 and Appendix E): non-uniform quantization levels
+"""KVQuant's nuqX datatype (the KVQuant paper, Section 3.3 and Appendix E): non-uniform quantization levels
 derived offline, rescaled per group online.
 
 Each group keeps KIVI's min/max scale and zero point: scale = (max - min) / (2^B - 1). A value is

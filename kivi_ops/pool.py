@@ -17,7 +17,7 @@ saturate and are never read), so pooled tokens never enter the statistics, and t
 key outlier selection picks them last. Values are quantized per token, so a pooled token's value
 affects only its own (masked) slot and is quantized unchanged.
 
-OTT step (paper 003, Section 3.2 / Appendix E), run per (sequence, kv head) on each window of R
+OTT step (the OTT paper, Section 3.2 / Appendix E), run per (sequence, kv head) on each window of R
 keys the cache quantizes (our quantization step; KIVI flushes keys R at a time):
   candidates = the window's tokens (not sinks) + the tokens in the outlier pool;
   score = L1 norm of the exact key over head_dim (Appendix E's ||K_i||_1);

@@ -1,5 +1,5 @@
 """Rotary position embedding (Llama's rotate-half form) and its inverse, for KVQuant's pre-RoPE key
-quantization (paper 004, Section 3.2): keys are quantized before RoPE, where each channel keeps
+quantization (the KVQuant paper, Section 3.2): keys are quantized before RoPE, where each channel keeps
 its own magnitude, and rotated after dequantization. RoPE mixes channel pairs (i, i + D/2) with a
 position-dependent angle, which smears outlier channels across their partners post-RoPE."""
 

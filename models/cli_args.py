@@ -1,9 +1,9 @@
 """What the `kivi` subcommands share: the model and cache flags, the KIVIConfig they describe,
 prompt and sampling flags, argument types, and usage errors.
 
-The one module of shared CLI helpers. It imports no command module (kivi_models.cli, *_cli), so
+The one module of shared CLI helpers. It imports no command module (kivi_cli.main, *_cli), so
 every command module can import it and the CLI's imports flow one way (tests/test_imports.py):
-kivi_models.cli (the `kivi` parser) -> command modules -> this module -> the library.
+kivi_cli.main (the `kivi` parser) -> command modules -> this module -> the library.
 """
 
 from __future__ import annotations

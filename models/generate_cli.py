@@ -34,7 +34,7 @@ def cmd_generate(args, parser) -> int:
     from .weight_quant import apply_weight_quant, model_weight_nbytes
 
     check_weight_quant_modes([args.weight_quant], device, parser)
-    model, tokenizer = load_model(args.model, dtype=dtype, device=device)  # errors: kivi_models.cli's handler
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)  # errors: the `kivi` handler (kivi_cli.main)
     from .attention import patch_model
 
     with usage_errors(parser):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kivi_models.cli import main
+from kivi_cli.main import main
 
 
 def test_bench_memory_matches_formula_and_paper_ratios(tmp_path, capsys):

@@ -1,6 +1,6 @@
-"""The byte model (benchmarks/byte_model.py): loads counted in Triton's interpreter."""
+"""The byte model (lab/byte_model.py): loads counted in Triton's interpreter."""
 
-from kivi_benchmarks.byte_model import measure, must_read_append, must_read_attend
+from lab.byte_model import measure, must_read_append, must_read_attend
 
 
 def test_must_read_counts_the_cache_state():

@@ -1,5 +1,5 @@
 """User mistakes at the CLI: one clear line naming the flag or file, exit 2 (usage) or 1
-(environment), never a traceback; --debug shows it. Silent nonsense refused (issue 19)."""
+(environment), never a traceback; --debug shows it. Silent nonsense refused."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kivi_models import cli_args
-from kivi_models.cli import main
+from kivi_cli.main import main
 
 PROMPT = ["--prompt", "The capital of France is"]
 

@@ -8,7 +8,7 @@ import torch
 from kivi_benchmarks.passkey import build_prompts
 from kivi_benchmarks.perplexity import FakeQuantConfig, cache_perplexity, fake_quant_perplexity
 from kivi_models import load_model, patch_model
-from kivi_models.cli import main
+from kivi_cli.main import main
 from kivi_models.corpus import load_text, token_windows
 from kivi_ops import KIVIConfig
 

@@ -15,7 +15,7 @@ import torch
 from kivi_export.artifact import METADATA_FILE, ArtifactError, read_metadata
 from kivi_export.decoder import ExportableDecoder
 from kivi_export.formats import check_pt2_has_no_pickles
-from kivi_models.cli import main
+from kivi_cli.main import main
 
 PROMPT = "The capital of France is"
 CONFIG = ["--group-size", "8", "--residual-length", "8"]
@@ -29,7 +29,7 @@ def cli_json(argv, capsys):
 
 @pytest.fixture(scope="module")
 def eager_tokens():
-    from kivi_models.cli import main as cli_main
+    from kivi_cli.main import main as cli_main
 
     # A subprocess-free run of `kivi generate --json` (its stdout is the last line).
     import contextlib
@@ -85,7 +85,7 @@ def test_pt2_keeps_the_kivi_ops_and_has_no_pickles(exports):
 def test_run_exported_in_a_fresh_process(exports):
     """The runner needs no model code path: a new interpreter loads the artifact only."""
     out = exports("pt2")
-    proc = subprocess.run([sys.executable, "-m", "kivi_models.cli", "run-exported", str(out), "--prompt", PROMPT,
+    proc = subprocess.run([sys.executable, "-m", "kivi_cli", "run-exported", str(out), "--prompt", PROMPT,
                            "--max-new-tokens", "4", "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])

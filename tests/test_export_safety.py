@@ -136,7 +136,7 @@ def test_max_seq_len_below_the_trace_length_is_refused_before_writing(tiny, tmp_
 
 
 def test_cli_max_seq_len_1_is_a_clear_error(tmp_path, capsys):
-    from kivi_models.cli import main
+    from kivi_cli.main import main
 
     out = tmp_path / "out"
     with pytest.raises(SystemExit):

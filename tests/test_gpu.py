@@ -1,6 +1,6 @@
 """End-to-end checks that need a CUDA GPU: the patched model on CUDA with the Triton kernels,
 eager and compiled with CUDA graphs (mode="reduce-overhead"). Skipped without CUDA (CI is CPU
-only); run on the lent GPU with benchmarks/gpu_suite.sh. The kernels themselves are checked
+only); run on the lent GPU with lab/gpu_suite.sh. The kernels themselves are checked
 against the reference in test_triton_kernels.py, which runs on CUDA when there is one."""
 
 import pytest

@@ -17,10 +17,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Installed package name -> source folder (pyproject.toml [tool.setuptools.package-dir]).
-PACKAGES = {"kivi_ops": "kivi_ops", "kivi_models": "models", "kivi_export": "export", "kivi_benchmarks": "benchmarks"}
+PACKAGES = {"kivi_ops": "kivi_ops", "kivi_models": "models", "kivi_export": "export", "kivi_benchmarks": "benchmarks",
+            "kivi_cli": "cli"}
 # The `kivi` entry point: the one module that registers the subcommands, so the one that imports
-# the command modules of every package. Nothing imports it.
-ENTRY = "kivi_models.cli"
+# the command modules of every package. It has a package of its own, above the others; nothing
+# imports it.
+ENTRY = "kivi_cli.main"
+RUNNER = "kivi_cli.__main__"  # `python -m kivi_cli` (torchrun launches the command so)
 # The helpers every subcommand shares (model and cache flags, config from flags, usage errors).
 CLI_HELPERS = "kivi_models.cli_args"
 # Import edges allowed to close a cycle, each with its reason. None today; an entry here needs one.
@@ -131,17 +134,47 @@ def test_layers_import_downward():
         packages = {target.partition(".")[0] for target in imported}
         if name.startswith("kivi_ops"):
             assert packages <= {"kivi_ops"}, (name, imported)
-        elif name.startswith("kivi_models") and name != ENTRY:
+        elif name.startswith("kivi_models"):
             assert packages <= {"kivi_ops", "kivi_models"}, (name, imported)
-    assert not any(ENTRY in imported for imported in graph.values())
+        elif not name.startswith("kivi_cli"):
+            assert "kivi_cli" not in packages, (name, imported)
+    assert [name for name, imported in graph.items() if ENTRY in imported] == [RUNNER]
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Package -> the other packages its modules import."""
+    graph: dict[str, set[str]] = {package: set() for package in PACKAGES}
+    for name, imported in import_graph().items():
+        package = name.partition(".")[0]
+        graph[package] |= {target.partition(".")[0] for target in imported} - {package}
+    return graph
+
+
+def test_no_package_imports_one_that_imports_it_back():
+    graph = package_graph()
+    assert graph["kivi_cli"] == {"kivi_models", "kivi_export", "kivi_benchmarks"}
+    cycle = find_cycle(graph)
+    assert cycle is None, "package cycle: " + " -> ".join(cycle)
+
+
+def test_the_product_never_imports_the_lab():
+    # lab/ (candidate kernels, one-off studies) is not installed: an import of it would fail for users.
+    for package, folder in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                assert not any(n == "lab" or n.startswith("lab.") for n in names), path
 
 
 def test_only_the_entry_point_imports_command_modules():
     # Subcommands are registered in one place; the shared helpers import no command module.
     graph = import_graph()
-    commands = {name for name in graph if name.rpartition(".")[2].endswith("cli") and name != CLI_HELPERS}
-    assert {"kivi_models.cli", "kivi_export.cli", "kivi_benchmarks.eval_cli"} <= commands
+    commands = {name for name in graph if name.rpartition(".")[2].endswith("cli") and name != CLI_HELPERS
+                and not name.startswith("kivi_cli")} | {ENTRY}
+    assert {"kivi_models.generate_cli", "kivi_export.cli", "kivi_benchmarks.eval_cli"} <= commands
     for name, imported in graph.items():
-        if name != ENTRY:
+        if name not in (ENTRY, RUNNER):
             assert not imported & commands, (name, imported & commands)
     assert commands - {ENTRY} <= graph[ENTRY]  # ... and the entry point registers every one

@@ -1,14 +1,17 @@
-"""The static issue model (benchmarks/issue_model.py) counts the sm_90 SASS of the decode attention
+"""The static issue model (lab/issue_model.py) counts the sm_90 SASS of the decode attention
 kernels' steady-state loop, with no GPU."""
 
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from kivi_benchmarks.issue_model import first_loop, pipe_of, token_bytes
+from lab.issue_model import first_loop, pipe_of, token_bytes
+
+ROOT = Path(__file__).resolve().parent.parent  # `import lab` from the repository root
 
 
 def test_token_bytes_of_kivi2_g32_d128():
@@ -35,10 +38,10 @@ def test_pipes_and_the_first_loop():
 
 MODEL_CASE = """
 import json, torch
-from kivi_benchmarks.issue_model import model_row, token_bytes
-from kivi_benchmarks.ptxas_usage import compile_instead_of_launch, layer_of
+from lab.issue_model import model_row, token_bytes
+from lab.ptxas_usage import compile_instead_of_launch, layer_of
 from kivi_ops.kernels.triton_decode import attend_decode
-from kivi_ops.kernels.triton_decode_mma import attend_decode_mma
+from lab.triton_decode_mma import attend_decode_mma
 t, p = layer_of(kv_heads=2, head_dim=64, bits=2, tokens=1024)
 q = torch.randn(1, 8, 1, 64, dtype=torch.float16)
 rows = {}
@@ -55,7 +58,8 @@ print(json.dumps(rows))
 def test_issue_model_counts_the_decode_loops_for_sm90():
     # A fresh process without TRITON_INTERPRET (interpreted kernels are never compiled).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", MODEL_CASE], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", MODEL_CASE], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     decode, mma = rows["decode"], rows["mma"]

@@ -309,7 +309,7 @@ def test_pre_rope_cache_rotates_like_the_model():
      "calibrated with --pre-rope False"),
 ])
 def test_cli_rejects_invalid_options(argv, message, capsys):
-    from kivi_models.cli import main
+    from kivi_cli.main import main
 
     with pytest.raises(SystemExit) as exc:
         main(argv)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kivi_models import SamplingConfig, compile_decode_step, generate, load_model, make_cache, patch_model
-from kivi_models.cli import main
+from kivi_cli.main import main
 from kivi_ops import KIVIConfig, Step
 
 PROMPT = "The capital of France is"

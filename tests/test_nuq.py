@@ -142,7 +142,7 @@ def test_calibration_records_kv_and_fisher_and_writes_loadable_tables(tmp_path):
 
 
 def test_cli_refuses_nuq_where_it_does_not_apply(tmp_path, capsys):
-    from kivi_models.cli import main
+    from kivi_cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main(["eval", "ppl", "--corpus", "pydoc", "--method", "fp", "--nuq", str(tmp_path / "x.json")])

@@ -28,10 +28,10 @@ def kivi(args: list[str], nproc: int = 1, timeout: int = 600) -> dict:
     """Run `kivi generate ... --json` in nproc processes (torchrun when > 1); rank 0's report."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"  # N processes share the machine's cores
-    cmd = [sys.executable, "-m", "kivi_models.cli", *args, "--json"]
+    cmd = [sys.executable, "-m", "kivi_cli", *args, "--json"]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "kivi_models.cli", *args, "--json"]
+               "-m", "kivi_cli", *args, "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
@@ -96,7 +96,7 @@ def test_default_model_tp3_plain_kivi_equals_one_process():
 
 
 def test_commands_that_cannot_run_tensor_parallel_are_refused(monkeypatch, capsys):
-    from kivi_models.cli import main
+    from kivi_cli.main import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit) as exit_info:

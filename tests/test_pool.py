@@ -335,7 +335,7 @@ def test_export_with_pool(portable):
     (["eval", "ppl", "--corpus", "pydoc", "--method", "fake", "--outlier-tokens", "3"], "options of the KIVI cache"),
 ])
 def test_cli_rejects_invalid_options(argv, message, capsys):
-    from kivi_models.cli import main
+    from kivi_cli.main import main
 
     with pytest.raises(SystemExit) as exc:
         main(argv)

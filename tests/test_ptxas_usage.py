@@ -1,11 +1,14 @@
-"""The ptxas resource report (benchmarks/ptxas_usage.py) compiles kernels for sm_90 with no GPU."""
+"""The ptxas resource report (lab/ptxas_usage.py) compiles kernels for sm_90 with no GPU."""
 
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from kivi_benchmarks.ptxas_usage import SM90, occupancy
+from lab.ptxas_usage import SM90, occupancy
+
+ROOT = Path(__file__).resolve().parent.parent  # `import lab` from the repository root
 
 
 def test_occupancy_follows_the_sm90_limits():
@@ -16,7 +19,7 @@ def test_occupancy_follows_the_sm90_limits():
 
 DECODE_CASE = """
 import json, torch
-from kivi_benchmarks.ptxas_usage import layer_of, measure
+from lab.ptxas_usage import layer_of, measure
 from kivi_ops.kernels.triton_decode import attend_decode
 t, p = layer_of(kv_heads=2, head_dim=64, bits=2, tokens=256)
 q = torch.randn(1, 4, 1, 64, dtype=torch.float16)
@@ -29,7 +32,8 @@ def test_decode_kernel_compiles_for_sm90_without_a_gpu():
     # A fresh process without TRITON_INTERPRET (the suite's conftest sets it, and interpreted
     # kernels are never compiled).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", DECODE_CASE], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", DECODE_CASE], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     kernels = {r["kernel"]: r for r in rows}

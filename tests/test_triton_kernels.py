@@ -1,5 +1,5 @@
 """Triton kernels (kivi_ops/kernels/triton_quant.py, triton_append.py, triton_split.py,
-triton_decode.py, triton_decode_mma.py) against the CPU reference (kivi_ops/kernels/reference.py).
+triton_decode.py; the lab's lab/triton_decode_mma.py) against the CPU reference (kivi_ops/kernels/reference.py).
 
 Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 must be set before
 the kernel modules are imported, hence the late imports). The interpreter is slow, so shapes are
@@ -22,7 +22,7 @@ from kivi_ops.extras import NO_EXTRAS, Extras  # noqa: E402
 from kivi_ops.kernels.reference import append_reference, attend_reference  # noqa: E402
 from kivi_ops.kernels.triton_append import append_triton  # noqa: E402
 from kivi_ops.kernels.triton_decode import attend_decode  # noqa: E402
-from kivi_ops.kernels.triton_decode_mma import attend_decode_mma  # noqa: E402
+from lab.triton_decode_mma import attend_decode_mma  # noqa: E402
 from kivi_ops.kernels.triton_quant import quantize_pack_triton, unpack_dequantize_triton  # noqa: E402
 from kivi_ops.kernels.triton_split import attend_split  # noqa: E402
 from kivi_ops.layout import LayerTensors, QuantParams  # noqa: E402
@@ -849,7 +849,7 @@ def test_append_refuses_a_non_contiguous_pool():
     assert _cpu(cache[-1]).tolist() == [0], "a refused append wrote"
 
 
-# ---------------------------------------------------------------- the tensor-core decode candidate (issue 16)
+# ---------------------------------------------------------------- the tensor-core decode candidate (lab/, not dispatched)
 
 # (dtype, Hq, H, D, k_bits, v_bits, lengths, counts, num_splits); G=16, R=32: lengths cross key
 # groups, windows and splits; one sequence empty, one row padded (counts 0).
@@ -914,7 +914,7 @@ def test_decode_mma_refuses_what_it_does_not_take():
         attend_decode_mma(q, layer(cache), None, QuantParams(2, 2, 16, 32), 0.1, magic=True)
 
 
-# ---------------------------------------------------------------- the option matrix (issue 16, item 4)
+# ---------------------------------------------------------------- the option matrix
 
 MATRIX_OPTIONS = ("plain", "nuq", "rope", "sparse", "pool")
 MATRIX = [(option, D, heads, dtype) for option in MATRIX_OPTIONS for D in (64, 128) for heads in ((4, 4), (8, 2))

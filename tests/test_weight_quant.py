@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kivi_models import compile_decode_step, generate, make_cache, patch_model
-from kivi_models.cli import main
+from kivi_cli.main import main
 from kivi_models.weight_quant import (WEIGHT_QUANT_MODES, apply_weight_quant, model_weight_nbytes,
                                       quantized_linear_names, tensor_nbytes)
 from kivi_ops import KIVIConfig

@@ -173,7 +173,7 @@ def attend_fused(query: Tensor, layer: LayerTensors, counts: Optional[Tensor], p
     scale, accumulate. The key zero term is a sum over D per group (S/G values, small); scores
     and probabilities ([rows, S] per head) are the only S-sized fp32 tensors written.
 
-    Choices measured on Inductor's CPU code (benchmarks/decomposed_attend_cpu.py):
+    Choices measured on Inductor's CPU code (lab/decomposed_attend_cpu.py):
     - the key scale multiplies the codes, not the query ((q s) . c): c * s is shared by the
       rows of a kv head, and k_scale is read once per token either way;
     - the value scale and zero dequantize the codes (p (c s + z)) rather than being folded into

@@ -49,7 +49,7 @@ from .triton_quant import device_ctx, interpreting
 # Launch defaults: 1 warp x 32-token tiles timed fastest on the H100 among 1, 2 and 4 warps x 32
 # tokens (docs/performance.md), although ptxas reports 255 registers and up to 1.8 KB of spills per
 # thread at head_dim 128 (results/ptxas_sm90.json). 4 warps x 16 tokens (64-113 registers, no
-# spills) was never timed: benchmarks/gpu_suite.sh's sweep compares them. The sparse store's path
+# spills) was never timed: lab/gpu_suite.sh's sweep compares them. The sparse store's path
 # (every tile mixed, never timed either) takes the no-spill configuration: 56-114 registers.
 DECODE_BLOCK_N = 32
 DECODE_PROGRAMS_PER_SM = 16

@@ -1,16 +1,17 @@
 """Per-layer decode costs on CUDA, replayed from CUDA graphs: the KIVI cache's append + attend vs the
 fp static cache's append + SDPA, one token per sequence (what each decoder layer adds to a decode
 step), and KIVI with the sparse store and with a sink/OTT pool (their appends are Triton kernels
-too: what an option costs per step). Usage: python benchmarks/gpu_layer_costs.py [batch] [contexts,
-comma-separated]"""
+too: what an option costs per step).
 
-import sys
+    python -m lab gpu_layer_costs [batch] [contexts, comma-separated]
+"""
+
+import argparse
 
 import torch
 from triton.testing import do_bench_cudagraph
 
-from kivi_ops import FPCache
-from kivi_ops import KIVICache, KIVIConfig
+from kivi_ops import FPCache, KIVICache, KIVIConfig
 
 
 # The caches' eager capacity checks read lengths on the host, which a CUDA-graph capture forbids;
@@ -30,9 +31,12 @@ CACHES = {  # name -> KIVIConfig (None: the fp static cache)
 }
 
 
-def main() -> None:
-    batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
-    contexts = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "1024,32768").split(",")]
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lab gpu_layer_costs", description=__doc__.split("\n\n")[0])
+    parser.add_argument("batch", nargs="?", type=int, default=1)
+    parser.add_argument("contexts", nargs="?", default="1024,32768")
+    args = parser.parse_args(argv)
+    batch, contexts = args.batch, [int(x) for x in args.contexts.split(",")]
     H, D, dt = 32, 128, torch.float16
     print(f"{torch.cuda.get_device_name()}, batch {batch}, 32 heads x 128, fp16; microseconds per layer (median)")
     print("append: a step that completes no key window; flush: one that completes one (every R = 128 steps)")
@@ -63,6 +67,3 @@ def main() -> None:
             t = median_us(lambda: cache.layers[0].attend(q))
             print(f"{n:>7} {name:>20} {times['append']:>8.1f} {times['flush']:>8.1f} {t:>8.1f} "
                   f"{times['append'] + t:>14.1f}")
-
-if __name__ == "__main__":
-    main()

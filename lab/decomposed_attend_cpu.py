@@ -1,4 +1,4 @@
-"""Issue 7's question, on CPU: can compiled KIVI-2 decode attention beat compiled fp32 SDPA over a
+"""On CPU: can compiled KIVI-2 decode attention beat compiled fp32 SDPA over a
 static fp32 cache?
 
 One run, side by side, same shapes (the default model's attention: SmolLM2-135M, B=4, 9 query
@@ -18,7 +18,7 @@ Timings: median of `--repeats` wall-clock runs per method after warm-up, methods
 round by round (so a noisy neighbour hits all of them alike); the per-round ratios' median is
 reported too. Inputs are random normal data, never zeros.
 
-    .venv/bin/python -m benchmarks.decomposed_attend_cpu [--threads 1] [--context 8192] [--repeats 30]
+    .venv/bin/python -m lab decomposed_attend_cpu [--threads 1] [--context 8192] [--repeats 30]
 
 Each thread count wants its own process (Inductor specializes its loops to the thread count).
 """
@@ -38,7 +38,8 @@ from kivi_ops import KIVICache, KIVIConfig
 from kivi_ops.kernels.decomposed_append import append_decomposed
 from kivi_ops.kernels.decomposed_attend import attend_fused, attend_materialized
 
-from .perf import interleaved_times
+from kivi_benchmarks.environment import environment
+from kivi_benchmarks.perf import interleaved_times
 
 
 def sdpa_decode(query, k, v, lengths, scale):
@@ -63,7 +64,7 @@ def fp_append(k_cache, v_cache, lengths, key, value):
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lab decomposed_attend_cpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--q-heads", type=int, default=9)
@@ -162,8 +163,8 @@ def main(argv=None) -> dict:
                     max_abs_diff_vs_kivi_op=max_abs_diff),
         append=dict(base="fp32_index_put_append_compiled", rows=summarize(append_times, "fp32_index_put_append_compiled")),
         bytes=dict(fp32_kv=2 * k_fp.numel() * 4, kivi_layer=cache.nbytes()),
-        environment=dict(torch=torch.__version__, threads=torch.get_num_threads(),
-                         cpu=platform.processor() or platform.machine(), repeats=args.repeats),
+        repeats=args.repeats,
+        environment=environment(command="python -m lab decomposed_attend_cpu " + " ".join(argv or [])),
     )
     for part in ("attend", "append"):
         base = result[part]["base"]
@@ -175,7 +176,3 @@ def main(argv=None) -> dict:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return result
-
-
-if __name__ == "__main__":
-    main()

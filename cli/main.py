@@ -1,14 +1,15 @@
 """The `kivi` command line: the top-level parser, where every subcommand is registered.
 
-Imports flow one way (tests/test_imports.py checks it):
+It sits above the three packages it draws its subcommands from, so imports flow one way
+(tests/test_imports.py checks it):
 
-    kivi_models.cli                 this parser and main(); nothing imports it
+    kivi_cli.main                    this parser and main(); nothing imports it
       -> command modules            each adds its subcommand(s) and runs them:
            kivi_models.generate_cli     generate
-           kivi_models.calibrate_cli    calibrate
            kivi_models.serve_cli        serve
+           kivi_models.calibrate_cli    calibrate
            kivi_benchmarks.eval_cli     eval ppl | passkey | table
-           kivi_benchmarks.bench_cli    bench memory | attention | decode | weight-quant
+           kivi_benchmarks.bench_cli    bench memory | attention | decode | weight-quant | serve
            kivi_export.cli              export, run-exported
       -> kivi_models.cli_args       the flags, argument types and usage errors they share
       -> the library                kivi_ops, kivi_models (kivi_export, kivi_benchmarks for theirs)
@@ -25,12 +26,12 @@ from kivi_benchmarks.bench_cli import add_bench_parser
 from kivi_benchmarks.eval_cli import add_eval_parser
 from kivi_export.cli import add_export_parsers
 
-from .calibrate_cli import add_calibrate_parser
-from .cli_args import flag_spelling, usage_errors
-from .generate import SamplingConfig
-from .generate_cli import add_generate_parser
-from .serve_cli import add_serve_parser
-from .parallel import check_launch, rank_zero_output
+from kivi_models.calibrate_cli import add_calibrate_parser
+from kivi_models.cli_args import flag_spelling, usage_errors
+from kivi_models.generate import SamplingConfig
+from kivi_models.generate_cli import add_generate_parser
+from kivi_models.parallel import check_launch, rank_zero_output
+from kivi_models.serve_cli import add_serve_parser
 
 # In `kivi --help` order.
 SUBCOMMANDS = (add_generate_parser, add_serve_parser, add_eval_parser, add_bench_parser, add_calibrate_parser,
@@ -76,7 +77,3 @@ def main(argv=None) -> int:
             raise
         print(f"{args.parser.prog}: error: {flag_spelling(str(e))}", file=sys.stderr)
         return 2 if isinstance(e, USAGE_ERRORS) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

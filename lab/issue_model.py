@@ -13,7 +13,7 @@ quantized tiles) is counted by opcode. Per token of one kv head (all its query h
 - so the bandwidth share the loop can reach at most with perfect latency hiding. This is a
   ceiling, not a prediction: latency, occupancy and the loop's prologue are not in it.
 
-    .venv/bin/python -m kivi_benchmarks.issue_model [--json out.json]
+    .venv/bin/python -m lab issue_model [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 
-from kivi_benchmarks.ptxas_usage import compile_instead_of_launch, git_revision, layer_of, ptxas_report
+from kivi_benchmarks.environment import environment
+
+from .ptxas_usage import compile_instead_of_launch, layer_of, ptxas_report
 
 # H100 SXM: 132 SMs at 1.98 GHz; 3.0 TB/s is the device-to-device copy bandwidth (read + write)
 # measured in the committed H100 attention run (bench_attention_cuda.json), the bandwidth share's base.
@@ -117,7 +119,7 @@ def model_row(kernel, arch: int, tokens_per_iter: int, programs_per_kv_head: int
 def cases():
     """(label, launch, tokens per loop iteration, programs per kv head) at the benchmark shapes."""
     from kivi_ops.kernels.triton_decode import attend_decode
-    from kivi_ops.kernels.triton_decode_mma import attend_decode_mma
+    from lab.triton_decode_mma import attend_decode_mma
     from kivi_ops.kernels.triton_split import attend_launch_config, attend_split
 
     for q_heads, kv_heads in ((32, 32), (32, 8)):
@@ -148,13 +150,11 @@ def measure(arch: int = 90) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lab issue_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--json", default=None, help="write the rows here")
-    args = parser.parse_args()
-    import triton
-
+    args = parser.parse_args(argv)
     rows = measure(args.arch)
     print(f"{'shape':<34} {'kernel':<16} {'instr/token':>11} {'cycles':>7} {'bound':>6} {'bytes cyc':>9} "
           f"{'bw ceiling':>10} {'regs':>5} {'spill':>6}")
@@ -163,13 +163,8 @@ def main() -> None:
               f"{r['sm_cycles_per_token']:>7} {r['bound']:>6} {r['byte_cycles_per_token']:>9} "
               f"{r['bandwidth_share_ceiling']:>10.0%} {r['registers']:>5} {r['spill_bytes']:>6}")
     if args.json:
-        meta = dict(arch=f"sm_{args.arch}a", triton=triton.__version__, torch=torch.__version__,
-                    git_sha=git_revision(), device_model=H100, pipe_rates=PIPE_RATE,
-                    command=f"python -m kivi_benchmarks.issue_model --arch {args.arch}",
+        meta = dict(arch=f"sm_{args.arch}a", **environment(command=f"python -m lab issue_model --arch {args.arch}"),
+                    device_model=H100, pipe_rates=PIPE_RATE,
                     note="static: the steady-state loop's SASS counted per token of one kv head; a ceiling "
                          "on the bandwidth share with perfect latency hiding, not a timing")
         Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()

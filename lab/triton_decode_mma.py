@@ -1,10 +1,11 @@
 """Tensor-core decode attention over the plain KIVI cache (q_len == 1): attend_decode_mma.
 
-A candidate for issue 16's kernel, built from the anchors' techniques (shared/DESIGN.md, "GPU
-decode attention") and chosen by the static issue model (benchmarks/issue_model.py: SASS
-instructions per token of the steady-state loop against the issue budget at copy bandwidth),
-because no GPU was at hand to time it. Not the dispatcher's default until an H100 run times it
-against attend_decode (benchmarks/gpu_suite.sh sweep).
+A candidate for the GPU decode kernel, built from the techniques of the fastest low-bit decode
+kernels (BitDecoding, LMDeploy TurboMind: GQA heads packed into the MMA rows, scale and zero
+folded out of the inner loop) and chosen by the static issue model (lab/issue_model.py: SASS
+instructions per token of the steady-state loop against the bandwidth budget), because no GPU
+was at hand to time it. It lives in the lab, not dispatched, until a GPU run times it against
+attend_decode (lab/gpu_suite.sh sweep).
 
 _attend_decode_mma_kernel grid (B*H, num_splits): one program per (batch row, kv head, split)
 runs all QG query heads of its kv head as the rows of one tensor-core tile (BitDecoding's GQA
@@ -40,10 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layout import LayerTensors, QuantParams
-from ..packing import codes_per_byte
-from .triton_attend import LOG2E, _cast, _cast_sat, attend_num_splits, attend_setup, launch_reduce, split_workspace
-from .triton_quant import _BF16_MAX, _FP16_MAX, device_ctx, interpreting, next_pow2
+from kivi_ops.layout import LayerTensors, QuantParams
+from kivi_ops.packing import codes_per_byte
+from kivi_ops.kernels.triton_attend import LOG2E, _cast, _cast_sat, attend_num_splits, attend_setup, launch_reduce, split_workspace
+from kivi_ops.kernels.triton_quant import _BF16_MAX, _FP16_MAX, device_ctx, interpreting, next_pow2
 
 MMA_BLOCK_N = 32  # tokens per tile, at most G (one key group per tile)
 MMA_NUM_WARPS = 4

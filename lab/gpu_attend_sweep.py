@@ -3,22 +3,26 @@ replay times (launch overhead excluded) of attend_decode (kivi_ops/kernels/trito
 the dispatcher runs for a decode step with head_dim 128) and of the tensor-core candidate
 attend_decode_mma (triton_decode_mma.py) over launch configurations, beside SDPA over the fp16
 cache of the same shape, with each compiled kernel's registers, spills and shared memory.
-Usage: python3 benchmarks/gpu_attend_sweep.py [contexts] [configs] [heads]
+
+
+    python -m lab gpu_attend_sweep [contexts] [configs] [heads] [--json]
+
 configs: "default" or a list "[kernel/]splits:block_n:warps:stages,...", kernel decode (the
 default), mma or mma-magic (magic-number code conversion); heads: "32/32" (query/kv, default),
 e.g. "32/32,32/8". Prints a table; --json for rows."""
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
 from kivi_ops import KIVICache, KIVIConfig
-from kivi_ops.kernels import triton_decode, triton_decode_mma, triton_split
+from kivi_ops.kernels import triton_decode, triton_split
+from lab import triton_decode_mma
 from kivi_benchmarks.perf import attend_read_bytes, copy_bandwidth
 
 
@@ -60,11 +64,16 @@ def parse_config(spec: str) -> tuple[str, dict]:
     return kernel, kw
 
 
-def main():
-    contexts = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "2048,8192,32768").split(",")]
-    spec = sys.argv[2] if len(sys.argv) > 2 else "default"
-    configs = [None] if spec == "default" else [parse_config(c) for c in spec.split(",")]
-    heads = [tuple(int(x) for x in h.split("/")) for h in (sys.argv[3] if len(sys.argv) > 3 else "32/32").split(",")]
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m lab gpu_attend_sweep", description=__doc__.split("\n\n")[0])
+    parser.add_argument("contexts", nargs="?", default="2048,8192,32768")
+    parser.add_argument("configs", nargs="?", default="default")
+    parser.add_argument("heads", nargs="?", default="32/32")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON at the end")
+    args = parser.parse_args(argv)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    configs = [None] if args.configs == "default" else [parse_config(c) for c in args.configs.split(",")]
+    heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
     B, D, bits = 8, 128, 2
     bw = copy_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
@@ -103,9 +112,5 @@ def main():
                    triton_decode_mma._attend_decode_mma_kernel):
         for info in kernel_info(jit_fn):
             print(jit_fn.__name__, info)
-    if "--json" in sys.argv:
+    if args.json:
         print(json.dumps(rows))
-
-
-if __name__ == "__main__":
-    main()

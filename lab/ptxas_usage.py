@@ -6,7 +6,7 @@ ptxas (bundled with Triton) reports registers, spills and shared memory for the 
 follows from those and the architecture's limits. Nothing runs on a device, so the inputs are
 CPU tensors of the benchmark shapes (only their shapes, dtypes and strides matter).
 
-    .venv/bin/python -m kivi_benchmarks.ptxas_usage [--arch 90] [--json out.json]
+    .venv/bin/python -m lab ptxas_usage [--arch 90] [--json out.json]
 
 Shapes: the Llama-2-7B decode benchmark (32 KV heads, head_dim 128, fp16, KIVI-2 and KIVI-4,
 G=32, R=128, 32K tokens) and a GQA head_dim-64 variant; the decode kernel is also swept over
@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from kivi_benchmarks.environment import environment
+
 # sm_90 (Hopper) limits per SM, from the CUDA programming guide's compute-capability table.
 SM90 = dict(registers=65536, max_warps=64, max_blocks=32, shared_bytes=233472, reg_alloc_unit=256)
 
@@ -38,14 +40,6 @@ def occupancy(regs: int, num_warps: int, shared: int, limits: dict = SM90) -> fl
     by_shared = limits["shared_bytes"] // shared if shared else limits["max_blocks"]
     blocks = min(by_regs, by_warps, by_shared, limits["max_blocks"])
     return blocks * num_warps / limits["max_warps"]
-
-
-def git_revision() -> str:
-    """HEAD's sha, with "+uncommitted" when tracked files differ from it (what a result measured)."""
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                           text=True).stdout.strip()
-    return sha + ("+uncommitted" if dirty else "")
 
 
 def ptxas_report(ptx: str, arch: int) -> dict:
@@ -167,13 +161,11 @@ def measure(arch: int, cases=cases) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lab ptxas_usage", description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     parser.add_argument("--json", default=None, help="write the rows here")
-    args = parser.parse_args()
-    import triton
-
+    args = parser.parse_args(argv)
     rows = measure(args.arch)
     print(f"{'case':<40} {'kernel':<24} {'knobs':<22} {'warps':>5} {'regs':>5} {'spill st/ld':>12} {'smem':>7} {'occ':>5}")
     for r in rows:
@@ -181,11 +173,6 @@ def main() -> None:
         print(f"{r['case']:<40} {r['kernel']:<24} {knobs:<22} {r['launch_num_warps']:>5} {r['registers']:>5} "
               f"{r['spill_store_bytes']:>5}/{r['spill_load_bytes']:<6} {r['shared_bytes']:>7} {r['occupancy']:>5.2f}")
     if args.json:
-        meta = dict(arch=f"sm_{args.arch}a", triton=triton.__version__, torch=torch.__version__, git_sha=git_revision(),
-                    command=f"python -m kivi_benchmarks.ptxas_usage --arch {args.arch}",
+        meta = dict(arch=f"sm_{args.arch}a", **environment(command=f"python -m lab ptxas_usage --arch {args.arch}"),
                     note="compiled without a GPU (Triton's ptxas on the generated PTX); occupancy from sm_90 limits")
         Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one command (fits one 10-minute device call). Each stage has
 # its own time limit so one failure cannot eat the others. Results land in $OUT (default
-# benchmarks/results). Usage: benchmarks/gpu_suite.sh [tests] [sweep] [layers] [attention] [decode] [budget]
+# benchmarks/results). Usage: lab/gpu_suite.sh [tests] [sweep] [layers] [attention] [decode] [budget]
 # (default: all). The GPU image brings torch/triton/transformers; this package installs offline.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
@@ -17,11 +17,11 @@ for stage in $stages; do
     tests) timeout 240 python3 -m pytest -q -p no:randomly tests/test_triton_kernels.py tests/test_gpu.py 2>&1 | tail -25 ;;
     # the old default (1 warp x 32 tokens, spills) against the no-spill candidates (ptxas_sm90.json)
     # and the tensor-core candidate (issue_model_sm90.json), MHA and GQA 4:1
-    sweep) timeout 240 python3 benchmarks/gpu_attend_sweep.py 1024,32768 \
+    sweep) timeout 240 python3 -m lab gpu_attend_sweep 1024,32768 \
              0:32:1:2,0:16:4:2,0:32:8:2,mma/0:32:2:2,mma/0:32:4:2,mma/0:32:4:3,mma/0:32:8:2,mma-magic/0:32:4:2 \
              32/32,32/8 2>&1 | tail -40 ;;
     # per-layer append / flush / attend, plain KIVI and with each option's Triton append
-    layers) timeout 120 python3 benchmarks/gpu_layer_costs.py 1 1024,32768 2>&1 | tail -12 ;;
+    layers) timeout 120 python3 -m lab gpu_layer_costs 1 1024,32768 2>&1 | tail -12 ;;
     attention) timeout 200 kivi bench attention --device cuda --out "$OUT" 2>&1 | sed "/it\/s/d" ;;
     decode) timeout 300 kivi bench decode --device cuda --model llama2-7b-shape --contexts 1024,32768 --batches 1 \
               --new-tokens 64 --out "$OUT" 2>&1 | sed "/it\/s/d" ;;

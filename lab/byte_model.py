@@ -11,7 +11,7 @@ each address once (what DRAM must deliver if every re-read hits L2). loaded / mu
 redundant reads (GQA query heads re-reading their kv head's codes, a split's scale rows);
 distinct / must < 1 would mean the kernel skipped data it needs.
 
-    .venv/bin/python -m kivi_benchmarks.byte_model [--tokens 4096] [--json out.json]
+    .venv/bin/python -m lab byte_model [--tokens 4096] [--json out.json]
 
 Interpreting is slow, so the shapes are small (batch 1, 4096 tokens, 4 or 2 kv heads); the
 ratios are per token and per head, so they carry to the benchmark shapes.
@@ -28,6 +28,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from kivi_benchmarks.environment import environment  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -131,15 +133,13 @@ def measure(tokens: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lab byte_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--json", default=None, help="write the rows here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.tokens < 2:
         parser.error(f"--tokens must be at least 2 (a cache, then one appended token), got {args.tokens}")
-    import triton
-
     rows = measure(args.tokens)
     print(f"{'shape':<22} {'step':<20} {'kernel':<24} {'must':>9} {'loaded':>9} {'distinct':>9} {'ld/must':>7} "
           f"{'dist/must':>9}")
@@ -148,14 +148,9 @@ def main() -> None:
         print(f"{shape:<22} {r['step']:<20} {r['kernel']:<24} {r['must_read_bytes']:>9} {r['loaded_bytes']:>9} "
               f"{r['distinct_bytes']:>9} {r['loaded_over_must']:>7.2f} {r['distinct_over_must']:>9.2f}")
     if args.json:
-        meta = dict(triton=triton.__version__, torch=torch.__version__, tokens=args.tokens,
-                    command=f"python -m kivi_benchmarks.byte_model --tokens {args.tokens}",
+        meta = dict(**environment(command=f"python -m lab byte_model --tokens {args.tokens}"), tokens=args.tokens,
                     note="loads counted in Triton's interpreter: element bytes of unmasked lanes (loaded) and of "
                          "distinct addresses (distinct); fp16 cache, G=32, R=128, batch 1")
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
             f.write("\n")
-
-
-if __name__ == "__main__":
-    main()

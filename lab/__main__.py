@@ -1,0 +1,42 @@
+"""One way to run a study of the lab, from the repository root:
+
+    .venv/bin/python -m lab                  # the list of studies
+    .venv/bin/python -m lab NAME [ARGS...]   # one of them; NAME --help for its arguments
+
+GPU studies (gpu_*) need a CUDA device; lab/gpu_suite.sh runs them with the GPU tests and the
+`kivi bench` measurements in one device call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+STUDIES = {
+    "ptxas_usage": "registers, spills and occupancy of every Triton kernel for sm_90, compiled without a GPU",
+    "issue_model": "instructions per token of the decode kernels' loops for sm_90, and the bandwidth ceiling they set",
+    "byte_model": "bytes each decode-path kernel must read against the bytes it loads (Triton interpreter)",
+    "compile_modes_cpu": "CPU decode step: one decoder layer compiled for all (regional) vs the whole step",
+    "decomposed_attend_cpu": "CPU: compiled decomposed KIVI-2 attention and append vs compiled fp32 SDPA",
+    "gpu_attend_sweep": "GPU: decode attention launch configurations (and the tensor-core candidate) vs SDPA",
+    "gpu_layer_costs": "GPU: per-layer append, flush step and attend, plain KIVI and with each option",
+}
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\nstudies:")
+        for name, what in STUDIES.items():
+            print(f"  {name:<22} {what}")
+        return 0
+    name = args[0]
+    if name not in STUDIES:
+        print(f"python -m lab: error: unknown study {name!r}; one of: {', '.join(STUDIES)}", file=sys.stderr)
+        return 2
+    importlib.import_module(f"lab.{name}").main(args[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
