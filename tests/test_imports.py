@@ -178,3 +178,21 @@ def test_only_the_entry_point_imports_command_modules():
         if name not in (ENTRY, RUNNER):
             assert not imported & commands, (name, imported & commands)
     assert commands - {ENTRY} <= graph[ENTRY]  # ... and the entry point registers every one
+
+
+CACHE_BUFFERS = {"k_codes", "k_scale", "k_zero", "k_res", "v_codes", "v_scale", "v_zero", "v_res", "pool_k", "pool_v",
+                 "pool_pos", "k_sparse", "k_sparse_idx", "v_sparse", "v_sparse_idx", "k_levels", "v_levels",
+                 "rope_inv_freq"}
+
+
+def test_only_kivi_ops_names_a_cache_buffer():
+    # The layer owns its buffers: code outside kivi_ops reaches them through the layer's methods
+    # (append, attend, nbytes, reset, ...) and kivi_ops helpers, never by attribute or by name.
+    for package, folder in PACKAGES.items():
+        if package == "kivi_ops":
+            continue
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                named = (node.attr if isinstance(node, ast.Attribute)
+                         else node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None)
+                assert named not in CACHE_BUFFERS, f"{path.relative_to(ROOT)}:{node.lineno} names {named!r}"
