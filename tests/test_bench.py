@@ -57,16 +57,20 @@ def test_bench_attention_cpu_runs(tmp_path, capsys):
     assert result["environment"]["torch"] and (tmp_path / "bench_attention_cpu.json").exists()
 
 
-def tiny_patched_llama():
+def tiny_llama():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kivi_models import patch_model
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    return patch_model(LlamaForCausalLM(config).eval())
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_patched_llama():
+    from kivi_models import patch_model
+
+    return patch_model(tiny_llama())
 
 
 def test_budget_batches_follow_exact_cache_bytes():
@@ -125,3 +129,24 @@ def test_bench_serve_runs_fp_and_kivi_at_one_budget(tmp_path):
     assert kivi["slots"] > fp["slots"] >= 1  # the same bytes hold more KIVI rows
     assert fp["generated_tokens"] == kivi["generated_tokens"] > 0  # same greedy stream, same lengths
     assert (tmp_path / "bench_serve_cpu.png").is_file()
+
+
+def test_hf_generate_bench_times_every_cache_through_model_generate():
+    # A tiny random Llama and a byte tokenizer: every cache's row is filled, and with R=128 above
+    # the context the KIVI cache holds every token exact, so its greedy tokens equal DynamicCache's.
+    from kivi_benchmarks.hf_generate_bench import bench_hf_generate
+
+    plain = tiny_llama()
+
+    def byte_tokenizer(text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 64 for c in text]}
+
+    result = bench_hf_generate(plain, byte_tokenizer, contexts=[24], batches=[2], new_tokens=6,
+                               caches=["dynamic", "kivi_eager", "kivi"])
+    (row,) = result["rows"]
+    assert result["caches"] == ["dynamic", "kivi_eager", "kivi"]
+    assert row["context"] == 24 and row["batch"] == 2
+    for cache in result["caches"]:
+        assert row[cache]["tokens_per_s"] > 0 and row[cache]["timed_steps"] == 6 - 1 - 3
+    assert row["kivi"]["tokens"] == row["kivi_eager"]["tokens"] == row["dynamic"]["tokens"]
+    assert row["dynamic"]["vs_dynamic"] == 1.0

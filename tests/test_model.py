@@ -74,7 +74,10 @@ BATCH = [PROMPT, "def fibonacci(n):", "Water boils at a temperature of about"]
 
 
 def hf_generate_left_padded(model, tok, prompts, *, method, config, **kwargs):
-    """transformers' generate() on a left-padded batch with our cache: the new tokens per row."""
+    """transformers' generate() on a left-padded batch with our cache: the new tokens per row.
+    Eager decode steps unless disable_compile=False is passed (one compile per cache shape would
+    cost each test seconds; test_hf_generate_compiles_one_graph_for_every_decode_step covers it)."""
+    kwargs.setdefault("disable_compile", True)
     tok.padding_side = "left"
     batch = tok(prompts, return_tensors="pt", padding=True)
     cache = make_cache(model, method=method, batch_size=len(prompts), max_seq_len=64, kivi_config=config)
@@ -120,6 +123,36 @@ def test_hf_generate_left_padded_sampling_eos_and_min_new_tokens(loaded):
     held, _ = hf_generate_left_padded(kivi_model, tok, BATCH, method="kivi", config=config, max_new_tokens=8,
                                       do_sample=False, eos_token_id=eos, min_new_tokens=6)
     assert eos not in held[0][:5]
+
+
+def test_hf_generate_compiles_one_graph_for_every_decode_step(loaded):
+    # Our cache is compileable: transformers' generate() runs its decode steps through the patched
+    # model's compiled step (kivi_models.hf_generate). A left-padded batch gives the eager path's
+    # tokens, and one graph serves every step, sampled or greedy, with no recompiles.
+    _, kivi_model, tok = loaded
+    config = KIVIConfig(group_size=8, residual_length=8)
+    eager, _ = hf_generate_left_padded(kivi_model, tok, BATCH, method="kivi", config=config, max_new_tokens=16,
+                                       do_sample=False)
+    torch.compiler.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled, cache = hf_generate_left_padded(kivi_model, tok, BATCH, method="kivi", config=config,
+                                              max_new_tokens=16, do_sample=False, disable_compile=False)
+    assert compiled == eager
+    assert cache.lengths().tolist() == [len(tok(p)["input_ids"]) + 15 for p in BATCH]  # pads never stored
+    torch.manual_seed(0)
+    sampled, _ = hf_generate_left_padded(kivi_model, tok, BATCH, method="kivi", config=config, max_new_tokens=8,
+                                         do_sample=True, top_k=20, disable_compile=False)
+    torch.manual_seed(0)
+    again, _ = hf_generate_left_padded(kivi_model, tok, BATCH, method="kivi", config=config, max_new_tokens=8,
+                                       do_sample=True, top_k=20, disable_compile=False)
+    assert sampled == again
+    eos = eager[0][1]  # row 0 stops at its second token; the compiled rows stop like eager ones
+    stopped, _ = hf_generate_left_padded(kivi_model, tok, BATCH, method="kivi", config=config, max_new_tokens=8,
+                                         do_sample=False, eos_token_id=eos, disable_compile=False)
+    assert stopped[0][:2] == eager[0][:2] and set(stopped[0][2:]) <= {tok.eos_token_id, eos}
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["recompiles"].values()) == 0
 
 
 def test_hf_generate_refuses_pads_after_real_tokens(loaded):

@@ -1,0 +1,78 @@
+"""transformers' `generate()` with our cache: compiled decode steps, with no extra call.
+
+Our caches say they can be compiled (`is_compileable`). transformers then runs every decode step
+of `generate()` through `model.get_compiled_call(...)`; a patched model answers with the
+library's own compiled step (`compile_decode_step`): on CPU one decoder layer compiled once for
+all layers (seconds to compile, not minutes), on CUDA the whole step under CUDA graphs. Prompts
+run eagerly, as transformers does anyway. One graph serves every decode step (static shapes: one
+token per row, positions and lengths as tensors).
+
+Two things make that safe:
+- transformers builds a 4-D mask for compileable caches; the KIVI attention masks by per-row
+  lengths and reads the 2-D mask only at the prompt, to find a left-padded batch's pads. The
+  patched model keeps the 2-D mask (`create_masks_for_generate`).
+- transformers compiles on CPU only when asked (`compile_config._compile_all_devices`), so a
+  patched model's generation config asks.
+
+The first decode step compiles (about 10 s on the 2-core CPU for the embedded model); later
+calls with the same shapes reuse the graph. `model.generate(..., disable_compile=True)` opts out
+and runs the eager step.
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+
+import torch
+from transformers import CompileConfig
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from kivi_ops import StaticCacheBase
+
+from .generate import compile_decode_step
+
+
+def enable_compiled_generate(model) -> None:
+    """Let `model.generate()` with our cache run compiled decode steps (see the module doc)."""
+    model.create_masks_for_generate = _keep_2d_mask
+    model.get_compiled_call = MethodType(_compiled_call, model)
+    config = model.generation_config
+    if config.compile_config is None:
+        config.compile_config = CompileConfig(fullgraph=True, dynamic=False)
+    config.compile_config._compile_all_devices = True
+
+
+def _keep_2d_mask(*, attention_mask=None, **kwargs):
+    return attention_mask
+
+
+def _compiled_call(model, compile_config=None):
+    """The decode-step callable transformers' generate() uses (its get_compiled_call contract):
+    a model call, compiled where it is a decode step over our cache, the model's own otherwise."""
+    step = getattr(model, "_kivi_compiled_step", None)
+    if step is None:
+        step = model._kivi_compiled_step = compile_decode_step(model.device)
+
+    def call(input_ids=None, past_key_values=None, position_ids=None, cache_position=None, **kwargs):
+        if not _is_decode_step(input_ids, past_key_values, kwargs):
+            return model(input_ids=input_ids, past_key_values=past_key_values, position_ids=position_ids,
+                         cache_position=cache_position, **kwargs)
+        B = input_ids.shape[0]
+        if position_ids is None:  # the model's own default: the cache positions
+            position_ids = cache_position[None, :].expand(B, -1)
+        logits = step(model, past_key_values, input_ids[:, 0], position_ids[:, 0].to(torch.int64))
+        return CausalLMOutputWithPast(logits=logits[:, None, :], past_key_values=past_key_values)
+
+    return call
+
+
+# Arguments of a model call that the compiled step does not produce or take (it returns logits
+# and the cache only); a call with any of them set runs the model's own forward.
+_UNSUPPORTED = ("inputs_embeds", "output_attentions", "output_hidden_states", "labels")
+
+
+def _is_decode_step(input_ids, cache, kwargs) -> bool:
+    asked = [kwargs.get(name) for name in _UNSUPPORTED]
+    return (isinstance(cache, StaticCacheBase) and input_ids is not None and input_ids.dim() == 2
+            and input_ids.shape[1] == 1 and all(value is None or value is False for value in asked)
+            and kwargs.get("logits_to_keep", 1) in (0, 1))
