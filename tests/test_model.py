@@ -271,6 +271,23 @@ def test_llama_family_models_match_unpatched_greedy(model_type):
     assert got.tokens[0] == want[0, 6:].tolist()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_each_family_through_compiled_hf_generate_matches_unpatched_greedy(model_type):
+    # transformers' generate() compiles the decode steps with our cache (kivi_models.hf_generate):
+    # every family's decoder layer compiles, and the tokens are transformers' own.
+    reference_model = tiny_model(model_type)
+    patched = patch_model(tiny_model(model_type))
+    prompt = torch.tensor([[5, 17, 99, 3, 42, 7]])
+    want = reference_model.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    cache = make_cache(patched, method="kivi", batch_size=1, max_seq_len=18, kivi_config=KIVIConfig(residual_length=32))
+    torch.compiler.reset()
+    torch._dynamo.utils.counters.clear()
+    got = patched.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12, past_key_values=cache)
+    assert got[0, 6:].tolist() == want[0, 6:].tolist()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 def test_llama3_rope_scaling_with_pre_rope_keys_matches_unpatched_greedy():
     # KVQuant's pre-RoPE cache rotates keys itself, from the model's (llama3-scaled) frequencies.
     reference_model = tiny_model("llama3_rope")
