@@ -139,6 +139,30 @@ def _flush_key_window(kc, keys, v_res, values, levels, sparse, pool, b, h, bh64,
 
 
 @triton.jit
+def _append_key_flush(kc, keys, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, levels, sparse, H, N, S, NSG, kl):
+    """_append_key_flush_kernel's body, its arguments grouped (triton_args.py)."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS)
+    nqk = (L // kl.R) * kl.R
+    nqk_end = ((L + c) // kl.R) * kl.R
+    start = nqk + tl.program_id(1) * kl.G
+    if start < nqk_end:  # tokens of this group, all < nqk_end <= L + c
+        jb = tl.program_id(2) * kl.BLOCK_B + tl.arange(0, kl.BLOCK_B)
+        thr = tl.zeros((1, kl.BLOCK_B, kl.PER), tl.float32)
+        ithr = tl.zeros((1, kl.BLOCK_B, kl.PER), tl.int32)
+        no_pool = tl.full((1,), -1, tl.int32)
+        if sparse.SPARSE:  # every group of a window selects its outliers; the window's first group stores them
+            window_start = (start // kl.R) * kl.R
+            thr, ithr = key_window_outliers(kc.res, keys, sparse, no_pool, b, h, bh64, L, window_start, jb,
+                                            start == window_start, 0, 0, kl)
+        _flush_key_group(kc, keys, levels, no_pool, b, h, bh64, L, start, jb, thr, ithr, S, NSG, sparse.SPARSE, 0, 0,
+                         kl)
+
+
+@triton.jit
 def _append_key_flush_kernel(
     k_codes, k_scale, k_zero, k_res, key_ptr, lengths_ptr, counts_ptr, k_levels, k_sparse, k_sparse_idx,
     s_kb, s_kh, s_kn, s_kd,
@@ -147,30 +171,14 @@ def _append_key_flush_kernel(
     NB: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
     G: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, RR: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    """The key flush of a layer without a pool: one program per (b, h, key group, byte block)."""
-    kc = CacheSide(k_codes, k_scale, k_zero, k_res)
-    keys = NewRows(key_ptr, s_kb, s_kh, s_kn, s_kd)
-    levels = Levels(k_levels, None, HAS_LEVELS)
-    sparse = Sparse(k_sparse, k_sparse_idx, None, None, NKR, NK, 0, SPARSE)
-    kl = KeyLayout(D, None, None, NB, BITS, PER, BLOCK_B, G, R, R_P, RR)  # no OTT step: no D_P, DC
-    bh = tl.program_id(0)
-    b = bh // H
-    h = bh % H
-    bh64 = bh.to(tl.int64)
-    L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS)
-    nqk = (L // R) * R
-    nqk_end = ((L + c) // R) * R
-    start = nqk + tl.program_id(1) * G
-    if start < nqk_end:  # tokens of this group, all < nqk_end <= L + c
-        jb = tl.program_id(2) * BLOCK_B + tl.arange(0, BLOCK_B)
-        thr = tl.zeros((1, BLOCK_B, PER), tl.float32)
-        ithr = tl.zeros((1, BLOCK_B, PER), tl.int32)
-        no_pool = tl.full((1,), -1, tl.int32)
-        if SPARSE:  # every group of a window selects its outliers; the window's first group stores them
-            window_start = (start // R) * R
-            thr, ithr = key_window_outliers(k_res, keys, sparse, no_pool, b, h, bh64, L, window_start, jb,
-                                            start == window_start, 0, 0, kl)
-        _flush_key_group(kc, keys, levels, no_pool, b, h, bh64, L, start, jb, thr, ithr, S, NSG, SPARSE, 0, 0, kl)
+    """The key flush of a layer without a pool: one program per (b, h, key group, byte block).
+    The launched entry point: flat arguments (triton_args.py), grouped for _append_key_flush (no
+    OTT step: no D_P, DC)."""
+    _append_key_flush(
+        CacheSide(k_codes, k_scale, k_zero, k_res), NewRows(key_ptr, s_kb, s_kh, s_kn, s_kd), lengths_ptr, counts_ptr,
+        HAS_COUNTS, Levels(k_levels, None, HAS_LEVELS), Sparse(k_sparse, k_sparse_idx, None, None, NKR, NK, 0, SPARSE),
+        H, N, S, NSG, KeyLayout(D, None, None, NB, BITS, PER, BLOCK_B, G, R, R_P, RR),
+    )
 
 
 @triton.jit
@@ -362,6 +370,21 @@ def _append_decode_kernel(
 
 
 @triton.jit
+def _append_key_windows(kc, keys, v_res, values, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, levels, sparse,
+                        pool, H, N, S, NSG, kl):
+    """_append_key_windows_kernel's body, its arguments grouped (triton_args.py)."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS)
+    nqk = (L // kl.R) * kl.R
+    nqk_end = ((L + c) // kl.R) * kl.R
+    for window_start in range(nqk, nqk_end, kl.R):
+        _flush_key_window(kc, keys, v_res, values, levels, sparse, pool, b, h, bh.to(tl.int64), L, window_start, S,
+                          NSG, kl)
+
+
+@triton.jit
 def _append_key_windows_kernel(
     k_codes, k_scale, k_zero, k_res, key_ptr, v_res, value_ptr, lengths_ptr, counts_ptr, k_levels, k_sparse,
     k_sparse_idx, pool_k, pool_v, pool_pos, scratch,
@@ -373,23 +396,15 @@ def _append_key_windows_kernel(
     BLOCK_B: tl.constexpr, G: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, RR: tl.constexpr,
 ):
     """The key flush of a layer with a sink/OTT pool, one program per (b, h): the windows
-    [nqk, nqk_end) in order (each OTT step sees the pool the previous one left)."""
-    kc = CacheSide(k_codes, k_scale, k_zero, k_res)
-    keys = NewRows(key_ptr, s_kb, s_kh, s_kn, s_kd)
-    values = NewRows(value_ptr, s_vb, s_vh, s_vn, s_vd)
-    levels = Levels(k_levels, None, HAS_LEVELS)
-    sparse = Sparse(k_sparse, k_sparse_idx, None, None, NKR, NK, 0, SPARSE)
-    pool = OttPool(pool_k, pool_v, pool_pos, scratch, P, SINK, N_OUT, N_P, SP_P)
-    kl = KeyLayout(D, D_P, DC, NB, BITS, PER, BLOCK_B, G, R, R_P, RR)
-    bh = tl.program_id(0)
-    b = bh // H
-    h = bh % H
-    L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS)
-    nqk = (L // R) * R
-    nqk_end = ((L + c) // R) * R
-    for window_start in range(nqk, nqk_end, R):
-        _flush_key_window(kc, keys, v_res, values, levels, sparse, pool, b, h, bh.to(tl.int64), L, window_start, S,
-                          NSG, kl)
+    [nqk, nqk_end) in order (each OTT step sees the pool the previous one left). The launched
+    entry point: flat arguments (triton_args.py), grouped for _append_key_windows."""
+    _append_key_windows(
+        CacheSide(k_codes, k_scale, k_zero, k_res), NewRows(key_ptr, s_kb, s_kh, s_kn, s_kd), v_res,
+        NewRows(value_ptr, s_vb, s_vh, s_vn, s_vd), lengths_ptr, counts_ptr, HAS_COUNTS,
+        Levels(k_levels, None, HAS_LEVELS), Sparse(k_sparse, k_sparse_idx, None, None, NKR, NK, 0, SPARSE),
+        OttPool(pool_k, pool_v, pool_pos, scratch, P, SINK, N_OUT, N_P, SP_P), H, N, S, NSG,
+        KeyLayout(D, D_P, DC, NB, BITS, PER, BLOCK_B, G, R, R_P, RR),
+    )
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}

@@ -150,8 +150,8 @@ def option_args(t: LayerTensors, p: QuantParams, extras: Extras, *, writes: bool
     """The launch arguments of every cache option, by kernel parameter name (a launcher passes
     those its kernel takes: kernel_options). extras: the checked, contiguous extras
     (check_kernel_extras). Options that are off get dummy pointers and their flag False. writes:
-    the append, which writes the sparse store in place, so the layer's own buffers must be
-    contiguous (attention reads contiguous copies)."""
+    for the append, which writes the sparse store in place (so the layer's own buffers must be
+    contiguous; attention reads contiguous copies) and needs the OTT step's scratch."""
     dummy = t.k_scale
     has_levels, rope, sparse = extras.k_levels is not None, extras.rope_inv_freq is not None, extras.sparse
     args = dict(
@@ -186,8 +186,8 @@ def option_args(t: LayerTensors, p: QuantParams, extras: Extras, *, writes: bool
     pool_k, pool_v, pool_pos = pool
     B, H, _, D = t.k_res.shape
     P, sink, n_out = pool_pos.shape[-1], p.sink_tokens, p.outlier_tokens
-    # The OTT step keeps the old outlier rows here while it rewrites their slots.
-    scratch = pool_k.new_empty((B * H, n_out, 2, D)) if n_out else pool_k
+    # The append's OTT step keeps the old outlier rows here while it rewrites their slots.
+    scratch = pool_k.new_empty((B * H, n_out, 2, D)) if n_out and writes else pool_k
     args.update(pool_k=pool_k, pool_v=pool_v, pool_pos=pool_pos, scratch=scratch, P=P, HAS_POOL=True,
                 P_P=next_pow2(P), SINK=sink, N_OUT=n_out, N_P=next_pow2(max(n_out, 1)),
                 SP_P=next_pow2(max(P - sink - n_out, 1)))

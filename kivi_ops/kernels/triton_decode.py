@@ -260,27 +260,6 @@ def _decode_pool_tile(acc, accz, m_i, l_i, query, j0, bh64, pool, ROPE: tl.const
 
 
 @triton.jit
-def _decode_query(q_row, s_qd, qk_scale, rope, lay):
-    """(q2, q2_rot, freq): the query [K_PER, D // K_PER] in the key tiles' layout, scale * log2(e)
-    folded in. ROPE: also rot(q) = cat(-q[D/2:], q[:D/2]) (rope._rotate_half, read from the partner
-    channels) and the inv_freq of each channel; else q2 stands in for both (unused)."""
-    ik = tl.arange(0, lay.K_PER)
-    jk = tl.arange(0, lay.D // lay.K_PER)
-    ch_k = jk[None, :] * lay.K_PER + ik[:, None]
-    q2 = tl.load(q_row + ch_k.to(tl.int64) * s_qd).to(tl.float32)
-    q2 = q2 * qk_scale
-    if rope.ROPE:
-        partner = (ch_k + lay.D // 2) % lay.D
-        q2_rot = tl.load(q_row + partner.to(tl.int64) * s_qd).to(tl.float32) * qk_scale
-        q2_rot = tl.where(ch_k < lay.D // 2, -q2_rot, q2_rot)
-        freq = tl.load(rope.inv_freq + ch_k % (lay.D // 2))
-    else:
-        q2_rot = q2  # unused
-        freq = q2  # unused
-    return q2, q2_rot, freq
-
-
-@triton.jit
 def _attend_decode(
     q_ptr, s_qb, s_qh, s_qd, cache, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, pool, levels, rope, sparse,
     workspace, out_ptr, H, HQ, S, NSG, qk_scale, lay, EMULATE_RTNE: tl.constexpr,
@@ -294,8 +273,23 @@ def _attend_decode(
     L = tl.load(lengths_ptr + b).to(tl.int32)
     nqk = (L // lay.R) * lay.R
     nqv = tl.maximum(L - lay.R, 0)
+    # The query [K_PER, D // K_PER] in the key tiles' layout, scale * log2(e) folded in.
+    ik = tl.arange(0, lay.K_PER)
+    jk = tl.arange(0, lay.D // lay.K_PER)
+    ch_k = jk[None, :] * lay.K_PER + ik[:, None]
     q_row = q_ptr + b.to(tl.int64) * s_qb + hq.to(tl.int64) * s_qh
-    query = _decode_query(q_row, s_qd, qk_scale, rope, lay)
+    q2 = tl.load(q_row + ch_k.to(tl.int64) * s_qd).to(tl.float32)
+    q2 = q2 * qk_scale
+    if rope.ROPE:
+        # rot(q) = cat(-q[D/2:], q[:D/2]) (rope._rotate_half), read from the partner channels
+        partner = (ch_k + lay.D // 2) % lay.D
+        q2_rot = tl.load(q_row + partner.to(tl.int64) * s_qd).to(tl.float32) * qk_scale
+        q2_rot = tl.where(ch_k < lay.D // 2, -q2_rot, q2_rot)
+        freq = tl.load(rope.inv_freq + ch_k % (lay.D // 2))
+    else:
+        q2_rot = q2  # unused
+        freq = q2  # unused
+    query = (q2, q2_rot, freq)
 
     split_len = tl.cdiv(tl.cdiv(L, lay.NUM_SPLITS), lay.BLOCK_N) * lay.BLOCK_N
     lo = sp * split_len

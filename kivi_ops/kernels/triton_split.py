@@ -305,26 +305,6 @@ def _attend_pool_tile(acc, m_i, l_i, query, j0, pos, row_ok, bh64, qk_scale, poo
 
 
 @triton.jit
-def _split_query(q_ptr, q_row, s_qd, rmask, q_dt, rope, lay):
-    """(q, q_hi, freq): the query rows [BLOCK_M, D_P] in q_dt, the products' dtype. ROPE: pre-RoPE keys
-    are rotated in halves (_rope_qk), so q and q_hi are the query's two halves [BLOCK_M, HD_P] and
-    freq the frequencies, loaded once per program; else q_hi and freq are unused."""
-    if rope.ROPE:
-        c = tl.arange(0, lay.HD_P)
-        hm = rmask[:, None] & (c < lay.HD)[None, :]
-        q = tl.load(q_ptr + q_row + c.to(tl.int64)[None, :] * s_qd, mask=hm, other=0.0).to(q_dt)
-        q_hi = tl.load(q_ptr + q_row + (lay.HD + c).to(tl.int64)[None, :] * s_qd, mask=hm, other=0.0).to(q_dt)
-        freq = tl.load(rope.inv_freq + c, mask=c < lay.HD, other=0.0)
-    else:
-        d = tl.arange(0, lay.D_P)
-        q = tl.load(q_ptr + q_row + d.to(tl.int64)[None, :] * s_qd, mask=rmask[:, None] & (d < lay.D)[None, :],
-                    other=0.0).to(q_dt)
-        q_hi = q  # unused
-        freq = tl.zeros([lay.HD_P], tl.float32)  # unused
-    return q, q_hi, freq
-
-
-@triton.jit
 def _attend_split(
     q_ptr, s_qb, s_qh, s_qm, s_qd, cache, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, pool, levels, rope,
     sparse, workspace, out_ptr, H, S, NSG, Q_LEN, M, M_PAD, qk_scale, lay, prod,
@@ -354,7 +334,20 @@ def _attend_split(
     dmask = d < lay.D
     q_row = b.to(tl.int64) * s_qb + (h * lay.QG + gq).to(tl.int64)[:, None] * s_qh + iq.to(tl.int64)[:, None] * s_qm
     q_dt = tl.float32 if prod.DOT_F32 else cache.k_res.dtype.element_ty
-    query = _split_query(q_ptr, q_row, s_qd, rmask, q_dt, rope, lay)
+    if rope.ROPE:
+        # Pre-RoPE keys are rotated in halves (_rope_qk): the query as its two halves too, and the
+        # frequencies once per program.
+        c = tl.arange(0, lay.HD_P)
+        hm = rmask[:, None] & (c < lay.HD)[None, :]
+        q = tl.load(q_ptr + q_row + c.to(tl.int64)[None, :] * s_qd, mask=hm, other=0.0).to(q_dt)
+        q_hi = tl.load(q_ptr + q_row + (lay.HD + c).to(tl.int64)[None, :] * s_qd, mask=hm, other=0.0).to(q_dt)
+        freq = tl.load(rope.inv_freq + c, mask=c < lay.HD, other=0.0)
+    else:
+        q = tl.load(q_ptr + q_row + d.to(tl.int64)[None, :] * s_qd, mask=rmask[:, None] & dmask[None, :],
+                    other=0.0).to(q_dt)
+        q_hi = q  # unused
+        freq = tl.zeros([lay.HD_P], tl.float32)  # unused
+    query = (q, q_hi, freq)
 
     # This split's token range, cut from the sequence's own length (balanced for any L) in
     # whole BLOCK_N tiles, so every tile starts at a multiple of BLOCK_N.
