@@ -4,7 +4,9 @@ torch.compile / torch.export trace a launch through torch.library.wrap_triton, a
 only sees top-level tensor and scalar arguments: a tuple of tensors would be stored as a constant
 and its writes missed. So every launched kernel keeps a flat argument list, and its first act is
 to group that list into the named tuples below and hand them to one @triton.jit body. Between
-jit functions the tuples are free (Triton flattens them again): same IR, same code.
+jit functions the tuples are free (Triton flattens them again): same IR, same code. Pass a
+group as a call argument and read its constexprs as fields (lay.D); assigning a group to a local
+(x = Layout(...), or unpacking it) turns its constexprs into tensors.
 
 Each option is one tuple with its constexpr flag inside. An option that is off gets dummy
 pointers (a buffer of the layer the kernel never reads) and its flag False, so the kernel
