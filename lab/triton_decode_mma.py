@@ -251,7 +251,7 @@ def attend_decode_mma(
     attend_reference (module doc); anything else is a ValueError naming what to use instead.
     num_splits / block_n / num_warps / num_stages / magic override the static choices (tests,
     tuning; magic=True converts codes by the magic-number trick, fp16/bf16 caches only)."""
-    (B, H, S, D, R, RR, G, gv), _, _, _, out = attend_setup(query, t, p)
+    (B, H, S, D, R, RR, G, gv), _, out = attend_setup(query, t, p)
     Hq, q_len = query.shape[1], query.shape[2]
     if q_len != 1:
         raise ValueError(f"attend_decode_mma takes one query per row (q_len == 1), got q_len={q_len}")

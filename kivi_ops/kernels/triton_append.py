@@ -44,11 +44,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..extras import key_outliers_per_window
 from ..layout import LayerTensors, QuantParams
 from ..packing import codes_per_byte
 from .triton_append_options import (excluded, is_pooled, key_window_outliers, load_rows, ott_step,
                                     value_token_outliers, write_sinks)
+from .triton_args import (CacheSide, KeyLayout, Levels, NewRows, OttPool, Sparse, ValueLayout, kernel_options,
+                          option_args)
 from .triton_attend import check_cache, check_kernel_extras
 from .triton_quant import device_ctx, next_pow2, nuq_codes, pack_codes, quant_codes, scale_zero_stored
 
@@ -86,145 +87,140 @@ def _minmax_kept(x, excl, AXIS: tl.constexpr):
 
 @triton.jit
 def _flush_key_group(
-    k_codes, k_scale, k_zero, k_res, key_ptr, k_levels, entrants, b, h, bh64, L, start, jb, thr, ithr,
-    s_kb, s_kh, s_kn, s_kd, S, NSG,
-    HAS_LEVELS: tl.constexpr, SPARSE: tl.constexpr, SINK: tl.constexpr, N_OUT: tl.constexpr, D: tl.constexpr,
-    NB: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, G: tl.constexpr, R: tl.constexpr, RR: tl.constexpr,
+    kc, keys, levels, entrants, b, h, bh64, L, start, jb, thr, ithr, S, NSG,
+    SPARSE: tl.constexpr, SINK: tl.constexpr, N_OUT: tl.constexpr, kl,
 ):
-    """Quantize key tokens [start, start + G) (one group, from k_res below L, else from key)
+    """Quantize key tokens [start, start + G) (one group, from k_res below L, else from keys)
     per channel, for the packed bytes jb [BLOCK_B], and write codes, scale and zero. Out of the
     min/max: with SPARSE the window's outliers (thr, ithr from key_window_outliers), with a pool
-    the sinks and the window's new outliers (entrants)."""
-    u = start + tl.arange(0, G)
-    ii = tl.arange(0, PER)
-    ch = (jb[:, None] * PER + ii[None, :])[None, :, :]  # [1, BLOCK_B, PER]
-    cmask = ((jb < NB)[:, None] & (ii < PER)[None, :])[None, :, :]
-    x = load_rows(k_res, key_ptr, b, h, bh64, L, u[:, None, None], ch, cmask, s_kb, s_kh, s_kn, s_kd, D, R, RR)
+    the sinks and the window's new outliers (entrants). kc: the key side (CacheSide); kl: KeyLayout."""
+    u = start + tl.arange(0, kl.G)
+    ii = tl.arange(0, kl.PER)
+    ch = (jb[:, None] * kl.PER + ii[None, :])[None, :, :]  # [1, BLOCK_B, PER]
+    cmask = ((jb < kl.NB)[:, None] & (ii < kl.PER)[None, :])[None, :, :]
+    x = load_rows(kc.res, keys, b, h, bh64, L, u[:, None, None], ch, cmask, kl.D, kl.R, kl.RR)
     if SPARSE or SINK + N_OUT > 0:
         excl = tl.zeros(x.shape, tl.int1)
         if SPARSE:
-            excl = excluded(x, (u % R)[:, None, None], thr, ithr)
+            excl = excluded(x, (u % kl.R)[:, None, None], thr, ithr)
         if SINK + N_OUT > 0:
             excl = excl | is_pooled(u, entrants, SINK, N_OUT)[:, None, None]
         mn, mx = _minmax_kept(x, excl, 0)
     else:
         mn, mx = tl.min(x, axis=0), tl.max(x, axis=0)
-    scale, zero = scale_zero_stored(mn, mx, (1 << BITS) - 1, k_scale.dtype.element_ty)
-    srow = (bh64 * NSG + start // G) * D
-    tl.store(k_scale + srow + ch, scale[None, :, :], mask=cmask)
-    tl.store(k_zero + srow + ch, zero[None, :, :], mask=cmask)
-    q = _quantize(x, scale.to(tl.float32)[None, :, :], zero.to(tl.float32)[None, :, :], k_levels, BITS, HAS_LEVELS)
-    packed = pack_codes(q, BITS, PER)  # [G, BLOCK_B]
-    tl.store(k_codes + (bh64 * S + u[:, None]) * NB + jb[None, :], packed, mask=(jb < NB)[None, :])
+    scale, zero = scale_zero_stored(mn, mx, (1 << kl.BITS) - 1, kc.scale.dtype.element_ty)
+    srow = (bh64 * NSG + start // kl.G) * kl.D
+    tl.store(kc.scale + srow + ch, scale[None, :, :], mask=cmask)
+    tl.store(kc.zero + srow + ch, zero[None, :, :], mask=cmask)
+    q = _quantize(x, scale.to(tl.float32)[None, :, :], zero.to(tl.float32)[None, :, :], levels.k_levels, kl.BITS,
+                  levels.HAS_LEVELS)
+    packed = pack_codes(q, kl.BITS, kl.PER)  # [G, BLOCK_B]
+    tl.store(kc.codes + (bh64 * S + u[:, None]) * kl.NB + jb[None, :], packed, mask=(jb < kl.NB)[None, :])
 
 
 @triton.jit
-def _flush_key_window(
-    k_codes, k_scale, k_zero, k_res, key_ptr, v_res, value_ptr, k_levels, k_sparse, k_sparse_idx,
-    pool_k, pool_v, pool_pos, scratch, b, h, bh64, L, window_start, P,
-    s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd, S, NSG, KS_ROWS,
-    HAS_LEVELS: tl.constexpr, SPARSE: tl.constexpr, NK: tl.constexpr, SINK: tl.constexpr, N_OUT: tl.constexpr,
-    N_P: tl.constexpr, SP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, DC: tl.constexpr, NB: tl.constexpr,
-    BITS: tl.constexpr, PER: tl.constexpr, BLOCK_B: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
-    R_P: tl.constexpr, RR: tl.constexpr,
-):
+def _flush_key_window(kc, keys, v_res, values, levels, sparse, pool, b, h, bh64, L, window_start, S, NSG, kl):
     """Quantize the whole key window [window_start, window_start + R) of one (sequence, kv head),
     every option included, in the reference's order: the OTT step (N_OUT > 0), the sparse store's
-    outliers (SPARSE, pooled tokens last), then the R / G groups."""
-    entrants = tl.full((N_P,), -1, tl.int32)
-    if N_OUT > 0:
-        entrants = ott_step(pool_k, pool_v, pool_pos, scratch, k_res, key_ptr, v_res, value_ptr, b, h, bh64, L,
-                            window_start, P, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-                            D, D_P, DC, R, R_P, RR, SINK, N_OUT, N_P, SP_P)
-    for jb0 in range(0, NB, BLOCK_B):
-        jb = jb0 + tl.arange(0, BLOCK_B)
-        thr = tl.zeros((1, BLOCK_B, PER), tl.float32)
-        ithr = tl.zeros((1, BLOCK_B, PER), tl.int32)
-        if SPARSE:
-            thr, ithr = key_window_outliers(k_res, key_ptr, k_sparse, k_sparse_idx, entrants, b, h, bh64, L,
-                                            window_start, jb, True, s_kb, s_kh, s_kn, s_kd, KS_ROWS, D, NB, PER,
-                                            R, R_P, RR, NK, SINK, N_OUT)
-        for g in range(R // G):
-            _flush_key_group(k_codes, k_scale, k_zero, k_res, key_ptr, k_levels, entrants, b, h, bh64, L,
-                             window_start + g * G, jb, thr, ithr, s_kb, s_kh, s_kn, s_kd, S, NSG, HAS_LEVELS, SPARSE,
-                             SINK, N_OUT, D, NB, BITS, PER, G, R, RR)
+    outliers (SPARSE, pooled tokens last), then the R / G groups. pool: triton_args.OttPool."""
+    entrants = tl.full((pool.N_P,), -1, tl.int32)
+    if pool.N_OUT > 0:
+        entrants = ott_step(pool, kc.res, keys, v_res, values, b, h, bh64, L, window_start, kl)
+    for jb0 in range(0, kl.NB, kl.BLOCK_B):
+        jb = jb0 + tl.arange(0, kl.BLOCK_B)
+        thr = tl.zeros((1, kl.BLOCK_B, kl.PER), tl.float32)
+        ithr = tl.zeros((1, kl.BLOCK_B, kl.PER), tl.int32)
+        if sparse.SPARSE:
+            thr, ithr = key_window_outliers(kc.res, keys, sparse, entrants, b, h, bh64, L, window_start, jb, True,
+                                            pool.SINK, pool.N_OUT, kl)
+        for g in range(kl.R // kl.G):
+            _flush_key_group(kc, keys, levels, entrants, b, h, bh64, L, window_start + g * kl.G, jb, thr, ithr, S,
+                             NSG, sparse.SPARSE, pool.SINK, pool.N_OUT, kl)
+
+
+@triton.jit
+def _append_key_flush(kc, keys, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, levels, sparse, H, N, S, NSG, kl):
+    """_append_key_flush_kernel's body, its arguments grouped (triton_args.py)."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS)
+    nqk = (L // kl.R) * kl.R
+    nqk_end = ((L + c) // kl.R) * kl.R
+    start = nqk + tl.program_id(1) * kl.G
+    if start < nqk_end:  # tokens of this group, all < nqk_end <= L + c
+        jb = tl.program_id(2) * kl.BLOCK_B + tl.arange(0, kl.BLOCK_B)
+        thr = tl.zeros((1, kl.BLOCK_B, kl.PER), tl.float32)
+        ithr = tl.zeros((1, kl.BLOCK_B, kl.PER), tl.int32)
+        no_pool = tl.full((1,), -1, tl.int32)
+        if sparse.SPARSE:  # every group of a window selects its outliers; the window's first group stores them
+            window_start = (start // kl.R) * kl.R
+            thr, ithr = key_window_outliers(kc.res, keys, sparse, no_pool, b, h, bh64, L, window_start, jb,
+                                            start == window_start, 0, 0, kl)
+        _flush_key_group(kc, keys, levels, no_pool, b, h, bh64, L, start, jb, thr, ithr, S, NSG, sparse.SPARSE, 0, 0,
+                         kl)
 
 
 @triton.jit
 def _append_key_flush_kernel(
     k_codes, k_scale, k_zero, k_res, key_ptr, lengths_ptr, counts_ptr, k_levels, k_sparse, k_sparse_idx,
     s_kb, s_kh, s_kn, s_kd,
-    H, N, S, NSG, KS_ROWS,
+    H, N, S, NSG, NKR,
     HAS_COUNTS: tl.constexpr, HAS_LEVELS: tl.constexpr, SPARSE: tl.constexpr, NK: tl.constexpr, D: tl.constexpr,
     NB: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
     G: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, RR: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    b = bh // H
-    h = bh % H
-    bh64 = bh.to(tl.int64)
-    L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS)
-    nqk = (L // R) * R
-    nqk_end = ((L + c) // R) * R
-    start = nqk + tl.program_id(1) * G
-    if start < nqk_end:  # tokens of this group, all < nqk_end <= L + c
-        jb = tl.program_id(2) * BLOCK_B + tl.arange(0, BLOCK_B)
-        thr = tl.zeros((1, BLOCK_B, PER), tl.float32)
-        ithr = tl.zeros((1, BLOCK_B, PER), tl.int32)
-        no_pool = tl.full((1,), -1, tl.int32)
-        if SPARSE:  # every group of a window selects its outliers; the window's first group stores them
-            window_start = (start // R) * R
-            thr, ithr = key_window_outliers(k_res, key_ptr, k_sparse, k_sparse_idx, no_pool, b, h, bh64, L,
-                                            window_start, jb, start == window_start, s_kb, s_kh, s_kn, s_kd, KS_ROWS,
-                                            D, NB, PER, R, R_P, RR, NK, 0, 0)
-        _flush_key_group(k_codes, k_scale, k_zero, k_res, key_ptr, k_levels, no_pool, b, h, bh64, L, start, jb, thr,
-                         ithr, s_kb, s_kh, s_kn, s_kd, S, NSG, HAS_LEVELS, SPARSE, 0, 0, D, NB, BITS, PER, G, R, RR)
+    """The key flush of a layer without a pool: one program per (b, h, key group, byte block).
+    The launched entry point: flat arguments (triton_args.py), grouped for _append_key_flush (no
+    OTT step: no D_P, DC)."""
+    _append_key_flush(
+        CacheSide(k_codes, k_scale, k_zero, k_res), NewRows(key_ptr, s_kb, s_kh, s_kn, s_kd), lengths_ptr, counts_ptr,
+        HAS_COUNTS, Levels(k_levels, None, HAS_LEVELS), Sparse(k_sparse, k_sparse_idx, None, None, NKR, NK, 0, SPARSE),
+        H, N, S, NSG, KeyLayout(D, None, None, NB, BITS, PER, BLOCK_B, G, R, R_P, RR),
+    )
 
 
 @triton.jit
-def _flush_value_tokens(
-    v_codes, v_scale, v_zero, v_res, value_ptr, v_levels, v_sparse, v_sparse_idx, b, h, bh64, L, u, active,
-    s_vb, s_vh, s_vn, s_vd, S,
-    HAS_LEVELS: tl.constexpr, SPARSE: tl.constexpr, NV: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
-    NB: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
-    PER: tl.constexpr, GV: tl.constexpr, GB_P: tl.constexpr, R: tl.constexpr, RR: tl.constexpr,
-):
-    """Quantize value tokens u [BLOCK_T] (where active; from v_res below L, else from value) per
+def _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, active, S, vl):
+    """Quantize value tokens u [BLOCK_T] (where active; from v_res below L, else from values) per
     token, and write codes, scales and zeros to their rows u. SPARSE: each token's NV outliers go
-    to the sparse store and stay out of their group's min/max."""
+    to the sparse store and stay out of their group's min/max. vc: the value side (CacheSide);
+    vl: ValueLayout."""
     from_res = (u < L)[:, None, None]
-    jb = tl.arange(0, GB_P)
-    ii = tl.arange(0, PER)
-    m = active[:, None, None] & (jb < GV // PER)[None, :, None] & (ii < PER)[None, None, :]
-    res_row = (bh64 * RR + (u % R)[:, None, None]) * D
-    new_row = (b.to(tl.int64) * s_vb + h.to(tl.int64) * s_vh + (u - L).to(tl.int64)[:, None, None] * s_vn)
+    jb = tl.arange(0, vl.GB_P)
+    ii = tl.arange(0, vl.PER)
+    m = active[:, None, None] & (jb < vl.GV // vl.PER)[None, :, None] & (ii < vl.PER)[None, None, :]
+    res_row = (bh64 * vl.RR + (u % vl.R)[:, None, None]) * vl.D
+    new_row = (b.to(tl.int64) * values.s_b + h.to(tl.int64) * values.s_h
+               + (u - L).to(tl.int64)[:, None, None] * values.s_n)
     thr = tl.zeros_like(u).to(tl.float32)
     ithr = tl.zeros_like(u)
-    if SPARSE:
-        thr, ithr = value_token_outliers(v_res, value_ptr, v_sparse, v_sparse_idx, b, h, bh64, L, u, active,
-                                         s_vb, s_vh, s_vn, s_vd, S, D, D_P, R, RR, NV)
-    for g in range(NG):
-        ch = (g * GV + jb[:, None] * PER + ii[None, :])[None, :, :]
-        x_res = tl.load(v_res + res_row + ch, mask=m & from_res, other=0.0)
-        x_new = tl.load(value_ptr + new_row + ch.to(tl.int64) * s_vd, mask=m & (~from_res), other=0.0)
+    if sparse.SPARSE:
+        thr, ithr = value_token_outliers(vc.res, values, sparse.v_sparse, sparse.v_sparse_idx, b, h, bh64, L, u,
+                                         active, S, vl.D, vl.D_P, vl.R, vl.RR, sparse.NV)
+    for g in range(vl.NG):
+        ch = (g * vl.GV + jb[:, None] * vl.PER + ii[None, :])[None, :, :]
+        x_res = tl.load(vc.res + res_row + ch, mask=m & from_res, other=0.0)
+        x_new = tl.load(values.ptr + new_row + ch.to(tl.int64) * values.s_d, mask=m & (~from_res), other=0.0)
         x = tl.where(from_res, x_res, x_new).to(tl.float32)
         excl = ~m
-        if SPARSE:
+        if sparse.SPARSE:
             excl = excl | excluded(x, ch, thr[:, None, None], ithr[:, None, None])
         mn = tl.min(tl.min(tl.where(excl, float("inf"), x), axis=2), axis=1)
         mx = tl.max(tl.max(tl.where(excl, float("-inf"), x), axis=2), axis=1)
         empty = mn > mx  # inactive tokens, or every entry an outlier: 0, 0 as in the reference
         mn = tl.where(empty, 0.0, mn)
         mx = tl.where(empty, 0.0, mx)
-        scale, zero = scale_zero_stored(mn, mx, (1 << BITS) - 1, v_scale.dtype.element_ty)
-        srow = (bh64 * S + u) * NG + g
-        tl.store(v_scale + srow, scale, mask=active)
-        tl.store(v_zero + srow, zero, mask=active)
-        q = _quantize(x, scale.to(tl.float32)[:, None, None], zero.to(tl.float32)[:, None, None], v_levels,
-                      BITS, HAS_LEVELS)
-        packed = pack_codes(q, BITS, PER)  # [BLOCK_T, GB_P]
-        tl.store(v_codes + (bh64 * S + u[:, None]) * NB + g * (GV // PER) + jb[None, :], packed,
-                 mask=active[:, None] & (jb < GV // PER)[None, :])
+        scale, zero = scale_zero_stored(mn, mx, (1 << vl.BITS) - 1, vc.scale.dtype.element_ty)
+        srow = (bh64 * S + u) * vl.NG + g
+        tl.store(vc.scale + srow, scale, mask=active)
+        tl.store(vc.zero + srow, zero, mask=active)
+        q = _quantize(x, scale.to(tl.float32)[:, None, None], zero.to(tl.float32)[:, None, None], levels.v_levels,
+                      vl.BITS, levels.HAS_LEVELS)
+        packed = pack_codes(q, vl.BITS, vl.PER)  # [BLOCK_T, GB_P]
+        tl.store(vc.codes + (bh64 * S + u[:, None]) * vl.NB + g * (vl.GV // vl.PER) + jb[None, :], packed,
+                 mask=active[:, None] & (jb < vl.GV // vl.PER)[None, :])
 
 
 @triton.jit
@@ -236,6 +232,7 @@ def _append_value_flush_kernel(
     D_P: tl.constexpr, NB: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
     PER: tl.constexpr, GV: tl.constexpr, GB_P: tl.constexpr, R: tl.constexpr, RR: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
+    """The value flush: one program per (b, h, BLOCK_T of the tokens leaving the value window)."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -245,9 +242,10 @@ def _append_value_flush_kernel(
     first = q0 + tl.program_id(1) * BLOCK_T
     if first < q1:
         u = first + tl.arange(0, BLOCK_T)
-        _flush_value_tokens(v_codes, v_scale, v_zero, v_res, value_ptr, v_levels, v_sparse, v_sparse_idx, b, h,
-                            bh.to(tl.int64), L, u, u < q1, s_vb, s_vh, s_vn, s_vd, S, HAS_LEVELS, SPARSE, NV, D, D_P,
-                            NB, NG, BITS, PER, GV, GB_P, R, RR)
+        _flush_value_tokens(CacheSide(v_codes, v_scale, v_zero, v_res), NewRows(value_ptr, s_vb, s_vh, s_vn, s_vd),
+                            Levels(None, v_levels, HAS_LEVELS),
+                            Sparse(None, None, v_sparse, v_sparse_idx, 0, 0, NV, SPARSE), b, h, bh.to(tl.int64), L, u,
+                            u < q1, S, ValueLayout(D, D_P, NB, NG, BITS, PER, GV, GB_P, R, RR))
 
 
 @triton.jit
@@ -258,6 +256,8 @@ def _append_residual_kernel(
     HAS_COUNTS: tl.constexpr, SINK: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, R: tl.constexpr,
     RR: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
+    """New tokens that stay full precision to their residual slots (and sinks to the pool): one
+    program per (b, h, BLOCK_T new tokens)."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -278,8 +278,8 @@ def _append_residual_kernel(
     xv = tl.load(value_ptr + b.to(tl.int64) * s_vb + h.to(tl.int64) * s_vh + i64 * s_vn + d64 * s_vd, mask=v_keep)
     tl.store(v_res + slot, xv, mask=v_keep)
     if SINK > 0:  # new tokens at positions below SINK also take their pool slots
-        write_sinks(pool_k, pool_v, pool_pos, key_ptr, value_ptr, b, h, bh.to(tl.int64), L, u, valid, P,
-                    s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd, D, D_P, SINK)
+        write_sinks(pool_k, pool_v, pool_pos, P, NewRows(key_ptr, s_kb, s_kh, s_kn, s_kd),
+                    NewRows(value_ptr, s_vb, s_vh, s_vn, s_vd), b, h, bh.to(tl.int64), L, u, valid, D, D_P, SINK)
 
 
 @triton.jit
@@ -297,12 +297,50 @@ def _append_lengths_kernel(lengths_ptr, counts_ptr, B, N, S, HAS_COUNTS: tl.cons
 
 
 @triton.jit
+def _append_decode(
+    kc, vc, keys, values, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, levels, sparse, pool, arrivals_ptr,
+    H, S, NSG, kl, vl,
+):
+    """_append_decode_kernel's body, its arguments grouped (triton_args.py)."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, 1, S, HAS_COUNTS)
+    if c > 0:
+        d = tl.arange(0, kl.D_P)
+        dm = d < kl.D
+        if pool.SINK > 0:
+            if L < pool.SINK:
+                write_sinks(pool.pool_k, pool.pool_v, pool.pool_pos, pool.P, keys, values, b, h, bh64, L,
+                            L + tl.arange(0, 1), L + tl.arange(0, 1) >= 0, kl.D, kl.D_P, pool.SINK)
+        if L >= kl.R:  # token L - R leaves the value window
+            u = L - kl.R + tl.arange(0, 1)
+            _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, u >= 0, S, vl)
+            tl.debug_barrier()  # every thread has read the slot before it is overwritten
+        v = tl.load(values.ptr + b.to(tl.int64) * values.s_b + h.to(tl.int64) * values.s_h + d * values.s_d, mask=dm)
+        tl.store(vc.res + (bh64 * kl.RR + L % kl.R) * kl.D + d, v, mask=dm)
+        nqk = (L // kl.R) * kl.R
+        if L + 1 - nqk == kl.R:
+            if pool.N_OUT > 0:
+                tl.debug_barrier()  # the OTT step reads the window's values, the new one included
+            _flush_key_window(kc, keys, vc.res, values, levels, sparse, pool, b, h, bh64, L, nqk, S, NSG, kl)
+        else:
+            k = tl.load(keys.ptr + b.to(tl.int64) * keys.s_b + h.to(tl.int64) * keys.s_h + d * keys.s_d, mask=dm)
+            tl.store(kc.res + (bh64 * kl.RR + L - nqk) * kl.D + d, k, mask=dm)
+    arrived = tl.atomic_add(arrivals_ptr + b, 1, sem="acq_rel")
+    if arrived == H - 1:
+        tl.store(lengths_ptr + b, (L + c).to(lengths_ptr.dtype.element_ty))
+        tl.store(arrivals_ptr + b, 0)
+
+
+@triton.jit
 def _append_decode_kernel(
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, key_ptr, value_ptr, lengths_ptr, counts_ptr,
     k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, pool_k, pool_v, pool_pos, scratch,
     arrivals_ptr,
     s_kb, s_kh, s_kd, s_vb, s_vh, s_vd,
-    H, S, NSG, KS_ROWS, P,
+    H, S, NSG, NKR, P,
     HAS_COUNTS: tl.constexpr, HAS_LEVELS: tl.constexpr, SPARSE: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
     SINK: tl.constexpr, N_OUT: tl.constexpr, N_P: tl.constexpr, SP_P: tl.constexpr,
     D: tl.constexpr, D_P: tl.constexpr, DC: tl.constexpr,
@@ -317,42 +355,33 @@ def _append_decode_kernel(
     position below SINK also takes its pool slot; the window flush runs the OTT step and keeps the
     sparse store's outliers (_flush_key_window); the value flush keeps the value outliers. The
     last of row b's H programs to arrive (an acq_rel atomic on arrivals[b], which it resets to 0)
-    updates lengths: every other program of the row has read it by then."""
+    updates lengths: every other program of the row has read it by then.
+    The launched entry point: flat arguments (triton_args.py), grouped for _append_decode; one
+    token, so the token strides are 0."""
+    _append_decode(
+        CacheSide(k_codes, k_scale, k_zero, k_res), CacheSide(v_codes, v_scale, v_zero, v_res),
+        NewRows(key_ptr, s_kb, s_kh, 0, s_kd), NewRows(value_ptr, s_vb, s_vh, 0, s_vd), lengths_ptr, counts_ptr,
+        HAS_COUNTS, Levels(k_levels, v_levels, HAS_LEVELS),
+        Sparse(k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR, NK, NV, SPARSE),
+        OttPool(pool_k, pool_v, pool_pos, scratch, P, SINK, N_OUT, N_P, SP_P), arrivals_ptr, H, S, NSG,
+        KeyLayout(D, D_P, DC, K_NB, K_BITS, K_PER, BLOCK_B, G, R, R_P, RR),
+        ValueLayout(D, D_P, V_NB, V_NG, V_BITS, V_PER, GV, GB_P, R, RR),
+    )
+
+
+@triton.jit
+def _append_key_windows(kc, keys, v_res, values, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, levels, sparse,
+                        pool, H, N, S, NSG, kl):
+    """_append_key_windows_kernel's body, its arguments grouped (triton_args.py)."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
-    bh64 = bh.to(tl.int64)
-    L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, 1, S, HAS_COUNTS)
-    if c > 0:
-        d = tl.arange(0, D_P)
-        dm = d < D
-        if SINK > 0:
-            if L < SINK:
-                write_sinks(pool_k, pool_v, pool_pos, key_ptr, value_ptr, b, h, bh64, L, L + tl.arange(0, 1),
-                            L + tl.arange(0, 1) >= 0, P, s_kb, s_kh, 0, s_kd, s_vb, s_vh, 0, s_vd, D, D_P, SINK)
-        if L >= R:  # token L - R leaves the value window
-            u = L - R + tl.arange(0, 1)
-            _flush_value_tokens(v_codes, v_scale, v_zero, v_res, value_ptr, v_levels, v_sparse, v_sparse_idx, b, h,
-                                bh64, L, u, u >= 0, s_vb, s_vh, 0, s_vd, S, HAS_LEVELS, SPARSE, NV, D, D_P, V_NB,
-                                V_NG, V_BITS, V_PER, GV, GB_P, R, RR)
-            tl.debug_barrier()  # every thread has read the slot before it is overwritten
-        v = tl.load(value_ptr + b.to(tl.int64) * s_vb + h.to(tl.int64) * s_vh + d * s_vd, mask=dm)
-        tl.store(v_res + (bh64 * RR + L % R) * D + d, v, mask=dm)
-        nqk = (L // R) * R
-        if L + 1 - nqk == R:
-            if N_OUT > 0:
-                tl.debug_barrier()  # the OTT step reads the window's values, the new one included
-            _flush_key_window(k_codes, k_scale, k_zero, k_res, key_ptr, v_res, value_ptr, k_levels, k_sparse,
-                              k_sparse_idx, pool_k, pool_v, pool_pos, scratch, b, h, bh64, L, nqk, P,
-                              s_kb, s_kh, 0, s_kd, s_vb, s_vh, 0, s_vd, S, NSG, KS_ROWS, HAS_LEVELS, SPARSE, NK, SINK,
-                              N_OUT, N_P, SP_P, D, D_P, DC, K_NB, K_BITS, K_PER, BLOCK_B, G, R, R_P, RR)
-        else:
-            k = tl.load(key_ptr + b.to(tl.int64) * s_kb + h.to(tl.int64) * s_kh + d * s_kd, mask=dm)
-            tl.store(k_res + (bh64 * RR + L - nqk) * D + d, k, mask=dm)
-    arrived = tl.atomic_add(arrivals_ptr + b, 1, sem="acq_rel")
-    if arrived == H - 1:
-        tl.store(lengths_ptr + b, (L + c).to(lengths_ptr.dtype.element_ty))
-        tl.store(arrivals_ptr + b, 0)
+    L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS)
+    nqk = (L // kl.R) * kl.R
+    nqk_end = ((L + c) // kl.R) * kl.R
+    for window_start in range(nqk, nqk_end, kl.R):
+        _flush_key_window(kc, keys, v_res, values, levels, sparse, pool, b, h, bh.to(tl.int64), L, window_start, S,
+                          NSG, kl)
 
 
 @triton.jit
@@ -360,25 +389,22 @@ def _append_key_windows_kernel(
     k_codes, k_scale, k_zero, k_res, key_ptr, v_res, value_ptr, lengths_ptr, counts_ptr, k_levels, k_sparse,
     k_sparse_idx, pool_k, pool_v, pool_pos, scratch,
     s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-    H, N, S, NSG, KS_ROWS, P,
+    H, N, S, NSG, NKR, P,
     HAS_COUNTS: tl.constexpr, HAS_LEVELS: tl.constexpr, SPARSE: tl.constexpr, NK: tl.constexpr,
     SINK: tl.constexpr, N_OUT: tl.constexpr, N_P: tl.constexpr, SP_P: tl.constexpr,
     D: tl.constexpr, D_P: tl.constexpr, DC: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
     BLOCK_B: tl.constexpr, G: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, RR: tl.constexpr,
 ):
     """The key flush of a layer with a sink/OTT pool, one program per (b, h): the windows
-    [nqk, nqk_end) in order (each OTT step sees the pool the previous one left)."""
-    bh = tl.program_id(0)
-    b = bh // H
-    h = bh % H
-    L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS)
-    nqk = (L // R) * R
-    nqk_end = ((L + c) // R) * R
-    for window_start in range(nqk, nqk_end, R):
-        _flush_key_window(k_codes, k_scale, k_zero, k_res, key_ptr, v_res, value_ptr, k_levels, k_sparse,
-                          k_sparse_idx, pool_k, pool_v, pool_pos, scratch, b, h, bh.to(tl.int64), L, window_start, P,
-                          s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd, S, NSG, KS_ROWS, HAS_LEVELS, SPARSE, NK,
-                          SINK, N_OUT, N_P, SP_P, D, D_P, DC, NB, BITS, PER, BLOCK_B, G, R, R_P, RR)
+    [nqk, nqk_end) in order (each OTT step sees the pool the previous one left). The launched
+    entry point: flat arguments (triton_args.py), grouped for _append_key_windows."""
+    _append_key_windows(
+        CacheSide(k_codes, k_scale, k_zero, k_res), NewRows(key_ptr, s_kb, s_kh, s_kn, s_kd), v_res,
+        NewRows(value_ptr, s_vb, s_vh, s_vn, s_vd), lengths_ptr, counts_ptr, HAS_COUNTS,
+        Levels(k_levels, None, HAS_LEVELS), Sparse(k_sparse, k_sparse_idx, None, None, NKR, NK, 0, SPARSE),
+        OttPool(pool_k, pool_v, pool_pos, scratch, P, SINK, N_OUT, N_P, SP_P), H, N, S, NSG,
+        KeyLayout(D, D_P, DC, NB, BITS, PER, BLOCK_B, G, R, R_P, RR),
+    )
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
@@ -393,28 +419,6 @@ def _arrival_counters(device: torch.device, batch: int) -> torch.Tensor:
     return counters
 
 
-def _pool_launch_args(t: LayerTensors, p: QuantParams, B: int, H: int, D: int):
-    """(pool_k, pool_v, pool_pos, scratch, P, constexprs) of a layer's sink/OTT pool for the
-    kernels; dummy pointers without one (SINK = N_OUT = 0 compiles no pool code)."""
-    pool = t.pool
-    if pool is None:
-        return t.k_scale, t.k_scale, t.lengths, t.k_scale, 0, dict(SINK=0, N_OUT=0, N_P=1, SP_P=1)
-    for name, x in zip(("pool_k", "pool_v", "pool_pos"), pool):
-        if not x.is_contiguous():
-            raise ValueError(f"{name} must be contiguous: the append writes it in place")
-    pool_k, pool_v, pool_pos = pool
-    P, sink, n_out = pool_pos.shape[-1], p.sink_tokens, p.outlier_tokens
-    if (tuple(pool_k.shape) != (B, H, P, D) or tuple(pool_v.shape) != (B, H, P, D) or pool_pos.dtype != torch.int64
-            or pool_k.dtype != t.k_res.dtype or pool_v.dtype != t.v_res.dtype or sink + n_out > P):
-        raise ValueError(f"the pool must be pool_k/pool_v [B, H, P, D] = [{B}, {H}, P, {D}] in the cache dtype and "
-                         f"pool_pos int64 [B, H, P] with P >= sink_tokens + outlier_tokens = {sink + n_out}, got "
-                         f"{list(pool_k.shape)}, {list(pool_v.shape)}, {pool_pos.dtype} {list(pool_pos.shape)}")
-    # The OTT step keeps the old outlier rows here while it rewrites their slots.
-    scratch = pool_k.new_empty((B * H, n_out, 2, D)) if n_out else pool_k
-    return pool_k, pool_v, pool_pos, scratch, P, dict(SINK=sink, N_OUT=n_out, N_P=next_pow2(max(n_out, 1)),
-                                                       SP_P=next_pow2(max(P - sink - n_out, 1)))
-
-
 def append_triton(t: LayerTensors, key: torch.Tensor, value: torch.Tensor, counts: Optional[torch.Tensor],
                   p: QuantParams) -> None:
     """Append key/value [B, H, n, D] in place, like append_reference (module doc), every option
@@ -422,26 +426,10 @@ def append_triton(t: LayerTensors, key: torch.Tensor, value: torch.Tensor, count
     (t.k_sparse ..) and the sink/OTT pool (t.pool_k ..) are written in place, so their buffers must
     be contiguous; t.rope_inv_freq plays no part in appends."""
     B, H, S, D, R, RR, G, gv = check_cache(t, p)
-    extras = check_kernel_extras(t, p, sparse_ok=True)
-    sparse = extras.sparse
-    if sparse:
-        for name in ("k_sparse", "k_sparse_idx", "v_sparse", "v_sparse_idx"):
-            if not getattr(t, name).is_contiguous():
-                raise ValueError(f"{name} must be contiguous: the append writes it in place")
-        k_sparse, k_sparse_idx, v_sparse, v_sparse_idx = t.k_sparse, t.k_sparse_idx, t.v_sparse, t.v_sparse_idx
-        nk, nv = key_outliers_per_window(k_sparse, S, R), v_sparse.shape[-1]
-    else:  # dummy pointers (never read: SPARSE=False compiles no outlier code)
-        k_sparse = k_sparse_idx = v_sparse = v_sparse_idx = t.k_scale
-        nk = nv = 0
-    ks_rows = k_sparse.shape[2]
-    pool_k, pool_v, pool_pos, scratch, P, pool_flags = _pool_launch_args(t, p, B, H, D)
-    has_pool = t.pool is not None
+    options = option_args(t, p, check_kernel_extras(t, p, sparse_ok=True), writes=True)
+    sparse = options["SPARSE"]
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = t.kivi
     k_bits, v_bits = p.k_bits, p.v_bits
-    has_levels = extras.k_levels is not None
-    # Dummy pointers when absent (never read: HAS_LEVELS=False compiles the uniform grid only).
-    k_levels = extras.k_levels if has_levels else k_scale
-    v_levels = extras.v_levels if has_levels else v_scale
     n = key.shape[2]
     if tuple(key.shape) != (B, H, n, D) or tuple(value.shape) != (B, H, n, D):
         raise ValueError(f"key/value must have shape {(B, H, 'n', D)}, got {tuple(key.shape)}, {tuple(value.shape)}")
@@ -474,42 +462,43 @@ def append_triton(t: LayerTensors, key: torch.Tensor, value: torch.Tensor, count
         with device_ctx(k_codes):
             wrap(_append_decode_kernel)[(B * H,)](
                 k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, key, value, lengths, cnt,
-                k_levels, v_levels, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, pool_k, pool_v, pool_pos, scratch,
-                _arrival_counters(lengths.device, B),
-                k_strides[0], k_strides[1], k_strides[3], v_strides[0], v_strides[1], v_strides[3],
-                H, S, nsg, ks_rows, P,
-                HAS_COUNTS=has_counts, HAS_LEVELS=has_levels, SPARSE=sparse, NK=nk, NV=nv, **pool_flags,
+                arrivals_ptr=_arrival_counters(lengths.device, B),
+                s_kb=k_strides[0], s_kh=k_strides[1], s_kd=k_strides[3],
+                s_vb=v_strides[0], s_vh=v_strides[1], s_vd=v_strides[3], H=H, S=S, NSG=nsg, HAS_COUNTS=has_counts,
                 D=D, D_P=d_p, DC=dc, K_NB=nbk, K_BITS=k_bits, K_PER=kper, BLOCK_B=block_b,
                 V_NB=nbv, V_NG=D // gv, V_BITS=v_bits, V_PER=vper, GV=gv, GB_P=gb_p, G=G, R=R, R_P=r_p, RR=RR,
-                num_warps=4,
+                **kernel_options(_append_decode_kernel, options), num_warps=4,
             )
         return
     with device_ctx(k_codes):
-        if has_pool:  # window by window: each OTT step sees the pool the previous one left
+        if options["HAS_POOL"]:  # window by window: each OTT step sees the pool the previous one left
             wrap(_append_key_windows_kernel)[(B * H,)](
-                k_codes, k_scale, k_zero, k_res, key, v_res, value, lengths, cnt, k_levels, k_sparse, k_sparse_idx,
-                pool_k, pool_v, pool_pos, scratch, *k_strides, *v_strides,
-                H, n, S, nsg, ks_rows, P,
-                HAS_COUNTS=has_counts, HAS_LEVELS=has_levels, SPARSE=sparse, NK=nk, **pool_flags, D=D, D_P=d_p,
-                DC=dc, NB=nbk, BITS=k_bits, PER=kper, BLOCK_B=block_b, G=G, R=R, R_P=r_p, RR=RR, num_warps=4,
+                k_codes, k_scale, k_zero, k_res, key, v_res, value, lengths, cnt,
+                s_kb=k_strides[0], s_kh=k_strides[1], s_kn=k_strides[2], s_kd=k_strides[3],
+                s_vb=v_strides[0], s_vh=v_strides[1], s_vn=v_strides[2], s_vd=v_strides[3],
+                H=H, N=n, S=S, NSG=nsg, HAS_COUNTS=has_counts, D=D, D_P=d_p, DC=dc, NB=nbk, BITS=k_bits, PER=kper,
+                BLOCK_B=block_b, G=G, R=R, R_P=r_p, RR=RR,
+                **kernel_options(_append_key_windows_kernel, options), num_warps=4,
             )
         else:
             wrap(_append_key_flush_kernel)[(B * H, key_groups, triton.cdiv(nbk, block_b))](
-                k_codes, k_scale, k_zero, k_res, key, lengths, cnt, k_levels, k_sparse, k_sparse_idx, *k_strides,
-                H, n, S, nsg, ks_rows,
-                HAS_COUNTS=has_counts, HAS_LEVELS=has_levels, SPARSE=sparse, NK=nk, D=D, NB=nbk, BITS=k_bits,
-                PER=kper, G=G, R=R, R_P=r_p, RR=RR, BLOCK_B=block_b, num_warps=4,
+                k_codes, k_scale, k_zero, k_res, key, lengths, cnt,
+                s_kb=k_strides[0], s_kh=k_strides[1], s_kn=k_strides[2], s_kd=k_strides[3],
+                H=H, N=n, S=S, NSG=nsg, HAS_COUNTS=has_counts, D=D, NB=nbk, BITS=k_bits, PER=kper, G=G, R=R,
+                R_P=r_p, RR=RR, BLOCK_B=block_b, **kernel_options(_append_key_flush_kernel, options), num_warps=4,
             )
         wrap(_append_value_flush_kernel)[(B * H, triton.cdiv(n, block_tv))](
-            v_codes, v_scale, v_zero, v_res, value, lengths, cnt, v_levels, v_sparse, v_sparse_idx, *v_strides,
-            H, n, S,
-            HAS_COUNTS=has_counts, HAS_LEVELS=has_levels, SPARSE=sparse, NV=nv, D=D, D_P=d_p, NB=nbv, NG=D // gv,
-            BITS=v_bits, PER=vper, GV=gv, GB_P=gb_p, R=R, RR=RR, BLOCK_T=block_tv, num_warps=4,
+            v_codes, v_scale, v_zero, v_res, value, lengths, cnt,
+            s_vb=v_strides[0], s_vh=v_strides[1], s_vn=v_strides[2], s_vd=v_strides[3], H=H, N=n, S=S,
+            HAS_COUNTS=has_counts, D=D, D_P=d_p, NB=nbv, NG=D // gv, BITS=v_bits, PER=vper, GV=gv, GB_P=gb_p, R=R,
+            RR=RR, BLOCK_T=block_tv, **kernel_options(_append_value_flush_kernel, options), num_warps=4,
         )
         wrap(_append_residual_kernel)[(B * H, triton.cdiv(n, block_tr))](
-            k_res, v_res, key, value, lengths, cnt, pool_k, pool_v, pool_pos, *k_strides, *v_strides,
-            H, n, S, P,
-            HAS_COUNTS=has_counts, SINK=pool_flags["SINK"], D=D, D_P=d_p, R=R, RR=RR, BLOCK_T=block_tr, num_warps=4,
+            k_res, v_res, key, value, lengths, cnt,
+            s_kb=k_strides[0], s_kh=k_strides[1], s_kn=k_strides[2], s_kd=k_strides[3],
+            s_vb=v_strides[0], s_vh=v_strides[1], s_vn=v_strides[2], s_vd=v_strides[3], H=H, N=n, S=S,
+            HAS_COUNTS=has_counts, D=D, D_P=d_p, R=R, RR=RR, BLOCK_T=block_tr,
+            **kernel_options(_append_residual_kernel, options), num_warps=4,
         )
         wrap(_append_lengths_kernel)[(1,)](
             lengths, cnt, B, n, S, HAS_COUNTS=has_counts, BLOCK=min(1024, next_pow2(B)), num_warps=1,

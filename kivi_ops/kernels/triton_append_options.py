@@ -42,14 +42,15 @@ def excluded(x, pos, thr, ithr):
 
 
 @triton.jit
-def load_rows(res, new_ptr, b, h, bh64, L, u, d, mask, s_b, s_h, s_n, s_d,
-              D: tl.constexpr, R: tl.constexpr, RR: tl.constexpr):
+def load_rows(res, new, b, h, bh64, L, u, d, mask, D: tl.constexpr, R: tl.constexpr, RR: tl.constexpr):
     """Exact rows of tokens u (a residual ring buffer's slot u % R below L, the appended tensor's
-    row u - L from L on) at channels d, fp32, 0 where mask is off; u and d broadcast to the tile."""
+    row u - L from L on; new: triton_args.NewRows) at channels d, fp32, 0 where mask is off; u and
+    d broadcast to the tile."""
     from_res = u < L
     x_res = tl.load(res + (bh64 * RR + u % R) * D + d, mask=from_res & mask, other=0.0)
-    new_off = (b.to(tl.int64) * s_b + h.to(tl.int64) * s_h + (u - L).to(tl.int64) * s_n + d.to(tl.int64) * s_d)
-    x_new = tl.load(new_ptr + new_off, mask=(~from_res) & mask, other=0.0)
+    new_off = (b.to(tl.int64) * new.s_b + h.to(tl.int64) * new.s_h + (u - L).to(tl.int64) * new.s_n
+               + d.to(tl.int64) * new.s_d)
+    x_new = tl.load(new.ptr + new_off, mask=(~from_res) & mask, other=0.0)
     return tl.where(from_res, x_res, x_new).to(tl.float32)
 
 
@@ -64,51 +65,48 @@ def is_pooled(u, entrants, SINK: tl.constexpr, N_OUT: tl.constexpr):
 
 @triton.jit
 def key_window_outliers(
-    k_res, key_ptr, k_sparse, k_sparse_idx, entrants, b, h, bh64, L, window_start, jb, write,
-    s_kb, s_kh, s_kn, s_kd, KS_ROWS,
-    D: tl.constexpr, NB: tl.constexpr, PER: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, RR: tl.constexpr,
-    NK: tl.constexpr, SINK: tl.constexpr, N_OUT: tl.constexpr,
+    k_res, keys, sparse, entrants, b, h, bh64, L, window_start, jb, write, SINK: tl.constexpr, N_OUT: tl.constexpr,
+    kl,
 ):
     """Dense-and-sparse keys: per channel of the bytes jb, the NK largest magnitudes among the R
     tokens of the window starting at window_start (pooled ones last); written (if `write`) to
     rows window * NK + r of the sparse store with their token offsets. Returns the last pick
-    (magnitude, offset) [1, BLOCK_B, PER] for `excluded`."""
-    ii = tl.arange(0, PER)
-    ch = (jb[:, None] * PER + ii[None, :])[None, :, :]
-    cmask = ((jb < NB)[:, None] & (ii < PER)[None, :])[None, :, :]
-    off1 = tl.arange(0, R_P)
+    (magnitude, offset) [1, BLOCK_B, PER] for `excluded`. keys: the appended keys (NewRows);
+    sparse: triton_args.Sparse; kl: the key flush's KeyLayout."""
+    ii = tl.arange(0, kl.PER)
+    ch = (jb[:, None] * kl.PER + ii[None, :])[None, :, :]
+    cmask = ((jb < kl.NB)[:, None] & (ii < kl.PER)[None, :])[None, :, :]
+    off1 = tl.arange(0, kl.R_P)
     u1 = window_start + off1
-    in_window = (off1 < R)[:, None, None]
+    in_window = (off1 < kl.R)[:, None, None]
     off = off1[:, None, None]
-    x = load_rows(k_res, key_ptr, b, h, bh64, L, u1[:, None, None], ch, cmask & in_window, s_kb, s_kh, s_kn, s_kd,
-                  D, R, RR)
+    x = load_rows(k_res, keys, b, h, bh64, L, u1[:, None, None], ch, cmask & in_window, kl.D, kl.R, kl.RR)
     mag = tl.where(in_window, tl.abs(x), -3.0)
     if SINK + N_OUT > 0:
         mag = tl.where(is_pooled(u1, entrants, SINK, N_OUT)[:, None, None] & in_window, -1.0, mag)
-    m = tl.zeros((1, jb.shape[0], PER), tl.float32)
-    i = tl.zeros((1, jb.shape[0], PER), tl.int32)
-    for r in tl.static_range(NK):
+    m = tl.zeros((1, jb.shape[0], kl.PER), tl.float32)
+    i = tl.zeros((1, jb.shape[0], kl.PER), tl.int32)
+    for r in tl.static_range(sparse.NK):
         m, i, mag = _pick_largest(mag, off, 0)
         m = m[None, :, :]
         i = i[None, :, :]
         val = tl.max(tl.where(off == i, x, float("-inf")), axis=0)[None, :, :]
-        row = (bh64 * KS_ROWS + (window_start // R) * NK + r) * D
-        tl.store(k_sparse + row + ch, val.to(k_sparse.dtype.element_ty), mask=cmask & write)
-        tl.store(k_sparse_idx + row + ch, i.to(tl.int16), mask=cmask & write)
+        row = (bh64 * sparse.NKR + (window_start // kl.R) * sparse.NK + r) * kl.D
+        tl.store(sparse.k_sparse + row + ch, val.to(sparse.k_sparse.dtype.element_ty), mask=cmask & write)
+        tl.store(sparse.k_sparse_idx + row + ch, i.to(tl.int16), mask=cmask & write)
     return m, i
 
 
 @triton.jit
 def value_token_outliers(
-    v_res, value_ptr, v_sparse, v_sparse_idx, b, h, bh64, L, u, active, s_vb, s_vh, s_vn, s_vd, S,
+    v_res, values, v_sparse, v_sparse_idx, b, h, bh64, L, u, active, S,
     D: tl.constexpr, D_P: tl.constexpr, R: tl.constexpr, RR: tl.constexpr, NV: tl.constexpr,
 ):
     """Dense-and-sparse values: per token u [BLOCK_T] (where active), the NV channels of largest
     magnitude, written to the token's row of the sparse store with their channels. Returns the
-    last pick (magnitude, channel) [BLOCK_T] for `excluded`."""
+    last pick (magnitude, channel) [BLOCK_T] for `excluded`. values: the appended values (NewRows)."""
     d = tl.arange(0, D_P)[None, :]
-    x = load_rows(v_res, value_ptr, b, h, bh64, L, u[:, None], d, active[:, None] & (d < D), s_vb, s_vh, s_vn, s_vd,
-                  D, R, RR)
+    x = load_rows(v_res, values, b, h, bh64, L, u[:, None], d, active[:, None] & (d < D), D, R, RR)
     mag = tl.where(d < D, tl.abs(x), -3.0)
     m = tl.zeros_like(u).to(tl.float32)
     i = tl.zeros_like(u)
@@ -122,16 +120,18 @@ def value_token_outliers(
 
 
 @triton.jit
-def write_sinks(pool_k, pool_v, pool_pos, key_ptr, value_ptr, b, h, bh64, L, u, valid, P,
-                s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+def write_sinks(pool_k, pool_v, pool_pos, P, keys, values, b, h, bh64, L, u, valid,
                 D: tl.constexpr, D_P: tl.constexpr, SINK: tl.constexpr):
-    """New tokens u [T] (where valid) at positions below SINK take pool slot u (exact)."""
+    """New tokens u [T] (where valid) at positions below SINK take pool slot u (exact). keys,
+    values: the appended rows (triton_args.NewRows)."""
     d = tl.arange(0, D_P)[None, :]
     take = valid & (u < SINK)
     m = take[:, None] & (d < D)
     i = (u - L).to(tl.int64)[:, None]
-    k = tl.load(key_ptr + b.to(tl.int64) * s_kb + h.to(tl.int64) * s_kh + i * s_kn + d.to(tl.int64) * s_kd, mask=m)
-    v = tl.load(value_ptr + b.to(tl.int64) * s_vb + h.to(tl.int64) * s_vh + i * s_vn + d.to(tl.int64) * s_vd, mask=m)
+    k = tl.load(keys.ptr + b.to(tl.int64) * keys.s_b + h.to(tl.int64) * keys.s_h + i * keys.s_n
+                + d.to(tl.int64) * keys.s_d, mask=m)
+    v = tl.load(values.ptr + b.to(tl.int64) * values.s_b + h.to(tl.int64) * values.s_h + i * values.s_n
+                + d.to(tl.int64) * values.s_d, mask=m)
     slot = bh64 * P + u
     tl.store(pool_k + slot[:, None] * D + d, k, mask=m)
     tl.store(pool_v + slot[:, None] * D + d, v, mask=m)
@@ -156,36 +156,34 @@ def _row_l1(base, row, rmask, D: tl.constexpr, D_P: tl.constexpr, DC: tl.constex
 
 
 @triton.jit
-def ott_step(
-    pool_k, pool_v, pool_pos, scratch, k_res, key_ptr, v_res, value_ptr, b, h, bh64, L, window_start, P,
-    s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-    D: tl.constexpr, D_P: tl.constexpr, DC: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, RR: tl.constexpr,
-    SINK: tl.constexpr, N_OUT: tl.constexpr, N_P: tl.constexpr, SP_P: tl.constexpr,
-):
+def ott_step(pool, k_res, keys, v_res, values, b, h, bh64, L, window_start, kl):
     """One OTT step (pool.ott_step) for the window of R tokens at window_start of one (sequence,
     kv head): updates the outlier pool (slots [SINK, SINK + N_OUT)) and the spill pool (the rest)
-    in place and returns the window's new outliers [N_P] (positions, -1: none). scratch holds a
-    copy of the old outlier pool while it is rewritten ([N_OUT, 2, D] per (b, h))."""
-    off = tl.arange(0, R_P)
+    in place and returns the window's new outliers [N_P] (positions, -1: none). pool.scratch holds
+    a copy of the old outlier pool while it is rewritten ([N_OUT, 2, D] per (b, h)). pool:
+    triton_args.OttPool; keys, values: the appended rows (NewRows); kl: the key flush's KeyLayout."""
+    pool_k, pool_v, pool_pos, scratch = pool.pool_k, pool.pool_v, pool.pool_pos, pool.scratch
+    off = tl.arange(0, kl.R_P)
     u = window_start + off
     # Window scores: L1 norms of the exact keys, tokens that are not sinks.
-    score_w = tl.zeros((R_P,), tl.float32)
-    for d0 in tl.static_range(0, D_P, DC):
-        dc = d0 + tl.arange(0, DC)[None, :]
-        x = load_rows(k_res, key_ptr, b, h, bh64, L, u[:, None], dc, (off < R)[:, None] & (dc < D), s_kb, s_kh, s_kn,
-                      s_kd, D, R, RR)
+    score_w = tl.zeros((kl.R_P,), tl.float32)
+    for d0 in tl.static_range(0, kl.D_P, kl.DC):
+        dc = d0 + tl.arange(0, kl.DC)[None, :]
+        x = load_rows(k_res, keys, b, h, bh64, L, u[:, None], dc, (off < kl.R)[:, None] & (dc < kl.D), kl.D, kl.R,
+                      kl.RR)
         score_w += tl.sum(tl.abs(x), axis=1)
-    score_w = tl.where((off < R) & (u >= SINK), score_w, float("inf"))
+    score_w = tl.where((off < kl.R) & (u >= pool.SINK), score_w, float("inf"))
     # Pool scores.
-    slot = tl.arange(0, N_P)
-    in_pool = slot < N_OUT
-    old_pos = tl.load(pool_pos + bh64 * P + SINK + slot, mask=in_pool, other=-1).to(tl.int32)
+    slot = tl.arange(0, pool.N_P)
+    in_pool = slot < pool.N_OUT
+    old_pos = tl.load(pool_pos + bh64 * pool.P + pool.SINK + slot, mask=in_pool, other=-1).to(tl.int32)
     filled = old_pos >= 0
-    score_p = tl.where(filled, _row_l1(pool_k, bh64 * P + SINK + slot, filled, D, D_P, DC), float("inf"))
+    score_p = tl.where(filled, _row_l1(pool_k, bh64 * pool.P + pool.SINK + slot, filled, kl.D, kl.D_P, kl.DC),
+                       float("inf"))
     # N_OUT picks of the smallest score: the pool before the window on ties, then the lowest index.
-    src_pool = tl.full((N_P,), -1, tl.int32)
-    src_win = tl.full((N_P,), -1, tl.int32)
-    for r in range(N_OUT):
+    src_pool = tl.full((pool.N_P,), -1, tl.int32)
+    src_win = tl.full((pool.N_P,), -1, tl.int32)
+    for r in range(pool.N_OUT):
         mp = tl.min(score_p, axis=0)
         mw = tl.min(score_w, axis=0)
         # As int32 flags: Triton's interpreter cannot & a float comparison's scalar with a vector.
@@ -199,49 +197,49 @@ def ott_step(
         score_w = tl.where(from_window & (off == iw), float("inf"), score_w)
     kept = tl.max((src_pool[None, :] == slot[:, None]).to(tl.int32), axis=1) > 0  # [N_P]: old slot kept
     evicted = filled & ~kept
-    spill = tl.arange(0, SP_P)
-    SP = P - SINK - N_OUT
-    spill_count = tl.sum((tl.load(pool_pos + bh64 * P + SINK + N_OUT + spill, mask=spill < SP, other=-1) >= 0)
-                         .to(tl.int32), axis=0)
-    entrants = tl.full((N_P,), -1, tl.int32)
+    spill = tl.arange(0, pool.SP_P)
+    SP = pool.P - pool.SINK - pool.N_OUT
+    spill_count = tl.sum((tl.load(pool_pos + bh64 * pool.P + pool.SINK + pool.N_OUT + spill, mask=spill < SP,
+                                  other=-1) >= 0).to(tl.int32), axis=0)
+    entrants = tl.full((pool.N_P,), -1, tl.int32)
     if tl.sum(evicted.to(tl.int32), axis=0) <= SP - spill_count:  # else the step changes nothing
         entrants = tl.where(src_win >= 0, window_start + src_win, -1)
-        d = tl.arange(0, D_P)
-        dm = d < D
-        for i in range(N_OUT):  # keep the old outlier rows while their slots are rewritten
-            row = (bh64 * P + SINK + i) * D
-            tmp = (bh64 * N_OUT + i) * 2 * D
+        d = tl.arange(0, kl.D_P)
+        dm = d < kl.D
+        for i in range(pool.N_OUT):  # keep the old outlier rows while their slots are rewritten
+            row = (bh64 * pool.P + pool.SINK + i) * kl.D
+            tmp = (bh64 * pool.N_OUT + i) * 2 * kl.D
             tl.store(scratch + tmp + d, tl.load(pool_k + row + d, mask=dm), mask=dm)
-            tl.store(scratch + tmp + D + d, tl.load(pool_v + row + d, mask=dm), mask=dm)
+            tl.store(scratch + tmp + kl.D + d, tl.load(pool_v + row + d, mask=dm), mask=dm)
         tl.debug_barrier()
         dest = spill_count + tl.cumsum(evicted.to(tl.int32), axis=0) - 1
-        for i in range(N_OUT):  # evicted tokens join the spill pool, in their old order
+        for i in range(pool.N_OUT):  # evicted tokens join the spill pool, in their old order
             if _at(evicted.to(tl.int32), slot, i) > 0:
-                tmp = (bh64 * N_OUT + i) * 2 * D
-                to = bh64 * P + SINK + N_OUT + _at(dest, slot, i)
-                tl.store(pool_k + to * D + d, tl.load(scratch + tmp + d, mask=dm), mask=dm)
-                tl.store(pool_v + to * D + d, tl.load(scratch + tmp + D + d, mask=dm), mask=dm)
+                tmp = (bh64 * pool.N_OUT + i) * 2 * kl.D
+                to = bh64 * pool.P + pool.SINK + pool.N_OUT + _at(dest, slot, i)
+                tl.store(pool_k + to * kl.D + d, tl.load(scratch + tmp + d, mask=dm), mask=dm)
+                tl.store(pool_v + to * kl.D + d, tl.load(scratch + tmp + kl.D + d, mask=dm), mask=dm)
                 tl.store(pool_pos + to, _at(old_pos, slot, i).to(tl.int64))
-        for r in range(N_OUT):  # the new outlier pool, in pick order
+        for r in range(pool.N_OUT):  # the new outlier pool, in pick order
             sp = _at(src_pool, slot, r)
             sw = _at(src_win, slot, r)
-            to = bh64 * P + SINK + r
-            k = tl.zeros((D_P,), pool_k.dtype.element_ty)  # an empty slot: zeros, position -1
-            v = tl.zeros((D_P,), pool_v.dtype.element_ty)
+            to = bh64 * pool.P + pool.SINK + r
+            k = tl.zeros((kl.D_P,), pool_k.dtype.element_ty)  # an empty slot: zeros, position -1
+            v = tl.zeros((kl.D_P,), pool_v.dtype.element_ty)
             pos = sp * 0 - 1
             if sp >= 0:
-                tmp = (bh64 * N_OUT + sp) * 2 * D
+                tmp = (bh64 * pool.N_OUT + sp) * 2 * kl.D
                 k = tl.load(scratch + tmp + d, mask=dm, other=0.0)
-                v = tl.load(scratch + tmp + D + d, mask=dm, other=0.0)
+                v = tl.load(scratch + tmp + kl.D + d, mask=dm, other=0.0)
                 pos = _at(old_pos, slot, sp)
             if sw >= 0:
-                k = load_rows(k_res, key_ptr, b, h, bh64, L, window_start + sw, d, dm, s_kb, s_kh, s_kn, s_kd,
-                              D, R, RR).to(pool_k.dtype.element_ty)
-                v = load_rows(v_res, value_ptr, b, h, bh64, L, window_start + sw, d, dm, s_vb, s_vh, s_vn, s_vd,
-                              D, R, RR).to(pool_v.dtype.element_ty)
+                k = load_rows(k_res, keys, b, h, bh64, L, window_start + sw, d, dm, kl.D, kl.R, kl.RR)
+                k = k.to(pool_k.dtype.element_ty)
+                v = load_rows(v_res, values, b, h, bh64, L, window_start + sw, d, dm, kl.D, kl.R, kl.RR)
+                v = v.to(pool_v.dtype.element_ty)
                 pos = window_start + sw
-            tl.store(pool_k + to * D + d, k, mask=dm)
-            tl.store(pool_v + to * D + d, v, mask=dm)
+            tl.store(pool_k + to * kl.D + d, k, mask=dm)
+            tl.store(pool_v + to * kl.D + d, v, mask=dm)
             tl.store(pool_pos + to, pos.to(tl.int64))
         tl.debug_barrier()
     return entrants

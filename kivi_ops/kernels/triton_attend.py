@@ -1,6 +1,8 @@
 """What the Triton cache launchers share (triton_append.py, triton_split.py, triton_decode.py):
 the checks of a layer's tensors, and for the two attention kernels the jit helpers both call, the
-split merge, its workspace, the program-count target and the pool / extras launch arguments.
+split merge, its workspace and the program-count target. The options' launch arguments (pool,
+nuq levels, pre-RoPE frequencies, sparse store) and the argument groups inside the kernels:
+triton_args.py.
 
 Both attention launchers (attend_split, attend_decode; the dispatcher picks one) are CUDA-graph
 safe like the append: no host syncs, every grid is derived from static shapes, and all
@@ -27,7 +29,7 @@ levels[code] (_code_values, a gather from the 2^bits-entry table) before scale a
 keys stored pre-RoPE (rope_inv_freq [D/2]): every key, quantized, residual or pooled, is rotated
 to its position (cache row t, or pool_pos) with cos/sin computed in-kernel from t * inv_freq
 (_rope_cos_sin; a [S, D] table would read more bytes than the codes). SPARSE, the dense-and-sparse
-outlier store (sparse_launch_args): both kernels write each exact outlier over its dequantized entry
+outlier store: both kernels write each exact outlier over its dequantized entry
 in the tile, as the reference's materialize_block does (the append kernels write the store).
 """
 
@@ -39,9 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..extras import Extras, check_extras, key_outliers_per_window
+from ..extras import Extras, check_extras
 from ..layout import REQUIRED_TENSORS, LayerTensors, QuantParams
 from ..packing import codes_per_byte, token_group_size
+from .triton_args import option_args
 from .triton_quant import interpreting, next_pow2, saturate, to_dtype_rtne
 
 LOG2E = 1.0 / math.log(2.0)
@@ -220,65 +223,15 @@ def launch_reduce(ws_m, ws_l, ws_acc, out, kv_rows: int, M: int, m_pad: int, num
     )
 
 
-def pool_launch_args(t: LayerTensors) -> tuple:
-    """(pool_k, pool_v, pool_pos, P, HAS_POOL, P_P) for the attention kernels. Without a pool (or
-    with zero slots) the pointers are dummies the kernels never read and HAS_POOL is False, so
-    they compile exactly as without the pool feature."""
-    k_res, lengths = t.k_res, t.lengths
-    if t.pool is None:
-        return k_res, k_res, lengths, 0, False, 1
-    pool_k, pool_v, pool_pos = t.pool
-    if pool_k is None or pool_v is None:
-        raise ValueError("pool_k, pool_v and pool_pos must be given together")
-    B, H, _, D = k_res.shape
-    P = pool_pos.shape[-1]
-    if (tuple(pool_k.shape) != (B, H, P, D) or tuple(pool_v.shape) != (B, H, P, D)
-            or tuple(pool_pos.shape) != (B, H, P) or pool_pos.dtype != torch.int64):
-        raise ValueError(f"pool_k/pool_v must be {(B, H, P, D)} and pool_pos int64 {(B, H, P)}")
-    if pool_k.dtype != k_res.dtype or pool_v.dtype != k_res.dtype:
-        raise ValueError(f"pool_k/pool_v must have the cache dtype {k_res.dtype}")
-    if not (pool_k.is_contiguous() and pool_v.is_contiguous() and pool_pos.is_contiguous()):
-        raise ValueError("pool buffers must be contiguous (whole registered buffers)")
-    return pool_k, pool_v, pool_pos, P, True, next_pow2(P)
-
-
-def extras_launch_args(t: LayerTensors, p: QuantParams, extras: Extras) -> tuple:
-    """(k_levels, v_levels, rope_inv_freq, HAS_LEVELS, ROPE) for the attention kernels from the
-    checked extras; absent ones are dummy pointers the kernels never read (the flags off compile
-    the plain kernels)."""
-    has_levels, rope = extras.k_levels is not None, extras.rope_inv_freq is not None
-    D = t.k_res.shape[-1]
-    # Pre-RoPE keys are dequantized in halves of D/2 channels: each half whole bytes of codes.
-    if rope and (D % 2 or (D // 2) % codes_per_byte(p.k_bits)):
-        raise ValueError(f"pre-RoPE keys need head_dim / 2 = {D / 2} to be a multiple of "
-                         f"{codes_per_byte(p.k_bits)} ({p.k_bits}-bit codes per byte)")
-    k_scale = t.k_scale
-    return (extras.k_levels if has_levels else k_scale, extras.v_levels if has_levels else k_scale,
-            extras.rope_inv_freq if rope else k_scale, has_levels, rope)
-
-
-def sparse_launch_args(t: LayerTensors, p: QuantParams, extras: Extras) -> tuple:
-    """(k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, key rows, NK, NV, SPARSE) for the attention
-    kernels from the checked extras; without the store, dummy pointers they never read and SPARSE
-    False."""
-    if not extras.sparse:
-        return t.k_scale, t.k_scale, t.k_scale, t.k_scale, 0, 0, 0, False
-    nk = key_outliers_per_window(extras.k_sparse, t.k_codes.shape[2], p.residual_length)
-    return (extras.k_sparse, extras.k_sparse_idx, extras.v_sparse, extras.v_sparse_idx, extras.k_sparse.shape[2], nk,
-            extras.v_sparse.shape[-1], True)
-
-
 def attend_setup(query: torch.Tensor, t: LayerTensors, p: QuantParams):
     """The checks both attention launchers start with: ((B, H, S, D, R, RR, G, Gv) of the cache,
-    pool_launch_args, extras_launch_args, sparse_launch_args, the output [B, Hq, q_len, D] in the
+    the options' launch arguments (triton_args.option_args), the output [B, Hq, q_len, D] in the
     query's dtype)."""
     dims = check_cache(t, p)
     B, H, S, D = dims[:4]
-    pool_args = pool_launch_args(t)
-    extras = check_kernel_extras(t, p, sparse_ok=True)
-    extras_args, sparse_args = extras_launch_args(t, p, extras), sparse_launch_args(t, p, extras)
+    options = option_args(t, p, check_kernel_extras(t, p, sparse_ok=True))
     Bq, Hq, q_len, Dq = query.shape
     if Bq != B or Dq != D or Hq % H:
         raise ValueError(f"query {tuple(query.shape)} does not match the cache (B={B}, H={H}, D={D})")
     out = torch.empty((B, Hq, q_len, D), dtype=query.dtype, device=query.device)
-    return dims, pool_args, extras_args, sparse_args, out
+    return dims, options, out

@@ -32,7 +32,7 @@ attend_decode:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -44,6 +44,7 @@ from .triton_attend import (
     LOG2E, _cast_sat, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
     attend_num_splits, launch_reduce, split_workspace,
 )
+from .triton_args import KiviCache, Levels, Pool, Rope, Sparse, kernel_options
 from .triton_quant import device_ctx, interpreting
 
 # Launch defaults: 1 warp x 32-token tiles timed fastest on the H100 among 1, 2 and 4 warps x 32
@@ -89,16 +90,29 @@ def _decode_scores(q2, q2_rot, freq, positions, k, ROPE: tl.constexpr):
     return tl.sum(tl.sum(q * k, axis=2), axis=0)
 
 
+class DecodeLayout(NamedTuple):
+    """The decode kernel's compile-time shape: head_dim D, codes per byte K_PER / V_PER at K_BITS /
+    V_BITS, key groups of G tokens, NGV value groups of GV channels, the residual ring of R
+    tokens (RR rows stored), QG query heads per kv head, BLOCK_N tokens per tile."""
+    D: object
+    K_BITS: object
+    K_PER: object
+    V_BITS: object
+    V_PER: object
+    G: object
+    NGV: object
+    GV: object
+    R: object
+    RR: object
+    QG: object
+    BLOCK_N: object
+    NUM_SPLITS: object
+
+
 @triton.jit
 def _decode_tile(
-    acc, accz, m_i, l_i, q2, q2_rot, freq, t0, limit, nqk, nqv, pp, bh64, S, NSG,
-    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
-    k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR,
-    MIXED: tl.constexpr, HAS_POOL: tl.constexpr, HAS_LEVELS: tl.constexpr, ROPE: tl.constexpr, D: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER: tl.constexpr,
-    V_BITS: tl.constexpr, V_PER: tl.constexpr, G: tl.constexpr, NGV: tl.constexpr, GV: tl.constexpr,
-    R: tl.constexpr, RR: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPARSE: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
+    acc, accz, m_i, l_i, query, t0, limit, nqk, nqv, pp, bh64, S, NSG, cache, levels, sparse,
+    MIXED: tl.constexpr, HAS_POOL: tl.constexpr, ROPE: tl.constexpr, lay,
 ):
     """One online-softmax step of one query over tokens [t0, t0 + BLOCK_N), all in fp32 registers
     with no tl.dot and no reshapes (see _attend_decode_kernel). BLOCK_N divides G, so the tile lies
@@ -112,46 +126,42 @@ def _decode_tile(
     for the tile: the keys are dequantized, not folded into the query. SPARSE (MIXED tiles only):
     the dense-and-sparse store's exact entries replace their dequantized ones in the tile: per
     channel, the NK key outliers of the tile's R-window (rows w * NK + j of k_sparse, token offsets
-    in k_sparse_idx), and per token the NV value outliers (channels in v_sparse_idx); -1 is none."""
-    t = t0 + tl.arange(0, BLOCK_N)
+    in k_sparse_idx), and per token the NV value outliers (channels in v_sparse_idx); -1 is none.
+    query: (q2, q2_rot, freq) of _attend_decode."""
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res = cache
+    q2, q2_rot, freq = query
+    t = t0 + tl.arange(0, lay.BLOCK_N)
     row = bh64 * S + t  # int64 token row of codes and value scales
-    g = t0 // G
+    g = t0 // lay.G
 
     # ---- keys
-    ik = tl.arange(0, K_PER)
-    jk = tl.arange(0, D // K_PER)
-    ch_k = jk[None, :] * K_PER + ik[:, None]  # [K_PER, NBK] channel of (i, j)
-    k_off = (row[:, None] * (D // K_PER) + jk[None, :])[None, :, :]
-    ks_off = (bh64 * NSG + g) * D + ch_k
-    sh_k = (ik * K_BITS)[:, None, None]
+    ik = tl.arange(0, lay.K_PER)
+    jk = tl.arange(0, lay.D // lay.K_PER)
+    ch_k = jk[None, :] * lay.K_PER + ik[:, None]  # [K_PER, NBK] channel of (i, j)
+    k_off = (row[:, None] * (lay.D // lay.K_PER) + jk[None, :])[None, :, :]
+    ks_off = (bh64 * NSG + g) * lay.D + ch_k
+    sh_k = (ik * lay.K_BITS)[:, None, None]
     if MIXED:
         tm = t < limit
         kq = tm & (t < nqk)
         kb = tl.load(k_codes + k_off, mask=kq[None, :, None], other=0)
-        gq = g * G < nqk
+        gq = g * lay.G < nqk
         ks = tl.load(k_scale + ks_off, mask=gq, other=0.0).to(tl.float32)
         kz = tl.load(k_zero + ks_off, mask=gq, other=0.0).to(tl.float32)
-        kc = _code_values((kb.to(tl.int32) >> sh_k) & ((1 << K_BITS) - 1), k_levels, HAS_LEVELS)
+        kc = _code_values((kb.to(tl.int32) >> sh_k) & ((1 << lay.K_BITS) - 1), levels.k_levels, levels.HAS_LEVELS)
         kdq = kc * ks[:, None, :] + kz[:, None, :]
-        slot = (bh64 * RR + t % R)[None, :, None] * D + ch_k[:, None, :]
+        slot = (bh64 * lay.RR + t % lay.R)[None, :, None] * lay.D + ch_k[:, None, :]
         kres = tl.load(k_res + slot, mask=(tm & (t >= nqk))[None, :, None], other=0.0).to(tl.float32)
         k = tl.where(kq[None, :, None], kdq, kres)
-        if SPARSE:
-            w = t0 // R  # the tile lies in one window (BLOCK_N divides G, G divides R)
-            flushed = w * R < nqk
-            for j in range(NK):
-                srow = (bh64 * NKR + w * NK + j) * D + ch_k  # [K_PER, NBK]
-                exact = tl.load(k_sparse + srow, mask=flushed, other=0.0).to(tl.float32)
-                off = tl.load(k_sparse_idx + srow, mask=flushed, other=-1).to(tl.int32)
-                hit = ((w * R + off)[:, None, :] == t[None, :, None]) & (off >= 0)[:, None, :] & kq[None, :, None]
-                k = tl.where(hit, exact[:, None, :], k)
+        if sparse.SPARSE:
+            k = _decode_key_outliers(k, t, t0, kq, nqk, ch_k, bh64, sparse, lay)
         s = _decode_scores(q2, q2_rot, freq, t, k, ROPE)
         s = tl.where(tm, s, float("-inf"))
     else:
         kb = tl.load(k_codes + k_off)
         ks = tl.load(k_scale + ks_off).to(tl.float32)
         kz = tl.load(k_zero + ks_off).to(tl.float32)
-        kc = _code_values((kb.to(tl.int32) >> sh_k) & ((1 << K_BITS) - 1), k_levels, HAS_LEVELS)
+        kc = _code_values((kb.to(tl.int32) >> sh_k) & ((1 << lay.K_BITS) - 1), levels.k_levels, levels.HAS_LEVELS)
         if ROPE:
             s = _decode_scores(q2, q2_rot, freq, t, kc * ks[:, None, :] + kz[:, None, :], ROPE)
         else:
@@ -162,35 +172,31 @@ def _decode_tile(
     p, alpha, m_new, l_i = _decode_softmax_step(s, m_i, l_i, HAS_POOL)
 
     # ---- values: per-token scale/zero of the GV-channel group of byte j (GV is a multiple of V_PER)
-    iv = tl.arange(0, V_PER)
-    jv = tl.arange(0, D // V_PER)
-    v_off = (row[:, None] * (D // V_PER) + jv[None, :])[None, :, :]
-    vs_off = row[:, None] * NGV + (jv * V_PER // GV)[None, :]  # [BLOCK_N, NBV]
-    sh_v = (iv * V_BITS)[:, None, None]
+    iv = tl.arange(0, lay.V_PER)
+    jv = tl.arange(0, lay.D // lay.V_PER)
+    v_off = (row[:, None] * (lay.D // lay.V_PER) + jv[None, :])[None, :, :]
+    vs_off = row[:, None] * lay.NGV + (jv * lay.V_PER // lay.GV)[None, :]  # [BLOCK_N, NBV]
+    sh_v = (iv * lay.V_BITS)[:, None, None]
     if MIXED:
         vq = tm & (t < nqv)
         vb = tl.load(v_codes + v_off, mask=vq[None, :, None], other=0)
         vs = tl.load(v_scale + vs_off, mask=vq[:, None], other=0.0).to(tl.float32)
         vz = tl.load(v_zero + vs_off, mask=vq[:, None], other=0.0).to(tl.float32)
-        vc = _code_values((vb.to(tl.int32) >> sh_v) & ((1 << V_BITS) - 1), v_levels, HAS_LEVELS)
+        vc = _code_values((vb.to(tl.int32) >> sh_v) & ((1 << lay.V_BITS) - 1), levels.v_levels, levels.HAS_LEVELS)
         vdq = vc * vs[None, :, :] + vz[None, :, :]
-        ch_v = jv[None, :] * V_PER + iv[:, None]
-        slot = (bh64 * RR + t % R)[None, :, None] * D + ch_v[:, None, :]
+        ch_v = jv[None, :] * lay.V_PER + iv[:, None]
+        slot = (bh64 * lay.RR + t % lay.R)[None, :, None] * lay.D + ch_v[:, None, :]
         vres = tl.load(v_res + slot, mask=(tm & (t >= nqv))[None, :, None], other=0.0).to(tl.float32)
         v = tl.where(vq[None, :, None], vdq, vres)
-        if SPARSE:
-            for j in range(NV):
-                voff = (bh64 * S + t) * NV + j  # [BLOCK_N]
-                exact = tl.load(v_sparse + voff, mask=vq, other=0.0).to(tl.float32)
-                vch = tl.load(v_sparse_idx + voff, mask=vq, other=-1).to(tl.int32)
-                v = tl.where(ch_v[:, None, :] == vch[None, :, None], exact[None, :, None], v)
+        if sparse.SPARSE:
+            v = _decode_value_outliers(v, t, vq, ch_v, bh64, S, sparse)
         acc = acc * alpha + p[None, :, None] * v
         accz = accz * alpha  # [NBV]: the zero-point term sum_t p_t z_t of the fast tiles
     else:
         vb = tl.load(v_codes + v_off)
         vs = tl.load(v_scale + vs_off).to(tl.float32)
         vz = tl.load(v_zero + vs_off).to(tl.float32)
-        vc = _code_values((vb.to(tl.int32) >> sh_v) & ((1 << V_BITS) - 1), v_levels, HAS_LEVELS)
+        vc = _code_values((vb.to(tl.int32) >> sh_v) & ((1 << lay.V_BITS) - 1), levels.v_levels, levels.HAS_LEVELS)
         # sum_t p_t (c s + z) = sum_t (p_t s) c + sum_t p_t z: the zero term has no code axis
         acc = acc * alpha + (p[:, None] * vs)[None, :, :] * vc
         accz = accz * alpha + tl.sum(p[:, None] * vz, axis=0)
@@ -198,33 +204,135 @@ def _decode_tile(
 
 
 @triton.jit
-def _decode_pool_tile(
-    acc, accz, m_i, l_i, q2, q2_rot, freq, j0, bh64, P, pool_k, pool_v, pool_pos,
-    ROPE: tl.constexpr, D: tl.constexpr, K_PER: tl.constexpr, V_PER: tl.constexpr, BLOCK_N: tl.constexpr,
-):
+def _decode_key_outliers(k, t, t0, kq, nqk, ch_k, bh64, sparse, lay):
+    """The keys k [K_PER, BLOCK_N, NBK] of a MIXED tile with the sparse store's exact entries
+    written over their dequantized ones: per channel, the NK outliers of the tile's R-window (rows
+    w * NK + j of k_sparse, token offsets in k_sparse_idx, -1 none)."""
+    w = t0 // lay.R  # the tile lies in one window (BLOCK_N divides G, G divides R)
+    flushed = w * lay.R < nqk
+    for j in range(sparse.NK):
+        srow = (bh64 * sparse.NKR + w * sparse.NK + j) * lay.D + ch_k  # [K_PER, NBK]
+        exact = tl.load(sparse.k_sparse + srow, mask=flushed, other=0.0).to(tl.float32)
+        off = tl.load(sparse.k_sparse_idx + srow, mask=flushed, other=-1).to(tl.int32)
+        hit = ((w * lay.R + off)[:, None, :] == t[None, :, None]) & (off >= 0)[:, None, :] & kq[None, :, None]
+        k = tl.where(hit, exact[:, None, :], k)
+    return k
+
+
+@triton.jit
+def _decode_value_outliers(v, t, vq, ch_v, bh64, S, sparse):
+    """The values v [V_PER, BLOCK_N, NBV] of a MIXED tile with each token's NV exact outliers
+    (channels in v_sparse_idx, -1 none) written over their dequantized entries."""
+    for j in range(sparse.NV):
+        voff = (bh64 * S + t) * sparse.NV + j  # [BLOCK_N]
+        exact = tl.load(sparse.v_sparse + voff, mask=vq, other=0.0).to(tl.float32)
+        vch = tl.load(sparse.v_sparse_idx + voff, mask=vq, other=-1).to(tl.int32)
+        v = tl.where(ch_v[:, None, :] == vch[None, :, None], exact[None, :, None], v)
+    return v
+
+
+@triton.jit
+def _decode_pool_tile(acc, accz, m_i, l_i, query, j0, bh64, pool, ROPE: tl.constexpr, lay):
     """One online-softmax step of one query over pool slots [j0, j0 + BLOCK_N): exact keys/values,
     in the [PER, BLOCK_N, D // PER] layout of _decode_tile. Every filled slot is visible: pooled
     tokens are stored tokens, all at or before the decode query (position L - 1). ROPE: pre-RoPE
     pool keys at their pool_pos (_decode_scores)."""
-    j = j0 + tl.arange(0, BLOCK_N)
-    jm = j < P
-    ppos = tl.load(pool_pos + bh64 * P + j, mask=jm, other=-1)
+    q2, q2_rot, freq = query
+    j = j0 + tl.arange(0, lay.BLOCK_N)
+    jm = j < pool.P
+    ppos = tl.load(pool.pool_pos + bh64 * pool.P + j, mask=jm, other=-1)
     filled = ppos >= 0
-    row = bh64 * P + j
-    ik = tl.arange(0, K_PER)
-    jk = tl.arange(0, D // K_PER)
-    ch_k = jk[None, :] * K_PER + ik[:, None]
-    k = tl.load(pool_k + row[None, :, None] * D + ch_k[:, None, :], mask=jm[None, :, None], other=0.0)
+    row = bh64 * pool.P + j
+    ik = tl.arange(0, lay.K_PER)
+    jk = tl.arange(0, lay.D // lay.K_PER)
+    ch_k = jk[None, :] * lay.K_PER + ik[:, None]
+    k = tl.load(pool.pool_k + row[None, :, None] * lay.D + ch_k[:, None, :], mask=jm[None, :, None], other=0.0)
     s = _decode_scores(q2, q2_rot, freq, ppos, k.to(tl.float32), ROPE)
     s = tl.where(filled, s, float("-inf"))
     p, alpha, m_new, l_i = _decode_softmax_step(s, m_i, l_i, True)
-    iv = tl.arange(0, V_PER)
-    jv = tl.arange(0, D // V_PER)
-    ch_v = jv[None, :] * V_PER + iv[:, None]
-    v = tl.load(pool_v + row[None, :, None] * D + ch_v[:, None, :], mask=jm[None, :, None], other=0.0)
+    iv = tl.arange(0, lay.V_PER)
+    jv = tl.arange(0, lay.D // lay.V_PER)
+    ch_v = jv[None, :] * lay.V_PER + iv[:, None]
+    v = tl.load(pool.pool_v + row[None, :, None] * lay.D + ch_v[:, None, :], mask=jm[None, :, None], other=0.0)
     acc = acc * alpha + p[None, :, None] * v.to(tl.float32)
     accz = accz * alpha
     return acc, accz, m_new, l_i
+
+
+@triton.jit
+def _attend_decode(
+    q_ptr, s_qb, s_qh, s_qd, cache, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, pool, levels, rope, sparse,
+    workspace, out_ptr, H, HQ, S, NSG, qk_scale, lay, EMULATE_RTNE: tl.constexpr,
+):
+    """_attend_decode_kernel's body, its arguments grouped (triton_args.py)."""
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = pid // HQ
+    hq = pid % HQ
+    bh64 = (b * H + hq // lay.QG).to(tl.int64)
+    L = tl.load(lengths_ptr + b).to(tl.int32)
+    nqk = (L // lay.R) * lay.R
+    nqv = tl.maximum(L - lay.R, 0)
+    # The query [K_PER, D // K_PER] in the key tiles' layout, scale * log2(e) folded in.
+    ik = tl.arange(0, lay.K_PER)
+    jk = tl.arange(0, lay.D // lay.K_PER)
+    ch_k = jk[None, :] * lay.K_PER + ik[:, None]
+    q_row = q_ptr + b.to(tl.int64) * s_qb + hq.to(tl.int64) * s_qh
+    q2 = tl.load(q_row + ch_k.to(tl.int64) * s_qd).to(tl.float32)
+    q2 = q2 * qk_scale
+    if rope.ROPE:
+        # rot(q) = cat(-q[D/2:], q[:D/2]) (rope._rotate_half), read from the partner channels
+        partner = (ch_k + lay.D // 2) % lay.D
+        q2_rot = tl.load(q_row + partner.to(tl.int64) * s_qd).to(tl.float32) * qk_scale
+        q2_rot = tl.where(ch_k < lay.D // 2, -q2_rot, q2_rot)
+        freq = tl.load(rope.inv_freq + ch_k % (lay.D // 2))
+    else:
+        q2_rot = q2  # unused
+        freq = q2  # unused
+    query = (q2, q2_rot, freq)
+
+    split_len = tl.cdiv(tl.cdiv(L, lay.NUM_SPLITS), lay.BLOCK_N) * lay.BLOCK_N
+    lo = sp * split_len
+    hi = tl.minimum(lo + split_len, L)
+    # Split 0 also takes the pool's exact tokens; the reduce kernel merges them like any split.
+    pool_end = tl.where(sp == 0, pool.P, 0)
+    if HAS_COUNTS:
+        real = tl.load(counts_ptr + b) > 0
+        hi = tl.where(real, hi, lo)  # a padded row (counts 0) attends to nothing: 0
+        pool_end = tl.where(real, pool_end, 0)
+    mid = tl.maximum(tl.minimum((tl.minimum(nqk, nqv) // lay.BLOCK_N) * lay.BLOCK_N, hi), lo)
+    if sparse.SPARSE:  # the outliers replace dequantized entries: every tile takes the MIXED path
+        mid = lo
+
+    pp = _load_pool_positions(pool.pool_pos, bh64, pool.P, pool.P_P, pool.HAS_POOL)
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.zeros([], tl.float32)
+    acc = tl.zeros([lay.V_PER, lay.BLOCK_N, lay.D // lay.V_PER], tl.float32)
+    accz = tl.zeros([lay.D // lay.V_PER], tl.float32)
+    for t0 in range(lo, mid, lay.BLOCK_N):
+        acc, accz, m_i, l_i = _decode_tile(acc, accz, m_i, l_i, query, t0, mid, nqk, nqv, pp, bh64, S, NSG, cache,
+                                           levels, sparse, False, pool.HAS_POOL, rope.ROPE, lay)
+    for t0 in range(mid, hi, lay.BLOCK_N):
+        acc, accz, m_i, l_i = _decode_tile(acc, accz, m_i, l_i, query, t0, hi, nqk, nqv, pp, bh64, S, NSG, cache,
+                                           levels, sparse, True, pool.HAS_POOL, rope.ROPE, lay)
+    if pool.HAS_POOL:
+        for j0 in range(0, pool_end, lay.BLOCK_N):
+            acc, accz, m_i, l_i = _decode_pool_tile(acc, accz, m_i, l_i, query, j0, bh64, pool, rope.ROPE, lay)
+
+    iv = tl.arange(0, lay.V_PER)
+    jv = tl.arange(0, lay.D // lay.V_PER)
+    ch_v = jv[None, :] * lay.V_PER + iv[:, None]  # [V_PER, NBV]
+    o = tl.sum(acc, axis=1) + accz[None, :]
+    if lay.NUM_SPLITS == 1:
+        o = tl.math.div_rn(o, tl.zeros_like(o) + tl.where(l_i > 0.0, l_i, 1.0))
+        o = tl.where(l_i > 0.0, o, 0.0)
+        tl.store(out_ptr + pid.to(tl.int64) * lay.D + ch_v, _cast_sat(o, out_ptr.dtype.element_ty, EMULATE_RTNE))
+    else:
+        ws_m, ws_l, ws_acc = workspace
+        w = (bh64 * lay.NUM_SPLITS + sp) * lay.QG + hq % lay.QG
+        tl.store(ws_m + w, m_i)
+        tl.store(ws_l + w, l_i)
+        tl.store(ws_acc + w * lay.D + ch_v, o)
 
 
 @triton.jit
@@ -244,86 +352,16 @@ def _attend_decode_kernel(
     """Decode (q_len == 1): one program per (batch row, query head, split). GQA heads of one kv
     head read the same codes (L2 hits). Work items are per element, no tl.dot: a decode query is
     one row, and padding it to a 16-row tensor-core tile cost more in layout shuffles through
-    shared memory than the products themselves (measured on H100, see benchmarks/results)."""
-    pid = tl.program_id(0)
-    sp = tl.program_id(1)
-    b = pid // HQ
-    hq = pid % HQ
-    bh64 = (b * H + hq // QG).to(tl.int64)
-    L = tl.load(lengths_ptr + b).to(tl.int32)
-    nqk = (L // R) * R
-    nqv = tl.maximum(L - R, 0)
-
-    ik = tl.arange(0, K_PER)
-    jk = tl.arange(0, D // K_PER)
-    ch_k = jk[None, :] * K_PER + ik[:, None]
-    q_row = q_ptr + b.to(tl.int64) * s_qb + hq.to(tl.int64) * s_qh
-    q2 = tl.load(q_row + ch_k.to(tl.int64) * s_qd).to(tl.float32)
-    q2 = q2 * qk_scale
-    if ROPE:
-        # rot(q) = cat(-q[D/2:], q[:D/2]) (rope._rotate_half), read from the partner channels
-        partner = (ch_k + D // 2) % D
-        q2_rot = tl.load(q_row + partner.to(tl.int64) * s_qd).to(tl.float32) * qk_scale
-        q2_rot = tl.where(ch_k < D // 2, -q2_rot, q2_rot)
-        freq = tl.load(rope_inv_freq + ch_k % (D // 2))
-    else:
-        q2_rot = q2  # unused
-        freq = q2  # unused
-
-    split_len = tl.cdiv(tl.cdiv(L, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = sp * split_len
-    hi = tl.minimum(lo + split_len, L)
-    # Split 0 also takes the pool's exact tokens; the reduce kernel merges them like any split.
-    pool_end = tl.where(sp == 0, P, 0)
-    if HAS_COUNTS:
-        real = tl.load(counts_ptr + b) > 0
-        hi = tl.where(real, hi, lo)  # a padded row (counts 0) attends to nothing: 0
-        pool_end = tl.where(real, pool_end, 0)
-    mid = tl.maximum(tl.minimum((tl.minimum(nqk, nqv) // BLOCK_N) * BLOCK_N, hi), lo)
-    if SPARSE:  # the outliers replace dequantized entries: every tile takes the MIXED path
-        mid = lo
-
-    pp = _load_pool_positions(pool_pos, bh64, P, P_P, HAS_POOL)
-    m_i = tl.full([], float("-inf"), tl.float32)
-    l_i = tl.zeros([], tl.float32)
-    acc = tl.zeros([V_PER, BLOCK_N, D // V_PER], tl.float32)
-    accz = tl.zeros([D // V_PER], tl.float32)
-    for t0 in range(lo, mid, BLOCK_N):
-        acc, accz, m_i, l_i = _decode_tile(
-            acc, accz, m_i, l_i, q2, q2_rot, freq, t0, mid, nqk, nqv, pp, bh64, S, NSG,
-            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
-            k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR,
-            False, HAS_POOL, HAS_LEVELS, ROPE, D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, BLOCK_N,
-            SPARSE, NK, NV,
-        )
-    for t0 in range(mid, hi, BLOCK_N):
-        acc, accz, m_i, l_i = _decode_tile(
-            acc, accz, m_i, l_i, q2, q2_rot, freq, t0, hi, nqk, nqv, pp, bh64, S, NSG,
-            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
-            k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR,
-            True, HAS_POOL, HAS_LEVELS, ROPE, D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, BLOCK_N,
-            SPARSE, NK, NV,
-        )
-    if HAS_POOL:
-        for j0 in range(0, pool_end, BLOCK_N):
-            acc, accz, m_i, l_i = _decode_pool_tile(
-                acc, accz, m_i, l_i, q2, q2_rot, freq, j0, bh64, P, pool_k, pool_v, pool_pos,
-                ROPE, D, K_PER, V_PER, BLOCK_N,
-            )
-
-    iv = tl.arange(0, V_PER)
-    jv = tl.arange(0, D // V_PER)
-    ch_v = jv[None, :] * V_PER + iv[:, None]  # [V_PER, NBV]
-    o = tl.sum(acc, axis=1) + accz[None, :]
-    if NUM_SPLITS == 1:
-        o = tl.math.div_rn(o, tl.zeros_like(o) + tl.where(l_i > 0.0, l_i, 1.0))
-        o = tl.where(l_i > 0.0, o, 0.0)
-        tl.store(out_ptr + pid.to(tl.int64) * D + ch_v, _cast_sat(o, out_ptr.dtype.element_ty, EMULATE_RTNE))
-    else:
-        w = (bh64 * NUM_SPLITS + sp) * QG + hq % QG
-        tl.store(ws_m + w, m_i)
-        tl.store(ws_l + w, l_i)
-        tl.store(ws_acc + w * D + ch_v, o)
+    shared memory than the products themselves (measured on H100, see benchmarks/results).
+    The launched entry point: flat arguments (triton_args.py), grouped for _attend_decode."""
+    _attend_decode(
+        q_ptr, s_qb, s_qh, s_qd, KiviCache(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res),
+        lengths_ptr, counts_ptr, HAS_COUNTS, Pool(pool_k, pool_v, pool_pos, P, HAS_POOL, P_P),
+        Levels(k_levels, v_levels, HAS_LEVELS), Rope(rope_inv_freq, ROPE),
+        Sparse(k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR, NK, NV, SPARSE), (ws_m, ws_l, ws_acc), out_ptr,
+        H, HQ, S, NSG, qk_scale,
+        DecodeLayout(D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, QG, BLOCK_N, NUM_SPLITS), EMULATE_RTNE,
+    )
 
 
 def attend_decode(
@@ -336,8 +374,7 @@ def attend_decode(
     The pool (t.pool) and KVQuant's nuq levels, pre-RoPE keys and sparse outlier store (t.extras)
     are read by the kernel. num_splits / block_n / num_warps /
     num_stages override the static choices (tests, tuning)."""
-    (B, H, S, D, R, RR, G, gv), pool_args, extras_args, sparse_args, out = attend_setup(query, t, p)
-    k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, nkr, nk, nv, sparse = sparse_args
+    (B, H, S, D, R, RR, G, gv), options, out = attend_setup(query, t, p)
     Hq, q_len = query.shape[1], query.shape[2]
     if q_len != 1:
         raise ValueError(f"attend_decode takes one query per row (q_len == 1), got q_len={q_len}; "
@@ -348,6 +385,7 @@ def attend_decode(
         return out
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = t.kivi
     k_bits, v_bits = p.k_bits, p.v_bits
+    sparse = options["SPARSE"]
     QG = Hq // H
     block_n = min(block_n or (SPARSE_DECODE_BLOCK_N if sparse else DECODE_BLOCK_N), G)  # within a key group
     num_splits = attend_num_splits(B * Hq, S, block_n, query.device, programs_per_sm=DECODE_PROGRAMS_PER_SM,
@@ -356,21 +394,17 @@ def attend_decode(
         query = query.to(k_res.dtype)
     has_counts = counts is not None
     ws_m, ws_l, ws_acc = split_workspace(B * H, num_splits, QG, D, out)
-    interp = interpreting()
-    pool_k, pool_v, pool_pos, P, has_pool, p_p = pool_args
-    k_levels, v_levels, rope_inv_freq, has_levels, rope = extras_args
-    wrap = torch.library.wrap_triton
     with device_ctx(query):
-        wrap(_attend_decode_kernel)[(B * Hq, num_splits)](
+        torch.library.wrap_triton(_attend_decode_kernel)[(B * Hq, num_splits)](
             query, query.stride(0), query.stride(1), query.stride(3),
             k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
-            counts if has_counts else lengths, pool_k, pool_v, pool_pos, k_levels, v_levels, rope_inv_freq,
-            ws_m, ws_l, ws_acc, out, k_sparse, k_sparse_idx, v_sparse, v_sparse_idx,
-            H, Hq, S, k_scale.shape[2], P, nkr, float(scale) * LOG2E,
-            HAS_COUNTS=has_counts, HAS_POOL=has_pool, P_P=p_p, HAS_LEVELS=has_levels, ROPE=rope,
+            counts if has_counts else lengths,
+            ws_m=ws_m, ws_l=ws_l, ws_acc=ws_acc, out_ptr=out, H=H, HQ=Hq, S=S, NSG=k_scale.shape[2],
+            qk_scale=float(scale) * LOG2E, HAS_COUNTS=has_counts,
             QG=QG, D=D, K_BITS=k_bits, K_PER=codes_per_byte(k_bits),
             V_BITS=v_bits, V_PER=codes_per_byte(v_bits), G=G, NGV=D // gv, GV=gv, R=R, RR=RR,
-            BLOCK_N=block_n, NUM_SPLITS=num_splits, EMULATE_RTNE=interp, SPARSE=sparse, NK=nk, NV=nv,
+            BLOCK_N=block_n, NUM_SPLITS=num_splits, EMULATE_RTNE=interpreting(),
+            **kernel_options(_attend_decode_kernel, options),
             num_warps=num_warps or (SPARSE_DECODE_NUM_WARPS if sparse else DECODE_NUM_WARPS),
             num_stages=num_stages,
         )

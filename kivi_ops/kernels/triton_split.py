@@ -33,7 +33,7 @@ attend_split:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -45,6 +45,7 @@ from .triton_attend import (
     LOG2E, _cast, _cast_sat, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
     attend_num_splits, launch_reduce, split_workspace,
 )
+from .triton_args import KiviCache, Levels, Pool, Rope, Sparse, kernel_options
 from .triton_quant import device_ctx, interpreting, next_pow2, unpack_codes
 
 # fp32 caches: tl.dot precision of the attention products. "tf32x3" (three TF32 tensor-core
@@ -107,51 +108,86 @@ def _rope_qk(q_lo, q_hi, k_lo, k_hi, positions, freq, DT: tl.constexpr, LOWP: tl
     return _qk_dot(q_lo, lo, DOT_F32, F32_PRECISION) + _qk_dot(q_hi, hi, DOT_F32, F32_PRECISION)
 
 
+class SplitLayout(NamedTuple):
+    """The split kernel's compile-time shape: head_dim D (D_P padded), its RoPE halves HD (HD_P
+    padded to tl.dot's K >= 16), codes per byte K_PER / V_PER at K_BITS / V_BITS, key groups of G
+    tokens (NGB scale rows per tile), NGV value groups (NGV_P x GV_P = D_P padded), the residual
+    ring of R tokens (RR rows stored), QG query heads per kv head, BLOCK_M x BLOCK_N tiles."""
+    D: object
+    D_P: object
+    HD: object
+    HD_P: object
+    K_BITS: object
+    K_PER: object
+    V_BITS: object
+    V_PER: object
+    G: object
+    NGB: object
+    NGV: object
+    NGV_P: object
+    GV_P: object
+    R: object
+    RR: object
+    QG: object
+    BLOCK_M: object
+    BLOCK_N: object
+    NUM_SPLITS: object
+
+
+class Products(NamedTuple):
+    """How the tile products run: LOWP (fp16/bf16 operands on tensor cores) or fp32 (DOT_F32 at
+    F32_PRECISION); EMULATE_RTNE: the interpreter's exact casts (_cast)."""
+    LOWP: object
+    DOT_F32: object
+    F32_PRECISION: object
+    EMULATE_RTNE: object
+
+
 @triton.jit
 def _key_tile(
-    t, tm, t0, limit, nqk, row, bh64, NSG, k_codes, k_scale, k_zero, k_res, k_levels, k_sparse, k_sparse_idx, NKR,
-    C0: tl.constexpr, W: tl.constexpr, W_P: tl.constexpr, MIXED: tl.constexpr, HAS_LEVELS: tl.constexpr,
-    CAST: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr, K_PER: tl.constexpr, G: tl.constexpr,
-    NGB: tl.constexpr, R: tl.constexpr, RR: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RTNE: tl.constexpr,
-    SPARSE: tl.constexpr, NK: tl.constexpr,
+    t, tm, t0, limit, nqk, row, bh64, NSG, cache, levels, sparse,
+    C0: tl.constexpr, W: tl.constexpr, W_P: tl.constexpr, MIXED: tl.constexpr, CAST: tl.constexpr, lay,
+    EMULATE_RTNE: tl.constexpr,
 ):
     """Keys [BLOCK_N, W_P] of tokens t, channels [C0, C0 + W) (the whole head, or one RoPE half):
     per-channel groups of G tokens, one scale row per group; fp32, or rounded to the cache dtype
     when CAST. MIXED: per-token choice between the dequantized codes and the residual ring.
     SPARSE: the exact key outliers (per channel, NK per R-window: rows w * NK + j of k_sparse,
     token offsets in k_sparse_idx, -1 none) replace their dequantized entries."""
+    k_codes, k_scale, k_zero, k_res = cache.k_codes, cache.k_scale, cache.k_zero, cache.k_res
     c = tl.arange(0, W_P)
     cmask = c < W
     if MIXED:
         kq = tm & (t < nqk)
     else:
         kq = tm
-    jk = tl.arange(0, W_P // K_PER)
-    kb = tl.load(k_codes + row[:, None] * (D // K_PER) + (C0 // K_PER + jk)[None, :],
-                 mask=kq[:, None] & (jk < W // K_PER)[None, :], other=0)
-    kc = _code_values(tl.reshape(unpack_codes(kb, K_BITS, K_PER), [BLOCK_N, W_P]), k_levels, HAS_LEVELS)
-    grow = t0 // G + tl.arange(0, NGB)  # the NGB scale rows this tile touches
-    gm = ((grow * G < limit) & (grow * G < nqk))[:, None] & cmask[None, :]
-    ks_off = (bh64 * NSG + grow)[:, None] * D + (C0 + c)[None, :]
+    jk = tl.arange(0, W_P // lay.K_PER)
+    kb = tl.load(k_codes + row[:, None] * (lay.D // lay.K_PER) + (C0 // lay.K_PER + jk)[None, :],
+                 mask=kq[:, None] & (jk < W // lay.K_PER)[None, :], other=0)
+    kc = _code_values(tl.reshape(unpack_codes(kb, lay.K_BITS, lay.K_PER), [lay.BLOCK_N, W_P]), levels.k_levels,
+                      levels.HAS_LEVELS)
+    grow = t0 // lay.G + tl.arange(0, lay.NGB)  # the NGB scale rows this tile touches
+    gm = ((grow * lay.G < limit) & (grow * lay.G < nqk))[:, None] & cmask[None, :]
+    ks_off = (bh64 * NSG + grow)[:, None] * lay.D + (C0 + c)[None, :]
     ks = tl.load(k_scale + ks_off, mask=gm, other=0.0).to(tl.float32)
     kz = tl.load(k_zero + ks_off, mask=gm, other=0.0).to(tl.float32)
-    if NGB > 1:
-        ks = tl.reshape(tl.broadcast_to(ks[:, None, :], [NGB, BLOCK_N // NGB, W_P]), [BLOCK_N, W_P])
-        kz = tl.reshape(tl.broadcast_to(kz[:, None, :], [NGB, BLOCK_N // NGB, W_P]), [BLOCK_N, W_P])
+    if lay.NGB > 1:
+        ks = tl.reshape(tl.broadcast_to(ks[:, None, :], [lay.NGB, lay.BLOCK_N // lay.NGB, W_P]), [lay.BLOCK_N, W_P])
+        kz = tl.reshape(tl.broadcast_to(kz[:, None, :], [lay.NGB, lay.BLOCK_N // lay.NGB, W_P]), [lay.BLOCK_N, W_P])
     kdq = kc * ks + kz
     if CAST:
         kdq = _cast_sat(kdq, k_res.dtype.element_ty, EMULATE_RTNE)
-    if SPARSE:
-        w = t // R  # a tile may span windows (BLOCK_N > R)
+    if sparse.SPARSE:
+        w = t // lay.R  # a tile may span windows (BLOCK_N > R)
         om = kq[:, None] & cmask[None, :]
-        for j in range(NK):
-            srow = ((bh64 * NKR + w * NK + j)[:, None]) * D + (C0 + c)[None, :]
-            exact = tl.load(k_sparse + srow, mask=om, other=0.0)
-            off = tl.load(k_sparse_idx + srow, mask=om, other=-1).to(tl.int32)
-            hit = (off >= 0) & ((w[:, None] * R + off) == t[:, None]) & om
+        for j in range(sparse.NK):
+            srow = ((bh64 * sparse.NKR + w * sparse.NK + j)[:, None]) * lay.D + (C0 + c)[None, :]
+            exact = tl.load(sparse.k_sparse + srow, mask=om, other=0.0)
+            off = tl.load(sparse.k_sparse_idx + srow, mask=om, other=-1).to(tl.int32)
+            hit = (off >= 0) & ((w[:, None] * lay.R + off) == t[:, None]) & om
             kdq = tl.where(hit, exact.to(kdq.dtype), kdq)
     if MIXED:
-        slot = (bh64 * RR + (t % R)[:, None]) * D + (C0 + c)[None, :]
+        slot = (bh64 * lay.RR + (t % lay.R)[:, None]) * lay.D + (C0 + c)[None, :]
         kres = tl.load(k_res + slot, mask=(tm & (t >= nqk))[:, None] & cmask[None, :], other=0.0)
         k = tl.where(kq[:, None], kdq, kres.to(kdq.dtype))
     else:
@@ -161,45 +197,37 @@ def _key_tile(
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, q_hi, freq, t0, limit, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
-    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
-    k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR,
-    MIXED: tl.constexpr, HAS_POOL: tl.constexpr, HAS_LEVELS: tl.constexpr, ROPE: tl.constexpr,
-    D: tl.constexpr, D_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr,
-    G: tl.constexpr, NGB: tl.constexpr, NGV: tl.constexpr, NGV_P: tl.constexpr, GV_P: tl.constexpr,
-    R: tl.constexpr, RR: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOWP: tl.constexpr, DOT_F32: tl.constexpr, F32_PRECISION: tl.constexpr, EMULATE_RTNE: tl.constexpr,
-    SPARSE: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
+    acc, m_i, l_i, query, t0, limit, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale, cache, levels, sparse,
+    MIXED: tl.constexpr, HAS_POOL: tl.constexpr, ROPE: tl.constexpr, lay, prod,
 ):
     """One online-softmax step over tokens [t0, t0 + BLOCK_N) (t0 a multiple of BLOCK_N), tokens
     >= limit masked. MIXED=False: every token is quantized for keys and values (no residual loads);
     MIXED=True: per-token choice between the dequantized codes and the residual ring. HAS_POOL:
     tokens at the pooled positions pp are masked (their exact copies come in _attend_pool_tile).
-    HAS_LEVELS: codes stand for nuq levels. ROPE: keys are pre-RoPE; q / q_hi are then the query's
-    halves and keys are dequantized as halves, rotated to their positions t (freq: inv_freq
-    [HD_P]) in fp32 and only then rounded for the products; otherwise q is the whole query."""
-    DT = k_res.dtype.element_ty
-    t = t0 + tl.arange(0, BLOCK_N)
+    HAS_LEVELS: codes stand for nuq levels. ROPE: keys are pre-RoPE; query = (q, q_hi, freq) is
+    then the query's halves and inv_freq [HD_P], and keys are dequantized as halves, rotated to
+    their positions t in fp32 and only then rounded for the products; otherwise q is the whole
+    query."""
+    q, q_hi, freq = query
+    v_codes, v_scale, v_zero, v_res = cache.v_codes, cache.v_scale, cache.v_zero, cache.v_res
+    DT = cache.k_res.dtype.element_ty
+    t = t0 + tl.arange(0, lay.BLOCK_N)
     tm = t < limit
-    d = tl.arange(0, D_P)
-    dmask = d < D
+    d = tl.arange(0, lay.D_P)
+    dmask = d < lay.D
     row = bh64 * S + t  # int64 token row of codes and value scales
 
     # ---- keys [BLOCK_N, D_P]
     if ROPE:
-        k_lo = _key_tile(t, tm, t0, limit, nqk, row, bh64, NSG, k_codes, k_scale, k_zero, k_res, k_levels,
-                         k_sparse, k_sparse_idx, NKR, 0, HD, HD_P, MIXED, HAS_LEVELS, False, D, K_BITS, K_PER, G, NGB,
-                         R, RR, BLOCK_N, EMULATE_RTNE, SPARSE, NK)
-        k_hi = _key_tile(t, tm, t0, limit, nqk, row, bh64, NSG, k_codes, k_scale, k_zero, k_res, k_levels,
-                         k_sparse, k_sparse_idx, NKR, HD, HD, HD_P, MIXED, HAS_LEVELS, False, D, K_BITS, K_PER, G,
-                         NGB, R, RR, BLOCK_N, EMULATE_RTNE, SPARSE, NK)
-        s = _rope_qk(q, q_hi, k_lo, k_hi, t, freq, DT, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE)
+        k_lo = _key_tile(t, tm, t0, limit, nqk, row, bh64, NSG, cache, levels, sparse, 0, lay.HD, lay.HD_P, MIXED,
+                         False, lay, prod.EMULATE_RTNE)
+        k_hi = _key_tile(t, tm, t0, limit, nqk, row, bh64, NSG, cache, levels, sparse, lay.HD, lay.HD, lay.HD_P,
+                         MIXED, False, lay, prod.EMULATE_RTNE)
+        s = _rope_qk(q, q_hi, k_lo, k_hi, t, freq, DT, prod.LOWP, prod.DOT_F32, prod.F32_PRECISION, prod.EMULATE_RTNE)
     else:
-        k = _key_tile(t, tm, t0, limit, nqk, row, bh64, NSG, k_codes, k_scale, k_zero, k_res, k_levels,
-                      k_sparse, k_sparse_idx, NKR, 0, D, D_P, MIXED, HAS_LEVELS, LOWP, D, K_BITS, K_PER, G, NGB,
-                      R, RR, BLOCK_N, EMULATE_RTNE, SPARSE, NK)
-        s = _qk_dot(q, k, DOT_F32, F32_PRECISION)
+        k = _key_tile(t, tm, t0, limit, nqk, row, bh64, NSG, cache, levels, sparse, 0, lay.D, lay.D_P, MIXED, prod.LOWP,
+                      lay, prod.EMULATE_RTNE)
+        s = _qk_dot(q, k, prod.DOT_F32, prod.F32_PRECISION)
 
     visible = row_ok[:, None] & tm[None, :] & (t[None, :] <= pos[:, None])
     if HAS_POOL:
@@ -211,71 +239,153 @@ def _attend_tile(
         vq = tm & (t < nqv)
     else:
         vq = tm
-    jv = tl.arange(0, D_P // V_PER)
-    vb = tl.load(v_codes + row[:, None] * (D // V_PER) + jv[None, :],
-                 mask=vq[:, None] & (jv < D // V_PER)[None, :], other=0)
-    vc = _code_values(tl.reshape(unpack_codes(vb, V_BITS, V_PER), [BLOCK_N, D_P]), v_levels, HAS_LEVELS)
-    if NGV == 1:
+    jv = tl.arange(0, lay.D_P // lay.V_PER)
+    vb = tl.load(v_codes + row[:, None] * (lay.D // lay.V_PER) + jv[None, :],
+                 mask=vq[:, None] & (jv < lay.D // lay.V_PER)[None, :], other=0)
+    vc = _code_values(tl.reshape(unpack_codes(vb, lay.V_BITS, lay.V_PER), [lay.BLOCK_N, lay.D_P]), levels.v_levels,
+                      levels.HAS_LEVELS)
+    if lay.NGV == 1:
         vs = tl.load(v_scale + row, mask=vq, other=0.0).to(tl.float32)[:, None]
         vz = tl.load(v_zero + row, mask=vq, other=0.0).to(tl.float32)[:, None]
     else:
-        gi = tl.arange(0, NGV_P)
-        vs_off = row[:, None] * NGV + gi[None, :]
-        vm = vq[:, None] & (gi < NGV)[None, :]
+        gi = tl.arange(0, lay.NGV_P)
+        vs_off = row[:, None] * lay.NGV + gi[None, :]
+        vm = vq[:, None] & (gi < lay.NGV)[None, :]
         vs = tl.load(v_scale + vs_off, mask=vm, other=0.0).to(tl.float32)
         vz = tl.load(v_zero + vs_off, mask=vm, other=0.0).to(tl.float32)
-        vs = tl.reshape(tl.broadcast_to(vs[:, :, None], [BLOCK_N, NGV_P, GV_P]), [BLOCK_N, D_P])
-        vz = tl.reshape(tl.broadcast_to(vz[:, :, None], [BLOCK_N, NGV_P, GV_P]), [BLOCK_N, D_P])
+        vs = tl.reshape(tl.broadcast_to(vs[:, :, None], [lay.BLOCK_N, lay.NGV_P, lay.GV_P]), [lay.BLOCK_N, lay.D_P])
+        vz = tl.reshape(tl.broadcast_to(vz[:, :, None], [lay.BLOCK_N, lay.NGV_P, lay.GV_P]), [lay.BLOCK_N, lay.D_P])
     vdq = vc * vs + vz
-    if LOWP:
-        vdq = _cast_sat(vdq, DT, EMULATE_RTNE)
-    if SPARSE:  # per token, the NV exact value outliers (channels in v_sparse_idx, -1 none)
-        for j in range(NV):
-            exact = tl.load(v_sparse + row * NV + j, mask=vq, other=0.0)
-            vch = tl.load(v_sparse_idx + row * NV + j, mask=vq, other=-1).to(tl.int32)
+    if prod.LOWP:
+        vdq = _cast_sat(vdq, DT, prod.EMULATE_RTNE)
+    if sparse.SPARSE:  # per token, the NV exact value outliers (channels in v_sparse_idx, -1 none)
+        for j in range(sparse.NV):
+            exact = tl.load(sparse.v_sparse + row * sparse.NV + j, mask=vq, other=0.0)
+            vch = tl.load(sparse.v_sparse_idx + row * sparse.NV + j, mask=vq, other=-1).to(tl.int32)
             vdq = tl.where(d[None, :] == vch[:, None], exact.to(vdq.dtype)[:, None], vdq)
     if MIXED:
-        slot = (bh64 * RR + (t % R)[:, None]) * D + d[None, :]
+        slot = (bh64 * lay.RR + (t % lay.R)[:, None]) * lay.D + d[None, :]
         vres = tl.load(v_res + slot, mask=(tm & (t >= nqv))[:, None] & dmask[None, :], other=0.0)
         v = tl.where(vq[:, None], vdq, vres.to(vdq.dtype))
     else:
         v = vdq
-    acc = _accumulate_pv(acc, alpha, p, v, DT, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE)
+    acc = _accumulate_pv(acc, alpha, p, v, DT, prod.LOWP, prod.DOT_F32, prod.F32_PRECISION, prod.EMULATE_RTNE)
     return acc, m_new, l_i
 
 
 @triton.jit
-def _attend_pool_tile(
-    acc, m_i, l_i, q, q_hi, freq, j0, pos, row_ok, bh64, P, qk_scale, pool_k, pool_v, pool_pos,
-    ROPE: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr,
-    BLOCK_N: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr, F32_PRECISION: tl.constexpr,
-    EMULATE_RTNE: tl.constexpr,
-):
+def _attend_pool_tile(acc, m_i, l_i, query, j0, pos, row_ok, bh64, qk_scale, pool, ROPE: tl.constexpr, lay, prod):
     """One online-softmax step over pool slots [j0, j0 + BLOCK_N): exact keys/values (cache dtype),
     each visible to the real query rows at or after its token's position; empty slots (-1) to none.
-    ROPE: pre-RoPE pool keys, rotated to their pool_pos (q, q_hi the query halves, _attend_tile)."""
-    j = j0 + tl.arange(0, BLOCK_N)
-    jm = j < P
-    ppos = tl.load(pool_pos + bh64 * P + j, mask=jm, other=-1)
-    d = tl.arange(0, D_P)
-    off = (bh64 * P + j)[:, None] * D + d[None, :]
-    m2 = jm[:, None] & (d < D)[None, :]
+    ROPE: pre-RoPE pool keys, rotated to their pool_pos (query: the halves, _attend_tile)."""
+    q, q_hi, freq = query
+    pool_k, pool_v = pool.pool_k, pool.pool_v
+    j = j0 + tl.arange(0, lay.BLOCK_N)
+    jm = j < pool.P
+    ppos = tl.load(pool.pool_pos + bh64 * pool.P + j, mask=jm, other=-1)
+    d = tl.arange(0, lay.D_P)
+    off = (bh64 * pool.P + j)[:, None] * lay.D + d[None, :]
+    m2 = jm[:, None] & (d < lay.D)[None, :]
     if ROPE:
-        c = tl.arange(0, HD_P)
-        half = (bh64 * P + j)[:, None] * D + c[None, :]
-        hm = jm[:, None] & (c < HD)[None, :]
+        c = tl.arange(0, lay.HD_P)
+        half = (bh64 * pool.P + j)[:, None] * lay.D + c[None, :]
+        hm = jm[:, None] & (c < lay.HD)[None, :]
         k_lo = tl.load(pool_k + half, mask=hm, other=0.0).to(tl.float32)
-        k_hi = tl.load(pool_k + half + HD, mask=hm, other=0.0).to(tl.float32)
-        s = _rope_qk(q, q_hi, k_lo, k_hi, ppos, freq, pool_k.dtype.element_ty, LOWP, DOT_F32, F32_PRECISION,
-                     EMULATE_RTNE)
+        k_hi = tl.load(pool_k + half + lay.HD, mask=hm, other=0.0).to(tl.float32)
+        s = _rope_qk(q, q_hi, k_lo, k_hi, ppos, freq, pool_k.dtype.element_ty, prod.LOWP, prod.DOT_F32, prod.F32_PRECISION,
+                     prod.EMULATE_RTNE)
     else:
         k = tl.load(pool_k + off, mask=m2, other=0.0)
-        s = _qk_dot(q, k, DOT_F32, F32_PRECISION)
+        s = _qk_dot(q, k, prod.DOT_F32, prod.F32_PRECISION)
     visible = row_ok[:, None] & (ppos >= 0)[None, :] & (ppos[None, :] <= pos[:, None])
     p, alpha, m_new, l_i = _softmax_step(s, visible, m_i, l_i, qk_scale)
     v = tl.load(pool_v + off, mask=m2, other=0.0)
-    acc = _accumulate_pv(acc, alpha, p, v, pool_v.dtype.element_ty, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE)
+    acc = _accumulate_pv(acc, alpha, p, v, pool_v.dtype.element_ty, prod.LOWP, prod.DOT_F32, prod.F32_PRECISION, prod.EMULATE_RTNE)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_split(
+    q_ptr, s_qb, s_qh, s_qm, s_qd, cache, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, pool, levels, rope,
+    sparse, workspace, out_ptr, H, S, NSG, Q_LEN, M, M_PAD, qk_scale, lay, prod,
+):
+    """_attend_split_kernel's body, its arguments grouped (triton_args.py)."""
+    bh = tl.program_id(0)
+    sp = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    L = tl.load(lengths_ptr + b).to(tl.int32)
+    if HAS_COUNTS:
+        c = tl.load(counts_ptr + b).to(tl.int32)
+    else:
+        c = tl.zeros_like(L) + Q_LEN
+    nqk = (L // lay.R) * lay.R
+    nqv = tl.maximum(L - lay.R, 0)
+
+    # Query rows of this kv head: r = g * Q_LEN + i -> head h*QG + g, query i at position L - c + i.
+    r = tl.program_id(1) * lay.BLOCK_M + tl.arange(0, lay.BLOCK_M)
+    rmask = r < M
+    gq = r // Q_LEN
+    iq = r % Q_LEN
+    pos = L - c + iq
+    row_ok = rmask & (iq < c)
+    d = tl.arange(0, lay.D_P)
+    dmask = d < lay.D
+    q_row = b.to(tl.int64) * s_qb + (h * lay.QG + gq).to(tl.int64)[:, None] * s_qh + iq.to(tl.int64)[:, None] * s_qm
+    q_dt = tl.float32 if prod.DOT_F32 else cache.k_res.dtype.element_ty
+    if rope.ROPE:
+        # Pre-RoPE keys are rotated in halves (_rope_qk): the query as its two halves too, and the
+        # frequencies once per program.
+        c = tl.arange(0, lay.HD_P)
+        hm = rmask[:, None] & (c < lay.HD)[None, :]
+        q = tl.load(q_ptr + q_row + c.to(tl.int64)[None, :] * s_qd, mask=hm, other=0.0).to(q_dt)
+        q_hi = tl.load(q_ptr + q_row + (lay.HD + c).to(tl.int64)[None, :] * s_qd, mask=hm, other=0.0).to(q_dt)
+        freq = tl.load(rope.inv_freq + c, mask=c < lay.HD, other=0.0)
+    else:
+        q = tl.load(q_ptr + q_row + d.to(tl.int64)[None, :] * s_qd, mask=rmask[:, None] & dmask[None, :],
+                    other=0.0).to(q_dt)
+        q_hi = q  # unused
+        freq = tl.zeros([lay.HD_P], tl.float32)  # unused
+    query = (q, q_hi, freq)
+
+    # This split's token range, cut from the sequence's own length (balanced for any L) in
+    # whole BLOCK_N tiles, so every tile starts at a multiple of BLOCK_N.
+    split_len = tl.cdiv(tl.cdiv(L, lay.NUM_SPLITS), lay.BLOCK_N) * lay.BLOCK_N
+    lo = sp * split_len
+    hi = tl.minimum(lo + split_len, L)
+    # Tiles below `mid` are quantized for keys and values alike (the long, hot part); the last
+    # <= R + BLOCK_N tokens go through the mixed path that also reads the residual rings.
+    mid = tl.maximum(tl.minimum((tl.minimum(nqk, nqv) // lay.BLOCK_N) * lay.BLOCK_N, hi), lo)
+
+    pp = _load_pool_positions(pool.pool_pos, bh64, pool.P, pool.P_P, pool.HAS_POOL)
+    m_i = tl.full([lay.BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([lay.BLOCK_M], tl.float32)
+    acc = tl.zeros([lay.BLOCK_M, lay.D_P], tl.float32)
+    for t0 in range(lo, mid, lay.BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, query, t0, mid, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
+                                     cache, levels, sparse, False, pool.HAS_POOL, rope.ROPE, lay, prod)
+    for t0 in range(mid, hi, lay.BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, query, t0, hi, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
+                                     cache, levels, sparse, True, pool.HAS_POOL, rope.ROPE, lay, prod)
+    if pool.HAS_POOL:
+        # Split 0 also takes the pool's exact tokens; the reduce kernel merges them like any split.
+        for j0 in range(0, tl.where(sp == 0, pool.P, 0), lay.BLOCK_N):
+            acc, m_i, l_i = _attend_pool_tile(acc, m_i, l_i, query, j0, pos, row_ok, bh64, qk_scale, pool, rope.ROPE,
+                                              lay, prod)
+
+    if lay.NUM_SPLITS == 1:
+        o = tl.math.div_rn(acc, tl.zeros_like(acc) + tl.where(l_i > 0.0, l_i, 1.0)[:, None])
+        o = tl.where((l_i > 0.0)[:, None], o, 0.0)
+        o_off = (bh64 * M + r[:, None]) * lay.D + d[None, :]
+        tl.store(out_ptr + o_off, _cast_sat(o, out_ptr.dtype.element_ty, prod.EMULATE_RTNE),
+                 mask=rmask[:, None] & dmask[None, :])
+    else:
+        ws_m, ws_l, ws_acc = workspace
+        w = (bh64 * lay.NUM_SPLITS + sp) * M_PAD + r
+        tl.store(ws_m + w, m_i)
+        tl.store(ws_l + w, l_i)
+        tl.store(ws_acc + w[:, None] * lay.D + d[None, :], acc, mask=dmask[None, :])
 
 
 @triton.jit
@@ -293,92 +403,17 @@ def _attend_split_kernel(
     LOWP: tl.constexpr, DOT_F32: tl.constexpr, F32_PRECISION: tl.constexpr, EMULATE_RTNE: tl.constexpr,
     SPARSE: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    sp = tl.program_id(2)
-    b = bh // H
-    h = bh % H
-    bh64 = bh.to(tl.int64)
-    L = tl.load(lengths_ptr + b).to(tl.int32)
-    if HAS_COUNTS:
-        c = tl.load(counts_ptr + b).to(tl.int32)
-    else:
-        c = tl.zeros_like(L) + Q_LEN
-    nqk = (L // R) * R
-    nqv = tl.maximum(L - R, 0)
-
-    # Query rows of this kv head: r = g * Q_LEN + i -> head h*QG + g, query i at position L - c + i.
-    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = r < M
-    gq = r // Q_LEN
-    iq = r % Q_LEN
-    pos = L - c + iq
-    row_ok = rmask & (iq < c)
-    d = tl.arange(0, D_P)
-    dmask = d < D
-    q_row = b.to(tl.int64) * s_qb + (h * QG + gq).to(tl.int64)[:, None] * s_qh + iq.to(tl.int64)[:, None] * s_qm
-    q_dt = tl.float32 if DOT_F32 else k_res.dtype.element_ty
-    if ROPE:
-        # Pre-RoPE keys are rotated in halves (_rope_qk): the query as its two halves too, and the
-        # frequencies once per program.
-        c = tl.arange(0, HD_P)
-        hm = rmask[:, None] & (c < HD)[None, :]
-        q = tl.load(q_ptr + q_row + c.to(tl.int64)[None, :] * s_qd, mask=hm, other=0.0).to(q_dt)
-        q_hi = tl.load(q_ptr + q_row + (HD + c).to(tl.int64)[None, :] * s_qd, mask=hm, other=0.0).to(q_dt)
-        freq = tl.load(rope_inv_freq + c, mask=c < HD, other=0.0)
-    else:
-        q = tl.load(q_ptr + q_row + d.to(tl.int64)[None, :] * s_qd, mask=rmask[:, None] & dmask[None, :],
-                    other=0.0).to(q_dt)
-        q_hi = q  # unused
-        freq = tl.zeros([HD_P], tl.float32)  # unused
-
-    # This split's token range, cut from the sequence's own length (balanced for any L) in
-    # whole BLOCK_N tiles, so every tile starts at a multiple of BLOCK_N.
-    split_len = tl.cdiv(tl.cdiv(L, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = sp * split_len
-    hi = tl.minimum(lo + split_len, L)
-    # Tiles below `mid` are quantized for keys and values alike (the long, hot part); the last
-    # <= R + BLOCK_N tokens go through the mixed path that also reads the residual rings.
-    mid = tl.maximum(tl.minimum((tl.minimum(nqk, nqv) // BLOCK_N) * BLOCK_N, hi), lo)
-
-    pp = _load_pool_positions(pool_pos, bh64, P, P_P, HAS_POOL)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_P], tl.float32)
-    for t0 in range(lo, mid, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_hi, freq, t0, mid, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
-            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
-            k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR,
-            False, HAS_POOL, HAS_LEVELS, ROPE, D, D_P, HD, HD_P, K_BITS, K_PER, V_BITS, V_PER,
-            G, NGB, NGV, NGV_P, GV_P, R, RR, BLOCK_N, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE, SPARSE, NK, NV,
-        )
-    for t0 in range(mid, hi, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_hi, freq, t0, hi, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
-            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, k_levels, v_levels,
-            k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR,
-            True, HAS_POOL, HAS_LEVELS, ROPE, D, D_P, HD, HD_P, K_BITS, K_PER, V_BITS, V_PER,
-            G, NGB, NGV, NGV_P, GV_P, R, RR, BLOCK_N, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE, SPARSE, NK, NV,
-        )
-    if HAS_POOL:
-        # Split 0 also takes the pool's exact tokens; the reduce kernel merges them like any split.
-        for j0 in range(0, tl.where(sp == 0, P, 0), BLOCK_N):
-            acc, m_i, l_i = _attend_pool_tile(
-                acc, m_i, l_i, q, q_hi, freq, j0, pos, row_ok, bh64, P, qk_scale, pool_k, pool_v, pool_pos,
-                ROPE, D, D_P, HD, HD_P, BLOCK_N, LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE,
-            )
-
-    if NUM_SPLITS == 1:
-        o = tl.math.div_rn(acc, tl.zeros_like(acc) + tl.where(l_i > 0.0, l_i, 1.0)[:, None])
-        o = tl.where((l_i > 0.0)[:, None], o, 0.0)
-        o_off = (bh64 * M + r[:, None]) * D + d[None, :]
-        tl.store(out_ptr + o_off, _cast_sat(o, out_ptr.dtype.element_ty, EMULATE_RTNE),
-                 mask=rmask[:, None] & dmask[None, :])
-    else:
-        w = (bh64 * NUM_SPLITS + sp) * M_PAD + r
-        tl.store(ws_m + w, m_i)
-        tl.store(ws_l + w, l_i)
-        tl.store(ws_acc + w[:, None] * D + d[None, :], acc, mask=dmask[None, :])
+    """The launched entry point: flat arguments (triton_args.py), grouped for _attend_split."""
+    _attend_split(
+        q_ptr, s_qb, s_qh, s_qm, s_qd, KiviCache(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res),
+        lengths_ptr, counts_ptr, HAS_COUNTS, Pool(pool_k, pool_v, pool_pos, P, HAS_POOL, P_P),
+        Levels(k_levels, v_levels, HAS_LEVELS), Rope(rope_inv_freq, ROPE),
+        Sparse(k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR, NK, NV, SPARSE), (ws_m, ws_l, ws_acc), out_ptr,
+        H, S, NSG, Q_LEN, M, M_PAD, qk_scale,
+        SplitLayout(D, D_P, HD, HD_P, K_BITS, K_PER, V_BITS, V_PER, G, NGB, NGV, NGV_P, GV_P, R, RR, QG, BLOCK_M,
+                    BLOCK_N, NUM_SPLITS),
+        Products(LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE),
+    )
 
 
 def attend_launch_config(head_dim: int, lowp: bool, rows: int) -> tuple[int, int, int]:
@@ -407,8 +442,7 @@ def attend_split(
     q_len, head_dim >= 16. The pool (t.pool) and KVQuant's nuq levels, pre-RoPE keys and sparse
     outlier store (t.extras) are read by the kernel.
     num_splits / block_n / num_warps / num_stages override the static choices (tests, tuning)."""
-    (B, H, S, D, R, RR, G, gv), pool_args, extras_args, sparse_args, out = attend_setup(query, t, p)
-    k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, nkr, nk, nv, sparse = sparse_args
+    (B, H, S, D, R, RR, G, gv), options, out = attend_setup(query, t, p)
     if out.numel() == 0:
         return out
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = t.kivi
@@ -416,7 +450,6 @@ def attend_split(
     Hq, q_len = query.shape[1], query.shape[2]
     QG = Hq // H
     M = QG * q_len
-    k_levels, v_levels, rope_inv_freq, has_levels, rope = extras_args
     if D < 16:
         raise ValueError(f"attend_split needs head_dim >= 16 (tl.dot), got {D}")
     lowp = k_res.dtype != torch.float32
@@ -428,7 +461,7 @@ def attend_split(
     if block_n is None:
         # The outliers' [BLOCK_N, D] rows cost registers: half-size tiles keep the sm_90 compile
         # free of spills (ptxas_sm90.json).
-        block_n = max(16, default_block_n // 2) if sparse else default_block_n
+        block_n = max(16, default_block_n // 2) if options["SPARSE"] else default_block_n
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     ngv, ngv_p, gv_p = D // gv, next_pow2(D // gv), next_pow2(gv)
@@ -444,26 +477,21 @@ def attend_split(
     if lowp and query.dtype != dtype:
         query = query.to(dtype)
     has_counts = counts is not None
-    cnt = counts if has_counts else lengths
     ws_m, ws_l, ws_acc = split_workspace(B * H, num_splits, m_pad, D, out)
-    kper, vper = codes_per_byte(k_bits), codes_per_byte(v_bits)
-    pool_k, pool_v, pool_pos, P, has_pool, p_p = pool_args
-    wrap = torch.library.wrap_triton
     with device_ctx(query):
-        wrap(_attend_split_kernel)[(B * H, m_blocks, num_splits)](
+        torch.library.wrap_triton(_attend_split_kernel)[(B * H, m_blocks, num_splits)](
             query, query.stride(0), query.stride(1), query.stride(2), query.stride(3),
-            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, cnt,
-            pool_k, pool_v, pool_pos, k_levels, v_levels, rope_inv_freq, ws_m, ws_l, ws_acc, out,
-            k_sparse, k_sparse_idx, v_sparse, v_sparse_idx,
-            H, S, k_scale.shape[2], q_len, M, m_pad, P, nkr, float(scale) * LOG2E,
-            HAS_COUNTS=has_counts, HAS_POOL=has_pool, P_P=p_p, HAS_LEVELS=has_levels, ROPE=rope,
+            k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
+            counts if has_counts else lengths,
+            ws_m=ws_m, ws_l=ws_l, ws_acc=ws_acc, out_ptr=out, H=H, S=S, NSG=k_scale.shape[2], Q_LEN=q_len, M=M,
+            M_PAD=m_pad, qk_scale=float(scale) * LOG2E, HAS_COUNTS=has_counts,
             # pre-RoPE halves padded to tl.dot's K >= 16 (zero channels add nothing)
             QG=QG, D=D, D_P=d_p, HD=D // 2, HD_P=max(16, next_pow2(D // 2)),
-            K_BITS=k_bits, K_PER=kper, V_BITS=v_bits, V_PER=vper,
+            K_BITS=k_bits, K_PER=codes_per_byte(k_bits), V_BITS=v_bits, V_PER=codes_per_byte(v_bits),
             G=G, NGB=max(block_n // G, 1), NGV=ngv, NGV_P=ngv_p, GV_P=gv_p,
             R=R, RR=RR, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             LOWP=lowp, DOT_F32=dot_f32, F32_PRECISION=F32_DOT_PRECISION, EMULATE_RTNE=interp,
-            SPARSE=sparse, NK=nk, NV=nv, num_warps=num_warps, num_stages=num_stages,
+            **kernel_options(_attend_split_kernel, options), num_warps=num_warps, num_stages=num_stages,
         )
         if num_splits > 1:
             launch_reduce(ws_m, ws_l, ws_acc, out, B * H, M, m_pad, num_splits)
