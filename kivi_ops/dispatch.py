@@ -4,6 +4,11 @@
 KIVICache asks once per call (eager, or while torch.compile / torch.export trace it); the
 kivi ops' own device kernels ask again for what runs inside the op. Nothing else chooses.
 
+`KIVI_CPU_KERNELS` (environment, read at import; `set_cpu_kernels` in Python) picks the CPU
+decode kernels outside torch.compile: "compiled" (default), the compiled-mode forms compiled per
+op (kernels/cpu_compiled.py), or "reference", the reference inside the op. The committed quality
+numbers were measured with the reference; select it to reproduce them bit for bit.
+
 Modes: "eager"; "compile" (torch.compile is tracing); "export" (torch.export is tracing: the
 custom ops stay in the program, so pt2 and AOTInductor run our kernels); "portable" (the cache
 is built for exporters that cannot carry custom ops: ONNX, ExecuTorch).
@@ -11,7 +16,8 @@ is built for exporters that cannot carry custom ops: ONNX, ExecuTorch).
 Support matrix (decomposed forms are core ATen: traced inline, never inside the op):
 
     device  mode            append                attend, q_len == 1         attend, q_len > 1
-    cpu     eager, export   reference (op)        reference (op)             reference (op)
+    cpu     eager           decomposed_cond [4]   decomposed_fused [1][4]    reference (op)
+    cpu     export          reference (op)        reference (op)             reference (op)
     cpu     compile         decomposed_cond [3]   decomposed_fused [1]       decomposed_materialized
     any     portable        decomposed            decomposed_materialized    decomposed_materialized
     cuda    eager, compile, triton (op)           triton_decode (op) [2]     triton_split (op)
@@ -25,13 +31,19 @@ Support matrix (decomposed forms are core ATen: traced inline, never inside the 
     triton_decode (docs/performance.md, "Instructions per token").
 [3] decomposed, with the key flush under torch.cond: on CPU Inductor makes it a host-side `if`,
     so a decode step quantizes a key window only on the steps that complete one.
+[4] One-token appends and decode attention (q_len == 1) run the compile-mode forms, compiled
+    per op outside any traced graph (Choice.compiled; kernels/cpu_compiled.py). Longer appends
+    (prompts), and everything with KIVI_CPU_KERNELS=reference, run the reference inside the op.
+    The op's own CPU kernel is always the reference (an exported program calling it runs it).
 Other devices run the reference inside the op (the op's CPU kernel is the only other one
 registered), which is what the dispatcher would do anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -44,9 +56,47 @@ IMPLEMENTATIONS = ("reference", "decomposed", "decomposed_cond", "decomposed_fus
                    "triton_decode", "triton_split")
 
 
+CPU_KERNELS = ("compiled", "reference")
+
+
+def _cpu_kernels_from_environment() -> str:
+    name = os.environ.get("KIVI_CPU_KERNELS", "compiled")
+    if name not in CPU_KERNELS:
+        raise ValueError(f"the environment variable KIVI_CPU_KERNELS must be one of {CPU_KERNELS}, got {name!r}")
+    return name
+
+
+_cpu_kernels = _cpu_kernels_from_environment()
+
+
+def set_cpu_kernels(name: str) -> str:
+    """Select the CPU decode kernels outside torch.compile ("compiled" or "reference", see the
+    module doc) for the whole process; returns the previous selection."""
+    global _cpu_kernels
+    if name not in CPU_KERNELS:
+        raise ValueError(f"cpu kernels must be one of {CPU_KERNELS}, got {name!r}")
+    previous, _cpu_kernels = _cpu_kernels, name
+    return previous
+
+
+@contextlib.contextmanager
+def cpu_kernels(name: str):
+    """`with cpu_kernels("reference"):` selects them for the block (set_cpu_kernels, restored after)."""
+    previous = set_cpu_kernels(name)
+    try:
+        yield
+    finally:
+        set_cpu_kernels(previous)
+
+
+def current_cpu_kernels() -> str:
+    return _cpu_kernels
+
+
 class Choice(NamedTuple):
     implementation: str
     in_op: bool  # runs inside the kivi custom op (its device kernel), rather than traced inline
+    compiled: bool = False  # an inline form run through torch.compile on its own (footnote [4])
 
 
 def current_mode(portable: bool) -> str:
@@ -60,8 +110,9 @@ def current_mode(portable: bool) -> str:
     return "eager"
 
 
-def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors) -> Choice:
-    """The implementation of `op` for one call (the support matrix above)."""
+def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors,
+           cpu_kernels: str = "compiled") -> Choice:
+    """The implementation of `op` for one call (the support matrix above; cpu_kernels: footnote [4])."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if mode not in MODES:
@@ -75,10 +126,15 @@ def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors) 
         head_dim = layer.k_res.shape[-1]
         decode = q_len == 1 and head_dim & (head_dim - 1) == 0
         return Choice("triton_decode" if decode else "triton_split", in_op=True)
-    if device == "cpu" and mode == "compile":
+    if cpu_kernels not in CPU_KERNELS:
+        raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {cpu_kernels!r}")
+    eager_decode = mode == "eager" and q_len == 1 and cpu_kernels == "compiled"
+    if device == "cpu" and (mode == "compile" or eager_decode):
+        compiled = mode == "eager"
         if op == "append":
-            return Choice("decomposed_cond", in_op=False)
-        return Choice("decomposed_fused" if q_len == 1 and not kvquant else "decomposed_materialized", in_op=False)
+            return Choice("decomposed_cond", in_op=False, compiled=compiled)
+        form = "decomposed_fused" if q_len == 1 and not kvquant else "decomposed_materialized"
+        return Choice(form, in_op=False, compiled=compiled)
     return Choice("reference", in_op=True)
 
 
@@ -91,9 +147,14 @@ def compiled_decode(device: str, head_dim: int = 128) -> dict[str, str]:
 
 def append(layer: LayerTensors, key, value, counts, params: QuantParams, *, portable: bool = False) -> None:
     """cache_append as the cache calls it: through the kivi op, or a decomposed form traced inline."""
-    choice = choose("append", device=key.device.type, mode=current_mode(portable), q_len=key.shape[2], layer=layer)
+    choice = choose("append", device=key.device.type, mode=current_mode(portable), q_len=key.shape[2], layer=layer,
+                    cpu_kernels=_cpu_kernels)
     if choice.in_op:
         torch.ops.kivi.cache_append(*layer, key, value, counts, *params)
+    elif choice.compiled:
+        from .kernels import cpu_compiled
+
+        cpu_compiled.append(choice.implementation, layer, key, value, counts, params)
     else:
         run_append(choice.implementation, layer, key, value, counts, params)
 
@@ -101,9 +162,13 @@ def append(layer: LayerTensors, key, value, counts, params: QuantParams, *, port
 def attend(query, layer: LayerTensors, counts, params: QuantParams, scale: float, *, portable: bool = False):
     """cache_attend as the cache calls it."""
     choice = choose("attend", device=query.device.type, mode=current_mode(portable), q_len=query.shape[2],
-                    layer=layer)
+                    layer=layer, cpu_kernels=_cpu_kernels)
     if choice.in_op:
         return torch.ops.kivi.cache_attend(query, *layer, counts, *params, scale)
+    if choice.compiled:
+        from .kernels import cpu_compiled
+
+        return cpu_compiled.attend(choice.implementation, query, layer, counts, params, scale)
     return run_attend(choice.implementation, query, layer, counts, params, scale)
 
 

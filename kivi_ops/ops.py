@@ -217,16 +217,19 @@ def _(*args, **kwargs):
 
 
 def _append_kernel(*args, **kwargs) -> None:
-    """CPU and CUDA kernel of cache_append: what dispatch.py says runs inside the op."""
+    """CPU and CUDA kernel of cache_append: what dispatch.py says runs inside the op (on CPU always
+    the reference: the compiled CPU forms run outside the op)."""
     layer, key, value, counts, params = _append_args(args, kwargs)
-    choice = dispatch.choose("append", device=key.device.type, mode="eager", q_len=key.shape[2], layer=layer)
+    choice = dispatch.choose("append", device=key.device.type, mode="eager", q_len=key.shape[2], layer=layer,
+                             cpu_kernels="reference")
     dispatch.run_append(choice.implementation, layer, key, value, counts, params)
 
 
 def _attend_kernel(*args, **kwargs) -> Tensor:
     """CPU and CUDA kernel of cache_attend."""
     query, layer, counts, params, scale = _attend_args(args, kwargs)
-    choice = dispatch.choose("attend", device=query.device.type, mode="eager", q_len=query.shape[2], layer=layer)
+    choice = dispatch.choose("attend", device=query.device.type, mode="eager", q_len=query.shape[2], layer=layer,
+                             cpu_kernels="reference")
     return dispatch.run_attend(choice.implementation, query, layer, counts, params, scale)
 
 

@@ -1,5 +1,5 @@
 """Without CUDA, Triton kernels run in the interpreter; it must be enabled before any kernel module
-is imported, whichever test module imports one first.
+is imported, whichever test module imports one first. The CPU kernel selection (below) likewise.
 
 Under pytest-xdist (`make test`: two workers), each worker takes its share of the cores for
 torch's intra-op threads: by default every worker would start one thread per core, and on two
@@ -12,6 +12,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The suite runs the reference CPU kernels: the default compiled ones (kernels/cpu_compiled.py)
+# compile once per cache shape, seconds each, and the suite builds hundreds of shapes. The
+# compiled-mode forms themselves are tested in test_decomposed.py and test_cache_property.py, and
+# test_cpu_compiled.py runs the default selection as users get it.
+os.environ.setdefault("KIVI_CPU_KERNELS", "reference")
 
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:

@@ -22,7 +22,8 @@ REFERENCE_OP = (("reference", OP),) * 3
 PORTABLE = (("decomposed", INLINE), ("decomposed_materialized", INLINE), ("decomposed_materialized", INLINE))
 TRITON = (("triton", OP), ("triton_decode", OP), ("triton_split", OP))
 MATRIX = {
-    ("cpu", "eager"): REFERENCE_OP,
+    # q_len > 1 appends and cpu_kernels="reference": footnote [4] (expected_choice)
+    ("cpu", "eager"): (("decomposed_cond", INLINE), ("decomposed_fused", INLINE), ("reference", OP)),
     ("cpu", "export"): REFERENCE_OP,
     ("cpu", "compile"): (("decomposed_cond", INLINE), ("decomposed_fused", INLINE), ("decomposed_materialized", INLINE)),
     ("cpu", "portable"): PORTABLE,
@@ -41,18 +42,21 @@ DEVICES = ("cpu", "cuda", "mps")
 OPTIONS = ("pool", "nuq", "sparse", "pre_rope")
 
 
-def expected_choice(op, device, mode, q_len, options, head_dim):
-    """The matrix cell, then its footnotes."""
+def expected_choice(op, device, mode, q_len, options, head_dim, cpu_kernels="compiled"):
+    """The matrix cell, then its footnotes: (implementation, in_op, compiled)."""
     append, decode, longer = MATRIX[device, mode]
     impl, in_op = append if op == "append" else decode if q_len == 1 else longer
     if mode == "portable":
-        return impl, in_op
+        return impl, in_op, False
+    if (device, mode) == ("cpu", "eager") and (q_len > 1 or cpu_kernels == "reference"):  # [4]
+        return "reference", OP, False
+    compiled = (device, mode) == ("cpu", "eager")  # [4]
     kvquant = {"nuq", "sparse", "pre_rope"} & options
     if impl == "decomposed_fused" and kvquant:  # [1]
         impl = "decomposed_materialized"
     if impl == "triton_decode" and head_dim & (head_dim - 1):  # [2]
         impl = "triton_split"
-    return impl, in_op
+    return impl, in_op, compiled
 
 
 def layer_with(options, head_dim):
@@ -80,13 +84,16 @@ OPTION_SETS = [frozenset(c) for n in range(len(OPTIONS) + 1) for c in itertools.
 
 def test_choose_follows_the_support_matrix():
     seen = set()
-    walk = itertools.product(dispatch.OPS, DEVICES, dispatch.MODES, (1, 4), OPTION_SETS, (64, 48))
-    for op, device, mode, q_len, options, head_dim in walk:
-        got = dispatch.choose(op, device=device, mode=mode, q_len=q_len, layer=layer_with(options, head_dim))
-        want = expected_choice(op, device, mode, q_len, options, head_dim)
-        where = f"{op} on {device}, {mode}, q_len={q_len}, options={sorted(options)}, head_dim={head_dim}"
+    walk = itertools.product(dispatch.OPS, DEVICES, dispatch.MODES, (1, 4), OPTION_SETS, (64, 48),
+                             dispatch.CPU_KERNELS)
+    for op, device, mode, q_len, options, head_dim, kernels in walk:
+        got = dispatch.choose(op, device=device, mode=mode, q_len=q_len, layer=layer_with(options, head_dim),
+                              cpu_kernels=kernels)
+        want = expected_choice(op, device, mode, q_len, options, head_dim, kernels)
+        where = (f"{op} on {device}, {mode}, q_len={q_len}, options={sorted(options)}, head_dim={head_dim}, "
+                 f"cpu_kernels={kernels}")
         assert isinstance(got, Choice), where
-        assert (got.implementation, got.in_op) == want, where
+        assert tuple(got) == want, where
         seen.add(got.implementation)
     assert seen == set(dispatch.IMPLEMENTATIONS)  # the walk reaches every implementation
     assert len(OPTION_SETS) == 16  # plain, each option alone, and every combination
@@ -105,6 +112,10 @@ def test_choose_and_run_reject_unknown_names():
     with pytest.raises(ValueError, match=r"mode must be one of \('eager', 'compile', 'export', 'portable'\), "
                                          r"got 'jit'"):
         dispatch.choose("attend", device="cpu", mode="jit", q_len=1, layer=layer)
+    with pytest.raises(ValueError, match=r"cpu_kernels must be one of \('compiled', 'reference'\), got 'fast'"):
+        dispatch.choose("attend", device="cpu", mode="eager", q_len=1, layer=layer, cpu_kernels="fast")
+    with pytest.raises(ValueError, match=r"cpu kernels must be one of \('compiled', 'reference'\), got 'fast'"):
+        dispatch.set_cpu_kernels("fast")
     with pytest.raises(ValueError, match="no append implementation 'nope'"):
         dispatch.run_append("nope", layer, None, None, None, None)
     with pytest.raises(ValueError, match="no attend implementation 'nope'"):
