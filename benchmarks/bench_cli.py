@@ -62,7 +62,7 @@ def add_bench_parser(sub) -> None:
     srv.add_argument("--compile", action="store_true", help="compile the decode step (as kivi serve --compile)")
 
     hfg = bsub.add_parser("hf-generate", help="transformers' model.generate(): DynamicCache, quanto's QuantizedCache "
-                                              "and our KIVI-2 cache (compiled and eager), decode tokens/s, one run")
+                                              "and our KIVI-2 cache (compiled and eager), decode tokens/s, side by side in one run")
     hfg.add_argument("--contexts", type=int_list, default=[1024, 8192],
                      help="prompt tokens (clipped to the model's positions minus --new-tokens)")
     hfg.add_argument("--batches", type=_int_list_any, default=[1, 4])
@@ -70,6 +70,9 @@ def add_bench_parser(sub) -> None:
     hfg.add_argument("--caches", type=_cache_list, default=None,
                      help="comma-separated, from dynamic,quanto,kivi_eager,kivi (default: all; quanto where "
                           "optimum-quanto is installed)")
+    hfg.add_argument("--rounds", type=positive_int, default=1,
+                     help="runs per cache, the caches taking turns; each cache's best run is reported (on a "
+                          "shared machine 2 or more keep a busy moment from deciding a ratio)")
 
     for p in (att, dec, wq, srv, hfg):
         p.add_argument("--threads", type=positive_int, default=None,
@@ -204,7 +207,7 @@ def cmd_bench(args, parser) -> int:
         model, tokenizer = load_model(dtype=torch.float16 if device == "cuda" else torch.float32, device=device)
         with usage_errors(parser):
             result = bench_hf_generate(model, tokenizer, contexts=args.contexts, batches=args.batches,
-                                       new_tokens=args.new_tokens, caches=args.caches)
+                                       new_tokens=args.new_tokens, caches=args.caches, rounds=args.rounds)
         result["model"] = "default"
         name = f"bench_hf_generate_{device}"
     else:

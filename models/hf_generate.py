@@ -16,7 +16,8 @@ Two things make that safe:
 
 The first decode step compiles (about 10 s on the 2-core CPU for the embedded model); later
 calls with the same shapes reuse the graph. `model.generate(..., disable_compile=True)` opts out
-and runs the eager step.
+and runs the eager step; on CPU its cache ops then run kernels compiled per op on their first
+call (kivi_ops/kernels/cpu_compiled.py; `KIVI_CPU_KERNELS=reference` for the reference).
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ def _keep_2d_mask(*, attention_mask=None, **kwargs):
 def _compiled_call(model, compile_config=None):
     """The decode-step callable transformers' generate() uses (its get_compiled_call contract):
     a model call, compiled where it is a decode step over our cache, the model's own otherwise."""
-    step = getattr(model, "_kivi_compiled_step", None)
-    if step is None:
-        step = model._kivi_compiled_step = compile_decode_step(model.device)
+    steps = model.__dict__.setdefault("_kivi_compiled_steps", {})  # per device: a model moved later compiles anew
+    if model.device not in steps:
+        steps[model.device] = compile_decode_step(model.device)
+    step = steps[model.device]
 
     def call(input_ids=None, past_key_values=None, position_ids=None, cache_position=None, **kwargs):
         if not _is_decode_step(input_ids, past_key_values, kwargs):
