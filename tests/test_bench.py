@@ -85,6 +85,7 @@ def test_budget_batches_follow_exact_cache_bytes():
     assert max_batch_for_budget(fp, 10 * fp + 1) == 10 and max_batch_for_budget(fp, fp - 1) == 0
 
 
+@pytest.mark.slow  # a minute on 2 busy cores: 3 caches x prefill + compiled decode
 def test_bench_budget_runs_each_cache_at_its_largest_batch(monkeypatch):
     from kivi_benchmarks import perf
 

@@ -26,6 +26,8 @@ CONFIGS = {
     "pool": KIVIConfig(2, 4, 8, 16, sink_tokens=2, outlier_tokens=2, outlier_skip_layers=0),  # fused form + pool
     "pre_rope": KIVIConfig(4, 2, 8, 16, pre_rope=True),  # KVQuant: the materialized form
 }
+# The options' graphs take 15-30 s each to compile on 2 busy cores: `make test-slow`.
+CONFIG_PARAMS = [pytest.param(name, marks=[pytest.mark.slow] if name != "plain" else []) for name in CONFIGS]
 
 
 def twin_caches(config, B=3, H=2, D=32, S=72):
@@ -51,7 +53,7 @@ def compiled_kernels():
         yield
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", CONFIG_PARAMS)
 def test_compiled_decode_writes_the_reference_bits_and_attends_like_it(name):
     config = CONFIGS[name]
     ref, comp = twin_caches(config)

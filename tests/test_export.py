@@ -192,6 +192,7 @@ def test_decoder_cache_as_io_leaves_its_own_buffers_alone():
     assert all(int(t.abs().sum()) == 0 for t in functional.cache_tensors())
 
 
+@pytest.mark.slow  # a minute: an int8 generate and a pt2 export of its own
 def test_int8_weights_export_to_pt2_with_plain_tensors(tmp_path, capsys):
     """torchao int8 weights export unwrapped (plain int8 + scales, no pickled subclasses), and the
     program's greedy tokens equal `kivi generate --weight-quant int8`."""
