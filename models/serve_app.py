@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .serve_engine import Engine, Request
+from .serve_engine import Engine, Failure, Request
 
 
 class _Strict(BaseModel):
@@ -56,6 +56,12 @@ def error(status: int, message: str, *, param: Optional[str] = None, code: Optio
           kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
                                                                "code": code}})
+
+
+def failed(failure: Failure) -> JSONResponse:
+    """A request the engine ended with an error (serve_engine.Failure)."""
+    return error(failure.status, failure.message, code=failure.code,
+                 kind="server_error" if failure.status >= 500 else "invalid_request_error")
 
 
 def build_app(engine: Engine, model_name: str) -> FastAPI:
@@ -139,8 +145,10 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         created = int(time.time())
         usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(request.tokens),  # noqa: E731
                          "total_tokens": len(ids) + len(request.tokens)}
+        headers = {"x-request-id": request.id}  # as in the engine's log lines
         if body.stream:
-            return StreamingResponse(stream(request, events, rid, created, chat, usage), media_type="text/event-stream")
+            return StreamingResponse(stream(request, events, rid, created, chat, usage), media_type="text/event-stream",
+                                     headers=headers)
         text, reason = [], None
         try:
             while reason is None:
@@ -150,15 +158,18 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
                 elif kind == "done":
                     reason = payload
                 else:
-                    return error(500, f"generation failed: {payload}", kind="server_error")
+                    response = failed(payload)
+                    response.headers["x-request-id"] = request.id
+                    return response
         except asyncio.CancelledError:  # the client went away
             engine.cancel(request)
             raise
         content = "".join(text)
         choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason}
                   if chat else {"index": 0, "text": content, "finish_reason": reason, "logprobs": None})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": model_name, "choices": [choice], "usage": usage()}
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": created, "model": model_name, "choices": [choice], "usage": usage()},
+                            headers=headers)
 
     async def stream(request: Request, events: asyncio.Queue, rid: str, created: int, chat: bool, usage):
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -185,7 +196,7 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
                     yield chunk(None if chat else "", payload)
                     break
                 else:
-                    yield f"data: {json.dumps({'error': {'message': payload, 'type': 'server_error'}})}\n\n"
+                    yield f"data: {failed(payload).body.decode()}\n\n"
                     break
             yield "data: [DONE]\n\n"
         finally:  # finished, or the client disconnected mid-stream: free the slot either way

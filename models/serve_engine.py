@@ -14,30 +14,45 @@ Each row of the cache is a slot. One engine thread owns the model and the cache 
    at once.
 
 Per-row lengths and statistics keep rows independent: a greedy completion equals `kivi generate`
-of the same prompt alone, whatever else shares the batch. Handlers talk to the engine through
-`submit` and the request's event queue (thread-safe callbacks).
+of the same prompt alone, whatever else shares the batch. Failures are isolated the same way: a
+prompt whose prefill fails, a row whose logits are not finite, or a sampler or tokenizer error ends
+that request alone (an "error" event naming the cause, logged with the request id) and the other
+rows go on; only an error in the batched decode step itself, which no single row owns, ends them
+all. Handlers talk to the engine through `submit` and the request's event queue (thread-safe
+callbacks).
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
+import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
-from .generate import check_finite, compile_decode_step, decode_step, make_cache, prefill
+from .generate import compile_decode_step, decode_step, make_cache, prefill, sampling_probs
 
-_ids = itertools.count()
+log = logging.getLogger("kivi.serve")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a request ended without finishing: the HTTP status a non-streamed reply carries, a
+    message naming the cause, and OpenAI's error code."""
+
+    status: int
+    message: str
+    code: str = "generation_failed"
 
 
 @dataclass(eq=False)  # requests compare by identity (queue removal)
 class Request:
     """One completion. `emit(kind, payload)` is called from the engine thread: ("text", str) for
-    new text, then ("done", finish_reason) or ("error", message)."""
+    new text, then ("done", finish_reason) or ("error", Failure)."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -46,7 +61,7 @@ class Request:
     top_p: float = 1.0
     seed: Optional[int] = None
     stop: list[str] = field(default_factory=list)
-    id: int = field(default_factory=lambda: next(_ids))
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)  # random: ids reveal no traffic
     tokens: list[int] = field(default_factory=list)
     text_sent: int = 0  # characters of the decoded completion already emitted
     cancelled: bool = False
@@ -135,8 +150,11 @@ class Engine:
                         self._prefill(admitted)
                     if any(r is not None for r in self.rows):
                         self._decode()
-            except Exception as e:  # a failing step must not take the server down: fail its requests
-                self._fail_all(f"{type(e).__name__}: {e}")
+            except Exception as e:  # the batched step failed: no single row owns it, so every row ends
+                log.exception("the decode step failed; ending the %d running request(s)", sum(map(bool, self.rows)))
+                for slot, r in enumerate(self.rows):
+                    if r is not None:
+                        self._fail(slot, r, f"the decode step failed: {type(e).__name__}: {e}")
 
     def _drop_cancelled(self) -> None:
         for slot, r in enumerate(self.rows):
@@ -144,15 +162,20 @@ class Engine:
                 self.rows[slot] = None
 
     def _prefill(self, admitted: list[int]) -> None:
-        logits = []
+        """Prefill each admitted prompt alone; one that fails ends its own request only."""
         for slot in admitted:
-            ids = self.rows[slot].prompt_ids
-            self.staging.reset()
-            input_ids = torch.tensor([ids], device=self.device)
-            counts = torch.tensor([len(ids)], device=self.device)
-            logits.append(prefill(self.model, self.staging, input_ids, counts)[0])
-            self.cache.load_row(slot, self.staging)
-        self._advance(check_finite(torch.stack(logits), "the prompt"), admitted)
+            r = self.rows[slot]
+            try:
+                self.staging.reset()
+                input_ids = torch.tensor([r.prompt_ids], device=self.device)
+                counts = torch.tensor([len(r.prompt_ids)], device=self.device)
+                logits = prefill(self.model, self.staging, input_ids, counts)
+                self.cache.load_row(slot, self.staging)
+            except Exception as e:
+                log.exception("request %s: the prefill failed", r.id)
+                self._fail(slot, r, f"the prefill failed: {type(e).__name__}: {e}")
+                continue
+            self._advance(logits, [slot], "the prompt")
 
     def _decode(self) -> None:
         B = self.slots
@@ -164,39 +187,49 @@ class Engine:
             counts[s] = 1
         positions = self.cache.lengths().clone()
         logits = self.step_fn(self.model, self.cache, tokens, positions, counts)
-        self._advance(check_finite(logits[active], "a decode step"), active)
+        self._advance(logits[active], active, "a decode step")
 
-    def _advance(self, logits: torch.Tensor, slots: list[int]) -> None:
+    def _advance(self, logits: torch.Tensor, slots: list[int], where: str) -> None:
         """logits [len(slots), V], row i for slots[i]: sample each row's next token and emit it;
-        finish rows that are done."""
-        for row_logits, slot in zip(logits, slots):
+        finish rows that are done. A row that fails (non-finite logits, the sampler, the
+        tokenizer) ends its own request; the others go on."""
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        for row_logits, slot, ok in zip(logits, slots, finite):
             r = self.rows[slot]
             if r is None or r.cancelled:
                 self.rows[slot] = None
                 continue
-            token = self._sample(row_logits, r)
-            r.tokens.append(token)
-            if r.first_token_s is None:
-                r.first_token_s = time.perf_counter()
-            self.generated_tokens += 1
-            reason = self._emit_text(r, final=token in self.eos or len(r.tokens) >= r.max_tokens)
-            if reason is None and token in self.eos:
-                reason = "stop"
-            elif reason is None and len(r.tokens) >= r.max_tokens:
-                reason = "length"
-            if reason is not None:
-                r.emit("done", reason)
-                with self.lock:
-                    self.rows[slot] = None
+            if not ok:
+                log.error("request %s: non-finite logits at %s", r.id, where)
+                self._fail(slot, r, f"the model produced non-finite logits (NaN or Inf) at {where}: the weights, "
+                                    "the dtype (float16 overflow?) or the inputs hold non-finite values")
+                continue
+            try:
+                self._next_token(slot, r, row_logits)
+            except Exception as e:
+                log.exception("request %s: sampling failed", r.id)
+                self._fail(slot, r, f"sampling failed: {type(e).__name__}: {e}")
+
+    def _next_token(self, slot: int, r: Request, logits: torch.Tensor) -> None:
+        token = self._sample(logits, r)
+        r.tokens.append(token)
+        if r.first_token_s is None:
+            r.first_token_s = time.perf_counter()
+        self.generated_tokens += 1
+        reason = self._emit_text(r, final=token in self.eos or len(r.tokens) >= r.max_tokens)
+        if reason is None and token in self.eos:
+            reason = "stop"
+        elif reason is None and len(r.tokens) >= r.max_tokens:
+            reason = "length"
+        if reason is not None:
+            r.emit("done", reason)
+            with self.lock:
+                self.rows[slot] = None
 
     def _sample(self, logits: torch.Tensor, r: Request) -> int:
         if r.temperature == 0:
             return int(logits.argmax())
-        probs = (logits.float() / r.temperature).softmax(dim=-1)
-        if r.top_p < 1:
-            sorted_probs, order = probs.sort(descending=True)
-            keep = sorted_probs.cumsum(dim=-1) - sorted_probs < r.top_p  # the smallest set reaching top_p
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+        probs = sampling_probs(logits, r.temperature, top_p=r.top_p)  # the same rule as `kivi generate`
         return int(torch.multinomial(probs, 1, generator=r.generator))
 
     def _emit_text(self, r: Request, final: bool) -> Optional[str]:
@@ -220,9 +253,9 @@ class Engine:
             r.text_sent = upto
         return None
 
-    def _fail_all(self, message: str) -> None:
+    def _fail(self, slot: int, r: Request, message: str, status: int = 500, code: str = "generation_failed") -> None:
+        """End one request with an error and free its row (its cache row is reloaded at the next admission)."""
+        r.emit("error", Failure(status, message, code))
         with self.lock:
-            for slot, r in enumerate(self.rows):
-                if r is not None:
-                    r.emit("error", message)
-                    self.rows[slot] = None
+            if self.rows[slot] is r:
+                self.rows[slot] = None

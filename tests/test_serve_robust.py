@@ -1,0 +1,230 @@
+"""`kivi serve` against hostile clients and careless operators (issue 30): one request never harms
+another, abandoned work stops, the queue and the body are bounded, the operator can lock it down.
+
+The real thing (uvicorn on 127.0.0.1, the openai client, raw sockets) over a tiny random Llama with
+the embedded model's tokenizer: a step takes milliseconds, so every test is bounded in time. Its
+EOS is switched off so that a request runs to max_tokens; tests that need a request to stay in its
+slot slow the decode step down (`slow_steps`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from kivi_models import generate, make_cache, patch_model
+from kivi_models.serve_app import build_app
+from kivi_models.serve_engine import Engine
+from kivi_ops import KIVIConfig
+
+NAME = "tiny"
+CONFIG = KIVIConfig(group_size=4, residual_length=4)
+SLOTS, MAX_SEQ_LEN = 3, 128
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from kivi_models.loading import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=256)).eval()
+    return patch_model(model), tokenizer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(engine, **app_options):
+    """uvicorn on 127.0.0.1 serving build_app(engine, NAME, **app_options); yields its URL."""
+    import uvicorn
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine, NAME, **app_options), host="127.0.0.1", port=port,
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while not srv.started:
+        assert time.time() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield url
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
+def make_engine(tiny, **options) -> Engine:
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, method="kivi", kivi_config=CONFIG, slots=SLOTS, max_seq_len=MAX_SEQ_LEN,
+                    **options)
+    engine.eos = set()  # a random model: run every request to max_tokens
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    engine = make_engine(tiny)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with serving(engine) as url:
+        yield url
+
+
+def client(url, **kwargs):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key=kwargs.pop("api_key", "unused"), timeout=60, max_retries=0, **kwargs)
+
+
+def alone(tiny, prompt: str, max_tokens: int) -> str:
+    """The prompt alone in a batch-1 cache, greedy (what `kivi generate` computes)."""
+    model, tokenizer = tiny
+    ids = tokenizer(prompt)["input_ids"]
+    cache = make_cache(model, method="kivi", batch_size=1, max_seq_len=len(ids) + max_tokens, kivi_config=CONFIG)
+    result = generate(model, [ids], max_new_tokens=max_tokens, cache=cache)
+    return tokenizer.decode(result.tokens[0], skip_special_tokens=True)
+
+
+def wait_idle(engine, timeout=10.0) -> float:
+    """Seconds until no slot is used and nothing waits."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        s = engine.stats()
+        if s["slots_used"] == 0 and s["waiting"] == 0:
+            return time.perf_counter() - start
+        time.sleep(0.01)
+    raise AssertionError(f"the slots never came back: {engine.stats()}")
+
+
+@contextlib.contextmanager
+def slow_steps(engine, monkeypatch, seconds=0.02):
+    """Every decode step takes at least `seconds`: requests stay in their slots long enough to watch."""
+    real = engine.step_fn
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step_fn", slow)
+    yield
+    monkeypatch.setattr(engine, "step_fn", real)
+
+
+def co_batched(url, victims, culprit, max_tokens=24):
+    """Run the greedy `victims` and one `culprit` request body at once; (victim results, culprit response)."""
+    results, culprit_response = {}, []
+
+    def victim(i):
+        r = client(url).completions.create(model=NAME, prompt=victims[i], max_tokens=max_tokens, temperature=0)
+        results[i] = r.choices[0].text
+
+    threads = [threading.Thread(target=victim, args=(i,)) for i in range(len(victims))]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)  # the victims are decoding when the culprit joins
+    culprit_response.append(httpx.post(f"{url}/v1/completions", json=culprit, timeout=60))
+    for t in threads:
+        t.join(timeout=60)
+    return results, culprit_response[0]
+
+
+# ---------------------------------------------------------------- item 2: failure isolation
+
+
+@pytest.mark.parametrize("failure", ["sampler", "non-finite logits"])
+def test_a_failing_request_ends_alone_and_co_batched_greedy_outputs_equal_solo_runs(
+        failure, tiny, engine, server, monkeypatch, caplog):
+    victims, max_tokens = PROMPTS[:2], 24
+    if failure == "sampler":
+        real_sample = engine._sample
+
+        def sample(logits, r):
+            if r.seed == 13 and len(r.tokens) == 3:
+                raise RuntimeError("injected sampler failure")
+            return real_sample(logits, r)
+
+        monkeypatch.setattr(engine, "_sample", sample)
+        expected = "sampling failed: RuntimeError: injected sampler failure"
+    else:
+        real_step = engine.step_fn
+
+        def step(*args, **kwargs):
+            logits = real_step(*args, **kwargs)
+            for slot, r in enumerate(engine.rows):
+                if r is not None and r.seed == 13 and len(r.tokens) == 3:
+                    logits[slot] = float("nan")
+            return logits
+
+        monkeypatch.setattr(engine, "step_fn", step)
+        expected = "non-finite logits (NaN or Inf) at a decode step"
+    with caplog.at_level(logging.ERROR, logger="kivi.serve"), slow_steps(engine, monkeypatch, 0.01):
+        results, bad = co_batched(server, victims, {"model": NAME, "prompt": PROMPTS[2], "max_tokens": max_tokens,
+                                                    "temperature": 0.7, "seed": 13}, max_tokens)
+    assert bad.status_code == 500 and expected in bad.json()["error"]["message"], bad.text
+    assert bad.json()["error"]["type"] == "server_error"
+    for i, prompt in enumerate(victims):
+        assert results[i] == alone(tiny, prompt, max_tokens), prompt
+    request_id = bad.headers["x-request-id"]
+    logged = [r for r in caplog.records if r.name == "kivi.serve"]
+    assert len(logged) == 1 and request_id and request_id in logged[0].getMessage()
+    wait_idle(engine)
+
+
+def test_a_failing_stream_gets_an_error_event(engine, server, monkeypatch):
+    real_sample = engine._sample
+
+    def sample(logits, r):
+        if r.seed == 13:
+            raise RuntimeError("injected sampler failure")
+        return real_sample(logits, r)
+
+    monkeypatch.setattr(engine, "_sample", sample)
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 1, "seed": 13, "stream": True}
+    events = [line for line in httpx.post(f"{server}/v1/completions", json=body, timeout=30).text.splitlines() if line]
+    assert '"error"' in events[-2] and "injected sampler failure" in events[-2] and events[-1] == "data: [DONE]"
+    wait_idle(engine)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1e-45}, {"temperature": 5e-324}, {"temperature": 1.0, "top_p": 1e-300},
+                                      {"temperature": 2.0, "top_p": 5e-324}])
+def test_degenerate_sampling_parameters_act_as_their_greedy_limit(sampling, tiny, server):
+    """A temperature -> 0 or a top_p -> 0 tends to greedy: the sampler gives exactly that, never NaN."""
+    r = httpx.post(f"{server}/v1/completions", json={"model": NAME, "prompt": PROMPTS[3], "max_tokens": 12,
+                                                     "seed": 1, **sampling}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == alone(tiny, PROMPTS[3], 12)
+
+
+@pytest.mark.parametrize("config", [dict(temperature=1e-45), dict(temperature=5e-324), dict(temperature=1.0, top_p=1e-46),
+                                    dict(temperature=1.0, top_k=3, top_p=1e-300)])
+def test_kivi_generate_sampler_follows_the_same_rule(config):
+    from kivi_models.generate import SamplingConfig, sample
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 1000) * 30
+    logits[1, 7] = logits[1].max()  # a tie: either maximum is a greedy answer
+    for _ in range(5):
+        token = sample(logits, SamplingConfig(**config))
+        assert torch.equal(logits.gather(1, token[:, None])[:, 0], logits.max(dim=-1).values)
