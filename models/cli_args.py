@@ -240,7 +240,9 @@ def read_prompts(args, parser) -> list[str]:
         if not text.strip():
             parser.error(f"--prompt-file {path} is empty")
         return [text]
-    prompts = text.splitlines()
+    # "\n" only (a trailing "\r" is part of the line ending): str.splitlines() would also split at
+    # form feeds, U+2028 and other characters a prompt may hold, and result i would no longer be line i.
+    prompts = [line.removesuffix("\r") for line in text.removesuffix("\n").split("\n")] if text else []
     if not prompts:
         parser.error(f"--batch-file {path} holds no prompts (one per line)")
     blank = [i + 1 for i, line in enumerate(prompts) if not line.strip()]
