@@ -10,58 +10,102 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Optional, Union
+from typing import Annotated, Optional, Union
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .serve_engine import Engine, Failure, Request
+from .serve_engine import Engine, Failure, Request, RequestError, log
 
 
-class _Strict(BaseModel):
-    # Wrong types are errors (no "5" -> 5); unknown OpenAI fields (n=1, user, ...) are ignored.
+def _utf8(value: str) -> str:
+    """JSON may carry a lone surrogate ("\\ud800"), which no tokenizer can take: refuse it by name."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"holds a lone surrogate (not a Unicode character) at index {e.start}") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+
+
+def _only(*allowed, why: str):
+    """An OpenAI field this server does not implement: accepted only at its default(s), else refused
+    (never silently ignored)."""
+    def check(value):
+        if value not in allowed:
+            raise ValueError(f"only {' or '.join(map(json.dumps, allowed))} is supported ({why}), got {json.dumps(value)}")
+        return value
+    return AfterValidator(check)
+
+
+class _Body(BaseModel):
+    # Wrong types are errors (no "5" -> 5); OpenAI fields not listed here (user, ...) are ignored:
+    # they change nothing in the completion.
     model_config = ConfigDict(strict=True, extra="ignore")
 
-
-class CompletionBody(_Strict):
-    model: str
-    prompt: Union[str, list[str]]
+    model: Text
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    stop: Optional[Union[Text, list[Text]]] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     stream: bool = False
+    n: Annotated[Optional[int], _only(None, 1, why="one choice per request")] = None
+    presence_penalty: Annotated[Optional[float], _only(None, 0, why="no penalties")] = None
+    frequency_penalty: Annotated[Optional[float], _only(None, 0, why="no penalties")] = None
+    logit_bias: Annotated[Optional[dict], _only(None, {}, why="no logit bias")] = None
 
 
-class Message(_Strict):
-    role: str
-    content: str
+class CompletionBody(_Body):
+    prompt: Union[Text, list[Text]]
+    best_of: Annotated[Optional[int], _only(None, 1, why="one choice per request")] = None
+    logprobs: Annotated[Optional[int], _only(None, why="no log-probabilities")] = None
+    echo: Annotated[bool, _only(False, why="the prompt is not echoed")] = False
+    suffix: Annotated[Optional[Text], _only(None, "", why="no insertion")] = None
 
 
-class ChatBody(_Strict):
-    model: str
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Text
+    content: Text
+
+
+class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
-    stream: bool = False
+    logprobs: Annotated[Optional[bool], _only(None, False, why="no log-probabilities")] = None
+    top_logprobs: Annotated[Optional[int], _only(None, 0, why="no log-probabilities")] = None
+
+
+class ErrorResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error may quote input that is not valid UTF-8."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
 
 
 def error(status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-          kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
-                                                               "code": code}})
+          kind: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
+    """OpenAI's error object, the one shape of every 4xx and 5xx this server sends."""
+    kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
+    return ErrorResponse(status_code=status, headers=headers,
+                         content={"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
-def failed(failure: Failure) -> JSONResponse:
+def _field_or_index(part) -> bool:
+    """A part of a pydantic error location that names a request field or a list index, not a
+    union branch (str, list[...], function-after[...])."""
+    return isinstance(part, int) or (part.isidentifier() and part not in ("str", "int", "float", "bool", "list"))
+
+
+def failed(failure: Failure, request_id: str) -> JSONResponse:
     """A request the engine ended with an error (serve_engine.Failure)."""
-    return error(failure.status, failure.message, code=failure.code,
-                 kind="server_error" if failure.status >= 500 else "invalid_request_error")
+    return error(failure.status, failure.message, code=failure.code, headers={"x-request-id": request_id})
 
 
 def build_app(engine: Engine, model_name: str) -> FastAPI:
@@ -70,12 +114,23 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: HTTPRequest, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        # The deepest error: for a union field (prompt: a string or a list) the branch that got furthest.
+        first = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
         if first.get("type") == "json_invalid":
             return error(400, "the request body is not valid JSON", code="invalid_json")
-        return error(400, f"{where}: {first.get('msg', 'invalid value')}" if where else str(first.get("msg")),
-                     param=where, code="invalid_value")
+        where = ".".join(str(p) for p in first.get("loc", ())[1:] if _field_or_index(p)) or None
+        message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+        return error(400, f"{where}: {message}" if where else message, param=where, code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: HTTPRequest, exc: StarletteHTTPException):  # 404 route, 405 method, ...
+        return error(exc.status_code, str(exc.detail), headers=exc.headers,
+                     code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def crashed(request: HTTPRequest, exc: Exception):  # a bug: still OpenAI's shape, and logged
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
     @app.get("/health")
     async def health():
@@ -139,8 +194,9 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
                           top_p=body.top_p, seed=body.seed, stop=[s for s in stop if s], emit=emit)
         try:
             engine.submit(request)
-        except ValueError as e:
-            return error(400, str(e), param="max_tokens", code="context_length_exceeded")
+        except RequestError as e:
+            return error(e.status, str(e), param=e.param or ("messages" if chat else "prompt"), code=e.code,
+                         headers=e.headers)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.id}"
         created = int(time.time())
         usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(request.tokens),  # noqa: E731
@@ -158,9 +214,7 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
                 elif kind == "done":
                     reason = payload
                 else:
-                    response = failed(payload)
-                    response.headers["x-request-id"] = request.id
-                    return response
+                    return failed(payload, request.id)
         except asyncio.CancelledError:  # the client went away
             engine.cancel(request)
             raise
@@ -196,7 +250,7 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
                     yield chunk(None if chat else "", payload)
                     break
                 else:
-                    yield f"data: {failed(payload).body.decode()}\n\n"
+                    yield f"data: {failed(payload, request.id).body.decode()}\n\n"
                     break
             yield "data: [DONE]\n\n"
         finally:  # finished, or the client disconnected mid-stream: free the slot either way

@@ -49,6 +49,16 @@ class Failure:
     code: str = "generation_failed"
 
 
+class RequestError(ValueError):
+    """submit() refuses a request: the HTTP status, OpenAI's error code, and the request field to
+    blame (None: the prompt, which the HTTP layer names "prompt" or "messages")."""
+
+    def __init__(self, message: str, *, status: int = 400, code: str = "invalid_value", param: Optional[str] = None,
+                 headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.code, self.param, self.headers = status, code, param, headers
+
+
 @dataclass(eq=False)  # requests compare by identity (queue removal)
 class Request:
     """One completion. `emit(kind, payload)` is called from the engine thread: ("text", str) for
@@ -94,13 +104,15 @@ class Engine:
     # ---------------------------------------------------------------- handler side
 
     def submit(self, request: Request) -> None:
-        """Queue a request (FIFO). Raises ValueError when it can never fit a slot."""
-        need = len(request.prompt_ids) + request.max_tokens
-        if not request.prompt_ids:
-            raise ValueError("the prompt is empty")
-        if need > self.max_seq_len:
-            raise ValueError(f"the prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) = "
-                             f"{need} exceeds a slot's capacity of {self.max_seq_len} tokens (--max-seq-len)")
+        """Queue a request (FIFO). Raises RequestError when it can never fit a slot."""
+        prompt = len(request.prompt_ids)
+        if not prompt:
+            raise RequestError("the prompt is empty (no tokens); give text to continue")
+        if prompt + request.max_tokens > self.max_seq_len:
+            raise RequestError(
+                f"the prompt ({prompt} tokens) + max_tokens ({request.max_tokens}) = {prompt + request.max_tokens} "
+                f"exceeds a slot's capacity of {self.max_seq_len} tokens (--max-seq-len)",
+                code="context_length_exceeded", param="max_tokens" if prompt < self.max_seq_len else None)
         if request.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
         with self.lock:
@@ -237,13 +249,13 @@ class Engine:
         cut before it). Text that could still become a stop string is held back until it cannot."""
         generated = [t for t in r.tokens if t not in self.eos]
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
-        for stop in r.stop:
-            at = text.find(stop)
-            if at != -1:
-                if at > r.text_sent:
-                    r.emit("text", text[r.text_sent:at])
-                r.text_sent = at
-                return "stop"
+        found = [at for at in (text.find(stop) for stop in r.stop) if at != -1]
+        if found:  # cut at the earliest stop in the text, whichever the list names first
+            at = min(found)
+            if at > r.text_sent:
+                r.emit("text", text[r.text_sent:at])
+            r.text_sent = at
+            return "stop"
         hold = 0 if final else max((len(s) - 1 for s in r.stop), default=0)
         if text.endswith("\ufffd") and not final:  # an incomplete UTF-8 character: wait for the rest
             hold = max(hold, 1)

@@ -9,6 +9,7 @@ slot slow the decode step down (`slow_steps`)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import socket
 import threading
@@ -228,3 +229,99 @@ def test_kivi_generate_sampler_follows_the_same_rule(config):
     for _ in range(5):
         token = sample(logits, SamplingConfig(**config))
         assert torch.equal(logits.gather(1, token[:, None])[:, 0], logits.max(dim=-1).values)
+
+
+# ---------------------------------------------------------------- item 5: the OpenAI surface, honest
+
+
+def post(url, body, path="/v1/completions", **kwargs):
+    if isinstance(body, (bytes, str)):
+        kwargs = {"content": body, "headers": {"content-type": "application/json", **kwargs.pop("headers", {})}, **kwargs}
+    else:
+        kwargs = {"json": body, **kwargs}
+    return httpx.post(f"{url}{path}", timeout=30, **kwargs)
+
+
+def assert_openai_error(r, status, param, code=None, kind=None):
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+    assert err["type"] == (kind or ("server_error" if status >= 500 else "invalid_request_error"))
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+CHAT = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+COMPLETION = {"model": NAME, "prompt": "Hi", "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, field, value", [
+    ("/v1/completions", "n", 2), ("/v1/completions", "best_of", 3), ("/v1/completions", "logprobs", 1),
+    ("/v1/completions", "logprobs", 0), ("/v1/completions", "echo", True), ("/v1/completions", "suffix", "end"),
+    ("/v1/completions", "presence_penalty", 0.5), ("/v1/completions", "logit_bias", {"50256": -100}),
+    ("/v1/chat/completions", "n", 2), ("/v1/chat/completions", "logprobs", True),
+    ("/v1/chat/completions", "top_logprobs", 2), ("/v1/chat/completions", "frequency_penalty", 1.0),
+])
+def test_unimplemented_openai_fields_are_refused_by_name(server, path, field, value):
+    body = {**(CHAT if "chat" in path else COMPLETION), field: value}
+    err = assert_openai_error(post(server, body, path), 400, field, "invalid_value")
+    assert "supported" in err["message"] and err["message"].startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize("path, defaults", [
+    ("/v1/completions", {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "suffix": None, "presence_penalty": 0,
+                         "frequency_penalty": 0.0, "logit_bias": {}, "user": "someone"}),
+    ("/v1/chat/completions", {"n": 1, "logprobs": False, "top_logprobs": None, "logit_bias": None}),
+])
+def test_their_defaults_are_accepted(server, path, defaults):
+    r = post(server, {**(CHAT if "chat" in path else COMPLETION), **defaults}, path)
+    assert r.status_code == 200, r.text
+
+
+def test_stop_strings_cut_at_the_earliest_occurrence_in_the_text(tiny, server):
+    full = alone(tiny, PROMPTS[0], 24)
+    late, early = full[14:17], full[4:6]
+    assert early not in late and full.find(early) < full.find(late)
+    for stop in ([late, early], [early, late]):
+        for stream in (False, True):
+            r = post(server, {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0, "stop": stop,
+                              "stream": stream})
+            if stream:
+                chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+                text, reason = "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"]
+            else:
+                text, reason = r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]
+            assert (text, reason) == (full[: full.find(early)], "stop"), (stop, stream)
+
+
+@pytest.mark.parametrize("body, path, status, param, code", [
+    (b'{"model": "tiny", "prompt": "\\ud800 lone"}', "/v1/completions", 400, "prompt", "invalid_value"),
+    (b'{"model": "tiny", "prompt": ["ok", "\\udfff"]}', "/v1/completions", 400, "prompt.1", "invalid_value"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d"}]}', "/v1/chat/completions", 400,
+     "messages.0.content", "invalid_value"),
+    (b'{"model": "tiny\\ud800", "prompt": "x"}', "/v1/completions", 400, "model", "invalid_value"),
+    (b'{"model": "tiny", "prompt": "x", "stop": ["\\ud800"]}', "/v1/completions", 400, "stop.0", "invalid_value"),
+    (b"{not json", "/v1/completions", 400, None, "invalid_json"),
+    (b"\xff\xfe not utf-8", "/v1/completions", 400, None, None),
+    ({"model": NAME, "prompt": ""}, "/v1/completions", 400, "prompt", "invalid_value"),
+    ({"model": NAME, "prompt": "x", "seed": 2**64}, "/v1/completions", 400, "seed", "invalid_value"),
+    ({"model": NAME, "prompt": "x", "seed": -(2**63) - 1}, "/v1/completions", 400, "seed", "invalid_value"),
+    ({"model": NAME, "prompt": "x", "max_tokens": MAX_SEQ_LEN}, "/v1/completions", 400, "max_tokens",
+     "context_length_exceeded"),
+    ({"model": NAME, "prompt": "x " * MAX_SEQ_LEN}, "/v1/completions", 400, "prompt", "context_length_exceeded"),
+    ({**CHAT, "messages": [{"role": "user", "content": "x " * MAX_SEQ_LEN}]}, "/v1/chat/completions", 400,
+     "messages", "context_length_exceeded"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 0}, "/v1/completions", 400, "max_tokens", "invalid_value"),
+    ({"model": "gpt-5", "prompt": "x"}, "/v1/completions", 404, "model", "model_not_found"),
+    ({"model": NAME, "prompt": "x"}, "/v1/nothing-here", 404, None, "not_found"),
+])
+def test_every_error_has_openai_shape_and_the_right_param(server, body, path, status, param, code):
+    assert_openai_error(post(server, body, path), status, param, code)
+    assert post(server, COMPLETION).status_code == 200  # and the server keeps serving
+
+
+def test_wrong_method_is_an_openai_error(server):
+    assert_openai_error(httpx.get(f"{server}/v1/completions", timeout=10), 405, None, "method_not_allowed")
