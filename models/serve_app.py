@@ -16,9 +16,12 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .serve_engine import Engine, Failure, Request, RequestError, log
+from .serve_cli import MAX_REQUEST_BYTES
+from .serve_engine import Engine, Failure, Request, RequestError, context_error, log
 
 
 def _utf8(value: str) -> str:
@@ -97,6 +100,11 @@ def error(status: int, message: str, *, param: Optional[str] = None, code: Optio
                          content={"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
+def refusal(e: RequestError, prompt_field: str) -> JSONResponse:
+    """A request the engine refused (RequestError; param None blames the prompt's field)."""
+    return error(e.status, str(e), param=e.param or prompt_field, code=e.code, headers=e.headers)
+
+
 def _field_or_index(part) -> bool:
     """A part of a pydantic error location that names a request field or a list index, not a
     union branch (str, list[...], function-after[...])."""
@@ -108,8 +116,31 @@ def failed(failure: Failure, request_id: str) -> JSONResponse:
     return error(failure.status, failure.message, code=failure.code, headers={"x-request-id": request_id})
 
 
-def build_app(engine: Engine, model_name: str) -> FastAPI:
-    app = FastAPI(title="kivi serve")
+class Guard:
+    """The checks that answer before FastAPI's own stack (ASGI, around the app): a Content-Length
+    over the body limit gets OpenAI's 413 here, since FastAPI's limiter answers an announced
+    oversize body in plain text. Bodies without a length are counted by FastAPI's max_body_size,
+    whose 413 the app's handler shapes."""
+
+    def __init__(self, app: FastAPI, *, max_request_bytes: int):
+        self.app, self.max_request_bytes = app, max_request_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            length = Headers(scope=scope).get("content-length", "")
+            if length.isdigit() and int(length) > self.max_request_bytes:
+                return await too_large(self.max_request_bytes)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def too_large(limit: int) -> JSONResponse:
+    return error(413, f"the request body exceeds {limit} bytes (--max-request-bytes)", code="request_too_large")
+
+
+def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_REQUEST_BYTES) -> Guard:
+    """The ASGI app over `engine` (a Guard around the FastAPI app). A body over max_request_bytes
+    is refused with 413 before or while it is read."""
+    app = FastAPI(title="kivi serve", max_body_size=max_request_bytes)
     tokenizer = engine.tokenizer
 
     @app.exception_handler(RequestValidationError)
@@ -124,6 +155,8 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: HTTPRequest, exc: StarletteHTTPException):  # 404 route, 405 method, ...
+        if exc.status_code == 413:
+            return too_large(max_request_bytes)
         return error(exc.status_code, str(exc.detail), headers=exc.headers,
                      code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
 
@@ -162,6 +195,16 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
                          param="model", code="model_not_found")
         return None
 
+    # No token of this tokenizer spells more UTF-8 bytes than its longest vocabulary entry (byte-level
+    # BPE and SentencePiece entries are at least as long as the text they stand for), so a text of
+    # b bytes is at least b / longest tokens: a prompt that long is refused before it is tokenized.
+    longest_token = max(len(token.encode("utf-8", "replace")) for token in tokenizer.get_vocab())
+
+    def beyond_context(texts: list[str], body) -> Optional[JSONResponse]:
+        at_least = -(-sum(len(t.encode("utf-8")) for t in texts) // longest_token)
+        refused = context_error(at_least, body.max_tokens, engine.max_seq_len, at_least=True)
+        return refused and refusal(refused, "messages" if isinstance(body, ChatBody) else "prompt")
+
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):
         if (bad := check_model(body.model)) is not None:
@@ -169,7 +212,9 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) != 1:
             return error(400, "prompt: give one prompt per request", param="prompt", code="invalid_value")
-        ids = tokenizer(prompts[0])["input_ids"]
+        if (bad := beyond_context(prompts, body)) is not None:
+            return bad
+        ids = await run_in_threadpool(lambda: tokenizer(prompts[0])["input_ids"])  # off the event loop
         return await respond(body, ids, http, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -177,7 +222,10 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         if (bad := check_model(body.model)) is not None:
             return bad
         messages = [m.model_dump() for m in body.messages]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if (bad := beyond_context([m["content"] for m in messages], body)) is not None:
+            return bad
+        ids = await run_in_threadpool(lambda: tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False))
         return await respond(body, ids, http, chat=True)
 
     async def respond(body, ids: list[int], http: HTTPRequest, *, chat: bool):
@@ -195,8 +243,7 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         try:
             engine.submit(request)
         except RequestError as e:
-            return error(e.status, str(e), param=e.param or ("messages" if chat else "prompt"), code=e.code,
-                         headers=e.headers)
+            return refusal(e, "messages" if chat else "prompt")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.id}"
         created = int(time.time())
         usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(request.tokens),  # noqa: E731
@@ -256,4 +303,4 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         finally:  # finished, or the client disconnected mid-stream: free the slot either way
             engine.cancel(request)
 
-    return app
+    return Guard(app, max_request_bytes=max_request_bytes)

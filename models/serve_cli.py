@@ -7,6 +7,7 @@ from .cli_args import (add_model_arguments, check_memory, check_weight_quant_mod
                        kivi_config_from, positive_int, usage_errors)
 from .loading import DEFAULT_MODEL, DEFAULT_NAME, load_model, log
 
+MAX_REQUEST_BYTES = 1 << 20  # 1 MiB of JSON: far more text than a 2048-token context holds
 
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching over the cache)")
@@ -23,6 +24,8 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
     s.add_argument("--served-model-name", default=None,
                    help="the model id clients ask for (default: the model's directory name)")
+    s.add_argument("--max-request-bytes", type=positive_int, default=MAX_REQUEST_BYTES,
+                   help=f"largest request body; more is refused with 413 (default {MAX_REQUEST_BYTES})")
     s.set_defaults(func=cmd_serve, parser=s)
 
 
@@ -78,7 +81,7 @@ def cmd_serve(args, parser) -> int:
         f"(an fp16 cache would hold {fp16_slots} slots in the same bytes)")
     log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API; /health, /metrics)")
     try:
-        uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(build_app(engine, name, max_request_bytes=args.max_request_bytes), host=args.host, port=args.port, log_level="warning")
     finally:
         engine.close()
     return 0

@@ -59,6 +59,19 @@ class RequestError(ValueError):
         self.status, self.code, self.param, self.headers = status, code, param, headers
 
 
+def context_error(prompt_tokens: int, max_tokens: int, max_seq_len: int, *,
+                  at_least: bool = False) -> Optional[RequestError]:
+    """The refusal of a prompt of `prompt_tokens` (at_least: a lower bound, counted before
+    tokenizing) plus max_tokens that does not fit a slot of max_seq_len tokens, else None. It
+    blames max_tokens when the prompt alone fits, the prompt otherwise."""
+    if prompt_tokens + max_tokens <= max_seq_len:
+        return None
+    count = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
+    return RequestError(f"the prompt ({count} tokens) + max_tokens ({max_tokens}) exceeds a slot's capacity of "
+                        f"{max_seq_len} tokens (--max-seq-len)", code="context_length_exceeded",
+                        param="max_tokens" if prompt_tokens < max_seq_len else None)
+
+
 @dataclass(eq=False)  # requests compare by identity (queue removal)
 class Request:
     """One completion. `emit(kind, payload)` is called from the engine thread: ("text", str) for
@@ -105,14 +118,10 @@ class Engine:
 
     def submit(self, request: Request) -> None:
         """Queue a request (FIFO). Raises RequestError when it can never fit a slot."""
-        prompt = len(request.prompt_ids)
-        if not prompt:
+        if not request.prompt_ids:
             raise RequestError("the prompt is empty (no tokens); give text to continue")
-        if prompt + request.max_tokens > self.max_seq_len:
-            raise RequestError(
-                f"the prompt ({prompt} tokens) + max_tokens ({request.max_tokens}) = {prompt + request.max_tokens} "
-                f"exceeds a slot's capacity of {self.max_seq_len} tokens (--max-seq-len)",
-                code="context_length_exceeded", param="max_tokens" if prompt < self.max_seq_len else None)
+        if (refused := context_error(len(request.prompt_ids), request.max_tokens, self.max_seq_len)) is not None:
+            raise refused
         if request.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
         with self.lock:

@@ -235,7 +235,7 @@ def test_kivi_generate_sampler_follows_the_same_rule(config):
 
 
 def post(url, body, path="/v1/completions", **kwargs):
-    if isinstance(body, (bytes, str)):
+    if not isinstance(body, dict):  # raw bytes, or an iterator of chunks (sent chunked)
         kwargs = {"content": body, "headers": {"content-type": "application/json", **kwargs.pop("headers", {})}, **kwargs}
     else:
         kwargs = {"json": body, **kwargs}
@@ -325,3 +325,74 @@ def test_every_error_has_openai_shape_and_the_right_param(server, body, path, st
 
 def test_wrong_method_is_an_openai_error(server):
     assert_openai_error(httpx.get(f"{server}/v1/completions", timeout=10), 405, None, "method_not_allowed")
+
+
+# ---------------------------------------------------------------- item 3: the event loop never blocks on a request's size
+
+
+class SlowTokenizer:
+    """The engine's tokenizer, but encoding (and the chat template) takes `seconds`; counts calls."""
+
+    def __init__(self, tokenizer, seconds):
+        self.tokenizer, self.seconds, self.calls = tokenizer, seconds, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        time.sleep(self.seconds)
+        return self.tokenizer(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.calls += 1
+        time.sleep(self.seconds)
+        return self.tokenizer.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+@pytest.fixture
+def slow_tokenizer_server(engine, monkeypatch):
+    slow = SlowTokenizer(engine.tokenizer, 1.5)
+    monkeypatch.setattr(engine, "tokenizer", slow)
+    with serving(engine, max_request_bytes=64 * 1024) as url:
+        yield url, slow
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+def test_tokenizing_runs_off_the_event_loop(slow_tokenizer_server, path, body):
+    url, slow = slow_tokenizer_server
+    result = []
+    thread = threading.Thread(target=lambda: result.append(post(url, body, path)))
+    thread.start()
+    while slow.calls == 0:
+        time.sleep(0.01)
+    start = time.perf_counter()
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert time.perf_counter() - start < 0.5  # the tokenizer sleeps 1.5 s meanwhile, on another thread
+    thread.join(timeout=30)
+    assert result[0].status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_prompt_beyond_the_context_is_refused_before_it_is_tokenized(slow_tokenizer_server, path):
+    url, slow = slow_tokenizer_server
+    text = "word " * 10_000  # 50 kB: under the body limit, far beyond 128 tokens whatever the tokenizer
+    body = {**CHAT, "messages": [{"role": "user", "content": text}]} if "chat" in path else {**COMPLETION, "prompt": text}
+    start = time.perf_counter()
+    assert_openai_error(post(url, body, path), 400, "messages" if "chat" in path else "prompt", "context_length_exceeded")
+    assert slow.calls == 0 and time.perf_counter() - start < 1.0
+
+
+def test_a_body_over_the_limit_is_413_whether_announced_or_chunked(slow_tokenizer_server):
+    url, slow = slow_tokenizer_server
+    big = json.dumps({**COMPLETION, "prompt": "x" * (64 * 1024)}).encode()
+    err = assert_openai_error(post(url, big), 413, None, "request_too_large")  # Content-Length says it
+    assert "65536 bytes" in err["message"]
+
+    def chunks():  # no Content-Length: counted while read
+        for i in range(0, len(big), 8192):
+            yield big[i:i + 8192]
+
+    assert_openai_error(post(url, chunks()), 413, None, "request_too_large")
+    assert slow.calls == 0
+    assert post(url, COMPLETION).status_code == 200
