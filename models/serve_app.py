@@ -12,9 +12,10 @@ import json
 import time
 from typing import Annotated, Optional, Union
 
+import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
@@ -100,9 +101,10 @@ def error(status: int, message: str, *, param: Optional[str] = None, code: Optio
                          content={"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
-def refusal(e: RequestError, prompt_field: str) -> JSONResponse:
-    """A request the engine refused (RequestError; param None blames the prompt's field)."""
-    return error(e.status, str(e), param=e.param or prompt_field, code=e.code, headers=e.headers)
+def refusal(e: RequestError, chat: bool) -> JSONResponse:
+    """A request the engine refused (RequestError)."""
+    param = "messages" if chat and e.param == "prompt" else e.param
+    return error(e.status, str(e), param=param, code=e.code, headers=e.headers)
 
 
 def _field_or_index(part) -> bool:
@@ -203,7 +205,7 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
     def beyond_context(texts: list[str], body) -> Optional[JSONResponse]:
         at_least = -(-sum(len(t.encode("utf-8")) for t in texts) // longest_token)
         refused = context_error(at_least, body.max_tokens, engine.max_seq_len, at_least=True)
-        return refused and refusal(refused, "messages" if isinstance(body, ChatBody) else "prompt")
+        return refused and refusal(refused, chat=isinstance(body, ChatBody))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):
@@ -243,7 +245,7 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
         try:
             engine.submit(request)
         except RequestError as e:
-            return refusal(e, "messages" if chat else "prompt")
+            return refusal(e, chat)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.id}"
         created = int(time.time())
         usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(request.tokens),  # noqa: E731
@@ -252,25 +254,45 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
         if body.stream:
             return StreamingResponse(stream(request, events, rid, created, chat, usage), media_type="text/event-stream",
                                      headers=headers)
-        text, reason = [], None
+        # Non-streamed: Starlette does not watch the connection while the handler runs, so wait for
+        # the engine's answer and for the client's disconnect together; a client that went away
+        # cancels its request, which frees its slot at the next decode step.
+        answer = asyncio.ensure_future(collect(events))
+        gone = asyncio.ensure_future(disconnected(http))
         try:
-            while reason is None:
-                kind, payload = await events.get()
-                if kind == "text":
-                    text.append(payload)
-                elif kind == "done":
-                    reason = payload
-                else:
-                    return failed(payload, request.id)
-        except asyncio.CancelledError:  # the client went away
-            engine.cancel(request)
-            raise
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not answer.done():
+                answer.cancel()
+                engine.cancel(request)
+        if answer.cancelled():
+            return Response(status_code=499)  # nobody reads it
+        text, reason = answer.result()
+        if isinstance(reason, Failure):
+            return failed(reason, request.id)
         content = "".join(text)
         choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason}
                   if chat else {"index": 0, "text": content, "finish_reason": reason, "logprobs": None})
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                              "created": created, "model": model_name, "choices": [choice], "usage": usage()},
                             headers=headers)
+
+    async def collect(events: asyncio.Queue) -> tuple[list[str], Union[str, Failure]]:
+        """A request's text pieces and its finish reason, or the Failure that ended it."""
+        text = []
+        while True:
+            kind, payload = await events.get()
+            if kind == "text":
+                text.append(payload)
+            else:
+                return text, payload
+
+    async def disconnected(http: HTTPRequest) -> None:
+        """Returns when the client closes the connection (the body has been read: only
+        http.disconnect is left to receive)."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
 
     async def stream(request: Request, events: asyncio.Queue, rid: str, created: int, chat: bool, usage):
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -304,3 +326,29 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
             engine.cancel(request)
 
     return Guard(app, max_request_bytes=max_request_bytes)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server with a bounded drain. The first SIGTERM or SIGINT stops accepting
+    connections, refuses new requests (503) and lets running ones finish for up to
+    `shutdown_timeout` seconds; then the engine ends the rest with an error (an error event, then
+    [DONE], for a stream) so that every connection closes cleanly. A second signal ends them at
+    once. The process then exits 0: uvicorn's own handler would re-raise the signal after the
+    shutdown (exit status 128 + n) and ignores a second SIGTERM."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, shutdown_timeout: float):
+        # The backstop, for a client that stops reading its stream: uvicorn cancels what is left.
+        config.timeout_graceful_shutdown = shutdown_timeout + 5
+        super().__init__(config)
+        self.engine, self.shutdown_timeout, self.signals = engine, shutdown_timeout, 0
+
+    def handle_exit(self, sig, frame) -> None:
+        self.signals += 1
+        if self.signals == 1:
+            log.warning("shutting down: running requests have %g s to finish (--shutdown-timeout)",
+                        self.shutdown_timeout)
+            self.should_exit = True
+            self.engine.drain(self.shutdown_timeout)
+        else:
+            log.warning("stopping now: ending every running request")
+            self.engine.abort("the server is stopping now")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 from .cli_args import (add_model_arguments, check_memory, check_weight_quant_modes, device_and_dtype,
-                       kivi_config_from, positive_int, usage_errors)
+                       kivi_config_from, non_negative_float, non_negative_int, positive_float, positive_int,
+                       usage_errors)
 from .loading import DEFAULT_MODEL, DEFAULT_NAME, load_model, log
 
 MAX_REQUEST_BYTES = 1 << 20  # 1 MiB of JSON: far more text than a 2048-token context holds
@@ -26,6 +27,13 @@ def add_serve_parser(sub) -> None:
                    help="the model id clients ask for (default: the model's directory name)")
     s.add_argument("--max-request-bytes", type=positive_int, default=MAX_REQUEST_BYTES,
                    help=f"largest request body; more is refused with 413 (default {MAX_REQUEST_BYTES})")
+    s.add_argument("--max-waiting", type=non_negative_int, default=64,
+                   help="requests queued for a slot at most; more are refused with 503 + Retry-After (default 64)")
+    s.add_argument("--request-timeout", type=positive_float, default=None,
+                   help="seconds a request may take from arrival, queue included; then it ends with 504 (default: none)")
+    s.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds running requests get to finish before they end with an error; "
+                        "a second signal ends them at once (default 30)")
     s.set_defaults(func=cmd_serve, parser=s)
 
 
@@ -54,7 +62,7 @@ def plan_slots(model, args, kivi_config, parser) -> tuple[int, int, int]:
 def cmd_serve(args, parser) -> int:
     import uvicorn
 
-    from .serve_app import build_app
+    from .serve_app import Server, build_app
     from .serve_engine import Engine
 
     kivi_config = kivi_config_from(args, parser)
@@ -75,13 +83,17 @@ def cmd_serve(args, parser) -> int:
     slots, per_slot, fp16_slots = plan_slots(model, args, kivi_config, parser)
     check_memory(slots * per_slot, device, what=f"the cache ({slots} rows x {args.max_seq_len} tokens)")
     engine = Engine(model, tokenizer, method=args.method, kivi_config=kivi_config, slots=slots,
-                    max_seq_len=args.max_seq_len, compile=args.compile)
+                    max_seq_len=args.max_seq_len, compile=args.compile, max_waiting=args.max_waiting,
+                    request_timeout=args.request_timeout)
     name = args.served_model_name or (DEFAULT_NAME if args.model == DEFAULT_MODEL else args.model.rstrip("/").split("/")[-1])
     log(f"{slots} slots x {args.max_seq_len} tokens, {slots * per_slot / 2**20:.1f} MiB of {args.method} cache "
         f"(an fp16 cache would hold {fp16_slots} slots in the same bytes)")
     log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API; /health, /metrics)")
+    app = build_app(engine, name, max_request_bytes=args.max_request_bytes)
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), engine,
+                    shutdown_timeout=args.shutdown_timeout)
     try:
-        uvicorn.run(build_app(engine, name, max_request_bytes=args.max_request_bytes), host=args.host, port=args.port, log_level="warning")
+        server.run()
     finally:
         engine.close()
     return 0

@@ -51,7 +51,7 @@ class Failure:
 
 class RequestError(ValueError):
     """submit() refuses a request: the HTTP status, OpenAI's error code, and the request field to
-    blame (None: the prompt, which the HTTP layer names "prompt" or "messages")."""
+    blame ("prompt": the prompt, which a chat request calls "messages"; None: no field)."""
 
     def __init__(self, message: str, *, status: int = 400, code: str = "invalid_value", param: Optional[str] = None,
                  headers: Optional[dict] = None):
@@ -69,7 +69,7 @@ def context_error(prompt_tokens: int, max_tokens: int, max_seq_len: int, *,
     count = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
     return RequestError(f"the prompt ({count} tokens) + max_tokens ({max_tokens}) exceeds a slot's capacity of "
                         f"{max_seq_len} tokens (--max-seq-len)", code="context_length_exceeded",
-                        param="max_tokens" if prompt_tokens < max_seq_len else None)
+                        param="max_tokens" if prompt_tokens < max_seq_len else "prompt")
 
 
 @dataclass(eq=False)  # requests compare by identity (queue removal)
@@ -90,13 +90,20 @@ class Request:
     cancelled: bool = False
     generator: Optional[torch.Generator] = None
     submitted_s: float = field(default_factory=time.perf_counter)
+    deadline_s: Optional[float] = None  # perf_counter time after which it ends (request_timeout)
     first_token_s: Optional[float] = None
 
 
 class Engine:
     def __init__(self, model, tokenizer, *, method: str, kivi_config, slots: int, max_seq_len: int,
-                 compile: bool = False):
+                 compile: bool = False, max_waiting: Optional[int] = None, request_timeout: Optional[float] = None):
+        """max_waiting: the most requests queued for a slot (None: no bound); beyond it submit()
+        refuses with 503. request_timeout: seconds from submit() after which a request, waiting or
+        running, ends with a 504 error (None: none)."""
         self.model, self.tokenizer = model, tokenizer
+        self.max_waiting, self.request_timeout = max_waiting, request_timeout
+        self.draining = False  # set by drain(): new requests are refused
+        self.drain_timer: Optional[threading.Timer] = None
         self.slots, self.max_seq_len = slots, max_seq_len
         self.device = model.device
         self.cache = make_cache(model, method=method, batch_size=slots, max_seq_len=max_seq_len,
@@ -119,12 +126,21 @@ class Engine:
     def submit(self, request: Request) -> None:
         """Queue a request (FIFO). Raises RequestError when it can never fit a slot."""
         if not request.prompt_ids:
-            raise RequestError("the prompt is empty (no tokens); give text to continue")
+            raise RequestError("the prompt is empty (no tokens); give text to continue", param="prompt")
         if (refused := context_error(len(request.prompt_ids), request.max_tokens, self.max_seq_len)) is not None:
             raise refused
         if request.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
+        if self.request_timeout is not None:
+            request.deadline_s = request.submitted_s + self.request_timeout
         with self.lock:
+            if self.draining:
+                raise RequestError("the server is shutting down", status=503, code="server_shutting_down")
+            queued = len(self.waiting) - sum(r is None for r in self.rows)  # beyond the free slots they will take
+            if self.max_waiting is not None and queued >= self.max_waiting:
+                raise RequestError(f"the server is busy: every slot is in use and {queued} request(s) "
+                                   f"wait (--max-waiting); retry later", status=503, code="server_busy",
+                                   headers={"Retry-After": "1"})
             self.waiting.append(request)
             self.lock.notify()
 
@@ -144,9 +160,33 @@ class Engine:
                         cache_bytes=self.cache.nbytes(), generated_tokens=self.generated_tokens,
                         tokens_per_s=self.generated_tokens / elapsed if elapsed > 0 else 0.0)
 
+    def drain(self, timeout: float, message: str = "the server shut down before this request finished") -> None:
+        """Refuse new requests from now on; after `timeout` seconds, end the ones still waiting or
+        running with an error (abort)."""
+        with self.lock:
+            self.draining = True
+            if self.drain_timer is None:
+                self.drain_timer = threading.Timer(timeout, self.abort, args=(f"{message} (--shutdown-timeout {timeout:g} s)",))
+                self.drain_timer.daemon = True
+                self.drain_timer.start()
+
+    def abort(self, message: str = "the server is stopping") -> None:
+        """End every waiting and running request now with a 503 error event and refuse new ones:
+        their handlers answer or close their streams cleanly."""
+        with self.lock:
+            self.draining = True
+            for r in [*self.waiting, *(r for r in self.rows if r is not None)]:
+                r.cancelled = True
+                r.emit("error", Failure(503, message, "server_shutting_down"))
+            self.waiting.clear()
+            self.rows = [None] * self.slots
+            self.lock.notify()
+
     def close(self) -> None:
         with self.lock:
             self.stopping = True
+            if self.drain_timer is not None:
+                self.drain_timer.cancel()
             self.lock.notify()
         self.thread.join(timeout=30)
 
@@ -160,6 +200,7 @@ class Engine:
                 if self.stopping:
                     return
                 self._drop_cancelled()
+                self._end_overdue()
                 admitted = []
                 for slot in range(self.slots):
                     if self.rows[slot] is None and self.waiting:
@@ -181,6 +222,20 @@ class Engine:
         for slot, r in enumerate(self.rows):
             if r is not None and r.cancelled:
                 self.rows[slot] = None
+
+    def _end_overdue(self) -> None:
+        """Requests past their deadline (request_timeout), waiting or running, end with a 504."""
+        now = time.perf_counter()
+        overdue = lambda r: r.deadline_s is not None and now > r.deadline_s  # noqa: E731
+        for r in [r for r in self.waiting if overdue(r)]:
+            self.waiting.remove(r)
+            r.emit("error", self._timed_out())
+        for slot, r in enumerate(self.rows):
+            if r is not None and overdue(r):
+                self._fail(slot, r, self._timed_out().message, status=504, code="timeout")
+
+    def _timed_out(self) -> Failure:
+        return Failure(504, f"the request ran longer than {self.request_timeout:g} s (--request-timeout)", "timeout")
 
     def _prefill(self, admitted: list[int]) -> None:
         """Prefill each admitted prompt alone; one that fails ends its own request only."""

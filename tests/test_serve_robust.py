@@ -396,3 +396,169 @@ def test_a_body_over_the_limit_is_413_whether_announced_or_chunked(slow_tokenize
     assert_openai_error(post(url, chunks()), 413, None, "request_too_large")
     assert slow.calls == 0
     assert post(url, COMPLETION).status_code == 200
+
+
+# ---------------------------------------------------------------- item 4: bounded work
+
+
+def send_raw(url, body: dict) -> socket.socket:
+    """POST body over a raw socket and return it without reading the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    return sock
+
+
+def wait_for(condition, timeout=10.0):
+    end = time.perf_counter() + timeout
+    while not condition():
+        assert time.perf_counter() < end, "timed out"
+        time.sleep(0.005)
+
+
+LONG = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": MAX_SEQ_LEN - 16, "temperature": 0}
+
+
+def test_a_disconnecting_non_streamed_client_frees_its_slot_within_a_second(engine, server, monkeypatch):
+    before = engine.generated_tokens
+    with slow_steps(engine, monkeypatch, 0.05):  # a request of 112 tokens would hold its slot for > 5 s
+        sock = send_raw(server, LONG)
+        wait_for(lambda: engine.stats()["slots_used"] == 1)
+        time.sleep(0.2)
+        sock.close()
+        assert wait_idle(engine, timeout=5) < 1.0
+    assert engine.generated_tokens - before < LONG["max_tokens"] // 2  # it did not run to max_tokens
+
+
+def test_send_and_disconnect_clients_do_not_delay_the_next_one(engine, server, monkeypatch):
+    with slow_steps(engine, monkeypatch, 0.02):
+        socks = [send_raw(server, LONG) for _ in range(8)]  # 3 slots, 5 waiting
+        wait_for(lambda: engine.stats()["slots_used"] == SLOTS)
+        for sock in socks:
+            sock.close()
+        start = time.perf_counter()
+        r = post(server, {**COMPLETION, "max_tokens": 4})
+        assert r.status_code == 200 and time.perf_counter() - start < 2.0  # not 8 x 112 steps x 20 ms
+    wait_idle(engine)
+
+
+def test_a_full_queue_answers_503_with_retry_after(engine, server, monkeypatch):
+    monkeypatch.setattr(engine, "max_waiting", 2)
+    with slow_steps(engine, monkeypatch, 0.05):
+        socks = [send_raw(server, LONG) for _ in range(SLOTS + 2)]  # every slot, and the queue full
+        wait_for(lambda: engine.stats()["slots_used"] == SLOTS and engine.stats()["waiting"] == 2)
+        r = post(server, COMPLETION)
+        err = assert_openai_error(r, 503, None, "server_busy")
+        assert r.headers["retry-after"] == "1" and "--max-waiting" in err["message"]
+        stream = post(server, {**COMPLETION, "stream": True})  # a stream is refused the same way, before it starts
+        assert_openai_error(stream, 503, None, "server_busy")
+        for sock in socks:
+            sock.close()
+        wait_idle(engine)
+    assert post(server, COMPLETION).status_code == 200
+
+
+def test_max_waiting_0_still_fills_free_slots(engine, server, monkeypatch):
+    monkeypatch.setattr(engine, "max_waiting", 0)
+    assert post(server, COMPLETION).status_code == 200
+
+
+def test_a_request_timeout_ends_slow_requests_with_504(engine, server, monkeypatch):
+    monkeypatch.setattr(engine, "request_timeout", 0.5)
+    with slow_steps(engine, monkeypatch, 0.02):
+        start = time.perf_counter()
+        err = assert_openai_error(post(server, LONG), 504, None, "timeout")
+        assert "--request-timeout" in err["message"] and time.perf_counter() - start < 1.5
+        events = [line for line in post(server, {**LONG, "stream": True}).text.splitlines() if line]
+        assert '"code":"timeout"' in events[-2] and events[-1] == "data: [DONE]"
+    wait_idle(engine)
+    assert post(server, COMPLETION).status_code == 200  # a short one fits the timeout
+
+
+def read_stream(url, body, into: list):
+    """Read an SSE stream's data lines into `into` (from a thread)."""
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+        into.append(r.status_code)
+        for line in r.iter_lines():
+            if line:
+                into.append(line)
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_a_signal_drains_for_the_shutdown_timeout_then_ends_streams_with_an_error_event(tiny, monkeypatch, signals):
+    import signal
+
+    import uvicorn
+
+    from kivi_models.serve_app import Server
+
+    engine = make_engine(tiny)
+    port = free_port()
+    server = Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=port, log_level="warning"),
+                    engine, shutdown_timeout=1.0)
+    thread = threading.Thread(target=server.run, daemon=True)  # not the main thread: we send the "signals"
+    thread.start()
+    wait_for(lambda: server.started)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with slow_steps(engine, monkeypatch, 0.02):
+            long, short = [], []
+            readers = [threading.Thread(target=read_stream, args=(url, LONG, long)),  # > 2 s of decoding
+                       threading.Thread(target=read_stream, args=(url, {**COMPLETION, "max_tokens": 20}, short))]
+            for reader in readers:
+                reader.start()
+            wait_for(lambda: engine.stats()["slots_used"] == 2)
+            start = time.perf_counter()
+            for _ in range(signals):
+                server.handle_exit(signal.SIGTERM, None)
+            for reader in readers:
+                reader.join(timeout=15)
+            ended = time.perf_counter() - start
+            thread.join(timeout=15)
+        assert not thread.is_alive()
+        # The short request finished within the grace period (SIGTERM once) or was ended (twice).
+        assert short[0] == 200 and short[-1] == "data: [DONE]"
+        assert ('"finish_reason": "length"' in short[-2]) == (signals == 1)
+        # The long one ended with an error event, then [DONE]: after ~1 s (drain) or at once (second signal).
+        assert long[0] == 200 and long[-1] == "data: [DONE]" and '"code":"server_shutting_down"' in long[-2]
+        assert (0.9 < ended < 3.0) if signals == 1 else ended < 0.9
+        assert not server._captured_signals  # nothing re-raised: the process exits 0
+    finally:
+        server.should_exit = True
+        engine.close()
+
+
+def test_kivi_serve_exits_0_after_sigterm_and_ends_a_stream_with_an_error_event(tmp_path):
+    """The real CLI process (the embedded model, ~5 s to start): SIGTERM with --shutdown-timeout
+    0.2 ends a running stream with an error event and [DONE], and the process exits 0."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    port = free_port()
+    log_file = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "kivi"), "serve", "--port", str(port), "--max-seq-len",
+                             "128", "--max-batch", "1", "--shutdown-timeout", "0.2"], stdout=log_file,
+                            stderr=subprocess.STDOUT)
+    url, lines = f"http://127.0.0.1:{port}", []
+    try:
+        def up():
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        wait_for(up, timeout=120)
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 100, "temperature": 0}
+        reader = threading.Thread(target=read_stream, args=(url, body, lines))
+        reader.start()
+        wait_for(lambda: len(lines) > 2, timeout=60)  # tokens are flowing
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, (tmp_path / "serve.log").read_text()
+        reader.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert lines[-1] == "data: [DONE]" and '"code":"server_shutting_down"' in lines[-2], lines[-3:]
+    assert "--shutdown-timeout" in json.loads(lines[-2][6:])["error"]["message"]
