@@ -8,6 +8,7 @@ Bad requests get OpenAI's error object (`{"error": {"message", "type", "param", 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 from typing import Annotated, Optional, Union
@@ -118,31 +119,73 @@ def failed(failure: Failure, request_id: str) -> JSONResponse:
     return error(failure.status, failure.message, code=failure.code, headers={"x-request-id": request_id})
 
 
-class Guard:
-    """The checks that answer before FastAPI's own stack (ASGI, around the app): a Content-Length
-    over the body limit gets OpenAI's 413 here, since FastAPI's limiter answers an announced
-    oversize body in plain text. Bodies without a length are counted by FastAPI's max_body_size,
-    whose 413 the app's handler shapes."""
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
-    def __init__(self, app: FastAPI, *, max_request_bytes: int):
+
+class Guard:
+    """The checks that answer before FastAPI's own stack (ASGI, around the app), so that nothing
+    of a refused request is read or parsed:
+
+    - allowed_hosts: the Host header must name one of them (None: any). A server bound to loopback
+      answers only its own names, so a web page that rebinds its DNS name to 127.0.0.1 cannot read it.
+    - api_key: /v1/* and /metrics need `Authorization: Bearer <key>` (compared in constant time),
+      else 401; /health stays open for probes.
+    - a Content-Length over max_request_bytes gets OpenAI's 413 here, since FastAPI's limiter
+      answers an announced oversize body in plain text. Bodies without a length are counted by
+      FastAPI's max_body_size, whose 413 the app's handler shapes."""
+
+    def __init__(self, app: FastAPI, *, max_request_bytes: int, api_key: Optional[str] = None,
+                 allowed_hosts: Optional[tuple[str, ...]] = None):
         self.app, self.max_request_bytes = app, max_request_bytes
+        self.api_key, self.allowed_hosts = api_key, allowed_hosts
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            length = Headers(scope=scope).get("content-length", "")
-            if length.isdigit() and int(length) > self.max_request_bytes:
-                return await too_large(self.max_request_bytes)(scope, receive, send)
+        if scope["type"] == "http" and (refused := self.refusal(scope)) is not None:
+            return await refused(scope, receive, send)
         await self.app(scope, receive, send)
+
+    def refusal(self, scope) -> Optional[JSONResponse]:
+        headers = Headers(scope=scope)
+        host = headers.get("host")
+        if self.allowed_hosts is not None and host is not None and _hostname(host) not in self.allowed_hosts:
+            return error(400, f"the Host header {host!r} is not allowed: this server answers only "
+                              f"{', '.join(self.allowed_hosts)}", code="invalid_host")
+        path = scope["path"]
+        if self.api_key is not None and (path.startswith("/v1/") or path == "/metrics"):
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                return error(401, "a valid API key is required: send 'Authorization: Bearer <key>' (--api-key)",
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_request_bytes:
+            return too_large(self.max_request_bytes)
+        return None
+
+
+def _hostname(host: str) -> Optional[str]:
+    """The name in a Host header ("127.0.0.1:8000" -> "127.0.0.1", "[::1]:8000" -> "::1"); None for
+    anything that is not `name[:port]` (userinfo, a path, a non-numeric port)."""
+    host = host.strip().lower()
+    if host.startswith("["):  # an IPv6 literal
+        name, closed, port = host[1:].partition("]")
+        port = port.removeprefix(":") if closed and port.startswith(":") else port
+    else:
+        name, _, port = host.partition(":")
+    return name if name and (not port or port.isdigit()) and "@" not in name and "/" not in name else None
 
 
 def too_large(limit: int) -> JSONResponse:
     return error(413, f"the request body exceeds {limit} bytes (--max-request-bytes)", code="request_too_large")
 
 
-def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_REQUEST_BYTES) -> Guard:
-    """The ASGI app over `engine` (a Guard around the FastAPI app). A body over max_request_bytes
-    is refused with 413 before or while it is read."""
-    app = FastAPI(title="kivi serve", max_body_size=max_request_bytes)
+def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_REQUEST_BYTES,
+              api_key: Optional[str] = None, allowed_hosts: Optional[tuple[str, ...]] = None,
+              docs: bool = False) -> Guard:
+    """The ASGI app over `engine`: a Guard (host, key, body size) around the FastAPI app. A body
+    over max_request_bytes is refused with 413 before or while it is read. docs: serve /docs and
+    /openapi.json (off: they describe the server to anyone who asks)."""
+    app = FastAPI(title="kivi serve", max_body_size=max_request_bytes, docs_url="/docs" if docs else None,
+                  redoc_url=None, openapi_url="/openapi.json" if docs else None)
     tokenizer = engine.tokenizer
 
     @app.exception_handler(RequestValidationError)
@@ -169,6 +212,9 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
 
     @app.get("/health")
     async def health():
+        if not engine.ready.is_set():  # with --compile: until the compiled step has run once
+            return error(503, engine.warmup_error or "starting: the decode step is being compiled (--compile)",
+                         code="not_ready")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -325,7 +371,7 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
         finally:  # finished, or the client disconnected mid-stream: free the slot either way
             engine.cancel(request)
 
-    return Guard(app, max_request_bytes=max_request_bytes)
+    return Guard(app, max_request_bytes=max_request_bytes, api_key=api_key, allowed_hosts=allowed_hosts)
 
 
 class Server(uvicorn.Server):

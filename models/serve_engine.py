@@ -110,6 +110,11 @@ class Engine:
                                 kivi_config=kivi_config)
         self.staging = make_cache(model, method=method, batch_size=1, max_seq_len=max_seq_len, kivi_config=kivi_config)
         self.step_fn = compile_decode_step(self.device) if compile else decode_step
+        # Ready once the decode step has run: with compile, a first step with no request (counts 0:
+        # nothing is stored) compiles it before any client waits on it (/health says so).
+        self.ready = threading.Event()
+        self.warmup_error: Optional[str] = None
+        self.compile = compile
         eos = tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.rows: list[Optional[Request]] = [None] * slots
@@ -192,7 +197,19 @@ class Engine:
 
     # ---------------------------------------------------------------- engine thread
 
+    def _warm_up(self) -> None:
+        if self.compile:
+            try:
+                with torch.inference_mode():
+                    self._decode()  # no request yet: every count is 0, nothing is stored
+            except Exception as e:
+                log.exception("the compiled decode step failed to build")
+                self.warmup_error = f"the compiled decode step failed to build: {type(e).__name__}: {e}"
+                return
+        self.ready.set()
+
     def _loop(self) -> None:
+        self._warm_up()
         while True:
             with self.lock:
                 while not self.stopping and not self.waiting and not any(self.rows):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -562,3 +563,130 @@ def test_kivi_serve_exits_0_after_sigterm_and_ends_a_stream_with_an_error_event(
             proc.kill()
     assert lines[-1] == "data: [DONE]" and '"code":"server_shutting_down"' in lines[-2], lines[-3:]
     assert "--shutdown-timeout" in json.loads(lines[-2][6:])["error"]["message"]
+
+
+# ---------------------------------------------------------------- item 6: operator security
+
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def locked(engine):
+    from kivi_models.serve_app import LOOPBACK_HOSTS
+
+    with serving(engine, api_key=KEY, allowed_hosts=LOOPBACK_HOSTS) as url:
+        yield url
+
+
+def test_an_api_key_is_required_on_the_api_and_compared_whole(locked):
+    bearer = lambda key: {"authorization": f"Bearer {key}"}  # noqa: E731
+    for headers in ({}, bearer("wrong"), bearer(KEY[:-1]), bearer(KEY + "x"), {"authorization": KEY},
+                    {"authorization": f"Basic {KEY}"}):
+        r = post(locked, COMPLETION, headers=headers)
+        assert_openai_error(r, 401, None, "invalid_api_key")
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert_openai_error(httpx.get(f"{locked}/metrics", timeout=10), 401, None, "invalid_api_key")
+    assert_openai_error(httpx.get(f"{locked}/v1/models", timeout=10), 401, None, "invalid_api_key")
+    assert httpx.get(f"{locked}/health", timeout=10).status_code == 200  # open: for probes
+    r = client(locked, api_key=KEY).completions.create(model=NAME, prompt="Hi", max_tokens=2)
+    assert r.choices[0].finish_reason == "length"
+    assert httpx.get(f"{locked}/metrics", headers=bearer(KEY), timeout=10).status_code == 200
+
+
+def test_a_wrong_key_is_refused_before_the_body_is_read(locked, engine, monkeypatch):
+    monkeypatch.setattr(engine, "tokenizer", SlowTokenizer(engine.tokenizer, 0))
+    assert_openai_error(post(locked, b"{not even json"), 401, None, "invalid_api_key")
+    assert_openai_error(post(locked, b"x" * (2 << 20)), 401, None, "invalid_api_key")
+    assert engine.tokenizer.calls == 0
+
+
+@pytest.mark.parametrize("host, ok", [("127.0.0.1:{port}", True), ("localhost:{port}", True), ("[::1]:{port}", True),
+                                      ("LOCALHOST", True), ("attacker.example:{port}", False),
+                                      ("127.0.0.1.attacker.example", False), ("evil.com:80@127.0.0.1", False)])
+def test_a_loopback_server_answers_only_its_own_host_names(locked, host, ok):
+    port = locked.rsplit(":", 1)[1]
+    headers = {"host": host.format(port=port), "authorization": f"Bearer {KEY}"}
+    r = httpx.get(f"{locked}/v1/models", headers=headers, timeout=10)
+    if ok:
+        assert r.status_code == 200, r.text
+    else:
+        assert_openai_error(r, 400, None, "invalid_host")
+        assert_openai_error(httpx.get(f"{locked}/health", headers=headers, timeout=10), 400, None, "invalid_host")
+
+
+def test_docs_and_openapi_are_off_by_default(server, engine):
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        assert_openai_error(httpx.get(f"{server}{path}", timeout=10), 404, None, "not_found")
+    with serving(engine, docs=True) as url:
+        assert httpx.get(f"{url}/openapi.json", timeout=10).json()["info"]["title"] == "kivi serve"
+        assert httpx.get(f"{url}/docs", timeout=10).status_code == 200
+
+
+def test_request_ids_are_random(server):
+    ids = [post(server, COMPLETION).json()["id"] for _ in range(3)]
+    assert len(set(ids)) == 3
+    assert all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids)  # uuid4: 122 random bits, no order
+
+
+def test_health_is_not_ready_until_the_compiled_step_has_run(tiny, monkeypatch):
+    import kivi_models.serve_engine as serve_engine
+
+    release = threading.Event()
+
+    def compile_decode_step(device):
+        def step(*args, **kwargs):
+            assert release.wait(30)  # "compiling"
+            return serve_engine.decode_step(*args, **kwargs)
+        return step
+
+    monkeypatch.setattr(serve_engine, "compile_decode_step", compile_decode_step)
+    engine = make_engine(tiny, compile=True)
+    try:
+        with serving(engine) as url:
+            err = assert_openai_error(httpx.get(f"{url}/health", timeout=10), 503, None, "not_ready")
+            assert "compiled" in err["message"]
+            release.set()
+            wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200)
+            assert post(url, COMPLETION).status_code == 200
+    finally:
+        release.set()
+        engine.close()
+
+
+def serve_args(host, api_key=None):
+    import argparse
+
+    return argparse.Namespace(host=host, api_key=api_key)
+
+
+@pytest.mark.parametrize("host, key, env, warned, hosts", [
+    ("127.0.0.1", None, None, False, ("127.0.0.1", "localhost", "::1")),
+    ("127.0.0.2", None, None, False, ("127.0.0.1", "localhost", "::1", "127.0.0.2")),
+    ("0.0.0.0", None, None, True, None),
+    ("0.0.0.0", KEY, None, False, None),
+    ("::", None, KEY, False, None),
+    ("my-host.example", None, None, True, None),
+])
+def test_kivi_serve_access_settings(host, key, env, warned, hosts, monkeypatch, capsys):
+    import argparse
+
+    from kivi_models.serve_cli import access_settings
+
+    if env is None:
+        monkeypatch.delenv("KIVI_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("KIVI_API_KEY", env)
+    api_key, allowed = access_settings(serve_args(host, key), argparse.ArgumentParser())
+    assert api_key == (key or env) and allowed == hosts
+    assert ("warning: --host" in capsys.readouterr().err) == warned
+
+
+def test_an_empty_api_key_is_a_usage_error(monkeypatch, capsys):
+    import argparse
+
+    from kivi_models.serve_cli import access_settings
+
+    monkeypatch.setenv("KIVI_API_KEY", " ")
+    with pytest.raises(SystemExit):
+        access_settings(serve_args("127.0.0.1"), argparse.ArgumentParser())
+    assert "is empty" in capsys.readouterr().err
