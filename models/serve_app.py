@@ -22,7 +22,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .serve_cli import MAX_REQUEST_BYTES
 from .serve_engine import Engine, Failure, Request, RequestError, context_error, log
 
 
@@ -120,6 +119,7 @@ def failed(failure: Failure, request_id: str) -> JSONResponse:
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+MAX_REQUEST_BYTES = 1 << 20  # 1 MiB of JSON: far more text than a 2048-token context holds
 
 
 class Guard:

@@ -10,8 +10,7 @@ from .cli_args import (add_model_arguments, check_memory, check_weight_quant_mod
                        kivi_config_from, non_negative_float, non_negative_int, positive_float, positive_int,
                        usage_errors)
 from .loading import DEFAULT_MODEL, DEFAULT_NAME, load_model, log
-
-MAX_REQUEST_BYTES = 1 << 20  # 1 MiB of JSON: far more text than a 2048-token context holds
+from .serve_app import LOOPBACK_HOSTS, MAX_REQUEST_BYTES, Server, build_app
 
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching over the cache)")
@@ -57,8 +56,6 @@ def is_loopback(host: str) -> bool:
 def access_settings(args, parser) -> tuple[Optional[str], Optional[tuple[str, ...]]]:
     """(the API key: --api-key, else KIVI_API_KEY, else None; the Host names a loopback bind answers,
     None for any). Warns when the port is open to other machines without a key."""
-    from .serve_app import LOOPBACK_HOSTS
-
     api_key = args.api_key if args.api_key is not None else os.environ.get("KIVI_API_KEY")
     if api_key is not None and not api_key.strip():
         parser.error("--api-key (or KIVI_API_KEY) is empty; give a key or unset it")
@@ -95,7 +92,6 @@ def plan_slots(model, args, kivi_config, parser) -> tuple[int, int, int]:
 def cmd_serve(args, parser) -> int:
     import uvicorn
 
-    from .serve_app import Server, build_app
     from .serve_engine import Engine
 
     kivi_config = kivi_config_from(args, parser)

@@ -74,3 +74,21 @@ def test_batch_file_blank_line_is_still_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         prompts_of(tmp_path, "one\n\ntwo\n")
     assert "line(s) 2 are blank" in capsys.readouterr().err
+
+
+def test_kivi_generate_degenerate_temperature_and_top_p_give_the_greedy_tokens(capsys):
+    """--temperature 1e-45 made every logit / temperature overflow (NaN: token 0 repeated, exit 0);
+    --top-p 1e-46 rounded to 0 in float32 and kept no token. Both tend to greedy and now give it."""
+    import json
+
+    from kivi_cli.main import main
+
+    def tokens(*sampling):
+        argv = ["generate", "--prompt", "The capital of France is", "--max-new-tokens", "6", "--method", "fp", "--json"]
+        assert main([*argv, *sampling]) == 0
+        return json.loads(capsys.readouterr().out)["tokens"]
+
+    greedy = tokens()
+    assert len(set(greedy)) > 1  # a real answer, not one token repeated
+    assert tokens("--temperature", "1e-45", "--seed", "1") == greedy
+    assert tokens("--temperature", "1", "--top-p", "1e-46", "--seed", "1") == greedy

@@ -690,3 +690,15 @@ def test_an_empty_api_key_is_a_usage_error(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         access_settings(serve_args("127.0.0.1"), argparse.ArgumentParser())
     assert "is empty" in capsys.readouterr().err
+
+
+def test_an_unexpected_exception_is_a_logged_openai_500(engine, server, monkeypatch, caplog):
+    class Broken(SlowTokenizer):
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError("tokenizer exploded")
+
+    monkeypatch.setattr(engine, "tokenizer", Broken(engine.tokenizer, 0))
+    with serving(engine) as url, caplog.at_level(logging.ERROR, logger="kivi.serve"):
+        err = assert_openai_error(post(url, COMPLETION), 500, None, "internal_error")
+    assert err["message"] == "internal error: RuntimeError"  # no traceback or internals in the body
+    assert any("tokenizer exploded" in str(r.exc_info) for r in caplog.records if r.name == "kivi.serve")
