@@ -163,7 +163,8 @@ def _generate_from_a_reset_cache(generate):
     @functools.wraps(generate)
     def call(*args, **kwargs):
         cache = kwargs.get("past_key_values")
-        if isinstance(cache, StaticCacheBase) and kwargs.get("cache_position") is None:
+        if isinstance(cache, StaticCacheBase) and kwargs.get("cache_position") is None \
+                and bool(cache.lengths().any()):  # a fresh cache needs no reset (it zeroes every buffer)
             cache.reset()
         return generate(*args, **kwargs)
 

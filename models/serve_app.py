@@ -1,8 +1,12 @@
 """The OpenAI-compatible HTTP API of `kivi serve` (FastAPI): completions and chat completions,
 non-streamed or streamed as server-sent events, models, health and Prometheus metrics.
 
-Bad requests get OpenAI's error object (`{"error": {"message", "type", "param", "code"}}`) with a
-4xx status; the engine (serve_engine.py) only ever sees validated requests.
+Every 4xx and 5xx carries OpenAI's error object (`{"error": {"message", "type", "param", "code"}}`),
+body-parse errors and framework errors (404, 405, 413) included; the engine (serve_engine.py) only
+ever sees validated requests. A Guard in front of the app checks the Host header, the API key and
+an announced body size before anything is read; tokenizing runs off the event loop; a
+non-streamed request is cancelled when its client disconnects; `Server` bounds the drain on
+SIGTERM. docs/serve.md (Operations) describes them for operators.
 """
 
 from __future__ import annotations
@@ -94,9 +98,9 @@ class ErrorResponse(JSONResponse):
 
 
 def error(status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-          kind: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
+          headers: Optional[dict] = None) -> JSONResponse:
     """OpenAI's error object, the one shape of every 4xx and 5xx this server sends."""
-    kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
+    kind = "server_error" if status >= 500 else "invalid_request_error"
     return ErrorResponse(status_code=status, headers=headers,
                          content={"error": {"message": message, "type": kind, "param": param, "code": code}})
 
@@ -309,10 +313,11 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
             await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not answer.done():
+            abandoned = not answer.done()
+            if abandoned:
                 answer.cancel()
                 engine.cancel(request)
-        if answer.cancelled():
+        if abandoned:
             return Response(status_code=499)  # nobody reads it
         text, reason = answer.result()
         if isinstance(reason, Failure):
