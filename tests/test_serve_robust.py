@@ -509,7 +509,7 @@ def test_a_signal_drains_for_the_shutdown_timeout_then_ends_streams_with_an_erro
         with slow_steps(engine, monkeypatch, 0.02):
             long, short = [], []
             readers = [threading.Thread(target=read_stream, args=(url, LONG, long)),  # > 2 s of decoding
-                       threading.Thread(target=read_stream, args=(url, {**COMPLETION, "max_tokens": 20}, short))]
+                       threading.Thread(target=read_stream, args=(url, {**COMPLETION, "max_tokens": 8}, short))]
             for reader in readers:
                 reader.start()
             wait_for(lambda: engine.stats()["slots_used"] == 2)
