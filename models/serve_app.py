@@ -252,9 +252,12 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
     # b bytes is at least b / longest tokens: a prompt that long is refused before it is tokenized.
     longest_token = max(len(token.encode("utf-8", "replace")) for token in tokenizer.get_vocab())
 
-    def beyond_context(texts: list[str], body) -> Optional[JSONResponse]:
+    def refused_early(texts: list[str], body) -> Optional[JSONResponse]:
+        """The refusals known before tokenizing: the server is full or stopping, or the text is too
+        long for a slot whatever its tokens."""
         at_least = -(-sum(len(t.encode("utf-8")) for t in texts) // longest_token)
-        refused = context_error(at_least, body.max_tokens, engine.max_seq_len, at_least=True)
+        refused = engine.admission_error() or context_error(at_least, body.max_tokens, engine.max_seq_len,
+                                                            at_least=True)
         return refused and refusal(refused, chat=isinstance(body, ChatBody))
 
     @app.post("/v1/completions")
@@ -264,7 +267,7 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) != 1:
             return error(400, "prompt: give one prompt per request", param="prompt", code="invalid_value")
-        if (bad := beyond_context(prompts, body)) is not None:
+        if (bad := refused_early(prompts, body)) is not None:
             return bad
         ids = await run_in_threadpool(lambda: tokenizer(prompts[0])["input_ids"])  # off the event loop
         return await respond(body, ids, http, chat=False)
@@ -274,7 +277,7 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
         if (bad := check_model(body.model)) is not None:
             return bad
         messages = [m.model_dump() for m in body.messages]
-        if (bad := beyond_context([m["content"] for m in messages], body)) is not None:
+        if (bad := refused_early([m["content"] for m in messages], body)) is not None:
             return bad
         ids = await run_in_threadpool(lambda: tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False))

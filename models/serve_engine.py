@@ -20,6 +20,12 @@ that request alone (an "error" event naming the cause, logged with the request i
 rows go on; only an error in the batched decode step itself, which no single row owns, ends them
 all. Handlers talk to the engine through `submit` and the request's event queue (thread-safe
 callbacks).
+
+Work is bounded: `max_waiting` caps the queue beyond the free slots (submit refuses with 503), a
+cancelled request (its client went away) leaves its row at the next step, `request_timeout` ends
+requests older than it (504), and `drain` / `abort` end what is left at shutdown with an error
+event each (503), so that every handler answers or closes its stream. With compile, one step
+with no request runs first (`ready`), so that no client waits on the compilation.
 """
 
 from __future__ import annotations
@@ -139,15 +145,23 @@ class Engine:
         if self.request_timeout is not None:
             request.deadline_s = request.submitted_s + self.request_timeout
         with self.lock:
-            if self.draining:
-                raise RequestError("the server is shutting down", status=503, code="server_shutting_down")
-            queued = len(self.waiting) - sum(r is None for r in self.rows)  # beyond the free slots they will take
-            if self.max_waiting is not None and queued >= self.max_waiting:
-                raise RequestError(f"the server is busy: every slot is in use and {queued} request(s) "
-                                   f"wait (--max-waiting); retry later", status=503, code="server_busy",
-                                   headers={"Retry-After": "1"})
+            if (refused := self.admission_error()) is not None:
+                raise refused
             self.waiting.append(request)
             self.lock.notify()
+
+    def admission_error(self) -> Optional[RequestError]:
+        """Why a request arriving now would be refused (503: shutting down, or the queue is full),
+        else None. submit() asks under the lock; a handler may ask first, before tokenizing."""
+        with self.lock:
+            if self.draining:
+                return RequestError("the server is shutting down", status=503, code="server_shutting_down")
+            queued = len(self.waiting) - sum(r is None for r in self.rows)  # beyond the free slots they will take
+            if self.max_waiting is not None and queued >= self.max_waiting:
+                return RequestError(f"the server is busy: every slot is in use and {queued} request(s) wait "
+                                    f"(--max-waiting); retry later", status=503, code="server_busy",
+                                    headers={"Retry-After": "1"})
+        return None
 
     def cancel(self, request: Request) -> None:
         """The client went away: the engine frees its row (or drops it from the queue) next."""

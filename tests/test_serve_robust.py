@@ -457,6 +457,11 @@ def test_a_full_queue_answers_503_with_retry_after(engine, server, monkeypatch):
         assert r.headers["retry-after"] == "1" and "--max-waiting" in err["message"]
         stream = post(server, {**COMPLETION, "stream": True})  # a stream is refused the same way, before it starts
         assert_openai_error(stream, 503, None, "server_busy")
+        counting = SlowTokenizer(engine.tokenizer, 0)
+        monkeypatch.setattr(engine, "tokenizer", counting)
+        with serving(engine) as url:  # an app over the counting tokenizer
+            assert_openai_error(post(url, CHAT, "/v1/chat/completions"), 503, None, "server_busy")
+        assert counting.calls == 0  # refused before tokenizing
         for sock in socks:
             sock.close()
         wait_idle(engine)
