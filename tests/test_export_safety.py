@@ -350,3 +350,13 @@ def test_onnx_capacity_comes_from_the_program(tiny, tmp_path):
     rewrite(out, sign=True, max_seq_len=64)
     with pytest.raises(ArtifactError, match="max_seq_len=16 \\(from .*cache inputs"):
         load_exported(out)
+
+
+def test_an_intact_export_from_another_torch_can_be_overwritten(tiny, copy):
+    """--overwrite checks that the old export is intact (signed), not that this torch can load it:
+    re-exporting after a torch upgrade is what --overwrite is for."""
+    rewrite(copy, sign=True, versions={"torch": "2.0.0"})
+    with pytest.raises(ArtifactError, match="torch 2.0.0"):
+        read_metadata(copy)
+    export(tiny, copy, overwrite=True)
+    assert read_metadata(copy).versions["torch"] == torch.__version__
