@@ -21,7 +21,7 @@ import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -86,8 +86,18 @@ class Message(BaseModel):
 
 class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)  # newer clients' max_tokens: it wins when given
     logprobs: Annotated[Optional[bool], _only(None, False, why="no log-probabilities")] = None
     top_logprobs: Annotated[Optional[int], _only(None, 0, why="no log-probabilities")] = None
+    tools: Annotated[Optional[list], _only(None, [], why="no tool calls")] = None
+    tool_choice: Annotated[Optional[Union[str, dict]], _only(None, "none", why="no tool calls")] = None
+    response_format: Annotated[Optional[dict], _only(None, {"type": "text"}, why="plain text only")] = None
+
+    @model_validator(mode="after")
+    def _max_completion_tokens(self):
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
 
 
 class ErrorResponse(JSONResponse):

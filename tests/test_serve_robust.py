@@ -265,6 +265,8 @@ COMPLETION = {"model": NAME, "prompt": "Hi", "max_tokens": 2}
     ("/v1/completions", "presence_penalty", 0.5), ("/v1/completions", "logit_bias", {"50256": -100}),
     ("/v1/chat/completions", "n", 2), ("/v1/chat/completions", "logprobs", True),
     ("/v1/chat/completions", "top_logprobs", 2), ("/v1/chat/completions", "frequency_penalty", 1.0),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("/v1/chat/completions", "tool_choice", "auto"), ("/v1/chat/completions", "response_format", {"type": "json_object"}),
 ])
 def test_unimplemented_openai_fields_are_refused_by_name(server, path, field, value):
     body = {**(CHAT if "chat" in path else COMPLETION), field: value}
@@ -275,11 +277,20 @@ def test_unimplemented_openai_fields_are_refused_by_name(server, path, field, va
 @pytest.mark.parametrize("path, defaults", [
     ("/v1/completions", {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "suffix": None, "presence_penalty": 0,
                          "frequency_penalty": 0.0, "logit_bias": {}, "user": "someone"}),
-    ("/v1/chat/completions", {"n": 1, "logprobs": False, "top_logprobs": None, "logit_bias": None}),
+    ("/v1/chat/completions", {"n": 1, "logprobs": False, "top_logprobs": None, "logit_bias": None, "tools": [],
+                              "tool_choice": "none", "response_format": {"type": "text"}}),
 ])
 def test_their_defaults_are_accepted(server, path, defaults):
     r = post(server, {**(CHAT if "chat" in path else COMPLETION), **defaults}, path)
     assert r.status_code == 200, r.text
+
+
+def test_max_completion_tokens_is_honoured(server):
+    c = client(server)
+    r = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=5)
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"  # not the default 16
+    assert_openai_error(post(server, {**CHAT, "max_completion_tokens": 0}, "/v1/chat/completions"), 400,
+                        "max_completion_tokens", "invalid_value")
 
 
 def test_stop_strings_cut_at_the_earliest_occurrence_in_the_text(tiny, server):
