@@ -61,7 +61,8 @@ def prompts_of(tmp_path, text: str):
 
 
 @pytest.mark.parametrize("text, lines", [
-    ("one\x0cpage\nline\u2028sep\nnext\x1cfile\x1dgroup\x1erecord\x85nel\n", ["one\x0cpage", "line\u2028sep", "next\x1cfile\x1dgroup\x1erecord\x85nel"]),
+    ("one\x0cpage\nline\u2028sep\nnext\x1cfile\x1dgroup\x1erecord\x85nel\n",
+     ["one\x0cpage", "line\u2028sep", "next\x1cfile\x1dgroup\x1erecord\x85nel"]),
     ("windows\r\nline\u2029two\r\n", ["windows", "line\u2029two"]),
     ("no final newline\nsecond", ["no final newline", "second"]),
     ("a\x0bvertical tab", ["a\x0bvertical tab"]),
