@@ -270,11 +270,10 @@ def _artifact_file(path: Path, name: str) -> Path:
     return file
 
 
-def read_metadata(path: Path, *, verify: bool = True) -> ExportMetadata:
-    """The checked metadata of the export at `path`. verify=False skips re-hashing the files (the
-    metadata's own checks, its digest and the files' presence still apply)."""
-    path = Path(path)
-    meta_file = path / METADATA_FILE
+def signed_fields(path: Path) -> dict:
+    """The fields of `path`'s kivi_export.json once its JSON, schema version, every field and its
+    digest check (ArtifactError naming the first problem otherwise). Reads nothing but that file."""
+    meta_file = Path(path) / METADATA_FILE
     if not meta_file.is_file():
         raise ArtifactError(f"{path} is not a KIVI export: {METADATA_FILE} is missing (create one with `kivi export`)")
     try:
@@ -285,15 +284,29 @@ def read_metadata(path: Path, *, verify: bool = True) -> ExportMetadata:
         found = raw.get("schema_version") if isinstance(raw, dict) else None
         raise ArtifactError(f"{meta_file} has schema_version {found!r}; this kivi reads {SCHEMA_VERSION}. Re-export the model")
     check_fields(raw, str(meta_file))
-    meta = ExportMetadata(**raw)
+    if metadata_digest(raw) != raw["digest"]:
+        raise ArtifactError(f"{meta_file} was changed after export: its digest does not match its fields "
+                            f"(the config, capacity and file hashes are signed together). Re-export the model")
+    return raw
+
+
+def written_files(raw: dict) -> set[str]:
+    """The paths (relative, POSIX) an export wrote, as its signed metadata lists them: the metadata
+    itself, the program file(s) and every tokenizer file."""
+    return {METADATA_FILE, raw["program"], *raw["extra_files"],
+            *(f"{TOKENIZER_DIR}/{name}" for name in raw["tokenizer_files"])}
+
+
+def read_metadata(path: Path, *, verify: bool = True) -> ExportMetadata:
+    """The checked metadata of the export at `path`. verify=False skips re-hashing the files (the
+    metadata's own checks, its digest and the files' presence still apply)."""
+    path = Path(path)
+    meta = ExportMetadata(**signed_fields(path))
     if meta.format in TORCH_BOUND_FORMATS and meta.versions.get("torch") != torch.__version__:
         raise ArtifactError(
             f"{path} was exported with torch {meta.versions.get('torch')}, this is torch {torch.__version__}: "
             f"{meta.format} programs are only read by the release that wrote them. Re-export with this torch"
         )
-    if metadata_digest(raw) != meta.digest:
-        raise ArtifactError(f"{meta_file} was changed after export: its digest does not match its fields "
-                            f"(the config, capacity and file hashes are signed together). Re-export the model")
     tokenizer_dir = path / TOKENIZER_DIR
     if not tokenizer_dir.is_dir():
         raise ArtifactError(f"{tokenizer_dir} is missing; the export is incomplete. Re-export the model")
@@ -312,13 +325,3 @@ def read_metadata(path: Path, *, verify: bool = True) -> ExportMetadata:
         if sha256_of(file) != expected:
             raise ArtifactError(f"{file} is corrupt: its sha256 differs from the one recorded at export. Re-export the model")
     return meta
-
-
-def looks_like_export(path: Path) -> bool:
-    """Whether `path` is a directory holding a readable kivi_export.json (any schema version, valid or
-    not): what `kivi export --overwrite` may replace."""
-    try:
-        raw = json.loads((Path(path) / METADATA_FILE).read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return isinstance(raw, dict) and "schema_version" in raw and "format" in raw

@@ -24,7 +24,7 @@ def add_export_parsers(sub) -> None:
     add_model_arguments(e)
     e.add_argument("--batch-size", type=positive_int, default=1, help="sequences per call (static)")
     e.add_argument("--max-seq-len", type=positive_int, default=1024, help="cache capacity: prompt + new tokens")
-    e.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
+    e.add_argument("--overwrite", action="store_true", help="replace an earlier KIVI export at --out (its own files only: any other file there makes the export refuse, naming it)")
     e.set_defaults(func=cmd_export, parser=e)
 
     r = sub.add_parser("run-exported", help="generate with an exported decoder (no model is built in Python)")

@@ -5,8 +5,13 @@ the export is built in a staging directory beside the target (`.<name>.kivi-tmp-
 place only when complete (renameat2 RENAME_EXCHANGE where the OS has it, so the old and the new
 export trade places in one step); a failure or Ctrl-C at any point before that leaves the target as
 it was. An exclusive lock (`.<name>.kivi-lock` beside the target, flock) held for the whole export makes a second export into
-the same target fail at once instead of interleaving files. `--overwrite` only ever replaces a
-directory that is itself a KIVI export (it holds a readable kivi_export.json) or is empty.
+the same target fail at once instead of interleaving files.
+
+`--overwrite` never deletes what an export did not write. It replaces a directory that is empty or
+holds an intact KIVI export (its kivi_export.json checks, digest included) and nothing else: the
+signed metadata lists every file the export wrote, and any other file or directory there (a user's
+notes, results, a project) makes the export refuse, naming it. A directory whose metadata does not
+verify is never touched. After the swap only the listed files of the old export are removed.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Iterator, Optional
 
 import torch
@@ -32,8 +37,8 @@ from kivi_models.generate import make_cache
 from kivi_models.loading import log
 from kivi_ops import KIVIConfig
 
-from .artifact import (FORMATS, MIN_MAX_SEQ_LEN, PROGRAM_FILES, TOKENIZER_DIR, ArtifactError, ExportMetadata,
-                       check_fields, looks_like_export, write_metadata)
+from .artifact import (FORMATS, METADATA_FILE, MIN_MAX_SEQ_LEN, PROGRAM_FILES, TOKENIZER_DIR, ArtifactError,
+                       ExportMetadata, check_fields, signed_fields, write_metadata, written_files)
 from .decoder import ExportableDecoder
 from .formats import save_aoti, save_onnx, save_pt2, save_pte
 
@@ -72,22 +77,66 @@ def trace(decoder: ExportableDecoder) -> torch.export.ExportedProgram:
 # ---------------------------------------------------------------- the target directory
 
 
-def check_target(out: Path, overwrite: bool) -> None:
-    """Refuse (ExportTargetError naming --out) a target this export must not replace."""
+def check_target(out: Path, overwrite: bool) -> set[str]:
+    """Refuse (ExportTargetError naming --out) a target this export must not replace. Returns the
+    files of the earlier export there that the new one replaces (empty: `out` is new or empty)."""
     if out.is_symlink() and not out.exists():
         raise ExportTargetError(f"--out {out} is a dangling symbolic link; remove it or choose another --out")
     if out.exists() and not out.is_dir():
         raise ExportTargetError(f"--out {out} is a file, not a directory; choose a directory path for --out")
-    if out.is_dir() and any(out.iterdir()):
-        if not looks_like_export(out):
-            raise ExportTargetError(
-                f"--out {out} is a non-empty directory that is not a KIVI export (no readable kivi_export.json); "
-                f"refusing to write there: --overwrite only replaces an earlier KIVI export. Choose a new or empty --out")
-        if not overwrite:
-            raise ExportTargetError(f"--out {out} already holds a KIVI export; pass --overwrite to replace it")
     parent = out.parent
     if parent.exists() and not parent.is_dir():
         raise ExportTargetError(f"--out {out}: {parent} is a file, not a directory")
+    if not out.is_dir() or not any(out.iterdir()):
+        return set()
+    if not (out / METADATA_FILE).exists():
+        raise ExportTargetError(
+            f"--out {out} is a non-empty directory that is not a KIVI export (no {METADATA_FILE}); refusing to "
+            f"write there: --overwrite only replaces an earlier KIVI export. Choose a new or empty --out")
+    try:
+        written = written_files(signed_fields(out))
+    except ArtifactError as e:
+        raise ExportTargetError(
+            f"--out {out} is not an intact KIVI export ({e}); it is left untouched: --overwrite only replaces an "
+            f"export whose metadata verifies. Remove it yourself or choose another --out") from None
+    if not overwrite:
+        raise ExportTargetError(f"--out {out} already holds a KIVI export; pass --overwrite to replace it")
+    if foreign := foreign_entries(out, written):
+        shown = ", ".join(foreign[:10]) + (f" and {len(foreign) - 10} more" if len(foreign) > 10 else "")
+        raise ExportTargetError(
+            f"--out {out} holds files the export did not write: {shown}; --overwrite only replaces an export's own "
+            f"files. Move them out of {out} or choose another --out")
+    return written
+
+
+def foreign_entries(out: Path, written: set[str]) -> list[str]:
+    """What under `out` is not in `written` (paths relative to `out`; a directory ends with "/" and is
+    not entered). Symbolic links are entries of their own, never followed."""
+    dirs = {parent.as_posix() for w in written for parent in PurePosixPath(w).parents} - {"."}
+    found = []
+    for root, dirnames, filenames in os.walk(out):
+        here = PurePosixPath(Path(root).relative_to(out).as_posix())
+        for name in list(dirnames):
+            if (here / name).as_posix() not in dirs:
+                found.append(f"{(here / name).as_posix()}/")
+                dirnames.remove(name)
+        found += [(here / name).as_posix() for name in filenames if (here / name).as_posix() not in written]
+    return sorted(found)
+
+
+def remove_written(old: Path, written: set[str], out: Path) -> None:
+    """Delete the listed files of the export replaced at `out` (now at `old`), then its directories
+    if empty. Anything else (added after the check) is moved beside `out` and said so."""
+    for name in written:
+        with contextlib.suppress(FileNotFoundError):
+            (old / name).unlink()
+    for root, _, _ in sorted(os.walk(old), key=lambda entry: -len(entry[0])):  # deepest first
+        with contextlib.suppress(OSError):
+            os.rmdir(root)
+    if old.exists():  # someone wrote there between the check and the swap: keep it, visibly
+        kept = out.with_name(f"{out.name}.kept-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        os.rename(old, kept)
+        log(f"kept what the replaced export did not write ({', '.join(foreign_entries(kept, set()))}) in {kept}")
 
 
 def lock_path(out: Path) -> Path:
@@ -279,7 +328,7 @@ def export_decoder(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with target_lock(out):
-        check_target(out, overwrite)  # again, now that no other export can change it
+        replaced = check_target(out, overwrite)  # again, now that no other export can change it
         _remove_stale_staging(out)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{STAGING_TAG}", dir=out.parent))
         umask = os.umask(0)
@@ -288,13 +337,13 @@ def export_decoder(
         try:
             _write_export(model, decoder, tokenizer, staging, fmt, weight_quant, meta)
             _fsync_tree(staging)
-            old = swap_in(staging, out)
-            _fsync_dir(out.parent)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
+            old = swap_in(staging, out)  # after an exchange, `old` is the staging path
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        _fsync_dir(out.parent)
+        if old is not None:
+            remove_written(old, replaced, out)
     log(f"Exported to {out}")
     return meta
 

@@ -14,6 +14,7 @@ a plain `model(...)`), a pre-hook on the decoder derives it from that call's arg
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -148,6 +149,28 @@ def step_of_call(module, args, kwargs):
     return args, dict(kwargs, kivi_step=Step(counts=counts, prefill=fresh and n > 1, order=order))
 
 
+def _generate_from_a_reset_cache(generate):
+    """model.generate that empties a library cache passed as past_key_values before it starts.
+
+    transformers' generate() takes the ids as the whole sequence and a non-empty cache as holding
+    its first get_seq_length() tokens: it feeds only the ids past them. Our caches keep no token
+    ids to check that against, so a cache reused for a new prompt would silently continue stale
+    state (a longer prompt: the old tokens plus the new prompt's tail) or fail cryptically (a
+    shorter one). Resetting is right in both cases: the ids hold the whole sequence, so a
+    continuation reruns its prefix and gets the same text. A caller who passes cache_position
+    manages positions itself and keeps its cache."""
+
+    @functools.wraps(generate)
+    def call(*args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, StaticCacheBase) and kwargs.get("cache_position") is None \
+                and bool(cache.lengths().any()):  # a fresh cache needs no reset (it zeroes every buffer)
+            cache.reset()
+        return generate(*args, **kwargs)
+
+    return call
+
+
 def patch_model(model: nn.Module) -> nn.Module:
     """Swap every attention module for KIVIAttention, in place; returns the model."""
     config = model.config
@@ -172,5 +195,6 @@ def patch_model(model: nn.Module) -> nn.Module:
     config._attn_implementation = ATTN_IMPLEMENTATION
     decoder.register_forward_pre_hook(step_of_call, with_kwargs=True)
     enable_compiled_generate(model)
+    model.generate = _generate_from_a_reset_cache(model.generate)
     decoder._kivi_patched = True
     return model

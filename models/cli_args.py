@@ -68,6 +68,27 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def fraction_arg(text: str) -> float:
     from kivi_ops.dense_sparse import check_outlier_fraction
 
@@ -240,7 +261,9 @@ def read_prompts(args, parser) -> list[str]:
         if not text.strip():
             parser.error(f"--prompt-file {path} is empty")
         return [text]
-    prompts = text.splitlines()
+    # "\n" only (a trailing "\r" is part of the line ending): str.splitlines() would also split at
+    # form feeds, U+2028 and other characters a prompt may hold, and result i would no longer be line i.
+    prompts = [line.removesuffix("\r") for line in text.removesuffix("\n").split("\n")] if text else []
     if not prompts:
         parser.error(f"--batch-file {path} holds no prompts (one per line)")
     blank = [i + 1 for i, line in enumerate(prompts) if not line.strip()]

@@ -72,21 +72,35 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+def sampling_probs(logits: torch.Tensor, temperature: float, *, top_k: Optional[int] = None,
+                   top_p: Optional[float] = None) -> torch.Tensor:
+    """The distribution [..., V] that logits [..., V] sample from at temperature > 0, top-k, top-p.
+
+    Every temperature > 0 and top_p > 0 gives a distribution. The logits are scaled relative to
+    their row's maximum, in float64: a temperature so small that logits / temperature would
+    overflow (1e-45) tends to greedy, its limit, instead of inf - inf = NaN; and top-p always keeps
+    the most likely token (a top_p that rounds to 0 would otherwise keep none). Shared by `kivi
+    generate` (sample) and the server's per-request sampler, so both follow the same rule."""
+    logits = logits.double()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # <= 0, the maximum exactly 0
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # keep the token crossing p
+        drop_sorted[..., 0] = False  # the most likely token, whatever top_p rounds to
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """Next token per row of logits [B, V] -> [B]."""
     if sampling.temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / sampling.temperature
-    if sampling.top_k is not None:
-        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p is not None:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= sampling.top_p  # keep the token crossing p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
+    probs = sampling_probs(logits, sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     # Exponential race instead of multinomial: same distribution, no host sync, compiles.
     return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
 

@@ -1,78 +1,234 @@
 """The OpenAI-compatible HTTP API of `kivi serve` (FastAPI): completions and chat completions,
 non-streamed or streamed as server-sent events, models, health and Prometheus metrics.
 
-Bad requests get OpenAI's error object (`{"error": {"message", "type", "param", "code"}}`) with a
-4xx status; the engine (serve_engine.py) only ever sees validated requests.
+Every 4xx and 5xx carries OpenAI's error object (`{"error": {"message", "type", "param", "code"}}`),
+body-parse errors and framework errors (404, 405, 413) included; the engine (serve_engine.py) only
+ever sees validated requests. A Guard in front of the app checks the Host header, the API key and
+an announced body size before anything is read; tokenizing runs off the event loop; a
+non-streamed request is cancelled when its client disconnects; `Server` bounds the drain on
+SIGTERM. docs/serve.md (Operations) describes them for operators.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
-from typing import Optional, Union
+from typing import Annotated, Optional, Union
 
+import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .serve_engine import Engine, Request
+from .serve_engine import Engine, Failure, Request, RequestError, context_error, log
 
 
-class _Strict(BaseModel):
-    # Wrong types are errors (no "5" -> 5); unknown OpenAI fields (n=1, user, ...) are ignored.
+def _utf8(value: str) -> str:
+    """JSON may carry a lone surrogate ("\\ud800"), which no tokenizer can take: refuse it by name."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"holds a lone surrogate (not a Unicode character) at index {e.start}") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+
+
+def _only(*allowed, why: str):
+    """An OpenAI field this server does not implement: accepted only at its default(s), else refused
+    (never silently ignored)."""
+    def check(value):
+        if value not in allowed:
+            raise ValueError(f"only {' or '.join(map(json.dumps, allowed))} is supported ({why}), got {json.dumps(value)}")
+        return value
+    return AfterValidator(check)
+
+
+class _Body(BaseModel):
+    # Wrong types are errors (no "5" -> 5); OpenAI fields not listed here (user, ...) are ignored:
+    # they change nothing in the completion.
     model_config = ConfigDict(strict=True, extra="ignore")
 
-
-class CompletionBody(_Strict):
-    model: str
-    prompt: Union[str, list[str]]
+    model: Text
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    stop: Optional[Union[Text, list[Text]]] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     stream: bool = False
+    n: Annotated[Optional[int], _only(None, 1, why="one choice per request")] = None
+    presence_penalty: Annotated[Optional[float], _only(None, 0, why="no penalties")] = None
+    frequency_penalty: Annotated[Optional[float], _only(None, 0, why="no penalties")] = None
+    logit_bias: Annotated[Optional[dict], _only(None, {}, why="no logit bias")] = None
 
 
-class Message(_Strict):
-    role: str
-    content: str
+class CompletionBody(_Body):
+    prompt: Union[Text, list[Text]]
+    best_of: Annotated[Optional[int], _only(None, 1, why="one choice per request")] = None
+    logprobs: Annotated[Optional[int], _only(None, why="no log-probabilities")] = None
+    echo: Annotated[bool, _only(False, why="the prompt is not echoed")] = False
+    suffix: Annotated[Optional[Text], _only(None, "", why="no insertion")] = None
 
 
-class ChatBody(_Strict):
-    model: str
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Text
+    content: Text
+
+
+class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
-    stream: bool = False
+    max_completion_tokens: Optional[int] = Field(None, ge=1)  # newer clients' max_tokens: it wins when given
+    logprobs: Annotated[Optional[bool], _only(None, False, why="no log-probabilities")] = None
+    top_logprobs: Annotated[Optional[int], _only(None, 0, why="no log-probabilities")] = None
+    tools: Annotated[Optional[list], _only(None, [], why="no tool calls")] = None
+    tool_choice: Annotated[Optional[Union[str, dict]], _only(None, "none", why="no tool calls")] = None
+    response_format: Annotated[Optional[dict], _only(None, {"type": "text"}, why="plain text only")] = None
+
+    @model_validator(mode="after")
+    def _max_completion_tokens(self):
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+class ErrorResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error may quote input that is not valid UTF-8."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
 
 
 def error(status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-          kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
-                                                               "code": code}})
+          headers: Optional[dict] = None) -> JSONResponse:
+    """OpenAI's error object, the one shape of every 4xx and 5xx this server sends."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return ErrorResponse(status_code=status, headers=headers,
+                         content={"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
-def build_app(engine: Engine, model_name: str) -> FastAPI:
-    app = FastAPI(title="kivi serve")
+def refusal(e: RequestError, chat: bool) -> JSONResponse:
+    """A request the engine refused (RequestError)."""
+    param = "messages" if chat and e.param == "prompt" else e.param
+    return error(e.status, str(e), param=param, code=e.code, headers=e.headers)
+
+
+def _field_or_index(part) -> bool:
+    """A part of a pydantic error location that names a request field or a list index, not a
+    union branch (str, list[...], function-after[...])."""
+    return isinstance(part, int) or (part.isidentifier() and part not in ("str", "int", "float", "bool", "list"))
+
+
+def failed(failure: Failure, request_id: str) -> JSONResponse:
+    """A request the engine ended with an error (serve_engine.Failure)."""
+    return error(failure.status, failure.message, code=failure.code, headers={"x-request-id": request_id})
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+MAX_REQUEST_BYTES = 1 << 20  # 1 MiB of JSON: far more text than a 2048-token context holds
+
+
+class Guard:
+    """The checks that answer before FastAPI's own stack (ASGI, around the app), so that nothing
+    of a refused request is read or parsed:
+
+    - allowed_hosts: the Host header must name one of them (None: any). A server bound to loopback
+      answers only its own names, so a web page that rebinds its DNS name to 127.0.0.1 cannot read it.
+    - api_key: /v1/* and /metrics need `Authorization: Bearer <key>` (compared in constant time),
+      else 401; /health stays open for probes.
+    - a Content-Length over max_request_bytes gets OpenAI's 413 here, since FastAPI's limiter
+      answers an announced oversize body in plain text. Bodies without a length are counted by
+      FastAPI's max_body_size, whose 413 the app's handler shapes."""
+
+    def __init__(self, app: FastAPI, *, max_request_bytes: int, api_key: Optional[str] = None,
+                 allowed_hosts: Optional[tuple[str, ...]] = None):
+        self.app, self.max_request_bytes = app, max_request_bytes
+        self.api_key, self.allowed_hosts = api_key, allowed_hosts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (refused := self.refusal(scope)) is not None:
+            return await refused(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope) -> Optional[JSONResponse]:
+        headers = Headers(scope=scope)
+        host = headers.get("host")
+        if self.allowed_hosts is not None and host is not None and _hostname(host) not in self.allowed_hosts:
+            return error(400, f"the Host header {host!r} is not allowed: this server answers only "
+                              f"{', '.join(self.allowed_hosts)}", code="invalid_host")
+        path = scope["path"]
+        if self.api_key is not None and (path.startswith("/v1/") or path == "/metrics"):
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                return error(401, "a valid API key is required: send 'Authorization: Bearer <key>' (--api-key)",
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_request_bytes:
+            return too_large(self.max_request_bytes)
+        return None
+
+
+def _hostname(host: str) -> Optional[str]:
+    """The name in a Host header ("127.0.0.1:8000" -> "127.0.0.1", "[::1]:8000" -> "::1"); None for
+    anything that is not `name[:port]` (userinfo, a path, a non-numeric port)."""
+    host = host.strip().lower()
+    if host.startswith("["):  # an IPv6 literal
+        name, closed, port = host[1:].partition("]")
+        port = port.removeprefix(":") if closed and port.startswith(":") else port
+    else:
+        name, _, port = host.partition(":")
+    return name if name and (not port or port.isdigit()) and "@" not in name and "/" not in name else None
+
+
+def too_large(limit: int) -> JSONResponse:
+    return error(413, f"the request body exceeds {limit} bytes (--max-request-bytes)", code="request_too_large")
+
+
+def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_REQUEST_BYTES,
+              api_key: Optional[str] = None, allowed_hosts: Optional[tuple[str, ...]] = None,
+              docs: bool = False) -> Guard:
+    """The ASGI app over `engine`: a Guard (host, key, body size) around the FastAPI app. A body
+    over max_request_bytes is refused with 413 before or while it is read. docs: serve /docs and
+    /openapi.json (off: they describe the server to anyone who asks)."""
+    app = FastAPI(title="kivi serve", max_body_size=max_request_bytes, docs_url="/docs" if docs else None,
+                  redoc_url=None, openapi_url="/openapi.json" if docs else None)
     tokenizer = engine.tokenizer
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: HTTPRequest, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        # The deepest error: for a union field (prompt: a string or a list) the branch that got furthest.
+        first = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
         if first.get("type") == "json_invalid":
             return error(400, "the request body is not valid JSON", code="invalid_json")
-        return error(400, f"{where}: {first.get('msg', 'invalid value')}" if where else str(first.get("msg")),
-                     param=where, code="invalid_value")
+        where = ".".join(str(p) for p in first.get("loc", ())[1:] if _field_or_index(p)) or None
+        message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+        return error(400, f"{where}: {message}" if where else message, param=where, code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: HTTPRequest, exc: StarletteHTTPException):  # 404 route, 405 method, ...
+        if exc.status_code == 413:
+            return too_large(max_request_bytes)
+        return error(exc.status_code, str(exc.detail), headers=exc.headers,
+                     code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def crashed(request: HTTPRequest, exc: Exception):  # a bug: still OpenAI's shape, and logged
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
     @app.get("/health")
     async def health():
+        if not engine.ready.is_set():  # with --compile: until the compiled step has run once
+            return error(503, engine.warmup_error or "starting: the decode step is being compiled (--compile)",
+                         code="not_ready")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -101,6 +257,19 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
                          param="model", code="model_not_found")
         return None
 
+    # No token of this tokenizer spells more UTF-8 bytes than its longest vocabulary entry (byte-level
+    # BPE and SentencePiece entries are at least as long as the text they stand for), so a text of
+    # b bytes is at least b / longest tokens: a prompt that long is refused before it is tokenized.
+    longest_token = max(len(token.encode("utf-8", "replace")) for token in tokenizer.get_vocab())
+
+    def refused_early(texts: list[str], body) -> Optional[JSONResponse]:
+        """The refusals known before tokenizing: the server is full or stopping, or the text is too
+        long for a slot whatever its tokens."""
+        at_least = -(-sum(len(t.encode("utf-8")) for t in texts) // longest_token)
+        refused = engine.admission_error() or context_error(at_least, body.max_tokens, engine.max_seq_len,
+                                                            at_least=True)
+        return refused and refusal(refused, chat=isinstance(body, ChatBody))
+
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):
         if (bad := check_model(body.model)) is not None:
@@ -108,7 +277,9 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) != 1:
             return error(400, "prompt: give one prompt per request", param="prompt", code="invalid_value")
-        ids = tokenizer(prompts[0])["input_ids"]
+        if (bad := refused_early(prompts, body)) is not None:
+            return bad
+        ids = await run_in_threadpool(lambda: tokenizer(prompts[0])["input_ids"])  # off the event loop
         return await respond(body, ids, http, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -116,7 +287,10 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         if (bad := check_model(body.model)) is not None:
             return bad
         messages = [m.model_dump() for m in body.messages]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if (bad := refused_early([m["content"] for m in messages], body)) is not None:
+            return bad
+        ids = await run_in_threadpool(lambda: tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False))
         return await respond(body, ids, http, chat=True)
 
     async def respond(body, ids: list[int], http: HTTPRequest, *, chat: bool):
@@ -133,32 +307,56 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
                           top_p=body.top_p, seed=body.seed, stop=[s for s in stop if s], emit=emit)
         try:
             engine.submit(request)
-        except ValueError as e:
-            return error(400, str(e), param="max_tokens", code="context_length_exceeded")
+        except RequestError as e:
+            return refusal(e, chat)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.id}"
         created = int(time.time())
         usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(request.tokens),  # noqa: E731
                          "total_tokens": len(ids) + len(request.tokens)}
+        headers = {"x-request-id": request.id}  # as in the engine's log lines
         if body.stream:
-            return StreamingResponse(stream(request, events, rid, created, chat, usage), media_type="text/event-stream")
-        text, reason = [], None
+            return StreamingResponse(stream(request, events, rid, created, chat, usage), media_type="text/event-stream",
+                                     headers=headers)
+        # Non-streamed: Starlette does not watch the connection while the handler runs, so wait for
+        # the engine's answer and for the client's disconnect together; a client that went away
+        # cancels its request, which frees its slot at the next decode step.
+        answer = asyncio.ensure_future(collect(events))
+        gone = asyncio.ensure_future(disconnected(http))
         try:
-            while reason is None:
-                kind, payload = await events.get()
-                if kind == "text":
-                    text.append(payload)
-                elif kind == "done":
-                    reason = payload
-                else:
-                    return error(500, f"generation failed: {payload}", kind="server_error")
-        except asyncio.CancelledError:  # the client went away
-            engine.cancel(request)
-            raise
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            abandoned = not answer.done()
+            if abandoned:
+                answer.cancel()
+                engine.cancel(request)
+        if abandoned:
+            return Response(status_code=499)  # nobody reads it
+        text, reason = answer.result()
+        if isinstance(reason, Failure):
+            return failed(reason, request.id)
         content = "".join(text)
         choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason}
                   if chat else {"index": 0, "text": content, "finish_reason": reason, "logprobs": None})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": model_name, "choices": [choice], "usage": usage()}
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": created, "model": model_name, "choices": [choice], "usage": usage()},
+                            headers=headers)
+
+    async def collect(events: asyncio.Queue) -> tuple[list[str], Union[str, Failure]]:
+        """A request's text pieces and its finish reason, or the Failure that ended it."""
+        text = []
+        while True:
+            kind, payload = await events.get()
+            if kind == "text":
+                text.append(payload)
+            else:
+                return text, payload
+
+    async def disconnected(http: HTTPRequest) -> None:
+        """Returns when the client closes the connection (the body has been read: only
+        http.disconnect is left to receive)."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
 
     async def stream(request: Request, events: asyncio.Queue, rid: str, created: int, chat: bool, usage):
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -185,10 +383,36 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
                     yield chunk(None if chat else "", payload)
                     break
                 else:
-                    yield f"data: {json.dumps({'error': {'message': payload, 'type': 'server_error'}})}\n\n"
+                    yield f"data: {failed(payload, request.id).body.decode()}\n\n"
                     break
             yield "data: [DONE]\n\n"
         finally:  # finished, or the client disconnected mid-stream: free the slot either way
             engine.cancel(request)
 
-    return app
+    return Guard(app, max_request_bytes=max_request_bytes, api_key=api_key, allowed_hosts=allowed_hosts)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server with a bounded drain. The first SIGTERM or SIGINT stops accepting
+    connections, refuses new requests (503) and lets running ones finish for up to
+    `shutdown_timeout` seconds; then the engine ends the rest with an error (an error event, then
+    [DONE], for a stream) so that every connection closes cleanly. A second signal ends them at
+    once. The process then exits 0: uvicorn's own handler would re-raise the signal after the
+    shutdown (exit status 128 + n) and ignores a second SIGTERM."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, shutdown_timeout: float):
+        # The backstop, for a client that stops reading its stream: uvicorn cancels what is left.
+        config.timeout_graceful_shutdown = shutdown_timeout + 5
+        super().__init__(config)
+        self.engine, self.shutdown_timeout, self.signals = engine, shutdown_timeout, 0
+
+    def handle_exit(self, sig, frame) -> None:
+        self.signals += 1
+        if self.signals == 1:
+            log.warning("shutting down: running requests have %g s to finish (--shutdown-timeout)",
+                        self.shutdown_timeout)
+            self.should_exit = True
+            self.engine.drain(self.shutdown_timeout)
+        else:
+            log.warning("stopping now: ending every running request")
+            self.engine.abort("the server is stopping now")

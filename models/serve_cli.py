@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ipaddress
+import os
+from typing import Optional
 
 from .cli_args import (add_model_arguments, check_memory, check_weight_quant_modes, device_and_dtype,
-                       kivi_config_from, positive_int, usage_errors)
+                       kivi_config_from, non_negative_float, non_negative_int, positive_float, positive_int,
+                       usage_errors)
 from .loading import DEFAULT_MODEL, DEFAULT_NAME, load_model, log
-
+from .serve_app import LOOPBACK_HOSTS, MAX_REQUEST_BYTES, Server, build_app
 
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching over the cache)")
@@ -23,7 +27,44 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
     s.add_argument("--served-model-name", default=None,
                    help="the model id clients ask for (default: the model's directory name)")
+    s.add_argument("--max-request-bytes", type=positive_int, default=MAX_REQUEST_BYTES,
+                   help=f"largest request body; more is refused with 413 (default {MAX_REQUEST_BYTES})")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1/* and /metrics (default: the KIVI_API_KEY "
+                        "environment variable, which other users cannot read from the process list; none if unset)")
+    s.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (off by default)")
+    s.add_argument("--max-waiting", type=non_negative_int, default=64,
+                   help="requests queued for a slot at most; more are refused with 503 + Retry-After (default 64)")
+    s.add_argument("--request-timeout", type=positive_float, default=None,
+                   help="seconds a request may take from arrival, queue included; then it ends with 504 (default: none)")
+    s.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds running requests get to finish before they end with an error; "
+                        "a second signal ends them at once (default 30)")
     s.set_defaults(func=cmd_serve, parser=s)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+def access_settings(args, parser) -> tuple[Optional[str], Optional[tuple[str, ...]]]:
+    """(the API key: --api-key, else KIVI_API_KEY, else None; the Host names a loopback bind answers,
+    None for any). Warns when the port is open to other machines without a key."""
+    api_key = args.api_key if args.api_key is not None else os.environ.get("KIVI_API_KEY")
+    if api_key is not None and not api_key.strip():
+        parser.error("--api-key (or KIVI_API_KEY) is empty; give a key or unset it")
+    if not is_loopback(args.host):
+        if api_key is None:
+            log(f"warning: --host {args.host} accepts connections from other machines and no --api-key (or "
+                "KIVI_API_KEY) is set: anyone who can reach the port can use the model")
+        return api_key, None
+    return api_key, tuple(dict.fromkeys((*LOOPBACK_HOSTS, args.host.strip("[]"))))
 
 
 def plan_slots(model, args, kivi_config, parser) -> tuple[int, int, int]:
@@ -51,7 +92,6 @@ def plan_slots(model, args, kivi_config, parser) -> tuple[int, int, int]:
 def cmd_serve(args, parser) -> int:
     import uvicorn
 
-    from .serve_app import build_app
     from .serve_engine import Engine
 
     kivi_config = kivi_config_from(args, parser)
@@ -59,6 +99,7 @@ def cmd_serve(args, parser) -> int:
     check_weight_quant_modes([args.weight_quant], device, parser)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
+    api_key, allowed_hosts = access_settings(args, parser)
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     context = model.config.max_position_embeddings
     if args.max_seq_len > context:
@@ -72,13 +113,18 @@ def cmd_serve(args, parser) -> int:
     slots, per_slot, fp16_slots = plan_slots(model, args, kivi_config, parser)
     check_memory(slots * per_slot, device, what=f"the cache ({slots} rows x {args.max_seq_len} tokens)")
     engine = Engine(model, tokenizer, method=args.method, kivi_config=kivi_config, slots=slots,
-                    max_seq_len=args.max_seq_len, compile=args.compile)
+                    max_seq_len=args.max_seq_len, compile=args.compile, max_waiting=args.max_waiting,
+                    request_timeout=args.request_timeout)
     name = args.served_model_name or (DEFAULT_NAME if args.model == DEFAULT_MODEL else args.model.rstrip("/").split("/")[-1])
     log(f"{slots} slots x {args.max_seq_len} tokens, {slots * per_slot / 2**20:.1f} MiB of {args.method} cache "
         f"(an fp16 cache would hold {fp16_slots} slots in the same bytes)")
     log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API; /health, /metrics)")
+    app = build_app(engine, name, max_request_bytes=args.max_request_bytes, api_key=api_key, docs=args.docs,
+                    allowed_hosts=allowed_hosts)
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), engine,
+                    shutdown_timeout=args.shutdown_timeout)
     try:
-        uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level="warning")
+        server.run()
     finally:
         engine.close()
     return 0

@@ -14,30 +14,74 @@ Each row of the cache is a slot. One engine thread owns the model and the cache 
    at once.
 
 Per-row lengths and statistics keep rows independent: a greedy completion equals `kivi generate`
-of the same prompt alone, whatever else shares the batch. Handlers talk to the engine through
-`submit` and the request's event queue (thread-safe callbacks).
+of the same prompt alone, whatever else shares the batch. Failures are isolated the same way: a
+prompt whose prefill fails, a row whose logits are not finite, or a sampler or tokenizer error ends
+that request alone (an "error" event naming the cause, logged with the request id) and the other
+rows go on; only an error in the batched decode step itself, which no single row owns, ends them
+all. Handlers talk to the engine through `submit` and the request's event queue (thread-safe
+callbacks).
+
+Work is bounded: `max_waiting` caps the queue beyond the free slots (submit refuses with 503), a
+cancelled request (its client went away) leaves its row at the next step, `request_timeout` ends
+requests older than it (504), and `drain` / `abort` end what is left at shutdown with an error
+event each (503), so that every handler answers or closes its stream. With compile, one step
+with no request runs first (`ready`), so that no client waits on the compilation.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
+import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
-from .generate import check_finite, compile_decode_step, decode_step, make_cache, prefill
+from .generate import compile_decode_step, decode_step, make_cache, prefill, sampling_probs
 
-_ids = itertools.count()
+log = logging.getLogger("kivi.serve")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a request ended without finishing: the HTTP status a non-streamed reply carries, a
+    message naming the cause, and OpenAI's error code."""
+
+    status: int
+    message: str
+    code: str = "generation_failed"
+
+
+class RequestError(ValueError):
+    """submit() refuses a request: the HTTP status, OpenAI's error code, and the request field to
+    blame ("prompt": the prompt, which a chat request calls "messages"; None: no field)."""
+
+    def __init__(self, message: str, *, status: int = 400, code: str = "invalid_value", param: Optional[str] = None,
+                 headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.code, self.param, self.headers = status, code, param, headers
+
+
+def context_error(prompt_tokens: int, max_tokens: int, max_seq_len: int, *,
+                  at_least: bool = False) -> Optional[RequestError]:
+    """The refusal of a prompt of `prompt_tokens` (at_least: a lower bound, counted before
+    tokenizing) plus max_tokens that does not fit a slot of max_seq_len tokens, else None. It
+    blames max_tokens when the prompt alone fits, the prompt otherwise."""
+    if prompt_tokens + max_tokens <= max_seq_len:
+        return None
+    count = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
+    return RequestError(f"the prompt ({count} tokens) + max_tokens ({max_tokens}) exceeds a slot's capacity of "
+                        f"{max_seq_len} tokens (--max-seq-len)", code="context_length_exceeded",
+                        param="max_tokens" if prompt_tokens < max_seq_len else "prompt")
 
 
 @dataclass(eq=False)  # requests compare by identity (queue removal)
 class Request:
     """One completion. `emit(kind, payload)` is called from the engine thread: ("text", str) for
-    new text, then ("done", finish_reason) or ("error", message)."""
+    new text, then ("done", finish_reason) or ("error", Failure)."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -46,25 +90,37 @@ class Request:
     top_p: float = 1.0
     seed: Optional[int] = None
     stop: list[str] = field(default_factory=list)
-    id: int = field(default_factory=lambda: next(_ids))
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)  # random: ids reveal no traffic
     tokens: list[int] = field(default_factory=list)
     text_sent: int = 0  # characters of the decoded completion already emitted
     cancelled: bool = False
     generator: Optional[torch.Generator] = None
     submitted_s: float = field(default_factory=time.perf_counter)
+    deadline_s: Optional[float] = None  # perf_counter time after which it ends (request_timeout)
     first_token_s: Optional[float] = None
 
 
 class Engine:
     def __init__(self, model, tokenizer, *, method: str, kivi_config, slots: int, max_seq_len: int,
-                 compile: bool = False):
+                 compile: bool = False, max_waiting: Optional[int] = None, request_timeout: Optional[float] = None):
+        """max_waiting: the most requests queued for a slot (None: no bound); beyond it submit()
+        refuses with 503. request_timeout: seconds from submit() after which a request, waiting or
+        running, ends with a 504 error (None: none)."""
         self.model, self.tokenizer = model, tokenizer
+        self.max_waiting, self.request_timeout = max_waiting, request_timeout
+        self.draining = False  # set by drain(): new requests are refused
+        self.drain_timer: Optional[threading.Timer] = None
         self.slots, self.max_seq_len = slots, max_seq_len
         self.device = model.device
         self.cache = make_cache(model, method=method, batch_size=slots, max_seq_len=max_seq_len,
                                 kivi_config=kivi_config)
         self.staging = make_cache(model, method=method, batch_size=1, max_seq_len=max_seq_len, kivi_config=kivi_config)
         self.step_fn = compile_decode_step(self.device) if compile else decode_step
+        # Ready once the decode step has run: with compile, a first step with no request (counts 0:
+        # nothing is stored) compiles it before any client waits on it (/health says so).
+        self.ready = threading.Event()
+        self.warmup_error: Optional[str] = None
+        self.compile = compile
         eos = tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.rows: list[Optional[Request]] = [None] * slots
@@ -79,18 +135,33 @@ class Engine:
     # ---------------------------------------------------------------- handler side
 
     def submit(self, request: Request) -> None:
-        """Queue a request (FIFO). Raises ValueError when it can never fit a slot."""
-        need = len(request.prompt_ids) + request.max_tokens
+        """Queue a request (FIFO). Raises RequestError when it can never fit a slot."""
         if not request.prompt_ids:
-            raise ValueError("the prompt is empty")
-        if need > self.max_seq_len:
-            raise ValueError(f"the prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) = "
-                             f"{need} exceeds a slot's capacity of {self.max_seq_len} tokens (--max-seq-len)")
+            raise RequestError("the prompt is empty (no tokens); give text to continue", param="prompt")
+        if (refused := context_error(len(request.prompt_ids), request.max_tokens, self.max_seq_len)) is not None:
+            raise refused
         if request.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
+        if self.request_timeout is not None:
+            request.deadline_s = request.submitted_s + self.request_timeout
         with self.lock:
+            if (refused := self.admission_error()) is not None:
+                raise refused
             self.waiting.append(request)
             self.lock.notify()
+
+    def admission_error(self) -> Optional[RequestError]:
+        """Why a request arriving now would be refused (503: shutting down, or the queue is full),
+        else None. submit() asks under the lock; a handler may ask first, before tokenizing."""
+        with self.lock:
+            if self.draining:
+                return RequestError("the server is shutting down", status=503, code="server_shutting_down")
+            queued = len(self.waiting) - sum(r is None for r in self.rows)  # beyond the free slots they will take
+            if self.max_waiting is not None and queued >= self.max_waiting:
+                return RequestError(f"the server is busy: every slot is in use and {queued} request(s) wait "
+                                    f"(--max-waiting); retry later", status=503, code="server_busy",
+                                    headers={"Retry-After": "1"})
+        return None
 
     def cancel(self, request: Request) -> None:
         """The client went away: the engine frees its row (or drops it from the queue) next."""
@@ -108,15 +179,51 @@ class Engine:
                         cache_bytes=self.cache.nbytes(), generated_tokens=self.generated_tokens,
                         tokens_per_s=self.generated_tokens / elapsed if elapsed > 0 else 0.0)
 
+    def drain(self, timeout: float, message: str = "the server shut down before this request finished") -> None:
+        """Refuse new requests from now on; after `timeout` seconds, end the ones still waiting or
+        running with an error (abort)."""
+        with self.lock:
+            self.draining = True
+            if self.drain_timer is None:
+                self.drain_timer = threading.Timer(timeout, self.abort, args=(f"{message} (--shutdown-timeout {timeout:g} s)",))
+                self.drain_timer.daemon = True
+                self.drain_timer.start()
+
+    def abort(self, message: str = "the server is stopping") -> None:
+        """End every waiting and running request now with a 503 error event and refuse new ones:
+        their handlers answer or close their streams cleanly."""
+        with self.lock:
+            self.draining = True
+            for r in [*self.waiting, *(r for r in self.rows if r is not None)]:
+                r.cancelled = True
+                r.emit("error", Failure(503, message, "server_shutting_down"))
+            self.waiting.clear()
+            self.rows = [None] * self.slots
+            self.lock.notify()
+
     def close(self) -> None:
         with self.lock:
             self.stopping = True
+            if self.drain_timer is not None:
+                self.drain_timer.cancel()
             self.lock.notify()
         self.thread.join(timeout=30)
 
     # ---------------------------------------------------------------- engine thread
 
+    def _warm_up(self) -> None:
+        if self.compile:
+            try:
+                with torch.inference_mode():
+                    self._decode()  # no request yet: every count is 0, nothing is stored
+            except Exception as e:
+                log.exception("the compiled decode step failed to build")
+                self.warmup_error = f"the compiled decode step failed to build: {type(e).__name__}: {e}"
+                return
+        self.ready.set()
+
     def _loop(self) -> None:
+        self._warm_up()
         while True:
             with self.lock:
                 while not self.stopping and not self.waiting and not any(self.rows):
@@ -124,6 +231,7 @@ class Engine:
                 if self.stopping:
                     return
                 self._drop_cancelled()
+                self._end_overdue()
                 admitted = []
                 for slot in range(self.slots):
                     if self.rows[slot] is None and self.waiting:
@@ -135,24 +243,46 @@ class Engine:
                         self._prefill(admitted)
                     if any(r is not None for r in self.rows):
                         self._decode()
-            except Exception as e:  # a failing step must not take the server down: fail its requests
-                self._fail_all(f"{type(e).__name__}: {e}")
+            except Exception as e:  # the batched step failed: no single row owns it, so every row ends
+                log.exception("the decode step failed; ending the %d running request(s)", sum(map(bool, self.rows)))
+                for slot, r in enumerate(self.rows):
+                    if r is not None:
+                        self._fail(slot, r, f"the decode step failed: {type(e).__name__}: {e}")
 
     def _drop_cancelled(self) -> None:
         for slot, r in enumerate(self.rows):
             if r is not None and r.cancelled:
                 self.rows[slot] = None
 
+    def _end_overdue(self) -> None:
+        """Requests past their deadline (request_timeout), waiting or running, end with a 504."""
+        now = time.perf_counter()
+        overdue = lambda r: r.deadline_s is not None and now > r.deadline_s  # noqa: E731
+        for r in [r for r in self.waiting if overdue(r)]:
+            self.waiting.remove(r)
+            r.emit("error", self._timed_out())
+        for slot, r in enumerate(self.rows):
+            if r is not None and overdue(r):
+                self._fail(slot, r, self._timed_out().message, status=504, code="timeout")
+
+    def _timed_out(self) -> Failure:
+        return Failure(504, f"the request ran longer than {self.request_timeout:g} s (--request-timeout)", "timeout")
+
     def _prefill(self, admitted: list[int]) -> None:
-        logits = []
+        """Prefill each admitted prompt alone; one that fails ends its own request only."""
         for slot in admitted:
-            ids = self.rows[slot].prompt_ids
-            self.staging.reset()
-            input_ids = torch.tensor([ids], device=self.device)
-            counts = torch.tensor([len(ids)], device=self.device)
-            logits.append(prefill(self.model, self.staging, input_ids, counts)[0])
-            self.cache.load_row(slot, self.staging)
-        self._advance(check_finite(torch.stack(logits), "the prompt"), admitted)
+            r = self.rows[slot]
+            try:
+                self.staging.reset()
+                input_ids = torch.tensor([r.prompt_ids], device=self.device)
+                counts = torch.tensor([len(r.prompt_ids)], device=self.device)
+                logits = prefill(self.model, self.staging, input_ids, counts)
+                self.cache.load_row(slot, self.staging)
+            except Exception as e:
+                log.exception("request %s: the prefill failed", r.id)
+                self._fail(slot, r, f"the prefill failed: {type(e).__name__}: {e}")
+                continue
+            self._advance(logits, [slot], "the prompt")
 
     def _decode(self) -> None:
         B = self.slots
@@ -164,39 +294,49 @@ class Engine:
             counts[s] = 1
         positions = self.cache.lengths().clone()
         logits = self.step_fn(self.model, self.cache, tokens, positions, counts)
-        self._advance(check_finite(logits[active], "a decode step"), active)
+        self._advance(logits[active], active, "a decode step")
 
-    def _advance(self, logits: torch.Tensor, slots: list[int]) -> None:
+    def _advance(self, logits: torch.Tensor, slots: list[int], where: str) -> None:
         """logits [len(slots), V], row i for slots[i]: sample each row's next token and emit it;
-        finish rows that are done."""
-        for row_logits, slot in zip(logits, slots):
+        finish rows that are done. A row that fails (non-finite logits, the sampler, the
+        tokenizer) ends its own request; the others go on."""
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        for row_logits, slot, ok in zip(logits, slots, finite):
             r = self.rows[slot]
             if r is None or r.cancelled:
                 self.rows[slot] = None
                 continue
-            token = self._sample(row_logits, r)
-            r.tokens.append(token)
-            if r.first_token_s is None:
-                r.first_token_s = time.perf_counter()
-            self.generated_tokens += 1
-            reason = self._emit_text(r, final=token in self.eos or len(r.tokens) >= r.max_tokens)
-            if reason is None and token in self.eos:
-                reason = "stop"
-            elif reason is None and len(r.tokens) >= r.max_tokens:
-                reason = "length"
-            if reason is not None:
-                r.emit("done", reason)
-                with self.lock:
-                    self.rows[slot] = None
+            if not ok:
+                log.error("request %s: non-finite logits at %s", r.id, where)
+                self._fail(slot, r, f"the model produced non-finite logits (NaN or Inf) at {where}: the weights, "
+                                    "the dtype (float16 overflow?) or the inputs hold non-finite values")
+                continue
+            try:
+                self._next_token(slot, r, row_logits)
+            except Exception as e:
+                log.exception("request %s: sampling failed", r.id)
+                self._fail(slot, r, f"sampling failed: {type(e).__name__}: {e}")
+
+    def _next_token(self, slot: int, r: Request, logits: torch.Tensor) -> None:
+        token = self._sample(logits, r)
+        r.tokens.append(token)
+        if r.first_token_s is None:
+            r.first_token_s = time.perf_counter()
+        self.generated_tokens += 1
+        reason = self._emit_text(r, final=token in self.eos or len(r.tokens) >= r.max_tokens)
+        if reason is None and token in self.eos:
+            reason = "stop"
+        elif reason is None and len(r.tokens) >= r.max_tokens:
+            reason = "length"
+        if reason is not None:
+            r.emit("done", reason)
+            with self.lock:
+                self.rows[slot] = None
 
     def _sample(self, logits: torch.Tensor, r: Request) -> int:
         if r.temperature == 0:
             return int(logits.argmax())
-        probs = (logits.float() / r.temperature).softmax(dim=-1)
-        if r.top_p < 1:
-            sorted_probs, order = probs.sort(descending=True)
-            keep = sorted_probs.cumsum(dim=-1) - sorted_probs < r.top_p  # the smallest set reaching top_p
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+        probs = sampling_probs(logits, r.temperature, top_p=r.top_p)  # the same rule as `kivi generate`
         return int(torch.multinomial(probs, 1, generator=r.generator))
 
     def _emit_text(self, r: Request, final: bool) -> Optional[str]:
@@ -204,13 +344,13 @@ class Engine:
         cut before it). Text that could still become a stop string is held back until it cannot."""
         generated = [t for t in r.tokens if t not in self.eos]
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
-        for stop in r.stop:
-            at = text.find(stop)
-            if at != -1:
-                if at > r.text_sent:
-                    r.emit("text", text[r.text_sent:at])
-                r.text_sent = at
-                return "stop"
+        found = [at for at in (text.find(stop) for stop in r.stop) if at != -1]
+        if found:  # cut at the earliest stop in the text, whichever the list names first
+            at = min(found)
+            if at > r.text_sent:
+                r.emit("text", text[r.text_sent:at])
+            r.text_sent = at
+            return "stop"
         hold = 0 if final else max((len(s) - 1 for s in r.stop), default=0)
         if text.endswith("\ufffd") and not final:  # an incomplete UTF-8 character: wait for the rest
             hold = max(hold, 1)
@@ -220,9 +360,9 @@ class Engine:
             r.text_sent = upto
         return None
 
-    def _fail_all(self, message: str) -> None:
+    def _fail(self, slot: int, r: Request, message: str, status: int = 500, code: str = "generation_failed") -> None:
+        """End one request with an error and free its row (its cache row is reloaded at the next admission)."""
+        r.emit("error", Failure(status, message, code))
         with self.lock:
-            for slot, r in enumerate(self.rows):
-                if r is not None:
-                    r.emit("error", message)
-                    self.rows[slot] = None
+            if self.rows[slot] is r:
+                self.rows[slot] = None

@@ -109,15 +109,101 @@ def test_overwrite_replaces_only_a_kivi_export(tiny, tmp_path):
         assert (mine / "notes.txt").read_text() == "user data"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
 
-    # An export from an older schema is still an export: --overwrite replaces it.
-    old = tmp_path / "old"
-    old.mkdir()
-    (old / METADATA_FILE).write_text(json.dumps({"format": "pt2", "schema_version": 2}))
-    (old / "model.pt2").write_bytes(b"old program")
-    with pytest.raises(FileExistsError, match="--overwrite"):
-        export(tiny, old)
-    export(tiny, old, overwrite=True)
-    assert read_metadata(old).schema_version > 2
+
+def tree(path):
+    """Every entry under path with its bytes (None for a directory): what must survive a refusal."""
+    return {p.relative_to(path).as_posix(): None if p.is_dir() else p.read_bytes() for p in sorted(path.rglob("*"))}
+
+
+def project_with_copied_metadata(pt2_export, out):
+    """A user's project holding a copy of a real export's (valid, signed) metadata."""
+    (out / "src").mkdir(parents=True)
+    (out / "src" / "main.py").write_text("print('mine')\n")
+    (out / ".git").mkdir()
+    (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (out / "data.csv").write_text("a,b\n1,2\n")
+    shutil.copy(pt2_export / METADATA_FILE, out / METADATA_FILE)
+    return ["data.csv", ".git/", "src/"]
+
+
+def export_with_user_files(pt2_export, out):
+    """A real export the user added notes, results and a tokenizer file to."""
+    shutil.copytree(pt2_export, out)
+    (out / "NOTES.md").write_text("my notes\n")
+    (out / "results").mkdir()
+    (out / "results" / "run1.json").write_text("{}")
+    (out / TOKENIZER_DIR / "my_vocab.txt").write_text("mine")
+    return ["NOTES.md", "results/", f"{TOKENIZER_DIR}/my_vocab.txt"]
+
+
+def export_with_a_link(pt2_export, out):
+    """A real export holding a symbolic link to the user's data (never followed, never deleted)."""
+    shutil.copytree(pt2_export, out)
+    data = out.parent / "data"
+    data.mkdir()
+    (data / "big.bin").write_bytes(b"user data")
+    (out / "data").symlink_to(data, target_is_directory=True)
+    return ["data/"]
+
+
+def metadata_that_does_not_verify(raw):
+    def layout(pt2_export, out):
+        out.mkdir()
+        (out / METADATA_FILE).write_text(raw if isinstance(raw, str) else json.dumps(raw))
+        (out / "model.pt2").write_bytes(b"someone's program")
+        return None  # refused whole, as not an intact export
+    return layout
+
+
+@pytest.mark.parametrize("layout", [
+    project_with_copied_metadata,
+    export_with_user_files,
+    export_with_a_link,
+    metadata_that_does_not_verify({"schema_version": 0, "format": "none"}),
+    metadata_that_does_not_verify({"schema_version": 2, "format": "pt2"}),  # an older schema
+    metadata_that_does_not_verify("not json"),
+], ids=["copied-metadata-project", "user-files-in-export", "symlink-in-export", "schema-0-format-none",
+        "old-schema", "bad-json"])
+def test_overwrite_never_deletes_what_an_export_did_not_write(layout, tiny, pt2_export, tmp_path):
+    out = tmp_path / "out"
+    foreign = layout(pt2_export, out)
+    before, beside = tree(out), sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(FileExistsError) as info:
+        export(tiny, out, overwrite=True)
+    if foreign is None:
+        assert "not an intact KIVI export" in str(info.value) and "left untouched" in str(info.value)
+    else:  # the refusal names every foreign entry
+        assert "holds files the export did not write: " + ", ".join(sorted(foreign)) in str(info.value)
+    assert tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == beside  # no staging directory or lock left
+
+
+def test_cli_overwrite_refusal_names_the_file(pt2_export, tmp_path, capsys):
+    from kivi_cli.main import main
+
+    out = tmp_path / "out"
+    export_with_user_files(pt2_export, out)
+    with pytest.raises(SystemExit) as info:
+        main(["export", "--format", "pt2", "--out", str(out), "--overwrite"])
+    assert info.value.code != 0
+    assert "NOTES.md" in capsys.readouterr().err
+    assert (out / "NOTES.md").read_text() == "my notes\n"
+
+
+def test_a_file_added_during_the_export_is_kept(tiny, copy, monkeypatch):
+    """The check runs before the slow part; a file written into the target after it is moved aside
+    with the replaced export, not deleted."""
+    real_save = exporter.save_pt2
+
+    def save_while_the_user_writes(ep, file):
+        (copy / "late.txt").write_text("written during the export")
+        real_save(ep, file)
+
+    monkeypatch.setattr(exporter, "save_pt2", save_while_the_user_writes)
+    export(tiny, copy, max_seq_len=32, overwrite=True)
+    assert read_metadata(copy).max_seq_len == 32 and not (copy / "late.txt").exists()
+    kept = [p for p in copy.parent.iterdir() if p.name.startswith(f"{copy.name}.kept-")]
+    assert len(kept) == 1 and tree(kept[0]) == {"late.txt": b"written during the export"}
 
 
 def test_out_naming_a_file_is_refused(tiny, tmp_path):
@@ -264,3 +350,13 @@ def test_onnx_capacity_comes_from_the_program(tiny, tmp_path):
     rewrite(out, sign=True, max_seq_len=64)
     with pytest.raises(ArtifactError, match="max_seq_len=16 \\(from .*cache inputs"):
         load_exported(out)
+
+
+def test_an_intact_export_from_another_torch_can_be_overwritten(tiny, copy):
+    """--overwrite checks that the old export is intact (signed), not that this torch can load it:
+    re-exporting after a torch upgrade is what --overwrite is for."""
+    rewrite(copy, sign=True, versions={"torch": "2.0.0"})
+    with pytest.raises(ArtifactError, match="torch 2.0.0"):
+        read_metadata(copy)
+    export(tiny, copy, overwrite=True)
+    assert read_metadata(copy).versions["torch"] == torch.__version__
