@@ -9,7 +9,8 @@ CPU tensors of the benchmark shapes (only their shapes, dtypes and strides matte
     .venv/bin/python -m lab ptxas_usage [--arch 90] [--json out.json]
 
 Shapes: the Llama-2-7B decode benchmark (32 KV heads, head_dim 128, fp16, KIVI-2 and KIVI-4,
-G=32, R=128, 32K tokens) and a GQA head_dim-64 variant; the decode kernel is also swept over
+G=32, R=128, 32K tokens), a GQA head_dim-64 variant and Gemma 3 270M's head_dim 256 (4 query heads
+on 1 KV head); the decode kernel is also swept over
 num_warps and BLOCK_N, the two knobs that set its register pressure.
 """
 
@@ -118,7 +119,7 @@ def cases():
     from kivi_ops.kernels.triton_decode import attend_decode
     from kivi_ops.kernels.triton_split import attend_split
 
-    for kv_heads, q_heads, head_dim in ((32, 32, 128), (8, 32, 64)):
+    for kv_heads, q_heads, head_dim in ((32, 32, 128), (8, 32, 64), (1, 4, 256)):  # the last: Gemma 3 270M
         for bits in (2, 4):
             shape = f"Hq={q_heads} Hkv={kv_heads} D={head_dim} KIVI-{bits}"
             t, p = layer_of(kv_heads=kv_heads, head_dim=head_dim, bits=bits, tokens=32768 + 256)

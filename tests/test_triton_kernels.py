@@ -182,8 +182,9 @@ SHORT_SCHEDULE = [(19, [19, 4, 0]), (1, None), (1, [1, 0, 1]), (14, [14, 13, 2])
         (torch.float32, 2, 4, 64, LONG_SCHEDULE, [57, 31, 22]),
         (torch.bfloat16, 8, 2, 128, SHORT_SCHEDULE, [35, 18, 4]),
         (torch.float16, 4, 8, 64, SHORT_SCHEDULE, [35, 18, 4]),
+        (torch.bfloat16, 2, 2, 256, SHORT_SCHEDULE, [35, 18, 4]),  # Gemma's head_dim
     ],
-    ids=["fp32-k2v4-d64", "bf16-k8v2-d128", "fp16-k4v8-d64"],
+    ids=["fp32-k2v4-d64", "bf16-k8v2-d128", "fp16-k4v8-d64", "bf16-k2v2-d256"],
 )
 def test_append_streaming_matches_reference(dtype, k_bits, v_bits, D, schedule, final):
     B, H, S, R, G = 3, 2, 80, 16, 8
@@ -203,8 +204,9 @@ def test_append_streaming_matches_reference(dtype, k_bits, v_bits, D, schedule, 
 
 @pytest.mark.parametrize(
     "dtype,k_bits,v_bits,D,nuq",
-    [(torch.float32, 2, 2, 64, False), (torch.float16, 2, 4, 128, False), (torch.bfloat16, 4, 2, 64, True)],
-    ids=["fp32-k2v2-d64", "fp16-k2v4-d128", "bf16-k4v2-d64-nuq"],
+    [(torch.float32, 2, 2, 64, False), (torch.float16, 2, 4, 128, False), (torch.bfloat16, 4, 2, 64, True),
+     pytest.param(torch.float16, 2, 2, 256, False, marks=pytest.mark.slow)],  # 13 s in the interpreter
+    ids=["fp32-k2v2-d64", "fp16-k2v4-d128", "bf16-k4v2-d64-nuq", "fp16-k2v2-d256"],
 )
 def test_decode_append_is_one_launch_and_matches_reference(dtype, k_bits, v_bits, D, nuq, monkeypatch):
     """One token per sequence: one kernel (_append_decode_kernel) does the value flush, the
@@ -919,14 +921,22 @@ def test_decode_mma_refuses_what_it_does_not_take():
 MATRIX_OPTIONS = ("plain", "nuq", "rope", "sparse", "pool")
 MATRIX = [(option, D, heads, dtype) for option in MATRIX_OPTIONS for D in (64, 128) for heads in ((4, 4), (8, 2))
           for dtype in (torch.float16, torch.bfloat16)]
+# head_dim 256 (Gemma), with Gemma 3 270M's 4 query heads on 1 kv head: the plain fp16 case in
+# `make test`, every option in `make test-slow` (the interpreter is slow at this width).
+MATRIX_256 = [(option, 256, (4, 1), dtype) for option in MATRIX_OPTIONS for dtype in (torch.float16, torch.bfloat16)]
+
+
+def _matrix_marks(case):
+    return [pytest.mark.slow] if case[1] == 256 and case[::3] != ("plain", torch.float16) else []
 
 
 @pytest.mark.parametrize("option,D,heads,dtype,kernel", [
-    pytest.param(*case, kernel, id=f"{case[0]}-d{case[1]}-{case[2][0]}q{case[2][1]}kv-{str(case[3])[6:]}-{kernel}")
-    for case in MATRIX for kernel in kernels(1)])
+    pytest.param(*case, kernel, id=f"{case[0]}-d{case[1]}-{case[2][0]}q{case[2][1]}kv-{str(case[3])[6:]}-{kernel}",
+                 marks=_matrix_marks(case))
+    for case in MATRIX + MATRIX_256 for kernel in kernels(1)])
 def test_decode_attention_option_matrix(option, D, heads, dtype, kernel):
     """Both attention kernels against the reference for a decode query, for each option alone, head_dim
-    64 and 128, MHA and GQA, fp16 and bf16 (the focused tests above vary lengths, padding and q_len)."""
+    64, 128 and 256, MHA and GQA, fp16 and bf16 (the focused tests above vary lengths, padding and q_len)."""
     Hq, H = heads
     B, S, R, G, k_bits, v_bits = 2, 48, 8, 4, 2, 4
     extras = _kvq_extras(option == "nuq", 1.0 if option == "rope" else None, D, k_bits, v_bits)
@@ -947,17 +957,17 @@ def test_decode_attention_option_matrix(option, D, heads, dtype, kernel):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
-APPEND_MATRIX = [(option, D, dtype) for option in ("plain", "nuq", "sparse", "pool", "pool+sparse") for D in (64, 128)
-                 for dtype in (torch.float16, torch.bfloat16)]
+APPEND_MATRIX = [(option, D, dtype) for option in ("plain", "nuq", "sparse", "pool", "pool+sparse")
+                 for D in (64, 128, 256) for dtype in (torch.float16, torch.bfloat16)]
 
 
-@pytest.mark.slow  # 20 cases of the interpreter; the focused append tests above run in `make test`
+@pytest.mark.slow  # 30 cases of the interpreter; the focused append tests above run in `make test`
 @pytest.mark.parametrize("option,D,dtype", [pytest.param(*case, id=f"{case[0]}-d{case[1]}-{str(case[2])[6:]}")
                                             for case in APPEND_MATRIX])
 def test_append_option_matrix(option, D, dtype):
     """Both append paths (a ragged prefill chunk: the multi-launch kernels; decode steps across a key
-    flush: the one-launch kernel) against the reference, bit for bit, for each option, head_dim 64
-    and 128, fp16 and bf16 (GQA and MHA do not exist for an append: it sees kv heads only)."""
+    flush: the one-launch kernel) against the reference, bit for bit, for each option, head_dim 64,
+    128 and 256, fp16 and bf16 (GQA and MHA do not exist for an append: it sees kv heads only)."""
     B, H, S, R, G, k_bits, v_bits = 2, 2, 48, 8, 4, 2, 4
     extras = _kvq_extras(option == "nuq", None, D, k_bits, v_bits)
     if "sparse" in option:
