@@ -195,3 +195,29 @@ def test_a_cache_without_the_models_windows_is_refused():
     with pytest.raises(ValueError, match="layer 0 attends over a sliding window of 8 tokens but its cache layer is a "
                                          "FPLayer over all tokens .*make_cache"):
         generate(patched, [PROMPT], max_new_tokens=2, cache=cache)
+
+
+def test_gemma3_rows_are_independent_as_the_server_uses_them():
+    # kivi serve's engine: a prompt is prefilled in a batch-1 staging cache and loaded into a free
+    # row (load_row copies the window rings too); the row then decodes beside an empty row with
+    # count 0, whose logits must stay finite (its ring shows nothing, SDPA must not get an
+    # all-masked row). The tokens equal the prompt generated alone.
+    from kivi_models.generate import decode_step, prefill
+
+    patched = patch_model(tiny_model("gemma3"))
+    config, S = KIVIConfig(group_size=8, residual_length=8), len(PROMPT) + NEW
+    alone = make_cache(patched, method="kivi", batch_size=1, max_seq_len=S, kivi_config=config)
+    want = generate(patched, [PROMPT], max_new_tokens=NEW, cache=alone).tokens[0]
+    cache = make_cache(patched, method="kivi", batch_size=2, max_seq_len=S, kivi_config=config)
+    staging = make_cache(patched, method="kivi", batch_size=1, max_seq_len=S, kivi_config=config)
+    with torch.inference_mode():
+        tokens = [int(prefill(patched, staging, torch.tensor([PROMPT]), torch.tensor([len(PROMPT)])).argmax())]
+        cache.load_row(1, staging)
+        positions = torch.tensor([0, len(PROMPT)])
+        for _ in range(NEW - 1):
+            logits = decode_step(patched, cache, torch.tensor([0, tokens[-1]]), positions, torch.tensor([0, 1]))
+            assert torch.isfinite(logits[0]).all()
+            tokens.append(int(logits[1].argmax()))
+            positions[1] += 1
+    assert tokens == want
+    assert cache.lengths().tolist() == [0, S - 1]
