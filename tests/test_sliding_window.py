@@ -221,3 +221,21 @@ def test_gemma3_rows_are_independent_as_the_server_uses_them():
             positions[1] += 1
     assert tokens == want
     assert cache.lengths().tolist() == [0, S - 1]
+
+
+def test_gemma_final_logit_softcapping_is_applied():
+    # Gemma's optional final cap, tanh(logits / cap) * cap: greedy tokens cannot show it (tanh is
+    # monotonic), the logits do. fp32, same weights: the patched prefill's last-token logits equal
+    # transformers' to float rounding (SDPA over the same exact keys, summed in another order).
+    from kivi_models.generate import prefill
+
+    reference, patched = tiny_model("gemma3"), patch_model(tiny_model("gemma3"))
+    cache = make_cache(patched, method="kivi", batch_size=1, max_seq_len=len(PROMPT), kivi_config=LOSSLESS)
+    with torch.inference_mode():
+        uncapped = reference(torch.tensor([PROMPT])).logits[:, -1]
+        for model in (reference, patched):
+            model.config.final_logit_softcapping = 0.1  # well below these logits' magnitudes
+        want = reference(torch.tensor([PROMPT])).logits[:, -1]
+        got = prefill(patched, cache, torch.tensor([PROMPT]), torch.tensor([len(PROMPT)]))
+    assert (want - uncapped).abs().max() > 1e-2  # the cap does bend these logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
