@@ -2,9 +2,14 @@
 KIVI or fp layer for full attention), checked on tiny random Mistral, Qwen2 and Gemma 3 models over
 sequences longer than the window, against unpatched transformers."""
 
+import json
+
 import pytest
 import torch
 import transformers
+
+from gguf_files import write_tiny_llama_gguf
+from kivi_cli.main import main
 
 from kivi_models import generate, make_cache, patch_model
 from kivi_ops import FPCache, FPLayer, KIVICache, KIVIConfig, KIVILayer, Step, WindowLayer
@@ -15,9 +20,9 @@ NEW = 16
 LOSSLESS = KIVIConfig(residual_length=32)  # the fp residual covers all 28 tokens: tokens must be exact
 
 
-def tiny_model(family, window=WINDOW):
+def tiny_model(family, window=WINDOW, vocab_size=256):
     """A random model with a sliding window (None: the same weights with full attention)."""
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=32, max_position_embeddings=256)
     if family == "mistral":  # every layer slides
         config = transformers.MistralConfig(num_hidden_layers=2, sliding_window=window, **common)
@@ -239,3 +244,26 @@ def test_gemma_final_logit_softcapping_is_applied():
         got = prefill(patched, cache, torch.tensor([PROMPT]), torch.tensor([len(PROMPT)]))
     assert (want - uncapped).abs().max() > 1e-2  # the cap does bend these logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cli_generate_reports_bytes_per_layer_kind(tmp_path, capsys):
+    # `kivi generate --json` on a saved tiny Gemma 3 (the tokenizer of the test GGUF file): the
+    # tokens are transformers' own, and the bytes per layer kind are exact: each sliding layer
+    # holds its 8-token window (K and V, 1 KV head, head_dim 256, fp32), whatever the length.
+    from transformers import AutoTokenizer
+
+    write_tiny_llama_gguf(tmp_path / "tokenizer.gguf")
+    tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tokenizer.gguf")
+    model = tiny_model("gemma3", vocab_size=len(tok))
+    model.save_pretrained(tmp_path / "gemma3")
+    tok.save_pretrained(tmp_path / "gemma3")
+    prompt = "the cat in the hat sat on the mat"
+    assert main(["generate", "--model", str(tmp_path / "gemma3"), "--prompt", prompt, "--max-new-tokens", "12",
+                 "--residual-length", "128", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    ids = tok(prompt)["input_ids"]
+    assert len(ids) > WINDOW and report["new_tokens"] > 1
+    assert report["tokens"] == hf_greedy(model, ids, 12)[: report["new_tokens"]]  # the CLI stops at EOS
+    kinds = report["cache_bytes_by_kind"]
+    assert kinds["window"] == 2 * (2 * 1 * WINDOW * 256 * 4)
+    assert kinds["full"] + kinds["window"] == report["cache_bytes"] and kinds["full"] > 0
