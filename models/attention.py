@@ -127,11 +127,11 @@ class KIVIAttention(nn.Module):
     def _exact_attention(self, q, k, v):
         # A prompt attends over its exact keys/values (right padding: pads come after every real
         # token, so the causal mask already hides them from real queries). A sliding-window layer
-        # sees keys p - window < t <= p (token index = position: prompts start at position 0).
-        n = q.shape[2]
-        if self.sliding_window is None or n <= self.sliding_window:
+        # sees keys p - window < t <= p (token index = position: prompts start at position 0),
+        # whatever the prompt's length (no branch on it: exports keep the token count dynamic).
+        if self.sliding_window is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
-        i = torch.arange(n, device=q.device)
+        i = torch.arange(q.shape[2], device=q.device)
         offset = i[:, None] - i[None, :]
         mask = (offset >= 0) & (offset < self.sliding_window)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)

@@ -246,24 +246,52 @@ def test_gemma_final_logit_softcapping_is_applied():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_cli_generate_reports_bytes_per_layer_kind(tmp_path, capsys):
-    # `kivi generate --json` on a saved tiny Gemma 3 (the tokenizer of the test GGUF file): the
-    # tokens are transformers' own, and the bytes per layer kind are exact: each sliding layer
-    # holds its 8-token window (K and V, 1 KV head, head_dim 256, fp32), whatever the length.
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    """A saved tiny Gemma 3 with the tokenizer of the test GGUF file: (directory, model, tokenizer)."""
     from transformers import AutoTokenizer
 
-    write_tiny_llama_gguf(tmp_path / "tokenizer.gguf")
-    tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tokenizer.gguf")
+    path = tmp_path_factory.mktemp("gemma3")
+    write_tiny_llama_gguf(path / "tokenizer.gguf")
+    tok = AutoTokenizer.from_pretrained(path, gguf_file="tokenizer.gguf")
     model = tiny_model("gemma3", vocab_size=len(tok))
-    model.save_pretrained(tmp_path / "gemma3")
-    tok.save_pretrained(tmp_path / "gemma3")
+    model.save_pretrained(path / "model")
+    tok.save_pretrained(path / "model")
+    return path / "model", model, tok
+
+
+def cli_json(capsys, *argv):
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_generate_reports_bytes_per_layer_kind(gemma3_dir, capsys):
+    # `kivi generate --json` on a saved tiny Gemma 3: the tokens are transformers' own, and the
+    # bytes per layer kind are exact: each sliding layer holds its 8-token window (K and V, 1 KV
+    # head, head_dim 256, fp32), whatever the length.
+    path, model, tok = gemma3_dir
     prompt = "the cat in the hat sat on the mat"
-    assert main(["generate", "--model", str(tmp_path / "gemma3"), "--prompt", prompt, "--max-new-tokens", "12",
-                 "--residual-length", "128", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    report = cli_json(capsys, "generate", "--model", str(path), "--prompt", prompt, "--max-new-tokens", "12",
+                      "--residual-length", "128", "--json")
     ids = tok(prompt)["input_ids"]
     assert len(ids) > WINDOW and report["new_tokens"] > 1
     assert report["tokens"] == hf_greedy(model, ids, 12)[: report["new_tokens"]]  # the CLI stops at EOS
     kinds = report["cache_bytes_by_kind"]
     assert kinds["window"] == 2 * (2 * 1 * WINDOW * 256 * 4)
     assert kinds["full"] + kinds["window"] == report["cache_bytes"] and kinds["full"] > 0
+
+
+def test_pt2_export_of_gemma3_gives_kivi_generate_tokens(gemma3_dir, tmp_path, capsys):
+    # One exported program serves the prompt (exact, windowed attention at a dynamic token count)
+    # and the decode steps (the rings and the KIVI layers as program state), past the window.
+    path, _, _ = gemma3_dir
+    prompt = "the cat in the hat sat on the mat and the dog"
+    cache_flags = ["--group-size", "8", "--residual-length", "8"]  # global layers quantize within the run
+    want = cli_json(capsys, "generate", "--model", str(path), "--prompt", prompt, "--max-new-tokens", "16",
+                    *cache_flags, "--json")
+    assert main(["export", "--format", "pt2", "--out", str(tmp_path / "pt2"), "--model", str(path),
+                 "--max-seq-len", "64", *cache_flags]) == 0
+    capsys.readouterr()
+    got = cli_json(capsys, "run-exported", str(tmp_path / "pt2"), "--prompt", prompt, "--max-new-tokens", "16",
+                   "--json")
+    assert want["prompt_tokens"] > WINDOW and got["tokens"] == want["tokens"]
