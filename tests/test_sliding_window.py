@@ -27,10 +27,14 @@ def tiny_model(family, window=WINDOW, vocab_size=256):
     if family == "mistral":  # every layer slides
         config = transformers.MistralConfig(num_hidden_layers=2, sliding_window=window, **common)
         cls = transformers.MistralForCausalLM
-    elif family == "qwen2":  # layers from max_window_layers on slide
-        config = transformers.Qwen2Config(num_hidden_layers=3, use_sliding_window=window is not None,
-                                          sliding_window=window, max_window_layers=1, **common)
-        cls = transformers.Qwen2ForCausalLM
+    elif family == "phi3":  # fused qkv; every layer slides
+        config = transformers.Phi3Config(num_hidden_layers=2, sliding_window=window, pad_token_id=0, **common)
+        cls = transformers.Phi3ForCausalLM
+    elif family in ("qwen2", "qwen3"):  # layers from max_window_layers on slide
+        config_cls, cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
+        config = config_cls(num_hidden_layers=3, use_sliding_window=window is not None, sliding_window=window,
+                            max_window_layers=1, **common)
     else:  # Gemma 3: sliding and global layers alternate, q/k norms, query_pre_attn_scalar, local/global RoPE,
         # and Gemma 3 270M's attention shape: 4 query heads, 1 KV head, head_dim 256
         common.update(num_key_value_heads=1, head_dim=256)
@@ -47,9 +51,9 @@ def hf_greedy(model, prompt, new=NEW):
     return out[0, len(prompt):].tolist()
 
 
-FAMILIES = ["mistral", "qwen2", "gemma3"]
-KINDS = {"mistral": ["window", "window"], "qwen2": ["full", "window", "window"],
-         "gemma3": ["window", "full", "window", "full"]}
+FAMILIES = ["mistral", "phi3", "qwen2", "qwen3", "gemma3"]
+KINDS = {"mistral": ["window", "window"], "phi3": ["window", "window"], "qwen2": ["full", "window", "window"],
+         "qwen3": ["full", "window", "window"], "gemma3": ["window", "full", "window", "full"]}
 
 
 @pytest.mark.parametrize("method", ["kivi", "fp"])
