@@ -1,6 +1,6 @@
 """Sliding-window layers: one cache layer per layer kind (WindowLayer for sliding-window layers, the
-KIVI or fp layer for full attention), checked on tiny random Mistral, Qwen2 and Gemma 3 models over
-sequences longer than the window, against unpatched transformers."""
+KIVI or fp layer for full attention), checked on tiny random Mistral, Phi-3, Qwen2, Qwen3 and Gemma 3
+models over sequences longer than the window, against unpatched transformers."""
 
 import json
 
@@ -10,7 +10,6 @@ import transformers
 
 from gguf_files import write_tiny_llama_gguf
 from kivi_cli.main import main
-
 from kivi_models import generate, make_cache, patch_model
 from kivi_ops import FPCache, FPLayer, KIVICache, KIVIConfig, KIVILayer, Step, WindowLayer
 
@@ -22,8 +21,8 @@ LOSSLESS = KIVIConfig(residual_length=32)  # the fp residual covers all 28 token
 
 def tiny_model(family, window=WINDOW, vocab_size=256):
     """A random model with a sliding window (None: the same weights with full attention)."""
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=32, max_position_embeddings=256)
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
     if family == "mistral":  # every layer slides
         config = transformers.MistralConfig(num_hidden_layers=2, sliding_window=window, **common)
         cls = transformers.MistralForCausalLM
@@ -174,7 +173,7 @@ def test_window_layer_ring_matches_a_masked_full_cache_compiled():
         k, v, q = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), torch.randn(B, 2 * H, 1, D)
         append(k, v)
         history = [(torch.cat([hk, k[b]], dim=1), torch.cat([hv, v[b]], dim=1)) for b, (hk, hv) in enumerate(history)]
-        got = attend(q, DECODE_STEP, 0.25)
+        got = attend(q, Step(), 0.25)
         for b, (hk, hv) in enumerate(history):
             want = masked_reference(hk[None], hv[None], q[b:b + 1], W, 0.25)
             torch.testing.assert_close(got[b:b + 1], want, rtol=1e-5, atol=1e-6)
@@ -182,9 +181,6 @@ def test_window_layer_ring_matches_a_masked_full_cache_compiled():
     keys, _ = layer.dequantized()  # the window, oldest first
     for b, (hk, _) in enumerate(history):
         assert torch.equal(keys[b], hk[:, -W:])
-
-
-DECODE_STEP = Step()
 
 
 def test_window_layer_refuses_a_multi_token_step_past_its_window():
