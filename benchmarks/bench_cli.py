@@ -31,7 +31,8 @@ def add_bench_parser(sub) -> None:
     att.add_argument("--batch", type=positive_int, default=None, help="default: 8 on cuda, 1 on cpu")
 
     dec = bsub.add_parser("decode", help="end-to-end compiled decode tokens/s, fp vs KIVI")
-    dec.add_argument("--model", default="default", help="'default', 'llama2-7b-shape' (random weights) or a directory")
+    dec.add_argument("--model", default="default",
+                    help="'default', 'llama2-7b-shape' (random weights), a GGUF file or a directory")
     dec.add_argument("--contexts", type=int_list, default=None, help="default: 1024,4096 on cpu")
     dec.add_argument("--batches", type=_int_list_any, default=None, help="default: 1,4")
     dec.add_argument("--new-tokens", type=positive_int, default=32)
@@ -46,7 +47,8 @@ def add_bench_parser(sub) -> None:
 
     wq = bsub.add_parser("weight-quant", help="{fp, int8/int4 weights} x {fp, KIVI cache}: model + cache bytes, "
                                               "compiled decode tokens/s, one run")
-    wq.add_argument("--model", default="default", help="'default', 'llama2-7b-shape' (random weights) or a directory")
+    wq.add_argument("--model", default="default",
+                    help="'default', 'llama2-7b-shape' (random weights), a GGUF file or a directory")
     wq.add_argument("--modes", type=_mode_list, default=None,
                     help="comma-separated weight modes, 'none' first "
                          "(default: none,int8 on cpu, none,int8,int4 on cuda)")

@@ -7,6 +7,7 @@ from .fp_layer import FPLayer
 from .layer import CacheLayer, KIVILayer
 from .quantized import QuantizedTensor, fake_quantize, quantize
 from .step import Step
+from .window_layer import WindowLayer
 
-__all__ = ["KIVIConfig", "KIVICache", "FPCache", "StaticCacheBase", "CacheLayer", "KIVILayer", "FPLayer", "Step",
-           "QuantizedTensor", "quantize", "fake_quantize", "fp16_cache_nbytes", "cache_capacity"]
+__all__ = ["KIVIConfig", "KIVICache", "FPCache", "StaticCacheBase", "CacheLayer", "KIVILayer", "FPLayer", "WindowLayer",
+           "Step", "QuantizedTensor", "quantize", "fake_quantize", "fp16_cache_nbytes", "cache_capacity"]

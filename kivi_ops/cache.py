@@ -10,6 +10,7 @@ program carries, and copying one sequence between caches.
 
 from __future__ import annotations
 
+import re
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -20,6 +21,7 @@ from . import ops  # noqa: F401  registers torch.ops.kivi, which the layers' ops
 from .config import KIVIConfig
 from .fp_layer import FPLayer
 from .layer import CacheLayer, KIVILayer
+from .window_layer import WindowLayer
 
 
 def fp16_cache_nbytes(*, num_layers: int, batch_size: int, num_tokens: int, num_kv_heads: int, head_dim: int) -> int:
@@ -30,8 +32,10 @@ def fp16_cache_nbytes(*, num_layers: int, batch_size: int, num_tokens: int, num_
 def cache_capacity(state_shapes: Mapping[str, Sequence[int]]) -> Optional[tuple[int, int, str]]:
     """(batch_size, max_seq_len, the buffer read) of a cache from its state buffers' static shapes
     by state name (StaticCacheBase.state(); what an exported program records), or None when they
-    are not a cache's. KIVI's k_codes is [B, H, S, D / codes per byte], FPLayer's k [B, H, S + 1, D]."""
-    for name, spare in (("layers.0.k_codes", 0), ("layers.0.k", 1)):
+    are not a cache's. KIVI's k_codes is [B, H, S, D / codes per byte], FPLayer's k [B, H, S + 1, D];
+    the first full-attention layer is read (a WindowLayer holds only its window)."""
+    layers = sorted({int(m.group(1)) for m in map(re.compile(r"layers\.(\d+)\.").match, state_shapes) if m})
+    for name, spare in ((f"layers.{i}.{buf}", spare) for i in layers for buf, spare in (("k_codes", 0), ("k", 1))):
         shape = state_shapes.get(name)
         if shape is None:
             continue
@@ -46,8 +50,20 @@ def _check_num_layers(num_layers) -> None:
         raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
 
 
+def _build_layers(windows: Optional[Sequence[Optional[int]]], num_layers: int, full_layer, **dims) -> list[CacheLayer]:
+    """One layer per model layer: full_layer(i) for full attention, a WindowLayer where windows[i]
+    is a sliding window (tokens). windows None: every layer attends fully."""
+    _check_num_layers(num_layers)
+    windows = [None] * num_layers if windows is None else list(windows)
+    if len(windows) != num_layers or not all(w is None or (isinstance(w, int) and w > 0) for w in windows):
+        raise ValueError(f"windows must hold one entry per layer ({num_layers}), each None (full attention) or a "
+                         f"positive int (a sliding window in tokens), got {windows!r}")
+    return [full_layer(i) if w is None else WindowLayer(window=w, **dims) for i, w in enumerate(windows)]
+
+
 class StaticCacheBase(nn.Module, Cache):
-    """What both caches share. Dimensions are the layers' (all alike)."""
+    """What both caches share. Dimensions are the layers' (all alike; a WindowLayer's max_seq_len
+    is the sequence's, its buffers hold only its window)."""
 
     def __init__(self, layers: list[CacheLayer]):
         nn.Module.__init__(self)
@@ -127,13 +143,20 @@ class StaticCacheBase(nn.Module, Cache):
         """Exact bytes held, all layers (each layer's nbytes())."""
         return sum(layer.nbytes() for layer in self.layers)
 
+    def nbytes_by_kind(self) -> dict[str, int]:
+        """Exact bytes held per layer kind: {"full": ..., "window": ...} (layers of that kind summed)."""
+        kinds = {"full": 0, "window": 0}
+        for layer in self.layers:
+            kinds["window" if layer.is_sliding else "full"] += layer.nbytes()
+        return kinds
+
     def fp16_nbytes(self, num_tokens: Optional[int] = None) -> int:
-        """Bytes an fp16 K+V cache would need for num_tokens (default max_seq_len) per sequence."""
-        return fp16_cache_nbytes(
-            num_layers=self.num_layers, batch_size=self.batch_size,
-            num_tokens=self.max_seq_len if num_tokens is None else num_tokens,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-        )
+        """Bytes an fp16 K+V cache would need for num_tokens (default max_seq_len) per sequence;
+        a sliding-window layer's needs at most its window."""
+        tokens = self.max_seq_len if num_tokens is None else num_tokens
+        return sum(fp16_cache_nbytes(num_layers=1, batch_size=self.batch_size,
+                                     num_tokens=min(tokens, getattr(layer, "window", tokens)),
+                                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim) for layer in self.layers)
 
 
 class KIVICache(StaticCacheBase):
@@ -141,11 +164,13 @@ class KIVICache(StaticCacheBase):
 
     rope_inv_freq / rope_scaling: the model's RoPE frequencies [head_dim / 2] and
     attention_scaling (rope.model_rope_frequencies), required when config.pre_rope. portable:
-    for exporters that cannot carry custom ops (ONNX, ExecuTorch; dispatch.py)."""
+    for exporters that cannot carry custom ops (ONNX, ExecuTorch; dispatch.py). windows: per
+    layer, None (full attention: a KIVILayer) or a sliding window in tokens (a WindowLayer)."""
 
     def __init__(self, config: KIVIConfig, *, num_layers: int, batch_size: int, max_seq_len: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 rope_inv_freq: Optional[torch.Tensor] = None, rope_scaling: float = 1.0, portable: bool = False):
+                 rope_inv_freq: Optional[torch.Tensor] = None, rope_scaling: float = 1.0, portable: bool = False,
+                 windows: Optional[Sequence[Optional[int]]] = None):
         if not isinstance(config, KIVIConfig):
             raise TypeError(f"config must be a KIVIConfig, got {type(config).__name__}")
         _check_num_layers(num_layers)
@@ -158,18 +183,20 @@ class KIVICache(StaticCacheBase):
             raise ValueError(f"key_levels/value_levels must have one entry per layer ({num_layers}), "
                              f"got {len(config.key_levels)} and {len(config.value_levels)}")
         rope = None if rope_inv_freq is None else (rope_inv_freq, rope_scaling)
-        super().__init__([
-            KIVILayer(config, i, batch_size=batch_size, max_seq_len=max_seq_len, num_kv_heads=num_kv_heads,
-                      head_dim=head_dim, dtype=dtype, device=device, rope=rope, portable=portable)
-            for i in range(num_layers)])
+        dims = dict(batch_size=batch_size, max_seq_len=max_seq_len, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    dtype=dtype, device=device)
+        super().__init__(_build_layers(windows, num_layers,
+                                       lambda i: KIVILayer(config, i, **dims, rope=rope, portable=portable), **dims))
         self.config = config
 
 
 class FPCache(StaticCacheBase):
-    """The unquantized baseline: one FPLayer per model layer."""
+    """The unquantized baseline: one FPLayer per model layer (a WindowLayer per sliding-window
+    layer, as in KIVICache)."""
 
     def __init__(self, *, num_layers: int, batch_size: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        _check_num_layers(num_layers)
-        super().__init__([FPLayer(batch_size=batch_size, max_seq_len=max_seq_len, num_kv_heads=num_kv_heads,
-                                  head_dim=head_dim, dtype=dtype, device=device) for _ in range(num_layers)])
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 windows: Optional[Sequence[Optional[int]]] = None):
+        dims = dict(batch_size=batch_size, max_seq_len=max_seq_len, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    dtype=dtype, device=device)
+        super().__init__(_build_layers(windows, num_layers, lambda i: FPLayer(**dims), **dims))

@@ -46,10 +46,15 @@ def rope_at(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) ->
 def model_rope_frequencies(model) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim/2] fp32, attention_scaling) of a Hugging Face Llama-family model's RoPE,
     for a cache that rotates pre-RoPE keys itself. Variants whose frequencies change with the
-    sequence length (dynamic NTK, longrope) cannot be applied at a fixed table and are refused."""
+    sequence length (dynamic NTK, longrope) cannot be applied at a fixed table and are refused.
+    A model with one table per layer type (Gemma 3) gives its full-attention table: only
+    full-attention layers hold KIVI layers (sliding-window layers keep exact keys)."""
     rotary = model.model.rotary_emb
+    prefix = "full_attention_" if hasattr(rotary, "layer_types") else ""
     rope_type = getattr(rotary, "rope_type", "default")
+    rope_type = rope_type["full_attention"] if isinstance(rope_type, dict) else rope_type
     if "dynamic" in rope_type or rope_type == "longrope":
         raise ValueError(f"pre_rope needs RoPE frequencies that do not depend on the sequence length; "
                          f"this model's rope_type is {rope_type!r}")
-    return rotary.inv_freq.detach().float().clone(), float(getattr(rotary, "attention_scaling", 1.0))
+    return (getattr(rotary, f"{prefix}inv_freq").detach().float().clone(),
+            float(getattr(rotary, f"{prefix}attention_scaling", 1.0)))

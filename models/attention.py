@@ -2,10 +2,11 @@
 
 `patch_model(model)` replaces each decoder layer's `self_attn` with `KIVIAttention`, which keeps
 the original projections (weights untouched) and routes keys/values through its cache layer's
-append and attend. Llama, Mistral, Qwen2, Qwen3 (q/k norms) and Phi-3 (fused qkv) are supported
-(Qwen2's q/k/v biases live in the reused Linear modules); Gemma 2/3 are refused. Sliding-window
-attention (Mistral, Phi-3, Qwen2/3 with use_sliding_window) is not implemented and is rejected with
-an error.
+append and attend. Llama, Mistral, Qwen2, Qwen3 (q/k norms), Phi-3 (fused qkv) and Gemma 3 (q/k
+norms, query_pre_attn_scalar scaling, per-layer-type RoPE) are supported (Qwen2's q/k/v biases live
+in the reused Linear modules). Sliding-window layers (windows.py) get a WindowLayer in the cache and
+a windowed mask at the prompt. Gemma 2 is refused: its attention-logit soft-capping is not in the
+fused attention.
 
 What a call does with the cache comes down the call as one `kivi_ops.Step` (keyword `kivi_step`).
 The library's own loops pass it (generate.py); for a call that does not (transformers' generate(),
@@ -27,12 +28,17 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kivi_ops import CacheLayer, StaticCacheBase, Step
 
 from .hf_generate import enable_compiled_generate
+from .windows import attention_window
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 # Families that need attention features the KIVI cache does not implement, and which ones.
-_GEMMA_WHY = ("attention-logit soft-capping (attn_logit_softcapping) and interleaved sliding-window layers, "
-              "which the fused KIVI attention does not implement")
-UNSUPPORTED_WHY = {"gemma2": _GEMMA_WHY, "gemma3": _GEMMA_WHY, "gemma3_text": _GEMMA_WHY}
+_SOFTCAP_WHY = ("attention-logit soft-capping (attn_logit_softcapping), which the fused KIVI attention does not "
+                "implement")
+UNSUPPORTED_WHY = {
+    "gemma2": _SOFTCAP_WHY,
+    "gemma3": "Gemma 3's multimodal wrapper (Gemma3ForConditionalGeneration); load the text model "
+              "(Gemma3ForCausalLM, model_type 'gemma3_text', as transformers loads a Gemma 3 GGUF file)",
+}
 ATTN_IMPLEMENTATION = "kivi"
 
 # Registered as an attention implementation without a mask function: transformers then skips
@@ -55,7 +61,8 @@ class KIVIAttention(nn.Module):
         self.o_proj = original.o_proj
         self.layer_idx = original.layer_idx
         self.head_dim = original.head_dim
-        self.scaling = original.scaling
+        self.scaling = original.scaling  # Gemma 3: query_pre_attn_scalar ** -0.5
+        self.sliding_window = attention_window(original, config)  # None: full attention
         # Fused qkv (Phi-3): the split points of its output (no tensor parallelism for it).
         self.q_size = config.num_attention_heads * self.head_dim
         self.kv_size = config.num_key_value_heads * self.head_dim
@@ -71,7 +78,7 @@ class KIVIAttention(nn.Module):
         else:
             q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
         q, k, v = (t.view(B, n, -1, self.head_dim) for t in (q, k, v))
-        if self.q_norm is not None:  # Qwen3: RMS norm over each head's channels, before RoPE
+        if self.q_norm is not None:  # Qwen3, Gemma 3: RMS norm over each head's channels, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
@@ -85,6 +92,11 @@ class KIVIAttention(nn.Module):
                 "a KIVI-patched model needs past_key_values=kivi_models.make_cache(...) (a KIVICache or FPCache); "
                 f"got {type(past_key_values).__name__}"
             )
+        if getattr(cache, "window", None) != self.sliding_window:
+            raise ValueError(
+                f"layer {self.layer_idx} attends over {_window_text(self.sliding_window)} but its cache layer is a "
+                f"{type(cache).__name__} over {_window_text(getattr(cache, 'window', None))}; build the cache with "
+                "kivi_models.make_cache(model, ...), which gives each layer the kind its attention needs")
         step = kivi_step
         B, n, _ = hidden_states.shape
         q, k, v = self._project(hidden_states)
@@ -115,8 +127,19 @@ class KIVIAttention(nn.Module):
 
     def _exact_attention(self, q, k, v):
         # A prompt attends over its exact keys/values (right padding: pads come after every real
-        # token, so the causal mask already hides them from real queries).
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
+        # token, so the causal mask already hides them from real queries). A sliding-window layer
+        # sees keys p - window < t <= p (token index = position: prompts start at position 0),
+        # whatever the prompt's length (no branch on it: exports keep the token count dynamic).
+        if self.sliding_window is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
+        i = torch.arange(q.shape[2], device=q.device)
+        offset = i[:, None] - i[None, :]
+        mask = (offset >= 0) & (offset < self.sliding_window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+
+
+def _window_text(window) -> str:
+    return "all tokens (full attention)" if window is None else f"a sliding window of {window} tokens"
 
 
 def _gather_tokens(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -179,14 +202,9 @@ def patch_model(model: nn.Module) -> nn.Module:
                          f"{UNSUPPORTED_WHY[config.model_type]}. Supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {config.model_type!r}")
-    window = getattr(config, "sliding_window", None)
-    uses_window = (config.use_sliding_window if config.model_type in ("qwen2", "qwen3") else window is not None)
-    if uses_window and window is not None and window < config.max_position_embeddings:
-        raise ValueError(
-            f"sliding-window attention is not supported by the KIVI cache (sliding_window={window} < "
-            f"max_position_embeddings={config.max_position_embeddings}); set config.sliding_window = None "
-            "to run full attention"
-        )
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"attn_logit_softcapping={config.attn_logit_softcapping}: {_SOFTCAP_WHY}; "
+                         "set it to None to run without soft-capping")
     decoder = model.model
     if getattr(decoder, "_kivi_patched", False):
         return model

@@ -19,6 +19,7 @@ from kivi_ops import FPCache, KIVICache, KIVIConfig, StaticCacheBase, Step
 from kivi_ops.rope import model_rope_frequencies
 
 from .parallel import local_kv_heads
+from .windows import layer_windows
 
 METHODS = ("fp", "kivi")
 
@@ -27,6 +28,7 @@ def make_cache(model, *, method: str, batch_size: int, max_seq_len: int,
                kivi_config: Optional[KIVIConfig] = None, device=None, portable: bool = False) -> StaticCacheBase:
     """A static cache for `model` (patched with patch_model): "kivi" (a KIVICache) or the
     unquantized "fp" (an FPCache). Both are transformers Caches: pass one to `model.generate`.
+    Sliding-window layers (windows.py) get a WindowLayer (their window, full precision) in either.
     device defaults to the model's ("meta" sizes a cache without allocating it). Under tensor
     parallelism it holds this rank's KV heads only. portable: for exporters without custom ops."""
     if method not in METHODS:
@@ -34,7 +36,8 @@ def make_cache(model, *, method: str, batch_size: int, max_seq_len: int,
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dims = dict(num_layers=cfg.num_hidden_layers, batch_size=batch_size, max_seq_len=max_seq_len,
-                num_kv_heads=local_kv_heads(model), head_dim=head_dim, dtype=model.dtype, device=device or model.device)
+                num_kv_heads=local_kv_heads(model), head_dim=head_dim, dtype=model.dtype, device=device or model.device,
+                windows=layer_windows(model))
     if method == "kivi":
         kivi_config = kivi_config or KIVIConfig()
         rope = {}
@@ -116,11 +119,28 @@ def forward(model, cache: StaticCacheBase, input_ids: torch.Tensor, positions: t
     the layers, final norm) but with each layer handed its cache layer and the step: hidden states
     [B, n, hidden] of input_ids [B, n] at positions [B, n]."""
     decoder = model.model
-    hidden = decoder.embed_tokens(input_ids)
-    position_embeddings = decoder.rotary_emb(hidden, positions)
-    for layer, cache_layer in zip(decoder.layers, cache.layers):
+    hidden = decoder.embed_tokens(input_ids)  # Gemma 3's embedding scales by sqrt(hidden) itself
+    for layer, cache_layer, position_embeddings in zip(decoder.layers, cache.layers,
+                                                       layer_position_embeddings(decoder, hidden, positions)):
         hidden = run_layer(layer, hidden, cache_layer, position_embeddings, step)
     return decoder.norm(hidden)
+
+
+def layer_position_embeddings(decoder, hidden: torch.Tensor, positions: torch.Tensor) -> list:
+    """Each layer's RoPE (cos, sin) at positions: one table for all layers, or (Gemma 3: its
+    rotary module has `layer_types`) one per layer type, e.g. local and global RoPE bases."""
+    rotary = decoder.rotary_emb
+    if not hasattr(rotary, "layer_types"):
+        return [rotary(hidden, positions)] * len(decoder.layers)
+    tables = {kind: rotary(hidden, positions, kind) for kind in rotary.layer_types}
+    return [tables[kind] for kind in decoder.config.layer_types]
+
+
+def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head, with the final logit soft-capping of the families that have one (Gemma)."""
+    logits = model.lm_head(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def prefill(model, cache: StaticCacheBase, input_ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -129,7 +149,7 @@ def prefill(model, cache: StaticCacheBase, input_ids: torch.Tensor, counts: torc
     B, n = input_ids.shape
     positions = cache.lengths()[:, None] + torch.arange(n, device=input_ids.device)[None, :]
     hidden = forward(model, cache, input_ids, positions, Step(counts=counts, prefill=True))
-    return model.lm_head(hidden[torch.arange(B, device=input_ids.device), counts - 1])
+    return lm_logits(model, hidden[torch.arange(B, device=input_ids.device), counts - 1])
 
 
 def decode_step(model, cache: StaticCacheBase, tokens: torch.Tensor, positions: torch.Tensor,
@@ -141,7 +161,7 @@ def decode_step(model, cache: StaticCacheBase, tokens: torch.Tensor, positions: 
     the step: Inductor (torch 2.13) reordered a clone of a buffer after the opaque op that
     mutates it, so RoPE saw position + 1 in compiled mode."""
     hidden = forward(model, cache, tokens[:, None], positions[:, None], Step(counts=counts), run_layer)
-    return model.lm_head(hidden[:, -1])
+    return lm_logits(model, hidden[:, -1])
 
 
 def compile_decode_step(device: torch.device, *, regional: Optional[bool] = None):

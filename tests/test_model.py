@@ -249,7 +249,7 @@ def tiny_model(model_type):
                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
                         **extra)
     if model_type in ("mistral", "phi3"):
-        config.sliding_window = None  # full attention; a real sliding window is refused by patch_model
+        config.sliding_window = None  # full attention (sliding windows: tests/test_sliding_window.py)
     if model_type == "phi3":
         config.pad_token_id = 0  # Phi3Config's default pad id (32000) lies outside the tiny vocabulary
     torch.manual_seed(0)
@@ -322,20 +322,19 @@ def test_quantized_cache_holds_each_family_within_half_a_step(model_type):
         assert not torch.equal(kq, k)  # quantization did happen
 
 
-def test_gemma_is_refused_naming_what_is_missing():
+def test_gemma2_is_refused_naming_what_is_missing():
     import transformers
 
     config = transformers.Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    with pytest.raises(ValueError, match="soft-capping .* sliding-window"):
+    with pytest.raises(ValueError, match="'gemma2' is not supported .*soft-capping .attn_logit_softcapping."):
         patch_model(transformers.Gemma2ForCausalLM(config))
-
-
-def test_sliding_window_models_are_refused():
-    model = tiny_model("mistral")
-    model.config.sliding_window = 64
-    with pytest.raises(ValueError, match="sliding-window attention is not supported"):
-        patch_model(model)
+    # Soft-capping in another family's config (Gemma 3 has the option) is refused by name too.
+    config = transformers.Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0: attention-logit soft-capping"):
+        patch_model(transformers.Gemma3ForCausalLM(config))
 
 
 @pytest.mark.parametrize("method,regional", [

@@ -1,0 +1,102 @@
+"""`--model PATH.gguf` / `load_model("x.gguf")`: a GGUF file converts once to safetensors in the model
+cache, keyed by its content hash; broken files are one clear error naming the file."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from gguf_files import write_tiny_llama_gguf
+from kivi_cli.main import main
+from kivi_models import generate, load_model, make_cache, patch_model
+from kivi_models import loading
+from kivi_ops import KIVIConfig
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    return path, write_tiny_llama_gguf(path)
+
+
+@pytest.fixture
+def model_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIVI_MODEL_CACHE", str(tmp_path / "model-cache"))
+    return tmp_path / "model-cache"
+
+
+def test_gguf_file_converts_once_and_generates_transformers_tokens(tiny_gguf, model_cache, monkeypatch, tmp_path):
+    path, tensors = tiny_gguf
+    model, tok = load_model(str(path))
+    (converted,) = model_cache.iterdir()  # one directory, named by the file's content hash
+    assert converted.name == f"gguf-{loading.file_sha256(path)[:24]}"
+    assert (converted / "config.json").is_file() and not [p for p in model_cache.iterdir() if p.name.startswith(".")]
+    # The weights are the file's (ffn_up is stored unpermuted; q/k are permuted by the GGUF convention).
+    assert np.array_equal(model.model.layers[1].mlp.up_proj.weight.detach().numpy(), tensors["blk.1.ffn_up.weight"])
+
+    # Loaded again, from the file or a renamed copy of it: no second conversion.
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(loading, "convert_gguf", no_conversion)
+    copy = tmp_path / "renamed.gguf"
+    shutil.copy(path, copy)
+    patched, _ = load_model(str(path))
+    assert load_model(str(copy))[0].config.to_dict() == model.config.to_dict()
+    assert [p.name for p in model_cache.iterdir()] == [converted.name]
+
+    prompt = tok("the cat in the hat")["input_ids"]
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    patch_model(patched)
+    cache = make_cache(patched, method="kivi", batch_size=1, max_seq_len=len(prompt) + 8,
+                       kivi_config=KIVIConfig(residual_length=32))
+    assert generate(patched, [prompt], max_new_tokens=8, cache=cache).tokens[0] == want[0, len(prompt):].tolist()
+
+
+def test_a_changed_gguf_file_converts_again(tiny_gguf, model_cache, tmp_path):
+    path, _ = tiny_gguf
+    other = tmp_path / "tiny-llama.gguf"
+    write_tiny_llama_gguf(other, seed=1)  # same name, other weights
+    a, _ = load_model(str(path))
+    b, _ = load_model(str(other))
+    assert len(list(model_cache.iterdir())) == 2
+    assert not torch.equal(a.model.layers[0].mlp.up_proj.weight, b.model.layers[0].mlp.up_proj.weight)
+
+
+def test_cli_generate_takes_a_gguf_file(tiny_gguf, model_cache, capsys):
+    path, _ = tiny_gguf
+    assert main(["generate", "--model", str(path), "--prompt", "the cat", "--max-new-tokens", "4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["new_tokens"] == 4
+
+
+def _broken(kind, good, tmp_path):
+    path = tmp_path / f"{kind}.gguf"
+    if kind == "truncated":
+        data = good.read_bytes()
+        path.write_bytes(data[: len(data) * 2 // 3])
+    elif kind == "not-gguf":
+        path.write_text('{"this": "is json"}')
+    else:
+        write_tiny_llama_gguf(path, architecture="no-such-architecture")
+    return path
+
+
+BROKEN = {"truncated": "is truncated or corrupt", "not-gguf": "is not a GGUF file",
+          "unsupported-architecture": "architecture no-such-architecture is not supported .*GGUF loader reads: .*llama"}
+
+
+@pytest.mark.parametrize("kind", BROKEN)
+def test_broken_gguf_files_are_one_error_naming_the_file(kind, tiny_gguf, model_cache, tmp_path, capsys):
+    path = _broken(kind, tiny_gguf[0], tmp_path)
+    with pytest.raises(loading.GGUFError, match=BROKEN[kind]) as error:
+        load_model(str(path))
+    assert str(path) in str(error.value)
+    assert not model_cache.exists() or not list(model_cache.iterdir())  # nothing half-converted is left
+    # The CLI: a usage error (exit 2), one line naming the file, no traceback.
+    assert main(["generate", "--model", str(path), "--prompt", "x", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"kivi generate: error: " in err and str(path) in err and "Traceback" not in err
