@@ -41,3 +41,31 @@ def test_decode_kernel_compiles_for_sm90_without_a_gpu():
     decode = kernels["_attend_decode_kernel"]
     assert 0 < decode["registers"] <= 255 and decode["launch_num_warps"] == 4
     assert decode["spill_store_bytes"] >= 0 and 0 < decode["occupancy"] <= 1
+
+
+WIDE_HEAD_CASE = """
+import json, torch
+from lab.ptxas_usage import layer_of, measure
+from kivi_ops.kernels.triton_decode import attend_decode
+rows = []
+for bits in (2, 4):
+    t, p = layer_of(kv_heads=1, head_dim=256, bits=bits, tokens=512)
+    q = torch.randn(1, 4, 1, 256, dtype=torch.float16)
+    case = lambda: iter([("decode", {}, lambda: attend_decode(q, t, None, p, 0.0625, num_splits=2))])
+    rows += measure(90, case)
+print(json.dumps(rows))
+"""
+
+
+def test_decode_kernel_default_at_head_dim_256_does_not_spill():
+    # Gemma's head_dim: the default launch (triton_decode.decode_launch_config) must compile to
+    # no spills for KIVI-2 and KIVI-4 (the 1 warp x 32 tokens default of narrower heads spills
+    # 9.5-14 KB per thread there).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", WIDE_HEAD_CASE], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [r for r in json.loads(out.stdout.strip().splitlines()[-1]) if r["kernel"] == "_attend_decode_kernel"]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["launch_num_warps"] == 4 and r["spill_store_bytes"] == 0 and r["registers"] <= 255, r

@@ -52,11 +52,22 @@ from .triton_quant import device_ctx, interpreting
 # thread at head_dim 128 (results/ptxas_sm90.json). 4 warps x 16 tokens (64-113 registers, no
 # spills) was never timed: lab/gpu_suite.sh's sweep compares them. The sparse store's path
 # (every tile mixed, never timed either) takes the no-spill configuration: 56-114 registers.
+# At head_dim 256 (Gemma) that default spills 9.5 KB (KIVI-2) to 14 KB (KIVI-4) per thread, and
+# 4 warps x 16 tokens compiles to 167-200 registers with none (results/ptxas_sm90.json): wide heads
+# take the no-spill configuration too, untimed like the sparse path.
 DECODE_BLOCK_N = 32
 DECODE_PROGRAMS_PER_SM = 16
 DECODE_NUM_WARPS = 1
-SPARSE_DECODE_BLOCK_N = 16
-SPARSE_DECODE_NUM_WARPS = 4
+NO_SPILL_DECODE_BLOCK_N = 16
+NO_SPILL_DECODE_NUM_WARPS = 4
+WIDEST_TIMED_HEAD_DIM = 128
+
+
+def decode_launch_config(head_dim: int, sparse: bool) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the decode kernel by default (see the comments above)."""
+    if sparse or head_dim > WIDEST_TIMED_HEAD_DIM:
+        return NO_SPILL_DECODE_BLOCK_N, NO_SPILL_DECODE_NUM_WARPS
+    return DECODE_BLOCK_N, DECODE_NUM_WARPS
 
 
 @triton.jit
@@ -387,7 +398,8 @@ def attend_decode(
     k_bits, v_bits = p.k_bits, p.v_bits
     sparse = options["SPARSE"]
     QG = Hq // H
-    block_n = min(block_n or (SPARSE_DECODE_BLOCK_N if sparse else DECODE_BLOCK_N), G)  # within a key group
+    default_block_n, default_warps = decode_launch_config(D, sparse)
+    block_n = min(block_n or default_block_n, G)  # within a key group
     num_splits = attend_num_splits(B * Hq, S, block_n, query.device, programs_per_sm=DECODE_PROGRAMS_PER_SM,
                                    requested=num_splits)
     if query.dtype != k_res.dtype:
@@ -405,7 +417,7 @@ def attend_decode(
             V_BITS=v_bits, V_PER=codes_per_byte(v_bits), G=G, NGV=D // gv, GV=gv, R=R, RR=RR,
             BLOCK_N=block_n, NUM_SPLITS=num_splits, EMULATE_RTNE=interpreting(),
             **kernel_options(_attend_decode_kernel, options),
-            num_warps=num_warps or (SPARSE_DECODE_NUM_WARPS if sparse else DECODE_NUM_WARPS),
+            num_warps=num_warps or default_warps,
             num_stages=num_stages,
         )
         if num_splits > 1:
