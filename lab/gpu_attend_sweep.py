@@ -69,12 +69,13 @@ def main(argv=None):
     parser.add_argument("contexts", nargs="?", default="2048,8192,32768")
     parser.add_argument("configs", nargs="?", default="default")
     parser.add_argument("heads", nargs="?", default="32/32")
+    parser.add_argument("--head-dim", type=int, default=128, help="head_dim (256: Gemma's)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON at the end")
     args = parser.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
     configs = [None] if args.configs == "default" else [parse_config(c) for c in args.configs.split(",")]
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
-    B, D, bits = 8, 128, 2
+    B, D, bits = 8, args.head_dim, 2
     bw = copy_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
     rows = []

@@ -19,7 +19,10 @@ for stage in $stages; do
     # and the tensor-core candidate (issue_model_sm90.json), MHA and GQA 4:1
     sweep) timeout 240 python3 -m lab gpu_attend_sweep 1024,32768 \
              0:32:1:2,0:16:4:2,0:32:8:2,mma/0:32:2:2,mma/0:32:4:2,mma/0:32:4:3,mma/0:32:8:2,mma-magic/0:32:4:2 \
-             32/32,32/8 2>&1 | tail -40 ;;
+             32/32,32/8 2>&1 | tail -40
+           # head_dim 256 (Gemma 3 270M's 4:1): the narrow-head default against the wide-head one (4 x 16)
+           timeout 120 python3 -m lab gpu_attend_sweep 1024,32768 0:32:1:2,0:16:4:2,0:16:8:2 4/1 --head-dim 256 \
+             2>&1 | tail -12 ;;
     # per-layer append / flush / attend, plain KIVI and with each option's Triton append
     layers) timeout 120 python3 -m lab gpu_layer_costs 1 1024,32768 2>&1 | tail -12 ;;
     attention) timeout 200 kivi bench attention --device cuda --out "$OUT" 2>&1 | sed "/it\/s/d" ;;
