@@ -295,3 +295,20 @@ def test_pt2_export_of_gemma3_gives_kivi_generate_tokens(gemma3_dir, tmp_path, c
     got = cli_json(capsys, "run-exported", str(tmp_path / "pt2"), "--prompt", prompt, "--max-new-tokens", "16",
                    "--json")
     assert want["prompt_tokens"] > WINDOW and got["tokens"] == want["tokens"]
+
+
+def test_gemma3_pre_rope_calibration_unrotates_each_layer_with_its_own_rope():
+    # kivi calibrate --pre-rope records each layer's keys and un-rotates them: with Gemma 3's local
+    # and global RoPE tables, each layer's own (fp32: RoPE and its inverse round at ~1e-6).
+    from kivi_models.calibrate import collect_kv_fisher
+
+    model = tiny_model("gemma3")
+    pre_rope = {}
+    hooks = [layer.self_attn.k_norm.register_forward_hook(lambda m, i, out, idx=idx: pre_rope.setdefault(idx, out))
+             for idx, layer in enumerate(model.model.layers)]
+    activations = collect_kv_fisher(model, torch.tensor([PROMPT + PROMPT[:4]]), batch_size=1, pre_rope=True)
+    for hook in hooks:
+        hook.remove()
+    for idx, recorded in enumerate(activations):
+        torch.testing.assert_close(recorded["k"], pre_rope[idx].detach().reshape(recorded["k"].shape),
+                                   rtol=1e-4, atol=1e-5)
