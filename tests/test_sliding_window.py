@@ -103,26 +103,38 @@ def test_sliding_window_models_compiled_match_unpatched_greedy(family):
     assert graphs == len(set(KINDS[family]))
 
 
+LEFT_PADDED = [PROMPT[:5], PROMPT[3:], PROMPT]  # 5, 9 and 12 tokens, around the window of 8
+
+
+def hf_generate_left_padded(patched, batch, *, compiled=False):
+    """transformers' generate() on a left-padded batch with our cache, quantization active in the
+    global layers (G=8, R=8): the new tokens per row, and the cache."""
+    longest = max(map(len, batch))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
+    cache = make_cache(patched, method="kivi", batch_size=len(batch), max_seq_len=longest + NEW,
+                       kivi_config=KIVIConfig(group_size=8, residual_length=8))
+    out = patched.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW,
+                           min_new_tokens=NEW, do_sample=False, pad_token_id=0, disable_compile=not compiled)
+    return out[:, longest:].tolist(), cache
+
+
 def test_gemma3_left_padded_batch_equals_each_prompt_alone():
-    # transformers' generate() on a left-padded batch, with quantization active in the global layers
-    # (G=8, R=8) and prompts of 5, 9 and 12 tokens around the window of 8.
     patched = patch_model(tiny_model("gemma3"))
-    config = KIVIConfig(group_size=8, residual_length=8)
-    prompts = [PROMPT[:5], PROMPT[3:], PROMPT]
+    batched, cache = hf_generate_left_padded(patched, LEFT_PADDED)
+    assert cache.lengths().tolist() == [len(p) + NEW - 1 for p in LEFT_PADDED]  # pads never entered the cache
+    for prompt, row in zip(LEFT_PADDED, batched):
+        assert row == hf_generate_left_padded(patched, [prompt])[0][0]
 
-    def run(batch):
-        longest = max(map(len, batch))
-        ids = torch.tensor([[0] * (longest - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
-        cache = make_cache(patched, method="kivi", batch_size=len(batch), max_seq_len=longest + NEW, kivi_config=config)
-        out = patched.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW,
-                               min_new_tokens=NEW, do_sample=False, pad_token_id=0, disable_compile=True)
-        return out[:, longest:].tolist(), cache
 
-    batched, cache = run(prompts)
-    assert cache.lengths().tolist() == [len(p) + NEW - 1 for p in prompts]  # pads never entered the cache
-    for prompt, row in zip(prompts, batched):
-        assert row == run([prompt])[0][0]
+@pytest.mark.slow
+def test_gemma3_left_padded_batch_compiled_equals_eager():
+    patched = patch_model(tiny_model("gemma3"))
+    eager, _ = hf_generate_left_padded(patched, LEFT_PADDED)
+    torch.compiler.reset()
+    torch._dynamo.utils.counters.clear()
+    assert hf_generate_left_padded(patched, LEFT_PADDED, compiled=True)[0] == eager
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the decode steps ran compiled
 
 
 def test_cache_bytes_per_layer_kind():
