@@ -5,6 +5,8 @@ position-dependent angle, which smears outlier channels across their partners po
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -18,12 +20,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def model_rope_tables(model, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def model_rope_tables(model, length: int, layer_type: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A Hugging Face Llama-family model's own RoPE cos/sin for positions 0..length-1, shaped
-    [1, 1, length, head_dim] to broadcast over [batch, heads, tokens, head_dim]."""
+    [1, 1, length, head_dim] to broadcast over [batch, heads, tokens, head_dim]. layer_type: for a
+    model with one table per layer type (Gemma 3: config.layer_types), which one."""
     positions = torch.arange(length, device=model.device)[None]
     probe = torch.zeros(1, length, 1, device=model.device, dtype=model.dtype)
-    cos, sin = model.model.rotary_emb(probe, positions)
+    rotary = model.model.rotary_emb
+    cos, sin = rotary(probe, positions) if layer_type is None else rotary(probe, positions, layer_type)
     return cos[:, None], sin[:, None]
 
 

@@ -77,13 +77,15 @@ def collect_kv_fisher(model, windows: torch.Tensor, *, batch_size: int = 2, pre_
         del model.config.kivi_calibration_record
         for p, flag in zip(model.parameters(), params):
             p.requires_grad_(flag)
-    if pre_rope:
-        cos, sin = (t.float() for t in model_rope_tables(model, windows.shape[1]))
+    # Each layer's keys are un-rotated with its own RoPE table (Gemma 3: local and global ones).
+    types = model.config.layer_types if hasattr(model.model.rotary_emb, "layer_types") else [None] * layers
+    tables = {t: [x.float() for x in model_rope_tables(model, windows.shape[1], t)] for t in set(types) if pre_rope}
     out = []
-    for r in record:
+    for r, layer_type in zip(record, types):
         # Hooks fire in backward order within a batch: one gradient per recorded batch either way.
         k, k_grad = torch.cat(r["k"]).float(), torch.cat(r["k_grad"]).float()
         if pre_rope:
+            cos, sin = tables[layer_type]
             k, k_grad = undo_rope(k, cos, sin), undo_rope(k_grad, cos, sin)
         out.append(dict(k=k, v=torch.cat(r["v"]).float(), k_fisher=k_grad**2,
                         v_fisher=torch.cat(r["v_grad"]).float() ** 2))

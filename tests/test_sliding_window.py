@@ -103,26 +103,38 @@ def test_sliding_window_models_compiled_match_unpatched_greedy(family):
     assert graphs == len(set(KINDS[family]))
 
 
+LEFT_PADDED = [PROMPT[:5], PROMPT[3:], PROMPT]  # 5, 9 and 12 tokens, around the window of 8
+
+
+def hf_generate_left_padded(patched, batch, *, compiled=False):
+    """transformers' generate() on a left-padded batch with our cache, quantization active in the
+    global layers (G=8, R=8): the new tokens per row, and the cache."""
+    longest = max(map(len, batch))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
+    cache = make_cache(patched, method="kivi", batch_size=len(batch), max_seq_len=longest + NEW,
+                       kivi_config=KIVIConfig(group_size=8, residual_length=8))
+    out = patched.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW,
+                           min_new_tokens=NEW, do_sample=False, pad_token_id=0, disable_compile=not compiled)
+    return out[:, longest:].tolist(), cache
+
+
 def test_gemma3_left_padded_batch_equals_each_prompt_alone():
-    # transformers' generate() on a left-padded batch, with quantization active in the global layers
-    # (G=8, R=8) and prompts of 5, 9 and 12 tokens around the window of 8.
     patched = patch_model(tiny_model("gemma3"))
-    config = KIVIConfig(group_size=8, residual_length=8)
-    prompts = [PROMPT[:5], PROMPT[3:], PROMPT]
+    batched, cache = hf_generate_left_padded(patched, LEFT_PADDED)
+    assert cache.lengths().tolist() == [len(p) + NEW - 1 for p in LEFT_PADDED]  # pads never entered the cache
+    for prompt, row in zip(LEFT_PADDED, batched):
+        assert row == hf_generate_left_padded(patched, [prompt])[0][0]
 
-    def run(batch):
-        longest = max(map(len, batch))
-        ids = torch.tensor([[0] * (longest - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
-        cache = make_cache(patched, method="kivi", batch_size=len(batch), max_seq_len=longest + NEW, kivi_config=config)
-        out = patched.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW,
-                               min_new_tokens=NEW, do_sample=False, pad_token_id=0, disable_compile=True)
-        return out[:, longest:].tolist(), cache
 
-    batched, cache = run(prompts)
-    assert cache.lengths().tolist() == [len(p) + NEW - 1 for p in prompts]  # pads never entered the cache
-    for prompt, row in zip(prompts, batched):
-        assert row == run([prompt])[0][0]
+@pytest.mark.slow
+def test_gemma3_left_padded_batch_compiled_equals_eager():
+    patched = patch_model(tiny_model("gemma3"))
+    eager, _ = hf_generate_left_padded(patched, LEFT_PADDED)
+    torch.compiler.reset()
+    torch._dynamo.utils.counters.clear()
+    assert hf_generate_left_padded(patched, LEFT_PADDED, compiled=True)[0] == eager
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the decode steps ran compiled
 
 
 def test_cache_bytes_per_layer_kind():
@@ -295,3 +307,20 @@ def test_pt2_export_of_gemma3_gives_kivi_generate_tokens(gemma3_dir, tmp_path, c
     got = cli_json(capsys, "run-exported", str(tmp_path / "pt2"), "--prompt", prompt, "--max-new-tokens", "16",
                    "--json")
     assert want["prompt_tokens"] > WINDOW and got["tokens"] == want["tokens"]
+
+
+def test_gemma3_pre_rope_calibration_unrotates_each_layer_with_its_own_rope():
+    # kivi calibrate --pre-rope records each layer's keys and un-rotates them: with Gemma 3's local
+    # and global RoPE tables, each layer's own (fp32: RoPE and its inverse round at ~1e-6).
+    from kivi_models.calibrate import collect_kv_fisher
+
+    model = tiny_model("gemma3")
+    pre_rope = {}
+    hooks = [layer.self_attn.k_norm.register_forward_hook(lambda m, i, out, idx=idx: pre_rope.setdefault(idx, out))
+             for idx, layer in enumerate(model.model.layers)]
+    activations = collect_kv_fisher(model, torch.tensor([PROMPT + PROMPT[:4]]), batch_size=1, pre_rope=True)
+    for hook in hooks:
+        hook.remove()
+    for idx, recorded in enumerate(activations):
+        torch.testing.assert_close(recorded["k"], pre_rope[idx].detach().reshape(recorded["k"].shape),
+                                   rtol=1e-4, atol=1e-5)
