@@ -293,6 +293,7 @@ def test_cli_generate_reports_bytes_per_layer_kind(gemma3_dir, capsys):
     assert kinds["full"] + kinds["window"] == report["cache_bytes"] and kinds["full"] > 0
 
 
+@pytest.mark.slow  # an export and a fresh generate: about half a minute on 2 busy cores
 def test_pt2_export_of_gemma3_gives_kivi_generate_tokens(gemma3_dir, tmp_path, capsys):
     # One exported program serves the prompt (exact, windowed attention at a dynamic token count)
     # and the decode steps (the rings and the KIVI layers as program state), past the window.
