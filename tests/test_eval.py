@@ -82,8 +82,9 @@ def test_eval_bad_arguments_are_usage_errors(argv, message, capsys):
 
 
 # Slow: it runs the quick quality table (minutes) and bounds its runtime, which needs the whole
-# machine (make test-slow runs serially).
+# machine (make test-slow runs the `timed` tests alone, after the others).
 @pytest.mark.slow
+@pytest.mark.timed
 def test_quick_table_reproduces_the_papers_ordering(tmp_path):
     assert main(["eval", "table", "--quick", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "quality.json").read_text())
