@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from kivi_models import load_model, make_cache, patch_model
+from kivi_models import generate, load_model, make_cache, patch_model
 from kivi_ops import KIVICache, KIVIConfig, Step, dispatch
 from kivi_ops.kernels import cpu_compiled
 from kivi_ops.kernels.reference import attend_reference
@@ -107,11 +107,34 @@ def test_an_unknown_selection_in_the_environment_is_refused_at_import():
             in proc.stderr)
 
 
-def test_hf_generate_with_compile_disabled_runs_the_compiled_kernels_and_the_reference_tokens():
+@pytest.fixture(scope="module")
+def patched():
+    model, tok = load_model()
+    return patch_model(model), tok
+
+
+def test_the_library_loop_under_inference_mode_runs_the_compiled_kernels_and_the_reference_tokens(patched):
+    # `kivi generate` and `kivi serve` without --compile: the library's loop (inference mode),
+    # right-padded rows of different lengths.
+    model, tok = patched
+    ids = [tok("The capital of France is")["input_ids"], tok("def fibonacci(n):")["input_ids"]]
+
+    def new_tokens():
+        cache = make_cache(model, method="kivi", batch_size=2, max_seq_len=48,
+                           kivi_config=KIVIConfig(group_size=8, residual_length=8))
+        return generate(model, ids, max_new_tokens=20, cache=cache, pad_token_id=0).tokens
+
+    with dispatch.cpu_kernels("reference"):
+        want = new_tokens()
+    cpu_compiled._signatures["decomposed_fused"].clear()
+    assert new_tokens() == want
+    assert len(cpu_compiled._signatures["decomposed_fused"]) == 1  # the compiled kernels ran, one shape
+
+
+def test_hf_generate_with_compile_disabled_runs_the_compiled_kernels_and_the_reference_tokens(patched):
     # The README's Hugging Face path with disable_compile=True: a left-padded batch, greedy, gives
     # the tokens the reference kernels give (the attention's fp32 rounding does not move them here).
-    model, tok = load_model()
-    patch_model(model)
+    model, tok = patched
     tok.padding_side = "left"
     batch = tok(["The capital of France is", "def fibonacci(n):"], return_tensors="pt", padding=True)
 
