@@ -42,10 +42,19 @@ def add_eval_parser(sub) -> None:
     tb.add_argument("--quick", action="store_true", help="a small variant (about 3 minutes on 2 CPU cores)")
     tb.add_argument("--out", type=Path, default=DEFAULT_OUT,
                     help=f"output folder (default ./{DEFAULT_OUT}; the committed table: --out benchmarks/results)")
-    tb.add_argument("--model", default="default")
+    tb.add_argument("--model", default="default", help="as for `kivi generate`; the nuq rows need levels calibrated "
+                                                      "for it (--nuq-levels, --kvquant-levels), or are skipped")
+    tb.add_argument("--nuq-levels", type=Path, default=None, metavar="PATH",
+                    help="`kivi calibrate` levels for the 'KIVI-2 + nuq2' row (default: the embedded model's, "
+                         "benchmarks/results/nuq_levels_smollm2.json)")
+    tb.add_argument("--kvquant-levels", type=Path, default=None, metavar="PATH",
+                    help="`kivi calibrate --pre-rope --sparse-outliers 0.01 --bits 2,4` levels for the KVQuant rows "
+                         "(default: the embedded model's, benchmarks/results/nuq_levels_smollm2_prerope_sparse1.json)")
     tb.add_argument("--windows", type=positive_int, default=None, help="perplexity windows (default 4; --quick 2)")
     tb.add_argument("--window", type=positive_int, default=None, help="tokens per window (default 1024; --quick 256)")
     tb.add_argument("--trials", type=positive_int, default=None, help="passkey trials per length (default 3; --quick 2)")
+    tb.add_argument("--lengths", type=int_list, default=None,
+                    help="passkey prompt lengths (default 1024,2048,4096; --quick 512)")
     tb.add_argument("--rows", type=lambda text: [p for p in text.split(",") if p], default=None, metavar="TEXT,...",
                     help="run only the rows whose name contains one of these (the 16-bit baseline always runs), "
                          "e.g. KVQuant,OTT")
@@ -155,9 +164,12 @@ def cmd_passkey(args, parser) -> int:
 
 
 def cmd_table(args, parser) -> int:
-    from .quality_table import run_table
+    from .quality_table import Levels, kvquant_rows, run_table
 
     args.device, args.dtype = "cpu", None
+    levels = Levels(**{name: path for name, path in (("plain", args.nuq_levels), ("full", args.kvquant_levels)) if path})
+    with usage_errors(parser, ValueError, OSError):
+        kvquant_rows(levels)  # reads the levels files: a missing or wrong one fails before the model loads
     plain, patched, tokenizer = _load(args, parser, patched=True, plain=True)
     # Chunk 1 (exact decode semantics) everywhere; the full table's size is set by its runtime on
     # 2 CPU cores (about 30 minutes), the quick one's by CI (under 3).
@@ -168,7 +180,10 @@ def cmd_table(args, parser) -> int:
             params[name] = getattr(args, name)
     if args.trials is not None:
         params["passkey_trials"] = args.trials
-    report = run_table(plain, patched, tokenizer, quick=args.quick, out_dir=args.out, only=args.rows, **params)
+    if args.lengths is not None:
+        params["passkey_lengths"] = args.lengths
+    report = run_table(plain, patched, tokenizer, quick=args.quick, out_dir=args.out, only=args.rows,
+                       levels=levels, model=args.model, **params)
     from .quality_table import markdown
 
     sys.stdout.write(markdown(report))

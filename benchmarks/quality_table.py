@@ -1,7 +1,8 @@
-"""`kivi eval table`: the KIVI quality tables (Tables 1, 3, 5 style) on the embedded model.
+"""`kivi eval table`: the KIVI quality tables (Tables 1, 3, 5 style) on the embedded model or --model.
 
-Writes <out>/quality.json (every number plus environment and command), quality.md (the tables)
-and two PNG plots (perplexity per configuration; passkey accuracy vs length).
+Writes <out>/quality.json (every number plus environment and command), quality.md (the tables:
+perplexity, passkey, and each cache's exact bytes against fp16 at 4K and 32K tokens) and two PNG
+plots (perplexity per configuration; passkey accuracy vs length).
 """
 
 from __future__ import annotations
@@ -41,6 +42,22 @@ class Row:
         return self.kivi.to_record(self.levels_file)
 
 
+@dataclass(frozen=True)
+class Levels:
+    """The `kivi calibrate` files the nuq rows read: `plain` (no pre-RoPE, no outliers) for
+    "KIVI-2 + nuq2", `full` (--pre-rope --sparse-outliers 0.01) for the KVQuant rows. The default:
+    the embedded model's (commands in kvquant_fake.json); `kivi eval table --nuq-levels
+    --kvquant-levels` name another model's."""
+    plain: Path = Path(__file__).resolve().parent / "results" / "nuq_levels_smollm2.json"
+    full: Path = Path(__file__).resolve().parent / "results" / "nuq_levels_smollm2_prerope_sparse1.json"
+
+
+def _levels(file: Path, bits: int, **settings) -> dict:
+    from kivi_ops.nuq import config_levels
+
+    return config_levels(file, k_bits=bits, v_bits=bits, num_layers=None, group_size=32, **settings)
+
+
 def fake_rows(quick: bool) -> list[Row]:
     rows = [] if quick else [
         Row("fake 4-bit K per-token, V per-token", "fake", "fake", fake=FakeQuantConfig(4, 4, 32, "token", "token")),
@@ -52,7 +69,7 @@ def fake_rows(quick: bool) -> list[Row]:
     return rows
 
 
-def standard_rows(quick: bool) -> list[Row]:
+def standard_rows(quick: bool, levels: Levels = Levels()) -> list[Row]:
     if quick:
         # 256-token windows: R=32 keeps most of each window quantized.
         return ([Row("16-bit", "baseline", "fp")] + fake_rows(quick)
@@ -63,37 +80,28 @@ def standard_rows(quick: bool) -> list[Row]:
     ]
     rows += [Row(f"KIVI-2 G={g} (R=128)", "group size", "kivi", kivi=KIVIConfig(2, 2, g, 128)) for g in (32, 64, 128)]
     rows += [Row(f"KIVI-2 R={r} (G=32)", "residual", "kivi", kivi=KIVIConfig(2, 2, 32, r)) for r in (32, 64, 96, 128)]
-    return rows + extension_rows() + kvquant_rows()
+    return rows + extension_rows() + kvquant_rows(levels)
 
 
-# nuq levels calibrated on the embedded model by `kivi calibrate` (commands in kvquant_fake.json).
-LEVELS_DIR = Path(__file__).resolve().parent / "results"
-PLAIN, FULL = "nuq_levels_smollm2.json", "nuq_levels_smollm2_prerope_sparse1.json"  # without / with pre-RoPE + 1%
-
-
-def _levels(file: str, bits: int, **settings) -> dict:
-    from kivi_ops.nuq import config_levels
-
-    return config_levels(LEVELS_DIR / file, k_bits=bits, v_bits=bits, num_layers=None, group_size=32, **settings)
-
-
-def kvquant_rows() -> list[Row]:
+def kvquant_rows(levels: Levels = Levels()) -> list[Row]:
     """KVQuant's techniques in the cache, alone and combined, G=32 R=128 like KIVI-2:
     pre-RoPE keys, nuq levels, 1% dense-and-sparse outliers, attention sink. Their levels are
-    the embedded model's (a calibration file per setting), so these rows need --model default."""
+    per layer of the model they were calibrated on (`levels`; rows whose levels are for another
+    model are skipped)."""
     full = dict(pre_rope=True, sparse_outliers=0.01)
+    PLAIN, FULL = levels.plain.name, levels.full.name
     return [
         Row("KIVI-2 + pre-RoPE (G=32, R=128)", "kvquant", "kivi", kivi=KIVIConfig(2, 2, 32, 128, pre_rope=True)),
         Row("KIVI-2 + nuq2 (G=32, R=128)", "kvquant", "kivi",
-            kivi=KIVIConfig(2, 2, 32, 128, **_levels(PLAIN, 2)), levels_file=PLAIN),
+            kivi=KIVIConfig(2, 2, 32, 128, **_levels(levels.plain, 2)), levels_file=PLAIN),
         Row("KIVI-2 + 1% sparse (G=32, R=128)", "kvquant", "kivi", kivi=KIVIConfig(2, 2, 32, 128, sparse_outliers=0.01)),
         Row("KVQuant-2: pre-RoPE + nuq2 + 1% (G=32, R=128)", "kvquant", "kivi",
-            kivi=KIVIConfig(2, 2, 32, 128, **full, **_levels(FULL, 2, **full)), levels_file=FULL),
+            kivi=KIVIConfig(2, 2, 32, 128, **full, **_levels(levels.full, 2, **full)), levels_file=FULL),
         Row("KVQuant-2 + sink 1 (G=32, R=128)", "kvquant", "kivi",
             kivi=KIVIConfig(2, 2, 32, 128, sink_tokens=1, **full,
-                            **_levels(FULL, 2, **full)), levels_file=FULL),
+                            **_levels(levels.full, 2, **full)), levels_file=FULL),
         Row("KVQuant-4: pre-RoPE + nuq4 + 1% (G=32, R=128)", "kvquant", "kivi",
-            kivi=KIVIConfig(4, 4, 32, 128, **full, **_levels(FULL, 4, **full)), levels_file=FULL),
+            kivi=KIVIConfig(4, 4, 32, 128, **full, **_levels(levels.full, 4, **full)), levels_file=FULL),
     ]
 
 
@@ -112,14 +120,14 @@ def extension_rows() -> list[Row]:
     ]
 
 
-def passkey_rows(quick: bool) -> list[Row]:
+def passkey_rows(quick: bool, levels: Levels = Levels()) -> list[Row]:
     if quick:
         return [Row("16-bit", "baseline", "fp"), Row("KIVI-2 (G=32, R=32)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 32))]
     return [Row("16-bit", "baseline", "fp"),
             Row("KIVI-4 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(4, 4, 32, 128)),
             Row("KIVI-2 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 128)),
             *[r for r in extension_rows() if "G=128" not in r.name and "OTT-2 + sink" not in r.name],
-            *[r for r in kvquant_rows() if r.name.startswith("KVQuant")]]
+            *[r for r in kvquant_rows(levels) if r.name.startswith("KVQuant")]]
 
 
 def selected(rows: list[Row], only: Optional[list[str]]) -> list[Row]:
@@ -130,9 +138,22 @@ def selected(rows: list[Row], only: Optional[list[str]]) -> list[Row]:
     return [r for r in rows if r.method == "fp" or any(part in r.name for part in only)]
 
 
+BYTES_CONTEXTS = (4096, 32768)
+
+
+def cache_bytes(patched_model, row: Row, tokens: int) -> dict:
+    """One sequence of `tokens` in this row's cache, fp16, exact (sized on the meta device), per
+    layer kind, against an fp16 cache (whose sliding-window layers hold their window)."""
+    from kivi_models.generate import make_cache
+
+    cache = make_cache(patched_model, method=row.method, batch_size=1, max_seq_len=tokens, kivi_config=row.kivi,
+                       device="meta", dtype=torch.float16)
+    return dict(tokens=tokens, **cache.nbytes_by_kind(), total=cache.nbytes(), fp16=cache.fp16_nbytes())
+
+
 def run_table(plain_model, patched_model, tokenizer, *, quick: bool, out_dir: Path, window: int, windows: int,
               chunk: int, passkey_lengths: list[int], passkey_trials: int, seed: int = 0,
-              only: Optional[list[str]] = None) -> dict:
+              only: Optional[list[str]] = None, levels: Levels = Levels(), model: str = "default") -> dict:
     started = time.perf_counter()
     num_layers = patched_model.config.num_hidden_layers
 
@@ -146,7 +167,7 @@ def run_table(plain_model, patched_model, tokenizer, *, quick: bool, out_dir: Pa
     text = load_text(corpus="pydoc")
     wins = token_windows(tokenizer, text, window=window, max_tokens=window * windows)
     ppl_results, done = [], {}
-    for row in filter(runnable, selected(standard_rows(quick), only)):
+    for row in filter(runnable, selected(standard_rows(quick, levels), only)):
         if row.key() not in done:
             if row.method == "fake":
                 done[row.key()] = fake_quant_perplexity(plain_model, wins, row.fake, desc=row.name)
@@ -159,16 +180,18 @@ def run_table(plain_model, patched_model, tokenizer, *, quick: bool, out_dir: Pa
                                 config=row.config_record(),
                                 **r.to_dict()))
     passkey_results = []
-    for row in filter(runnable, selected(passkey_rows(quick), only)):
+    for row in filter(runnable, selected(passkey_rows(quick, levels), only)):
         res = passkey_accuracy(patched_model, tokenizer, lengths=passkey_lengths, trials=passkey_trials,
                                method=row.method, kivi_config=row.kivi, seed=seed, desc=f"passkey {row.name}")
         print(f"  passkey {row.name:<32} {res['accuracy']}  ({res['seconds']:.0f} s)", file=sys.stderr, flush=True)
         passkey_results.append(dict(name=row.name, method=row.method,
                                     config=row.config_record(), **res))
+    bytes_results = [dict(name=row.name, contexts=[cache_bytes(patched_model, row, n) for n in BYTES_CONTEXTS])
+                     for row in filter(runnable, selected(standard_rows(quick, levels), only)) if row.method != "fake"]
     report = dict(
-        quick=quick, corpus="pydoc_data.topics", window=window, windows=int(wins.shape[0]), chunk=chunk,
+        model=model, quick=quick, corpus="pydoc_data.topics", window=window, windows=int(wins.shape[0]), chunk=chunk,
         passkey_lengths=passkey_lengths, passkey_trials=passkey_trials, seed=seed, rows=only,
-        perplexity=ppl_results, passkey=passkey_results, runtime_s=time.perf_counter() - started,
+        perplexity=ppl_results, passkey=passkey_results, cache_bytes=bytes_results, runtime_s=time.perf_counter() - started,
         environment=environment(),
     )
     write_outputs(report, out_dir)
@@ -187,6 +210,16 @@ def markdown(report: dict) -> str:
               "| configuration | " + " | ".join(map(str, lengths)) + " |", "| --- |" + " --- |" * len(lengths)]
     for r in report["passkey"]:
         lines.append(f"| {r['name']} | " + " | ".join(f"{r['accuracy'][n]:.2f}" for n in lengths) + " |")
+    if report.get("cache_bytes"):
+        contexts = [c["tokens"] for c in report["cache_bytes"][0]["contexts"]]
+        lines += ["", "Cache bytes per sequence (fp16, exact; sliding-window layers are fp rings of their window; "
+                  "fp16 cache: the same window layers, full layers unquantized)", "",
+                  "| configuration | " + " | ".join(f"{n // 1024}K: bytes (full + window) | vs fp16" for n in contexts)
+                  + " |", "| --- |" + " --- | --- |" * len(contexts)]
+        for r in report["cache_bytes"]:
+            lines.append(f"| {r['name']} | " + " | ".join(
+                f"{c['total']:,} ({c['full']:,} + {c['window']:,}) | {c['fp16'] / c['total']:.2f}x"
+                for c in r["contexts"]) + " |")
     lines += ["", f"Runtime {report['runtime_s'] / 60:.1f} min; torch {report['environment']['torch']}, "
               f"{report['environment']['threads']} threads, git {str(report['environment']['git_sha'])[:10]}"]
     return "\n".join(lines) + "\n"
@@ -216,7 +249,8 @@ def write_outputs(report: dict, out_dir: Path) -> None:
     ax.set_xlabel("perplexity (log scale, lower is better)")
     for i, r in enumerate(rows):
         ax.text(r["ppl"], i, f" {r['ppl']:.2f}", va="center", fontsize=8)
-    ax.set_title(f"SmolLM2-135M, {report['windows']} x {report['window']} tokens of pydoc topics")
+    name = "SmolLM2-135M" if report.get("model", "default") == "default" else Path(report["model"]).name
+    ax.set_title(f"{name}, {report['windows']} x {report['window']} tokens of pydoc topics")
     fig.tight_layout()
     fig.savefig(out_dir / "quality_ppl.png", dpi=110)
     plt.close(fig)

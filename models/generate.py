@@ -25,18 +25,19 @@ METHODS = ("fp", "kivi")
 
 
 def make_cache(model, *, method: str, batch_size: int, max_seq_len: int,
-               kivi_config: Optional[KIVIConfig] = None, device=None, portable: bool = False) -> StaticCacheBase:
+               kivi_config: Optional[KIVIConfig] = None, device=None, portable: bool = False,
+               dtype: Optional[torch.dtype] = None) -> StaticCacheBase:
     """A static cache for `model` (patched with patch_model): "kivi" (a KIVICache) or the
     unquantized "fp" (an FPCache). Both are transformers Caches: pass one to `model.generate`.
     Sliding-window layers (windows.py) get a WindowLayer (their window, full precision) in either.
-    device defaults to the model's ("meta" sizes a cache without allocating it). Under tensor
+    device and dtype default to the model's ("meta" sizes a cache without allocating it). Under tensor
     parallelism it holds this rank's KV heads only. portable: for exporters without custom ops."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dims = dict(num_layers=cfg.num_hidden_layers, batch_size=batch_size, max_seq_len=max_seq_len,
-                num_kv_heads=local_kv_heads(model), head_dim=head_dim, dtype=model.dtype, device=device or model.device,
+                num_kv_heads=local_kv_heads(model), head_dim=head_dim, dtype=dtype or model.dtype, device=device or model.device,
                 windows=layer_windows(model))
     if method == "kivi":
         kivi_config = kivi_config or KIVIConfig()

@@ -96,3 +96,22 @@ def test_quick_table_reproduces_the_papers_ordering(tmp_path):
     for name in ("quality.md", "quality_ppl.png", "quality_passkey.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert report["runtime_s"] < 180
+
+
+def test_table_nuq_rows_take_the_given_models_levels(tmp_path, capsys):
+    # `kivi eval table --nuq-levels --kvquant-levels`: the nuq rows read the named files (the
+    # committed Gemma 3 270M calibrations, 18 layers) instead of the embedded model's (30 layers).
+    from pathlib import Path
+
+    from kivi_benchmarks.quality_table import Levels, kvquant_rows
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    gemma = Levels(plain=results / "nuq_levels_gemma3.json", full=results / "nuq_levels_gemma3_prerope_sparse1.json")
+    for levels, layers in ((Levels(), 30), (gemma, 18)):
+        rows = [r for r in kvquant_rows(levels) if r.kivi.has_nuq]
+        assert len(rows) == 4 and all(len(r.kivi.key_levels) == layers for r in rows)
+        assert {r.levels_file for r in rows} == {levels.plain.name, levels.full.name}
+    # Levels calibrated without pre-RoPE keys are refused for the KVQuant rows, before any model loads.
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "table", "--kvquant-levels", str(gemma.plain), "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "--pre-rope" in capsys.readouterr().err

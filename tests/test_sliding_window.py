@@ -325,3 +325,16 @@ def test_gemma3_pre_rope_calibration_unrotates_each_layer_with_its_own_rope():
     for idx, recorded in enumerate(activations):
         torch.testing.assert_close(recorded["k"], pre_rope[idx].detach().reshape(recorded["k"].shape),
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_quality_table_cache_bytes_per_layer_kind():
+    # `kivi eval table`'s bytes rows: fp16, exact, per layer kind; sliding layers hold their window.
+    from kivi_benchmarks.quality_table import Row, cache_bytes
+
+    patched = patch_model(tiny_model("gemma3"))
+    fp = cache_bytes(patched, Row("16-bit", "baseline", "fp"), 256)
+    kivi = cache_bytes(patched, Row("KIVI-2", "kivi", "kivi", kivi=KIVIConfig(residual_length=32)), 256)
+    window, full = (2 * (2 * 1 * n * 256 * 2) for n in (WINDOW, 256))  # 2 layers each: K and V, 1 head, fp16
+    assert fp == dict(tokens=256, full=full, window=window, total=full + window, fp16=full + window)
+    assert kivi["window"] == window and kivi["fp16"] == fp["fp16"] and kivi["full"] < full / 3
+    assert kivi["total"] == kivi["full"] + kivi["window"]
