@@ -6,8 +6,8 @@ kivi ops' own device kernels ask again for what runs inside the op. Nothing else
 
 `KIVI_CPU_KERNELS` (environment, read at import; `set_cpu_kernels` in Python) picks the CPU
 decode kernels outside torch.compile: "compiled" (default), the compiled-mode forms compiled per
-op (kernels/cpu_compiled.py), or "reference", the reference inside the op. The committed quality
-numbers were measured with the reference; select it to reproduce them bit for bit.
+op (kernels/cpu_compiled.py), or "reference", the reference inside the op. The committed SmolLM2
+quality tables were measured with the reference (docs/quality.md says what it reproduces).
 
 Modes: "eager"; "compile" (torch.compile is tracing); "export" (torch.export is tracing: the
 custom ops stay in the program, so pt2 and AOTInductor run our kernels); "portable" (the cache
@@ -117,6 +117,8 @@ def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors,
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if cpu_kernels not in CPU_KERNELS:
+        raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {cpu_kernels!r}")
     kvquant = layer.extras.active if op == "attend" else False
     if mode == "portable":
         return Choice("decomposed" if op == "append" else "decomposed_materialized", in_op=False)
@@ -126,8 +128,6 @@ def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors,
         head_dim = layer.k_res.shape[-1]
         decode = q_len == 1 and head_dim & (head_dim - 1) == 0
         return Choice("triton_decode" if decode else "triton_split", in_op=True)
-    if cpu_kernels not in CPU_KERNELS:
-        raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {cpu_kernels!r}")
     eager_decode = mode == "eager" and q_len == 1 and cpu_kernels == "compiled"
     if device == "cpu" and (mode == "compile" or eager_decode):
         compiled = mode == "eager"
@@ -154,7 +154,7 @@ def append(layer: LayerTensors, key, value, counts, params: QuantParams, *, port
     elif choice.compiled:
         from .kernels import cpu_compiled
 
-        cpu_compiled.append(choice.implementation, layer, key, value, counts, params)
+        cpu_compiled.append(append_implementation(choice.implementation), layer, key, value, counts, params)
     else:
         run_append(choice.implementation, layer, key, value, counts, params)
 
@@ -168,12 +168,14 @@ def attend(query, layer: LayerTensors, counts, params: QuantParams, scale: float
     if choice.compiled:
         from .kernels import cpu_compiled
 
-        return cpu_compiled.attend(choice.implementation, query, layer, counts, params, scale)
+        return cpu_compiled.attend(attend_implementation(choice.implementation), query, layer, counts, params, scale)
     return run_attend(choice.implementation, query, layer, counts, params, scale)
 
 
-def run_append(implementation: str, layer: LayerTensors, key, value, counts, params: QuantParams) -> None:
-    """Run one append implementation (imported on first use: Triton only where it runs)."""
+@functools.cache
+def append_implementation(implementation: str):
+    """The function of one append implementation (imported on first use: Triton only where it
+    runs), the same object on every call."""
     if implementation == "reference":
         from .kernels.reference import append_reference as fn
     elif implementation in ("decomposed", "decomposed_cond"):
@@ -184,11 +186,12 @@ def run_append(implementation: str, layer: LayerTensors, key, value, counts, par
         from .kernels.triton_append import append_triton as fn
     else:
         raise ValueError(f"no append implementation {implementation!r}")
-    fn(layer, key, value, counts, params)
+    return fn
 
 
-def run_attend(implementation: str, query, layer: LayerTensors, counts, params: QuantParams, scale: float):
-    """Run one attention implementation."""
+@functools.cache
+def attend_implementation(implementation: str):
+    """The function of one attention implementation."""
     if implementation == "reference":
         from .kernels.reference import attend_reference as fn
     elif implementation == "decomposed_fused":
@@ -201,4 +204,14 @@ def run_attend(implementation: str, query, layer: LayerTensors, counts, params: 
         from .kernels.triton_split import attend_split as fn
     else:
         raise ValueError(f"no attend implementation {implementation!r}")
-    return fn(query, layer, counts, params, scale)
+    return fn
+
+
+def run_append(implementation: str, layer: LayerTensors, key, value, counts, params: QuantParams) -> None:
+    """Run one append implementation."""
+    append_implementation(implementation)(layer, key, value, counts, params)
+
+
+def run_attend(implementation: str, query, layer: LayerTensors, counts, params: QuantParams, scale: float):
+    """Run one attention implementation."""
+    return attend_implementation(implementation)(query, layer, counts, params, scale)

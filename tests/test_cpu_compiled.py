@@ -17,6 +17,8 @@ from kivi_ops import KIVICache, KIVIConfig, Step, dispatch
 from kivi_ops.kernels import cpu_compiled
 from kivi_ops.kernels.reference import attend_reference
 
+FUSED = dispatch.attend_implementation("decomposed_fused")  # cpu_compiled keys its budget by form
+
 # Attention tolerance: as tests/test_decomposed.py's ATOL (the same two forms compared: the
 # fused form sums in another order than the reference, in fp32; observed < 2e-6).
 ATOL = RTOL = 1e-5
@@ -87,7 +89,7 @@ def test_the_choice_follows_the_selection():
 
 def test_past_the_budget_new_signatures_run_the_reference(monkeypatch):
     monkeypatch.setattr(cpu_compiled, "MAX_SIGNATURES", 0)
-    monkeypatch.setitem(cpu_compiled._signatures, "decomposed_fused", set())
+    monkeypatch.setitem(cpu_compiled._signatures, FUSED, set())
     cache = twin_caches(CONFIGS["plain"], S=40)[0]
     key, value, step = next(decode_steps())
     cache.layers[0].append(key, value, step)
@@ -95,7 +97,7 @@ def test_past_the_budget_new_signatures_run_the_reference(monkeypatch):
     got = cache.layers[0].attend(query)
     layer, params = cache.layers[0].tensors(), cache.layers[0].params
     assert torch.equal(got, attend_reference(query, layer, None, params, 32 ** -0.5))  # bit for bit: the reference
-    assert cpu_compiled._signatures["decomposed_fused"] == set()
+    assert cpu_compiled._signatures[FUSED] == set()
 
 
 def test_an_unknown_selection_in_the_environment_is_refused_at_import():
@@ -126,9 +128,9 @@ def test_the_library_loop_under_inference_mode_runs_the_compiled_kernels_and_the
 
     with dispatch.cpu_kernels("reference"):
         want = new_tokens()
-    cpu_compiled._signatures["decomposed_fused"].clear()
+    cpu_compiled._signatures[FUSED].clear()
     assert new_tokens() == want
-    assert len(cpu_compiled._signatures["decomposed_fused"]) == 1  # the compiled kernels ran, one shape
+    assert len(cpu_compiled._signatures[FUSED]) == 1  # the compiled kernels ran, one shape
 
 
 def test_hf_generate_with_compile_disabled_runs_the_compiled_kernels_and_the_reference_tokens(patched):
@@ -147,7 +149,7 @@ def test_hf_generate_with_compile_disabled_runs_the_compiled_kernels_and_the_ref
 
     with dispatch.cpu_kernels("reference"):
         want = new_tokens()
-    cpu_compiled._signatures["decomposed_fused"].clear()
+    cpu_compiled._signatures[FUSED].clear()
     got = new_tokens()
     assert got == want
-    assert len(cpu_compiled._signatures["decomposed_fused"]) >= 1  # the compiled kernels ran
+    assert len(cpu_compiled._signatures[FUSED]) >= 1  # the compiled kernels ran

@@ -23,30 +23,24 @@ tests/test_decomposed.py); the attention sums in another order (fp32 rounding, t
 from __future__ import annotations
 
 import functools
+from collections import defaultdict
 
 import torch
 import torch._dynamo.config
 
 from ..layout import LayerTensors, QuantParams
-from .decomposed_append import append_decomposed
-from .decomposed_attend import attend_fused, attend_materialized
 from .reference import append_reference, attend_reference
 
 MAX_SIGNATURES = torch._dynamo.config.recompile_limit
 
-
-def _append_cond(layer, key, value, counts, params):
-    append_decomposed(layer, key, value, counts, params, flush_under_cond=True)
-
-
-_FORMS = {"decomposed_cond": _append_cond, "decomposed_fused": attend_fused,
-          "decomposed_materialized": attend_materialized}
-_signatures: dict[str, set] = {name: set() for name in _FORMS}
+# Per form (dispatch.append_implementation / attend_implementation: one object per name), the
+# signatures compiled so far.
+_signatures: dict = defaultdict(set)
 
 
 @functools.cache
-def _compiled(implementation: str):
-    return torch.compile(_FORMS[implementation], fullgraph=True, dynamic=False)
+def _compiled(form):
+    return torch.compile(form, fullgraph=True, dynamic=False)
 
 
 def _signature(*args) -> tuple:
@@ -60,22 +54,24 @@ def _signature(*args) -> tuple:
     return one(args) + (torch.is_grad_enabled(),)
 
 
-def _within_budget(implementation: str, signature: tuple) -> bool:
-    seen = _signatures[implementation]
+def _within_budget(form, signature: tuple) -> bool:
+    seen = _signatures[form]
     if signature not in seen and len(seen) >= MAX_SIGNATURES:
         return False
     seen.add(signature)
     return True
 
 
-def append(implementation: str, layer: LayerTensors, key, value, counts, params: QuantParams) -> None:
-    if _within_budget(implementation, _signature(layer, key, value, counts, params)):
-        _compiled(implementation)(layer, key, value, counts, params)
+def append(form, layer: LayerTensors, key, value, counts, params: QuantParams) -> None:
+    """Run the append form (a decomposed append) compiled, or the reference past the budget."""
+    if _within_budget(form, _signature(layer, key, value, counts, params)):
+        _compiled(form)(layer, key, value, counts, params)
     else:
         append_reference(layer, key, value, counts, params)
 
 
-def attend(implementation: str, query, layer: LayerTensors, counts, params: QuantParams, scale: float):
-    if _within_budget(implementation, _signature(query, layer, counts, params, scale)):
-        return _compiled(implementation)(query, layer, counts, params, scale)
+def attend(form, query, layer: LayerTensors, counts, params: QuantParams, scale: float):
+    """Run the attention form (a decomposed attention) compiled, or the reference past the budget."""
+    if _within_budget(form, _signature(query, layer, counts, params, scale)):
+        return _compiled(form)(query, layer, counts, params, scale)
     return attend_reference(query, layer, counts, params, scale)
