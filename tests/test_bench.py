@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+import tiny_models
 from kivi_cli.main import main
 
 
@@ -58,13 +59,7 @@ def test_bench_attention_cpu_runs(tmp_path, capsys):
 
 
 def tiny_llama():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    return LlamaForCausalLM(config).eval()
+    return tiny_models.tiny_llama(hidden_size=64, intermediate_size=128, max_position_embeddings=1024)
 
 
 def tiny_patched_llama():

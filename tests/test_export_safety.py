@@ -14,6 +14,7 @@ from kivi_export.artifact import METADATA_FILE, TOKENIZER_DIR, ArtifactError, re
 from kivi_export.exporter import export_decoder
 from kivi_export.runtime import load_exported
 from kivi_ops import KIVIConfig
+from tiny_models import tiny_llama
 
 MAX_SEQ_LEN = 16
 KIVI = KIVIConfig(group_size=4, residual_length=4)
@@ -22,16 +23,12 @@ KIVI = KIVIConfig(group_size=4, residual_length=4)
 @pytest.fixture(scope="module")
 def tiny():
     """(patched tiny LlamaForCausalLM, the default model's tokenizer)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     from kivi_models import patch_model
     from kivi_models.loading import default_model_dir
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=128)).eval()
-    patch_model(model)
+    model = patch_model(tiny_llama())
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
     return model, tokenizer
 

@@ -9,17 +9,12 @@ import torch
 from kivi_models import make_cache, patch_model
 from kivi_models.cli_args import read_prompts
 from kivi_ops import KIVIConfig
+from tiny_models import tiny_llama
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=128)).eval()
-    return patch_model(model)
+    return patch_model(tiny_llama(vocab_size=128))
 
 
 def generate(model, cache, prompt):
