@@ -3,6 +3,7 @@ result carries (`kivi bench`, `kivi eval table` and the lab's studies)."""
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -13,7 +14,10 @@ import torch
 
 def git_revision() -> Optional[str]:
     """HEAD's sha, with "+uncommitted" when tracked files differ from it (what a result measured);
-    None outside a git checkout."""
+    None outside a git checkout. KIVI_GIT_SHA overrides it: the lent GPU machine receives the
+    working tree with a copy of .git that can be stale, so the caller names the sha it sent."""
+    if os.environ.get("KIVI_GIT_SHA"):
+        return os.environ["KIVI_GIT_SHA"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,

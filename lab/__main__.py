@@ -20,6 +20,8 @@ STUDIES = {
     "decomposed_attend_cpu": "CPU: compiled decomposed KIVI-2 attention and append vs compiled fp32 SDPA",
     "gpu_attend_sweep": "GPU: decode attention launch configurations (and the tensor-core candidate) vs SDPA",
     "gpu_layer_costs": "GPU: per-layer append, flush step and attend, plain KIVI and with each option",
+    "gpu_profile_step": "GPU: the graph-replayed 7B-shape decode step's kernels, fp vs KIVI-2 (torch.profiler)",
+    "gguf_truncate": "a GGUF model cut to its first N layers (a real-weight test model small enough to carry)",
 }
 
 

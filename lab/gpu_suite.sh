@@ -1,36 +1,64 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks in one command (fits one 10-minute device call). Each stage has
-# its own time limit so one failure cannot eat the others. Results land in $OUT (default
-# benchmarks/results). Usage: lab/gpu_suite.sh [tests] [sweep] [layers] [attention] [decode] [budget]
-# (default: all). The GPU image brings torch/triton/transformers; this package installs offline.
+# The GPU checks and benchmarks in one command (fits one 10-minute device call): correctness first,
+# then the timings, each stage under its own time limit so one failure cannot eat the others.
+# Usage: lab/gpu_suite.sh [stage ...] (default: tests sweep attention decode profile budget).
+# Logs and results land in $RESULTS (default /tmp/gpu_results) and, tarred after every stage, in
+# $OUT/results.tgz.
+# The GPU image brings torch/triton/transformers; missing packages travel as wheels in .whl/
+# (carry it), the test model as .gpu/model.gguf (`python -m lab gguf_truncate`, carry .gpu).
+# KIVI_GIT_SHA: the sha of the code measured (the device's copy of .git can be stale).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-stages=${*:-tests sweep layers attention decode budget}
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+RESULTS=${RESULTS:-/tmp/gpu_results}
+mkdir -p "$RESULTS"
+stages=${*:-tests sweep attention decode profile budget}
+start=$(date +%s)
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >"$RESULTS/wheels.log" 2>&1 || { cat "$RESULTS/wheels.log"; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$RESULTS/install.log" 2>&1 \
+  || { cat "$RESULTS/install.log"; exit 1; }
+[ -f .gpu/model.gguf ] && export KIVI_GPU_TEST_MODEL=$PWD/.gpu/model.gguf
+echo "sha ${KIVI_GIT_SHA:-unknown}"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.sm --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+# DEADLINE: seconds from the start for the whole suite (a device call is killed at its limit,
+# and a killed call returns only what is under $OUT): a stage gets what is left of it.
+DEADLINE=${DEADLINE:-570}
+run() {  # run STAGE SECONDS COMMAND...: its log in $RESULTS/STAGE.log, its last lines and status here
+  local stage=$1 limit=$2; shift 2
+  local left=$(( DEADLINE - ($(date +%s) - start) ))
+  if [ "$left" -lt 20 ]; then echo "=== $stage skipped: ${left}s left"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "=== $stage (t=$(( $(date +%s) - start ))s, limit ${limit}s)"
+  timeout "$limit" "$@" >"$RESULTS/$stage.log" 2>&1
+  local rc=$?
+  grep -v -e "it/s\]" -e "^\[{" "$RESULTS/$stage.log" | tail -n "${TAIL:-15}"
+  echo "=== $stage rc=$rc (t=$(( $(date +%s) - start ))s)"
+  # after every stage: what a killed call still brings back
+  if [ -n "${OUT:-}" ]; then tar czf "$OUT/results.tgz" -C "$RESULTS" .; fi
+}
 for stage in $stages; do
-  echo "=== $stage ($(date +%T))"
   case $stage in
-    tests) timeout 240 python3 -m pytest -q -p no:randomly tests/test_triton_kernels.py tests/test_gpu.py 2>&1 | tail -25 ;;
-    # the old default (1 warp x 32 tokens, spills) against the no-spill candidates (ptxas_sm90.json)
-    # and the tensor-core candidate (issue_model_sm90.json), MHA and GQA 4:1
-    sweep) timeout 240 python3 -m lab gpu_attend_sweep 1024,32768 \
-             0:32:1:2,0:16:4:2,0:32:8:2,mma/0:32:2:2,mma/0:32:4:2,mma/0:32:4:3,mma/0:32:8:2,mma-magic/0:32:4:2 \
-             32/32,32/8 2>&1 | tail -40
-           # head_dim 256 (Gemma 3 270M's 4:1): the narrow-head default against the wide-head one (4 x 16)
-           timeout 120 python3 -m lab gpu_attend_sweep 1024,32768 0:32:1:2,0:16:4:2,0:16:8:2 4/1 --head-dim 256 \
-             2>&1 | tail -12 ;;
-    # per-layer append / flush / attend, plain KIVI and with each option's Triton append
-    layers) timeout 120 python3 -m lab gpu_layer_costs 1 1024,32768 2>&1 | tail -12 ;;
-    attention) timeout 200 kivi bench attention --device cuda --out "$OUT" 2>&1 | sed "/it\/s/d" ;;
-    decode) timeout 300 kivi bench decode --device cuda --model llama2-7b-shape --contexts 1024,32768 --batches 1 \
-              --new-tokens 64 --out "$OUT" 2>&1 | sed "/it\/s/d" ;;
-    budget) timeout 300 kivi bench decode --device cuda --model llama2-7b-shape --contexts 4096 --budget-gib 40 \
-              --new-tokens 32 --out "$OUT" 2>&1 | sed "/it\/s/d" ;;
-    *) echo "unknown stage $stage (tests, sweep, layers, attention, decode, budget)"; exit 2 ;;
+    # every CUDA kernel and path against the CPU reference, in parallel processes (compiles dominate)
+    tests) TAIL=25 run tests 150 python3 -m pytest -q -p no:cacheprovider -n 16 --timeout 150 -rfE \
+             --junitxml="$RESULTS/tests.xml" tests/test_triton_kernels.py tests/test_gpu.py tests/test_gpu_deploy.py \
+             tests/test_overflow.py tests/test_dispatch.py tests/test_weight_quant.py ;;
+    # the decode kernel's launch configurations (default 1 warp x 32 tokens; no-spill 4 x 16) and the
+    # tensor-core candidate, MHA and GQA 4:1, then head_dim 256 (Gemma 3's 4:1)
+    sweep) TAIL=40 run sweep 100 python3 -m lab gpu_attend_sweep 1024,32768 \
+             0:32:1:2,0:16:4:2,0:32:4:2,0:32:8:2,mma/0:32:2:2,mma/0:32:4:2,mma-magic/0:32:2:2 32/32,32/8 --json
+           TAIL=12 run sweep256 45 python3 -m lab gpu_attend_sweep 1024,32768 0:32:1:2,0:16:4:2,0:16:8:2 4/1 \
+             --head-dim 256 --json ;;
+    attention) run attention 75 python3 -m kivi_cli bench attention --device cuda --out "$RESULTS" ;;
+    decode) run decode 130 python3 -m kivi_cli bench decode --device cuda --model llama2-7b-shape --contexts 1024,32768 --batches 1 \
+              --new-tokens 64 --out "$RESULTS" ;;
+    profile) TAIL=40 run profile 50 python3 -m lab gpu_profile_step --context 1024 --out "$RESULTS" ;;
+    budget) run budget 110 python3 -m kivi_cli bench decode --device cuda --model llama2-7b-shape --contexts 4096 --budget-gib 40 \
+              --new-tokens 32 --out "$RESULTS" ;;
+    layers) run layers 90 python3 -m lab gpu_layer_costs 1 1024,32768 ;;
+    *) echo "unknown stage $stage (tests, sweep, attention, decode, profile, budget, layers)"; exit 2 ;;
   esac
-  echo "=== $stage rc=$?"
 done
