@@ -42,6 +42,12 @@ def cmd_export(args, parser) -> int:
 
     kivi_config = kivi_config_from(args, parser)
     device, dtype = device_and_dtype(args, parser)
+    if torch.device(device).type != "cpu":
+        # Measured on an H200 (torch 2.11, 2026-11-26): a CUDA AOTInductor package exported, then
+        # crashed the process (segfault) in aoti_load_package; and run-exported feeds CPU tensors.
+        parser.error(f"--device {device}: exports are built for the CPU (kivi run-exported runs them there); a CUDA "
+                     "AOTInductor package crashed when loaded on a GPU, so CUDA exports are refused until that is "
+                     "fixed (docs/deploy.md)")
     with usage_errors(parser, FileExistsError, ValueError):
         check_target(Path(args.out), args.overwrite)  # before the minutes of loading and tracing (checked again under the lock)
     with usage_errors(parser, FileNotFoundError, ValueError):

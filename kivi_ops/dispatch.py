@@ -25,10 +25,11 @@ Support matrix (decomposed forms are core ATen: traced inline, never inside the 
 
 [1] decomposed_materialized with nuq levels, the sparse store or pre-RoPE keys (the fused loop
     form covers plain KIVI and the sink/OTT pool).
-[2] triton_split when head_dim is not a power of two. Both attention kernels read the sparse
+[2] triton_split when head_dim is not a power of two, and where the installed Triton cannot
+    compile triton_decode (decode_kernel_compiles). Both attention kernels read the sparse
     store, nuq levels, pre-RoPE keys and the pool. The tensor-core candidate
-    (kernels/triton_decode_mma.py) is not chosen here until an H100 times it against
-    triton_decode (docs/performance.md, "Instructions per token").
+    (lab/triton_decode_mma.py) is not chosen: on an H200 it was slower than triton_decode with
+    MHA, faster with GQA 4:1, and wrong on 5 of its CUDA tests (benchmarks/results/h200/).
 [3] decomposed, with the key flush under torch.cond: on CPU Inductor makes it a host-side `if`,
     so a decode step quantizes a key window only on the steps that complete one.
 [4] One-token appends and decode attention (q_len == 1) run the compile-mode forms, compiled
@@ -126,7 +127,7 @@ def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors,
         if op == "append":
             return Choice("triton", in_op=True)  # every option: the sparse store, the pool, nuq
         head_dim = layer.k_res.shape[-1]
-        decode = q_len == 1 and head_dim & (head_dim - 1) == 0
+        decode = q_len == 1 and head_dim & (head_dim - 1) == 0 and decode_kernel_compiles(layer)
         return Choice("triton_decode" if decode else "triton_split", in_op=True)
     eager_decode = mode == "eager" and q_len == 1 and cpu_kernels == "compiled"
     if device == "cpu" and (mode == "compile" or eager_decode):
@@ -136,6 +137,23 @@ def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors,
         form = "decomposed_fused" if q_len == 1 and not kvquant else "decomposed_materialized"
         return Choice(form, in_op=False, compiled=compiled)
     return Choice("reference", in_op=True)
+
+
+@functools.cache
+def _triton_older_than(major: int, minor: int) -> bool:
+    from importlib.metadata import version
+
+    installed = tuple(int(part) for part in version("triton").split(".")[:2])
+    return installed < (major, minor)
+
+
+def decode_kernel_compiles(layer: LayerTensors) -> bool:
+    """Whether the installed Triton compiles triton_decode for this layer. Triton before 3.8
+    fails on pre-RoPE keys with a sink/OTT pool in fp16/bf16 (MLIR: "operand #0 does not
+    dominate this use"; seen on an H200 with Triton 3.6, and without a GPU by compiling for sm_90,
+    while 3.8 compiles it): such a layer decodes with triton_split, which compiles."""
+    rope_and_pool = layer.rope_inv_freq is not None and layer.pool is not None
+    return not (rope_and_pool and layer.k_res.dtype != torch.float32 and _triton_older_than(3, 8))
 
 
 def compiled_decode(device: str, head_dim: int = 128) -> dict[str, str]:

@@ -252,6 +252,10 @@ class KIVILayer(CacheLayer):
         else:
             self.rope_inv_freq = None
         self.portable = bool(portable)
+        if device.type == "cuda":  # before any compiled step can need them (see there)
+            from .kernels.triton_append import reserve_arrival_counters
+
+            reserve_arrival_counters(device, batch_size)
 
     def tensors(self) -> LayerTensors:
         """The layer as the cache ops take it (whole buffers, options None when off)."""

@@ -99,6 +99,25 @@ def test_choose_follows_the_support_matrix():
     assert len(OPTION_SETS) == 16  # plain, each option alone, and every combination
 
 
+def test_decode_kernel_is_left_out_where_triton_cannot_compile_it(monkeypatch):
+    # Triton < 3.8 fails to compile triton_decode with pre-RoPE keys and a pool in fp16/bf16
+    # (H200, Triton 3.6): those decode steps take triton_split. Nothing else changes.
+    def half(options):
+        t = layer_with(options, 64)
+        return t._replace(k_res=t.k_res.half())
+
+    def decode_choice(layer):
+        return dispatch.choose("attend", device="cuda", mode="compile", q_len=1, layer=layer).implementation
+
+    both = frozenset({"pool", "pre_rope"})
+    assert decode_choice(half(both)) == "triton_decode"  # the Triton this project pins (3.8)
+    monkeypatch.setattr(dispatch, "_triton_older_than", lambda major, minor: (major, minor) == (3, 8))
+    assert decode_choice(half(both)) == "triton_split"
+    assert decode_choice(layer_with(both, 64)) == "triton_decode"  # fp32 compiles
+    assert decode_choice(half(frozenset({"pool"}))) == "triton_decode"
+    assert decode_choice(half(frozenset({"pre_rope"}))) == "triton_decode"
+
+
 def test_compiled_decode_report():
     assert dispatch.compiled_decode("cpu") == {"append": "decomposed_cond", "attend": "decomposed_fused"}
     assert dispatch.compiled_decode("cuda") == {"append": "triton", "attend": "triton_decode"}

@@ -105,3 +105,20 @@ def test_cuda_graph_decode_with_options_matches_eager(cfg):
         runs[name] = generate(model, PROMPTS, max_new_tokens=30, cache=cache, **kwargs).tokens
         assert (cache.layers[1].tensors().pool_pos[..., cfg.sink_tokens:] >= 0).any()  # outliers selected
     assert runs["graphs"] == runs["eager"]
+
+
+def test_compiled_decode_before_any_eager_decode(monkeypatch):
+    # The decode append's arrival counters, first allocated inside a compiled step, broke cudagraph
+    # trees ("tensor(s) in the cudagraph pool not tracked as outputs", H200): the cache reserves
+    # them when it is built. Here no eager decode step runs first in this state.
+    import kivi_ops.kernels.triton_append as ta
+
+    monkeypatch.setattr(ta, "_ARRIVALS", {})
+    model = tiny_llama(torch.float16)
+    torch.compiler.reset()
+    cache = make_cache(model, method="kivi", batch_size=2, max_seq_len=64,
+                       kivi_config=KIVIConfig(2, 2, group_size=8, residual_length=8))
+    assert ta._ARRIVALS  # reserved by the cache
+    result = generate(model, PROMPTS, max_new_tokens=30, cache=cache,
+                      step_fn=compile_decode_step(torch.device("cuda")), warmup_steps=2)
+    assert len(result.tokens[0]) == 30

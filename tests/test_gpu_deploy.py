@@ -1,5 +1,5 @@
 """What users deploy, on a CUDA GPU, with real weights: `kivi generate` eager against CUDA graphs,
-the AOTInductor package, torchao int4 weights, `kivi serve`, and `kivi eval ppl` against the CPU.
+the refusal of CUDA exports, torchao int4 weights, `kivi serve`, and `kivi eval ppl` against the CPU.
 
 Needs CUDA and a GGUF model file named by KIVI_GPU_TEST_MODEL (the lent GPU machine cannot reach a
 package index and takes at most 64 MiB of files, so lab/gpu_suite.sh carries a cut-down copy of
@@ -53,21 +53,40 @@ def test_cuda_graph_decode_equals_eager_on_real_weights(eager_tokens):
     assert generate_tokens("--compile") == eager_tokens
 
 
-def test_aoti_cuda_package_equals_kivi_generate(eager_tokens, tmp_path):
-    out = tmp_path / "aoti"
-    with contextlib.redirect_stdout(io.StringIO()):
-        from kivi_cli.main import main
+@pytest.mark.skipif(DEVICE == "cpu", reason="CPU exports are tested in test_export.py")
+def test_cuda_export_is_refused_before_loading_the_model(tmp_path, capsys):
+    # A CUDA AOTInductor package crashed its process when loaded (H200, torch 2.11): refused.
+    from kivi_cli.main import main
 
-        assert main(["export", "--format", "aoti", "--model", MODEL, "--device", DEVICE, "--out", str(out),
-                     "--max-seq-len", "64", *CONFIG]) == 0
-    got = cli(["run-exported", str(out), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--json"])
-    assert got["tokens"] == eager_tokens
+    with pytest.raises(SystemExit) as e:
+        main(["export", "--format", "aoti", "--model", MODEL, "--device", DEVICE, "--out", str(tmp_path / "x")])
+    assert e.value.code == 2 and "CUDA exports are refused" in capsys.readouterr().err
 
 
-def test_int4_weights_compiled_equal_eager():
-    eager = generate_tokens("--weight-quant", "int4", "--dtype", "bfloat16")
-    torch.compiler.reset()
-    assert generate_tokens("--weight-quant", "int4", "--dtype", "bfloat16", "--compile") == eager
+@pytest.mark.skipif(DEVICE == "cpu", reason="int4 weights need CUDA")
+def test_int4_weights_compiled_step_matches_eager_step():
+    # One decode step from the same prefilled state, eager and compiled (CUDA graphs), with torchao
+    # int4 weights (bf16 activations: tinygemm). Greedy tokens are no test here: on an H200 the two
+    # runs' tokens parted at the 5th token, as two bf16 evaluation orders may at a near tie. The
+    # logits must agree to bf16 accuracy: relative error within 1e-2 (bf16 operands, METHOD).
+    from kivi_models import compile_decode_step, decode_step, load_model, make_cache, patch_model
+    from kivi_models.generate import prefill
+    from kivi_models.weight_quant import apply_weight_quant
+    from kivi_ops import KIVIConfig
+
+    model, tokenizer = load_model(MODEL, dtype=torch.bfloat16, device=DEVICE)
+    patch_model(apply_weight_quant(model, "int4"))
+    ids = torch.tensor([tokenizer(PROMPT)["input_ids"]], device=DEVICE)
+    counts = torch.tensor([ids.shape[1]], device=DEVICE)
+    config = KIVIConfig(group_size=8, residual_length=8)
+    logits = {}
+    with torch.inference_mode():
+        for name, step in (("eager", decode_step), ("compiled", compile_decode_step(torch.device(DEVICE)))):
+            cache = make_cache(model, method="kivi", batch_size=1, max_seq_len=64, kivi_config=config)
+            token = prefill(model, cache, ids, counts).argmax(-1)
+            logits[name] = step(model, cache, token, counts.clone()).float()
+    err = (logits["compiled"] - logits["eager"]).norm() / logits["eager"].norm()
+    assert err <= 1e-2, err
 
 
 def test_perplexity_on_cuda_matches_cpu_within_one_percent():

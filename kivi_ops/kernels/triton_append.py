@@ -410,12 +410,26 @@ def _append_key_windows_kernel(
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
 
-def _arrival_counters(device: torch.device, batch: int) -> torch.Tensor:
+def reserve_arrival_counters(device, batch: int) -> torch.Tensor:
     """int32 zeros [>= batch] on `device` for _append_decode_kernel, which leaves them zero: one
-    buffer per device, reused by every layer and call (launches on a stream run in order)."""
+    buffer per device, reused by every layer and call (launches on a stream run in order).
+
+    Allocated eagerly, when a cache is built (KIVILayer does this on CUDA): allocated inside a
+    compiled step, it would be a tensor of the CUDA-graph pool that outlives the graph in this
+    dict, and cudagraph trees refuse the next recording ("tensor(s) in the cudagraph pool not
+    tracked as outputs", seen on an H200 with `kivi bench decode`). A static address lets the
+    graphs use it in place."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     counters = _ARRIVALS.get(device)
     if counters is None or counters.numel() < batch:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(f"the decode append's arrival counters for {device} (batch {batch}) must be "
+                               "allocated before compiling: build the cache (KIVILayer reserves them) or call "
+                               "kivi_ops.kernels.triton_append.reserve_arrival_counters first")
         counters = _ARRIVALS[device] = torch.zeros(max(batch, 64), dtype=torch.int32, device=device)
+        torch._dynamo.mark_static_address(counters)
     return counters
 
 
@@ -462,7 +476,7 @@ def append_triton(t: LayerTensors, key: torch.Tensor, value: torch.Tensor, count
         with device_ctx(k_codes):
             wrap(_append_decode_kernel)[(B * H,)](
                 k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, key, value, lengths, cnt,
-                arrivals_ptr=_arrival_counters(lengths.device, B),
+                arrivals_ptr=reserve_arrival_counters(lengths.device, B),
                 s_kb=k_strides[0], s_kh=k_strides[1], s_kd=k_strides[3],
                 s_vb=v_strides[0], s_vh=v_strides[1], s_vd=v_strides[3], H=H, S=S, NSG=nsg, HAS_COUNTS=has_counts,
                 D=D, D_P=d_p, DC=dc, K_NB=nbk, K_BITS=k_bits, K_PER=kper, BLOCK_B=block_b,
