@@ -248,3 +248,56 @@ def test_load_row_copies_a_prefilled_sequence_into_this_caches_pages():
     q = _rand(g, B, 4, 1, D)
     assert torch.equal(paged.layers[0].attend(q)[1], static.layers[0].attend(q)[1])
     assert math.isfinite(float(paged.layers[0].attend(q).abs().sum()))
+
+
+def test_every_implementation_dispatch_can_choose_has_a_paged_form():
+    """dispatch.choose is the same for paged layers; each implementation it names has a paged form
+    (kernels/paged_forms.py), the same object on every call."""
+    from kivi_ops.kernels import paged_forms
+
+    appends = {"reference", "decomposed", "decomposed_cond", "triton"}
+    attends = {"reference", "decomposed_fused", "decomposed_materialized", "triton_decode", "triton_split"}
+    assert appends | attends == set(dispatch.IMPLEMENTATIONS)
+    for name in appends:
+        assert callable(dispatch.append_implementation(name, True))
+        assert dispatch.append_implementation(name, True) is dispatch.append_implementation(name, True)
+    for name in attends:
+        assert callable(dispatch.attend_implementation(name, True))
+    with pytest.raises(ValueError, match="no append implementation"):
+        paged_forms.append_form("triton_split")
+    with pytest.raises(ValueError, match="no attend implementation"):
+        paged_forms.attend_form("decomposed")
+
+
+def test_portable_paged_equals_portable_static():
+    """A cache built for ONNX / ExecuTorch (portable: decomposed forms only, no kivi op) on pages."""
+    run_equal(CFG, B=2, prompt=(20, 37), steps=10, portable=True)
+
+
+def test_export_keeps_the_paged_ops_and_runs_them():
+    """torch.export keeps kivi::paged_append / paged_attend in the program (their CPU kernel: the
+    paged reference); the exported step gives the eager step's bits and writes the pages."""
+    B, H, D = 2, 2, 32
+    static, paged, manager = make_pair(CFG, B=B, H=H, D=D, page_size=16, max_pages=4)
+    g = torch.Generator().manual_seed(10)
+    append_both(static, paged, manager, _rand(g, B, H, 31, D), _rand(g, B, H, 31, D), torch.tensor([31, 12]),
+                prefill=True)
+    manager.reserve([1, 1])
+
+    class DecodeStep(torch.nn.Module):
+        def __init__(self, cache):
+            super().__init__()
+            self.cache = cache
+
+        def forward(self, k, v, q):
+            self.cache.layers[0].append(k, v)
+            return self.cache.layers[0].attend(q)
+
+    k, v, q = _rand(g, B, H, 1, D), _rand(g, B, H, 1, D), _rand(g, B, 4, 1, D)
+    ep = torch.export.export(DecodeStep(paged), (k, v, q))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert any("kivi.paged_append" in t for t in targets) and any("kivi.paged_attend" in t for t in targets)
+    got = ep.module()(k, v, q)
+    want = DecodeStep(static)(k, v, q)
+    assert torch.equal(got, want)
+    assert_same_state(static, paged)  # token 32 completed a key window: written into row 0's page 1

@@ -128,3 +128,23 @@ def test_paged_append_kernel_with_nuq_levels():
     for name, want in layer.tensors()._asdict().items():
         if want is not None:
             assert torch.equal(getattr(got, name).cpu(), want), name
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_paged_attention_kernels_with_nuq_levels_and_pre_rope_keys(q_len):
+    D = 64
+    cfg = KIVIConfig(k_bits=2, v_bits=2, group_size=8, residual_length=16, pre_rope=True,
+                     key_levels=((0.0, 0.4, 2.2, 3.0),), value_levels=((0.0, 1.0, 1.5, 3.0),))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    static, paged, _ = _filled_pair(cfg, B=2, H=2, D=D, dtype=torch.float16, lengths=(45, 20),
+                                    rope_inv_freq=inv_freq, rope_scaling=1.0)
+    query = torch.randn(2, 4, q_len, D, generator=torch.Generator().manual_seed(4)).half()
+    sl, pl = static.layers[0], paged.layers[0]
+    want = paged_attend_reference(query, pl.tensors(), None, pl.params, 0.125, pl.pages)
+    for kernel in (("decode", "split") if q_len == 1 else ("split",)):
+        fn = ATTEND[kernel]
+        got_static = fn(query.to(DEVICE), _dev(sl.tensors()), None, sl.params, 0.125)
+        got = fn(query.to(DEVICE), _dev(pl.tensors()), None, pl.params, 0.125, pages=_pages_dev(pl.pages))
+        assert torch.equal(got.cpu(), got_static.cpu()), kernel
+        tol = 4 * torch.finfo(torch.float16).eps
+        torch.testing.assert_close(got.cpu().float(), want.float(), rtol=tol, atol=tol, msg=kernel)
