@@ -141,7 +141,7 @@ class PagedKIVILayer(CacheLayer):
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """KIVILayer.dequantized (tests and debugging only; host syncs)."""
-        return dequantized_state(self, static_view(self.tensors(), self.block_table, self.params.residual_length))
+        return dequantized_state(self, static_view(self.tensors(), self.block_table))
 
     def reset(self) -> None:
         """Empty every sequence (lengths 0; pools and windows zeroed). The block table is the

@@ -94,39 +94,22 @@ def check_page_size(page_size, group_size: int) -> None:
 
 def page_rows(pool: Tensor, block_table: Tensor) -> Tensor:
     """pool [N + 1, H, X, ...] seen through block_table [B, M] as the static layout [B, H, M * X,
-    ...] (a gather: a copy). Ids are clamped into the pool (entries past a row's pages may hold
-    anything; what they point to is masked by length)."""
+    ...] (a gather: a copy, contiguous like the static buffers). Ids are clamped into the pool
+    (entries past a row's pages may hold anything; what they point to is masked by length)."""
     B, M = block_table.shape
-    ids = block_table.long().clamp(0, pool.shape[0] - 1)
-    gathered = pool[ids]  # [B, M, H, X, ...]
-    return gathered.transpose(1, 2).reshape(B, pool.shape[1], M * pool.shape[2], *pool.shape[3:])
+    ids = block_table.long().clamp(0, pool.shape[0] - 1).reshape(-1)
+    gathered = torch.index_select(pool, 0, ids).view(B, M, *pool.shape[1:])  # [B, M, H, X, ...]
+    return gathered.transpose(1, 2).reshape(B, pool.shape[1], M * pool.shape[2], *pool.shape[3:]).contiguous()
 
 
-def static_view(layer: LayerTensors, block_table: Tensor, residual_length: int) -> LayerTensors:
+def static_view(layer: LayerTensors, block_table: Tensor) -> LayerTensors:
     """The paged layer's tensors in the static layout (layout.py) of capacity S = M * PS: the
-    quantized buffers gathered through the block table (copies), the row tensors as they are.
-    What the reference attention, the decomposed attention forms and dequantized() read.
-
-    Rows a sequence has not quantized (keys t >= nqk, key groups g * G >= nqk, values t >= nqv)
-    read as zeros, what a fresh static layer holds there: in a page they hold whatever the page's
-    last owner left, or another page's rows where the block table has no page yet. Attention masks
-    them, but the CPU's float matmuls (MKL) can round the visible entries differently depending on
-    the masked ones, so without this the same sequence would not give the same bits (the
-    tensors are also made contiguous, as the static buffers are: the matmuls' rounding depends on
-    strides as well)."""
-    G = layer.k_codes.shape[2] // layer.k_scale.shape[2]
-    nqk = torch.div(layer.lengths, residual_length, rounding_mode="floor") * residual_length
-    nqv = (layer.lengths - residual_length).clamp(min=0)
-    gathered = {}
-    for name in PAGED_TENSORS:
-        rows = page_rows(getattr(layer, name), block_table)
-        t = torch.arange(rows.shape[2], device=rows.device) * (G if name in ("k_scale", "k_zero") else 1)
-        quantized = t[None, :] < (nqk if name.startswith("k") else nqv)[:, None]  # [B, rows]
-        zero = torch.zeros((), dtype=rows.dtype, device=rows.device)
-        # contiguous: the static buffers' strides (a one-row page's reshape keeps the gather's, and
-        # the CPU matmuls round by layout too)
-        gathered[name] = torch.where(quantized[:, None, :, None], rows, zero).contiguous()
-    return layer._replace(**gathered)
+    quantized buffers gathered through the block table (contiguous copies), the row tensors as
+    they are. What the reference attention, the decomposed attention forms and dequantized() read.
+    Rows a sequence has not quantized hold whatever the page held (attention masks them, as the
+    static layer's unused rows). Contiguous matters for the bits: the CPU's float matmuls (MKL)
+    round differently for other strides (a one-row page's reshape would keep the gather's)."""
+    return layer._replace(**{name: page_rows(getattr(layer, name), block_table) for name in PAGED_TENSORS})
 
 
 def check_paged_layer(layer: LayerTensors, block_table: Tensor, group_size: int) -> int:

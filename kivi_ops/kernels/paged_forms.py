@@ -63,7 +63,7 @@ def _append_decomposed(fn, flush_under_cond, layer, key, value, counts, params, 
 
 
 def _attend_gathered(fn, query, layer, counts, params, scale, pages):
-    return fn(query, static_view(layer, pages.block_table, params.residual_length), counts, params, scale)
+    return fn(query, static_view(layer, pages.block_table), counts, params, scale)
 
 
 def _with_pages(fn):

@@ -32,7 +32,7 @@ def paged_append_reference(layer: LayerTensors, key, value, counts, params: Quan
         L = int(layer.lengths[b])
         table = pages.block_table[b:b + 1]
         row = layer._replace(k_res=layer.k_res[b:b + 1], v_res=layer.v_res[b:b + 1], lengths=layer.lengths[b:b + 1])
-        view = static_view(row, table, R)
+        view = static_view(row, table)
         append_reference(view, key[b:b + 1], value[b:b + 1], None if counts is None else counts[b:b + 1], params)
         first, stop = max(L - R, 0) // PS, -(-((L + c) // R * R) // PS)
         ids = table[0, first:stop].long()
@@ -48,6 +48,6 @@ def paged_append_reference(layer: LayerTensors, key, value, counts, params: Quan
 def paged_attend_reference(query, layer: LayerTensors, counts, params: QuantParams, scale: float,
                            pages: Paging) -> torch.Tensor:
     """attend_reference on the static view of a paged layer (module doc)."""
-    return attend_reference(query, static_view(layer, pages.block_table, params.residual_length), counts, params, scale)
+    return attend_reference(query, static_view(layer, pages.block_table), counts, params, scale)
 
 
