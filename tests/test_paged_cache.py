@@ -301,3 +301,26 @@ def test_export_keeps_the_paged_ops_and_runs_them():
     want = DecodeStep(static)(k, v, q)
     assert torch.equal(got, want)
     assert_same_state(static, paged)  # token 32 completed a key window: written into row 0's page 1
+
+
+def test_patched_model_generates_the_static_caches_tokens_on_pages():
+    """A patched tiny Llama through kivi_models.generate (prefill, then decode steps; two layers
+    sharing the block table): greedy tokens equal the static KIVICache's, with every row's pages
+    handed out up front, shuffled."""
+    import random
+
+    from kivi_models import generate, make_cache, patch_model
+    from tiny_models import tiny_llama
+
+    model = patch_model(tiny_llama())
+    prompts = [[5, 17, 9, 3, 42, 7, 30, 12, 8, 7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 25, 31]]
+    static = make_cache(model, method="kivi", batch_size=2, max_seq_len=96, kivi_config=CFG)
+    want = generate(model, prompts, max_new_tokens=40, cache=static).tokens
+    c = model.config
+    paged = PagedKIVICache(CFG, num_layers=c.num_hidden_layers, batch_size=2, num_pages=30, page_size=8,
+                           max_pages_per_seq=12, num_kv_heads=c.num_key_value_heads,
+                           head_dim=c.hidden_size // c.num_attention_heads)
+    ids = list(range(24))
+    random.Random(0).shuffle(ids)
+    paged.block_table.copy_(torch.tensor(ids, dtype=torch.int32).view(2, 12))
+    assert generate(model, prompts, max_new_tokens=40, cache=paged).tokens == want
