@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kivi_ops import KIVIConfig, Step  # noqa: E402
+from kivi_ops import KIVIConfig  # noqa: E402
 from kivi_ops.kernels.paged_reference import paged_append_reference, paged_attend_reference  # noqa: E402
 from kivi_ops.kernels.triton_append import append_triton  # noqa: E402
 from kivi_ops.kernels.triton_decode import attend_decode  # noqa: E402
