@@ -5,9 +5,10 @@ from .cache import FPCache, KIVICache, StaticCacheBase, cache_capacity, fp16_cac
 from .config import KIVIConfig
 from .fp_layer import FPLayer
 from .layer import CacheLayer, KIVILayer
+from .paged import PagedKIVICache, PagedKIVILayer, pages_needed
 from .quantized import QuantizedTensor, fake_quantize, quantize
 from .step import Step
 from .window_layer import WindowLayer
 
 __all__ = ["KIVIConfig", "KIVICache", "FPCache", "StaticCacheBase", "CacheLayer", "KIVILayer", "FPLayer", "WindowLayer",
-           "Step", "QuantizedTensor", "quantize", "fake_quantize", "fp16_cache_nbytes", "cache_capacity"]
+           "PagedKIVICache", "PagedKIVILayer", "pages_needed", "Step", "QuantizedTensor", "quantize", "fake_quantize", "fp16_cache_nbytes", "cache_capacity"]

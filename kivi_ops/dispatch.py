@@ -38,6 +38,13 @@ Support matrix (decomposed forms are core ATen: traced inline, never inside the 
     The op's own CPU kernel is always the reference (an exported program calling it runs it).
 Other devices run the reference inside the op (the op's CPU kernel is the only other one
 registered), which is what the dispatcher would do anyway.
+
+Paged layers (paged.py; `pages`, a paged_layout.Paging, is given) follow the same matrix with the
+paged form of each implementation: the ops kivi::paged_append / paged_attend (paged_ops.py);
+reference: kernels/paged_reference.py; decomposed appends write through the block table;
+decomposed attention forms read the layer gathered through it (paged_layout.static_view); the
+Triton kernels take the block table (kernels/triton_paging.py). The sink/OTT pool and the sparse
+store are refused by the paged layer, so footnotes [1] and [2] reduce to nuq levels and pre-RoPE.
 """
 
 from __future__ import annotations
@@ -45,11 +52,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
 from .layout import LayerTensors, QuantParams
+from .paged_layout import Paging
 
 OPS = ("append", "attend")
 MODES = ("eager", "compile", "export", "portable")
@@ -163,37 +171,53 @@ def compiled_decode(device: str, head_dim: int = 128) -> dict[str, str]:
     return {op: choose(op, device=device, mode="compile", q_len=1, layer=layer).implementation for op in OPS}
 
 
-def append(layer: LayerTensors, key, value, counts, params: QuantParams, *, portable: bool = False) -> None:
-    """cache_append as the cache calls it: through the kivi op, or a decomposed form traced inline."""
+def append(layer: LayerTensors, key, value, counts, params: QuantParams, *, portable: bool = False,
+           pages: Optional[Paging] = None) -> None:
+    """cache_append as the cache calls it: through the kivi op, or a decomposed form traced inline.
+    pages: the layer is paged (kivi::paged_append and the paged forms)."""
     choice = choose("append", device=key.device.type, mode=current_mode(portable), q_len=key.shape[2], layer=layer,
                     cpu_kernels=_cpu_kernels)
-    if choice.in_op:
+    paged = pages is not None
+    if choice.in_op and paged:
+        torch.ops.kivi.paged_append(*layer, pages.block_table, key, value, counts, *params)
+    elif choice.in_op:
         torch.ops.kivi.cache_append(*layer, key, value, counts, *params)
     elif choice.compiled:
         from .kernels import cpu_compiled
 
-        cpu_compiled.append(append_implementation(choice.implementation), layer, key, value, counts, params)
+        cpu_compiled.append(append_implementation(choice.implementation, paged), layer, key, value, counts, params,
+                            pages)
     else:
-        run_append(choice.implementation, layer, key, value, counts, params)
+        run_append(choice.implementation, layer, key, value, counts, params, pages=pages)
 
 
-def attend(query, layer: LayerTensors, counts, params: QuantParams, scale: float, *, portable: bool = False):
-    """cache_attend as the cache calls it."""
+def attend(query, layer: LayerTensors, counts, params: QuantParams, scale: float, *, portable: bool = False,
+           pages: Optional[Paging] = None):
+    """cache_attend as the cache calls it (pages: the layer is paged)."""
     choice = choose("attend", device=query.device.type, mode=current_mode(portable), q_len=query.shape[2],
                     layer=layer, cpu_kernels=_cpu_kernels)
+    paged = pages is not None
+    if choice.in_op and paged:
+        return torch.ops.kivi.paged_attend(query, *layer, pages.block_table, counts, *params, scale)
     if choice.in_op:
         return torch.ops.kivi.cache_attend(query, *layer, counts, *params, scale)
     if choice.compiled:
         from .kernels import cpu_compiled
 
-        return cpu_compiled.attend(attend_implementation(choice.implementation), query, layer, counts, params, scale)
-    return run_attend(choice.implementation, query, layer, counts, params, scale)
+        return cpu_compiled.attend(attend_implementation(choice.implementation, paged), query, layer, counts, params,
+                                   scale, pages)
+    return run_attend(choice.implementation, query, layer, counts, params, scale, pages=pages)
 
 
 @functools.cache
-def append_implementation(implementation: str):
+def append_implementation(implementation: str, paged: bool = False):
     """The function of one append implementation (imported on first use: Triton only where it
-    runs), the same object on every call."""
+    runs), the same object on every call. paged: its paged form, which takes the Paging as a
+    last argument."""
+    if paged:
+        from .kernels import paged_forms
+
+        return paged_forms.append_form(implementation)
     if implementation == "reference":
         from .kernels.reference import append_reference as fn
     elif implementation in ("decomposed", "decomposed_cond"):
@@ -208,8 +232,12 @@ def append_implementation(implementation: str):
 
 
 @functools.cache
-def attend_implementation(implementation: str):
-    """The function of one attention implementation."""
+def attend_implementation(implementation: str, paged: bool = False):
+    """The function of one attention implementation (paged: its paged form, see append_implementation)."""
+    if paged:
+        from .kernels import paged_forms
+
+        return paged_forms.attend_form(implementation)
     if implementation == "reference":
         from .kernels.reference import attend_reference as fn
     elif implementation == "decomposed_fused":
@@ -225,11 +253,18 @@ def attend_implementation(implementation: str):
     return fn
 
 
-def run_append(implementation: str, layer: LayerTensors, key, value, counts, params: QuantParams) -> None:
-    """Run one append implementation."""
-    append_implementation(implementation)(layer, key, value, counts, params)
+def run_append(implementation: str, layer: LayerTensors, key, value, counts, params: QuantParams, *,
+               pages: Optional[Paging] = None) -> None:
+    """Run one append implementation (its paged form when pages is given)."""
+    if pages is None:
+        append_implementation(implementation)(layer, key, value, counts, params)
+    else:
+        append_implementation(implementation, True)(layer, key, value, counts, params, pages)
 
 
-def run_attend(implementation: str, query, layer: LayerTensors, counts, params: QuantParams, scale: float):
-    """Run one attention implementation."""
-    return attend_implementation(implementation)(query, layer, counts, params, scale)
+def run_attend(implementation: str, query, layer: LayerTensors, counts, params: QuantParams, scale: float, *,
+               pages: Optional[Paging] = None):
+    """Run one attention implementation (its paged form when pages is given)."""
+    if pages is None:
+        return attend_implementation(implementation)(query, layer, counts, params, scale)
+    return attend_implementation(implementation, True)(query, layer, counts, params, scale, pages)

@@ -86,6 +86,16 @@ class CacheLayer(nn.Module, CacheLayerMixin):
         """Exact bytes held by the layer's buffers."""
         return sum(buf.numel() * buf.element_size() for buf in self.buffers())
 
+    def page_tensors(self) -> dict[str, torch.Tensor]:
+        """Buffers whose dim 0 is a page id (a paged layer's pools); none in a static layer."""
+        return {}
+
+    def row_tensors(self) -> dict[str, torch.Tensor]:
+        """Sequence-state buffers whose dim 0 is the batch row (what a swap copies per sequence):
+        every state buffer of a static layer (constants excluded)."""
+        constants = {id(t) for t in self.constants()}
+        return {name: t for name, t in self.named_buffers() if id(t) not in constants}
+
     # ---------------------------------------------------------------- transformers' CacheLayerMixin
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -193,6 +203,47 @@ class NuqLevels(nn.Module):
         self.register_buffer("v", torch.tensor(value_levels, dtype=torch.float32, device=device), persistent=False)
 
 
+def init_constants(layer: CacheLayer, config: KIVIConfig, layer_idx: int, rope, device) -> None:
+    """What a KIVI layer (static or paged) holds beside its buffers: the nuq `levels` (None when
+    off), and with pre-RoPE keys the model's RoPE frequencies `rope_inv_freq` (else None) and
+    `rope_scaling`."""
+    D = layer.head_dim
+    layer.levels = (NuqLevels(config.key_levels[layer_idx], config.value_levels[layer_idx], device)
+                    if config.has_nuq else None)
+    layer.pre_rope = config.pre_rope
+    layer.rope_scaling = 1.0
+    if config.pre_rope:
+        if rope is None or not isinstance(rope[0], torch.Tensor) or rope[0].shape != (D // 2,):
+            got = None if rope is None else getattr(rope[0], "shape", rope[0])
+            raise ValueError(f"pre_rope=True needs rope_inv_freq, the model's RoPE frequencies [head_dim / 2 = "
+                             f"{D // 2}] (kivi_models.make_cache passes them), got {got}")
+        inv_freq, layer.rope_scaling = rope[0], float(rope[1])
+        layer.register_buffer("rope_inv_freq", inv_freq.detach().to(device=device, dtype=torch.float32).clone(),
+                              persistent=False)
+    elif rope is not None:
+        raise ValueError("rope_inv_freq is only used with pre_rope=True")
+    else:
+        layer.rope_inv_freq = None
+
+
+def dequantized_state(layer: CacheLayer, t: LayerTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """KIVILayer.dequantized of a layer whose tensors in the static layout are t (a paged layer
+    passes its pages gathered, paged_layout.static_view)."""
+    lengths = layer.lengths
+    stop = int(lengths.max())
+    keys, values = materialize_block(t, 0, stop, layer.params)
+    pool = getattr(layer, "pool", None)
+    if pool is not None:  # pooled tokens are seen exact
+        for b, h, i in (pool.pos >= 0).nonzero().tolist():
+            pos = int(pool.pos[b, h, i])
+            keys[b, h, pos], values[b, h, pos] = pool.k[b, h, i].float(), pool.v[b, h, i].float()
+    if layer.pre_rope:  # as attention sees them: rotated, with the model's attention_scaling
+        keys = rope_at(keys, torch.arange(stop, device=keys.device), layer.rope_inv_freq) * layer.rope_scaling
+    inside = (torch.arange(stop, device=lengths.device)[None, :] < lengths[:, None])[:, None, :, None]
+    zero = torch.zeros((), device=keys.device)
+    return torch.where(inside, keys, zero).to(layer.dtype), torch.where(inside, values, zero).to(layer.dtype)
+
+
 class KIVILayer(CacheLayer):
     """One layer of the KIVI cache: the nine buffers of layout.py, and as sub-modules (None when
     their option is off) the sink/OTT `pool`, the dense-and-sparse `sparse` store and the nuq
@@ -233,24 +284,9 @@ class KIVILayer(CacheLayer):
         nk, nv = config.sparse_counts(D)
         self.sparse: Optional[SparseStore] = (
             SparseStore((B, H, S // R * nk, D), (B, H, S, nv), dtype, device) if nv else None)
-        self.levels: Optional[NuqLevels] = (
-            NuqLevels(config.key_levels[layer_idx], config.value_levels[layer_idx], device) if config.has_nuq else None)
         self.params = QuantParams(config.k_bits, config.v_bits, G, R, config.sink_tokens if P else 0,
                                   config.layer_outlier_tokens(layer_idx))
-        self.pre_rope = config.pre_rope
-        self.rope_scaling = 1.0
-        if config.pre_rope:
-            if rope is None or not isinstance(rope[0], torch.Tensor) or rope[0].shape != (D // 2,):
-                got = None if rope is None else getattr(rope[0], "shape", rope[0])
-                raise ValueError(f"pre_rope=True needs rope_inv_freq, the model's RoPE frequencies [head_dim / 2 = "
-                                 f"{D // 2}] (kivi_models.make_cache passes them), got {got}")
-            inv_freq, self.rope_scaling = rope[0], float(rope[1])
-            self.register_buffer("rope_inv_freq", inv_freq.detach().to(device=device, dtype=torch.float32).clone(),
-                                 persistent=False)
-        elif rope is not None:
-            raise ValueError("rope_inv_freq is only used with pre_rope=True")
-        else:
-            self.rope_inv_freq = None
+        init_constants(self, config, layer_idx, rope, device)
         self.portable = bool(portable)
         if device.type == "cuda":  # before any compiled step can need them (see there)
             from .kernels.triton_append import reserve_arrival_counters
@@ -297,19 +333,7 @@ class KIVILayer(CacheLayer):
         """(keys, values) [batch, kv_heads, max length, head_dim] exactly as attention sees them
         (dequantized where quantized, exact from the residual and the pool, rotated when stored
         pre-RoPE); zeros past a sequence's length. Tests and debugging only (host syncs)."""
-        lengths = self.lengths
-        stop = int(lengths.max())
-        keys, values = materialize_block(self.tensors(), 0, stop, self.params)
-        if self.pool is not None:  # pooled tokens are seen exact
-            pool = self.pool
-            for b, h, i in (pool.pos >= 0).nonzero().tolist():
-                t = int(pool.pos[b, h, i])
-                keys[b, h, t], values[b, h, t] = pool.k[b, h, i].float(), pool.v[b, h, i].float()
-        if self.pre_rope:  # as attention sees them: rotated, with the model's attention_scaling
-            keys = rope_at(keys, torch.arange(stop, device=keys.device), self.rope_inv_freq) * self.rope_scaling
-        inside = (torch.arange(stop, device=lengths.device)[None, :] < lengths[:, None])[:, None, :, None]
-        zero = torch.zeros((), device=keys.device)
-        return torch.where(inside, keys, zero).to(self.dtype), torch.where(inside, values, zero).to(self.dtype)
+        return dequantized_state(self, self.tensors())
 
     def reset(self) -> None:
         """Empty every sequence; the constants (nuq levels, RoPE frequencies) stay."""

@@ -62,16 +62,27 @@ def _within_budget(form, signature: tuple) -> bool:
     return True
 
 
-def append(form, layer: LayerTensors, key, value, counts, params: QuantParams) -> None:
-    """Run the append form (a decomposed append) compiled, or the reference past the budget."""
-    if _within_budget(form, _signature(layer, key, value, counts, params)):
-        _compiled(form)(layer, key, value, counts, params)
-    else:
+def append(form, layer: LayerTensors, key, value, counts, params: QuantParams, pages=None) -> None:
+    """Run the append form (a decomposed append) compiled, or the reference past the budget.
+    pages: a paged layer's Paging (form is then a paged form, kernels/paged_forms.py)."""
+    extra = () if pages is None else (pages,)
+    if _within_budget(form, _signature(layer, key, value, counts, params, *extra)):
+        _compiled(form)(layer, key, value, counts, params, *extra)
+    elif pages is None:
         append_reference(layer, key, value, counts, params)
+    else:
+        from .paged_reference import paged_append_reference
+
+        paged_append_reference(layer, key, value, counts, params, pages)
 
 
-def attend(form, query, layer: LayerTensors, counts, params: QuantParams, scale: float):
+def attend(form, query, layer: LayerTensors, counts, params: QuantParams, scale: float, pages=None):
     """Run the attention form (a decomposed attention) compiled, or the reference past the budget."""
-    if _within_budget(form, _signature(query, layer, counts, params, scale)):
-        return _compiled(form)(query, layer, counts, params, scale)
-    return attend_reference(query, layer, counts, params, scale)
+    extra = () if pages is None else (pages,)
+    if _within_budget(form, _signature(query, layer, counts, params, scale, *extra)):
+        return _compiled(form)(query, layer, counts, params, scale, *extra)
+    if pages is None:
+        return attend_reference(query, layer, counts, params, scale)
+    from .paged_reference import paged_attend_reference
+
+    return paged_attend_reference(query, layer, counts, params, scale, pages)

@@ -14,11 +14,14 @@ nothing raises; rows are written modulo the buffer sizes and the cache is garbag
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from ..extras import key_outliers_per_window, select_key_outliers, select_outliers
 from ..layout import LayerTensors, QuantParams
+from ..paged_layout import Paging
 from ..packing import quantize_pack_reference
 from ..pool import ott_step
 
@@ -34,10 +37,20 @@ def _bh_index(B: int, H: int, device) -> tuple[Tensor, Tensor]:
     return (torch.arange(B, device=device)[:, None, None], torch.arange(H, device=device)[None, :, None])
 
 
-def _write_rows(buf: Tensor, bi: Tensor, hi: Tensor, rows: Tensor, new: Tensor, valid: Tensor) -> None:
+def _write_rows(buf: Tensor, bi: Tensor, hi: Tensor, rows: Tensor, new: Tensor, valid: Tensor,
+                pages: Optional[Paging] = None) -> None:
     """buf[b, h, rows[b, j]] = new[b, h, j] where valid[b, j], else rewritten unchanged.
 
-    rows [B, W] must be distinct within each row b (no scatter conflicts), new [B, H, W, X]."""
+    rows [B, W] must be distinct within each row b (no scatter conflicts), new [B, H, W, X].
+    pages: buf is a page pool [N + 1, H, X_page, ...] (paged_layout.py): row r of sequence b is row
+    r % X_page of page block_table[b, r // X_page]; writes that are not valid go to the scratch
+    page N instead (the row may own no page there, and the page another row owns)."""
+    if pages is not None:
+        per_page = buf.shape[2]
+        page = pages.block_table.long().gather(1, torch.div(rows, per_page, rounding_mode="floor"))
+        page = torch.where(valid, page.clamp(0, buf.shape[0] - 2), buf.shape[0] - 1)
+        buf.index_put_((page[:, None, :], hi, torch.remainder(rows, per_page)[:, None, :]), new.to(buf.dtype))
+        return
     r = rows[:, None, :]
     old = buf[bi, hi, r]
     # ONNX Runtime has no int16 Where (the sparse store's indices): choose in int32, store back.
@@ -59,17 +72,19 @@ def _branch(pred: Tensor, true_fn, false_fn):
 
 
 def _flush_key_windows(layer: LayerTensors, key: Tensor, value: Tensor, params: QuantParams, bi: Tensor, hi: Tensor,
-                       L: Tensor, nqk: Tensor, nqk_end: Tensor, windows: int, last_new, pool):
+                       L: Tensor, nqk: Tensor, nqk_end: Tensor, windows: int, last_new, pool,
+                       pages: Optional[Paging] = None):
     """Quantize per channel the first `windows` R-windows of the key stream from token nqk on (the
     residual window's tokens, then the new ones), and write those below nqk_end (the windows this
     append completes; the others rewrite old rows). pool: (pool_k, pool_v, pool_pos, sink,
     outliers) as updated so far, or None; returns its new (pool_k, pool_v, pool_pos) after the
-    OTT steps (None without a pool)."""
+    OTT steps (None without a pool). pages: the layer is paged (paged_layout.py)."""
     k_codes, k_scale, k_zero, k_res, _, _, _, v_res, _ = layer.kivi
     k_bits, _, G, R = params[:4]
     extras = layer.extras
     B, H, _, D = key.shape
-    S, RR = k_codes.shape[2], k_res.shape[2]
+    S, RR = _capacity(k_codes, pages), k_res.shape[2]
+    n_scale_rows = k_scale.shape[2] if pages is None else S // G
     device = key.device
     W = windows * R
     flushed = (nqk_end - nqk)[:, None]
@@ -111,17 +126,22 @@ def _flush_key_windows(layer: LayerTensors, key: Tensor, value: Tensor, params: 
         _write_rows(extras.k_sparse, bi, hi, orows, vals, ovalid)
         _write_rows(extras.k_sparse_idx, bi, hi, orows, idx, ovalid)
     codes, scale, zero = quantize_pack_reference(stream, k_bits, G, "channel", extras.k_levels, exclude)
-    _write_rows(k_codes, bi, hi, u % S, codes, j[None, :] < flushed)
+    _write_rows(k_codes, bi, hi, u % S, codes, j[None, :] < flushed, pages)
     gj = torch.arange(W // G, device=device)
-    grows = (torch.div(nqk, G, rounding_mode="floor")[:, None] + gj[None, :]) % k_scale.shape[2]
+    grows = (torch.div(nqk, G, rounding_mode="floor")[:, None] + gj[None, :]) % n_scale_rows
     gvalid = gj[None, :] * G < flushed
-    _write_rows(k_scale, bi, hi, grows, scale, gvalid)
-    _write_rows(k_zero, bi, hi, grows, zero, gvalid)
+    _write_rows(k_scale, bi, hi, grows, scale, gvalid, pages)
+    _write_rows(k_zero, bi, hi, grows, zero, gvalid, pages)
     return None if pool is None else (pk, pv, ppos)
 
 
+def _capacity(k_codes: Tensor, pages: Optional[Paging]) -> int:
+    """Tokens a row can hold: S of the static layout, max_pages_per_seq * page_size when paged."""
+    return k_codes.shape[2] if pages is None else pages.block_table.shape[1] * k_codes.shape[2]
+
+
 def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, params: QuantParams, *,
-                      flush_under_cond: bool = False) -> None:
+                      flush_under_cond: bool = False, pages: Optional[Paging] = None) -> None:
     """append_reference without host syncs or data-dependent shapes (mutates the nine KIVI
     tensors, the pool's three when there is a pool, see pool.py, and the sparse outlier store
     when there is one, see extras.py).
@@ -141,6 +161,10 @@ def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, p
 
     flush_under_cond (dispatch's "decomposed_cond", CPU compile): the key flush runs only when
     some row completes a window, under torch.cond (eagerly, a Python if). Writes are the same.
+
+    pages: the layer is paged (paged_layout.py; its quantized buffers are page pools): the same
+    computation, rows written through the block table (_write_rows), capacity S = M * PS. The
+    sparse store is not paged (the paged layer refuses it).
     """
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = layer.kivi
     k_bits, v_bits, G, R = params[:4]
@@ -148,7 +172,7 @@ def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, p
     # The cache stores new tokens in its own dtype (the reference's slice assignment casts too).
     key, value = key.to(k_res.dtype), value.to(v_res.dtype)
     B, H, n, D = key.shape
-    S, RR = k_codes.shape[2], k_res.shape[2]
+    S, RR = _capacity(k_codes, pages), k_res.shape[2]
     device = key.device
     bi, hi = _bh_index(B, H, device)
     L = lengths
@@ -184,7 +208,7 @@ def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, p
     windows = S // R if symbolic else min((R - 1 + n) // R, S // R)
     if windows > 0 and n > 0:
         args = (layer, key, value, params, bi, hi, L, nqk, nqk_end, windows, last_new,
-                None if pool is None else (pk, pv, ppos, sink, n_out))
+                None if pool is None else (pk, pv, ppos, sink, n_out), pages)
         if flush_under_cond and (pool is None or n_out == 0) and not torch.is_grad_enabled():
             # A decode step completes a window once every R steps: under torch.cond (a host-side
             # `if` in Inductor's CPU code) the other R - 1 steps skip quantizing R tokens per head.
@@ -220,9 +244,9 @@ def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, p
             _write_rows(extras.v_sparse, bi, hi, rows, vals, valid)
             _write_rows(extras.v_sparse_idx, bi, hi, rows, idx, valid)
         codes, scale, zero = quantize_pack_reference(leaving, v_bits, G, "token", extras.v_levels, exclude)
-        _write_rows(v_codes, bi, hi, rows, codes, valid)
-        _write_rows(v_scale, bi, hi, rows, scale, valid)
-        _write_rows(v_zero, bi, hi, rows, zero, valid)
+        _write_rows(v_codes, bi, hi, rows, codes, valid, pages)
+        _write_rows(v_scale, bi, hi, rows, scale, valid, pages)
+        _write_rows(v_zero, bi, hi, rows, zero, valid, pages)
 
     # ---- residuals, after every read of the old ones above.
     if n > 0 and not symbolic and n <= R == RR:

@@ -50,6 +50,7 @@ from .triton_append_options import (excluded, is_pooled, key_window_outliers, lo
                                     value_token_outliers, write_sinks)
 from .triton_args import (CacheSide, KeyLayout, Levels, NewRows, OttPool, Sparse, ValueLayout, kernel_options,
                           option_args)
+from .triton_paging import Pages, cache_row, paging_args, static_dims
 from .triton_attend import check_cache, check_kernel_extras
 from .triton_quant import device_ctx, next_pow2, nuq_codes, pack_codes, quant_codes, scale_zero_stored
 
@@ -88,12 +89,13 @@ def _minmax_kept(x, excl, AXIS: tl.constexpr):
 @triton.jit
 def _flush_key_group(
     kc, keys, levels, entrants, b, h, bh64, L, start, jb, thr, ithr, S, NSG,
-    SPARSE: tl.constexpr, SINK: tl.constexpr, N_OUT: tl.constexpr, kl,
+    SPARSE: tl.constexpr, SINK: tl.constexpr, N_OUT: tl.constexpr, kl, pg,
 ):
     """Quantize key tokens [start, start + G) (one group, from k_res below L, else from keys)
     per channel, for the packed bytes jb [BLOCK_B], and write codes, scale and zero. Out of the
     min/max: with SPARSE the window's outliers (thr, ithr from key_window_outliers), with a pool
-    the sinks and the window's new outliers (entrants). kc: the key side (CacheSide); kl: KeyLayout."""
+    the sinks and the window's new outliers (entrants). kc: the key side (CacheSide); kl: KeyLayout;
+    pg: the block table of a paged layer (triton_paging.py)."""
     u = start + tl.arange(0, kl.G)
     ii = tl.arange(0, kl.PER)
     ch = (jb[:, None] * kl.PER + ii[None, :])[None, :, :]  # [1, BLOCK_B, PER]
@@ -109,17 +111,18 @@ def _flush_key_group(
     else:
         mn, mx = tl.min(x, axis=0), tl.max(x, axis=0)
     scale, zero = scale_zero_stored(mn, mx, (1 << kl.BITS) - 1, kc.scale.dtype.element_ty)
-    srow = (bh64 * NSG + start // kl.G) * kl.D
+    srow = cache_row(bh64, start // kl.G, NSG, pg, pg.PAGE // kl.G) * kl.D
     tl.store(kc.scale + srow + ch, scale[None, :, :], mask=cmask)
     tl.store(kc.zero + srow + ch, zero[None, :, :], mask=cmask)
     q = _quantize(x, scale.to(tl.float32)[None, :, :], zero.to(tl.float32)[None, :, :], levels.k_levels, kl.BITS,
                   levels.HAS_LEVELS)
     packed = pack_codes(q, kl.BITS, kl.PER)  # [G, BLOCK_B]
-    tl.store(kc.codes + (bh64 * S + u[:, None]) * kl.NB + jb[None, :], packed, mask=(jb < kl.NB)[None, :])
+    tl.store(kc.codes + cache_row(bh64, u[:, None], S, pg, pg.PAGE) * kl.NB + jb[None, :], packed,
+             mask=(jb < kl.NB)[None, :])
 
 
 @triton.jit
-def _flush_key_window(kc, keys, v_res, values, levels, sparse, pool, b, h, bh64, L, window_start, S, NSG, kl):
+def _flush_key_window(kc, keys, v_res, values, levels, sparse, pool, b, h, bh64, L, window_start, S, NSG, kl, pg):
     """Quantize the whole key window [window_start, window_start + R) of one (sequence, kv head),
     every option included, in the reference's order: the OTT step (N_OUT > 0), the sparse store's
     outliers (SPARSE, pooled tokens last), then the R / G groups. pool: triton_args.OttPool."""
@@ -135,11 +138,12 @@ def _flush_key_window(kc, keys, v_res, values, levels, sparse, pool, b, h, bh64,
                                             pool.SINK, pool.N_OUT, kl)
         for g in range(kl.R // kl.G):
             _flush_key_group(kc, keys, levels, entrants, b, h, bh64, L, window_start + g * kl.G, jb, thr, ithr, S,
-                             NSG, sparse.SPARSE, pool.SINK, pool.N_OUT, kl)
+                             NSG, sparse.SPARSE, pool.SINK, pool.N_OUT, kl, pg)
 
 
 @triton.jit
-def _append_key_flush(kc, keys, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, levels, sparse, H, N, S, NSG, kl):
+def _append_key_flush(kc, keys, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, levels, sparse, H, N, S, NSG, kl,
+                      pg):
     """_append_key_flush_kernel's body, its arguments grouped (triton_args.py)."""
     bh = tl.program_id(0)
     b = bh // H
@@ -159,7 +163,7 @@ def _append_key_flush(kc, keys, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexp
             thr, ithr = key_window_outliers(kc.res, keys, sparse, no_pool, b, h, bh64, L, window_start, jb,
                                             start == window_start, 0, 0, kl)
         _flush_key_group(kc, keys, levels, no_pool, b, h, bh64, L, start, jb, thr, ithr, S, NSG, sparse.SPARSE, 0, 0,
-                         kl)
+                         kl, pg)
 
 
 @triton.jit
@@ -170,6 +174,7 @@ def _append_key_flush_kernel(
     HAS_COUNTS: tl.constexpr, HAS_LEVELS: tl.constexpr, SPARSE: tl.constexpr, NK: tl.constexpr, D: tl.constexpr,
     NB: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
     G: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, RR: tl.constexpr, BLOCK_B: tl.constexpr,
+    block_table, MAXP, NPAGES, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
     """The key flush of a layer without a pool: one program per (b, h, key group, byte block).
     The launched entry point: flat arguments (triton_args.py), grouped for _append_key_flush (no
@@ -178,11 +183,12 @@ def _append_key_flush_kernel(
         CacheSide(k_codes, k_scale, k_zero, k_res), NewRows(key_ptr, s_kb, s_kh, s_kn, s_kd), lengths_ptr, counts_ptr,
         HAS_COUNTS, Levels(k_levels, None, HAS_LEVELS), Sparse(k_sparse, k_sparse_idx, None, None, NKR, NK, 0, SPARSE),
         H, N, S, NSG, KeyLayout(D, None, None, NB, BITS, PER, BLOCK_B, G, R, R_P, RR),
+        Pages(block_table, MAXP, NPAGES, H, PAGE, PAGED),
     )
 
 
 @triton.jit
-def _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, active, S, vl):
+def _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, active, S, vl, pg):
     """Quantize value tokens u [BLOCK_T] (where active; from v_res below L, else from values) per
     token, and write codes, scales and zeros to their rows u. SPARSE: each token's NV outliers go
     to the sparse store and stay out of their group's min/max. vc: the value side (CacheSide);
@@ -213,13 +219,14 @@ def _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, active, S,
         mn = tl.where(empty, 0.0, mn)
         mx = tl.where(empty, 0.0, mx)
         scale, zero = scale_zero_stored(mn, mx, (1 << vl.BITS) - 1, vc.scale.dtype.element_ty)
-        srow = (bh64 * S + u) * vl.NG + g
+        srow = cache_row(bh64, u, S, pg, pg.PAGE) * vl.NG + g
         tl.store(vc.scale + srow, scale, mask=active)
         tl.store(vc.zero + srow, zero, mask=active)
         q = _quantize(x, scale.to(tl.float32)[:, None, None], zero.to(tl.float32)[:, None, None], levels.v_levels,
                       vl.BITS, levels.HAS_LEVELS)
         packed = pack_codes(q, vl.BITS, vl.PER)  # [BLOCK_T, GB_P]
-        tl.store(vc.codes + (bh64 * S + u[:, None]) * vl.NB + g * (vl.GV // vl.PER) + jb[None, :], packed,
+        tl.store(vc.codes + cache_row(bh64, u[:, None], S, pg, pg.PAGE) * vl.NB + g * (vl.GV // vl.PER) + jb[None, :],
+                 packed,
                  mask=active[:, None] & (jb < vl.GV // vl.PER)[None, :])
 
 
@@ -231,6 +238,7 @@ def _append_value_flush_kernel(
     HAS_COUNTS: tl.constexpr, HAS_LEVELS: tl.constexpr, SPARSE: tl.constexpr, NV: tl.constexpr, D: tl.constexpr,
     D_P: tl.constexpr, NB: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
     PER: tl.constexpr, GV: tl.constexpr, GB_P: tl.constexpr, R: tl.constexpr, RR: tl.constexpr, BLOCK_T: tl.constexpr,
+    block_table, MAXP, NPAGES, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
     """The value flush: one program per (b, h, BLOCK_T of the tokens leaving the value window)."""
     bh = tl.program_id(0)
@@ -245,7 +253,8 @@ def _append_value_flush_kernel(
         _flush_value_tokens(CacheSide(v_codes, v_scale, v_zero, v_res), NewRows(value_ptr, s_vb, s_vh, s_vn, s_vd),
                             Levels(None, v_levels, HAS_LEVELS),
                             Sparse(None, None, v_sparse, v_sparse_idx, 0, 0, NV, SPARSE), b, h, bh.to(tl.int64), L, u,
-                            u < q1, S, ValueLayout(D, D_P, NB, NG, BITS, PER, GV, GB_P, R, RR))
+                            u < q1, S, ValueLayout(D, D_P, NB, NG, BITS, PER, GV, GB_P, R, RR),
+                            Pages(block_table, MAXP, NPAGES, H, PAGE, PAGED))
 
 
 @triton.jit
@@ -299,7 +308,7 @@ def _append_lengths_kernel(lengths_ptr, counts_ptr, B, N, S, HAS_COUNTS: tl.cons
 @triton.jit
 def _append_decode(
     kc, vc, keys, values, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, levels, sparse, pool, arrivals_ptr,
-    H, S, NSG, kl, vl,
+    H, S, NSG, kl, vl, pg,
 ):
     """_append_decode_kernel's body, its arguments grouped (triton_args.py)."""
     bh = tl.program_id(0)
@@ -316,7 +325,7 @@ def _append_decode(
                             L + tl.arange(0, 1), L + tl.arange(0, 1) >= 0, kl.D, kl.D_P, pool.SINK)
         if L >= kl.R:  # token L - R leaves the value window
             u = L - kl.R + tl.arange(0, 1)
-            _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, u >= 0, S, vl)
+            _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, u >= 0, S, vl, pg)
             tl.debug_barrier()  # every thread has read the slot before it is overwritten
         v = tl.load(values.ptr + b.to(tl.int64) * values.s_b + h.to(tl.int64) * values.s_h + d * values.s_d, mask=dm)
         tl.store(vc.res + (bh64 * kl.RR + L % kl.R) * kl.D + d, v, mask=dm)
@@ -324,7 +333,7 @@ def _append_decode(
         if L + 1 - nqk == kl.R:
             if pool.N_OUT > 0:
                 tl.debug_barrier()  # the OTT step reads the window's values, the new one included
-            _flush_key_window(kc, keys, vc.res, values, levels, sparse, pool, b, h, bh64, L, nqk, S, NSG, kl)
+            _flush_key_window(kc, keys, vc.res, values, levels, sparse, pool, b, h, bh64, L, nqk, S, NSG, kl, pg)
         else:
             k = tl.load(keys.ptr + b.to(tl.int64) * keys.s_b + h.to(tl.int64) * keys.s_h + d * keys.s_d, mask=dm)
             tl.store(kc.res + (bh64 * kl.RR + L - nqk) * kl.D + d, k, mask=dm)
@@ -347,6 +356,7 @@ def _append_decode_kernel(
     K_NB: tl.constexpr, K_BITS: tl.constexpr, K_PER: tl.constexpr, BLOCK_B: tl.constexpr,
     V_NB: tl.constexpr, V_NG: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr, GV: tl.constexpr,
     GB_P: tl.constexpr, G: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, RR: tl.constexpr,
+    block_table, MAXP, NPAGES, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
     """One token per sequence (a decode step), everything in one launch, one program per (b, h):
     the value leaving the window is quantized (from slot L % R, which the new value then takes),
@@ -365,13 +375,13 @@ def _append_decode_kernel(
         Sparse(k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR, NK, NV, SPARSE),
         OttPool(pool_k, pool_v, pool_pos, scratch, P, SINK, N_OUT, N_P, SP_P), arrivals_ptr, H, S, NSG,
         KeyLayout(D, D_P, DC, K_NB, K_BITS, K_PER, BLOCK_B, G, R, R_P, RR),
-        ValueLayout(D, D_P, V_NB, V_NG, V_BITS, V_PER, GV, GB_P, R, RR),
+        ValueLayout(D, D_P, V_NB, V_NG, V_BITS, V_PER, GV, GB_P, R, RR), Pages(block_table, MAXP, NPAGES, H, PAGE, PAGED),
     )
 
 
 @triton.jit
 def _append_key_windows(kc, keys, v_res, values, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, levels, sparse,
-                        pool, H, N, S, NSG, kl):
+                        pool, H, N, S, NSG, kl, pg):
     """_append_key_windows_kernel's body, its arguments grouped (triton_args.py)."""
     bh = tl.program_id(0)
     b = bh // H
@@ -381,7 +391,7 @@ def _append_key_windows(kc, keys, v_res, values, lengths_ptr, counts_ptr, HAS_CO
     nqk_end = ((L + c) // kl.R) * kl.R
     for window_start in range(nqk, nqk_end, kl.R):
         _flush_key_window(kc, keys, v_res, values, levels, sparse, pool, b, h, bh.to(tl.int64), L, window_start, S,
-                          NSG, kl)
+                          NSG, kl, pg)
 
 
 @triton.jit
@@ -394,6 +404,7 @@ def _append_key_windows_kernel(
     SINK: tl.constexpr, N_OUT: tl.constexpr, N_P: tl.constexpr, SP_P: tl.constexpr,
     D: tl.constexpr, D_P: tl.constexpr, DC: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
     BLOCK_B: tl.constexpr, G: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, RR: tl.constexpr,
+    block_table, MAXP, NPAGES, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
     """The key flush of a layer with a sink/OTT pool, one program per (b, h): the windows
     [nqk, nqk_end) in order (each OTT step sees the pool the previous one left). The launched
@@ -403,7 +414,7 @@ def _append_key_windows_kernel(
         NewRows(value_ptr, s_vb, s_vh, s_vn, s_vd), lengths_ptr, counts_ptr, HAS_COUNTS,
         Levels(k_levels, None, HAS_LEVELS), Sparse(k_sparse, k_sparse_idx, None, None, NKR, NK, 0, SPARSE),
         OttPool(pool_k, pool_v, pool_pos, scratch, P, SINK, N_OUT, N_P, SP_P), H, N, S, NSG,
-        KeyLayout(D, D_P, DC, NB, BITS, PER, BLOCK_B, G, R, R_P, RR),
+        KeyLayout(D, D_P, DC, NB, BITS, PER, BLOCK_B, G, R, R_P, RR), Pages(block_table, MAXP, NPAGES, H, PAGE, PAGED),
     )
 
 
@@ -434,13 +445,18 @@ def reserve_arrival_counters(device, batch: int) -> torch.Tensor:
 
 
 def append_triton(t: LayerTensors, key: torch.Tensor, value: torch.Tensor, counts: Optional[torch.Tensor],
-                  p: QuantParams) -> None:
+                  p: QuantParams, *, pages=None) -> None:
     """Append key/value [B, H, n, D] in place, like append_reference (module doc), every option
     included: nuq levels (t.k_levels / t.v_levels) quantize; the dense-and-sparse store
     (t.k_sparse ..) and the sink/OTT pool (t.pool_k ..) are written in place, so their buffers must
-    be contiguous; t.rope_inv_freq plays no part in appends."""
-    B, H, S, D, R, RR, G, gv = check_cache(t, p)
+    be contiguous; t.rope_inv_freq plays no part in appends. pages: the layer is paged
+    (paged_layout.Paging; its quantized buffers are page pools, written through the block table)."""
+    if pages is None:
+        B, H, S, D, R, RR, G, gv = check_cache(t, p)
+    else:
+        B, H, S, D, R, RR, G, gv = static_dims(t, p, pages)
     options = option_args(t, p, check_kernel_extras(t, p, sparse_ok=True), writes=True)
+    options.update(paging_args(pages, t, G))
     sparse = options["SPARSE"]
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = t.kivi
     k_bits, v_bits = p.k_bits, p.v_bits
@@ -458,7 +474,7 @@ def append_triton(t: LayerTensors, key: torch.Tensor, value: torch.Tensor, count
     cnt = counts if has_counts else lengths  # dummy pointer when absent (never read)
     kper, vper = codes_per_byte(k_bits), codes_per_byte(v_bits)
     nbk, nbv = D // kper, D // vper
-    nsg = k_scale.shape[2]
+    nsg = k_scale.shape[2] if pages is None else S // G
     # Most key groups one call can flush: the window [nqk, nqk_end) is at most ((R-1+n)//R)*R long.
     key_groups = ((R - 1 + n) // R) * R // G
     # Byte blocks of a key flush: a [G, bytes * codes] tile per group; with the sparse store also a

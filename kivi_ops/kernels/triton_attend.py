@@ -223,11 +223,16 @@ def launch_reduce(ws_m, ws_l, ws_acc, out, kv_rows: int, M: int, m_pad: int, num
     )
 
 
-def attend_setup(query: torch.Tensor, t: LayerTensors, p: QuantParams):
+def attend_setup(query: torch.Tensor, t: LayerTensors, p: QuantParams, pages=None):
     """The checks both attention launchers start with: ((B, H, S, D, R, RR, G, Gv) of the cache,
     the options' launch arguments (triton_args.option_args), the output [B, Hq, q_len, D] in the
-    query's dtype)."""
-    dims = check_cache(t, p)
+    query's dtype). pages: a paged layer's Paging (S is then a row's capacity)."""
+    if pages is None:
+        dims = check_cache(t, p)
+    else:
+        from .triton_paging import static_dims
+
+        dims = static_dims(t, p, pages)
     B, H, S, D = dims[:4]
     options = option_args(t, p, check_kernel_extras(t, p, sparse_ok=True))
     Bq, Hq, q_len, Dq = query.shape

@@ -45,6 +45,7 @@ from .triton_attend import (
     attend_num_splits, launch_reduce, split_workspace,
 )
 from .triton_args import KiviCache, Levels, Pool, Rope, Sparse, kernel_options
+from .triton_paging import Pages, cache_row, paging_args
 from .triton_quant import device_ctx, interpreting
 
 # Launch defaults: 1 warp x 32-token tiles timed fastest on the H100 among 1, 2 and 4 warps x 32
@@ -123,7 +124,7 @@ class DecodeLayout(NamedTuple):
 @triton.jit
 def _decode_tile(
     acc, accz, m_i, l_i, query, t0, limit, nqk, nqv, pp, bh64, S, NSG, cache, levels, sparse,
-    MIXED: tl.constexpr, HAS_POOL: tl.constexpr, ROPE: tl.constexpr, lay,
+    MIXED: tl.constexpr, HAS_POOL: tl.constexpr, ROPE: tl.constexpr, lay, pg,
 ):
     """One online-softmax step of one query over tokens [t0, t0 + BLOCK_N), all in fp32 registers
     with no tl.dot and no reshapes (see _attend_decode_kernel). BLOCK_N divides G, so the tile lies
@@ -138,11 +139,12 @@ def _decode_tile(
     the dense-and-sparse store's exact entries replace their dequantized ones in the tile: per
     channel, the NK key outliers of the tile's R-window (rows w * NK + j of k_sparse, token offsets
     in k_sparse_idx), and per token the NV value outliers (channels in v_sparse_idx); -1 is none.
-    query: (q2, q2_rot, freq) of _attend_decode."""
+    query: (q2, q2_rot, freq) of _attend_decode. pg: the block table of a paged layer
+    (triton_paging.py; off: the static rows)."""
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res = cache
     q2, q2_rot, freq = query
     t = t0 + tl.arange(0, lay.BLOCK_N)
-    row = bh64 * S + t  # int64 token row of codes and value scales
+    row = cache_row(bh64, t, S, pg, pg.PAGE)  # int64 token row of codes and value scales
     g = t0 // lay.G
 
     # ---- keys
@@ -150,7 +152,7 @@ def _decode_tile(
     jk = tl.arange(0, lay.D // lay.K_PER)
     ch_k = jk[None, :] * lay.K_PER + ik[:, None]  # [K_PER, NBK] channel of (i, j)
     k_off = (row[:, None] * (lay.D // lay.K_PER) + jk[None, :])[None, :, :]
-    ks_off = (bh64 * NSG + g) * lay.D + ch_k
+    ks_off = cache_row(bh64, g, NSG, pg, pg.PAGE // lay.G) * lay.D + ch_k
     sh_k = (ik * lay.K_BITS)[:, None, None]
     if MIXED:
         tm = t < limit
@@ -273,7 +275,7 @@ def _decode_pool_tile(acc, accz, m_i, l_i, query, j0, bh64, pool, ROPE: tl.const
 @triton.jit
 def _attend_decode(
     q_ptr, s_qb, s_qh, s_qd, cache, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, pool, levels, rope, sparse,
-    workspace, out_ptr, H, HQ, S, NSG, qk_scale, lay, EMULATE_RTNE: tl.constexpr,
+    workspace, out_ptr, H, HQ, S, NSG, qk_scale, lay, EMULATE_RTNE: tl.constexpr, pg,
 ):
     """_attend_decode_kernel's body, its arguments grouped (triton_args.py)."""
     pid = tl.program_id(0)
@@ -322,10 +324,10 @@ def _attend_decode(
     accz = tl.zeros([lay.D // lay.V_PER], tl.float32)
     for t0 in range(lo, mid, lay.BLOCK_N):
         acc, accz, m_i, l_i = _decode_tile(acc, accz, m_i, l_i, query, t0, mid, nqk, nqv, pp, bh64, S, NSG, cache,
-                                           levels, sparse, False, pool.HAS_POOL, rope.ROPE, lay)
+                                           levels, sparse, False, pool.HAS_POOL, rope.ROPE, lay, pg)
     for t0 in range(mid, hi, lay.BLOCK_N):
         acc, accz, m_i, l_i = _decode_tile(acc, accz, m_i, l_i, query, t0, hi, nqk, nqv, pp, bh64, S, NSG, cache,
-                                           levels, sparse, True, pool.HAS_POOL, rope.ROPE, lay)
+                                           levels, sparse, True, pool.HAS_POOL, rope.ROPE, lay, pg)
     if pool.HAS_POOL:
         for j0 in range(0, pool_end, lay.BLOCK_N):
             acc, accz, m_i, l_i = _decode_pool_tile(acc, accz, m_i, l_i, query, j0, bh64, pool, rope.ROPE, lay)
@@ -359,6 +361,7 @@ def _attend_decode_kernel(
     G: tl.constexpr, NGV: tl.constexpr, GV: tl.constexpr, R: tl.constexpr, RR: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, EMULATE_RTNE: tl.constexpr,
     SPARSE: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
+    block_table, MAXP, NPAGES, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
     """Decode (q_len == 1): one program per (batch row, query head, split). GQA heads of one kv
     head read the same codes (L2 hits). Work items are per element, no tl.dot: a decode query is
@@ -372,20 +375,22 @@ def _attend_decode_kernel(
         Sparse(k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR, NK, NV, SPARSE), (ws_m, ws_l, ws_acc), out_ptr,
         H, HQ, S, NSG, qk_scale,
         DecodeLayout(D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, QG, BLOCK_N, NUM_SPLITS), EMULATE_RTNE,
+        Pages(block_table, MAXP, NPAGES, H, PAGE, PAGED),
     )
 
 
 def attend_decode(
     query: torch.Tensor, t: LayerTensors, counts: Optional[torch.Tensor], p: QuantParams, scale: float, *,
     num_splits: Optional[int] = None, block_n: Optional[int] = None, num_warps: Optional[int] = None,
-    num_stages: int = 2,
+    num_stages: int = 2, pages=None,
 ) -> torch.Tensor:
     """Attention of one query per row, query [B, Hq, 1, D] with D a power of two, over the cache,
     like attend_reference (module doc); anything else is a ValueError (attend_split takes it).
     The pool (t.pool) and KVQuant's nuq levels, pre-RoPE keys and sparse outlier store (t.extras)
     are read by the kernel. num_splits / block_n / num_warps /
-    num_stages override the static choices (tests, tuning)."""
-    (B, H, S, D, R, RR, G, gv), options, out = attend_setup(query, t, p)
+    num_stages override the static choices (tests, tuning). pages: the layer is paged
+    (paged_layout.Paging; its quantized buffers are page pools)."""
+    (B, H, S, D, R, RR, G, gv), options, out = attend_setup(query, t, p, pages)
     Hq, q_len = query.shape[1], query.shape[2]
     if q_len != 1:
         raise ValueError(f"attend_decode takes one query per row (q_len == 1), got q_len={q_len}; "
@@ -405,14 +410,16 @@ def attend_decode(
     if query.dtype != k_res.dtype:
         query = query.to(k_res.dtype)
     has_counts = counts is not None
+    nsg = k_scale.shape[2] if pages is None else S // G
     ws_m, ws_l, ws_acc = split_workspace(B * H, num_splits, QG, D, out)
     with device_ctx(query):
         torch.library.wrap_triton(_attend_decode_kernel)[(B * Hq, num_splits)](
             query, query.stride(0), query.stride(1), query.stride(3),
             k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
             counts if has_counts else lengths,
-            ws_m=ws_m, ws_l=ws_l, ws_acc=ws_acc, out_ptr=out, H=H, HQ=Hq, S=S, NSG=k_scale.shape[2],
+            ws_m=ws_m, ws_l=ws_l, ws_acc=ws_acc, out_ptr=out, H=H, HQ=Hq, S=S, NSG=nsg,
             qk_scale=float(scale) * LOG2E, HAS_COUNTS=has_counts,
+            **paging_args(pages, t, G),
             QG=QG, D=D, K_BITS=k_bits, K_PER=codes_per_byte(k_bits),
             V_BITS=v_bits, V_PER=codes_per_byte(v_bits), G=G, NGV=D // gv, GV=gv, R=R, RR=RR,
             BLOCK_N=block_n, NUM_SPLITS=num_splits, EMULATE_RTNE=interpreting(),

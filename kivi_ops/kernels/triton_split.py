@@ -46,6 +46,7 @@ from .triton_attend import (
     attend_num_splits, launch_reduce, split_workspace,
 )
 from .triton_args import KiviCache, Levels, Pool, Rope, Sparse, kernel_options
+from .triton_paging import Pages, cache_row, paging_args
 from .triton_quant import device_ctx, interpreting, next_pow2, unpack_codes
 
 # fp32 caches: tl.dot precision of the attention products. "tf32x3" (three TF32 tensor-core
@@ -147,13 +148,14 @@ class Products(NamedTuple):
 def _key_tile(
     t, tm, t0, limit, nqk, row, bh64, NSG, cache, levels, sparse,
     C0: tl.constexpr, W: tl.constexpr, W_P: tl.constexpr, MIXED: tl.constexpr, CAST: tl.constexpr, lay,
-    EMULATE_RTNE: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr, pg,
 ):
     """Keys [BLOCK_N, W_P] of tokens t, channels [C0, C0 + W) (the whole head, or one RoPE half):
     per-channel groups of G tokens, one scale row per group; fp32, or rounded to the cache dtype
     when CAST. MIXED: per-token choice between the dequantized codes and the residual ring.
     SPARSE: the exact key outliers (per channel, NK per R-window: rows w * NK + j of k_sparse,
-    token offsets in k_sparse_idx, -1 none) replace their dequantized entries."""
+    token offsets in k_sparse_idx, -1 none) replace their dequantized entries. pg: the block table
+    of a paged layer (triton_paging.py; row is already through it)."""
     k_codes, k_scale, k_zero, k_res = cache.k_codes, cache.k_scale, cache.k_zero, cache.k_res
     c = tl.arange(0, W_P)
     cmask = c < W
@@ -168,7 +170,7 @@ def _key_tile(
                       levels.HAS_LEVELS)
     grow = t0 // lay.G + tl.arange(0, lay.NGB)  # the NGB scale rows this tile touches
     gm = ((grow * lay.G < limit) & (grow * lay.G < nqk))[:, None] & cmask[None, :]
-    ks_off = (bh64 * NSG + grow)[:, None] * lay.D + (C0 + c)[None, :]
+    ks_off = cache_row(bh64, grow, NSG, pg, pg.PAGE // lay.G)[:, None] * lay.D + (C0 + c)[None, :]
     ks = tl.load(k_scale + ks_off, mask=gm, other=0.0).to(tl.float32)
     kz = tl.load(k_zero + ks_off, mask=gm, other=0.0).to(tl.float32)
     if lay.NGB > 1:
@@ -198,7 +200,7 @@ def _key_tile(
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i, query, t0, limit, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale, cache, levels, sparse,
-    MIXED: tl.constexpr, HAS_POOL: tl.constexpr, ROPE: tl.constexpr, lay, prod,
+    MIXED: tl.constexpr, HAS_POOL: tl.constexpr, ROPE: tl.constexpr, lay, prod, pg,
 ):
     """One online-softmax step over tokens [t0, t0 + BLOCK_N) (t0 a multiple of BLOCK_N), tokens
     >= limit masked. MIXED=False: every token is quantized for keys and values (no residual loads);
@@ -215,18 +217,18 @@ def _attend_tile(
     tm = t < limit
     d = tl.arange(0, lay.D_P)
     dmask = d < lay.D
-    row = bh64 * S + t  # int64 token row of codes and value scales
+    row = cache_row(bh64, t, S, pg, pg.PAGE)  # int64 token row of codes and value scales
 
     # ---- keys [BLOCK_N, D_P]
     if ROPE:
         k_lo = _key_tile(t, tm, t0, limit, nqk, row, bh64, NSG, cache, levels, sparse, 0, lay.HD, lay.HD_P, MIXED,
-                         False, lay, prod.EMULATE_RTNE)
+                         False, lay, prod.EMULATE_RTNE, pg)
         k_hi = _key_tile(t, tm, t0, limit, nqk, row, bh64, NSG, cache, levels, sparse, lay.HD, lay.HD, lay.HD_P,
-                         MIXED, False, lay, prod.EMULATE_RTNE)
+                         MIXED, False, lay, prod.EMULATE_RTNE, pg)
         s = _rope_qk(q, q_hi, k_lo, k_hi, t, freq, DT, prod.LOWP, prod.DOT_F32, prod.F32_PRECISION, prod.EMULATE_RTNE)
     else:
         k = _key_tile(t, tm, t0, limit, nqk, row, bh64, NSG, cache, levels, sparse, 0, lay.D, lay.D_P, MIXED, prod.LOWP,
-                      lay, prod.EMULATE_RTNE)
+                      lay, prod.EMULATE_RTNE, pg)
         s = _qk_dot(q, k, prod.DOT_F32, prod.F32_PRECISION)
 
     visible = row_ok[:, None] & tm[None, :] & (t[None, :] <= pos[:, None])
@@ -307,7 +309,7 @@ def _attend_pool_tile(acc, m_i, l_i, query, j0, pos, row_ok, bh64, qk_scale, poo
 @triton.jit
 def _attend_split(
     q_ptr, s_qb, s_qh, s_qm, s_qd, cache, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, pool, levels, rope,
-    sparse, workspace, out_ptr, H, S, NSG, Q_LEN, M, M_PAD, qk_scale, lay, prod,
+    sparse, workspace, out_ptr, H, S, NSG, Q_LEN, M, M_PAD, qk_scale, lay, prod, pg,
 ):
     """_attend_split_kernel's body, its arguments grouped (triton_args.py)."""
     bh = tl.program_id(0)
@@ -364,10 +366,10 @@ def _attend_split(
     acc = tl.zeros([lay.BLOCK_M, lay.D_P], tl.float32)
     for t0 in range(lo, mid, lay.BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, query, t0, mid, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
-                                     cache, levels, sparse, False, pool.HAS_POOL, rope.ROPE, lay, prod)
+                                     cache, levels, sparse, False, pool.HAS_POOL, rope.ROPE, lay, prod, pg)
     for t0 in range(mid, hi, lay.BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, query, t0, hi, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
-                                     cache, levels, sparse, True, pool.HAS_POOL, rope.ROPE, lay, prod)
+                                     cache, levels, sparse, True, pool.HAS_POOL, rope.ROPE, lay, prod, pg)
     if pool.HAS_POOL:
         # Split 0 also takes the pool's exact tokens; the reduce kernel merges them like any split.
         for j0 in range(0, tl.where(sp == 0, pool.P, 0), lay.BLOCK_N):
@@ -402,6 +404,7 @@ def _attend_split_kernel(
     R: tl.constexpr, RR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     LOWP: tl.constexpr, DOT_F32: tl.constexpr, F32_PRECISION: tl.constexpr, EMULATE_RTNE: tl.constexpr,
     SPARSE: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
+    block_table, MAXP, NPAGES, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
     """The launched entry point: flat arguments (triton_args.py), grouped for _attend_split."""
     _attend_split(
@@ -412,7 +415,7 @@ def _attend_split_kernel(
         H, S, NSG, Q_LEN, M, M_PAD, qk_scale,
         SplitLayout(D, D_P, HD, HD_P, K_BITS, K_PER, V_BITS, V_PER, G, NGB, NGV, NGV_P, GV_P, R, RR, QG, BLOCK_M,
                     BLOCK_N, NUM_SPLITS),
-        Products(LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE),
+        Products(LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE), Pages(block_table, MAXP, NPAGES, H, PAGE, PAGED),
     )
 
 
@@ -436,13 +439,14 @@ def attend_launch_config(head_dim: int, lowp: bool, rows: int) -> tuple[int, int
 def attend_split(
     query: torch.Tensor, t: LayerTensors, counts: Optional[torch.Tensor], p: QuantParams, scale: float, *,
     num_splits: Optional[int] = None, block_n: Optional[int] = None, num_warps: Optional[int] = None,
-    num_stages: int = 2,
+    num_stages: int = 2, pages=None,
 ) -> torch.Tensor:
     """Attention of query [B, Hq, q, D] over the cache, like attend_reference (module doc); any
     q_len, head_dim >= 16. The pool (t.pool) and KVQuant's nuq levels, pre-RoPE keys and sparse
     outlier store (t.extras) are read by the kernel.
-    num_splits / block_n / num_warps / num_stages override the static choices (tests, tuning)."""
-    (B, H, S, D, R, RR, G, gv), options, out = attend_setup(query, t, p)
+    num_splits / block_n / num_warps / num_stages override the static choices (tests, tuning).
+    pages: the layer is paged (paged_layout.Paging; its quantized buffers are page pools)."""
+    (B, H, S, D, R, RR, G, gv), options, out = attend_setup(query, t, p, pages)
     if out.numel() == 0:
         return out
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = t.kivi
@@ -483,8 +487,9 @@ def attend_split(
             query, query.stride(0), query.stride(1), query.stride(2), query.stride(3),
             k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths,
             counts if has_counts else lengths,
-            ws_m=ws_m, ws_l=ws_l, ws_acc=ws_acc, out_ptr=out, H=H, S=S, NSG=k_scale.shape[2], Q_LEN=q_len, M=M,
+            ws_m=ws_m, ws_l=ws_l, ws_acc=ws_acc, out_ptr=out, H=H, S=S, Q_LEN=q_len, M=M,
             M_PAD=m_pad, qk_scale=float(scale) * LOG2E, HAS_COUNTS=has_counts,
+            NSG=k_scale.shape[2] if pages is None else S // G, **paging_args(pages, t, G),
             # pre-RoPE halves padded to tl.dot's K >= 16 (zero channels add nothing)
             QG=QG, D=D, D_P=d_p, HD=D // 2, HD_P=max(16, next_pow2(D // 2)),
             K_BITS=k_bits, K_PER=codes_per_byte(k_bits), V_BITS=v_bits, V_PER=codes_per_byte(v_bits),
