@@ -189,8 +189,8 @@ class PagedFPCache(StaticCacheBase):
         return super().nbytes() + self.block_table.numel() * self.block_table.element_size()
 
     def reset(self) -> None:
+        """Empty every sequence (the block table stays: it is the block manager's)."""
         super().reset()
-        self.block_table.fill_(self.null_page)
 
     def load_row(self, *args, **kwargs):
         raise TypeError("a paged cache copies a sequence with kivi_ops.paged_io.copy_sequence (pages + row state), "

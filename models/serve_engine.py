@@ -247,8 +247,7 @@ class Engine:
         their handlers answer or close their streams cleanly."""
         with self.lock:
             self.draining = True
-            swapped = self.scheduler.swapped if self.scheduler is not None else []
-            for r in [*self.waiting, *swapped, *(r for r in self.rows if r is not None)]:
+            for r in [*self.waiting, *self._swapped(), *(r for r in self.rows if r is not None)]:
                 r.cancelled = True
                 r.emit("error", Failure(503, message, "server_shutting_down"))
             self.waiting.clear()
@@ -283,7 +282,7 @@ class Engine:
         self._warm_up()
         while True:
             with self.lock:
-                while not self.stopping and not self.waiting and not any(self.rows):
+                while not self.stopping and not self.waiting and not any(self.rows) and not self._swapped():
                     self.lock.wait()
                 if self.stopping:
                     return
@@ -319,10 +318,13 @@ class Engine:
         for slot, r in enumerate(self.rows):
             if r is not None and r.cancelled:
                 self._release(slot, r)
-        if self.scheduler is not None:
-            for r in [r for r in self.scheduler.swapped if r.cancelled]:
-                self.scheduler.finish(r)
-                r.saved = None
+        for r in [r for r in self._swapped() if r.cancelled]:
+            self.scheduler.finish(r)
+            r.saved = None
+
+    def _swapped(self) -> list[Request]:
+        """--paged: preempted requests waiting in host memory (FCFS), else []."""
+        return self.scheduler.swapped if self.scheduler is not None else []
 
     def _release(self, slot: int, r: Optional[Request]) -> None:
         """Under the lock: r (finished, failed or cancelled) leaves its row; with --paged its pages
@@ -387,7 +389,7 @@ class Engine:
         for r in [r for r in self.waiting if overdue(r)]:
             self.waiting.remove(r)
             r.emit("error", self._timed_out())
-        for r in [r for r in (self.scheduler.swapped if self.scheduler is not None else []) if overdue(r)]:
+        for r in [r for r in self._swapped() if overdue(r)]:
             self.scheduler.finish(r)
             r.saved = None
             r.emit("error", self._timed_out())
