@@ -85,8 +85,6 @@ def plan_pages(model, args, kivi_config, parser) -> tuple[int, int, int]:
     else the bytes of a static cache of 8 rows."""
     from .generate import cache_bytes_per_sequence, paged_bytes
 
-    if args.num_pages is not None and args.cache_budget_gib is not None:
-        parser.error("--num-pages and --cache-budget-gib exclude each other: both size the pool")
     rows = args.max_batch or PAGED_ROWS
     with usage_errors(parser):
         per_page, fixed = paged_bytes(model, method=args.method, batch_size=rows, max_seq_len=args.max_seq_len,
@@ -131,6 +129,20 @@ def plan_slots(model, args, kivi_config, parser) -> tuple[int, int, int]:
     return slots, per_slot, int(budget // fp16_per_slot)
 
 
+def check_paging_flags(args, parser) -> None:
+    """The flag combinations refused before the model loads."""
+    if args.paged:
+        if args.num_pages is not None and args.cache_budget_gib is not None:
+            parser.error("--num-pages and --cache-budget-gib exclude each other: both size the pool")
+        return
+    if args.max_batch is not None and args.cache_budget_gib is not None:
+        parser.error("argument --cache-budget-gib: not allowed with argument --max-batch (without --paged the "
+                     "budget decides the rows)")
+    for flag in ("num_pages", "page_size"):
+        if getattr(args, flag) is not None:
+            parser.error(f"--{flag.replace('_', '-')} applies only with --paged")
+
+
 def cmd_serve(args, parser) -> int:
     import uvicorn
 
@@ -142,6 +154,7 @@ def cmd_serve(args, parser) -> int:
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     api_key, allowed_hosts = access_settings(args, parser)
+    check_paging_flags(args, parser)
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     context = model.config.max_position_embeddings
     if args.max_seq_len > context:
@@ -153,12 +166,6 @@ def cmd_serve(args, parser) -> int:
         apply_weight_quant(model, args.weight_quant)
     patch_model(model)
     if not args.paged:
-        if args.max_batch is not None and args.cache_budget_gib is not None:
-            parser.error("argument --cache-budget-gib: not allowed with argument --max-batch (without --paged the "
-                         "budget decides the rows)")
-        for flag in ("num_pages", "page_size"):
-            if getattr(args, flag) is not None:
-                parser.error(f"--{flag.replace('_', '-')} applies only with --paged")
         slots, per_slot, fp16_slots = plan_slots(model, args, kivi_config, parser)
         nbytes, paging = slots * per_slot, None
         check_memory(nbytes, device, what=f"the cache ({slots} rows x {args.max_seq_len} tokens)")
