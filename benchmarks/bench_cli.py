@@ -159,6 +159,9 @@ def cmd_bench(args, parser) -> int:
             for row in result["rows"]:
                 row["max_batch_kivi"] = perf.max_batch_for_budget(row["kivi_bytes"], budget)
                 row["max_batch_fp16"] = perf.max_batch_for_budget(row["fp16_bytes"], budget)
+        from .paged_memory import bench_paged_memory
+
+        result["serving"] = bench_paged_memory(args.budget_gib or 40.0)
         name = "bench_memory"
     elif args.bench_command == "attention":
         contexts = args.contexts or ([1024 * 2**i for i in range(8)] if device == "cuda" else [1024, 4096, 16384])
@@ -225,6 +228,12 @@ def cmd_bench(args, parser) -> int:
     if args.bench_command == "weight-quant":
         (args.out / f"{name}.md").write_text(perf.weight_quant_markdown(result))
         written = f"{name}.md"
+    elif args.bench_command == "memory":
+        from .paged_memory import paged_memory_markdown
+
+        plot_bench(name, _plot_view(result), args.out / f"{name}.png")
+        (args.out / f"{name}_serving.md").write_text(paged_memory_markdown(result["serving"]))
+        written = f"{name}.png and {name}_serving.md"
     elif args.bench_command == "serve":
         from .serve_bench import plot_serve
 
@@ -296,6 +305,11 @@ def print_table(kind: str, result: dict) -> None:
             print(f"{r['bits']:>4} {r['group_size']:>3} {r['residual_length']:>4} {r['tokens']:>8} "
                   f"{r['kivi_bytes'] / 2**20:>10.1f} {r['theory_bytes'] / 2**20:>12.1f} {r['fp16_bytes'] / 2**20:>10.1f} "
                   f"{r['ratio']:>10.2f}")
+        if "serving" in result:
+            from .paged_memory import paged_memory_markdown
+
+            print()
+            print(paged_memory_markdown(result["serving"]))
     elif kind == "attention":
         print("eager: the kivi op vs SDPA")
         print("tokens  bits   SDPA ms   KIVI ms   speedup" + ("   bandwidth share" if "bandwidth_share" in rows[0] else ""))

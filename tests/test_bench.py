@@ -149,3 +149,22 @@ def test_hf_generate_bench_times_every_cache_through_model_generate():
     for cache in result["caches"]:  # two rounds: the reported run is the faster one
         assert len(row[cache]["rounds_tokens_per_s"]) == 2
         assert row[cache]["tokens_per_s"] == max(row[cache]["rounds_tokens_per_s"])
+
+
+def test_bench_memory_serving_table_holds_the_issues_numbers(tmp_path):
+    # Exact bytes, 40 GiB: KIVI-2 static rows of 4K / 8K hold 91 / 49 Llama-2-7B sequences, paged
+    # fp16 about 160 chat sequences; paged KIVI-2 (where built) holds more than paged fp16.
+    from benchmarks.paged_memory import bench_paged_memory
+
+    result = bench_paged_memory(40, chat_samples=2000)
+    held = {(r["shape"], r["workload"], r["cache"]): r["sequences"] for r in result["rows"]}
+    assert held[("llama2-7b", "chat", "KIVI-2 static 4K rows")] == 91
+    assert held[("llama2-7b", "chat", "KIVI-2 static 8K rows")] == 49
+    assert 150 <= held[("llama2-7b", "chat", "fp16 paged")] <= 175
+    assert held[("llama2-7b", 2048, "fp16 paged")] == 39  # 2048 tokens x 512 KiB + the block-table row
+    assert held[("llama2-7b", 8192, "fp16 static 4K rows")] is None  # a 4K row cannot hold 8K tokens
+    assert held[("llama3-8b", 2048, "fp16 paged")] == 159  # 8 KV heads: 4x the 7B shape's
+    if result["paged_kivi"] == "exact":
+        assert held[("llama2-7b", "chat", "KIVI-2 paged")] > 2 * held[("llama2-7b", "chat", "fp16 paged")]
+    assert main(["bench", "memory", "--contexts", "4096", "--out", str(tmp_path)]) == 0
+    assert "| llama3-8b | chat | fp16 paged |" in (tmp_path / "bench_memory_serving.md").read_text()
