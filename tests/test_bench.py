@@ -116,14 +116,21 @@ def test_results_default_to_the_current_directory(tmp_path, monkeypatch, capsys)
     assert {p: p.stat().st_mtime_ns for p in RESULTS_DIR.iterdir()} == before
 
 
-@pytest.mark.slow
-def test_bench_serve_runs_fp_and_kivi_at_one_budget(tmp_path):
-    assert main(["bench", "serve", "--requests", "4", "--clients", "3", "--budget-gib", "0.05", "--max-seq-len", "256",
-                 "--out", str(tmp_path), "--json"]) == 0
+def test_bench_serve_runs_the_caches_at_one_budget(tmp_path):
+    # A few seconds per cache: static fp, paged fp and static KIVI (paged KIVI where built), the
+    # same stream of short chat-like requests, the same bytes.
+    assert main(["bench", "serve", "--requests", "40", "--budget-gib", "0.02", "--max-seq-len", "256",
+                 "--length-scale", "0.2", "--residual-length", "32", "--duration", "4", "--out", str(tmp_path),
+                 "--json"]) == 0
     result = json.loads((tmp_path / "bench_serve_cpu.json").read_text())
-    fp, kivi = result["rows"]
-    assert kivi["slots"] > fp["slots"] >= 1  # the same bytes hold more KIVI rows
-    assert fp["generated_tokens"] == kivi["generated_tokens"] > 0  # same greedy stream, same lengths
+    by = {r["cache"]: r for r in result["rows"]}
+    assert {"fp", "fp-paged", "kivi"} <= by.keys() and by.keys() | result["skipped"].keys() == {
+        "fp", "fp-paged", "kivi", "kivi-paged"}
+    assert by["kivi"]["rows"] > by["fp"]["rows"] >= 1  # the same bytes hold more KIVI rows
+    assert by["fp-paged"]["rows"] > by["fp"]["rows"]  # and more paged rows: short requests take few pages
+    for r in by.values():
+        assert r["cache_bytes"] <= 0.02 * 2**30 and r["generated_tokens"] > 0 and r["peak_held"] <= r["rows"]
+    assert by["fp-paged"]["peak_pages_used"] <= by["fp-paged"]["pages"]
     assert (tmp_path / "bench_serve_cpu.png").is_file()
 
 
