@@ -3,7 +3,7 @@
 The caches: static fp, paged fp (our vLLM-style paged cache, kivi_ops/paged_fp.py), static KIVI and
 paged KIVI (kivi_ops/paged.py, where built). The budget decides each one's capacity from its exact
 bytes: a static cache gets budget // bytes of a row of max_seq_len tokens rows; a paged cache gets
-rows for 1.5x the sequences of the stream's mean length that the budget holds (so that pages, not
+rows for 1.25x the sequences of the stream's mean length that the budget holds (so that pages, not
 rows, bound it) and the pool of pages that the budget holds after those rows' own state.
 
 Each run drives the serving engine (kivi_models.serve_engine, what `kivi serve` runs) with a closed
@@ -30,7 +30,7 @@ from kivi_models.serve_engine import Engine, Paging, Request
 from .traces import SHAREGPT, chat_lengths
 
 CACHES = ("fp", "fp-paged", "kivi", "kivi-paged")
-ROWS_OVER_MEAN = 1.5  # paged rows per sequence of the mean length the budget holds
+ROWS_OVER_MEAN = 1.25  # paged rows per sequence of the mean length the budget holds
 
 
 def request_stream(tokenizer, n: int, *, max_seq_len: int, seed: int = 0, length_scale: float = 1.0,
@@ -71,9 +71,10 @@ def plan(model, cache: str, *, budget_bytes: float, max_seq_len: int, kivi_confi
     per_row, base = fixed2 - fixed1, 2 * fixed1 - fixed2
     needed = make_paged_cache(model, batch_size=1, num_pages=1, device="meta", **kw).pages_needed
     mean_seq = statistics.fmean(needed(len(p) + n) for p, n in stream) * per_page + per_row
-    rows = max(1, min(max_rows, int(ROWS_OVER_MEAN * (budget_bytes - base) / mean_seq)))
-    pages = int((budget_bytes - base - rows * per_row) // per_page)
     longest = max(needed(len(p) + n) for p, n in stream)
+    affordable = int((budget_bytes - base - longest * per_page) // per_row)  # rows that leave the longest its pages
+    rows = max(1, min(max_rows, affordable, int(ROWS_OVER_MEAN * (budget_bytes - base) / mean_seq)))
+    pages = int((budget_bytes - base - rows * per_row) // per_page)
     if pages < longest:
         raise ValueError(f"--budget-gib {budget_bytes / 2**30:g} leaves {cache} {pages} pages after {rows} rows; the "
                          f"longest request needs {longest}")
