@@ -7,6 +7,7 @@ stays one graph. The openai client runs against uvicorn on 127.0.0.1."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib.util
 import socket
@@ -215,3 +216,40 @@ def test_openai_client_streamed_and_whole_with_preemptions_equals_kivi_generate_
     assert m["kivi_preemptions_total"] > 0 and m["kivi_cache_pages_shared"] == 0, m
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert sum(torch._dynamo.utils.counters["recompiles"].values()) == 0
+
+
+def test_swapped_requests_end_cleanly_on_cancel_timeout_and_abort(tiny):
+    # A pool that holds one request at a time: the second one is preempted, then cancelled; a third
+    # times out while swapped out or waiting; abort ends what is left. Every page comes back.
+    engine = make_engine(tiny, "fp", num_pages=10, page_size=4, slots=2, request_timeout=30)
+    events = collections.defaultdict(list)
+    real_step = engine.step_fn
+
+    def slow(*args, **kwargs):
+        time.sleep(0.01)
+        return real_step(*args, **kwargs)
+
+    engine.step_fn = slow
+    try:
+        ids = engine.tokenizer(PROMPTS[0])["input_ids"]
+        reqs = [Request(prompt_ids=ids, max_tokens=30, temperature=0, emit=lambda k, p, i=i: events[i].append(k))
+                for i in range(3)]
+        for r in reqs[:2]:
+            engine.submit(r)
+        end = time.time() + 30
+        while not engine.stats()["swapped"] and time.time() < end:
+            time.sleep(0.005)
+        assert engine.stats()["swapped"] == 1 and engine.stats()["preemptions"] >= 1
+        engine.cancel(reqs[1])  # the swapped one
+        engine.submit(reqs[2])
+        end = time.time() + 30
+        while not (engine.stats()["swapped"] == 0 and "done" in events[0]) and time.time() < end:
+            time.sleep(0.005)
+        assert "done" in events[0] and reqs[1].saved is None
+        engine.abort("stopping")
+        assert events[2][-1] == "error" or "done" in events[2]
+        s = wait_idle(engine)
+        assert s["pages_used"] == 0 and s["pages_free"] == 10
+        engine.blocks.check()
+    finally:
+        engine.close()
