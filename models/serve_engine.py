@@ -334,6 +334,7 @@ class Engine:
         if self.scheduler is not None and r is not None:
             self.scheduler.finish(r)
             r.saved = None
+            self.table_rows[slot] = (None, -1)  # rewrite this table row before the next step
 
     # ---------------------------------------------------------------- --paged
 
@@ -351,6 +352,7 @@ class Engine:
         for r, pages in plan.preempted:
             slot = self.rows.index(r)
             self.rows[slot] = None
+            self.table_rows[slot] = (None, -1)  # r may come back here with other pages, as many
             r.preemptions += 1
             preempted.append((slot, r, pages))
             log.info("request %s: preempted (swapped out, %d pages)", r.id, len(pages))
@@ -369,7 +371,9 @@ class Engine:
         r.saved = None
 
     def _write_block_table(self) -> None:
-        """Each row's pages into the device block table (only rows that changed; one copy)."""
+        """Each row's pages into the device block table (only rows that changed; one copy). A
+        request's pages only grow while it holds its row, so (request, page count) names a row's
+        content; leaving a row (release, preemption) marks it for a rewrite."""
         changed = False
         with self.lock:
             for slot, r in enumerate(self.rows):

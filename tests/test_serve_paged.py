@@ -253,3 +253,27 @@ def test_swapped_requests_end_cleanly_on_cancel_timeout_and_abort(tiny):
         engine.blocks.check()
     finally:
         engine.close()
+
+
+def test_a_request_back_in_its_old_row_with_as_many_new_pages_gets_its_new_block_table_row(tiny):
+    # The block table row is rewritten when a request comes back, even into the same row with the
+    # same number of pages (other ids): (request, count) alone would look unchanged.
+    engine = make_engine(tiny, "fp", num_pages=12, page_size=4, slots=1)
+    try:
+        r = Request(prompt_ids=engine.tokenizer(PROMPTS[0])["input_ids"], max_tokens=3, temperature=0,
+                    emit=lambda *a: None)
+        engine.table_rows[0] = (r, 2)  # as if r had held row 0 with 2 pages before it was preempted
+        with engine.lock:
+            engine._release(0, None)
+            engine.rows[0] = r
+            engine.blocks.allocate("other", 8)  # pages 0, 1 go elsewhere: r gets 2, 3
+            engine.blocks.allocate(r, 8)
+        engine.table_rows[0] = (None, -1)  # what preemption does to the row it leaves
+        engine._write_block_table()
+        assert engine.cache.block_table[0, :3].tolist() == [2, 3, 12]
+        with engine.lock:
+            engine.rows[0] = None
+            engine.blocks.free(r)
+            engine.blocks.free("other")
+    finally:
+        engine.close()
