@@ -84,6 +84,13 @@ def plan(model, cache: str, *, budget_bytes: float, max_seq_len: int, kivi_confi
 
 def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, requests: list, clients: int,
                duration: float, compile: bool) -> dict:
+    if compile:
+        # Each cache compiles its own step; the earlier caches' compiled code would otherwise stay
+        # on the same function (dynamo then checks their guards first, and torch 2.13 failed with
+        # a KeyError while explaining why they did not match).
+        import torch
+
+        torch._dynamo.reset()
     engine = Engine(model, tokenizer, method=setup["method"], kivi_config=kivi_config, slots=setup["slots"],
                     max_seq_len=max_seq_len, compile=compile, paging=setup["paging"], max_waiting=None)
     engine.eos = set()  # every request generates its drawn length
