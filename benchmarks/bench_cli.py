@@ -56,11 +56,24 @@ def add_bench_parser(sub) -> None:
     wq.add_argument("--batches", type=_int_list_any, default=[1, 4])
     wq.add_argument("--new-tokens", type=positive_int, default=32)
 
-    srv = bsub.add_parser("serve", help="the kivi serve engine, fp vs KIVI at one cache budget, one request stream")
-    srv.add_argument("--budget-gib", type=_positive_float, default=0.1, help="cache bytes for each method's slots")
-    srv.add_argument("--max-seq-len", type=positive_int, default=512, help="tokens per slot")
-    srv.add_argument("--requests", type=positive_int, default=32)
-    srv.add_argument("--clients", type=positive_int, default=24, help="closed-loop clients (concurrent requests)")
+    srv = bsub.add_parser("serve", help="the kivi serve engine: static fp, paged fp, static KIVI-2 and paged KIVI-2 "
+                                        "at one cache budget, one chat-like request stream")
+    srv.add_argument("--budget-gib", type=_positive_float, default=0.25, help="cache bytes of every cache")
+    srv.add_argument("--max-seq-len", type=positive_int, default=2048,
+                     help="tokens per static row, and the most one request may hold in a paged cache")
+    srv.add_argument("--requests", type=positive_int, default=400, help="requests in the stream (more than a run uses)")
+    srv.add_argument("--clients", type=positive_int, default=None,
+                     help="closed-loop clients (default: the most rows any cache gets, so that each can fill up)")
+    srv.add_argument("--duration", type=_positive_float, default=60.0, help="seconds each cache serves the stream")
+    srv.add_argument("--caches", type=_serve_caches, default=None,
+                     help="comma-separated, from fp,fp-paged,kivi,kivi-paged (default: all four)")
+    srv.add_argument("--length-scale", type=_positive_float, default=1.0,
+                     help="multiply the trace's mean prompt and output lengths (ShareGPT: 161 + 338 tokens)")
+    srv.add_argument("--shared-prefix", type=int, default=0,
+                     help="every prompt starts with the same system prompt of this many tokens (e.g. 300)")
+    srv.add_argument("--residual-length", type=positive_int, default=128, help="KIVI's R (G stays 32)")
+    srv.add_argument("--page-size", type=positive_int, default=None,
+                     help="paged KIVI's page size (default: the paged cache's); paged fp uses 16")
     srv.add_argument("--compile", action="store_true", help="compile the decode step (as kivi serve --compile)")
 
     hfg = bsub.add_parser("hf-generate", help="transformers' model.generate(): DynamicCache, quanto's QuantizedCache "
@@ -99,6 +112,17 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
     return value
+
+
+def _serve_caches(text: str) -> list[str]:
+    import argparse
+
+    from .serve_bench import CACHES
+
+    caches = [x for x in text.split(",") if x]
+    if not caches or any(c not in CACHES for c in caches):
+        raise argparse.ArgumentTypeError(f"expected comma-separated caches from {','.join(CACHES)}, got {text!r}")
+    return caches
 
 
 def _int_list_any(text: str) -> list[int]:
@@ -159,6 +183,9 @@ def cmd_bench(args, parser) -> int:
             for row in result["rows"]:
                 row["max_batch_kivi"] = perf.max_batch_for_budget(row["kivi_bytes"], budget)
                 row["max_batch_fp16"] = perf.max_batch_for_budget(row["fp16_bytes"], budget)
+        from .paged_memory import bench_paged_memory
+
+        result["serving"] = bench_paged_memory(args.budget_gib or 40.0)
         name = "bench_memory"
     elif args.bench_command == "attention":
         contexts = args.contexts or ([1024 * 2**i for i in range(8)] if device == "cuda" else [1024, 4096, 16384])
@@ -187,18 +214,24 @@ def cmd_bench(args, parser) -> int:
         from kivi_models import load_model, patch_model
         from kivi_ops import KIVIConfig
 
-        from .serve_bench import bench_serve
+        from .environment import environment
+        from .serve_bench import CACHES, bench_serve
 
         import torch
 
         model, tokenizer = load_model(dtype=torch.float16 if device == "cuda" else torch.float32, device=device)
         patch_model(model)
+        if args.shared_prefix < 0:
+            parser.error(f"--shared-prefix must be >= 0, got {args.shared_prefix}")
         with usage_errors(parser):
             result = bench_serve(model, tokenizer, budget_bytes=args.budget_gib * 2**30, max_seq_len=args.max_seq_len,
-                                 requests=args.requests, clients=args.clients, kivi_config=KIVIConfig(),
-                                 compile=args.compile)
-        result.update(device=device, model="default", compile=args.compile, budget_gib=args.budget_gib)
-        name = f"bench_serve_{device}"
+                                 requests=args.requests, clients=args.clients,
+                                 kivi_config=KIVIConfig(residual_length=args.residual_length), compile=args.compile,
+                                 caches=args.caches or CACHES, duration=args.duration, length_scale=args.length_scale,
+                                 shared_prefix=args.shared_prefix, page_size=args.page_size)
+        result.update(device=device, model="default", compile=args.compile, budget_gib=args.budget_gib,
+                      environment=environment(device))
+        name = f"bench_serve_{device}" + (f"_prefix{args.shared_prefix}" if args.shared_prefix else "")
     elif args.bench_command == "hf-generate":
         import torch
 
@@ -225,6 +258,12 @@ def cmd_bench(args, parser) -> int:
     if args.bench_command == "weight-quant":
         (args.out / f"{name}.md").write_text(perf.weight_quant_markdown(result))
         written = f"{name}.md"
+    elif args.bench_command == "memory":
+        from .paged_memory import paged_memory_markdown
+
+        plot_bench(name, _plot_view(result), args.out / f"{name}.png")
+        (args.out / f"{name}_serving.md").write_text(paged_memory_markdown(result["serving"]))
+        written = f"{name}.png and {name}_serving.md"
     elif args.bench_command == "serve":
         from .serve_bench import plot_serve
 
@@ -296,6 +335,11 @@ def print_table(kind: str, result: dict) -> None:
             print(f"{r['bits']:>4} {r['group_size']:>3} {r['residual_length']:>4} {r['tokens']:>8} "
                   f"{r['kivi_bytes'] / 2**20:>10.1f} {r['theory_bytes'] / 2**20:>12.1f} {r['fp16_bytes'] / 2**20:>10.1f} "
                   f"{r['ratio']:>10.2f}")
+        if "serving" in result:
+            from .paged_memory import paged_memory_markdown
+
+            print()
+            print(paged_memory_markdown(result["serving"]))
     elif kind == "attention":
         print("eager: the kivi op vs SDPA")
         print("tokens  bits   SDPA ms   KIVI ms   speedup" + ("   bandwidth share" if "bandwidth_share" in rows[0] else ""))
@@ -331,13 +375,9 @@ def print_table(kind: str, result: dict) -> None:
 
         print_hf_generate(result)
     elif kind == "serve":
-        print(f"cache budget {result['budget_gib']:g} GiB, {result['max_seq_len']} tokens per slot")
-        print("cache  slots  concurrency  tokens/s  requests/s  TTFT p50 s  TTFT p99 s")
-        for r in rows:
-            print(f"{r['method']:>5} {r['slots']:>6} {r['mean_concurrency']:>12.1f} {r['tokens_per_s']:>9.1f} "
-                  f"{r['requests_per_s']:>11.2f} {r['ttft_p50_s']:>11.2f} {r['ttft_p99_s']:>11.2f}")
-        print(f"KIVI / fp: {result['kivi_over_fp_tokens_per_s']:.2f}x tokens/s, "
-              f"{result['kivi_over_fp_requests_per_s']:.2f}x requests/s")
+        from .serve_bench import serve_markdown
+
+        print(serve_markdown(result))
     else:
         print("batch  context   fp tok/s   KIVI tok/s   KIVI/fp   (median step)")
         for r in rows:

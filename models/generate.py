@@ -55,6 +55,61 @@ def make_cache(model, *, method: str, batch_size: int, max_seq_len: int,
     return cache
 
 
+def make_paged_cache(model, *, method: str, batch_size: int, max_seq_len: int, num_pages: int,
+                     page_size: Optional[int] = None, kivi_config: Optional[KIVIConfig] = None, device=None,
+                     dtype: Optional[torch.dtype] = None):
+    """A paged cache for `model` (patched): "fp" (kivi_ops.paged_fp.PagedFPCache, the vLLM-style
+    baseline) or "kivi" (kivi_ops.paged.PagedKIVICache). batch_size sequence rows, a pool of
+    num_pages pages of page_size tokens per layer (default: 16 for fp, the KIVI layer's default
+    or group_size for KIVI), and a block table wide enough for max_seq_len tokens per sequence.
+    The cache has `pages_needed(num_tokens)`, `block_table`, `num_pages`, `page_size`,
+    `max_pages_per_seq`. Models with sliding-window layers are refused (no paged window layer)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if any(w is not None for w in layer_windows(model)):
+        raise ValueError("--paged: this model has sliding-window layers, which have no paged form; serve it without "
+                         "--paged")
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dims = dict(num_layers=cfg.num_hidden_layers, batch_size=batch_size, num_kv_heads=local_kv_heads(model),
+                head_dim=head_dim, dtype=dtype or model.dtype, device=device or model.device, num_pages=num_pages)
+    if method == "fp":
+        from kivi_ops.paged_fp import DEFAULT_PAGE_SIZE, PagedFPCache
+
+        page_size = page_size or DEFAULT_PAGE_SIZE
+        cache = PagedFPCache(**dims, page_size=page_size, max_pages_per_seq=-(-max_seq_len // page_size))
+    else:
+        try:
+            from kivi_ops import paged
+        except ImportError as e:  # the paged KIVI layer is a separate piece of work
+            raise ValueError(f"--paged --method kivi needs the paged KIVI layer (kivi_ops.paged), which this build "
+                             f"lacks ({e}); use --method fp or serve without --paged") from None
+        kivi_config = kivi_config or KIVIConfig()
+        page_size = page_size or getattr(paged, "DEFAULT_PAGE_SIZE", kivi_config.group_size)
+        rope = {}
+        if kivi_config.pre_rope:
+            inv_freq, scaling = model_rope_frequencies(model)
+            rope = dict(rope_inv_freq=inv_freq, rope_scaling=scaling)
+        cache = paged.PagedKIVICache(kivi_config, **dims, **rope, page_size=page_size,
+                                     max_pages_per_seq=-(-max_seq_len // page_size))
+    if cache.device.type == "cuda":
+        for buf in cache.buffers():
+            torch._dynamo.mark_static_address(buf)
+    return cache
+
+
+def paged_bytes(model, *, method: str, batch_size: int, max_seq_len: int, page_size: Optional[int] = None,
+                kivi_config: Optional[KIVIConfig] = None) -> tuple[int, int]:
+    """(bytes per page of the pool, all layers; bytes of everything else: rows, block table) of a
+    paged cache with batch_size rows, sized exactly on the meta device."""
+    def size(pages):
+        return make_paged_cache(model, method=method, batch_size=batch_size, max_seq_len=max_seq_len, num_pages=pages,
+                                page_size=page_size, kivi_config=kivi_config, device="meta").nbytes()
+
+    one, two = size(1), size(2)
+    return two - one, one - (two - one)
+
+
 def cache_bytes_per_sequence(model, *, method: str, tokens: int, kivi_config: Optional[KIVIConfig] = None) -> int:
     """Exact bytes one sequence of `tokens` costs in a `method` cache (sized on the meta device)."""
     return make_cache(model, method=method, batch_size=1, max_seq_len=tokens, kivi_config=kivi_config,

@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .serve_engine import Engine, Failure, Request, RequestError, context_error, log
+from .serve_engine import Engine, Failure, Request, RequestError, log
 
 
 def _utf8(value: str) -> str:
@@ -247,6 +247,12 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
             ("kivi_cache_bytes", "gauge", "bytes held by the static cache", s["cache_bytes"]),
             ("kivi_generated_tokens_total", "counter", "tokens generated since start", s["generated_tokens"]),
             ("kivi_tokens_per_second", "gauge", "generated tokens per second since start", s["tokens_per_s"]),
+            *((("kivi_cache_pages_used", "gauge", "pages of the pool held by sequences (--paged)", s["pages_used"]),
+               ("kivi_cache_pages_free", "gauge", "pages of the pool free (--paged)", s["pages_free"]),
+               ("kivi_cache_pages_shared", "gauge", "pages held by more than one sequence (--paged)", s["pages_shared"]),
+               ("kivi_requests_swapped", "gauge", "preempted requests waiting in host memory (--paged)", s["swapped"]),
+               ("kivi_preemptions_total", "counter", "requests preempted (swapped out) since start (--paged)",
+                s["preemptions"])) if "pages_used" in s else ()),
         ):
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
@@ -266,8 +272,7 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
         """The refusals known before tokenizing: the server is full or stopping, or the text is too
         long for a slot whatever its tokens."""
         at_least = -(-sum(len(t.encode("utf-8")) for t in texts) // longest_token)
-        refused = engine.admission_error() or context_error(at_least, body.max_tokens, engine.max_seq_len,
-                                                            at_least=True)
+        refused = engine.admission_error() or engine.capacity_error(at_least, body.max_tokens, at_least=True)
         return refused and refusal(refused, chat=isinstance(body, ChatBody))
 
     @app.post("/v1/completions")

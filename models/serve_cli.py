@@ -15,11 +15,20 @@ from .serve_app import LOOPBACK_HOSTS, MAX_REQUEST_BYTES, Server, build_app
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching over the cache)")
     add_model_arguments(s)
-    slots = s.add_mutually_exclusive_group()
-    slots.add_argument("--max-batch", type=positive_int, default=None,
-                       help="cache rows (concurrent requests); default 8 unless --cache-budget-gib")
-    slots.add_argument("--cache-budget-gib", type=float, default=None,
-                       help="as many rows as fit this many GiB of cache (exact bytes per row)")
+    s.add_argument("--max-batch", type=positive_int, default=None,
+                   help="cache rows (concurrent requests); default 8 unless --cache-budget-gib (static), "
+                        f"{PAGED_ROWS} with --paged")
+    s.add_argument("--cache-budget-gib", type=float, default=None,
+                   help="static: as many rows as fit this many GiB of cache (exact bytes per row); --paged: as many "
+                        "pages as fit (exact bytes per page, after the rows' own state)")
+    s.add_argument("--paged", action="store_true",
+                   help="a pool of pages shared by the rows instead of a static row of --max-seq-len tokens per "
+                        "request: admission by free pages, preemption by swapping to host memory (docs/serve.md)")
+    s.add_argument("--num-pages", type=positive_int, default=None,
+                   help="--paged: pages in the pool (per layer); default: as many as --cache-budget-gib holds, else "
+                        "the bytes a static cache of 8 rows would take")
+    s.add_argument("--page-size", type=positive_int, default=None,
+                   help="--paged: tokens per page (fp: default 16, as vLLM; KIVI: a multiple of --group-size)")
     s.add_argument("--max-seq-len", type=positive_int, default=2048,
                    help="tokens per row: prompt + max_tokens of one request (at most the model's context)")
     s.add_argument("--host", default="127.0.0.1")
@@ -67,6 +76,37 @@ def access_settings(args, parser) -> tuple[Optional[str], Optional[tuple[str, ..
     return api_key, tuple(dict.fromkeys((*LOOPBACK_HOSTS, args.host.strip("[]"))))
 
 
+PAGED_ROWS = 32  # --paged: default rows (the pool, not the rows, bounds how many run)
+
+
+def plan_pages(model, args, kivi_config, parser) -> tuple[int, int, int]:
+    """--paged: (rows, pages, exact cache bytes). The pool gets --num-pages, else the pages that
+    --cache-budget-gib holds after the rows' own state (lengths, KIVI's windows, the block table),
+    else the bytes of a static cache of 8 rows."""
+    from .generate import cache_bytes_per_sequence, paged_bytes
+
+    rows = args.max_batch or PAGED_ROWS
+    with usage_errors(parser):
+        per_page, fixed = paged_bytes(model, method=args.method, batch_size=rows, max_seq_len=args.max_seq_len,
+                                      page_size=args.page_size, kivi_config=kivi_config)
+        if args.num_pages is not None:
+            pages = args.num_pages
+        else:
+            if args.cache_budget_gib is not None:
+                if args.cache_budget_gib <= 0:
+                    parser.error(f"--cache-budget-gib must be > 0, got {args.cache_budget_gib}")
+                budget = args.cache_budget_gib * 2**30
+            else:
+                budget = 8 * cache_bytes_per_sequence(model, method=args.method, tokens=args.max_seq_len,
+                                                      kivi_config=kivi_config)
+            pages = int((budget - fixed) // per_page)
+            if pages <= 0:
+                parser.error(f"the cache budget ({budget / 2**30:.4f} GiB) does not hold the state of {rows} rows "
+                             f"({fixed / 2**30:.4f} GiB) and one page ({per_page} bytes); raise --cache-budget-gib or "
+                             "lower --max-batch")
+    return rows, pages, fixed + pages * per_page
+
+
 def plan_slots(model, args, kivi_config, parser) -> tuple[int, int, int]:
     """(slots, bytes per slot, the slots an fp16 cache would get from the same bytes)."""
     from .generate import cache_bytes_per_sequence, make_cache
@@ -89,10 +129,24 @@ def plan_slots(model, args, kivi_config, parser) -> tuple[int, int, int]:
     return slots, per_slot, int(budget // fp16_per_slot)
 
 
+def check_paging_flags(args, parser) -> None:
+    """The flag combinations refused before the model loads."""
+    if args.paged:
+        if args.num_pages is not None and args.cache_budget_gib is not None:
+            parser.error("--num-pages and --cache-budget-gib exclude each other: both size the pool")
+        return
+    if args.max_batch is not None and args.cache_budget_gib is not None:
+        parser.error("argument --cache-budget-gib: not allowed with argument --max-batch (without --paged the "
+                     "budget decides the rows)")
+    for flag in ("num_pages", "page_size"):
+        if getattr(args, flag) is not None:
+            parser.error(f"--{flag.replace('_', '-')} applies only with --paged")
+
+
 def cmd_serve(args, parser) -> int:
     import uvicorn
 
-    from .serve_engine import Engine
+    from .serve_engine import Engine, Paging
 
     kivi_config = kivi_config_from(args, parser)
     device, dtype = device_and_dtype(args, parser)
@@ -100,6 +154,7 @@ def cmd_serve(args, parser) -> int:
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     api_key, allowed_hosts = access_settings(args, parser)
+    check_paging_flags(args, parser)
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     context = model.config.max_position_embeddings
     if args.max_seq_len > context:
@@ -110,14 +165,25 @@ def cmd_serve(args, parser) -> int:
     with usage_errors(parser):
         apply_weight_quant(model, args.weight_quant)
     patch_model(model)
-    slots, per_slot, fp16_slots = plan_slots(model, args, kivi_config, parser)
-    check_memory(slots * per_slot, device, what=f"the cache ({slots} rows x {args.max_seq_len} tokens)")
-    engine = Engine(model, tokenizer, method=args.method, kivi_config=kivi_config, slots=slots,
-                    max_seq_len=args.max_seq_len, compile=args.compile, max_waiting=args.max_waiting,
-                    request_timeout=args.request_timeout)
+    if not args.paged:
+        slots, per_slot, fp16_slots = plan_slots(model, args, kivi_config, parser)
+        nbytes, paging = slots * per_slot, None
+        check_memory(nbytes, device, what=f"the cache ({slots} rows x {args.max_seq_len} tokens)")
+    else:
+        slots, pages, nbytes = plan_pages(model, args, kivi_config, parser)
+        paging = Paging(pages, args.page_size)
+        check_memory(nbytes, device, what=f"the paged cache ({pages} pages, {slots} rows)")
+    with usage_errors(parser):
+        engine = Engine(model, tokenizer, method=args.method, kivi_config=kivi_config, slots=slots,
+                        max_seq_len=args.max_seq_len, compile=args.compile, max_waiting=args.max_waiting,
+                        request_timeout=args.request_timeout, paging=paging)
     name = args.served_model_name or (DEFAULT_NAME if args.model == DEFAULT_MODEL else args.model.rstrip("/").split("/")[-1])
-    log(f"{slots} slots x {args.max_seq_len} tokens, {slots * per_slot / 2**20:.1f} MiB of {args.method} cache "
-        f"(an fp16 cache would hold {fp16_slots} slots in the same bytes)")
+    if paging is None:
+        log(f"{slots} slots x {args.max_seq_len} tokens, {nbytes / 2**20:.1f} MiB of {args.method} cache "
+            f"(an fp16 cache would hold {fp16_slots} slots in the same bytes)")
+    else:
+        log(f"paged: {slots} rows, a pool of {paging.num_pages} pages of {engine.cache.page_size} tokens, "
+            f"{nbytes / 2**20:.1f} MiB of {args.method} cache; a request holds at most {args.max_seq_len} tokens")
     log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API; /health, /metrics)")
     app = build_app(engine, name, max_request_bytes=args.max_request_bytes, api_key=api_key, docs=args.docs,
                     allowed_hosts=allowed_hosts)

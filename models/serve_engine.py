@@ -40,7 +40,10 @@ from typing import Callable, Optional
 
 import torch
 
-from .generate import compile_decode_step, decode_step, make_cache, prefill, sampling_probs
+from kivi_ops.paged_io import copy_sequence, load_sequence, save_sequence
+
+from .block_manager import BlockManager, Scheduler
+from .generate import compile_decode_step, decode_step, make_cache, make_paged_cache, prefill, sampling_probs
 
 log = logging.getLogger("kivi.serve")
 
@@ -98,23 +101,51 @@ class Request:
     submitted_s: float = field(default_factory=time.perf_counter)
     deadline_s: Optional[float] = None  # perf_counter time after which it ends (request_timeout)
     first_token_s: Optional[float] = None
+    saved: Optional[tuple] = None  # --paged, while swapped out: (its page count, its pages and row state on the host)
+    preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class Paging:
+    """`kivi serve --paged`: a pool of num_pages pages of page_size tokens (None: the cache kind's
+    default) per layer instead of a static row of max_seq_len tokens per request."""
+
+    num_pages: int
+    page_size: Optional[int] = None
 
 
 class Engine:
     def __init__(self, model, tokenizer, *, method: str, kivi_config, slots: int, max_seq_len: int,
-                 compile: bool = False, max_waiting: Optional[int] = None, request_timeout: Optional[float] = None):
+                 compile: bool = False, max_waiting: Optional[int] = None, request_timeout: Optional[float] = None,
+                 paging: Optional[Paging] = None):
         """max_waiting: the most requests queued for a slot (None: no bound); beyond it submit()
         refuses with 503. request_timeout: seconds from submit() after which a request, waiting or
-        running, ends with a 504 error (None: none)."""
+        running, ends with a 504 error (None: none). paging: a paged cache (a pool of pages shared
+        by `slots` rows, block_manager.py) instead of static rows of max_seq_len tokens."""
         self.model, self.tokenizer = model, tokenizer
         self.max_waiting, self.request_timeout = max_waiting, request_timeout
         self.draining = False  # set by drain(): new requests are refused
         self.drain_timer: Optional[threading.Timer] = None
         self.slots, self.max_seq_len = slots, max_seq_len
         self.device = model.device
-        self.cache = make_cache(model, method=method, batch_size=slots, max_seq_len=max_seq_len,
-                                kivi_config=kivi_config)
-        self.staging = make_cache(model, method=method, batch_size=1, max_seq_len=max_seq_len, kivi_config=kivi_config)
+        self.scheduler: Optional[Scheduler] = None
+        if paging is None:
+            self.cache = make_cache(model, method=method, batch_size=slots, max_seq_len=max_seq_len,
+                                    kivi_config=kivi_config)
+            self.staging = make_cache(model, method=method, batch_size=1, max_seq_len=max_seq_len,
+                                      kivi_config=kivi_config)
+        else:
+            paged = dict(method=method, max_seq_len=max_seq_len, page_size=paging.page_size, kivi_config=kivi_config)
+            self.cache = make_paged_cache(model, batch_size=slots, num_pages=paging.num_pages, **paged)
+            # The staging cache holds one sequence in pages 0, 1, ...: a prompt is prefilled there,
+            # then its pages and row state are copied into the pages the block manager gave it.
+            width = self.cache.max_pages_per_seq
+            self.staging = make_paged_cache(model, batch_size=1, num_pages=width, **paged)
+            self.staging_table = torch.arange(width, dtype=torch.int32, device=self.device)[None]
+            self.blocks = BlockManager(paging.num_pages, width, self.cache.pages_needed)
+            self.scheduler = Scheduler(self.blocks, slots)
+            self.table = torch.full_like(self.cache.block_table, self.cache.num_pages, device="cpu")
+            self.table_rows: list[tuple[Optional[Request], int]] = [(None, 0)] * slots  # what table[row] holds
         self.step_fn = compile_decode_step(self.device) if compile else decode_step
         # Ready once the decode step has run: with compile, a first step with no request (counts 0:
         # nothing is stored) compiles it before any client waits on it (/health says so).
@@ -138,7 +169,7 @@ class Engine:
         """Queue a request (FIFO). Raises RequestError when it can never fit a slot."""
         if not request.prompt_ids:
             raise RequestError("the prompt is empty (no tokens); give text to continue", param="prompt")
-        if (refused := context_error(len(request.prompt_ids), request.max_tokens, self.max_seq_len)) is not None:
+        if (refused := self.capacity_error(len(request.prompt_ids), request.max_tokens)) is not None:
             raise refused
         if request.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
@@ -149,6 +180,23 @@ class Engine:
                 raise refused
             self.waiting.append(request)
             self.lock.notify()
+
+    def capacity_error(self, prompt_tokens: int, max_tokens: int, *, at_least: bool = False) -> Optional[RequestError]:
+        """The refusal of a request that could never fit: beyond a sequence's max_seq_len, or
+        (paged) needing more pages than the whole pool holds. at_least: prompt_tokens is a lower
+        bound (counted before tokenizing)."""
+        refused = context_error(prompt_tokens, max_tokens, self.max_seq_len, at_least=at_least)
+        if refused is not None or self.scheduler is None:
+            return refused
+        tokens = prompt_tokens + max_tokens
+        if self.blocks.fits(tokens):
+            return None
+        count = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
+        return RequestError(
+            f"the prompt ({count} tokens) + max_tokens ({max_tokens}) needs {self.blocks.pages_needed(tokens)} pages of "
+            f"{self.cache.page_size} tokens, more than the whole pool of {self.blocks.num_pages} pages holds "
+            f"(--num-pages / --cache-budget-gib)", code="context_length_exceeded",
+            param="max_tokens" if self.blocks.fits(prompt_tokens) else "prompt")
 
     def admission_error(self) -> Optional[RequestError]:
         """Why a request arriving now would be refused (503: shutting down, or the queue is full),
@@ -175,9 +223,14 @@ class Engine:
         with self.lock:
             running = sum(r is not None for r in self.rows)
             elapsed = time.perf_counter() - self.started_s
-            return dict(running=running, waiting=len(self.waiting), slots_used=running, slots_free=self.slots - running,
-                        cache_bytes=self.cache.nbytes(), generated_tokens=self.generated_tokens,
-                        tokens_per_s=self.generated_tokens / elapsed if elapsed > 0 else 0.0)
+            stats = dict(running=running, waiting=len(self.waiting), slots_used=running, slots_free=self.slots - running,
+                         cache_bytes=self.cache.nbytes(), generated_tokens=self.generated_tokens,
+                         tokens_per_s=self.generated_tokens / elapsed if elapsed > 0 else 0.0)
+            if self.scheduler is not None:
+                stats.update(pages_used=self.blocks.num_used, pages_free=self.blocks.num_free,
+                             pages_shared=self.blocks.num_shared, preemptions=self.scheduler.preemptions,
+                             swapped=len(self.scheduler.swapped))
+            return stats
 
     def drain(self, timeout: float, message: str = "the server shut down before this request finished") -> None:
         """Refuse new requests from now on; after `timeout` seconds, end the ones still waiting or
@@ -194,11 +247,14 @@ class Engine:
         their handlers answer or close their streams cleanly."""
         with self.lock:
             self.draining = True
-            for r in [*self.waiting, *(r for r in self.rows if r is not None)]:
+            for r in [*self.waiting, *self._swapped(), *(r for r in self.rows if r is not None)]:
                 r.cancelled = True
                 r.emit("error", Failure(503, message, "server_shutting_down"))
             self.waiting.clear()
-            self.rows = [None] * self.slots
+            for slot, r in enumerate(self.rows):
+                self._release(slot, r)
+            if self.scheduler is not None:
+                self.scheduler.finish_all()
             self.lock.notify()
 
     def close(self) -> None:
@@ -226,22 +282,31 @@ class Engine:
         self._warm_up()
         while True:
             with self.lock:
-                while not self.stopping and not self.waiting and not any(self.rows):
+                while not self.stopping and not self.waiting and not any(self.rows) and not self._swapped():
                     self.lock.wait()
                 if self.stopping:
                     return
                 self._drop_cancelled()
                 self._end_overdue()
-                admitted = []
-                for slot in range(self.slots):
-                    if self.rows[slot] is None and self.waiting:
-                        self.rows[slot] = self.waiting.popleft()
-                        admitted.append(slot)
+                preempted, resumed, admitted = [], [], []
+                if self.scheduler is None:
+                    for slot in range(self.slots):
+                        if self.rows[slot] is None and self.waiting:
+                            self.rows[slot] = self.waiting.popleft()
+                            admitted.append(slot)
+                else:
+                    preempted, resumed, admitted = self._schedule_pages()
             try:
                 with torch.inference_mode():
+                    for slot, r, pages in preempted:  # before anything writes the pages they gave back
+                        r.saved = (len(pages), save_sequence(self.cache, slot, pages))
+                    for slot in resumed:
+                        self._resume(slot)
                     if admitted:
                         self._prefill(admitted)
                     if any(r is not None for r in self.rows):
+                        if self.scheduler is not None:
+                            self._write_block_table()
                         self._decode()
             except Exception as e:  # the batched step failed: no single row owns it, so every row ends
                 log.exception("the decode step failed; ending the %d running request(s)", sum(map(bool, self.rows)))
@@ -252,7 +317,74 @@ class Engine:
     def _drop_cancelled(self) -> None:
         for slot, r in enumerate(self.rows):
             if r is not None and r.cancelled:
-                self.rows[slot] = None
+                self._release(slot, r)
+        for r in [r for r in self._swapped() if r.cancelled]:
+            self.scheduler.finish(r)
+            r.saved = None
+
+    def _swapped(self) -> list[Request]:
+        """--paged: preempted requests waiting in host memory (FCFS), else []."""
+        return self.scheduler.swapped if self.scheduler is not None else []
+
+    def _release(self, slot: int, r: Optional[Request]) -> None:
+        """Under the lock: r (finished, failed or cancelled) leaves its row; with --paged its pages
+        go back to the pool at once."""
+        if self.rows[slot] is r:
+            self.rows[slot] = None
+        if self.scheduler is not None and r is not None:
+            self.scheduler.finish(r)
+            r.saved = None
+            self.table_rows[slot] = (None, -1)  # rewrite this table row before the next step
+
+    # ---------------------------------------------------------------- --paged
+
+    def _tokens_after_step(self, r: Request) -> int:
+        """Tokens r's sequence holds after the next decode step: its prompt and every sampled token
+        (the last one is appended by that step); a waiting request's prompt plus its first token."""
+        return len(r.prompt_ids) + max(len(r.tokens), 1)
+
+    def _schedule_pages(self) -> tuple[list, list, list]:
+        """Under the lock: the block manager's round (block_manager.Scheduler). Preempted requests
+        leave their rows (their pages are saved next, before anything else runs), resumed and
+        admitted ones take free rows. Returns ([(row, request, pages saved)], resumed rows, admitted rows)."""
+        plan = self.scheduler.schedule(self.waiting, self._tokens_after_step)
+        preempted = []
+        for r, pages in plan.preempted:
+            slot = self.rows.index(r)
+            self.rows[slot] = None
+            self.table_rows[slot] = (None, -1)  # r may come back here with other pages, as many
+            r.preemptions += 1
+            preempted.append((slot, r, pages))
+            log.info("request %s: preempted (swapped out, %d pages)", r.id, len(pages))
+        rows = []
+        for r in [*plan.resumed, *plan.admitted]:
+            slot = self.rows.index(None)
+            self.rows[slot] = r
+            rows.append(slot)
+        return preempted, rows[:len(plan.resumed)], rows[len(plan.resumed):]
+
+    def _resume(self, slot: int) -> None:
+        """Bring a swapped-out request back into row `slot` and the pages it was given (any ids)."""
+        r = self.rows[slot]
+        count, state = r.saved
+        load_sequence(self.cache, slot, self.blocks.table(r)[:count], state)
+        r.saved = None
+
+    def _write_block_table(self) -> None:
+        """Each row's pages into the device block table (only rows that changed; one copy). A
+        request's pages only grow while it holds its row, so (request, page count) names a row's
+        content; leaving a row (release, preemption) marks it for a rewrite."""
+        changed = False
+        with self.lock:
+            for slot, r in enumerate(self.rows):
+                pages = self.blocks.tables.get(r, []) if r is not None else []
+                if self.table_rows[slot] != (r, len(pages)):
+                    self.table[slot].fill_(self.cache.num_pages)
+                    self.table[slot, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+                    self.table_rows[slot] = (r, len(pages))
+                    changed = True
+        if changed:
+            self.cache.block_table.copy_(self.table)
 
     def _end_overdue(self) -> None:
         """Requests past their deadline (request_timeout), waiting or running, end with a 504."""
@@ -260,6 +392,10 @@ class Engine:
         overdue = lambda r: r.deadline_s is not None and now > r.deadline_s  # noqa: E731
         for r in [r for r in self.waiting if overdue(r)]:
             self.waiting.remove(r)
+            r.emit("error", self._timed_out())
+        for r in [r for r in self._swapped() if overdue(r)]:
+            self.scheduler.finish(r)
+            r.saved = None
             r.emit("error", self._timed_out())
         for slot, r in enumerate(self.rows):
             if r is not None and overdue(r):
@@ -274,10 +410,16 @@ class Engine:
             r = self.rows[slot]
             try:
                 self.staging.reset()
+                if self.scheduler is not None:
+                    self.staging.block_table.copy_(self.staging_table)
                 input_ids = torch.tensor([r.prompt_ids], device=self.device)
                 counts = torch.tensor([len(r.prompt_ids)], device=self.device)
                 logits = prefill(self.model, self.staging, input_ids, counts)
-                self.cache.load_row(slot, self.staging)
+                if self.scheduler is None:
+                    self.cache.load_row(slot, self.staging)
+                else:
+                    n = self.cache.pages_needed(len(r.prompt_ids))
+                    copy_sequence(self.cache, slot, self.blocks.table(r)[:n], self.staging, 0, range(n))
             except Exception as e:
                 log.exception("request %s: the prefill failed", r.id)
                 self._fail(slot, r, f"the prefill failed: {type(e).__name__}: {e}")
@@ -304,7 +446,8 @@ class Engine:
         for row_logits, slot, ok in zip(logits, slots, finite):
             r = self.rows[slot]
             if r is None or r.cancelled:
-                self.rows[slot] = None
+                with self.lock:
+                    self._release(slot, r)
                 continue
             if not ok:
                 log.error("request %s: non-finite logits at %s", r.id, where)
@@ -331,7 +474,7 @@ class Engine:
         if reason is not None:
             r.emit("done", reason)
             with self.lock:
-                self.rows[slot] = None
+                self._release(slot, r)
 
     def _sample(self, logits: torch.Tensor, r: Request) -> int:
         if r.temperature == 0:
@@ -364,5 +507,4 @@ class Engine:
         """End one request with an error and free its row (its cache row is reloaded at the next admission)."""
         r.emit("error", Failure(status, message, code))
         with self.lock:
-            if self.rows[slot] is r:
-                self.rows[slot] = None
+            self._release(slot, r)

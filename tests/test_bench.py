@@ -116,14 +116,21 @@ def test_results_default_to_the_current_directory(tmp_path, monkeypatch, capsys)
     assert {p: p.stat().st_mtime_ns for p in RESULTS_DIR.iterdir()} == before
 
 
-@pytest.mark.slow
-def test_bench_serve_runs_fp_and_kivi_at_one_budget(tmp_path):
-    assert main(["bench", "serve", "--requests", "4", "--clients", "3", "--budget-gib", "0.05", "--max-seq-len", "256",
-                 "--out", str(tmp_path), "--json"]) == 0
+def test_bench_serve_runs_the_caches_at_one_budget(tmp_path):
+    # A few seconds per cache: static fp, paged fp and static KIVI (paged KIVI where built), the
+    # same stream of short chat-like requests, the same bytes.
+    assert main(["bench", "serve", "--requests", "40", "--budget-gib", "0.02", "--max-seq-len", "256",
+                 "--length-scale", "0.2", "--residual-length", "32", "--duration", "4", "--out", str(tmp_path),
+                 "--json"]) == 0
     result = json.loads((tmp_path / "bench_serve_cpu.json").read_text())
-    fp, kivi = result["rows"]
-    assert kivi["slots"] > fp["slots"] >= 1  # the same bytes hold more KIVI rows
-    assert fp["generated_tokens"] == kivi["generated_tokens"] > 0  # same greedy stream, same lengths
+    by = {r["cache"]: r for r in result["rows"]}
+    assert {"fp", "fp-paged", "kivi"} <= by.keys() and by.keys() | result["skipped"].keys() == {
+        "fp", "fp-paged", "kivi", "kivi-paged"}
+    assert by["kivi"]["rows"] > by["fp"]["rows"] >= 1  # the same bytes hold more KIVI rows
+    assert by["fp-paged"]["rows"] > by["fp"]["rows"]  # and more paged rows: short requests take few pages
+    for r in by.values():
+        assert r["cache_bytes"] <= 0.02 * 2**30 and r["generated_tokens"] > 0 and r["peak_held"] <= r["rows"]
+    assert by["fp-paged"]["peak_pages_used"] <= by["fp-paged"]["pages"]
     assert (tmp_path / "bench_serve_cpu.png").is_file()
 
 
@@ -149,3 +156,22 @@ def test_hf_generate_bench_times_every_cache_through_model_generate():
     for cache in result["caches"]:  # two rounds: the reported run is the faster one
         assert len(row[cache]["rounds_tokens_per_s"]) == 2
         assert row[cache]["tokens_per_s"] == max(row[cache]["rounds_tokens_per_s"])
+
+
+def test_bench_memory_serving_table_holds_the_issues_numbers(tmp_path):
+    # Exact bytes, 40 GiB: KIVI-2 static rows of 4K / 8K hold 91 / 49 Llama-2-7B sequences, paged
+    # fp16 about 160 chat sequences; paged KIVI-2 (where built) holds more than paged fp16.
+    from benchmarks.paged_memory import bench_paged_memory
+
+    result = bench_paged_memory(40, chat_samples=2000)
+    held = {(r["shape"], r["workload"], r["cache"]): r["sequences"] for r in result["rows"]}
+    assert held[("llama2-7b", "chat", "KIVI-2 static 4K rows")] == 91
+    assert held[("llama2-7b", "chat", "KIVI-2 static 8K rows")] == 49
+    assert 150 <= held[("llama2-7b", "chat", "fp16 paged")] <= 175
+    assert held[("llama2-7b", 2048, "fp16 paged")] == 39  # 2048 tokens x 512 KiB + the block-table row
+    assert held[("llama2-7b", 8192, "fp16 static 4K rows")] is None  # a 4K row cannot hold 8K tokens
+    assert held[("llama3-8b", 2048, "fp16 paged")] == 159  # 8 KV heads: 4x the 7B shape's
+    if result["paged_kivi"] == "exact":
+        assert held[("llama2-7b", "chat", "KIVI-2 paged")] > 2 * held[("llama2-7b", "chat", "fp16 paged")]
+    assert main(["bench", "memory", "--contexts", "4096", "--out", str(tmp_path)]) == 0
+    assert "| llama3-8b | chat | fp16 paged |" in (tmp_path / "bench_memory_serving.md").read_text()

@@ -193,6 +193,11 @@ def test_serve_usage_errors(tiny_dir, capsys):
     for argv, message in ((["--port", "0"], "--port must be in 1..65535"),
                           (["--max-seq-len", "100"], "exceeds the model's context of 64 tokens"),
                           (["--cache-budget-gib", "0.000001", "--max-seq-len", "32"], "does not hold one row"),
-                          (["--max-batch", "2", "--cache-budget-gib", "1"], "not allowed with argument")):
+                          (["--max-batch", "2", "--cache-budget-gib", "1"], "not allowed with argument"),
+                          (["--num-pages", "4"], "--num-pages applies only with --paged"),
+                          (["--page-size", "8"], "--page-size applies only with --paged"),
+                          (["--paged", "--num-pages", "4", "--cache-budget-gib", "1"], "exclude each other"),
+                          (["--paged", "--method", "fp", "--cache-budget-gib", "0.000001", "--max-seq-len", "32"],
+                           "does not hold the state of 32 rows")):
         code, _, err = run(["serve", "--model", str(tiny_dir), *argv], capsys)
         assert code == 2 and message in err, (argv, err)

@@ -1,0 +1,80 @@
+"""Moving one sequence of a paged cache: to host memory and back (preemption by swapping), or from
+one paged cache into another (a server prefills in a batch-1 staging cache, then copies).
+
+Works on any paged cache whose layers expose `page_tensors()` (dim 0 = page id) and
+`row_tensors()` (dim 0 = row): the paged fp cache (paged_fp.py) and the paged KIVI cache. A
+sequence is its pages (in block-table order) plus its row state (lengths, the full-precision
+window, ...); both are copied bit for bit, so a sequence swapped out and back, into other pages
+and another row, continues exactly as if it had never left. The block table itself is the
+caller's: it writes the new page ids into the destination row.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+HostSequence = dict[tuple[int, str, str], torch.Tensor]  # (layer, "page" | "row", name) -> host copy
+
+
+def _index(pages: Sequence[int], device) -> torch.Tensor:
+    return torch.tensor(list(pages), dtype=torch.long, device=device)
+
+
+def _parts(cache):
+    for i, layer in enumerate(cache.layers):
+        yield i, "page", layer.page_tensors()
+        yield i, "row", layer.row_tensors()
+
+
+def save_sequence(cache, row: int, pages: Sequence[int]) -> HostSequence:
+    """Host copies of row `row`'s pages (in this order) and row state (pinned memory on CUDA)."""
+    out: HostSequence = {}
+    idx = _index(pages, cache.device)
+    pin = cache.device.type == "cuda"
+    for i, kind, tensors in _parts(cache):
+        for name, t in tensors.items():
+            src = t.index_select(0, idx) if kind == "page" else t[row]
+            host = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+            host.copy_(src, non_blocking=pin)
+            out[(i, kind, name)] = host
+    if pin:
+        torch.cuda.current_stream(cache.device).synchronize()
+    return out
+
+
+def load_sequence(cache, row: int, pages: Sequence[int], saved: HostSequence) -> None:
+    """Write a saved sequence back: its pages into `pages` (as many as were saved, in order) and
+    its row state into row `row`."""
+    idx = _index(pages, cache.device)
+    for i, kind, tensors in _parts(cache):
+        for name, t in tensors.items():
+            src = saved[(i, kind, name)]
+            if kind == "page":
+                if src.shape[0] != len(pages):
+                    raise ValueError(f"load_sequence: {len(pages)} page ids for a sequence saved with {src.shape[0]} pages")
+                t.index_copy_(0, idx, src.to(t.device, non_blocking=True))
+            else:
+                t[row].copy_(src, non_blocking=True)
+
+
+def copy_sequence(dst, dst_row: int, dst_pages: Sequence[int], src, src_row: int, src_pages: Sequence[int]) -> None:
+    """Make row dst_row of `dst` a copy of row src_row of `src` (a paged cache of the same kind and
+    settings, any batch size and pool size): src_pages[j] is copied into dst_pages[j]."""
+    if len(dst_pages) != len(src_pages):
+        raise ValueError(f"copy_sequence: {len(dst_pages)} destination pages for {len(src_pages)} source pages")
+    if len(dst.layers) != len(src.layers):
+        raise ValueError("copy_sequence needs caches with the same layers")
+    dst_idx, src_idx = _index(dst_pages, dst.device), _index(src_pages, src.device)
+    for (i, kind, mine), (_, _, theirs) in zip(_parts(dst), _parts(src)):
+        if mine.keys() != theirs.keys():
+            raise ValueError(f"copy_sequence: layer {i} holds {sorted(mine)} here and {sorted(theirs)} in the source")
+        for name, t in mine.items():
+            s = theirs[name]
+            if t.shape[1:] != s.shape[1:]:
+                raise ValueError(f"copy_sequence: layer {i} {name} has shape {list(s.shape)}, here {list(t.shape)}")
+            if kind == "page":
+                t.index_copy_(0, dst_idx, s.index_select(0, src_idx))
+            else:
+                t[dst_row].copy_(s[src_row])

@@ -1,0 +1,169 @@
+"""The block manager and scheduler of `kivi serve --paged` (kivi_models/block_manager.py), without a
+model: allocation, freeing, reference counts, preemption order, FCFS resumption, no starvation."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+
+from kivi_models.block_manager import BlockManager, NoFreePages, Scheduler
+
+PS = 4
+
+
+def pages(n: int) -> int:
+    return -(-n // PS)
+
+
+def manager(num_pages=8, width=6) -> BlockManager:
+    return BlockManager(num_pages, width, pages)
+
+
+def test_allocate_grows_a_table_and_free_returns_every_page():
+    b = manager()
+    assert b.allocate("a", 5) == [0, 1] and b.table("a") == [0, 1]
+    assert b.allocate("a", 8) == [] and b.allocate("a", 9) == [2]  # grows only when a page fills
+    assert b.allocate("b", 1) == [3]
+    assert (b.num_used, b.num_free, b.num_shared) == (4, 4, 0)
+    assert b.free("a") == [0, 1, 2] and b.num_free == 7
+    assert b.allocate("c", 12) == [4, 5, 6]  # the free queue is FIFO: freed pages go to the back
+    b.check()
+    assert b.free("unknown") == []
+
+
+def test_limits_name_themselves_and_change_nothing():
+    b = manager(num_pages=8, width=6)
+    with pytest.raises(ValueError, match="max_pages_per_seq"):
+        b.allocate("a", 25)  # 7 pages > the table width
+    b.allocate("a", 24)
+    with pytest.raises(NoFreePages, match="3 pages needed, 2 free"):
+        b.allocate("b", 12)
+    assert b.table("b") == [] and b.num_free == 2
+    assert b.fits(24) and not b.fits(25) and b.max_pages == 6
+    assert not manager(num_pages=3, width=6).fits(13)  # the pool, not the table, is the limit there
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="num_pages"):
+            BlockManager(bad, 4, pages)
+    b.check()
+
+
+def test_reference_counts_keep_a_shared_page_until_its_last_holder_frees_it():
+    b = manager()
+    b.allocate("a", 8)
+    b.tables["b"] = b.table("a")[:1]  # what prefix sharing does: b holds a's first page too
+    b.refs[b.tables["b"][0]] += 1
+    assert b.num_shared == 1
+    b.check()
+    assert b.free("a") == [0, 1] and b.num_free == 7  # page 0 is still held by b
+    assert b.free("b") == [0] and b.num_free == 8
+    b.check()
+
+
+class Seq:
+    """A request as the scheduler sees it: tokens held after the next decode step."""
+
+    def __init__(self, name, prompt, max_tokens):
+        self.name, self.prompt, self.max_tokens, self.generated = name, prompt, max_tokens, 0
+
+    def tokens(self):
+        return self.prompt + max(self.generated, 1)
+
+    def __repr__(self):
+        return self.name
+
+
+def simulate(num_pages, rows, seqs, width=64, max_rounds=10_000, arrivals=None):
+    """Run the scheduler like the engine: each round schedule, then every running sequence decodes
+    one token; finished ones leave. arrivals: {name: round it arrives} (default 0). Returns the
+    event log and the scheduler."""
+    blocks = BlockManager(num_pages, width, pages)
+    sched = Scheduler(blocks, rows)
+    arrivals = arrivals or {}
+    later = [s for s in seqs if arrivals.get(s.name, 0) > 0]
+    waiting = collections.deque(s for s in seqs if s not in later)
+    log = []
+    for round_ in range(max_rounds):
+        for s in [s for s in later if arrivals[s.name] == round_]:
+            waiting.append(s)
+            later.remove(s)
+        if not (waiting or sched.running or sched.swapped or later):
+            break
+        plan = sched.schedule(waiting, Seq.tokens)
+        log += [("preempt", s.name) for s, _ in plan.preempted]
+        log += [("resume", s.name) for s in plan.resumed] + [("admit", s.name) for s in plan.admitted]
+        for s in sched.running:  # every running sequence holds the pages its next token needs
+            assert len(blocks.table(s)) >= pages(s.tokens()), (s, blocks.table(s))
+        assert len(sched.running) <= rows
+        blocks.check()
+        for s in list(sched.running):
+            s.generated += 1
+            if s.generated >= s.max_tokens:
+                sched.finish(s)
+                log.append(("done", s.name))
+    else:
+        raise AssertionError(f"did not finish: {log[-20:]}")
+    assert blocks.num_free == num_pages
+    return log, sched
+
+
+def test_the_most_recent_request_is_preempted_and_comes_back_before_new_admissions():
+    # 6 pages of 4 tokens. a (prompt 7) and b (prompt 7) hold 2 pages each; c (prompt 3) holds 1.
+    # As they grow, the pool runs out: c (the most recent) goes first, then b if a still lacks room.
+    a, b, c, d = Seq("a", 7, 12), Seq("b", 7, 6), Seq("c", 3, 10), Seq("d", 2, 2)
+    log, sched = simulate(6, 4, [a, b, c, d], arrivals={"d": 3})  # d arrives once the pool is full
+    assert log.index(("preempt", "c")) < log.index(("done", "b"))
+    first_preempted = [e for e in log if e[0] == "preempt"][0]
+    assert first_preempted == ("preempt", "c")
+    # d (waiting) is not admitted while c is swapped out: c resumes first.
+    assert log.index(("resume", "c")) < log.index(("admit", "d"))
+    assert sched.preemptions >= 1
+
+
+def test_the_oldest_request_always_progresses_even_if_it_must_preempt_everyone():
+    a, b, c = Seq("a", 4, 16), Seq("b", 4, 3), Seq("c", 4, 3)
+    log, _ = simulate(5, 3, [a, b, c])  # a alone needs all 5 pages by its end
+    assert ("preempt", "a") not in log
+    assert [e for e in log if e[0] == "done"][-1] in (("done", "a"), ("done", "b"), ("done", "c"))
+
+
+def test_a_request_that_alone_needs_the_whole_pool_preempts_itself_only_when_it_is_the_newest():
+    # b arrives second and grows faster than a: b, the newest, is preempted, never a.
+    a, b = Seq("a", 4, 10), Seq("b", 12, 10)
+    log, _ = simulate(6, 2, [a, b])
+    assert ("preempt", "a") not in log and ("preempt", "b") in log
+
+
+def test_fcfs_admission_head_of_line_blocks_smaller_requests_behind_it():
+    # big needs 4 free pages; small ones behind it must not overtake it (no starvation of big).
+    hog, big, small = Seq("hog", 12, 6), Seq("big", 15, 2), Seq("small", 1, 2)
+    log, _ = simulate(6, 4, [hog, big, small])
+    assert log.index(("admit", "big")) < log.index(("admit", "small"))
+
+
+def test_a_random_workload_finishes_with_the_pool_intact_and_every_request_done():
+    rng = random.Random(0)
+    for trial in range(20):
+        seqs = [Seq(f"s{i}", rng.randint(1, 20), rng.randint(1, 20)) for i in range(rng.randint(1, 12))]
+        num_pages = max(pages(s.prompt + s.max_tokens) for s in seqs) + rng.randint(0, 6)
+        log, _ = simulate(num_pages, rng.randint(1, 6), seqs)
+        assert sorted(e[1] for e in log if e[0] == "done") == sorted(s.name for s in seqs), trial
+        admitted = [e[1] for e in log if e[0] == "admit"]
+        assert admitted == [s.name for s in seqs], "admission is FCFS"
+
+
+def test_finish_of_a_swapped_request_forgets_it():
+    blocks = manager(num_pages=3)
+    sched = Scheduler(blocks, 2)
+    a, b = Seq("a", 4, 9), Seq("b", 4, 9)
+    sched.schedule(collections.deque([a, b]), Seq.tokens)  # a: 2 pages, b: 1 page? b needs 2: waits
+    assert sched.running == [a]
+    a.generated = 8
+    sched.finish(a)
+    q = collections.deque([b])
+    sched.schedule(q, Seq.tokens)
+    assert sched.running == [b] and not q
+    sched.finish(b)
+    sched.finish(b)  # twice is harmless
+    assert blocks.num_free == 3 and not sched.swapped

@@ -1,0 +1,279 @@
+"""`kivi serve --paged`: the engine over a paged cache (a pool of pages, block_manager.py) on a tiny
+random Llama with the embedded model's tokenizer (a step takes milliseconds; EOS off, so every
+request runs to max_tokens). A pool too small for the load forces preemptions (swap to host and
+back): greedy outputs still equal an uninterrupted run token for token, and `kivi generate`'s text;
+pages come back; a request that could never fit gets a 400 naming the limit; the compiled step
+stays one graph. The openai client runs against uvicorn on 127.0.0.1."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import importlib.util
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from kivi_models import generate, make_cache, patch_model
+from kivi_models.serve_app import build_app
+from kivi_models.serve_engine import Engine, Paging, Request, RequestError
+from kivi_ops import KIVIConfig
+
+NAME = "tiny"
+CONFIG = KIVIConfig(group_size=4, residual_length=8)
+MAX_SEQ_LEN = 96
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time",
+           "The three primary colors are"]
+LENGTHS = [30, 22, 26, 18, 24]
+HAS_PAGED_KIVI = importlib.util.find_spec("kivi_ops.paged") is not None
+METHODS = ["fp", pytest.param("kivi", marks=pytest.mark.skipif(not HAS_PAGED_KIVI, reason="kivi_ops.paged not built"))]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from kivi_models.loading import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=256)).eval()
+    return patch_model(model), tokenizer
+
+
+def make_engine(tiny, method, num_pages, page_size=None, slots=4, **options) -> Engine:
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, method=method, kivi_config=CONFIG, slots=slots, max_seq_len=MAX_SEQ_LEN,
+                    paging=Paging(num_pages, page_size), **options)
+    engine.eos = set()
+    return engine
+
+
+def complete_all(engine, prompts, lengths, stagger=0.0) -> list[list[int]]:
+    """Submit greedy requests (stagger seconds apart) and wait for them: each one's token ids."""
+    tokenizer = engine.tokenizer
+    done = [threading.Event() for _ in prompts]
+    reqs = []
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        def emit(kind, payload, i=i):
+            if kind == "error":
+                raise AssertionError(f"request {i} failed: {payload}")
+            if kind == "done":
+                done[i].set()
+        reqs.append(Request(prompt_ids=tokenizer(p)["input_ids"], max_tokens=n, temperature=0, emit=emit))
+    for r in reqs:
+        engine.submit(r)
+        time.sleep(stagger)
+    for i, d in enumerate(done):
+        assert d.wait(120), f"request {i} never finished: {engine.stats()}"
+    return [r.tokens for r in reqs]
+
+
+def alone(tiny, method, prompt: str, max_tokens: int) -> list[int]:
+    """`kivi generate`: the prompt alone in a static batch-1 cache, greedy."""
+    model, tokenizer = tiny
+    ids = tokenizer(prompt)["input_ids"]
+    cache = make_cache(model, method=method, batch_size=1, max_seq_len=len(ids) + max_tokens, kivi_config=CONFIG)
+    return generate(model, [ids], max_new_tokens=max_tokens, cache=cache).tokens[0]
+
+
+def wait_idle(engine, timeout=10.0) -> dict:
+    end = time.time() + timeout
+    while time.time() < end:
+        s = engine.stats()
+        if s["slots_used"] == 0 and s["waiting"] == 0 and s["swapped"] == 0:
+            return s
+        time.sleep(0.01)
+    raise AssertionError(f"never idle: {engine.stats()}")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_preempted_requests_give_the_tokens_of_an_uninterrupted_run(tiny, method):
+    page = 4 if method == "fp" else CONFIG.group_size
+    roomy = make_engine(tiny, method, num_pages=200, page_size=page)
+    try:
+        want = complete_all(roomy, PROMPTS, LENGTHS)
+        assert roomy.stats()["preemptions"] == 0
+    finally:
+        roomy.close()
+    # 5 requests of 23-37 tokens in 4 rows, a pool of 16 pages of 4 tokens (64 tokens): it runs out.
+    small = make_engine(tiny, method, num_pages=16 if method == "fp" else 8, page_size=page)
+    try:
+        got = complete_all(small, PROMPTS, LENGTHS)
+        stats = wait_idle(small)
+    finally:
+        small.close()
+    assert stats["preemptions"] > 0, stats
+    assert got == want  # swapping out and back changes no bit: the same greedy tokens
+    assert stats["pages_used"] == 0 and stats["pages_free"] == small.blocks.num_pages
+    small.blocks.check()
+    for prompt, n, tokens in zip(PROMPTS, LENGTHS, got):
+        assert tokens == alone(tiny, method, prompt, n), prompt
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_request_that_could_never_fit_the_pool_is_refused_naming_the_limit(tiny, method):
+    engine = make_engine(tiny, method, num_pages=4, page_size=8)
+    try:
+        ids = engine.tokenizer(PROMPTS[0])["input_ids"]
+        # The pool holds 32 tokens (fp) or 32 quantized tokens plus the window (KIVI).
+        big = min(m for m in range(1, MAX_SEQ_LEN) if not engine.blocks.fits(len(ids) + m))
+        assert len(ids) + big == (33 if method == "fp" else 40)  # KIVI: 40 // R * R = 40 quantized tokens: 5 pages
+        with pytest.raises(RequestError, match=r"more than the whole pool of 4 pages.*--num-pages") as e:
+            engine.submit(Request(prompt_ids=ids, max_tokens=big, emit=lambda *a: None))
+        assert e.value.status == 400 and e.value.param == "max_tokens" and e.value.code == "context_length_exceeded"
+        with pytest.raises(RequestError, match="pool of 4 pages") as e:
+            engine.submit(Request(prompt_ids=list(range(5, 80)), max_tokens=1, emit=lambda *a: None))
+        assert e.value.param == "prompt"
+    finally:
+        engine.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(engine):
+    import uvicorn
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 300
+    while not (srv.started and engine.ready.is_set()):
+        assert time.time() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
+def metrics(url) -> dict:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_openai_client_streamed_and_whole_with_preemptions_equals_kivi_generate_one_compiled_graph(tiny, method):
+    from openai import OpenAI
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    engine = make_engine(tiny, method, num_pages=16 if method == "fp" else 8, page_size=4 if method == "fp" else 4,
+                         compile=True)
+    _, tokenizer = tiny
+    results = {}
+    try:
+        with serving(engine) as url:
+            c = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+            def ask(i):
+                time.sleep(0.05 * i)
+                if i % 2:
+                    parts = c.completions.create(model=NAME, prompt=PROMPTS[i], max_tokens=LENGTHS[i], temperature=0,
+                                                 stream=True)
+                    results[i] = "".join(p.choices[0].text for p in parts)
+                else:
+                    results[i] = c.completions.create(model=NAME, prompt=PROMPTS[i], max_tokens=LENGTHS[i],
+                                                      temperature=0).choices[0].text
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=180)
+            m = metrics(url)
+            # a request that could never fit: a 400 naming the limit, and the server keeps serving
+            r = httpx.post(f"{url}/v1/completions", timeout=30,
+                           json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": MAX_SEQ_LEN - 10})
+            assert r.status_code == 400 and "--num-pages" in r.json()["error"]["message"], r.text
+            # a client that hangs up mid-stream gives its pages back
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                              json={"model": NAME, "prompt": PROMPTS[1], "max_tokens": 40, "stream": True}) as s:
+                next(s.iter_lines())
+            end = time.time() + 30
+            while (m2 := metrics(url))["kivi_cache_pages_used"] and time.time() < end:
+                time.sleep(0.05)
+            assert m2["kivi_cache_pages_used"] == 0 and m2["kivi_cache_pages_free"] == engine.blocks.num_pages
+    finally:
+        engine.close()
+    assert len(results) == len(PROMPTS)
+    for i, text in results.items():
+        want = tokenizer.decode(alone(tiny, method, PROMPTS[i], LENGTHS[i]), skip_special_tokens=True)
+        assert text == want, PROMPTS[i]
+    assert m["kivi_preemptions_total"] > 0 and m["kivi_cache_pages_shared"] == 0, m
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert sum(torch._dynamo.utils.counters["recompiles"].values()) == 0
+
+
+def test_swapped_requests_end_cleanly_on_cancel_timeout_and_abort(tiny):
+    # A pool that holds one request at a time: the second one is preempted, then cancelled; a third
+    # times out while swapped out or waiting; abort ends what is left. Every page comes back.
+    engine = make_engine(tiny, "fp", num_pages=10, page_size=4, slots=2, request_timeout=30)
+    events = collections.defaultdict(list)
+    real_step = engine.step_fn
+
+    def slow(*args, **kwargs):
+        time.sleep(0.01)
+        return real_step(*args, **kwargs)
+
+    engine.step_fn = slow
+    try:
+        ids = engine.tokenizer(PROMPTS[0])["input_ids"]
+        reqs = [Request(prompt_ids=ids, max_tokens=30, temperature=0, emit=lambda k, p, i=i: events[i].append(k))
+                for i in range(3)]
+        for r in reqs[:2]:
+            engine.submit(r)
+        end = time.time() + 30
+        while not engine.stats()["swapped"] and time.time() < end:
+            time.sleep(0.005)
+        assert engine.stats()["swapped"] == 1 and engine.stats()["preemptions"] >= 1
+        engine.cancel(reqs[1])  # the swapped one
+        engine.submit(reqs[2])
+        end = time.time() + 30
+        while not (engine.stats()["swapped"] == 0 and "done" in events[0]) and time.time() < end:
+            time.sleep(0.005)
+        assert "done" in events[0] and reqs[1].saved is None
+        engine.abort("stopping")
+        assert events[2][-1] == "error" or "done" in events[2]
+        s = wait_idle(engine)
+        assert s["pages_used"] == 0 and s["pages_free"] == 10
+        engine.blocks.check()
+    finally:
+        engine.close()
+
+
+def test_a_request_back_in_its_old_row_with_as_many_new_pages_gets_its_new_block_table_row(tiny):
+    # The block table row is rewritten when a request comes back, even into the same row with the
+    # same number of pages (other ids): (request, count) alone would look unchanged.
+    engine = make_engine(tiny, "fp", num_pages=12, page_size=4, slots=1)
+    try:
+        r = Request(prompt_ids=engine.tokenizer(PROMPTS[0])["input_ids"], max_tokens=3, temperature=0,
+                    emit=lambda *a: None)
+        engine.table_rows[0] = (r, 2)  # as if r had held row 0 with 2 pages before it was preempted
+        with engine.lock:
+            engine._release(0, None)
+            engine.rows[0] = r
+            engine.blocks.allocate("other", 8)  # pages 0, 1 go elsewhere: r gets 2, 3
+            engine.blocks.allocate(r, 8)
+        engine.table_rows[0] = (None, -1)  # what preemption does to the row it leaves
+        engine._write_block_table()
+        assert engine.cache.block_table[0, :3].tolist() == [2, 3, 12]
+        with engine.lock:
+            engine.rows[0] = None
+            engine.blocks.free(r)
+            engine.blocks.free("other")
+    finally:
+        engine.close()
