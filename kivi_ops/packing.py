@@ -109,6 +109,10 @@ def nearest_level(normalized: torch.Tensor, levels: torch.Tensor) -> torch.Tenso
     levels 0..2^B-1 give the uniform codes, ties included. The Triton kernels count midpoints the
     same way (triton_quant.py)."""
     midpoints = (levels[1:] + levels[:-1]) / 2
+    if torch.compiler.is_compiling():
+        # Traced (compile, export): the same count of midpoints at or below each value, as a
+        # comparison and a sum, core ATen ops (bucketize is not, and ExecuTorch refuses it).
+        return (midpoints.to(normalized.device) <= normalized[..., None]).sum(-1)
     return torch.bucketize(normalized.contiguous(), midpoints.to(normalized.device), right=True)
 
 

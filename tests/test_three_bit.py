@@ -122,3 +122,83 @@ def test_config_and_cache_at_three_bits():
     assert names["k_codes"] is lay.k_codes and lay.k_codes.is_contiguous()
     with pytest.raises(ValueError, match="k_bits=3 packs 8 codes per word"):
         KIVIConfig(3, 2, 4, 128)
+
+
+# ---------------------------------------------------------------- a 3-bit cache in a model: compiled, exported
+
+# A tiny random Llama (head_dim 16, 2 layers) whose prompt + 20 new tokens cross four key windows
+# (G = R = 8): eager decode runs the compiled-per-op CPU forms, compile traces the decomposed forms
+# inline, pt2 / AOTInductor keep the kivi ops (their CPU kernel: the reference), ONNX / ExecuTorch
+# run the portable core-ATen forms. Greedy tokens must be the eager generation's.
+PROMPT_IDS = [1, 5, 9, 17, 33, 2, 41]
+NEW_TOKENS = 20
+LEVELS3 = ((0.0, 0.8, 2.1, 3.0, 3.9, 5.2, 6.1, 7.0),)
+
+
+def _tiny_config(options: str) -> KIVIConfig:
+    if options == "plain":
+        return KIVIConfig(3, 3, group_size=8, residual_length=8)
+    if options == "k3v2":
+        return KIVIConfig(3, 2, group_size=8, residual_length=8)
+    # nuq3 + pre-RoPE + 10% dense-and-sparse + a sink + OTT outliers in both layers
+    return KIVIConfig(3, 3, group_size=8, residual_length=8, pre_rope=True, sparse_outliers=0.1, sink_tokens=1,
+                      outlier_tokens=2, outlier_skip_layers=0, key_levels=LEVELS3 * 2, value_levels=LEVELS3 * 2)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import AutoTokenizer
+
+    from kivi_models import patch_model
+    from kivi_models.loading import default_model_dir
+    from tiny_models import tiny_llama
+
+    model = patch_model(tiny_llama(hidden_size=64, intermediate_size=128))
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
+    return model, tokenizer
+
+
+def _eager_tokens(model, config, step_fn=None):
+    from kivi_models.generate import decode_step, generate, make_cache
+
+    cache = make_cache(model, method="kivi", batch_size=1, max_seq_len=32, kivi_config=config)
+    with torch.no_grad():
+        result = generate(model, [PROMPT_IDS], max_new_tokens=NEW_TOKENS, cache=cache, step_fn=step_fn or decode_step)
+    return result.tokens[0]
+
+
+# make test: the plain cache (the fused decode form) compiled, and a pt2 and an ONNX export with
+# every option; the rest (about a minute each) in make test-slow.
+@pytest.mark.parametrize("options", ["plain", pytest.param("every-option", marks=pytest.mark.slow)])
+def test_compiled_generation_equals_eager(tiny, options):
+    from kivi_models.generate import compile_decode_step
+
+    model, _ = tiny
+    config = _tiny_config(options)
+    assert _eager_tokens(model, config, compile_decode_step(torch.device("cpu"))) == _eager_tokens(model, config)
+
+
+@pytest.mark.parametrize("fmt,options", [
+    ("pt2", "plain"), ("pt2", "every-option"), ("onnx", "every-option"), ("pt2", "k3v2"),
+    pytest.param("onnx", "plain", marks=pytest.mark.slow),
+    *(pytest.param(f, o, marks=pytest.mark.slow) for f in ("aoti", "pte") for o in ("plain", "every-option"))])
+def test_export_equals_generate(tiny, fmt, options, tmp_path):
+    from kivi_export.exporter import export_decoder
+    from kivi_export.runtime import load_exported
+    from kivi_models.generate import generation_loop
+
+    if fmt == "pte":
+        pytest.importorskip("executorch.runtime")
+    model, tokenizer = tiny
+    config = _tiny_config(options)
+    want = _eager_tokens(model, config)
+    export_decoder(model, tokenizer, tmp_path / fmt, fmt=fmt, model_name="tiny", kivi_config=config, batch_size=1,
+                   max_seq_len=32)
+    meta, _, step = load_exported(tmp_path / fmt)
+    assert (meta.config_summary()["kivi"]["k_bits"], meta.config_summary()["kivi"]["v_bits"]) == (config.k_bits,
+                                                                                                  config.v_bits)
+    result = generation_loop(
+        lambda input_ids, counts: step(input_ids, torch.zeros_like(counts), counts),
+        lambda tokens, positions: step(tokens[:, None], positions, torch.ones_like(positions)),
+        [PROMPT_IDS], max_new_tokens=NEW_TOKENS, device="cpu")
+    assert result.tokens[0] == want and len(want) == NEW_TOKENS
