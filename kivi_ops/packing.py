@@ -187,8 +187,8 @@ def unpack_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
     b = packed.to(torch.int32)
     if word_bytes(bits) == 1:
         return b
-    p = b.unflatten(-1, (3, packed.shape[-1] // 3))
-    return p[..., 0, :] + p[..., 1, :] * 256 + p[..., 2, :] * 65536
+    nw = packed.shape[-1] // 3
+    return b[..., :nw] + b[..., nw : 2 * nw] * 256 + b[..., 2 * nw :] * 65536
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -202,6 +202,17 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return q.reshape(*words.shape[:-1], words.shape[-1] * per).to(torch.uint8)
 
 
+def three_bit_codes_float(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """fp32 codes of 3-bit rows [..., 3 * NW] stacked at dim (-1: [..., NW, 8]; -2: [..., 8, NW]):
+    the byte planes reassembled into 24-bit words in fp32 (exact) and code i = floor(w / 2^3i) -
+    8 floor(w / 2^(3i+3)) (exact: powers of two). Core ATen, vectorizable float arithmetic."""
+    nw = packed.shape[-1] // 3
+    b = packed.float()
+    w = b[..., :nw] + b[..., nw : 2 * nw] * 256.0 + b[..., 2 * nw :] * 65536.0
+    return torch.stack([torch.floor(w * 2.0 ** (-3 * i)) - 8.0 * torch.floor(w * 2.0 ** (-3 * i - 3))
+                        for i in range(8)], dim)
+
+
 @functools.lru_cache(maxsize=None)
 def _unpack_table(bits: int, device: str) -> torch.Tensor:
     """[256, 8/B] float32: the codes held by each possible byte (one-byte words)."""
@@ -212,9 +223,10 @@ def _unpack_table(bits: int, device: str) -> torch.Tensor:
 
 def unpack_float(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """unpack(packed, bits).float(), as one table lookup per byte (3x faster on CPU); 3-bit words
-    (24 bits, no table) by shifts."""
+    (24 bits, no table) in fp32 arithmetic (three_bit_codes_float)."""
     if word_bytes(bits) > 1:
-        return unpack(packed, bits).float()
+        codes = three_bit_codes_float(packed, -1)
+        return codes.reshape(*codes.shape[:-2], codes.shape[-2] * 8)
     codes = F.embedding(packed.long(), _unpack_table(bits, str(packed.device)))
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * codes_per_byte(bits))
 

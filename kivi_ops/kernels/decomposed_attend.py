@@ -27,7 +27,8 @@ from torch import Tensor
 
 from ..extras import apply_key_outliers, apply_value_outliers, key_outliers_per_window
 from ..layout import LayerTensors, QuantParams
-from ..packing import code_values, codes_per_word, dequantize_float, saturate, token_group_size, unpack_words
+from ..packing import (code_values, codes_per_word, dequantize_float, saturate, three_bit_codes_float, token_group_size,
+                       unpack_words)
 from ..pool import pool_attention_scores, pooled_mask_dense
 from ..rope import rope_at
 from .decomposed_append import mod_nonneg
@@ -49,6 +50,11 @@ def unpack_codes_float(packed: Tensor, bits: int) -> Tensor:
     # and core ATen ops the ONNX and ExecuTorch exporters take (shifts are not core ATen). This is
     # the form the exports use; the Inductor decode path (unpack_codes_ij) keeps the shifts it
     # vectorizes. 3-bit words are reassembled from their byte planes first (packing.unpack_words).
+    if bits == 3:
+        # In floats (packing.three_bit_codes_float): the integer division form of the other widths
+        # compiles to code 10-17x slower at 3 bits (S = 4096, D = 64: 15 ms vs 0.9-1.5 ms).
+        q = three_bit_codes_float(packed, -1)
+        return q.reshape(*q.shape[:-2], q.shape[-2] * per)
     w = unpack_words(packed, bits)
     q = torch.stack([torch.remainder(torch.div(w, 2 ** (i * bits), rounding_mode="floor"), 2**bits)
                      for i in range(per)], -1)
@@ -66,8 +72,19 @@ def unpack_codes_ij(packed: Tensor, bits: int) -> Tensor:
     """packed uint8 [..., D*bits/8] -> fp32 codes [..., per, D/per]: [..., i, j] is channel j*per + i
     (per = codes_per_word(bits))."""
     per = codes_per_word(bits)
+    if bits == 3 and packed.shape[-1] // 3 < FLOAT_UNPACK_BELOW_WORDS:
+        # Fewer words a row than a vector has lanes (D < 128): Inductor's loop over them runs on
+        # masked part-vectors, where the integer shifts cost 3-4x the float form below (fused
+        # decode at D = 64, 4K tokens: ~7 ms vs ~2.4 ms; at D = 128 the shifts win, ~1.1 vs ~5 ms;
+        # lab/three_bit_packing.py). Exact: 24-bit words are exact in fp32.
+        return three_bit_codes_float(packed, -2)
     shifts = torch.arange(per, device=packed.device, dtype=torch.int32)[:, None] * bits
     return (torch.bitwise_right_shift(unpack_words(packed, bits)[..., None, :], shifts) & (2**bits - 1)).float()
+
+
+# Inductor's CPU vectors hold 16 fp32 lanes (AVX-512); 3-bit rows of fewer words unpack in floats.
+FLOAT_UNPACK_BELOW_WORDS = 16
+
 
 
 def to_ij_order(x: Tensor, per: int) -> Tensor:
