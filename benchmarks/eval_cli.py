@@ -48,7 +48,7 @@ def add_eval_parser(sub) -> None:
                     help="`kivi calibrate` levels for the 'KIVI-2 + nuq2' row (default: the embedded model's, "
                          "benchmarks/results/nuq_levels_smollm2.json)")
     tb.add_argument("--kvquant-levels", type=Path, default=None, metavar="PATH",
-                    help="`kivi calibrate --pre-rope --sparse-outliers 0.01 --bits 2,4` levels for the KVQuant rows "
+                    help="`kivi calibrate --pre-rope --sparse-outliers 0.01 --bits 2,3,4` levels for the KVQuant rows "
                          "(default: the embedded model's, benchmarks/results/nuq_levels_smollm2_prerope_sparse1.json)")
     tb.add_argument("--windows", type=positive_int, default=None, help="perplexity windows (default 4; --quick 2)")
     tb.add_argument("--window", type=positive_int, default=None, help="tokens per window (default 1024; --quick 256)")
@@ -167,7 +167,8 @@ def cmd_table(args, parser) -> int:
     from .quality_table import Levels, kvquant_rows, run_table
 
     args.device, args.dtype = "cpu", None
-    levels = Levels(**{name: path for name, path in (("plain", args.nuq_levels), ("full", args.kvquant_levels)) if path})
+    levels = Levels(**{name: path for name, path in (("plain", args.nuq_levels), ("full", args.kvquant_levels),
+                                                     ("full3", args.kvquant_levels)) if path})
     with usage_errors(parser, ValueError, OSError):
         kvquant_rows(levels)  # reads the levels files: a missing or wrong one fails before the model loads
     plain, patched, tokenizer = _load(args, parser, patched=True, plain=True)

@@ -50,6 +50,10 @@ class Levels:
     --kvquant-levels` name another model's."""
     plain: Path = Path(__file__).resolve().parent / "results" / "nuq_levels_smollm2.json"
     full: Path = Path(__file__).resolve().parent / "results" / "nuq_levels_smollm2_prerope_sparse1.json"
+    # The KVQuant-3 rows' nuq3 levels: a later calibration (`--bits 2,3,4`, the same settings; its
+    # 2- and 4-bit levels differ from `full`'s in the last digits, so the KVQuant-2/4 rows keep
+    # `full`'s). `kivi eval table --kvquant-levels` sets both to its file.
+    full3: Path = Path(__file__).resolve().parent / "results" / "nuq_levels_smollm2_prerope_sparse1_nuq234.json"
 
 
 def _levels(file: Path, bits: int, **settings) -> dict:
@@ -76,6 +80,7 @@ def standard_rows(quick: bool, levels: Levels = Levels()) -> list[Row]:
                 + [Row("KIVI-2 (G=32, R=32)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 32))])
     rows = [Row("16-bit", "baseline", "fp")] + fake_rows(quick) + [
         Row("KIVI-4 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(4, 4, 32, 128)),
+        Row("KIVI-3 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(3, 3, 32, 128)),
         Row("KIVI-2 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 128)),
     ]
     rows += [Row(f"KIVI-2 G={g} (R=128)", "group size", "kivi", kivi=KIVIConfig(2, 2, g, 128)) for g in (32, 64, 128)]
@@ -102,6 +107,25 @@ def kvquant_rows(levels: Levels = Levels()) -> list[Row]:
                             **_levels(levels.full, 2, **full)), levels_file=FULL),
         Row("KVQuant-4: pre-RoPE + nuq4 + 1% (G=32, R=128)", "kvquant", "kivi",
             kivi=KIVIConfig(4, 4, 32, 128, **full, **_levels(levels.full, 4, **full)), levels_file=FULL),
+    ] + kvquant3_rows(levels)
+
+
+def kvquant3_rows(levels: Levels = Levels()) -> list[Row]:
+    """KVQuant's main setting, 3 bits (pre-RoPE, nuq3, 1% dense-and-sparse), with and without an
+    attention sink; skipped when the levels file has no 3-bit levels (`kivi calibrate --bits 2,3,4`)."""
+    full = dict(pre_rope=True, sparse_outliers=0.01)
+    try:
+        levels3 = _levels(levels.full3, 3, **full)
+    except ValueError as e:
+        if "not 3" not in str(e):
+            raise
+        print(f"  skipping the KVQuant-3 rows: {e}", file=sys.stderr, flush=True)
+        return []
+    return [
+        Row("KVQuant-3: pre-RoPE + nuq3 + 1% (G=32, R=128)", "kvquant", "kivi",
+            kivi=KIVIConfig(3, 3, 32, 128, **full, **levels3), levels_file=levels.full3.name),
+        Row("KVQuant-3 + sink 1 (G=32, R=128)", "kvquant", "kivi",
+            kivi=KIVIConfig(3, 3, 32, 128, sink_tokens=1, **full, **levels3), levels_file=levels.full3.name),
     ]
 
 
@@ -125,6 +149,7 @@ def passkey_rows(quick: bool, levels: Levels = Levels()) -> list[Row]:
         return [Row("16-bit", "baseline", "fp"), Row("KIVI-2 (G=32, R=32)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 32))]
     return [Row("16-bit", "baseline", "fp"),
             Row("KIVI-4 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(4, 4, 32, 128)),
+            Row("KIVI-3 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(3, 3, 32, 128)),
             Row("KIVI-2 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 128)),
             *[r for r in extension_rows() if "G=128" not in r.name and "OTT-2 + sink" not in r.name],
             *[r for r in kvquant_rows(levels) if r.name.startswith("KVQuant")]]
@@ -149,6 +174,31 @@ def cache_bytes(patched_model, row: Row, tokens: int) -> dict:
     cache = make_cache(patched_model, method=row.method, batch_size=1, max_seq_len=tokens, kivi_config=row.kivi,
                        device="meta", dtype=torch.float16)
     return dict(tokens=tokens, **cache.nbytes_by_kind(), total=cache.nbytes(), fp16=cache.fp16_nbytes())
+
+
+def llama2_7b_bytes(row: Row, tokens: int) -> dict:
+    """One sequence of `tokens` in this row's cache at Llama-2-7B's attention shape (32 layers, 32
+    KV heads, head_dim 128; kivi bench memory's), fp16, exact (sized on the meta device), against an
+    fp16 cache. The per-layer constants follow the row: its nuq levels (its first layer's, in each
+    of the 32 layers) and, for pre-RoPE keys, Llama-2's RoPE frequencies (base 10000)."""
+    from dataclasses import replace
+
+    from kivi_ops import KIVICache, fp16_cache_nbytes
+
+    from .perf import LLAMA2_7B
+
+    fp16 = fp16_cache_nbytes(batch_size=1, num_tokens=tokens, **LLAMA2_7B)
+    if row.method == "fp":
+        return dict(tokens=tokens, total=fp16, fp16=fp16)
+    cfg, n = row.kivi, LLAMA2_7B["num_layers"]
+    if cfg.has_nuq:
+        cfg = replace(cfg, key_levels=(cfg.key_levels[0],) * n, value_levels=(cfg.value_levels[0],) * n)
+    rope = {}
+    if cfg.pre_rope:
+        D = LLAMA2_7B["head_dim"]
+        rope = dict(rope_inv_freq=1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D), rope_scaling=1.0)
+    cache = KIVICache(cfg, batch_size=1, max_seq_len=tokens, dtype=torch.float16, device="meta", **LLAMA2_7B, **rope)
+    return dict(tokens=tokens, total=cache.nbytes(), fp16=fp16)
 
 
 def run_table(plain_model, patched_model, tokenizer, *, quick: bool, out_dir: Path, window: int, windows: int,
@@ -188,10 +238,13 @@ def run_table(plain_model, patched_model, tokenizer, *, quick: bool, out_dir: Pa
                                     config=row.config_record(), **res))
     bytes_results = [dict(name=row.name, contexts=[cache_bytes(patched_model, row, n) for n in BYTES_CONTEXTS])
                      for row in filter(runnable, selected(standard_rows(quick, levels), only)) if row.method != "fake"]
+    llama_results = [dict(name=row.name, contexts=[llama2_7b_bytes(row, n) for n in BYTES_CONTEXTS])
+                     for row in filter(runnable, selected(standard_rows(quick, levels), only)) if row.method != "fake"]
     report = dict(
         model=model, quick=quick, corpus="pydoc_data.topics", window=window, windows=int(wins.shape[0]), chunk=chunk,
         passkey_lengths=passkey_lengths, passkey_trials=passkey_trials, seed=seed, rows=only,
-        perplexity=ppl_results, passkey=passkey_results, cache_bytes=bytes_results, runtime_s=time.perf_counter() - started,
+        perplexity=ppl_results, passkey=passkey_results, cache_bytes=bytes_results,
+        cache_bytes_llama2_7b=llama_results, runtime_s=time.perf_counter() - started,
         environment=environment(),
     )
     write_outputs(report, out_dir)
@@ -220,6 +273,15 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['name']} | " + " | ".join(
                 f"{c['total']:,} ({c['full']:,} + {c['window']:,}) | {c['fp16'] / c['total']:.2f}x"
                 for c in r["contexts"]) + " |")
+    if report.get("cache_bytes_llama2_7b"):
+        contexts = [c["tokens"] for c in report["cache_bytes_llama2_7b"][0]["contexts"]]
+        lines += ["", "Cache bytes per sequence at Llama-2-7B's shape (32 layers, 32 KV heads, head_dim 128; fp16, "
+                  "exact)", "",
+                  "| configuration | " + " | ".join(f"{n // 1024}K: bytes | vs fp16" for n in contexts) + " |",
+                  "| --- |" + " --- | --- |" * len(contexts)]
+        for r in report["cache_bytes_llama2_7b"]:
+            lines.append(f"| {r['name']} | " + " | ".join(f"{c['total']:,} | {c['fp16'] / c['total']:.2f}x"
+                                                         for c in r["contexts"]) + " |")
     lines += ["", f"Runtime {report['runtime_s'] / 60:.1f} min; torch {report['environment']['torch']}, "
               f"{report['environment']['threads']} threads, git {str(report['environment']['git_sha'])[:10]}"]
     return "\n".join(lines) + "\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_AXES = ("channel", "token")
 # Triton block shapes must be powers of two, so group sizes are too.
 SUPPORTED_GROUP_SIZES = (4, 8, 16, 32, 64, 128, 256)
@@ -22,6 +22,16 @@ def check_bits(name: str, bits: int) -> None:
 def check_group_size(name: str, group_size: int) -> None:
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in SUPPORTED_GROUP_SIZES:
         raise ValueError(f"{name} must be one of {SUPPORTED_GROUP_SIZES}, got {group_size!r}")
+
+
+def check_word_groups(name: str, bits: int, group_size: int) -> None:
+    """A value group (group_size channels, or the whole head when smaller) must hold whole packed
+    words: 3-bit words hold 8 codes (packing.py), so 3 bits needs group_size >= 8."""
+    per = 8 if bits == 3 else 8 // bits
+    if group_size % per:
+        raise ValueError(f"{name}={bits} packs {per} codes per word (8 codes per 3 bytes), so group_size must be "
+                         f"a multiple of {per} (one of {tuple(g for g in SUPPORTED_GROUP_SIZES if g % per == 0)}), "
+                         f"got group_size={group_size}")
 
 
 def _check_level_tables(name: str, tables, bits: int) -> None:
@@ -45,7 +55,9 @@ def check_axis(axis: str) -> None:
 class KIVIConfig:
     """How the KV cache is quantized (KIVI, Section 3 and Algorithm 1).
 
-    k_bits / v_bits: 2 or 4 (KIVI-2 / KIVI-4); 8 is a near-lossless baseline.
+    k_bits / v_bits: 2 or 4 (KIVI-2 / KIVI-4), 3 (KVQuant's main setting: 8 codes per 3 bytes,
+        packing.py; needs group_size >= 8 so a value group holds whole packed words); 8 is a
+        near-lossless baseline.
     group_size (G): keys are quantized per channel in groups of G tokens; values per token
         in groups of min(G, head_dim) channels.
     residual_length (R): the most recent tokens kept in full precision. Keys accumulate in a
@@ -92,6 +104,8 @@ class KIVIConfig:
         check_bits("k_bits", self.k_bits)
         check_bits("v_bits", self.v_bits)
         check_group_size("group_size", self.group_size)
+        for name in ("k_bits", "v_bits"):
+            check_word_groups(name, getattr(self, name), self.group_size)
         r = self.residual_length
         if isinstance(r, bool) or not isinstance(r, int) or r <= 0 or r % self.group_size:
             raise ValueError(

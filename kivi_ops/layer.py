@@ -23,7 +23,7 @@ from . import dispatch
 from .config import KIVIConfig
 from .kernels.reference import check_capacity, materialize_block
 from .layout import LayerTensors, QuantParams
-from .packing import FLOAT_DTYPES, codes_per_byte
+from .packing import FLOAT_DTYPES, packed_bytes
 from .rope import rope_at
 from .step import DECODE, Step
 
@@ -269,11 +269,11 @@ class KIVILayer(CacheLayer):
         gv = config.value_group_size(D)
         RR = min(R, S)  # residual slot of token t is t % R < S: a cache shorter than R needs S slots
         for name, shape, dt in (
-            ("k_codes", (B, H, S, D // codes_per_byte(config.k_bits)), torch.uint8),
+            ("k_codes", (B, H, S, packed_bytes(D, config.k_bits)), torch.uint8),
             ("k_scale", (B, H, math.ceil(S / G), D), dtype),
             ("k_zero", (B, H, math.ceil(S / G), D), dtype),
             ("k_res", (B, H, RR, D), dtype),
-            ("v_codes", (B, H, S, D // codes_per_byte(config.v_bits)), torch.uint8),
+            ("v_codes", (B, H, S, packed_bytes(D, config.v_bits)), torch.uint8),
             ("v_scale", (B, H, S, D // gv), dtype),
             ("v_zero", (B, H, S, D // gv), dtype),
             ("v_res", (B, H, RR, D), dtype),

@@ -26,7 +26,8 @@ from . import dispatch
 from .config import check_axis, check_bits, check_group_size
 from .extras import check_extras
 from .layout import APPEND_MUTATES, REQUIRED_TENSORS, LayerTensors, QuantParams
-from .packing import FLOAT_DTYPES, codes_per_byte, quantize_pack_reference, token_group_size, unpack_dequantize_reference
+from .packing import (FLOAT_DTYPES, codes_per_word, packed_bytes, quantize_pack_reference, token_group_size,
+                      unpack_dequantize_reference, word_bytes)
 
 
 def check_quantize_args(x: Tensor, bits: int, group_size: int, axis: str) -> None:
@@ -42,8 +43,8 @@ def check_quantize_args(x: Tensor, bits: int, group_size: int, axis: str) -> Non
     # shapes below; a zero-size head dim has no channel to group or pack and is an error.
     if D == 0:
         raise ValueError(f"x's last dim (head dim) must be positive, got D=0 (shape {tuple(x.shape)})")
-    if D % codes_per_byte(bits):
-        raise ValueError(f"x's last dim D={D} must be a multiple of {codes_per_byte(bits)} to pack {bits}-bit codes")
+    if D % codes_per_word(bits):
+        raise ValueError(f"x's last dim D={D} must be a multiple of {codes_per_word(bits)} to pack {bits}-bit codes")
     if axis == "channel" and T % group_size:
         raise ValueError(
             f"axis='channel' groups {group_size} consecutive tokens: x's token dim T={T} must be a "
@@ -51,6 +52,9 @@ def check_quantize_args(x: Tensor, bits: int, group_size: int, axis: str) -> Non
         )
     if axis == "token" and D % token_group_size(group_size, D):
         raise ValueError(f"axis='token' needs head dim D={D} to be a multiple of group_size={group_size}")
+    if axis == "token" and token_group_size(group_size, D) % codes_per_word(bits):
+        raise ValueError(f"axis='token' at {bits} bits packs {codes_per_word(bits)} codes per word: group_size="
+                         f"{group_size} must be a multiple of {codes_per_word(bits)} (a group holds whole words)")
 
 
 def _group_shape(shape, group_size: int, axis: str):
@@ -73,7 +77,7 @@ def quantize_pack(x: Tensor, bits: int, group_size: int, axis: str) -> tuple[Ten
 def _(x, bits, group_size, axis):
     check_quantize_args(x, bits, group_size, axis)
     *lead, T, D = x.shape
-    codes = x.new_empty((*lead, T, D // codes_per_byte(bits)), dtype=torch.uint8)
+    codes = x.new_empty((*lead, T, packed_bytes(D, bits)), dtype=torch.uint8)
     gshape = _group_shape(x.shape, group_size, axis)
     return codes, x.new_empty(gshape), x.new_empty(gshape)
 
@@ -98,7 +102,10 @@ def check_dequantize_args(codes: Tensor, scale: Tensor, zero: Tensor, bits: int,
         raise ValueError(f"codes' last dim must be positive (a zero-size head dim), got shape {tuple(codes.shape)}")
     if scale.dtype not in FLOAT_DTYPES or zero.dtype != scale.dtype:
         raise ValueError(f"scale and zero must share a float dtype, got {scale.dtype} and {zero.dtype}")
-    D = codes.shape[-1] * codes_per_byte(bits)
+    if codes.shape[-1] % word_bytes(bits):
+        raise ValueError(f"codes' last dim must be a multiple of {word_bytes(bits)} (bytes of a packed {bits}-bit "
+                         f"word), got shape {tuple(codes.shape)}")
+    D = codes.shape[-1] // word_bytes(bits) * codes_per_word(bits)
     expected = _group_shape((*codes.shape[:-1], D), group_size, axis)
     if tuple(scale.shape) != expected or tuple(zero.shape) != expected:
         raise ValueError(
@@ -116,7 +123,8 @@ def unpack_dequantize(codes: Tensor, scale: Tensor, zero: Tensor, bits: int, gro
 @unpack_dequantize.register_fake
 def _(codes, scale, zero, bits, group_size, axis):
     check_dequantize_args(codes, scale, zero, bits, group_size, axis)
-    return codes.new_empty((*codes.shape[:-1], codes.shape[-1] * codes_per_byte(bits)), dtype=scale.dtype)
+    D = codes.shape[-1] // word_bytes(bits) * codes_per_word(bits)
+    return codes.new_empty((*codes.shape[:-1], D), dtype=scale.dtype)
 
 
 @unpack_dequantize.register_kernel("cuda")

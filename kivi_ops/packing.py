@@ -30,11 +30,21 @@ Groups:
     axis="token"   (values): G consecutive channels of one token (G clipped to D).
                              x [..., T, D] -> scale/zero [..., T, D/G]
 
-Packed layout (both axes): codes are packed along the channel (last) dimension into uint8,
-8/B codes per byte, little end first:
-    byte[..., t, j] = sum_i q[..., t, j * (8/B) + i] << (i * B)      for i in [0, 8/B)
+Packed layout (both axes): codes are packed along the channel (last) dimension into uint8
+"words" of WB bytes holding P codes each, little end first:
+    word[..., t, j] = sum_i q[..., t, j * P + i] << (i * B)           for i in [0, P)
+    B = 2, 4, 8: WB = 1 byte, P = 8/B codes; the byte is the word.
+    B = 3:       WB = 3 bytes, P = 8 codes (24 bits, no padding), stored plane-major: with
+                 NW = D/8 words per token, byte [p * NW + j] = (word[j] >> 8p) & 255 (p = 0, 1, 2),
+                 so each of the three planes is a contiguous run of NW bytes.
 so codes have shape [..., T, D * B / 8]. Packing along channels for both axes gives keys and
 values one layout: a token's row is contiguous, and the cache appends tokens as rows.
+
+Why 8 codes per 3 bytes for B = 3 (docs/cache.md, "3-bit codes"): exactly 3 bits per code at every
+head_dim that is a multiple of 8 (10 codes per int32 would spend 3.5 bits at D = 64 and 3.25 at
+D = 128, and its 10 codes per word are not a power of two, which Triton tiles need); unpacking a
+word is three byte loads (contiguous vectors, thanks to the planes), two shifts and two ors, then
+one shift and one mask per code, the same per-code work as 2 and 4 bits.
 """
 
 from __future__ import annotations
@@ -47,7 +57,27 @@ import torch.nn.functional as F
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def codes_per_word(bits: int) -> int:
+    """Codes in one packed word (module doc): 8/B for B = 2, 4, 8; 8 for B = 3."""
+    return 8 if bits == 3 else 8 // bits
+
+
+def word_bytes(bits: int) -> int:
+    """Bytes of one packed word: 3 for B = 3 (8 codes), else 1."""
+    return 3 if bits == 3 else 1
+
+
+def packed_bytes(head_dim: int, bits: int) -> int:
+    """Bytes of one token's packed row of head_dim codes (head_dim a multiple of codes_per_word)."""
+    return head_dim // codes_per_word(bits) * word_bytes(bits)
+
+
 def codes_per_byte(bits: int) -> int:
+    """Codes per byte of the one-byte-word widths (2, 4, 8); 3-bit words span 3 bytes (use
+    codes_per_word / word_bytes / packed_bytes)."""
+    if bits == 3:
+        raise ValueError("3-bit codes pack 8 per 3 bytes, not a whole number per byte: use "
+                         "codes_per_word(3) = 8 and word_bytes(3) = 3 (kivi_ops.packing)")
     return 8 // bits
 
 
@@ -79,6 +109,10 @@ def nearest_level(normalized: torch.Tensor, levels: torch.Tensor) -> torch.Tenso
     levels 0..2^B-1 give the uniform codes, ties included. The Triton kernels count midpoints the
     same way (triton_quant.py)."""
     midpoints = (levels[1:] + levels[:-1]) / 2
+    if torch.compiler.is_compiling():
+        # Traced (compile, export): the same count of midpoints at or below each value, as a
+        # comparison and a sum, core ATen ops (bucketize is not, and ExecuTorch refuses it).
+        return (midpoints.to(normalized.device) <= normalized[..., None]).sum(-1)
     return torch.bucketize(normalized.contiguous(), midpoints.to(normalized.device), right=True)
 
 
@@ -127,7 +161,7 @@ def dequantize_codes(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, d
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [..., D] (each < 2^bits) -> packed uint8 [..., D * bits / 8]."""
-    per = codes_per_byte(bits)
+    per = codes_per_word(bits)
     if per == 1:
         return q.contiguous()
     q = q.reshape(*q.shape[:-1], q.shape[-1] // per, per).to(torch.int32)
@@ -137,29 +171,62 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     packed = q[..., per - 1]
     for i in range(per - 2, -1, -1):
         packed = packed * 2**bits + q[..., i]
-    return packed.to(torch.uint8)
+    if word_bytes(bits) == 1:
+        return packed.to(torch.uint8)
+    # 3-bit: 24-bit words split into three byte planes [..., 3, NW] (module doc), with division
+    # and remainder (core ATen, exact on int32).
+    planes = torch.stack([torch.remainder(packed, 256),
+                          torch.remainder(torch.div(packed, 256, rounding_mode="floor"), 256),
+                          torch.div(packed, 65536, rounding_mode="floor")], -2)
+    return planes.reshape(*packed.shape[:-1], 3 * packed.shape[-1]).to(torch.uint8)
+
+
+def unpack_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """packed uint8 [..., D * bits / 8] -> int32 words [..., D / codes_per_word(bits)] (module doc):
+    the bytes themselves, or for 3 bits the three planes reassembled (sums of multiples: core ATen)."""
+    b = packed.to(torch.int32)
+    if word_bytes(bits) == 1:
+        return b
+    nw = packed.shape[-1] // 3
+    return b[..., :nw] + b[..., nw : 2 * nw] * 256 + b[..., 2 * nw :] * 65536
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """packed uint8 [..., D * bits / 8] -> uint8 codes [..., D]."""
-    per = codes_per_byte(bits)
+    per = codes_per_word(bits)
     if per == 1:
         return packed
+    words = unpack_words(packed, bits)
     shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
-    q = torch.bitwise_right_shift(packed.to(torch.int32).unsqueeze(-1), shifts) & (2**bits - 1)
-    return q.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
+    q = torch.bitwise_right_shift(words.unsqueeze(-1), shifts) & (2**bits - 1)
+    return q.reshape(*words.shape[:-1], words.shape[-1] * per).to(torch.uint8)
+
+
+def three_bit_codes_float(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """fp32 codes of 3-bit rows [..., 3 * NW] stacked at dim (-1: [..., NW, 8]; -2: [..., 8, NW]):
+    the byte planes reassembled into 24-bit words in fp32 (exact) and code i = floor(w / 2^3i) -
+    8 floor(w / 2^(3i+3)) (exact: powers of two). Core ATen, vectorizable float arithmetic."""
+    nw = packed.shape[-1] // 3
+    b = packed.float()
+    w = b[..., :nw] + b[..., nw : 2 * nw] * 256.0 + b[..., 2 * nw :] * 65536.0
+    return torch.stack([torch.floor(w * 2.0 ** (-3 * i)) - 8.0 * torch.floor(w * 2.0 ** (-3 * i - 3))
+                        for i in range(8)], dim)
 
 
 @functools.lru_cache(maxsize=None)
 def _unpack_table(bits: int, device: str) -> torch.Tensor:
-    """[256, 8/B] float32: the codes held by each possible byte."""
+    """[256, 8/B] float32: the codes held by each possible byte (one-byte words)."""
     per = codes_per_byte(bits)
     byte = torch.arange(256, dtype=torch.int32)[:, None]
     return ((byte >> (torch.arange(per, dtype=torch.int32) * bits)) & (2**bits - 1)).float().to(device)
 
 
 def unpack_float(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """unpack(packed, bits).float(), as one table lookup per byte (3x faster on CPU)."""
+    """unpack(packed, bits).float(), as one table lookup per byte (3x faster on CPU); 3-bit words
+    (24 bits, no table) in fp32 arithmetic (three_bit_codes_float)."""
+    if word_bytes(bits) > 1:
+        codes = three_bit_codes_float(packed, -1)
+        return codes.reshape(*codes.shape[:-2], codes.shape[-2] * 8)
     codes = F.embedding(packed.long(), _unpack_table(bits, str(packed.device)))
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * codes_per_byte(bits))
 

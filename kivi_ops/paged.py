@@ -36,7 +36,7 @@ from .cache import StaticCacheBase, _check_num_layers
 from .config import KIVIConfig
 from .layer import CacheLayer, dequantized_state, init_constants
 from .layout import LayerTensors, QuantParams
-from .packing import codes_per_byte
+from .packing import packed_bytes
 from .paged_layout import (BLOCK_TABLE_DTYPE, PAGED_TENSORS, ROW_TENSORS, Paging, check_page_size, pages_needed,
                            static_view)
 from .step import DECODE, Step
@@ -90,11 +90,11 @@ class PagedKIVILayer(CacheLayer):
         N = num_pages + 1  # + the scratch page (paged_layout.py)
         RR = min(R, self.max_seq_len)
         for name, shape, dt in (
-            ("k_codes", (N, H, PS, D // codes_per_byte(config.k_bits)), torch.uint8),
+            ("k_codes", (N, H, PS, packed_bytes(D, config.k_bits)), torch.uint8),
             ("k_scale", (N, H, PS // G, D), dtype),
             ("k_zero", (N, H, PS // G, D), dtype),
             ("k_res", (B, H, RR, D), dtype),
-            ("v_codes", (N, H, PS, D // codes_per_byte(config.v_bits)), torch.uint8),
+            ("v_codes", (N, H, PS, packed_bytes(D, config.v_bits)), torch.uint8),
             ("v_scale", (N, H, PS, D // gv), dtype),
             ("v_zero", (N, H, PS, D // gv), dtype),
             ("v_res", (B, H, RR, D), dtype),

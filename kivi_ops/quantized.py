@@ -22,7 +22,7 @@ class QuantizedTensor:
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 8 // self.bits))
+        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 8 // self.bits))  # 3 bits: 8 codes / 3 bytes
 
     @property
     def dtype(self) -> torch.dtype:

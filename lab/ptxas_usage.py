@@ -8,7 +8,7 @@ CPU tensors of the benchmark shapes (only their shapes, dtypes and strides matte
 
     .venv/bin/python -m lab ptxas_usage [--arch 90] [--json out.json]
 
-Shapes: the Llama-2-7B decode benchmark (32 KV heads, head_dim 128, fp16, KIVI-2 and KIVI-4,
+Shapes: the Llama-2-7B decode benchmark (32 KV heads, head_dim 128, fp16, KIVI-2, KIVI-3 and KIVI-4,
 G=32, R=128, 32K tokens), a GQA head_dim-64 variant and Gemma 3 270M's head_dim 256 (4 query heads
 on 1 KV head); the decode kernel is also swept over
 num_warps and BLOCK_N, the two knobs that set its register pressure.
@@ -113,14 +113,15 @@ def layer_of(*, kv_heads: int, head_dim: int, bits: int, tokens: int, batch: int
     return layer.tensors(), layer.params
 
 
-def cases():
-    """(label, function launching the kernels, knobs) at the benchmark shapes."""
+def cases(bits_list=(2, 3, 4)):
+    """(label, function launching the kernels, knobs) at the benchmark shapes, per bit width
+    (KIVI-3: 8 codes per 3 bytes, packing.py)."""
     from kivi_ops.kernels.triton_append import append_triton
     from kivi_ops.kernels.triton_decode import attend_decode
     from kivi_ops.kernels.triton_split import attend_split
 
     for kv_heads, q_heads, head_dim in ((32, 32, 128), (8, 32, 64), (1, 4, 256)):  # the last: Gemma 3 270M
-        for bits in (2, 4):
+        for bits in bits_list:
             shape = f"Hq={q_heads} Hkv={kv_heads} D={head_dim} KIVI-{bits}"
             t, p = layer_of(kv_heads=kv_heads, head_dim=head_dim, bits=bits, tokens=32768 + 256)
             q1 = torch.randn(1, q_heads, 1, head_dim, dtype=torch.float16)
@@ -147,9 +148,9 @@ def cases():
                            lambda t=t_, p=p_, kv=kv: append_triton(t, kv, kv, None, p))
 
 
-def measure(arch: int, cases=cases) -> list[dict]:
+def measure(arch: int, cases=cases, bits_list=None) -> list[dict]:
     rows = []
-    for label, knobs, launch in cases():
+    for label, knobs, launch in (cases() if bits_list is None else cases(bits_list)):
         with compile_instead_of_launch(arch) as compiled:
             launch()
         for name, kernel in compiled:
@@ -166,14 +167,16 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lab ptxas_usage", description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--bits", default="2,3,4", help="KIVI bit widths, comma-separated (default 2,3,4)")
     args = parser.parse_args(argv)
-    rows = measure(args.arch)
+    rows = measure(args.arch, bits_list=tuple(int(b) for b in args.bits.split(",")))
     print(f"{'case':<40} {'kernel':<24} {'knobs':<22} {'warps':>5} {'regs':>5} {'spill st/ld':>12} {'smem':>7} {'occ':>5}")
     for r in rows:
         knobs = f"w={r['num_warps']} n={r['block_n']}" if "num_warps" in r else ""
         print(f"{r['case']:<40} {r['kernel']:<24} {knobs:<22} {r['launch_num_warps']:>5} {r['registers']:>5} "
               f"{r['spill_store_bytes']:>5}/{r['spill_load_bytes']:<6} {r['shared_bytes']:>7} {r['occupancy']:>5.2f}")
     if args.json:
-        meta = dict(arch=f"sm_{args.arch}a", **environment(command=f"python -m lab ptxas_usage --arch {args.arch}"),
+        meta = dict(arch=f"sm_{args.arch}a",
+                    **environment(command=f"python -m lab ptxas_usage --arch {args.arch} --bits {args.bits}"),
                     note="compiled without a GPU (Triton's ptxas on the generated PTX); occupancy from sm_90 limits")
         Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")

@@ -16,7 +16,7 @@ def add_calibrate_parser(sub) -> None:
     c.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     c.add_argument("--model", default="default")
     c.add_argument("--text", default=None, help="a text file (default: the pydoc corpus)")
-    c.add_argument("--bits", type=_bits_list, default=[2, 4], help="comma-separated, from 2,4 (default 2,4)")
+    c.add_argument("--bits", type=_bits_list, default=[2, 4], help="comma-separated, from 2,3,4 (default 2,4)")
     c.add_argument("--group-size", type=positive_int, default=32)
     c.add_argument("--window", type=positive_int, default=512)
     c.add_argument("--windows", type=positive_int, default=8)
@@ -31,8 +31,8 @@ def _bits_list(text: str) -> list[int]:
         bits = [int(x) for x in text.split(",") if x]
     except ValueError:
         bits = []
-    if not bits or any(b not in (2, 4) for b in bits):
-        raise argparse.ArgumentTypeError(f"expected comma-separated bit widths from 2,4, got {text!r}")
+    if not bits or any(b not in (2, 3, 4) for b in bits):
+        raise argparse.ArgumentTypeError(f"expected comma-separated bit widths from 2,3,4, got {text!r}")
     return bits
 
 

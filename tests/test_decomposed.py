@@ -32,7 +32,12 @@ CONFIGS = [
     (2, 8, 32, 64, 40),
     (4, 4, 4, 8, 37),
     (2, 4, 8, 16, 12),
+    # 3-bit codes (8 per 3 bytes): alone, and beside other widths
+    (3, 3, 8, 16, 100),
+    (4, 3, 8, 32, 77),
+    (3, 8, 16, 16, 40),
 ]
+ATTEND_CONFIGS = CONFIGS[:4] + CONFIGS[6:]
 
 
 def scenario():
@@ -99,7 +104,7 @@ def test_append_of_more_padded_tokens_than_capacity(S):
             assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("cfg_s", CONFIGS[:4], ids=lambda c: "k{}v{}G{}R{}S{}".format(*c))
+@pytest.mark.parametrize("cfg_s", ATTEND_CONFIGS, ids=lambda c: "k{}v{}G{}R{}S{}".format(*c))
 def test_attend_matches_reference(cfg_s):
     k_bits, v_bits, G, R, S = cfg_s
     cfg = KIVIConfig(k_bits, v_bits, G, R)

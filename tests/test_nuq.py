@@ -148,8 +148,8 @@ def test_cli_refuses_nuq_where_it_does_not_apply(tmp_path, capsys):
         main(["eval", "ppl", "--corpus", "pydoc", "--method", "fp", "--nuq", str(tmp_path / "x.json")])
     assert e.value.code == 2 and "not of --method fp" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["calibrate", "--out", str(tmp_path / "t.json"), "--bits", "3"])
-    assert "from 2,4" in capsys.readouterr().err
+        main(["calibrate", "--out", str(tmp_path / "t.json"), "--bits", "5"])
+    assert "from 2,3,4" in capsys.readouterr().err
 
 
 def test_outlier_mask_takes_the_largest_magnitudes_per_vector():

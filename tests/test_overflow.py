@@ -36,7 +36,7 @@ from kivi_ops.kernels.triton_quant import quantize_pack_triton, unpack_dequantiz
 from kivi_ops.kernels.triton_split import attend_split  # noqa: E402
 from kivi_ops.layout import LayerTensors, QuantParams  # noqa: E402
 from kivi_ops.nuq import uniform_levels  # noqa: E402
-from kivi_ops.packing import (codes_per_byte, expand_groups, quantize_pack_reference,  # noqa: E402
+from kivi_ops.packing import (packed_bytes, expand_groups, quantize_pack_reference,  # noqa: E402
                               unpack_dequantize_reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -152,8 +152,8 @@ def limit_kv(dtype, B, H, S, D, G, seed=0):
 
 def _buffers(B, H, S, D, R, G, k_bits, v_bits, dtype):
     gv, ng = min(G, D), -(-S // G)
-    shapes = [((B, H, S, D // codes_per_byte(k_bits)), torch.uint8), ((B, H, ng, D), dtype), ((B, H, ng, D), dtype),
-              ((B, H, min(R, S), D), dtype), ((B, H, S, D // codes_per_byte(v_bits)), torch.uint8),
+    shapes = [((B, H, S, packed_bytes(D, k_bits)), torch.uint8), ((B, H, ng, D), dtype), ((B, H, ng, D), dtype),
+              ((B, H, min(R, S), D), dtype), ((B, H, S, packed_bytes(D, v_bits)), torch.uint8),
               ((B, H, S, D // gv), dtype), ((B, H, S, D // gv), dtype), ((B, H, min(R, S), D), dtype),
               ((B,), torch.int64)]
     return [torch.zeros(shape, dtype=dt, device=DEVICE) for shape, dt in shapes]

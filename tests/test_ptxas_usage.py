@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lab.ptxas_usage import SM90, occupancy
 
 ROOT = Path(__file__).resolve().parent.parent  # `import lab` from the repository root
@@ -21,19 +23,20 @@ DECODE_CASE = """
 import json, torch
 from lab.ptxas_usage import layer_of, measure
 from kivi_ops.kernels.triton_decode import attend_decode
-t, p = layer_of(kv_heads=2, head_dim=64, bits=2, tokens=256)
+t, p = layer_of(kv_heads=2, head_dim=64, bits=BITS, tokens=256)
 q = torch.randn(1, 4, 1, 64, dtype=torch.float16)
 case = lambda: iter([("decode", {}, lambda: attend_decode(q, t, None, p, 0.125, num_splits=2, num_warps=4, block_n=16))])
 print(json.dumps(measure(90, case)))
 """
 
 
-def test_decode_kernel_compiles_for_sm90_without_a_gpu():
+@pytest.mark.parametrize("bits", [2, 3])  # 3: 8 codes per 3 bytes, read as three byte planes
+def test_decode_kernel_compiles_for_sm90_without_a_gpu(bits):
     # A fresh process without TRITON_INTERPRET (the suite's conftest sets it, and interpreted
     # kernels are never compiled).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", DECODE_CASE], capture_output=True, text=True, env=env, timeout=300,
-                         cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", f"BITS = {bits}\n" + DECODE_CASE], capture_output=True, text=True,
+                         env=env, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     kernels = {r["kernel"]: r for r in rows}

@@ -32,8 +32,12 @@ def per_element(t, group_size, axis, head_dim):
 def test_config_defaults_and_errors():
     c = KIVIConfig()
     assert (c.k_bits, c.v_bits, c.group_size, c.residual_length) == (2, 2, 32, 128)
-    with pytest.raises(ValueError, match="k_bits must be one of"):
-        KIVIConfig(k_bits=3)
+    with pytest.raises(ValueError, match=r"k_bits must be one of \(2, 3, 4, 8\), got 5"):
+        KIVIConfig(k_bits=5)
+    # 3-bit words hold 8 codes (8 per 3 bytes): a value group must hold whole words
+    with pytest.raises(ValueError, match="v_bits=3 packs 8 codes per word .* multiple of 8 .* got group_size=4"):
+        KIVIConfig(v_bits=3, group_size=4, residual_length=8)
+    KIVIConfig(k_bits=3, v_bits=2, group_size=8, residual_length=16)
     with pytest.raises(ValueError, match="v_bits must be one of"):
         KIVIConfig(v_bits=1)
     with pytest.raises(ValueError, match="group_size must be one of"):
@@ -67,9 +71,9 @@ def test_round_half_up_on_ties():
     assert unpack(q.codes, 4)[0, :4].tolist() == [0, 7, 8, 15]
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_pack_unpack_roundtrip_every_code(bits):
-    per = 8 // bits
+    per = 8 if bits == 3 else 8 // bits
     codes = torch.arange(2**bits, dtype=torch.uint8).repeat(per * 3)[: per * 2**bits * 2].reshape(4, -1)
     packed = pack(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape[-1] == codes.shape[-1] * bits // 8
@@ -79,7 +83,19 @@ def test_pack_unpack_roundtrip_every_code(bits):
         assert pack(torch.tensor([[1, 2, 3, 0]], dtype=torch.uint8), 2).item() == 1 | (2 << 2) | (3 << 4)
 
 
-@pytest.mark.parametrize("bits,axis,dtype,head_dim", itertools.product([2, 4, 8], ["channel", "token"], DTYPES, [64, 128]))
+def test_three_bit_layout_is_eight_codes_per_three_byte_planes():
+    """3-bit codes: word j = sum_i q[8j + i] << 3i (24 bits, little end first), stored as three
+    byte planes of D/8 bytes each (packing.py): byte p * D/8 + j = (word j >> 8p) & 255."""
+    codes = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 7, 6, 5, 4, 3, 2, 1, 0]], dtype=torch.uint8)
+    words = [sum(int(c) << (3 * i) for i, c in enumerate(codes[0, 8 * j : 8 * j + 8])) for j in range(2)]
+    want = [(w >> (8 * p)) & 255 for p in range(3) for w in words]
+    packed = pack(codes, 3)
+    assert packed.tolist() == [want] and packed.shape == (1, 6)  # 16 codes, 6 bytes: exactly 3 bits each
+    assert torch.equal(unpack(packed, 3), codes)
+
+
+@pytest.mark.parametrize("bits,axis,dtype,head_dim", itertools.product([2, 3, 4, 8], ["channel", "token"], DTYPES,
+                                                                       [64, 128]))
 def test_error_within_half_scale(bits, axis, dtype, head_dim):
     torch.manual_seed(bits + head_dim)
     x = (torch.randn(2, 3, 64, head_dim) * 3).to(dtype)
@@ -112,7 +128,7 @@ def test_group_larger_than_head_dim_is_clipped_for_values():
     groups=st.integers(1, 4),
     group_size=st.sampled_from([8, 32, 64]),
     head_dim=st.sampled_from([8, 64, 128]),
-    bits=st.sampled_from([2, 4, 8]),
+    bits=st.sampled_from([2, 3, 4, 8]),
     axis=st.sampled_from(["channel", "token"]),
     outliers=st.booleans(),
     seed=st.integers(0, 2**16),
@@ -132,8 +148,9 @@ def test_opcheck_quantize_ops():
     x = torch.randn(2, 64, 64)
     for axis in ("channel", "token"):
         torch.library.opcheck(torch.ops.kivi.quantize_pack.default, (x, 2, 32, axis))
-        codes, scale, zero = torch.ops.kivi.quantize_pack(x, 4, 32, axis)
-        torch.library.opcheck(torch.ops.kivi.unpack_dequantize.default, (codes, scale, zero, 4, 32, axis))
+        for bits in (3, 4):
+            codes, scale, zero = torch.ops.kivi.quantize_pack(x, bits, 32, axis)
+            torch.library.opcheck(torch.ops.kivi.unpack_dequantize.default, (codes, scale, zero, bits, 32, axis))
 
 
 def _roundtrip(k, v):
@@ -160,7 +177,8 @@ def test_export_keeps_kivi_ops():
     "kwargs,match",
     [
         (dict(x=torch.randint(0, 5, (64, 64))), "x must have dtype float32"),
-        (dict(bits=3), "bits must be one of"),
+        (dict(bits=5), r"bits must be one of \(2, 3, 4, 8\)"),
+        (dict(bits=3, axis="token", group_size=4), "multiple of 8 .*whole words"),
         (dict(group_size=0), "group_size must be one of"),
         (dict(group_size=48), "group_size must be one of"),
         (dict(x=torch.randn(40, 64)), "multiple of group_size=32"),
@@ -186,9 +204,11 @@ def test_public_api_names():
         assert hasattr(kivi_ops, name)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_unpack_float_table_equals_unpack(bits):
     from kivi_ops.packing import unpack_float
 
     packed = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    if bits == 3:  # rows of 3-byte words: 21 words, every byte value in some plane
+        packed = torch.cat([packed, packed[:, :1]], -1)[:, :63]
     assert torch.equal(unpack_float(packed, bits), unpack(packed, bits).float())

@@ -27,7 +27,7 @@ from kivi_ops.kernels.triton_quant import quantize_pack_triton, unpack_dequantiz
 from kivi_ops.kernels.triton_split import attend_split  # noqa: E402
 from kivi_ops.layout import LayerTensors, QuantParams  # noqa: E402
 from kivi_ops.nuq import uniform_levels  # noqa: E402
-from kivi_ops.packing import codes_per_byte, quantize_pack_reference, unpack_dequantize_reference  # noqa: E402
+from kivi_ops.packing import packed_bytes, quantize_pack_reference, unpack_dequantize_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -78,7 +78,7 @@ def _check_quant(x, bits, group_size, axis):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("bits", (2, 4, 8))
+@pytest.mark.parametrize("bits", (2, 3, 4, 8))
 @pytest.mark.parametrize("axis", ("channel", "token"))
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_quantize_matches_reference(dtype, bits, axis, head_dim):
@@ -110,6 +110,8 @@ def test_quantize_matches_reference(dtype, bits, axis, head_dim):
         ((256, 40), 8, 256, "channel"),  # G=256, D=40
         ((3, 8, 24), 2, 4, "channel"),  # G=4, D=24
         ((2, 5, 72), 4, 8, "token"),
+        ((2, 5, 96), 3, 32, "token"),  # 3-bit words (8 codes / 3 bytes), 3 value groups
+        ((16, 40), 3, 8, "channel"),  # 3-bit, D=40: 5 words a row
     ],
 )
 def test_quantize_odd_shapes(shape, bits, group, axis):
@@ -130,11 +132,11 @@ def make_cache(B, H, S, D, R, G, k_bits, v_bits, dtype, device="cpu"):
     gv = min(G, D)
     ng = -(-S // G)
     shapes = {
-        "k_codes": ((B, H, S, D // codes_per_byte(k_bits)), torch.uint8),
+        "k_codes": ((B, H, S, packed_bytes(D, k_bits)), torch.uint8),
         "k_scale": ((B, H, ng, D), dtype),
         "k_zero": ((B, H, ng, D), dtype),
         "k_res": ((B, H, min(R, S), D), dtype),
-        "v_codes": ((B, H, S, D // codes_per_byte(v_bits)), torch.uint8),
+        "v_codes": ((B, H, S, packed_bytes(D, v_bits)), torch.uint8),
         "v_scale": ((B, H, S, D // gv), dtype),
         "v_zero": ((B, H, S, D // gv), dtype),
         "v_res": ((B, H, min(R, S), D), dtype),
@@ -183,8 +185,10 @@ SHORT_SCHEDULE = [(19, [19, 4, 0]), (1, None), (1, [1, 0, 1]), (14, [14, 13, 2])
         (torch.bfloat16, 8, 2, 128, SHORT_SCHEDULE, [35, 18, 4]),
         (torch.float16, 4, 8, 64, SHORT_SCHEDULE, [35, 18, 4]),
         (torch.bfloat16, 2, 2, 256, SHORT_SCHEDULE, [35, 18, 4]),  # Gemma's head_dim
+        (torch.float16, 3, 3, 64, SHORT_SCHEDULE, [35, 18, 4]),  # 3-bit words
+        (torch.float32, 3, 4, 128, SHORT_SCHEDULE, [35, 18, 4]),
     ],
-    ids=["fp32-k2v4-d64", "bf16-k8v2-d128", "fp16-k4v8-d64", "bf16-k2v2-d256"],
+    ids=["fp32-k2v4-d64", "bf16-k8v2-d128", "fp16-k4v8-d64", "bf16-k2v2-d256", "fp16-k3v3-d64", "fp32-k3v4-d128"],
 )
 def test_append_streaming_matches_reference(dtype, k_bits, v_bits, D, schedule, final):
     B, H, S, R, G = 3, 2, 80, 16, 8
@@ -205,8 +209,10 @@ def test_append_streaming_matches_reference(dtype, k_bits, v_bits, D, schedule, 
 @pytest.mark.parametrize(
     "dtype,k_bits,v_bits,D,nuq",
     [(torch.float32, 2, 2, 64, False), (torch.float16, 2, 4, 128, False), (torch.bfloat16, 4, 2, 64, True),
-     pytest.param(torch.float16, 2, 2, 256, False, marks=pytest.mark.slow)],  # 13 s in the interpreter
-    ids=["fp32-k2v2-d64", "fp16-k2v4-d128", "bf16-k4v2-d64-nuq", "fp16-k2v2-d256"],
+     pytest.param(torch.float16, 2, 2, 256, False, marks=pytest.mark.slow),  # 13 s in the interpreter
+     (torch.bfloat16, 3, 3, 64, True), (torch.float32, 2, 3, 128, False)],
+    ids=["fp32-k2v2-d64", "fp16-k2v4-d128", "bf16-k4v2-d64-nuq", "fp16-k2v2-d256", "bf16-k3v3-d64-nuq",
+         "fp32-k2v3-d128"],
 )
 def test_decode_append_is_one_launch_and_matches_reference(dtype, k_bits, v_bits, D, nuq, monkeypatch):
     """One token per sequence: one kernel (_append_decode_kernel) does the value flush, the

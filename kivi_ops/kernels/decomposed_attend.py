@@ -27,7 +27,8 @@ from torch import Tensor
 
 from ..extras import apply_key_outliers, apply_value_outliers, key_outliers_per_window
 from ..layout import LayerTensors, QuantParams
-from ..packing import code_values, codes_per_byte, dequantize_float, saturate, token_group_size
+from ..packing import (code_values, codes_per_word, dequantize_float, saturate, three_bit_codes_float, token_group_size,
+                       unpack_words)
 from ..pool import pool_attention_scores, pooled_mask_dense
 from ..rope import rope_at
 from .decomposed_append import mod_nonneg
@@ -42,30 +43,48 @@ MAX_SPLIT_ACCUMULATORS = 32
 
 def unpack_codes_float(packed: Tensor, bits: int) -> Tensor:
     """packed uint8 [..., D*bits/8] -> fp32 codes [..., D] in channel order, with shifts and masks."""
-    per = codes_per_byte(bits)
+    per = codes_per_word(bits)
     if per == 1:
         return packed.float()
-    # (byte >> (i * bits)) & mask as floor division and remainder: exact for bytes, and core ATen
-    # ops the ONNX and ExecuTorch exporters take (shifts are not core ATen). This is the form the
-    # exports use; the Inductor decode path (unpack_codes_ij) keeps the shifts it vectorizes.
-    b = packed.to(torch.int32)
-    q = torch.stack([torch.remainder(torch.div(b, 2 ** (i * bits), rounding_mode="floor"), 2**bits)
+    # (word >> (i * bits)) & mask as floor division and remainder: exact for words of <= 24 bits,
+    # and core ATen ops the ONNX and ExecuTorch exporters take (shifts are not core ATen). This is
+    # the form the exports use; the Inductor decode path (unpack_codes_ij) keeps the shifts it
+    # vectorizes. 3-bit words are reassembled from their byte planes first (packing.unpack_words).
+    if bits == 3:
+        # In floats (packing.three_bit_codes_float): the integer division form of the other widths
+        # compiles to code 10-17x slower at 3 bits (S = 4096, D = 64: 15 ms vs 0.9-1.5 ms).
+        q = three_bit_codes_float(packed, -1)
+        return q.reshape(*q.shape[:-2], q.shape[-2] * per)
+    w = unpack_words(packed, bits)
+    q = torch.stack([torch.remainder(torch.div(w, 2 ** (i * bits), rounding_mode="floor"), 2**bits)
                      for i in range(per)], -1)
-    return q.reshape(*packed.shape[:-1], packed.shape[-1] * per).float()
+    return q.reshape(*w.shape[:-1], w.shape[-1] * per).float()
 
 
-# The decode kernels work in "byte-major" channel order: byte j of a packed row holds channels
-# d = j * per + i (i in [0, per)); viewing the channels as [per, D/per] (index i, j) makes the
-# bytes j the innermost, contiguous axis, so a vectorized loop loads one packed row of uint8 and
-# shifts it by i * bits. Whatever is multiplied with the codes elementwise (query, key scales) is
-# reordered the same way once per call.
+# The decode kernels work in "byte-major" channel order: byte (word) j of a packed row holds
+# channels d = j * per + i (i in [0, per)); viewing the channels as [per, D/per] (index i, j) makes
+# the words j the innermost, contiguous axis, so a vectorized loop loads one packed row of uint8
+# (3-bit: its three byte planes, packing.py) and shifts it by i * bits. Whatever is multiplied with
+# the codes elementwise (query, key scales) is reordered the same way once per call.
 
 
 def unpack_codes_ij(packed: Tensor, bits: int) -> Tensor:
-    """packed uint8 [..., D/per] -> fp32 codes [..., per, D/per]: [..., i, j] is channel j*per + i."""
-    per = codes_per_byte(bits)
+    """packed uint8 [..., D*bits/8] -> fp32 codes [..., per, D/per]: [..., i, j] is channel j*per + i
+    (per = codes_per_word(bits))."""
+    per = codes_per_word(bits)
+    if bits == 3 and packed.shape[-1] // 3 < FLOAT_UNPACK_BELOW_WORDS:
+        # Fewer words a row than a vector has lanes (D < 128): Inductor's loop over them runs on
+        # masked part-vectors, where the integer shifts cost 3-4x the float form below (fused
+        # decode at D = 64, 4K tokens: ~7 ms vs ~2.4 ms; at D = 128 the shifts win, ~1.1 vs ~5 ms;
+        # lab/three_bit_packing.py). Exact: 24-bit words are exact in fp32.
+        return three_bit_codes_float(packed, -2)
     shifts = torch.arange(per, device=packed.device, dtype=torch.int32)[:, None] * bits
-    return (torch.bitwise_right_shift(packed.to(torch.int32)[..., None, :], shifts) & (2**bits - 1)).float()
+    return (torch.bitwise_right_shift(unpack_words(packed, bits)[..., None, :], shifts) & (2**bits - 1)).float()
+
+
+# Inductor's CPU vectors hold 16 fp32 lanes (AVX-512); 3-bit rows of fewer words unpack in floats.
+FLOAT_UNPACK_BELOW_WORDS = 16
+
 
 
 def to_ij_order(x: Tensor, per: int) -> Tensor:
@@ -203,8 +222,8 @@ def attend_fused(query: Tensor, layer: LayerTensors, counts: Optional[Tensor], p
     zero = torch.zeros((), device=device)
 
     # Keys: quantized part (used for t < nqk), exact residual window for t >= nqk.
-    qp = to_ij_order(qf, codes_per_byte(k_bits))  # [B, H, rows, per, D/per]
-    ks = to_ij_order(k_scale.float(), codes_per_byte(k_bits))  # [B, H, S/G, per, D/per]
+    qp = to_ij_order(qf, codes_per_word(k_bits))  # [B, H, rows, per, D/per]
+    ks = to_ij_order(k_scale.float(), codes_per_word(k_bits))  # [B, H, S/G, per, D/per]
     kdq = unpack_codes_ij(k_codes, k_bits) * ks[:, :, g]  # [B, H, S, per, D/per], fused
     if rows <= MAX_SPLIT_ACCUMULATORS:
         sq = torch.stack([(qp[:, :, r, None] * kdq).sum((-1, -2)) for r in range(rows)], 2)
@@ -219,7 +238,7 @@ def attend_fused(query: Tensor, layer: LayerTensors, counts: Optional[Tensor], p
 
     # Values: quantized part (t < nqv), then the residual window through its slots.
     pq = torch.where((t[None, :] < nqv[:, None])[:, None, None, :], p, zero)  # [B, H, rows, S]
-    vp = codes_per_byte(v_bits)
+    vp = codes_per_word(v_bits)
     gv = token_group_size(G, D)
     jgrp = torch.div(torch.arange(D // vp, device=device), gv // vp, rounding_mode="floor")
     vdq = (unpack_codes_ij(v_codes, v_bits) * v_scale.float()[:, :, :, None, jgrp]

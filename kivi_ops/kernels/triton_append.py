@@ -45,14 +45,14 @@ import triton
 import triton.language as tl
 
 from ..layout import LayerTensors, QuantParams
-from ..packing import codes_per_byte
+from ..packing import codes_per_word
 from .triton_append_options import (excluded, is_pooled, key_window_outliers, load_rows, ott_step,
                                     value_token_outliers, write_sinks)
 from .triton_args import (CacheSide, KeyLayout, Levels, NewRows, OttPool, Sparse, ValueLayout, kernel_options,
                           option_args)
 from .triton_paging import Pages, cache_row, paging_args, static_dims
 from .triton_attend import check_cache, check_kernel_extras
-from .triton_quant import device_ctx, next_pow2, nuq_codes, pack_codes, quant_codes, scale_zero_stored
+from .triton_quant import device_ctx, next_pow2, nuq_codes, pack_codes, quant_codes, scale_zero_stored, store_words
 
 
 @triton.jit
@@ -116,9 +116,9 @@ def _flush_key_group(
     tl.store(kc.zero + srow + ch, zero[None, :, :], mask=cmask)
     q = _quantize(x, scale.to(tl.float32)[None, :, :], zero.to(tl.float32)[None, :, :], levels.k_levels, kl.BITS,
                   levels.HAS_LEVELS)
-    packed = pack_codes(q, kl.BITS, kl.PER)  # [G, BLOCK_B]
-    tl.store(kc.codes + cache_row(bh64, u[:, None], S, pg, pg.PAGE) * kl.NB + jb[None, :], packed,
-             mask=(jb < kl.NB)[None, :])
+    packed = pack_codes(q, kl.BITS, kl.PER)  # [G, BLOCK_B] words
+    store_words(kc.codes + cache_row(bh64, u[:, None], S, pg, pg.PAGE) * (kl.NB * (kl.PER * kl.BITS // 8)) + jb[None, :],
+                kl.NB, kl.BITS, packed, (jb < kl.NB)[None, :])
 
 
 @triton.jit
@@ -224,10 +224,10 @@ def _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, active, S,
         tl.store(vc.zero + srow, zero, mask=active)
         q = _quantize(x, scale.to(tl.float32)[:, None, None], zero.to(tl.float32)[:, None, None], levels.v_levels,
                       vl.BITS, levels.HAS_LEVELS)
-        packed = pack_codes(q, vl.BITS, vl.PER)  # [BLOCK_T, GB_P]
-        tl.store(vc.codes + cache_row(bh64, u[:, None], S, pg, pg.PAGE) * vl.NB + g * (vl.GV // vl.PER) + jb[None, :],
-                 packed,
-                 mask=active[:, None] & (jb < vl.GV // vl.PER)[None, :])
+        packed = pack_codes(q, vl.BITS, vl.PER)  # [BLOCK_T, GB_P] words
+        store_words(vc.codes + cache_row(bh64, u[:, None], S, pg, pg.PAGE) * (vl.NB * (vl.PER * vl.BITS // 8))
+                    + g * (vl.GV // vl.PER) + jb[None, :], vl.NB, vl.BITS, packed,
+                    active[:, None] & (jb < vl.GV // vl.PER)[None, :])
 
 
 @triton.jit
@@ -472,8 +472,8 @@ def append_triton(t: LayerTensors, key: torch.Tensor, value: torch.Tensor, count
         value = value.to(v_res.dtype)
     has_counts = counts is not None
     cnt = counts if has_counts else lengths  # dummy pointer when absent (never read)
-    kper, vper = codes_per_byte(k_bits), codes_per_byte(v_bits)
-    nbk, nbv = D // kper, D // vper
+    kper, vper = codes_per_word(k_bits), codes_per_word(v_bits)
+    nbk, nbv = D // kper, D // vper  # packed words per token row
     nsg = k_scale.shape[2] if pages is None else S // G
     # Most key groups one call can flush: the window [nqk, nqk_end) is at most ((R-1+n)//R)*R long.
     key_groups = ((R - 1 + n) // R) * R // G

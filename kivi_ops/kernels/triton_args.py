@@ -22,7 +22,7 @@ import torch
 
 from ..extras import Extras, key_outliers_per_window
 from ..layout import LayerTensors, QuantParams
-from ..packing import codes_per_byte
+from ..packing import codes_per_word
 from .triton_quant import next_pow2
 
 
@@ -114,7 +114,8 @@ class NewRows(NamedTuple):
 
 class KeyLayout(NamedTuple):
     """A key flush's compile-time shape: head_dim D (D_P padded, DC channels per chunk of the OTT
-    scores), NB bytes of BITS-bit codes (PER per byte) per token in blocks of BLOCK_B, groups of
+    scores), NB words of BITS-bit codes (PER per word; NB * PER * BITS / 8 bytes, packing.py) per
+    token in blocks of BLOCK_B, groups of
     G tokens, the residual ring of R tokens (R_P padded, RR rows stored)."""
     D: object
     D_P: object
@@ -130,8 +131,8 @@ class KeyLayout(NamedTuple):
 
 
 class ValueLayout(NamedTuple):
-    """A value flush's compile-time shape: head_dim D (D_P padded), NB bytes of BITS-bit codes
-    (PER per byte) per token, NG groups of GV channels (GB_P bytes padded), the residual ring of
+    """A value flush's compile-time shape: head_dim D (D_P padded), NB words of BITS-bit codes
+    (PER per word) per token, NG groups of GV channels (GB_P words padded), the residual ring of
     R tokens (RR rows stored)."""
     D: object
     D_P: object
@@ -164,9 +165,9 @@ def option_args(t: LayerTensors, p: QuantParams, extras: Extras, *, writes: bool
     )
     if rope:  # pre-RoPE keys are dequantized in halves of D/2 channels: each half whole bytes of codes
         D = t.k_res.shape[-1]
-        if D % 2 or (D // 2) % codes_per_byte(p.k_bits):
+        if D % 2 or (D // 2) % codes_per_word(p.k_bits):
             raise ValueError(f"pre-RoPE keys need head_dim / 2 = {D / 2} to be a multiple of "
-                             f"{codes_per_byte(p.k_bits)} ({p.k_bits}-bit codes per byte)")
+                             f"{codes_per_word(p.k_bits)} ({p.k_bits}-bit codes per packed word)")
     if sparse:
         if writes:
             for name in ("k_sparse", "k_sparse_idx", "v_sparse", "v_sparse_idx"):

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ..extras import Extras, check_extras
 from ..layout import REQUIRED_TENSORS, LayerTensors, QuantParams
-from ..packing import codes_per_byte, token_group_size
+from ..packing import codes_per_word, packed_bytes, token_group_size
 from .triton_args import option_args
 from .triton_quant import interpreting, next_pow2, saturate, to_dtype_rtne
 
@@ -66,13 +66,16 @@ def check_cache(t: LayerTensors, p: QuantParams):
     D = k_res.shape[-1]
     if R % G:
         raise ValueError(f"residual_length={R} must be a multiple of group_size={G}")
-    if k_codes.shape[-1] * codes_per_byte(k_bits) != D or v_codes.shape[-1] * codes_per_byte(v_bits) != D:
+    if k_codes.shape[-1] != packed_bytes(D, k_bits) or v_codes.shape[-1] != packed_bytes(D, v_bits):
         raise ValueError("k_codes/v_codes last dim does not match head_dim at the given bits")
     # Residual slot of token t is t % R < S, so a cache shorter than R holds only S residual rows.
     RR = min(R, S)
     if tuple(k_res.shape) != (B, H, RR, D) or tuple(v_res.shape) != (B, H, RR, D):
         raise ValueError(f"k_res/v_res must have shape {(B, H, RR, D)}")
     gv = token_group_size(G, D)
+    if gv % codes_per_word(v_bits):
+        raise ValueError(f"v_bits={v_bits} packs {codes_per_word(v_bits)} codes per word: the value group "
+                         f"min(group_size, head_dim) = {gv} must hold whole words")
     if D % gv or tuple(v_scale.shape) != (B, H, S, D // gv):
         raise ValueError(f"v_scale must have shape {(B, H, S, D // gv)}")
     if tuple(k_scale.shape) != (B, H, -(-S // G), D):

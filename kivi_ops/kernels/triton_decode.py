@@ -39,14 +39,14 @@ import triton
 import triton.language as tl
 
 from ..layout import LayerTensors, QuantParams
-from ..packing import codes_per_byte
+from ..packing import codes_per_word
 from .triton_attend import (
     LOG2E, _cast_sat, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
     attend_num_splits, launch_reduce, split_workspace,
 )
 from .triton_args import KiviCache, Levels, Pool, Rope, Sparse, kernel_options
 from .triton_paging import Pages, cache_row, paging_args
-from .triton_quant import device_ctx, interpreting
+from .triton_quant import device_ctx, interpreting, load_words
 
 # Launch defaults: 1 warp x 32-token tiles timed fastest on the H100 among 1, 2 and 4 warps x 32
 # tokens (docs/performance.md), although ptxas reports 255 registers and up to 1.8 KB of spills per
@@ -103,7 +103,7 @@ def _decode_scores(q2, q2_rot, freq, positions, k, ROPE: tl.constexpr):
 
 
 class DecodeLayout(NamedTuple):
-    """The decode kernel's compile-time shape: head_dim D, codes per byte K_PER / V_PER at K_BITS /
+    """The decode kernel's compile-time shape: head_dim D, codes per packed word K_PER / V_PER at K_BITS /
     V_BITS, key groups of G tokens, NGV value groups of GV channels, the residual ring of R
     tokens (RR rows stored), QG query heads per kv head, BLOCK_N tokens per tile."""
     D: object
@@ -151,13 +151,14 @@ def _decode_tile(
     ik = tl.arange(0, lay.K_PER)
     jk = tl.arange(0, lay.D // lay.K_PER)
     ch_k = jk[None, :] * lay.K_PER + ik[:, None]  # [K_PER, NBK] channel of (i, j)
-    k_off = (row[:, None] * (lay.D // lay.K_PER) + jk[None, :])[None, :, :]
+    # word j of a token's packed row (3-bit: three byte planes, load_words)
+    k_off = (row[:, None] * (lay.D // lay.K_PER * (lay.K_PER * lay.K_BITS // 8)) + jk[None, :])[None, :, :]
     ks_off = cache_row(bh64, g, NSG, pg, pg.PAGE // lay.G) * lay.D + ch_k
     sh_k = (ik * lay.K_BITS)[:, None, None]
     if MIXED:
         tm = t < limit
         kq = tm & (t < nqk)
-        kb = tl.load(k_codes + k_off, mask=kq[None, :, None], other=0)
+        kb = load_words(k_codes + k_off, lay.D // lay.K_PER, lay.K_BITS, kq[None, :, None])
         gq = g * lay.G < nqk
         ks = tl.load(k_scale + ks_off, mask=gq, other=0.0).to(tl.float32)
         kz = tl.load(k_zero + ks_off, mask=gq, other=0.0).to(tl.float32)
@@ -171,7 +172,7 @@ def _decode_tile(
         s = _decode_scores(q2, q2_rot, freq, t, k, ROPE)
         s = tl.where(tm, s, float("-inf"))
     else:
-        kb = tl.load(k_codes + k_off)
+        kb = load_words(k_codes + k_off, lay.D // lay.K_PER, lay.K_BITS, None)
         ks = tl.load(k_scale + ks_off).to(tl.float32)
         kz = tl.load(k_zero + ks_off).to(tl.float32)
         kc = _code_values((kb.to(tl.int32) >> sh_k) & ((1 << lay.K_BITS) - 1), levels.k_levels, levels.HAS_LEVELS)
@@ -187,12 +188,12 @@ def _decode_tile(
     # ---- values: per-token scale/zero of the GV-channel group of byte j (GV is a multiple of V_PER)
     iv = tl.arange(0, lay.V_PER)
     jv = tl.arange(0, lay.D // lay.V_PER)
-    v_off = (row[:, None] * (lay.D // lay.V_PER) + jv[None, :])[None, :, :]
+    v_off = (row[:, None] * (lay.D // lay.V_PER * (lay.V_PER * lay.V_BITS // 8)) + jv[None, :])[None, :, :]
     vs_off = row[:, None] * lay.NGV + (jv * lay.V_PER // lay.GV)[None, :]  # [BLOCK_N, NBV]
     sh_v = (iv * lay.V_BITS)[:, None, None]
     if MIXED:
         vq = tm & (t < nqv)
-        vb = tl.load(v_codes + v_off, mask=vq[None, :, None], other=0)
+        vb = load_words(v_codes + v_off, lay.D // lay.V_PER, lay.V_BITS, vq[None, :, None])
         vs = tl.load(v_scale + vs_off, mask=vq[:, None], other=0.0).to(tl.float32)
         vz = tl.load(v_zero + vs_off, mask=vq[:, None], other=0.0).to(tl.float32)
         vc = _code_values((vb.to(tl.int32) >> sh_v) & ((1 << lay.V_BITS) - 1), levels.v_levels, levels.HAS_LEVELS)
@@ -206,7 +207,7 @@ def _decode_tile(
         acc = acc * alpha + p[None, :, None] * v
         accz = accz * alpha  # [NBV]: the zero-point term sum_t p_t z_t of the fast tiles
     else:
-        vb = tl.load(v_codes + v_off)
+        vb = load_words(v_codes + v_off, lay.D // lay.V_PER, lay.V_BITS, None)
         vs = tl.load(v_scale + vs_off).to(tl.float32)
         vz = tl.load(v_zero + vs_off).to(tl.float32)
         vc = _code_values((vb.to(tl.int32) >> sh_v) & ((1 << lay.V_BITS) - 1), levels.v_levels, levels.HAS_LEVELS)
@@ -420,8 +421,8 @@ def attend_decode(
             ws_m=ws_m, ws_l=ws_l, ws_acc=ws_acc, out_ptr=out, H=H, HQ=Hq, S=S, NSG=nsg,
             qk_scale=float(scale) * LOG2E, HAS_COUNTS=has_counts,
             **paging_args(pages, t, G),
-            QG=QG, D=D, K_BITS=k_bits, K_PER=codes_per_byte(k_bits),
-            V_BITS=v_bits, V_PER=codes_per_byte(v_bits), G=G, NGV=D // gv, GV=gv, R=R, RR=RR,
+            QG=QG, D=D, K_BITS=k_bits, K_PER=codes_per_word(k_bits),
+            V_BITS=v_bits, V_PER=codes_per_word(v_bits), G=G, NGV=D // gv, GV=gv, R=R, RR=RR,
             BLOCK_N=block_n, NUM_SPLITS=num_splits, EMULATE_RTNE=interpreting(),
             **kernel_options(_attend_decode_kernel, options),
             num_warps=num_warps or default_warps,

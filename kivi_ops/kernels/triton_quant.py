@@ -6,7 +6,9 @@ Numerics and packed layout are those of packing.py, bit for bit:
     q     = clamp(floor((x - zero) / scale + 0.5), 0, 2^B - 1)   from the *stored* scale/zero,
             IEEE division (tl.math.div_rn: a plain `/` on fp32 lowers to the approximate
             div.full.f32 on NVIDIA GPUs), scale == 0 replaced by 1 (constant group -> codes 0)
-    byte[t, j] = sum_i q[t, j*P + i] << (i*B),  P = 8/B codes per byte
+    word[t, j] = sum_i q[t, j*P + i] << (i*B),  P codes per word of WB bytes (packing.py: a
+                 byte of P = 8/B codes, or for 3 bits 3 bytes of P = 8 codes stored as three
+                 byte planes of NW = D/8 bytes each; load_words / store_words)
     x'    = q * scale + zero  in fp32 (may contract to one FMA on the GPU: <= 1 ulp of the
             dtype away from the reference), saturated to the dtype's finite range, then cast.
 At the dtype's limits the helpers follow packing.py's rule: a group range past fp32's gets its
@@ -35,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..packing import WIDE_SCALE, codes_per_byte, token_group_size
+from ..packing import WIDE_SCALE, codes_per_word, token_group_size, word_bytes
 
 _WIDE_SCALE = tl.constexpr(WIDE_SCALE)
 _FP16_MAX = tl.constexpr(torch.finfo(torch.float16).max)
@@ -133,16 +135,52 @@ def nuq_codes(x, scale, zero, levels, BITS: tl.constexpr):
 
 @triton.jit
 def pack_codes(q, BITS: tl.constexpr, PER: tl.constexpr):
-    """int32 codes [..., PER] (last axis = the codes of one byte, little end first) -> uint8 [...]."""
+    """int32 codes [..., PER] (last axis = the codes of one word, little end first) -> int32 words
+    [...] (store_words writes them)."""
     shifts = tl.arange(0, PER) * BITS
-    return tl.sum(q << shifts, axis=len(q.shape) - 1).to(tl.uint8)
+    return tl.sum(q << shifts, axis=len(q.shape) - 1)
 
 
 @triton.jit
 def unpack_codes(byte, BITS: tl.constexpr, PER: tl.constexpr):
-    """uint8 [N, NB] -> int32 codes [N, NB, PER] (code i of a byte on the last axis)."""
+    """words (uint8 bytes or int32 words) [N, NB] -> int32 codes [N, NB, PER] (code i of a word on
+    the last axis)."""
     shifts = tl.arange(0, PER) * BITS
     return (byte.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def load_words(ptrs, NW, BITS: tl.constexpr, mask):
+    """int32 packed words at ptrs (each the address of word j of a row: row start + j; a row is
+    NW words of PER codes, NW * PER * BITS / 8 bytes). One byte, or for BITS == 3 the three byte planes
+    NW apart, b0 | b1 << 8 | b2 << 16 (three contiguous vector loads per row; packing.py)."""
+    if mask is None:  # unmasked loads (the decode kernel's all-quantized tiles)
+        if BITS == 3:
+            b0 = tl.load(ptrs).to(tl.int32)
+            b1 = tl.load(ptrs + NW).to(tl.int32)
+            b2 = tl.load(ptrs + 2 * NW).to(tl.int32)
+            return b0 | (b1 << 8) | (b2 << 16)
+        else:
+            return tl.load(ptrs).to(tl.int32)
+    else:
+        if BITS == 3:
+            b0 = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+            b1 = tl.load(ptrs + NW, mask=mask, other=0).to(tl.int32)
+            b2 = tl.load(ptrs + 2 * NW, mask=mask, other=0).to(tl.int32)
+            return b0 | (b1 << 8) | (b2 << 16)
+        else:
+            return tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def store_words(ptrs, NW, BITS: tl.constexpr, words, mask):
+    """Write int32 words (pack_codes) at ptrs, as load_words reads them."""
+    if BITS == 3:
+        tl.store(ptrs, (words & 255).to(tl.uint8), mask=mask)
+        tl.store(ptrs + NW, ((words >> 8) & 255).to(tl.uint8), mask=mask)
+        tl.store(ptrs + 2 * NW, ((words >> 16) & 255).to(tl.uint8), mask=mask)
+    else:
+        tl.store(ptrs, words.to(tl.uint8), mask=mask)
 
 
 # ---------------------------------------------------------------- kernels
@@ -168,8 +206,9 @@ def _quantize_channel_kernel(
     tl.store(scale_ptr + gi * D + ch, scale, mask=cmask)
     tl.store(zero_ptr + gi * D + ch, zero, mask=cmask)
     q = quant_codes(x, scale.to(tl.float32)[None, :, :], zero.to(tl.float32)[None, :, :], (1 << BITS) - 1)
-    packed = pack_codes(q, BITS, PER)  # [G, BLOCK_B]
-    tl.store(codes_ptr + rows[:, None] * NB + jb[None, :], packed, mask=(jb < NB)[None, :])
+    packed = pack_codes(q, BITS, PER)  # [G, BLOCK_B] words
+    store_words(codes_ptr + rows[:, None] * (NB * (PER * BITS // 8)) + jb[None, :], NB, BITS, packed,
+                (jb < NB)[None, :])
 
 
 @triton.jit
@@ -196,9 +235,10 @@ def _quantize_token_kernel(
         tl.store(scale_ptr + rows * NG + g, scale, mask=rmask)
         tl.store(zero_ptr + rows * NG + g, zero, mask=rmask)
         q = quant_codes(x, scale.to(tl.float32)[:, None, None], zero.to(tl.float32)[:, None, None], (1 << BITS) - 1)
-        packed = pack_codes(q, BITS, PER)  # [BLOCK_T, GB_P]
-        tl.store(codes_ptr + rows[:, None] * NB + g * (GV // PER) + jb[None, :], packed,
-                 mask=rmask[:, None] & (jb < GV // PER)[None, :])
+        packed = pack_codes(q, BITS, PER)  # [BLOCK_T, GB_P] words
+        store_words(codes_ptr + rows[:, None] * (NB * (PER * BITS // 8)) + g * (GV // PER) + jb[None, :], NB, BITS,
+                    packed,
+                    rmask[:, None] & (jb < GV // PER)[None, :])
 
 
 @triton.jit
@@ -215,7 +255,7 @@ def _dequantize_kernel(
     ii = tl.arange(0, PER)
     m2 = (rows < n_rows)[:, None] & (jb < NB)[None, :]
     m3 = m2[:, :, None] & (ii < PER)[None, None, :]
-    byte = tl.load(codes_ptr + rows[:, None] * NB + jb[None, :], mask=m2, other=0)
+    byte = load_words(codes_ptr + rows[:, None] * (NB * (PER * BITS // 8)) + jb[None, :], NB, BITS, m2)
     q = unpack_codes(byte, BITS, PER)  # [BLOCK_T, BLOCK_B, PER]
     ch = (jb[:, None] * PER + ii[None, :])[None, :, :]
     if CHANNEL:
@@ -234,8 +274,8 @@ def _dequantize_kernel(
 
 
 def _check_common(bits: int, group_size: int, axis: str) -> None:
-    if bits not in (2, 4, 8):
-        raise ValueError(f"bits must be 2, 4 or 8, got {bits}")
+    if bits not in (2, 3, 4, 8):
+        raise ValueError(f"bits must be one of (2, 3, 4, 8), got {bits}")
     if group_size <= 0 or group_size & (group_size - 1):
         raise ValueError(f"group_size must be a power of two, got {group_size}")
     if axis not in ("channel", "token"):
@@ -247,20 +287,20 @@ def quantize_pack_triton(x: torch.Tensor, bits: int, group_size: int, axis: str)
     _check_common(bits, group_size, axis)
     x = x.contiguous()
     *lead, T, D = x.shape
-    per = codes_per_byte(bits)
+    per, wb = codes_per_word(bits), word_bytes(bits)
     if D % per:
         raise ValueError(f"D={D} must be a multiple of {per} for {bits}-bit packing")
-    NB = D // per
+    NB = D // per  # words per row
     rows = x.numel() // D if D else 0
-    codes = torch.empty((*lead, T, NB), dtype=torch.uint8, device=x.device)
+    codes = torch.empty((*lead, T, NB * wb), dtype=torch.uint8, device=x.device)
     if axis == "channel":
         if T % group_size:
             raise ValueError(f"T={T} must be a multiple of group_size={group_size} for axis='channel'")
         gshape = (*lead, T // group_size, D)
     else:
         gv = token_group_size(group_size, D)
-        if D % gv:
-            raise ValueError(f"D={D} must be a multiple of group_size={gv} for axis='token'")
+        if D % gv or gv % per:
+            raise ValueError(f"D={D} must be a multiple of group_size={gv}, itself a multiple of {per}, for axis='token'")
         gshape = (*lead, T, D // gv)
     scale = torch.empty(gshape, dtype=x.dtype, device=x.device)
     zero = torch.empty(gshape, dtype=x.dtype, device=x.device)
@@ -290,11 +330,12 @@ def unpack_dequantize_triton(codes, scale, zero, bits: int, group_size: int, axi
     """Inverse of quantize_pack_triton: codes [..., T, NB] -> x' [..., T, NB*8/bits] in scale.dtype."""
     _check_common(bits, group_size, axis)
     codes, scale, zero = codes.contiguous(), scale.contiguous(), zero.contiguous()
-    per = codes_per_byte(bits)
-    *lead, T, NB = codes.shape
+    per, wb = codes_per_word(bits), word_bytes(bits)
+    *lead, T, nbytes = codes.shape
+    NB = nbytes // wb  # words per row
     D = NB * per
     out = torch.empty((*lead, T, D), dtype=scale.dtype, device=codes.device)
-    rows = codes.numel() // NB if NB else 0
+    rows = codes.numel() // nbytes if nbytes else 0
     if rows == 0:
         return out
     if axis == "channel":

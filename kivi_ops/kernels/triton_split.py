@@ -12,7 +12,7 @@ attend_split:
      query i of head h*Hq/H + g; rows padded to BLOCK_M >= 16 for tl.dot) and one contiguous token
      range of its sequence, cut at run time from the sequence's own length (triton_attend.py);
      num_splits comes from static shapes only (attend_num_splits, triton_attend.py).
-     Per BLOCK_N-token tile (_attend_tile) it unpacks the 2/4/8-bit codes in registers,
+     Per BLOCK_N-token tile (_attend_tile) it unpacks the 2/3/4/8-bit codes in registers,
      dequantizes (keys: per channel, one scale row per G tokens; values: per token, scale column
      c // Gv), selects quantized vs residual per token (key quantized iff t < (L // R) * R, value
      iff t < L - R; residual slot t % R) and runs an online softmax (base 2, scale * log2(e)
@@ -40,14 +40,14 @@ import triton
 import triton.language as tl
 
 from ..layout import LayerTensors, QuantParams
-from ..packing import codes_per_byte
+from ..packing import codes_per_word
 from .triton_attend import (
     LOG2E, _cast, _cast_sat, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
     attend_num_splits, launch_reduce, split_workspace,
 )
 from .triton_args import KiviCache, Levels, Pool, Rope, Sparse, kernel_options
 from .triton_paging import Pages, cache_row, paging_args
-from .triton_quant import device_ctx, interpreting, next_pow2, unpack_codes
+from .triton_quant import device_ctx, interpreting, load_words, next_pow2, unpack_codes
 
 # fp32 caches: tl.dot precision of the attention products. "tf32x3" (three TF32 tensor-core
 # products, error ~2^-22 relative per product, i.e. fp32-accumulation class) instead of "ieee"
@@ -164,8 +164,9 @@ def _key_tile(
     else:
         kq = tm
     jk = tl.arange(0, W_P // lay.K_PER)
-    kb = tl.load(k_codes + row[:, None] * (lay.D // lay.K_PER) + (C0 // lay.K_PER + jk)[None, :],
-                 mask=kq[:, None] & (jk < W // lay.K_PER)[None, :], other=0)
+    kb = load_words(k_codes + row[:, None] * (lay.D // lay.K_PER * (lay.K_PER * lay.K_BITS // 8))
+                    + (C0 // lay.K_PER + jk)[None, :], lay.D // lay.K_PER, lay.K_BITS,
+                    kq[:, None] & (jk < W // lay.K_PER)[None, :])
     kc = _code_values(tl.reshape(unpack_codes(kb, lay.K_BITS, lay.K_PER), [lay.BLOCK_N, W_P]), levels.k_levels,
                       levels.HAS_LEVELS)
     grow = t0 // lay.G + tl.arange(0, lay.NGB)  # the NGB scale rows this tile touches
@@ -242,8 +243,8 @@ def _attend_tile(
     else:
         vq = tm
     jv = tl.arange(0, lay.D_P // lay.V_PER)
-    vb = tl.load(v_codes + row[:, None] * (lay.D // lay.V_PER) + jv[None, :],
-                 mask=vq[:, None] & (jv < lay.D // lay.V_PER)[None, :], other=0)
+    vb = load_words(v_codes + row[:, None] * (lay.D // lay.V_PER * (lay.V_PER * lay.V_BITS // 8)) + jv[None, :],
+                    lay.D // lay.V_PER, lay.V_BITS, vq[:, None] & (jv < lay.D // lay.V_PER)[None, :])
     vc = _code_values(tl.reshape(unpack_codes(vb, lay.V_BITS, lay.V_PER), [lay.BLOCK_N, lay.D_P]), levels.v_levels,
                       levels.HAS_LEVELS)
     if lay.NGV == 1:
@@ -492,7 +493,7 @@ def attend_split(
             NSG=k_scale.shape[2] if pages is None else S // G, **paging_args(pages, t, G),
             # pre-RoPE halves padded to tl.dot's K >= 16 (zero channels add nothing)
             QG=QG, D=D, D_P=d_p, HD=D // 2, HD_P=max(16, next_pow2(D // 2)),
-            K_BITS=k_bits, K_PER=codes_per_byte(k_bits), V_BITS=v_bits, V_PER=codes_per_byte(v_bits),
+            K_BITS=k_bits, K_PER=codes_per_word(k_bits), V_BITS=v_bits, V_PER=codes_per_word(v_bits),
             G=G, NGB=max(block_n // G, 1), NGV=ngv, NGV_P=ngv_p, GV_P=gv_p,
             R=R, RR=RR, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             LOWP=lowp, DOT_F32=dot_f32, F32_PRECISION=F32_DOT_PRECISION, EMULATE_RTNE=interp,
