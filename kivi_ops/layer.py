@@ -216,7 +216,7 @@ class KIVILayer(CacheLayer):
         B, H, S, D = batch_size, num_kv_heads, max_seq_len, head_dim
         R, G = config.residual_length, config.group_size
         gv = config.value_group_size(D)
-        RR = min(R, S)  # residual slot of token t is t % R < S: a cache shorter than R needs S slots
+        RR = min(config.residual_slots(), S)  # token t's slot is t % W < S: a cache shorter than W needs S slots
         for name, shape, dt in (
             ("k_codes", (B, H, S, D // codes_per_byte(config.k_bits)), torch.uint8),
             ("k_scale", (B, H, math.ceil(S / G), D), dtype),
@@ -236,7 +236,7 @@ class KIVILayer(CacheLayer):
         self.levels: Optional[NuqLevels] = (
             NuqLevels(config.key_levels[layer_idx], config.value_levels[layer_idx], device) if config.has_nuq else None)
         self.params = QuantParams(config.k_bits, config.v_bits, G, R, config.sink_tokens if P else 0,
-                                  config.layer_outlier_tokens(layer_idx))
+                                  config.layer_outlier_tokens(layer_idx), config.policy_id)
         self.pre_rope = config.pre_rope
         self.rope_scaling = 1.0
         if config.pre_rope:
