@@ -41,7 +41,7 @@ def theoretical_kivi_bytes(cfg: KIVIConfig, *, tokens: int, num_layers: int, num
     per_head = (tokens * D * (cfg.k_bits + cfg.v_bits) // 8          # codes
                 + 2 * math.ceil(tokens / G) * D * scale_bytes          # key scale + zero per (G tokens, channel)
                 + 2 * tokens * (D // min(G, D)) * scale_bytes          # value scale + zero per (token, G channels)
-                + 2 * min(cfg.residual_length, tokens) * D * scale_bytes)  # key and value residual windows
+                + 2 * min(cfg.residual_slots(), tokens) * D * scale_bytes)  # key and value residual rings
     nk, nv = cfg.sparse_counts(D)
     per_head += (tokens // cfg.residual_length * nk * D + tokens * nv) * (scale_bytes + 2)
     pool_slots = sum(cfg.layer_pool_size(layer) for layer in range(num_layers))

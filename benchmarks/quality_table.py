@@ -131,10 +131,16 @@ def kvquant3_rows(levels: Levels = Levels()) -> list[Row]:
 
 def extension_rows() -> list[Row]:
     """OTT-2 (the OTT paper: 3 outlier tokens, none in the first two layers, spill pool 32) and
-    attention-sink rows, comparable to the KIVI-2 rows of the same G and R. The paper's OTT runs
-    G=128, R=32, which our layout cannot hold (keys flush R at a time, R a multiple of G): the
-    G=128 row is the closest (its KIVI-2 counterpart is "KIVI-2 G=128 (R=128)")."""
+    attention-sink rows, comparable to the KIVI-2 rows of the same G and R. "OTT-2 as published"
+    is the paper's own configuration on its own schedule (flush_policy="ott": keys and values
+    quantized G at a time, the last R exact): G=128, R=32, compared as in the paper with
+    "KIVI-2 G=128 (R=128)"; "KIVI-2 on the ott policy" is the schedule without outlier tokens.
+    "OTT-2 G=128 (R=128, 3 outliers)" is OTT's outlier pool on KIVI's schedule."""
     return [
+        Row("OTT-2 as published (ott policy: G=128, R=32, 3 outliers)", "ott / sink", "kivi",
+            kivi=KIVIConfig(2, 2, 128, 32, outlier_tokens=3, flush_policy="ott")),
+        Row("KIVI-2 on the ott policy (G=128, R=32)", "ott / sink", "kivi",
+            kivi=KIVIConfig(2, 2, 128, 32, flush_policy="ott")),
         Row("OTT-2 (G=32, R=128, 3 outliers)", "ott / sink", "kivi", kivi=KIVIConfig(2, 2, 32, 128, outlier_tokens=3)),
         Row("OTT-2 G=128 (R=128, 3 outliers)", "ott / sink", "kivi", kivi=KIVIConfig(2, 2, 128, 128, outlier_tokens=3)),
         Row("KIVI-2 + sink 1 (G=32, R=128)", "ott / sink", "kivi", kivi=KIVIConfig(2, 2, 32, 128, sink_tokens=1)),

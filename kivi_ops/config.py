@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from .schedule import POLICIES, key_flush_unit, policy_id, residual_slots
+
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_AXES = ("channel", "token")
 # Triton block shapes must be powers of two, so group sizes are too.
@@ -63,6 +65,9 @@ class KIVIConfig:
     residual_length (R): the most recent tokens kept in full precision. Keys accumulate in a
         residual and are quantized R at a time (R must be a multiple of G); values keep the last
         R tokens exact and quantize the oldest one as it leaves the window.
+    flush_policy: "kivi" (the above, KIVI Algorithm 1) or "ott" (the OTT paper's schedule: keys
+        and values are both quantized G tokens at a time and the R most recent tokens always
+        stay exact, so R is any positive int, independent of G; schedule.py).
 
     Extensions, all off (0) by default; off gives exactly KIVI and allocates nothing extra:
     sink_tokens: the first N tokens of each sequence are kept in full precision (KVQuant's
@@ -99,6 +104,7 @@ class KIVIConfig:
     sparse_outliers: float = 0.0
     key_levels: tuple = ()
     value_levels: tuple = ()
+    flush_policy: str = "kivi"
 
     def __post_init__(self) -> None:
         check_bits("k_bits", self.k_bits)
@@ -106,11 +112,18 @@ class KIVIConfig:
         check_group_size("group_size", self.group_size)
         for name in ("k_bits", "v_bits"):
             check_word_groups(name, getattr(self, name), self.group_size)
+        if self.flush_policy not in POLICIES:
+            raise ValueError(f"flush_policy must be one of {POLICIES}, got {self.flush_policy!r}")
         r = self.residual_length
-        if isinstance(r, bool) or not isinstance(r, int) or r <= 0 or r % self.group_size:
+        if self.flush_policy == "ott":
+            if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+                raise ValueError(f"residual_length must be a positive int (flush_policy='ott': any R, "
+                                 f"independent of group_size), got {r!r}")
+        elif isinstance(r, bool) or not isinstance(r, int) or r <= 0 or r % self.group_size:
             raise ValueError(
                 f"residual_length must be a positive multiple of group_size={self.group_size} "
-                f"(e.g. {self.group_size}, {4 * self.group_size}), got {r!r}"
+                f"(e.g. {self.group_size}, {4 * self.group_size}; or flush_policy='ott', where R and G "
+                f"are independent), got {r!r}"
             )
         for name in ("sink_tokens", "outlier_tokens", "outlier_spill", "outlier_skip_layers"):
             v = getattr(self, name)
@@ -119,10 +132,12 @@ class KIVIConfig:
         if self.sink_tokens > MAX_SINK_TOKENS:
             raise ValueError(f"sink_tokens must be at most {MAX_SINK_TOKENS} (the first tokens kept exact), "
                              f"got {self.sink_tokens}")
-        if self.outlier_tokens > r:
+        unit = self.key_flush_unit
+        if self.outlier_tokens > unit:
+            name = "group_size" if self.flush_policy == "ott" else "residual_length"
             raise ValueError(
-                f"outlier_tokens must be at most residual_length={r} (the tokens one quantization step "
-                f"considers), got {self.outlier_tokens}"
+                f"outlier_tokens must be at most {name}={unit} (the tokens one quantization step "
+                f"considers under flush_policy={self.flush_policy!r}), got {self.outlier_tokens}"
             )
 
         if not isinstance(self.pre_rope, bool):
@@ -134,6 +149,24 @@ class KIVIConfig:
             _check_level_tables(name, getattr(self, name), bits)
         if bool(self.key_levels) != bool(self.value_levels):
             raise ValueError("key_levels and value_levels must be given together (nuq levels for keys and values)")
+        if self.flush_policy == "ott" and self.sparse_outliers:
+            raise ValueError("sparse_outliers is not supported with flush_policy='ott' (its key store is laid "
+                             "out per R-token window of the kivi policy); use flush_policy='kivi'")
+
+    @property
+    def policy_id(self) -> int:
+        """flush_policy as the ops take it (schedule.KIVI / schedule.OTT)."""
+        return policy_id(self.flush_policy)
+
+    @property
+    def key_flush_unit(self) -> int:
+        """Keys quantized together at one flush: R under 'kivi', G under 'ott' (schedule.py)."""
+        return key_flush_unit(self.policy_id, self.residual_length, self.group_size)
+
+    def residual_slots(self) -> int:
+        """Full-precision residual rows per head (before the max_seq_len cap): R under 'kivi',
+        R + G - 1 under 'ott' (schedule.py)."""
+        return residual_slots(self.policy_id, self.residual_length, self.group_size)
 
     def layer_outlier_tokens(self, layer_idx: int) -> int:
         """Outlier pool size of one layer: 0 in the first outlier_skip_layers layers."""

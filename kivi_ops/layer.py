@@ -267,7 +267,7 @@ class KIVILayer(CacheLayer):
         B, H, S, D = batch_size, num_kv_heads, max_seq_len, head_dim
         R, G = config.residual_length, config.group_size
         gv = config.value_group_size(D)
-        RR = min(R, S)  # residual slot of token t is t % R < S: a cache shorter than R needs S slots
+        RR = min(config.residual_slots(), S)  # token t's slot is t % W < S: a cache shorter than W needs S slots
         for name, shape, dt in (
             ("k_codes", (B, H, S, packed_bytes(D, config.k_bits)), torch.uint8),
             ("k_scale", (B, H, math.ceil(S / G), D), dtype),
@@ -285,7 +285,7 @@ class KIVILayer(CacheLayer):
         self.sparse: Optional[SparseStore] = (
             SparseStore((B, H, S // R * nk, D), (B, H, S, nv), dtype, device) if nv else None)
         self.params = QuantParams(config.k_bits, config.v_bits, G, R, config.sink_tokens if P else 0,
-                                  config.layer_outlier_tokens(layer_idx))
+                                  config.layer_outlier_tokens(layer_idx), config.policy_id)
         init_constants(self, config, layer_idx, rope, device)
         self.portable = bool(portable)
         if device.type == "cuda":  # before any compiled step can need them (see there)

@@ -8,11 +8,11 @@ Layout of one layer (B batch, H kv heads, S max_seq_len, D head_dim, R residual,
     k_codes  uint8 [B, H, S, D*kb/8]     keys quantized per channel, packed along D (packing.py)
     k_scale  dtype [B, H, ceil(S/G), D]  one scale/zero per (group of G tokens, channel)
     k_zero   dtype [B, H, ceil(S/G), D]
-    k_res    dtype [B, H, min(R,S), D]   full-precision key residual
+    k_res    dtype [B, H, min(W,S), D]   full-precision key residual (W = R, or R + G - 1 under OTT's policy)
     v_codes  uint8 [B, H, S, D*vb/8]     values quantized per token in groups of Gv=min(G, D) channels
     v_scale  dtype [B, H, S, D/Gv]
     v_zero   dtype [B, H, S, D/Gv]
-    v_res    dtype [B, H, min(R,S), D]   full-precision value window (ring buffer)
+    v_res    dtype [B, H, min(W,S), D]   full-precision value window (ring buffer)
     lengths  int64 [B]                   tokens stored per sequence
 Optional parts, None when their option is off:
     pool_k, pool_v, pool_pos             sink / OTT outlier token pool (pool.py)
@@ -25,6 +25,9 @@ For a sequence of length L (KIVI Algorithm 1, paper-faithful streaming):
             When the residual reaches R tokens, all R are quantized together (R/G groups).
     values: tokens [0, nqv) are quantized, nqv = max(L - R, 0); the last min(L, R) are in v_res.
     In both residuals token t lives in slot t % R.
+Under flush_policy OTT (schedule.py): keys and values alike, tokens [0, nq) are quantized with
+    nq = G * floor(max(L - R, 0) / G), G at a time; tokens [nq, L) (R .. R + G - 1 of them once
+    L >= R) are exact in k_res / v_res, token t in slot t % (R + G - 1).
 Quantized tokens live at row t of the codes (and row t // G of the key scales).
 """
 
@@ -92,6 +95,7 @@ class QuantParams(NamedTuple):
     residual_length: int
     sink_tokens: int = 0
     outlier_tokens: int = 0  # this layer's OTT pool size (0 in skipped layers)
+    flush_policy: int = 0  # schedule.KIVI (0) or schedule.OTT (1): when tokens leave full precision
 
     def pool_args(self, t: LayerTensors):
         """The pool as the append implementations take it: (pool_k, pool_v, pool_pos, sink,

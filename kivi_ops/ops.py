@@ -26,6 +26,7 @@ from . import dispatch
 from .config import check_axis, check_bits, check_group_size
 from .extras import check_extras
 from .layout import APPEND_MUTATES, REQUIRED_TENSORS, LayerTensors, QuantParams
+from .schedule import OTT, check_policy_id, residual_slots
 from .packing import (FLOAT_DTYPES, codes_per_word, packed_bytes, quantize_pack_reference, token_group_size,
                       unpack_dequantize_reference, word_bytes)
 
@@ -184,6 +185,14 @@ def _attend_args(args, kwargs):
 def check_layer(layer: LayerTensors, params: QuantParams) -> None:
     """The optional parts against the KIVI tensors (clear errors, never a crash in a kernel).
     Values are not read: that would be a host sync inside CUDA graphs."""
+    check_policy_id(params.flush_policy)
+    W = min(residual_slots(params.flush_policy, params.residual_length, params.group_size), layer.k_codes.shape[2])
+    if layer.k_res.shape[2] != W or layer.v_res.shape[2] != W:
+        raise ValueError(f"k_res/v_res must hold {W} residual rows for flush_policy={params.flush_policy} (R="
+                         f"{params.residual_length}, G={params.group_size}, max_seq_len={layer.k_codes.shape[2]}), "
+                         f"got {layer.k_res.shape[2]} and {layer.v_res.shape[2]}")
+    if params.flush_policy == OTT and layer.k_sparse is not None:
+        raise ValueError("the dense-and-sparse store (k_sparse) is not supported with the ott flush policy")
     pool = (layer.pool_k, layer.pool_v, layer.pool_pos)
     if any(t is not None for t in pool):
         if any(t is None for t in pool):

@@ -20,7 +20,8 @@ Swapping a sequence out and back: `page_tensors()` (dim 0 the page id: copy t[pa
 a fixed R-token buffer per row (not paged).
 
 Options: plain KIVI, nuq levels and pre-RoPE keys. The sink/OTT pool (sink_tokens,
-outlier_tokens) and the dense-and-sparse store (sparse_outliers) are refused.
+outlier_tokens), OTT's flush policy (flush_policy) and the dense-and-sparse store (sparse_outliers)
+are refused.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def check_paged_config(config: KIVIConfig) -> None:
     if config.sparse_outliers:
         raise ValueError(f"the paged KIVI cache does not support the dense-and-sparse store (sparse_outliers="
                          f"{config.sparse_outliers}, --sparse-outliers); use the static cache")
+    if config.flush_policy != "kivi":
+        raise ValueError(f"the paged KIVI cache supports flush_policy='kivi' only (--flush-policy kivi), got "
+                         f"{config.flush_policy!r}; use the static cache")
 
 
 class PagedKIVILayer(CacheLayer):

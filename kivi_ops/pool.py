@@ -17,8 +17,9 @@ saturate and are never read), so pooled tokens never enter the statistics, and t
 key outlier selection picks them last. Values are quantized per token, so a pooled token's value
 affects only its own (masked) slot and is quantized unchanged.
 
-OTT step (the OTT paper, Section 3.2 / Appendix E), run per (sequence, kv head) on each window of R
-keys the cache quantizes (our quantization step; KIVI flushes keys R at a time):
+OTT step (the OTT paper, Section 3.2 / Appendix E), run per (sequence, kv head) on each window of
+keys the cache quantizes: R keys under KIVI's flush policy, one G-token group under OTT's own
+(schedule.py; below, "R" is that window):
   candidates = the window's tokens (not sinks) + the tokens in the outlier pool;
   score = L1 norm of the exact key over head_dim (Appendix E's ||K_i||_1);
   the N smallest scores form the new outlier pool (ties: pool before window, then by position);

@@ -235,11 +235,11 @@ def _attend_decode_mma_kernel(
 
 
 def mma_supports(t: LayerTensors, p: QuantParams) -> bool:
-    """Whether attend_decode_mma takes this layer: plain KIVI, a power-of-two head_dim >= 16 and
-    group_size >= 16 (a tile of >= 16 tokens, tl.dot's least, lies in one key group)."""
+    """Whether attend_decode_mma takes this layer: plain KIVI (KIVI's flush policy), a power-of-two
+    head_dim >= 16 and group_size >= 16 (a tile of >= 16 tokens, tl.dot's least, lies in one key group)."""
     head_dim = t.k_res.shape[-1]
     return (t.pool is None and not t.extras.active and head_dim >= 16 and not head_dim & (head_dim - 1)
-            and p.group_size >= 16)
+            and p.group_size >= 16 and p.flush_policy == 0)
 
 
 def attend_decode_mma(
@@ -258,7 +258,7 @@ def attend_decode_mma(
     if not mma_supports(t, p):
         raise ValueError("attend_decode_mma takes plain KIVI caches with a power-of-two head_dim >= 16 and "
                          f"group_size >= 16 (head_dim={D}, group_size={G}, pool={t.pool is not None}, "
-                         f"KVQuant extras={t.extras.active}); attend_decode takes the rest")
+                         f"KVQuant extras={t.extras.active}, flush_policy={p.flush_policy}); attend_decode takes the rest")
     if out.numel() == 0:
         return out
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = t.kivi

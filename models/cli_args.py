@@ -20,6 +20,7 @@ import torch
 
 from kivi_ops import KIVIConfig
 from kivi_ops.config import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+from kivi_ops.schedule import POLICIES
 
 from .generate import METHODS
 from .loading import DEFAULT_MODEL
@@ -124,7 +125,13 @@ def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
     p.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, default=2, action=_Explicit)
     p.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=32, action=_Explicit)
     p.add_argument("--residual-length", type=int, default=128, action=_Explicit,
-                   help="full-precision recent tokens (multiple of --group-size)")
+                   help="full-precision recent tokens (a multiple of --group-size under --flush-policy kivi; any "
+                        "positive number under ott)")
+    p.add_argument("--flush-policy", choices=POLICIES, default="kivi", action=_Explicit,
+                   help="when tokens leave full precision. kivi (KIVI's Algorithm 1): keys are quantized R at a time "
+                        "when their residual fills, values one by one as they leave the last R. ott (the OTT paper's "
+                        "schedule): keys and values are both quantized G at a time, and the R most recent tokens "
+                        "always stay exact (R and G independent, e.g. --group-size 128 --residual-length 32)")
     p.add_argument("--sink-tokens", type=int, default=0,
                    help="keep the first N tokens of each sequence in full precision (KVQuant's attention sink)")
     p.add_argument("--outlier-tokens", type=int, default=0,
@@ -166,10 +173,11 @@ _FLAG_NAMES = (("sink_tokens", "--sink-tokens"), ("outlier_tokens", "--outlier-t
                ("outlier_spill", "--outlier-spill"), ("outlier_skip_layers", "--outlier-skip-layers"),
                ("sparse_outliers", "--sparse-outliers"), ("residual_length", "--residual-length"),
                ("group_size", "--group-size"), ("k_bits", "--k-bits"), ("v_bits", "--v-bits"),
+               ("flush_policy", "--flush-policy"),
                ("temperature", "--temperature"), ("top_p", "--top-p"), ("top_k", "--top-k"))
 # Flags that only configure the KIVI cache; given explicitly with --method fp they are refused
 # (their defaults are not, so that `--method fp` alone works).
-_KIVI_ONLY_FLAGS = ("k_bits", "v_bits", "group_size", "residual_length")
+_KIVI_ONLY_FLAGS = ("k_bits", "v_bits", "group_size", "residual_length", "flush_policy")
 
 
 class _Explicit(argparse.Action):
@@ -191,7 +199,8 @@ def kivi_config_from(args, parser) -> KIVIConfig:
         config = KIVIConfig(k_bits=args.k_bits, v_bits=args.v_bits, group_size=args.group_size,
                             residual_length=args.residual_length, sink_tokens=args.sink_tokens,
                             outlier_tokens=args.outlier_tokens, outlier_spill=args.outlier_spill,
-                            outlier_skip_layers=args.outlier_skip_layers, **(kvquant if method == "kivi" else {}))
+                            outlier_skip_layers=args.outlier_skip_layers, flush_policy=args.flush_policy,
+                            **(kvquant if method == "kivi" else {}))
     except ValueError as e:
         parser.error(flag_spelling(str(e)))
     if method == "fp" and getattr(args, "explicit", set()) & set(_KIVI_ONLY_FLAGS):

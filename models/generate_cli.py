@@ -91,7 +91,8 @@ def cmd_generate(args, parser) -> int:
     weights = ("unquantized" if args.weight_quant == "none"
                else f"{args.weight_quant} weight-only Linear layers (torchao); embeddings and norms {config['dtype']}")
     print(f"model:   {model_bytes / 2**20:.1f} MiB, {weights}")
-    extras = "".join([f" sink={kivi_config.sink_tokens}" if kivi_config.sink_tokens else "",
+    extras = "".join([" flush-policy=ott" if kivi_config.flush_policy == "ott" else "",
+                      f" sink={kivi_config.sink_tokens}" if kivi_config.sink_tokens else "",
                       f" outliers={kivi_config.outlier_tokens}" if kivi_config.outlier_tokens else "",
                       " pre-RoPE" if kivi_config.pre_rope else "",
                       f" nuq={args.nuq}" if kivi_config.has_nuq else "",

@@ -27,9 +27,13 @@ CONFIGS = {
     "plain": KIVIConfig(2, 2, 8, 16),
     "pool": KIVIConfig(2, 4, 8, 16, sink_tokens=2, outlier_tokens=2, outlier_skip_layers=0),  # fused form + pool
     "pre_rope": KIVIConfig(4, 2, 8, 16, pre_rope=True),  # KVQuant: the materialized form
+    "ott_policy": KIVIConfig(2, 2, 8, 5, flush_policy="ott"),  # OTT's schedule: a group of 8 every 8 steps
+    "ott_policy_pool": KIVIConfig(2, 4, 8, 5, sink_tokens=1, outlier_tokens=2, outlier_skip_layers=0,
+                                  flush_policy="ott"),
 }
 # The options' graphs take 15-30 s each to compile on 2 busy cores: `make test-slow`.
-CONFIG_PARAMS = [pytest.param(name, marks=[pytest.mark.slow] if name != "plain" else []) for name in CONFIGS]
+CONFIG_PARAMS = [pytest.param(name, marks=[pytest.mark.slow] if name not in ("plain", "ott_policy") else [])
+                 for name in CONFIGS]
 
 
 def twin_caches(config, B=3, H=2, D=32, S=72):

@@ -243,3 +243,21 @@ def test_export_with_kvquant_options(fmt, tmp_path, capsys):
     report = cli_json(["run-exported", str(out), "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json"], capsys)
     assert report["tokens"] == want["tokens"]
     assert report["config"]["kivi"]["pre_rope"] and report["config"]["kivi"]["sparse_outliers"] == 0.1
+
+
+# pt2 in the fast suite, the other formats in `make test-slow` (as test_exported_greedy_tokens_equal_eager).
+@pytest.mark.parametrize("fmt", ["pt2", *(pytest.param(f, marks=pytest.mark.slow) for f in ("onnx", "aoti", "pte"))])
+def test_export_with_ott_flush_policy(fmt, tmp_path, capsys):
+    # OTT's own schedule with its outlier pool in every layer, G=8, R=3 (not a multiple of G): the
+    # 16 new tokens complete groups at lengths 11, 19 (and the prompt's), in-graph, with OTT steps.
+    if fmt == "pte":
+        pytest.importorskip("executorch.runtime")
+    options = ["--flush-policy", "ott", "--group-size", "8", "--residual-length", "3", "--outlier-tokens", "2",
+               "--outlier-skip-layers", "0"]
+    want = cli_json(["generate", "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json", *options], capsys)
+    assert main(["export", "--format", fmt, "--out", str(tmp_path / "p"), "--max-seq-len", "64", *options]) == 0
+    capsys.readouterr()
+    report = cli_json(["run-exported", str(tmp_path / "p"), "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS,
+                       "--json"], capsys)
+    assert report["tokens"] == want["tokens"]
+    assert report["config"]["kivi"]["flush_policy"] == "ott" and report["config"]["kivi"]["residual_length"] == 3

@@ -341,6 +341,7 @@ def test_gemma2_is_refused_naming_what_is_missing():
     ("kivi", None), ("fp", None),  # CPU default: one decoder layer compiled, run for all 30
     pytest.param("kivi", False, marks=pytest.mark.slow),  # the whole step as one graph
     pytest.param("fp", False, marks=pytest.mark.slow),
+    pytest.param("kivi-ott", None, marks=pytest.mark.slow),  # OTT's flush policy and outlier pool
 ])
 def test_compiled_cpu_decode_is_one_inductor_graph_and_matches_eager(loaded, method, regional):
     # One compile per cache kind checks everything a compiled step promises:
@@ -355,6 +356,8 @@ def test_compiled_cpu_decode_is_one_inductor_graph_and_matches_eager(loaded, met
     _, kivi_model, tok = loaded
     prompts = [PROMPT, "def fibonacci(n):"]
     config = KIVIConfig(group_size=8, residual_length=8)  # key flushes and value quantization within the run
+    if method == "kivi-ott":  # groups of 8 quantized every 8 steps, 3 tokens always exact, OTT steps
+        method, config = "kivi", KIVIConfig(group_size=8, residual_length=3, outlier_tokens=3, flush_policy="ott")
     new_tokens = 20
     eager = run(kivi_model, tok, prompts, method=method, config=config, max_new_tokens=new_tokens)
     torch.compiler.reset()

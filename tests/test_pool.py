@@ -36,31 +36,37 @@ def fake_quant_rows(x, lo, hi, bits):
 
 def reference_view(K, V, L, cfg, n_out):
     """(keys, values, pooled positions) attention sees for one sequence/head holding tokens
-    [0, L) with exact K, V [T, D]: KIVI streaming plus the pool, derived step by step."""
+    [0, L) with exact K, V [T, D]: KIVI streaming plus the pool, derived step by step. The flush
+    policy (docs/cache.md): kivi quantizes keys in R-token windows, [0, L // R * R), and values
+    [0, L - R); ott quantizes both in G-token windows up to the last R tokens (rounded down to G)."""
     R, G, sink, spill = cfg.residual_length, cfg.group_size, cfg.sink_tokens, cfg.outlier_spill
     mags = K.abs().sum(-1).tolist()
     outliers, spilled = [], []
     keys = K[:L].clone()
-    nqk = L // R * R
-    for w0 in range(0, nqk, R):
+    if cfg.flush_policy == "ott":
+        unit, nqk = G, max(L - R, 0) // G * G
+        nqv = nqk
+    else:
+        unit, nqk, nqv = R, L // R * R, max(L - R, 0)
+    for w0 in range(0, nqk, unit):
         entrants = []
         if n_out:
             cands = [(mags[p], i, p) for i, p in enumerate(outliers)]
-            cands += [(mags[p], n_out + j, p) for j, p in enumerate(range(w0, w0 + R)) if p >= sink]
+            cands += [(mags[p], n_out + j, p) for j, p in enumerate(range(w0, w0 + unit)) if p >= sink]
             new = [p for _, _, p in sorted(cands)[:n_out]]
             evicted = [p for p in outliers if p not in new]
             if len(evicted) <= spill - len(spilled):
                 spilled += evicted
                 entrants = [p for p in new if p >= w0]
                 outliers = new
-        out_of_stats = set(entrants) | set(range(w0, min(w0 + R, sink)))
-        for g0 in range(w0, w0 + R, G):
+        out_of_stats = set(entrants) | set(range(w0, min(w0 + unit, sink)))
+        for g0 in range(w0, w0 + unit, G):
             rows = [p for p in range(g0, g0 + G) if p not in out_of_stats]
             if rows:
                 lo, hi = K[rows].amin(0), K[rows].amax(0)
                 keys[rows] = fake_quant_rows(K[rows], lo, hi, cfg.k_bits)
     values = V[:L].clone()
-    gv, nqv = min(G, D), max(L - R, 0)
+    gv = min(G, D)
     g = V[:nqv].reshape(nqv, D // gv, gv)  # values: per token, groups of gv channels
     values[:nqv] = fake_quant_rows(g, g.amin(-1, keepdim=True), g.amax(-1, keepdim=True),
                                    cfg.v_bits).reshape(nqv, D)
@@ -159,9 +165,15 @@ SINK = KIVIConfig(2, 2, group_size=4, residual_length=8, sink_tokens=2)
 OTT = KIVIConfig(2, 2, group_size=4, residual_length=8, outlier_tokens=2, outlier_spill=3, outlier_skip_layers=0)
 BOTH = KIVIConfig(2, 4, group_size=4, residual_length=16, sink_tokens=1, outlier_tokens=3, outlier_spill=4,
                   outlier_skip_layers=0)
+# OTT's own flush policy (G-token groups, the last R always exact; R not a multiple of G)
+OTT_POLICY = KIVIConfig(2, 2, group_size=4, residual_length=3, outlier_tokens=2, outlier_spill=3,
+                        outlier_skip_layers=0, flush_policy="ott")
+BOTH_OTT_POLICY = KIVIConfig(2, 4, group_size=8, residual_length=5, sink_tokens=1, outlier_tokens=3, outlier_spill=4,
+                             outlier_skip_layers=0, flush_policy="ott")
 
 
-@pytest.mark.parametrize("cfg", [SINK, OTT, BOTH], ids=["sink", "ott", "sink+ott"])
+@pytest.mark.parametrize("cfg", [SINK, OTT, BOTH, OTT_POLICY, BOTH_OTT_POLICY],
+                         ids=["sink", "ott", "sink+ott", "ott-policy", "sink+ott-policy"])
 @pytest.mark.parametrize("portable", [False, True], ids=["op", "decomposed"])
 def test_cache_matches_independent_reference(cfg, portable):
     run(cfg, portable, check_every=not portable)
@@ -290,7 +302,7 @@ def test_outliers_skipping_every_layer_raise():
 def test_pool_ops_opcheck():
     cache = run(BOTH, False, check_every=False)
     layer, params = cache.layers[0].tensors(), cache.layers[0].params
-    assert layer.pool is not None and params == (2, 4, 4, 16, 1, 3)
+    assert layer.pool is not None and params == (2, 4, 4, 16, 1, 3, 0)
     clone = LayerTensors(*(None if t is None else t.clone() for t in layer))
     k, v = torch.randn(B, H, 3, D), torch.randn(B, H, 3, D)
     torch.library.opcheck(torch.ops.kivi.cache_append.default, (*clone, k, v, torch.tensor([3, 1]), *params))

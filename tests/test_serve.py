@@ -211,7 +211,7 @@ def test_bounded_load(server):
     assert m["kivi_requests_running"] == 0 and m["kivi_cache_bytes"] > 0
 
 
-@pytest.mark.parametrize("method", ["kivi", "fp"])
+@pytest.mark.parametrize("method", ["kivi", "kivi-ott", "fp"])
 def test_a_count_0_row_keeps_every_cache_byte_while_others_decode_restart_and_load(method):
     # What the engine relies on (written first by a helper session for its own engine): a row
     # whose count is 0 keeps its state while the other rows decode past key flushes, restart,
@@ -225,7 +225,11 @@ def test_a_count_0_row_keeps_every_cache_byte_while_others_decode_restart_and_lo
                                       max_position_embeddings=64)
     torch.manual_seed(0)
     model = patch_model(transformers.LlamaForCausalLM(config).eval())
-    cfg = KIVIConfig(group_size=8, residual_length=8, sink_tokens=2) if method == "kivi" else None
+    # kivi-ott: OTT's flush policy with its outlier pool (R=3, G=8: row 0 quantizes groups at 11, 19)
+    cfg = {"kivi": KIVIConfig(group_size=8, residual_length=8, sink_tokens=2),
+           "kivi-ott": KIVIConfig(group_size=8, residual_length=3, sink_tokens=1, outlier_tokens=2,
+                                  outlier_skip_layers=0, flush_policy="ott")}.get(method)
+    method = "fp" if method == "fp" else "kivi"
     cache = make_cache(model, method=method, batch_size=2, max_seq_len=40, kivi_config=cfg)
     staging = make_cache(model, method=method, batch_size=1, max_seq_len=40, kivi_config=cfg)
     with torch.inference_mode():

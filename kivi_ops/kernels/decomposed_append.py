@@ -24,6 +24,7 @@ from ..layout import LayerTensors, QuantParams
 from ..paged_layout import Paging
 from ..packing import quantize_pack_reference
 from ..pool import ott_step
+from ..schedule import OTT
 
 
 def mod_nonneg(x: Tensor, m: int, bound: int) -> Tensor:
@@ -71,6 +72,114 @@ def _branch(pred: Tensor, true_fn, false_fn):
     return true_fn() if pred.item() else false_fn()
 
 
+def _ott_steps(pool_parts, sink: int, n_out: int, stream: Tensor, v_stream: Tensor, u: Tensor, flushed: Tensor,
+               unit: int):
+    """OTT steps (pool.py), window by window, over the exact keys / values [B, H, windows * unit,
+    D] at positions u [B, windows * unit] about to be quantized (unit: the policy's key flush
+    unit); windows at or past flushed [B] tokens change nothing. Returns (entrants [B, H,
+    windows * unit], the new (pool_k, pool_v, pool_pos))."""
+    pk, pv, ppos = pool_parts
+    a, z = sink, sink + n_out
+    state = (pk[:, :, a:z], pv[:, :, a:z], ppos[:, :, a:z], pk[:, :, z:], pv[:, :, z:], ppos[:, :, z:])
+    entrants = []
+    for w in range(u.shape[1] // unit):
+        win = slice(w * unit, (w + 1) * unit)
+        *state, entered = ott_step(*state, stream[:, :, win], v_stream[:, :, win], u[:, win], u[:, win] >= sink,
+                                   w * unit < flushed)
+        entrants.append(entered)
+    return torch.cat(entrants, dim=2), (torch.cat([pk[:, :, :a], state[0], state[3]], 2),
+                                        torch.cat([pv[:, :, :a], state[1], state[4]], 2),
+                                        torch.cat([ppos[:, :, :a], state[2], state[5]], 2))
+
+
+def _flush_ott_groups(layer: LayerTensors, key: Tensor, value: Tensor, params: QuantParams, bi: Tensor, hi: Tensor,
+                      L: Tensor, q0: Tensor, q1: Tensor, groups: int, last_new, pool):
+    """OTT's flush policy (schedule.py): quantize the first `groups` G-token groups of the stream
+    from token q0 on (ring slot u % W for u < L, else the appended token), keys per channel and
+    values per token, and write those below q1 (the others rewrite old rows; distinct since
+    groups * G <= S). pool: as in _flush_key_windows; returns its new parts (None without)."""
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, _ = layer.kivi
+    k_bits, v_bits, G, _ = params[:4]
+    extras = layer.extras
+    B, H, _, D = key.shape
+    S, RR = k_codes.shape[2], k_res.shape[2]
+    device = key.device
+    T = groups * G
+    flushed = (q1 - q0)[:, None]
+    j = torch.arange(T, device=device)
+    u = q0[:, None] + j[None, :]  # [B, T]
+    old = (u < L[:, None])[:, None, :, None]
+    ring = torch.remainder(u, RR)
+    fresh = (u - L[:, None]).clamp(0, last_new)
+    keys = torch.where(old, _take_tokens(k_res, bi, hi, ring), _take_tokens(key, bi, hi, fresh))
+    values = torch.where(old, _take_tokens(v_res, bi, hi, ring), _take_tokens(value, bi, hi, fresh))
+    exclude = parts = None
+    if pool is not None:
+        pk, pv, ppos, sink, n_out = pool
+        pooled = (u < sink)[:, None, :].expand(B, H, T)
+        parts = (pk, pv, ppos)
+        if n_out > 0:
+            entered, parts = _ott_steps(parts, sink, n_out, keys, values, u, flushed[:, 0], G)
+            pooled = pooled | entered
+        exclude = pooled[..., None].expand(B, H, T, D)
+    valid = j[None, :] < flushed
+    rows = torch.remainder(u, S)
+    codes, scale, zero = quantize_pack_reference(keys, k_bits, G, "channel", extras.k_levels, exclude)
+    _write_rows(k_codes, bi, hi, rows, codes, valid)
+    gj = torch.arange(groups, device=device)
+    grows = (torch.div(q0, G, rounding_mode="floor")[:, None] + gj[None, :]) % k_scale.shape[2]
+    gvalid = gj[None, :] * G < flushed
+    _write_rows(k_scale, bi, hi, grows, scale, gvalid)
+    _write_rows(k_zero, bi, hi, grows, zero, gvalid)
+    codes, scale, zero = quantize_pack_reference(values, v_bits, G, "token", extras.v_levels)
+    _write_rows(v_codes, bi, hi, rows, codes, valid)
+    _write_rows(v_scale, bi, hi, rows, scale, valid)
+    _write_rows(v_zero, bi, hi, rows, zero, valid)
+    return parts
+
+
+def _append_ott(layer: LayerTensors, key: Tensor, value: Tensor, params: QuantParams, bi, hi, L, end, n, symbolic,
+                last_new, pool, flush_under_cond: bool):
+    """append_decomposed's flushes and residual writes under OTT's flush policy (schedule.py);
+    returns the pool's new parts (None without a pool)."""
+    k_codes, _, _, k_res, _, _, _, v_res, _ = layer.kivi
+    _, _, G, R = params[:4]
+    S, RR = k_codes.shape[2], k_res.shape[2]
+    device = key.device
+    parts = None if pool is None else pool[:3]
+    q0 = torch.div((L - R).clamp(min=0), G, rounding_mode="floor") * G
+    q1 = torch.div((end - R).clamp(min=0), G, rounding_mode="floor") * G
+    # Most groups n new tokens can complete: the residual holds at most R + G - 1 tokens.
+    groups = S // G if symbolic else min((G - 1 + n) // G, S // G)
+    if groups > 0 and n > 0:
+        args = (layer, key, value, params, bi, hi, L, q0, q1, groups, last_new, pool)
+        if flush_under_cond and (pool is None or pool[4] == 0) and not torch.is_grad_enabled():
+            # as in append_decomposed: a decode step completes a group once every G steps
+            def flush():
+                _flush_ott_groups(*args)
+                return L.new_zeros(())
+
+            _branch((q1 > q0).any(), flush, lambda: L.new_zeros(()))
+        else:
+            new_parts = _flush_ott_groups(*args)
+            parts = parts if new_parts is None else new_parts
+    # Residuals, after every read of the old ones: new token u goes to slot u % W if it is among
+    # the last W (the residual never holds more than R + G - 1 <= W tokens).
+    if n > 0 and not symbolic and n <= RR:
+        u = L[:, None] + torch.arange(n, device=device)[None, :]  # [B, n]: distinct slots mod RR
+        take = (u < end[:, None]) & (u >= end[:, None] - RR)
+        _write_rows(k_res, bi, hi, torch.remainder(u, RR), key, take)
+        _write_rows(v_res, bi, hi, torch.remainder(u, RR), value, take)
+    elif n > 0:  # rebuilt whole: slot s holds the newest token u = s (mod RR) below end if it is new
+        s = torch.arange(RR, device=device)
+        u = end[:, None] - RR + mod_nonneg(s[None, :] - end[:, None], RR, S)
+        take = (u >= L[:, None])[:, None, :, None]
+        idx = (u - L[:, None]).clamp(0, last_new)
+        k_res.copy_(torch.where(take, _take_tokens(key, bi, hi, idx), k_res))
+        v_res.copy_(torch.where(take, _take_tokens(value, bi, hi, idx), v_res))
+    return parts
+
+
 def _flush_key_windows(layer: LayerTensors, key: Tensor, value: Tensor, params: QuantParams, bi: Tensor, hi: Tensor,
                        L: Tensor, nqk: Tensor, nqk_end: Tensor, windows: int, last_new, pool,
                        pages: Optional[Paging] = None):
@@ -99,21 +208,11 @@ def _flush_key_windows(layer: LayerTensors, key: Tensor, value: Tensor, params: 
         pk, pv, ppos, sink, n_out = pool
         pooled = (u < sink)[:, None, :].expand(B, H, W)
         if n_out > 0:
-            a, z = sink, sink + n_out
             v_old = v_res[:, :, j.clamp(max=RR - 1)]  # value slot of u < L is u % R = j too
             v_new = _take_tokens(value, bi, hi, (u - L[:, None]).clamp(0, last_new))
             v_stream = torch.where(from_res[:, None, :, None], v_old.expand(B, H, W, D), v_new)
-            state = (pk[:, :, a:z], pv[:, :, a:z], ppos[:, :, a:z], pk[:, :, z:], pv[:, :, z:], ppos[:, :, z:])
-            entrants = []
-            for w in range(windows):  # OTT steps, window by window (pool.py)
-                win = slice(w * R, (w + 1) * R)
-                *state, entered = ott_step(*state, stream[:, :, win], v_stream[:, :, win], u[:, win],
-                                           u[:, win] >= sink, w * R < flushed[:, 0])
-                entrants.append(entered)
-            pooled = pooled | torch.cat(entrants, dim=2)
-            pk = torch.cat([pk[:, :, :a], state[0], state[3]], 2)
-            pv = torch.cat([pv[:, :, :a], state[1], state[4]], 2)
-            ppos = torch.cat([ppos[:, :, :a], state[2], state[5]], 2)
+            entered, (pk, pv, ppos) = _ott_steps(pool[:3], sink, n_out, stream, v_stream, u, flushed[:, 0], R)
+            pooled = pooled | entered
     # Pooled tokens (sinks, new outliers) are exact in the pool: out of the statistics.
     exclude = None if pooled is None else pooled[..., None].expand(B, H, W, D)
     nk = key_outliers_per_window(extras.k_sparse, S, R) if extras.sparse else 0
@@ -198,6 +297,16 @@ def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, p
             pk = torch.cat([torch.where(tk, _take_tokens(key, bi, hi, idx), pk[:, :, :sink]), pk[:, :, sink:]], 2)
             pv = torch.cat([torch.where(tk, _take_tokens(value, bi, hi, idx), pv[:, :, :sink]), pv[:, :, sink:]], 2)
             ppos = torch.cat([torch.where(take[:, None, :], s[None, None, :], ppos[:, :, :sink]), ppos[:, :, sink:]], 2)
+
+    if params.flush_policy == OTT:
+        parts = _append_ott(layer, key, value, params, bi, hi, L, end, n, symbolic, last_new,
+                            None if pool is None else (pk, pv, ppos, sink, n_out), flush_under_cond)
+        if pool is not None and pool_pos.shape[2] > 0:
+            pool_k.copy_(parts[0])
+            pool_v.copy_(parts[1])
+            pool_pos.copy_(parts[2])
+        lengths.add_(c)
+        return
 
     # ---- keys: quantize the whole R-windows the append completes.
     nqk = torch.div(L, R, rounding_mode="floor") * R

@@ -132,14 +132,16 @@ def _finish(acc: Tensor, denom: Tensor, query: Tensor) -> Tensor:
     return out.unflatten(2, (Hq // out.shape[1], q)).reshape(B, Hq, q, D).to(query.dtype)
 
 
-def _residual_slot_probs(p: Tensor, lengths: Tensor, R: int, RR: int) -> Tensor:
+def _residual_slot_probs(p: Tensor, lengths: Tensor, nqv: Tensor, RR: int) -> Tensor:
     """Probability [B, H, rows, RR] of the token whose value sits in v_res slot s: the newest
-    u = s (mod R) below L, from the last min(L, R) tokens (0 if there is none)."""
+    u = s (mod RR) below L, if it is exact (u >= nqv; 0 if there is none). RR: the ring's rows
+    (R under kivi, R + G - 1 under ott, capped at S; schedule.py)."""
     B, H, rows, S = p.shape
     s = torch.arange(RR, device=p.device)
-    u = lengths[:, None] - R + mod_nonneg(s[None, :] - lengths[:, None], R, S)  # [B, RR]
+    u = lengths[:, None] - RR + mod_nonneg(s[None, :] - lengths[:, None], RR, S)  # [B, RR]
     idx = u.clamp(0, S - 1)[:, None, None, :].expand(B, H, rows, RR)
-    return torch.where((u >= 0)[:, None, None, :], torch.gather(p, -1, idx), torch.zeros((), device=p.device))
+    exact = (u >= 0) & (u >= nqv[:, None])
+    return torch.where(exact[:, None, None, :], torch.gather(p, -1, idx), torch.zeros((), device=p.device))
 
 
 def _dot(a: Tensor, b: Tensor, dim: int) -> Tensor:
@@ -216,7 +218,7 @@ def attend_fused(query: Tensor, layer: LayerTensors, counts: Optional[Tensor], p
     device = query.device
     qf, pos, valid_row = _attend_setup(query, lengths, counts, H, scale)
     rows = qf.shape[2]
-    nqk, nqv = quantized_counts(lengths, R)
+    nqk, nqv = quantized_counts(lengths, R, G, params.flush_policy)
     t = torch.arange(S, device=device)
     g = torch.div(t, G, rounding_mode="floor")
     zero = torch.zeros((), device=device)
@@ -231,7 +233,7 @@ def attend_fused(query: Tensor, layer: LayerTensors, counts: Optional[Tensor], p
         sq = (qp[:, :, :, None] * kdq[:, :, None]).sum((-1, -2))
     sq = sq + _dot(qf[:, :, :, None, :], k_zero.float()[:, :, None], -1)[..., g]  # [B, H, rows, S]
     sr = _dot(qf[:, :, :, None, :], k_res.float()[:, :, None], -1)  # [B, H, rows, RR]
-    scores = torch.where((t[None, :] < nqk[:, None])[:, None, None, :], sq, sr[..., t % R])
+    scores = torch.where((t[None, :] < nqk[:, None])[:, None, None, :], sq, sr[..., t % RR])
     visible = ((t[None, None, :] <= pos[:, :, None]) & valid_row[:, :, None])[:, None]
     p, denom = _softmax_rows(*_with_pool(scores, visible, qf, pos, valid_row, pool))
     p, pool_acc = _pool_values(p, S, pool)
@@ -253,7 +255,7 @@ def attend_fused(query: Tensor, layer: LayerTensors, counts: Optional[Tensor], p
     else:
         acc = (pc[..., None, None] * vdq[:, :, :, None]).sum(4).sum(2)
     acc = from_ij_order(acc)  # [B, H, rows, D]
-    acc = acc + _dot(_residual_slot_probs(p, lengths, R, RR)[..., None], v_res.float()[:, :, None], -2)
+    acc = acc + _dot(_residual_slot_probs(p, lengths, nqv, RR)[..., None], v_res.float()[:, :, None], -2)
     if pool_acc is not None:
         acc = acc + pool_acc
     return _finish(acc, denom, query)
@@ -269,12 +271,12 @@ def attend_materialized(query: Tensor, layer: LayerTensors, counts: Optional[Ten
     B, Hq, q, D = query.shape
     H, S = k_codes.shape[1], k_codes.shape[2]
     qf, pos, valid_row = _attend_setup(query, lengths, counts, H, scale)
-    nqk, nqv = quantized_counts(lengths, R)
+    nqk, nqv = quantized_counts(lengths, R, G, params.flush_policy)
     t = torch.arange(S, device=query.device)
     g = torch.div(t, G, rounding_mode="floor")
     gv = token_group_size(G, D)
     dgrp = torch.div(torch.arange(D, device=query.device), gv, rounding_mode="floor")
-    slot = t % R
+    slot = t % k_res.shape[2]  # the residual ring (schedule.py)
     keys = saturate(dequantize_float(code_values(unpack_codes_float(k_codes, k_bits), extras.k_levels),
                                      k_scale[:, :, g], k_zero[:, :, g]), k_res.dtype)
     values = saturate(dequantize_float(code_values(unpack_codes_float(v_codes, v_bits), extras.v_levels),

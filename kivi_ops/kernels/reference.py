@@ -17,17 +17,13 @@ from ..packing import (code_values, dequantize_float, expand_groups, quantize_pa
                        unpack_float)
 from ..pool import ott_step, pool_attention_scores, pooled_mask
 from ..rope import rope_at
+from ..schedule import OTT, quantized_count_int, quantized_counts  # noqa: F401 (quantized_counts: re-exported)
 
 # Tokens per step of the reference attention's online softmax: bounds the temporary
 # dequantized block, so no dequantized copy of the whole cache is ever materialized.
 ATTEND_BLOCK_TOKENS = 1024
 
 
-def quantized_counts(lengths: torch.Tensor, residual_length: int):
-    """(quantized keys, quantized values) per sequence for the streaming policy."""
-    nqk = torch.div(lengths, residual_length, rounding_mode="floor") * residual_length
-    nqv = (lengths - residual_length).clamp(min=0)
-    return nqk, nqv
 
 
 def check_capacity(lengths: torch.Tensor, counts, n: int, max_seq_len: int) -> None:
@@ -63,6 +59,9 @@ def append_reference(layer: LayerTensors, key, value, counts, params: QuantParam
             continue
         new_k, new_v = key[b, :, :c], value[b, :, :c]
         end = L + c
+        if params.flush_policy == OTT:
+            _append_row_ott(layer, params, pool, b, L, new_k, new_v)
+            continue
 
         # Keys: flush whole residual windows, keep the remainder in the residual.
         nqk, nqk_end = L // R * R, end // R * R
@@ -114,6 +113,44 @@ def append_reference(layer: LayerTensors, key, value, counts, params: QuantParam
         lengths += counts.to(lengths.dtype)
 
 
+def _append_row_ott(layer: LayerTensors, params: QuantParams, pool, b: int, L: int, new_k, new_v) -> None:
+    """append_reference for row b under OTT's flush policy (schedule.py): the tokens [q0, q1)
+    that leave the residual (whole G-token groups, the oldest beyond the last R) are read exact
+    from the ring (slot t % W) or the new tokens, then keys are quantized per channel and values
+    per token, G at a time (with the OTT step on each group when the layer has an outlier pool);
+    the new tokens among the last W go to their ring slots."""
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, _ = layer.kivi
+    k_bits, v_bits, G, R = params[:4]
+    extras = layer.extras
+    W = k_res.shape[2]
+    c = new_k.shape[1]
+    end = L + c
+    q0, q1 = quantized_count_int(L, R, G, OTT)[0], quantized_count_int(end, R, G, OTT)[0]
+    if pool is not None:
+        _pool_sinks(pool, b, L, end, new_k, new_v)
+    if q1 > q0:
+        u = torch.arange(q0, q1, device=new_k.device)
+        old = (u < L)[None, :, None]
+        ring, fresh = u.clamp(max=max(L - 1, 0)) % W, (u - L).clamp(min=0, max=c - 1)
+        keys = torch.where(old, k_res[b][:, ring], new_k[:, fresh])
+        values = torch.where(old, v_res[b][:, ring], new_v[:, fresh])
+        exclude = None
+        if pool is not None:
+            pooled = _pool_flush(pool, b, q0, q1, keys, values, G)
+            exclude = pooled[:, :, None].expand(keys.shape)
+        codes, scale, zero = quantize_pack_reference(keys, k_bits, G, "channel", extras.k_levels, exclude)
+        k_codes[b, :, q0:q1] = codes
+        k_scale[b, :, q0 // G : q1 // G] = scale
+        k_zero[b, :, q0 // G : q1 // G] = zero
+        codes, scale, zero = quantize_pack_reference(values, v_bits, G, "token", extras.v_levels)
+        v_codes[b, :, q0:q1] = codes
+        v_scale[b, :, q0:q1] = scale
+        v_zero[b, :, q0:q1] = zero
+    u = torch.arange(max(L, end - W), end, device=new_k.device)
+    k_res[b][:, u % W] = new_k[:, u - L]
+    v_res[b][:, u % W] = new_v[:, u - L]
+
+
 def _pool_sinks(pool, b, L, end, new_k, new_v) -> None:
     """Sink slots s < sink_tokens take the new tokens at positions s (exact)."""
     pool_k, pool_v, pool_pos, sink, _ = pool
@@ -124,7 +161,8 @@ def _pool_sinks(pool, b, L, end, new_k, new_v) -> None:
 
 
 def _pool_flush(pool, b, nqk, nqk_end, keys, values, R):
-    """OTT steps (pool.py) over the R-token windows [nqk, nqk_end) of sequence b, in order; keys /
+    """OTT steps (pool.py) over the R-token windows [nqk, nqk_end) of sequence b, in order (R: the
+    policy's key flush unit, schedule.key_flush_unit); keys /
     values [H, nqk_end - nqk, D] exact. Returns which of the tokens are pooled [H, nqk_end - nqk]
     (sinks and new outliers: they stay out of the quantization statistics)."""
     pool_k, pool_v, pool_pos, sink, N = pool
@@ -155,7 +193,7 @@ def materialize_block(layer: LayerTensors, start: int, stop: int, params: QuantP
     extras = layer.extras
     R, G, D = residual_length, group_size, k_res.shape[-1]
     t = torch.arange(start, stop, device=k_codes.device)
-    nqk, nqv = quantized_counts(lengths, R)
+    nqk, nqv = quantized_counts(lengths, R, G, params.flush_policy)
     g0, g1 = start // G, -(-stop // G)
     k_s = expand_groups(k_scale[:, :, g0:g1], G, "channel", D)[:, :, : stop - start]
     k_z = expand_groups(k_zero[:, :, g0:g1], G, "channel", D)[:, :, : stop - start]
@@ -169,7 +207,7 @@ def materialize_block(layer: LayerTensors, start: int, stop: int, params: QuantP
         nk = key_outliers_per_window(extras.k_sparse, k_codes.shape[2], R)
         k_q = apply_key_outliers(k_q, start, extras.k_sparse, extras.k_sparse_idx, nk, R)
         v_q = apply_value_outliers(v_q, extras.v_sparse[:, :, start:stop], extras.v_sparse_idx[:, :, start:stop])
-    slot = t % R
+    slot = t % k_res.shape[2]  # the residual ring (schedule.py; t % R under kivi)
     k_quantized = (t[None, :] < nqk[:, None])[:, None, :, None]
     v_quantized = (t[None, :] < nqv[:, None])[:, None, :, None]
     keys = torch.where(k_quantized, k_q, k_res[:, :, slot].float())
@@ -251,7 +289,8 @@ def attend_reference(query, layer: LayerTensors, counts, params: QuantParams, sc
     i = torch.arange(q, device=query.device).repeat(groups)
     pos = (lengths - counts)[:, None] + i[None, :]  # [B, groups*q]
     valid_row = i[None, :] < counts[:, None]
-    nqk, nqv = quantized_counts(lengths, R)
+    nqk, nqv = quantized_counts(lengths, R, G, params.flush_policy)
+    W = k_res.shape[2]  # residual ring slots (schedule.py)
     tail = int(torch.minimum(nqk, nqv).min()) if B else 0  # residual tokens start here or later
 
     m = torch.full((B, H, groups * q), float("-inf"), device=query.device)
@@ -277,7 +316,7 @@ def attend_reference(query, layer: LayerTensors, counts, params: QuantParams, sc
         if a < stop:
             t_tail = torch.arange(a, stop, device=query.device)
             from_k_res = (t_tail[None, :] >= nqk[:, None])[:, None, None, :]
-            exact = qf @ k_res[:, :, t_tail % R].float().transpose(-1, -2)
+            exact = qf @ k_res[:, :, t_tail % W].float().transpose(-1, -2)
             scores[..., a - start :] = torch.where(from_k_res, exact, scores[..., a - start :])
         p, correction, m, denom = _online_softmax_step(scores.masked_fill(~visible, float("-inf")), m, denom)
         if a < stop:
@@ -286,7 +325,7 @@ def attend_reference(query, layer: LayerTensors, counts, params: QuantParams, sc
             p_exact = torch.where(from_v_res, p_tail, torch.zeros_like(p_tail))
             p = torch.cat([p[..., : a - start], p_tail - p_exact], dim=-1)
             pv = _quantized_value_sum(p, v_codes, v_scale, v_zero, start, stop, v_bits, G)
-            pv = pv + p_exact @ v_res[:, :, t_tail % R].float()
+            pv = pv + p_exact @ v_res[:, :, t_tail % W].float()
         else:
             pv = _quantized_value_sum(p, v_codes, v_scale, v_zero, start, stop, v_bits, G)
         acc = acc * correction[..., None] + pv

@@ -46,6 +46,7 @@ import triton.language as tl
 
 from ..layout import LayerTensors, QuantParams
 from ..packing import codes_per_word
+from ..schedule import OTT
 from .triton_append_options import (excluded, is_pooled, key_window_outliers, load_rows, ott_step,
                                     value_token_outliers, write_sinks)
 from .triton_args import (CacheSide, KeyLayout, Levels, NewRows, OttPool, Sparse, ValueLayout, kernel_options,
@@ -65,6 +66,19 @@ def _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS: tl.conste
         c = tl.zeros_like(L) + N
     c = tl.maximum(tl.minimum(c, S - L), 0)
     return L, c
+
+
+@triton.jit
+def _flushed(L, c, UNIT: tl.constexpr, OTT: tl.constexpr, KEEP: tl.constexpr):
+    """The key tokens [nqk, nqk_end) an append of c tokens to L quantizes (schedule.py): kivi:
+    whole UNIT = R windows from 0; OTT's flush policy: whole UNIT = G groups, up to the last KEEP = R."""
+    if OTT:
+        nqk = (tl.maximum(L - KEEP, 0) // UNIT) * UNIT
+        nqk_end = (tl.maximum(L + c - KEEP, 0) // UNIT) * UNIT
+    else:
+        nqk = (L // UNIT) * UNIT
+        nqk_end = ((L + c) // UNIT) * UNIT
+    return nqk, nqk_end
 
 
 @triton.jit
@@ -143,15 +157,14 @@ def _flush_key_window(kc, keys, v_res, values, levels, sparse, pool, b, h, bh64,
 
 @triton.jit
 def _append_key_flush(kc, keys, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, levels, sparse, H, N, S, NSG, kl,
-                      pg):
+                      OTT: tl.constexpr, KEEP: tl.constexpr, pg):
     """_append_key_flush_kernel's body, its arguments grouped (triton_args.py)."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
     bh64 = bh.to(tl.int64)
     L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS)
-    nqk = (L // kl.R) * kl.R
-    nqk_end = ((L + c) // kl.R) * kl.R
+    nqk, nqk_end = _flushed(L, c, kl.R, OTT, KEEP)
     start = nqk + tl.program_id(1) * kl.G
     if start < nqk_end:  # tokens of this group, all < nqk_end <= L + c
         jb = tl.program_id(2) * kl.BLOCK_B + tl.arange(0, kl.BLOCK_B)
@@ -174,6 +187,7 @@ def _append_key_flush_kernel(
     HAS_COUNTS: tl.constexpr, HAS_LEVELS: tl.constexpr, SPARSE: tl.constexpr, NK: tl.constexpr, D: tl.constexpr,
     NB: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
     G: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, RR: tl.constexpr, BLOCK_B: tl.constexpr,
+    OTT: tl.constexpr, KEEP: tl.constexpr,
     block_table, MAXP, NPAGES, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
     """The key flush of a layer without a pool: one program per (b, h, key group, byte block).
@@ -182,7 +196,7 @@ def _append_key_flush_kernel(
     _append_key_flush(
         CacheSide(k_codes, k_scale, k_zero, k_res), NewRows(key_ptr, s_kb, s_kh, s_kn, s_kd), lengths_ptr, counts_ptr,
         HAS_COUNTS, Levels(k_levels, None, HAS_LEVELS), Sparse(k_sparse, k_sparse_idx, None, None, NKR, NK, 0, SPARSE),
-        H, N, S, NSG, KeyLayout(D, None, None, NB, BITS, PER, BLOCK_B, G, R, R_P, RR),
+        H, N, S, NSG, KeyLayout(D, None, None, NB, BITS, PER, BLOCK_B, G, R, R_P, RR), OTT, KEEP,
         Pages(block_table, MAXP, NPAGES, H, PAGE, PAGED),
     )
 
@@ -197,7 +211,7 @@ def _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, active, S,
     jb = tl.arange(0, vl.GB_P)
     ii = tl.arange(0, vl.PER)
     m = active[:, None, None] & (jb < vl.GV // vl.PER)[None, :, None] & (ii < vl.PER)[None, None, :]
-    res_row = (bh64 * vl.RR + (u % vl.R)[:, None, None]) * vl.D
+    res_row = (bh64 * vl.RR + (u % vl.RR)[:, None, None]) * vl.D
     new_row = (b.to(tl.int64) * values.s_b + h.to(tl.int64) * values.s_h
                + (u - L).to(tl.int64)[:, None, None] * values.s_n)
     thr = tl.zeros_like(u).to(tl.float32)
@@ -238,15 +252,20 @@ def _append_value_flush_kernel(
     HAS_COUNTS: tl.constexpr, HAS_LEVELS: tl.constexpr, SPARSE: tl.constexpr, NV: tl.constexpr, D: tl.constexpr,
     D_P: tl.constexpr, NB: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
     PER: tl.constexpr, GV: tl.constexpr, GB_P: tl.constexpr, R: tl.constexpr, RR: tl.constexpr, BLOCK_T: tl.constexpr,
+    OTT: tl.constexpr, G: tl.constexpr,
     block_table, MAXP, NPAGES, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
-    """The value flush: one program per (b, h, BLOCK_T of the tokens leaving the value window)."""
+    """The value flush: one program per (b, h, BLOCK_T of the tokens leaving the value window;
+    under OTT's flush policy the whole G-token groups leaving it, schedule.py)."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
     L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS)
-    q0 = tl.maximum(L - R, 0)
-    q1 = tl.maximum(L + c - R, 0)
+    if OTT:
+        q0, q1 = _flushed(L, c, G, True, R)
+    else:
+        q0 = tl.maximum(L - R, 0)
+        q1 = tl.maximum(L + c - R, 0)
     first = q0 + tl.program_id(1) * BLOCK_T
     if first < q1:
         u = first + tl.arange(0, BLOCK_T)
@@ -263,7 +282,7 @@ def _append_residual_kernel(
     s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     H, N, S, P,
     HAS_COUNTS: tl.constexpr, SINK: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, R: tl.constexpr,
-    RR: tl.constexpr, BLOCK_T: tl.constexpr,
+    RR: tl.constexpr, BLOCK_T: tl.constexpr, OTT: tl.constexpr,
 ):
     """New tokens that stay full precision to their residual slots (and sinks to the pool): one
     program per (b, h, BLOCK_T new tokens)."""
@@ -277,11 +296,15 @@ def _append_residual_kernel(
     valid = i < c
     d = tl.arange(0, D_P)
     dmask = (d < D)[None, :]
-    slot = (bh.to(tl.int64) * RR + (u % R)[:, None]) * D + d[None, :]
+    slot = (bh.to(tl.int64) * RR + (u % RR)[:, None]) * D + d[None, :]
     i64 = i.to(tl.int64)[:, None]
     d64 = d.to(tl.int64)[None, :]
-    k_keep = (valid & (u >= (end // R) * R))[:, None] & dmask
-    v_keep = (valid & (u >= end - R))[:, None] & dmask
+    if OTT:  # OTT's flush policy: every new token among the last RR, keys and values alike
+        k_keep = (valid & (u >= end - RR))[:, None] & dmask
+        v_keep = k_keep
+    else:
+        k_keep = (valid & (u >= (end // R) * R))[:, None] & dmask
+        v_keep = (valid & (u >= end - R))[:, None] & dmask
     xk = tl.load(key_ptr + b.to(tl.int64) * s_kb + h.to(tl.int64) * s_kh + i64 * s_kn + d64 * s_kd, mask=k_keep)
     tl.store(k_res + slot, xk, mask=k_keep)
     xv = tl.load(value_ptr + b.to(tl.int64) * s_vb + h.to(tl.int64) * s_vh + i64 * s_vn + d64 * s_vd, mask=v_keep)
@@ -308,7 +331,7 @@ def _append_lengths_kernel(lengths_ptr, counts_ptr, B, N, S, HAS_COUNTS: tl.cons
 @triton.jit
 def _append_decode(
     kc, vc, keys, values, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, levels, sparse, pool, arrivals_ptr,
-    H, S, NSG, kl, vl, pg,
+    H, S, NSG, kl, vl, OTT: tl.constexpr, KEEP: tl.constexpr, pg,
 ):
     """_append_decode_kernel's body, its arguments grouped (triton_args.py)."""
     bh = tl.program_id(0)
@@ -323,12 +346,36 @@ def _append_decode(
             if L < pool.SINK:
                 write_sinks(pool.pool_k, pool.pool_v, pool.pool_pos, pool.P, keys, values, b, h, bh64, L,
                             L + tl.arange(0, 1), L + tl.arange(0, 1) >= 0, kl.D, kl.D_P, pool.SINK)
+        if OTT:  # OTT's flush policy (schedule.py); kl.R is the flush unit G here, KEEP the real R
+            q0, q1 = _flushed(L, 1, kl.R, True, KEEP)
+            if q1 > q0:  # the group [q0, q0 + G) leaves the ring, all of it below L: keys and values
+                _flush_key_window(kc, keys, vc.res, values, levels, sparse, pool, b, h, bh64, L, q0, S, NSG, kl, pg)
+                u = q0 + tl.arange(0, kl.R_P)
+                _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, u < q1, S, vl, pg)
+                tl.debug_barrier()  # the group's slots are read before the new token takes one
+            v = tl.load(values.ptr + b.to(tl.int64) * values.s_b + h.to(tl.int64) * values.s_h + d * values.s_d,
+                        mask=dm)
+            tl.store(vc.res + (bh64 * kl.RR + L % kl.RR) * kl.D + d, v, mask=dm)
+            k = tl.load(keys.ptr + b.to(tl.int64) * keys.s_b + h.to(tl.int64) * keys.s_h + d * keys.s_d, mask=dm)
+            tl.store(kc.res + (bh64 * kl.RR + L % kl.RR) * kl.D + d, k, mask=dm)
+        else:
+            _append_decode_kivi(kc, vc, keys, values, levels, sparse, pool, b, h, bh64, L, d, dm, S, NSG, kl, vl, pg)
+    arrived = tl.atomic_add(arrivals_ptr + b, 1, sem="acq_rel")
+    if arrived == H - 1:
+        tl.store(lengths_ptr + b, (L + c).to(lengths_ptr.dtype.element_ty))
+        tl.store(arrivals_ptr + b, 0)
+
+
+@triton.jit
+def _append_decode_kivi(kc, vc, keys, values, levels, sparse, pool, b, h, bh64, L, d, dm, S, NSG, kl, vl, pg):
+    """_append_decode's flushes and residual writes under KIVI's policy (layout.py)."""
+    if True:
         if L >= kl.R:  # token L - R leaves the value window
             u = L - kl.R + tl.arange(0, 1)
             _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, u >= 0, S, vl, pg)
             tl.debug_barrier()  # every thread has read the slot before it is overwritten
         v = tl.load(values.ptr + b.to(tl.int64) * values.s_b + h.to(tl.int64) * values.s_h + d * values.s_d, mask=dm)
-        tl.store(vc.res + (bh64 * kl.RR + L % kl.R) * kl.D + d, v, mask=dm)
+        tl.store(vc.res + (bh64 * kl.RR + L % kl.RR) * kl.D + d, v, mask=dm)
         nqk = (L // kl.R) * kl.R
         if L + 1 - nqk == kl.R:
             if pool.N_OUT > 0:
@@ -337,10 +384,6 @@ def _append_decode(
         else:
             k = tl.load(keys.ptr + b.to(tl.int64) * keys.s_b + h.to(tl.int64) * keys.s_h + d * keys.s_d, mask=dm)
             tl.store(kc.res + (bh64 * kl.RR + L - nqk) * kl.D + d, k, mask=dm)
-    arrived = tl.atomic_add(arrivals_ptr + b, 1, sem="acq_rel")
-    if arrived == H - 1:
-        tl.store(lengths_ptr + b, (L + c).to(lengths_ptr.dtype.element_ty))
-        tl.store(arrivals_ptr + b, 0)
 
 
 @triton.jit
@@ -356,6 +399,7 @@ def _append_decode_kernel(
     K_NB: tl.constexpr, K_BITS: tl.constexpr, K_PER: tl.constexpr, BLOCK_B: tl.constexpr,
     V_NB: tl.constexpr, V_NG: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr, GV: tl.constexpr,
     GB_P: tl.constexpr, G: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, RR: tl.constexpr,
+    OTT: tl.constexpr, KEEP: tl.constexpr,
     block_table, MAXP, NPAGES, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
     """One token per sequence (a decode step), everything in one launch, one program per (b, h):
@@ -375,20 +419,20 @@ def _append_decode_kernel(
         Sparse(k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR, NK, NV, SPARSE),
         OttPool(pool_k, pool_v, pool_pos, scratch, P, SINK, N_OUT, N_P, SP_P), arrivals_ptr, H, S, NSG,
         KeyLayout(D, D_P, DC, K_NB, K_BITS, K_PER, BLOCK_B, G, R, R_P, RR),
-        ValueLayout(D, D_P, V_NB, V_NG, V_BITS, V_PER, GV, GB_P, R, RR), Pages(block_table, MAXP, NPAGES, H, PAGE, PAGED),
+        ValueLayout(D, D_P, V_NB, V_NG, V_BITS, V_PER, GV, GB_P, R, RR), OTT, KEEP,
+        Pages(block_table, MAXP, NPAGES, H, PAGE, PAGED),
     )
 
 
 @triton.jit
 def _append_key_windows(kc, keys, v_res, values, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, levels, sparse,
-                        pool, H, N, S, NSG, kl, pg):
+                        pool, H, N, S, NSG, kl, OTT: tl.constexpr, KEEP: tl.constexpr, pg):
     """_append_key_windows_kernel's body, its arguments grouped (triton_args.py)."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
     L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS)
-    nqk = (L // kl.R) * kl.R
-    nqk_end = ((L + c) // kl.R) * kl.R
+    nqk, nqk_end = _flushed(L, c, kl.R, OTT, KEEP)
     for window_start in range(nqk, nqk_end, kl.R):
         _flush_key_window(kc, keys, v_res, values, levels, sparse, pool, b, h, bh.to(tl.int64), L, window_start, S,
                           NSG, kl, pg)
@@ -404,6 +448,7 @@ def _append_key_windows_kernel(
     SINK: tl.constexpr, N_OUT: tl.constexpr, N_P: tl.constexpr, SP_P: tl.constexpr,
     D: tl.constexpr, D_P: tl.constexpr, DC: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
     BLOCK_B: tl.constexpr, G: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, RR: tl.constexpr,
+    OTT: tl.constexpr, KEEP: tl.constexpr,
     block_table, MAXP, NPAGES, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
     """The key flush of a layer with a sink/OTT pool, one program per (b, h): the windows
@@ -414,7 +459,8 @@ def _append_key_windows_kernel(
         NewRows(value_ptr, s_vb, s_vh, s_vn, s_vd), lengths_ptr, counts_ptr, HAS_COUNTS,
         Levels(k_levels, None, HAS_LEVELS), Sparse(k_sparse, k_sparse_idx, None, None, NKR, NK, 0, SPARSE),
         OttPool(pool_k, pool_v, pool_pos, scratch, P, SINK, N_OUT, N_P, SP_P), H, N, S, NSG,
-        KeyLayout(D, D_P, DC, NB, BITS, PER, BLOCK_B, G, R, R_P, RR), Pages(block_table, MAXP, NPAGES, H, PAGE, PAGED),
+        KeyLayout(D, D_P, DC, NB, BITS, PER, BLOCK_B, G, R, R_P, RR), OTT, KEEP,
+        Pages(block_table, MAXP, NPAGES, H, PAGE, PAGED),
     )
 
 
@@ -457,6 +503,11 @@ def append_triton(t: LayerTensors, key: torch.Tensor, value: torch.Tensor, count
         B, H, S, D, R, RR, G, gv = static_dims(t, p, pages)
     options = option_args(t, p, check_kernel_extras(t, p, sparse_ok=True), writes=True)
     options.update(paging_args(pages, t, G))
+    # OTT's flush policy (schedule.py): the key kernels' window R becomes the flush unit G, KEEP the
+    # real R (the exact tokens kept); the ring's RR rows come from check_cache.
+    ott = p.flush_policy == OTT
+    options.update(OTT=ott, KEEP=R)
+    unit = G if ott else R
     sparse = options["SPARSE"]
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = t.kivi
     k_bits, v_bits = p.k_bits, p.v_bits
@@ -475,11 +526,12 @@ def append_triton(t: LayerTensors, key: torch.Tensor, value: torch.Tensor, count
     kper, vper = codes_per_word(k_bits), codes_per_word(v_bits)
     nbk, nbv = D // kper, D // vper  # packed words per token row
     nsg = k_scale.shape[2] if pages is None else S // G
-    # Most key groups one call can flush: the window [nqk, nqk_end) is at most ((R-1+n)//R)*R long.
-    key_groups = ((R - 1 + n) // R) * R // G
+    # Most key groups one call can flush: the window [nqk, nqk_end) is at most ((R-1+n)//R)*R long
+    # (R the flush unit: under OTT's policy G, and the ring holds at most R + G - 1 < KEEP + G tokens).
+    key_groups = ((unit - 1 + n) // unit) * unit // G
     # Byte blocks of a key flush: a [G, bytes * codes] tile per group; with the sparse store also a
     # whole window's [R, bytes * codes] (the outlier selection), kept at 2048 elements too.
-    r_p = next_pow2(R)
+    r_p = next_pow2(unit)
     block_b = max(1, min(next_pow2(nbk), 2048 // ((r_p if sparse else G) * kper)))
     gb_p = next_pow2(gv // vper)
     block_tv = max(1, min(32, next_pow2(n), 2048 // (gb_p * vper)))
@@ -496,7 +548,7 @@ def append_triton(t: LayerTensors, key: torch.Tensor, value: torch.Tensor, count
                 s_kb=k_strides[0], s_kh=k_strides[1], s_kd=k_strides[3],
                 s_vb=v_strides[0], s_vh=v_strides[1], s_vd=v_strides[3], H=H, S=S, NSG=nsg, HAS_COUNTS=has_counts,
                 D=D, D_P=d_p, DC=dc, K_NB=nbk, K_BITS=k_bits, K_PER=kper, BLOCK_B=block_b,
-                V_NB=nbv, V_NG=D // gv, V_BITS=v_bits, V_PER=vper, GV=gv, GB_P=gb_p, G=G, R=R, R_P=r_p, RR=RR,
+                V_NB=nbv, V_NG=D // gv, V_BITS=v_bits, V_PER=vper, GV=gv, GB_P=gb_p, G=G, R=unit, R_P=r_p, RR=RR,
                 **kernel_options(_append_decode_kernel, options), num_warps=4,
             )
         return
@@ -507,21 +559,23 @@ def append_triton(t: LayerTensors, key: torch.Tensor, value: torch.Tensor, count
                 s_kb=k_strides[0], s_kh=k_strides[1], s_kn=k_strides[2], s_kd=k_strides[3],
                 s_vb=v_strides[0], s_vh=v_strides[1], s_vn=v_strides[2], s_vd=v_strides[3],
                 H=H, N=n, S=S, NSG=nsg, HAS_COUNTS=has_counts, D=D, D_P=d_p, DC=dc, NB=nbk, BITS=k_bits, PER=kper,
-                BLOCK_B=block_b, G=G, R=R, R_P=r_p, RR=RR,
+                BLOCK_B=block_b, G=G, R=unit, R_P=r_p, RR=RR,
                 **kernel_options(_append_key_windows_kernel, options), num_warps=4,
             )
         else:
             wrap(_append_key_flush_kernel)[(B * H, key_groups, triton.cdiv(nbk, block_b))](
                 k_codes, k_scale, k_zero, k_res, key, lengths, cnt,
                 s_kb=k_strides[0], s_kh=k_strides[1], s_kn=k_strides[2], s_kd=k_strides[3],
-                H=H, N=n, S=S, NSG=nsg, HAS_COUNTS=has_counts, D=D, NB=nbk, BITS=k_bits, PER=kper, G=G, R=R,
+                H=H, N=n, S=S, NSG=nsg, HAS_COUNTS=has_counts, D=D, NB=nbk, BITS=k_bits, PER=kper, G=G, R=unit,
                 R_P=r_p, RR=RR, BLOCK_B=block_b, **kernel_options(_append_key_flush_kernel, options), num_warps=4,
             )
-        wrap(_append_value_flush_kernel)[(B * H, triton.cdiv(n, block_tv))](
+        # Values leaving per call: at most n (kivi), or the key groups' tokens (OTT's policy).
+        value_tokens = key_groups * G if ott else n
+        wrap(_append_value_flush_kernel)[(B * H, triton.cdiv(value_tokens, block_tv))](
             v_codes, v_scale, v_zero, v_res, value, lengths, cnt,
             s_vb=v_strides[0], s_vh=v_strides[1], s_vn=v_strides[2], s_vd=v_strides[3], H=H, N=n, S=S,
             HAS_COUNTS=has_counts, D=D, D_P=d_p, NB=nbv, NG=D // gv, BITS=v_bits, PER=vper, GV=gv, GB_P=gb_p, R=R,
-            RR=RR, BLOCK_T=block_tv, **kernel_options(_append_value_flush_kernel, options), num_warps=4,
+            RR=RR, BLOCK_T=block_tv, G=G, **kernel_options(_append_value_flush_kernel, options), num_warps=4,
         )
         wrap(_append_residual_kernel)[(B * H, triton.cdiv(n, block_tr))](
             k_res, v_res, key, value, lengths, cnt,

@@ -43,11 +43,11 @@ def excluded(x, pos, thr, ithr):
 
 @triton.jit
 def load_rows(res, new, b, h, bh64, L, u, d, mask, D: tl.constexpr, R: tl.constexpr, RR: tl.constexpr):
-    """Exact rows of tokens u (a residual ring buffer's slot u % R below L, the appended tensor's
-    row u - L from L on; new: triton_args.NewRows) at channels d, fp32, 0 where mask is off; u and
-    d broadcast to the tile."""
+    """Exact rows of tokens u (a residual ring buffer's slot u % RR below L: RR rows, R or R + G - 1
+    under OTT's flush policy, capped at S > u; the appended tensor's row u - L from L on; new:
+    triton_args.NewRows) at channels d, fp32, 0 where mask is off; u and d broadcast to the tile."""
     from_res = u < L
-    x_res = tl.load(res + (bh64 * RR + u % R) * D + d, mask=from_res & mask, other=0.0)
+    x_res = tl.load(res + (bh64 * RR + u % RR) * D + d, mask=from_res & mask, other=0.0)
     new_off = (b.to(tl.int64) * new.s_b + h.to(tl.int64) * new.s_h + (u - L).to(tl.int64) * new.s_n
                + d.to(tl.int64) * new.s_d)
     x_new = tl.load(new.ptr + new_off, mask=(~from_res) & mask, other=0.0)

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from ..extras import Extras, check_extras
+from ..schedule import OTT, residual_slots
 from ..layout import REQUIRED_TENSORS, LayerTensors, QuantParams
 from ..packing import codes_per_word, packed_bytes, token_group_size
 from .triton_args import option_args
@@ -64,12 +65,13 @@ def check_cache(t: LayerTensors, p: QuantParams):
     B, H, S, _ = k_codes.shape
     R, G = p.residual_length, p.group_size
     D = k_res.shape[-1]
-    if R % G:
-        raise ValueError(f"residual_length={R} must be a multiple of group_size={G}")
+    if R % G and p.flush_policy != OTT:
+        raise ValueError(f"residual_length={R} must be a multiple of group_size={G} (flush_policy kivi)")
     if k_codes.shape[-1] != packed_bytes(D, k_bits) or v_codes.shape[-1] != packed_bytes(D, v_bits):
         raise ValueError("k_codes/v_codes last dim does not match head_dim at the given bits")
-    # Residual slot of token t is t % R < S, so a cache shorter than R holds only S residual rows.
-    RR = min(R, S)
+    # Residual slot of token t is t % W < S (W = R, or R + G - 1 under OTT's flush policy,
+    # schedule.py), so a cache shorter than W holds only S residual rows; t % RR is that slot.
+    RR = min(residual_slots(p.flush_policy, R, G), S)
     if tuple(k_res.shape) != (B, H, RR, D) or tuple(v_res.shape) != (B, H, RR, D):
         raise ValueError(f"k_res/v_res must have shape {(B, H, RR, D)}")
     gv = token_group_size(G, D)

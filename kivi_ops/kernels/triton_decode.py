@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..schedule import OTT
 from ..layout import LayerTensors, QuantParams
 from ..packing import codes_per_word
 from .triton_attend import (
@@ -119,6 +120,7 @@ class DecodeLayout(NamedTuple):
     QG: object
     BLOCK_N: object
     NUM_SPLITS: object
+    OTT: object  # OTT's flush policy (schedule.py): keys and values quantized [0, G * floor((L - R) / G))
 
 
 @triton.jit
@@ -164,7 +166,7 @@ def _decode_tile(
         kz = tl.load(k_zero + ks_off, mask=gq, other=0.0).to(tl.float32)
         kc = _code_values((kb.to(tl.int32) >> sh_k) & ((1 << lay.K_BITS) - 1), levels.k_levels, levels.HAS_LEVELS)
         kdq = kc * ks[:, None, :] + kz[:, None, :]
-        slot = (bh64 * lay.RR + t % lay.R)[None, :, None] * lay.D + ch_k[:, None, :]
+        slot = (bh64 * lay.RR + t % lay.RR)[None, :, None] * lay.D + ch_k[:, None, :]
         kres = tl.load(k_res + slot, mask=(tm & (t >= nqk))[None, :, None], other=0.0).to(tl.float32)
         k = tl.where(kq[None, :, None], kdq, kres)
         if sparse.SPARSE:
@@ -199,7 +201,7 @@ def _decode_tile(
         vc = _code_values((vb.to(tl.int32) >> sh_v) & ((1 << lay.V_BITS) - 1), levels.v_levels, levels.HAS_LEVELS)
         vdq = vc * vs[None, :, :] + vz[None, :, :]
         ch_v = jv[None, :] * lay.V_PER + iv[:, None]
-        slot = (bh64 * lay.RR + t % lay.R)[None, :, None] * lay.D + ch_v[:, None, :]
+        slot = (bh64 * lay.RR + t % lay.RR)[None, :, None] * lay.D + ch_v[:, None, :]
         vres = tl.load(v_res + slot, mask=(tm & (t >= nqv))[None, :, None], other=0.0).to(tl.float32)
         v = tl.where(vq[None, :, None], vdq, vres)
         if sparse.SPARSE:
@@ -285,8 +287,12 @@ def _attend_decode(
     hq = pid % HQ
     bh64 = (b * H + hq // lay.QG).to(tl.int64)
     L = tl.load(lengths_ptr + b).to(tl.int32)
-    nqk = (L // lay.R) * lay.R
-    nqv = tl.maximum(L - lay.R, 0)
+    if lay.OTT:
+        nqk = (tl.maximum(L - lay.R, 0) // lay.G) * lay.G
+        nqv = nqk
+    else:
+        nqk = (L // lay.R) * lay.R
+        nqv = tl.maximum(L - lay.R, 0)
     # The query [K_PER, D // K_PER] in the key tiles' layout, scale * log2(e) folded in.
     ik = tl.arange(0, lay.K_PER)
     jk = tl.arange(0, lay.D // lay.K_PER)
@@ -361,7 +367,7 @@ def _attend_decode_kernel(
     K_BITS: tl.constexpr, K_PER: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr,
     G: tl.constexpr, NGV: tl.constexpr, GV: tl.constexpr, R: tl.constexpr, RR: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, EMULATE_RTNE: tl.constexpr,
-    SPARSE: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
+    SPARSE: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, OTT: tl.constexpr,
     block_table, MAXP, NPAGES, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
     """Decode (q_len == 1): one program per (batch row, query head, split). GQA heads of one kv
@@ -375,7 +381,7 @@ def _attend_decode_kernel(
         Levels(k_levels, v_levels, HAS_LEVELS), Rope(rope_inv_freq, ROPE),
         Sparse(k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR, NK, NV, SPARSE), (ws_m, ws_l, ws_acc), out_ptr,
         H, HQ, S, NSG, qk_scale,
-        DecodeLayout(D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, QG, BLOCK_N, NUM_SPLITS), EMULATE_RTNE,
+        DecodeLayout(D, K_BITS, K_PER, V_BITS, V_PER, G, NGV, GV, R, RR, QG, BLOCK_N, NUM_SPLITS, OTT), EMULATE_RTNE,
         Pages(block_table, MAXP, NPAGES, H, PAGE, PAGED),
     )
 
@@ -423,7 +429,7 @@ def attend_decode(
             **paging_args(pages, t, G),
             QG=QG, D=D, K_BITS=k_bits, K_PER=codes_per_word(k_bits),
             V_BITS=v_bits, V_PER=codes_per_word(v_bits), G=G, NGV=D // gv, GV=gv, R=R, RR=RR,
-            BLOCK_N=block_n, NUM_SPLITS=num_splits, EMULATE_RTNE=interpreting(),
+            BLOCK_N=block_n, NUM_SPLITS=num_splits, EMULATE_RTNE=interpreting(), OTT=p.flush_policy == OTT,
             **kernel_options(_attend_decode_kernel, options),
             num_warps=num_warps or default_warps,
             num_stages=num_stages,

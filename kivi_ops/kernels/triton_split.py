@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..schedule import OTT
 from ..layout import LayerTensors, QuantParams
 from ..packing import codes_per_word
 from .triton_attend import (
@@ -133,6 +134,7 @@ class SplitLayout(NamedTuple):
     BLOCK_M: object
     BLOCK_N: object
     NUM_SPLITS: object
+    OTT: object  # OTT's flush policy (schedule.py): keys and values quantized [0, G * floor((L - R) / G))
 
 
 class Products(NamedTuple):
@@ -190,7 +192,7 @@ def _key_tile(
             hit = (off >= 0) & ((w[:, None] * lay.R + off) == t[:, None]) & om
             kdq = tl.where(hit, exact.to(kdq.dtype), kdq)
     if MIXED:
-        slot = (bh64 * lay.RR + (t % lay.R)[:, None]) * lay.D + (C0 + c)[None, :]
+        slot = (bh64 * lay.RR + (t % lay.RR)[:, None]) * lay.D + (C0 + c)[None, :]
         kres = tl.load(k_res + slot, mask=(tm & (t >= nqk))[:, None] & cmask[None, :], other=0.0)
         k = tl.where(kq[:, None], kdq, kres.to(kdq.dtype))
     else:
@@ -267,7 +269,7 @@ def _attend_tile(
             vch = tl.load(sparse.v_sparse_idx + row * sparse.NV + j, mask=vq, other=-1).to(tl.int32)
             vdq = tl.where(d[None, :] == vch[:, None], exact.to(vdq.dtype)[:, None], vdq)
     if MIXED:
-        slot = (bh64 * lay.RR + (t % lay.R)[:, None]) * lay.D + d[None, :]
+        slot = (bh64 * lay.RR + (t % lay.RR)[:, None]) * lay.D + d[None, :]
         vres = tl.load(v_res + slot, mask=(tm & (t >= nqv))[:, None] & dmask[None, :], other=0.0)
         v = tl.where(vq[:, None], vdq, vres.to(vdq.dtype))
     else:
@@ -323,8 +325,12 @@ def _attend_split(
         c = tl.load(counts_ptr + b).to(tl.int32)
     else:
         c = tl.zeros_like(L) + Q_LEN
-    nqk = (L // lay.R) * lay.R
-    nqv = tl.maximum(L - lay.R, 0)
+    if lay.OTT:
+        nqk = (tl.maximum(L - lay.R, 0) // lay.G) * lay.G
+        nqv = nqk
+    else:
+        nqk = (L // lay.R) * lay.R
+        nqv = tl.maximum(L - lay.R, 0)
 
     # Query rows of this kv head: r = g * Q_LEN + i -> head h*QG + g, query i at position L - c + i.
     r = tl.program_id(1) * lay.BLOCK_M + tl.arange(0, lay.BLOCK_M)
@@ -404,7 +410,7 @@ def _attend_split_kernel(
     G: tl.constexpr, NGB: tl.constexpr, NGV: tl.constexpr, NGV_P: tl.constexpr, GV_P: tl.constexpr,
     R: tl.constexpr, RR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     LOWP: tl.constexpr, DOT_F32: tl.constexpr, F32_PRECISION: tl.constexpr, EMULATE_RTNE: tl.constexpr,
-    SPARSE: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
+    SPARSE: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, OTT: tl.constexpr,
     block_table, MAXP, NPAGES, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
     """The launched entry point: flat arguments (triton_args.py), grouped for _attend_split."""
@@ -415,7 +421,7 @@ def _attend_split_kernel(
         Sparse(k_sparse, k_sparse_idx, v_sparse, v_sparse_idx, NKR, NK, NV, SPARSE), (ws_m, ws_l, ws_acc), out_ptr,
         H, S, NSG, Q_LEN, M, M_PAD, qk_scale,
         SplitLayout(D, D_P, HD, HD_P, K_BITS, K_PER, V_BITS, V_PER, G, NGB, NGV, NGV_P, GV_P, R, RR, QG, BLOCK_M,
-                    BLOCK_N, NUM_SPLITS),
+                    BLOCK_N, NUM_SPLITS, OTT),
         Products(LOWP, DOT_F32, F32_PRECISION, EMULATE_RTNE), Pages(block_table, MAXP, NPAGES, H, PAGE, PAGED),
     )
 
@@ -496,7 +502,7 @@ def attend_split(
             K_BITS=k_bits, K_PER=codes_per_word(k_bits), V_BITS=v_bits, V_PER=codes_per_word(v_bits),
             G=G, NGB=max(block_n // G, 1), NGV=ngv, NGV_P=ngv_p, GV_P=gv_p,
             R=R, RR=RR, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-            LOWP=lowp, DOT_F32=dot_f32, F32_PRECISION=F32_DOT_PRECISION, EMULATE_RTNE=interp,
+            LOWP=lowp, DOT_F32=dot_f32, F32_PRECISION=F32_DOT_PRECISION, EMULATE_RTNE=interp, OTT=p.flush_policy == OTT,
             **kernel_options(_attend_split_kernel, options), num_warps=num_warps, num_stages=num_stages,
         )
         if num_splits > 1:
