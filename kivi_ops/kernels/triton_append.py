@@ -369,21 +369,20 @@ def _append_decode(
 @triton.jit
 def _append_decode_kivi(kc, vc, keys, values, levels, sparse, pool, b, h, bh64, L, d, dm, S, NSG, kl, vl, pg):
     """_append_decode's flushes and residual writes under KIVI's policy (layout.py)."""
-    if True:
-        if L >= kl.R:  # token L - R leaves the value window
-            u = L - kl.R + tl.arange(0, 1)
-            _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, u >= 0, S, vl, pg)
-            tl.debug_barrier()  # every thread has read the slot before it is overwritten
-        v = tl.load(values.ptr + b.to(tl.int64) * values.s_b + h.to(tl.int64) * values.s_h + d * values.s_d, mask=dm)
-        tl.store(vc.res + (bh64 * kl.RR + L % kl.RR) * kl.D + d, v, mask=dm)
-        nqk = (L // kl.R) * kl.R
-        if L + 1 - nqk == kl.R:
-            if pool.N_OUT > 0:
-                tl.debug_barrier()  # the OTT step reads the window's values, the new one included
-            _flush_key_window(kc, keys, vc.res, values, levels, sparse, pool, b, h, bh64, L, nqk, S, NSG, kl, pg)
-        else:
-            k = tl.load(keys.ptr + b.to(tl.int64) * keys.s_b + h.to(tl.int64) * keys.s_h + d * keys.s_d, mask=dm)
-            tl.store(kc.res + (bh64 * kl.RR + L - nqk) * kl.D + d, k, mask=dm)
+    if L >= kl.R:  # token L - R leaves the value window
+        u = L - kl.R + tl.arange(0, 1)
+        _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, u >= 0, S, vl, pg)
+        tl.debug_barrier()  # every thread has read the slot before it is overwritten
+    v = tl.load(values.ptr + b.to(tl.int64) * values.s_b + h.to(tl.int64) * values.s_h + d * values.s_d, mask=dm)
+    tl.store(vc.res + (bh64 * kl.RR + L % kl.RR) * kl.D + d, v, mask=dm)
+    nqk = (L // kl.R) * kl.R
+    if L + 1 - nqk == kl.R:
+        if pool.N_OUT > 0:
+            tl.debug_barrier()  # the OTT step reads the window's values, the new one included
+        _flush_key_window(kc, keys, vc.res, values, levels, sparse, pool, b, h, bh64, L, nqk, S, NSG, kl, pg)
+    else:
+        k = tl.load(keys.ptr + b.to(tl.int64) * keys.s_b + h.to(tl.int64) * keys.s_h + d * keys.s_d, mask=dm)
+        tl.store(kc.res + (bh64 * kl.RR + L - nqk) * kl.D + d, k, mask=dm)
 
 
 @triton.jit
