@@ -90,11 +90,16 @@ def test_int4_weights_compiled_step_matches_eager_step():
 
 
 def test_perplexity_on_cuda_matches_cpu_within_one_percent():
-    argv = ["eval", "ppl", "--model", MODEL, "--corpus", "pydoc", "--max-tokens", "1024", "--window", "512", "--chunk", "32",
-            "--method", "kivi", "--json", *CONFIG]
-    cpu = cli([*argv, "--device", "cpu"])["ppl"]
-    cuda = cli([*argv, "--device", DEVICE])["ppl"]
-    assert abs(cuda - cpu) <= 0.01 * cpu, (cpu, cuda)
+    # On an H200 the KIVI perplexity of the cut model came out 2.8% off the CPU's, while the same
+    # Triton kernels in the interpreter on CPU gave the CPU reference's to 1e-7. The fp rows say
+    # how sensitive this model's perplexity is to the device's float arithmetic alone.
+    def ppl(method, device):
+        extra = CONFIG if method == "kivi" else []
+        return cli(["eval", "ppl", "--model", MODEL, "--corpus", "pydoc", "--max-tokens", "1024", "--window", "512",
+                    "--chunk", "32", "--method", method, "--json", "--device", device, *extra])["ppl"]
+
+    got = {(m, d): ppl(m, d) for m in ("fp", "kivi") for d in ("cpu", DEVICE)}
+    assert abs(got["kivi", DEVICE] - got["kivi", "cpu"]) <= 0.01 * got["kivi", "cpu"], got
 
 
 def test_serve_on_cuda_answers_concurrent_requests_like_kivi_generate():
