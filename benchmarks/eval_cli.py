@@ -167,8 +167,7 @@ def cmd_table(args, parser) -> int:
     from .quality_table import Levels, kvquant_rows, run_table
 
     args.device, args.dtype = "cpu", None
-    levels = Levels(**{name: path for name, path in (("plain", args.nuq_levels), ("full", args.kvquant_levels),
-                                                     ("full3", args.kvquant_levels)) if path})
+    levels = Levels(**{name: path for name, path in (("plain", args.nuq_levels), ("full", args.kvquant_levels)) if path})
     with usage_errors(parser, ValueError, OSError):
         kvquant_rows(levels)  # reads the levels files: a missing or wrong one fails before the model loads
     plain, patched, tokenizer = _load(args, parser, patched=True, plain=True)

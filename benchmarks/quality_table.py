@@ -50,10 +50,19 @@ class Levels:
     --kvquant-levels` name another model's."""
     plain: Path = Path(__file__).resolve().parent / "results" / "nuq_levels_smollm2.json"
     full: Path = Path(__file__).resolve().parent / "results" / "nuq_levels_smollm2_prerope_sparse1.json"
-    # The KVQuant-3 rows' nuq3 levels: a later calibration (`--bits 2,3,4`, the same settings; its
-    # 2- and 4-bit levels differ from `full`'s in the last digits, so the KVQuant-2/4 rows keep
-    # `full`'s). `kivi eval table --kvquant-levels` sets both to its file.
-    full3: Path = Path(__file__).resolve().parent / "results" / "nuq_levels_smollm2_prerope_sparse1_nuq234.json"
+    # The KVQuant-3 rows' nuq3 levels (levels3()): by default `full` itself, except for the embedded
+    # model's default file, whose nuq3 levels come from a later calibration (`--bits 2,3,4`, the same
+    # settings; its 2- and 4-bit levels differ from `full`'s in the last digits, so the KVQuant-2/4
+    # rows keep `full`'s).
+    full3: Optional[Path] = None
+
+    def levels3(self) -> Path:
+        if self.full3 is not None:
+            return self.full3
+        return _EMBEDDED_NUQ3 if self.full == Levels.full else self.full
+
+
+_EMBEDDED_NUQ3 = Path(__file__).resolve().parent / "results" / "nuq_levels_smollm2_prerope_sparse1_nuq234.json"
 
 
 def _levels(file: Path, bits: int, **settings) -> dict:
@@ -115,7 +124,7 @@ def kvquant3_rows(levels: Levels = Levels()) -> list[Row]:
     attention sink; skipped when the levels file has no 3-bit levels (`kivi calibrate --bits 2,3,4`)."""
     full = dict(pre_rope=True, sparse_outliers=0.01)
     try:
-        levels3 = _levels(levels.full3, 3, **full)
+        levels3 = _levels(levels.levels3(), 3, **full)
     except ValueError as e:
         if "not 3" not in str(e):
             raise
@@ -123,9 +132,9 @@ def kvquant3_rows(levels: Levels = Levels()) -> list[Row]:
         return []
     return [
         Row("KVQuant-3: pre-RoPE + nuq3 + 1% (G=32, R=128)", "kvquant", "kivi",
-            kivi=KIVIConfig(3, 3, 32, 128, **full, **levels3), levels_file=levels.full3.name),
+            kivi=KIVIConfig(3, 3, 32, 128, **full, **levels3), levels_file=levels.levels3().name),
         Row("KVQuant-3 + sink 1 (G=32, R=128)", "kvquant", "kivi",
-            kivi=KIVIConfig(3, 3, 32, 128, sink_tokens=1, **full, **levels3), levels_file=levels.full3.name),
+            kivi=KIVIConfig(3, 3, 32, 128, sink_tokens=1, **full, **levels3), levels_file=levels.levels3().name),
     ]
 
 

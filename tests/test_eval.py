@@ -107,10 +107,11 @@ def test_table_nuq_rows_take_the_given_models_levels(tmp_path, capsys):
 
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
     gemma = Levels(plain=results / "nuq_levels_gemma3.json", full=results / "nuq_levels_gemma3_prerope_sparse1.json")
-    for levels, layers in ((Levels(), 30), (gemma, 18)):
+    for levels, layers, n in ((Levels(), 30, 6), (gemma, 18, 4)):  # Gemma's file has no nuq3: no KVQuant-3 rows
         rows = [r for r in kvquant_rows(levels) if r.kivi.has_nuq]
-        assert len(rows) == 4 and all(len(r.kivi.key_levels) == layers for r in rows)
-        assert {r.levels_file for r in rows} == {levels.plain.name, levels.full.name}
+        assert len(rows) == n and all(len(r.kivi.key_levels) == layers for r in rows)
+        assert {r.levels_file for r in rows} == {levels.plain.name, levels.full.name, levels.levels3().name}
+        assert len([r for r in rows if r.kivi.k_bits == 3]) == n - 4
     # Levels calibrated without pre-RoPE keys are refused for the KVQuant rows, before any model loads.
     with pytest.raises(SystemExit) as exc:
         main(["eval", "table", "--kvquant-levels", str(gemma.plain), "--out", str(tmp_path)])
