@@ -357,7 +357,10 @@ def test_compiled_cpu_decode_is_one_inductor_graph_and_matches_eager(loaded, met
     prompts = [PROMPT, "def fibonacci(n):"]
     config = KIVIConfig(group_size=8, residual_length=8)  # key flushes and value quantization within the run
     if method == "kivi-ott":  # groups of 8 quantized every 8 steps, 3 tokens always exact, OTT steps
-        method, config = "kivi", KIVIConfig(group_size=8, residual_length=3, outlier_tokens=3, flush_policy="ott")
+        # (a pool in every layer: layers with and without one would be two compiled graphs; a spill
+        # pool of 4, so the 7-slot pool, rebuilt each step, is not mistaken below for a cache-sized copy)
+        method, config = "kivi", KIVIConfig(group_size=8, residual_length=3, outlier_tokens=3, outlier_skip_layers=0,
+                                            outlier_spill=4, flush_policy="ott")
     new_tokens = 20
     eager = run(kivi_model, tok, prompts, method=method, config=config, max_new_tokens=new_tokens)
     torch.compiler.reset()
