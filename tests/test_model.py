@@ -205,7 +205,7 @@ def test_cli_batch_file_json(tmp_path, capsys):
     "argv,message",
     [
         (["generate"], "one of the arguments --prompt --prompt-file --batch-file is required"),
-        (["generate", "--prompt", "x", "--k-bits", "3"], "invalid choice: 3"),
+        (["generate", "--prompt", "x", "--k-bits", "5"], "invalid choice: 5"),
         (["generate", "--prompt", "x", "--residual-length", "100"], "--residual-length must be a positive multiple"),
         (["generate", "--prompt", "x", "--max-new-tokens", "0"], "must be a positive integer"),
         (["generate", "--prompt", "x", "--method", "int8"], "invalid choice: 'int8'"),
