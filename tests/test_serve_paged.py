@@ -173,6 +173,13 @@ def test_openai_client_streamed_and_whole_with_preemptions_equals_kivi_generate_
     torch._dynamo.utils.counters.clear()
     engine = make_engine(tiny, method, num_pages=16 if method == "fp" else 8, page_size=4 if method == "fp" else 4,
                          compile=True)
+    real_step = engine.step_fn
+
+    def paced(*args, **kwargs):  # steps slower than the 0.05 s arrivals: the requests overlap and
+        time.sleep(0.02)         # outgrow the pool however fast this machine is (else no preemption)
+        return real_step(*args, **kwargs)
+
+    engine.step_fn = paced
     _, tokenizer = tiny
     results = {}
     try:
