@@ -124,6 +124,19 @@ def _in_pool(t, pp):
 
 
 @triton.jit
+def _quantized_counts(L, R: tl.constexpr, G: tl.constexpr, OTT: tl.constexpr):
+    """(nqk, nqv): how many of a row's L stored tokens have quantized keys and values, under KIVI's
+    flush policy or OTT's (kivi_ops/schedule.py, the formula both attention kernels read)."""
+    if OTT:
+        nqk = (tl.maximum(L - R, 0) // G) * G
+        nqv = nqk
+    else:
+        nqk = (L // R) * R
+        nqv = tl.maximum(L - R, 0)
+    return nqk, nqv
+
+
+@triton.jit
 def _load_pool_positions(pool_pos, bh64, P, P_P: tl.constexpr, HAS_POOL: tl.constexpr):
     """Pooled positions [P_P] of kv head bh64 (int32, -1 = empty), loaded once per program; all -1
     without a pool (then a dead value: the tiles never read it)."""

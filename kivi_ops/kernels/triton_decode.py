@@ -42,8 +42,8 @@ from ..schedule import OTT
 from ..layout import LayerTensors, QuantParams
 from ..packing import codes_per_word
 from .triton_attend import (
-    LOG2E, _cast_sat, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
-    attend_num_splits, launch_reduce, split_workspace,
+    LOG2E, _cast_sat, _code_values, _in_pool, _load_pool_positions, _quantized_counts, _rope_cos_sin,
+    attend_setup, attend_num_splits, launch_reduce, split_workspace,
 )
 from .triton_args import KiviCache, Levels, Pool, Rope, Sparse, kernel_options
 from .triton_paging import Pages, cache_row, paging_args
@@ -287,12 +287,7 @@ def _attend_decode(
     hq = pid % HQ
     bh64 = (b * H + hq // lay.QG).to(tl.int64)
     L = tl.load(lengths_ptr + b).to(tl.int32)
-    if lay.OTT:
-        nqk = (tl.maximum(L - lay.R, 0) // lay.G) * lay.G
-        nqv = nqk
-    else:
-        nqk = (L // lay.R) * lay.R
-        nqv = tl.maximum(L - lay.R, 0)
+    nqk, nqv = _quantized_counts(L, lay.R, lay.G, lay.OTT)
     # The query [K_PER, D // K_PER] in the key tiles' layout, scale * log2(e) folded in.
     ik = tl.arange(0, lay.K_PER)
     jk = tl.arange(0, lay.D // lay.K_PER)

@@ -43,8 +43,8 @@ from ..schedule import OTT
 from ..layout import LayerTensors, QuantParams
 from ..packing import codes_per_word
 from .triton_attend import (
-    LOG2E, _cast, _cast_sat, _code_values, _in_pool, _load_pool_positions, _rope_cos_sin, attend_setup,
-    attend_num_splits, launch_reduce, split_workspace,
+    LOG2E, _cast, _cast_sat, _code_values, _in_pool, _load_pool_positions, _quantized_counts, _rope_cos_sin,
+    attend_setup, attend_num_splits, launch_reduce, split_workspace,
 )
 from .triton_args import KiviCache, Levels, Pool, Rope, Sparse, kernel_options
 from .triton_paging import Pages, cache_row, paging_args
@@ -325,12 +325,7 @@ def _attend_split(
         c = tl.load(counts_ptr + b).to(tl.int32)
     else:
         c = tl.zeros_like(L) + Q_LEN
-    if lay.OTT:
-        nqk = (tl.maximum(L - lay.R, 0) // lay.G) * lay.G
-        nqv = nqk
-    else:
-        nqk = (L // lay.R) * lay.R
-        nqv = tl.maximum(L - lay.R, 0)
+    nqk, nqv = _quantized_counts(L, lay.R, lay.G, lay.OTT)
 
     # Query rows of this kv head: r = g * Q_LEN + i -> head h*QG + g, query i at position L - c + i.
     r = tl.program_id(1) * lay.BLOCK_M + tl.arange(0, lay.BLOCK_M)
