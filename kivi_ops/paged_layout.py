@@ -102,6 +102,26 @@ def page_rows(pool: Tensor, block_table: Tensor) -> Tensor:
     return gathered.transpose(1, 2).reshape(B, pool.shape[1], M * pool.shape[2], *pool.shape[3:]).contiguous()
 
 
+def page_rows_indexed(pool: Tensor, block_table: Tensor) -> Tensor:
+    """pool [N + 1, H, X, ...] seen through block_table [B, M] as [B, H, M * X, ...], the values of
+    page_rows but as one advanced-indexing expression (aten.index) instead of a gather, a permute
+    and a contiguous copy: traced by torch.compile, Inductor inlines it into the loops that read it
+    as an indirect load (row t of sequence b: page block_table[b, t // X], row t % X), so nothing
+    of the size of the cache is written. Eagerly it is a copy like page_rows (strided the same)."""
+    B, M = block_table.shape
+    X = pool.shape[2]
+    r = torch.arange(M * X, device=pool.device)
+    page = block_table.long().clamp(0, pool.shape[0] - 1)[:, torch.div(r, X, rounding_mode="floor")]  # [B, S]
+    heads = torch.arange(pool.shape[1], device=pool.device)
+    return pool[page[:, None, :], heads[None, :, None], torch.remainder(r, X)[None, None, :]]
+
+
+def indexed_view(layer: LayerTensors, block_table: Tensor) -> LayerTensors:
+    """static_view's tensors as page_rows_indexed expressions (no copies under Inductor): what the
+    fused decode attention (decomposed_attend.attend_fused) reads on a paged layer."""
+    return layer._replace(**{name: page_rows_indexed(getattr(layer, name), block_table) for name in PAGED_TENSORS})
+
+
 def static_view(layer: LayerTensors, block_table: Tensor) -> LayerTensors:
     """The paged layer's tensors in the static layout (layout.py) of capacity S = M * PS: the
     quantized buffers gathered through the block table (contiguous copies), the row tensors as

@@ -111,6 +111,48 @@ def test_compiled_decode_step_is_one_graph_and_equals_static(backend):
     assert not any("kivi" in t for t in targets)
 
 
+def _allocated_elements(code: str) -> int:
+    """Elements of every buffer Inductor's generated code allocates (empty_strided_cpu((shape), ...))."""
+    import re
+
+    return sum(math.prod(int(x) for x in shape.split(",") if x.strip())
+               for shape in re.findall(r"empty_strided_cpu\(\(([0-9, ]*)\)", code))
+
+
+@pytest.mark.slow
+def test_compiled_paged_decode_step_copies_no_pages():
+    """Inductor's code for the paged decode step (append + attend) reads the pages through the
+    block table inside its loops: it allocates no more than the static step's code does (a gather
+    of the pages into the static layout would add [B, H, S, ...] buffers of codes and scales:
+    paged_layout.indexed_view vs static_view), and gives the static step's bits."""
+    from torch._inductor.utils import run_and_get_code
+
+    cfg = KIVIConfig(k_bits=2, v_bits=2, group_size=16, residual_length=16)
+    B, H, HQ, D = 3, 2, 4, 32
+    static, paged, manager = make_pair(cfg, B=B, H=H, D=D, page_size=16, max_pages=16)  # S = 256
+    g = torch.Generator().manual_seed(7)
+    append_both(static, paged, manager, _rand(g, B, H, 70, D), _rand(g, B, H, 70, D), torch.tensor([70, 41, 66]),
+                prefill=True)
+    manager.reserve([1] * B)
+
+    def step(layer, key, value, query):
+        layer.append(key, value)
+        return layer.attend(query)
+
+    k, v, q = _rand(g, B, H, 1, D), _rand(g, B, H, 1, D), _rand(g, B, HQ, 1, D)
+    with torch.no_grad():
+        want, static_code = run_and_get_code(torch.compile(step, fullgraph=True), static.layers[0], k, v, q)
+        got, paged_code = run_and_get_code(torch.compile(step, fullgraph=True), paged.layers[0], k, v, q)
+    assert torch.equal(got, want)
+    assert_same_state(static, paged)
+    paged_elements, static_elements = (_allocated_elements("\n".join(c)) for c in (paged_code, static_code))
+    assert paged_elements <= static_elements
+    # The bound means something: gathering the two code pools alone (2 bits: D / 4 bytes a token)
+    # would allocate more than the static step's code does in all.
+    S = 256
+    assert static_elements < 2 * B * H * S * D // 4
+
+
 def test_opcheck_paged_ops():
     _, paged, manager = make_pair(CFG, B=2, H=2, D=32, page_size=16, max_pages=4)
     layer = paged.layers[0]

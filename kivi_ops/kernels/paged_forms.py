@@ -6,9 +6,13 @@ block table passed along. Each takes the static form's arguments plus a Paging (
                                           written through the block table
             triton                        triton_append.append_triton(pages=...)
     attend  reference                     paged_reference.paged_attend_reference
-            decomposed_fused / _materialized   the static form on paged_layout.static_view (a
-                                          gather of the pages into the static layout, traced
-                                          inline: Inductor fuses it into the reads)
+            decomposed_fused              the static form on paged_layout.indexed_view: each
+                                          pool read through the block table as one indexing
+                                          expression, which Inductor inlines into the fused
+                                          loops as an indirect load (no copy of the pages)
+            decomposed_materialized       the static form on paged_layout.static_view (the
+                                          pages gathered into contiguous static-layout copies:
+                                          its matmuls round by stride on CPU)
             triton_decode, triton_split   the kernels with the block table (triton_paging.py)
 """
 
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import functools
 
-from ..paged_layout import static_view
+from ..paged_layout import indexed_view, static_view
 
 
 def append_form(implementation: str):
@@ -45,8 +49,9 @@ def attend_form(implementation: str):
     if implementation in ("decomposed_fused", "decomposed_materialized"):
         from .decomposed_attend import attend_fused, attend_materialized
 
-        fn = attend_fused if implementation == "decomposed_fused" else attend_materialized
-        return functools.partial(_attend_gathered, fn)
+        if implementation == "decomposed_fused":
+            return functools.partial(_attend_indexed, attend_fused)
+        return functools.partial(_attend_gathered, attend_materialized)
     if implementation == "triton_decode":
         from .triton_decode import attend_decode
 
@@ -64,6 +69,10 @@ def _append_decomposed(fn, flush_under_cond, layer, key, value, counts, params, 
 
 def _attend_gathered(fn, query, layer, counts, params, scale, pages):
     return fn(query, static_view(layer, pages.block_table), counts, params, scale)
+
+
+def _attend_indexed(fn, query, layer, counts, params, scale, pages):
+    return fn(query, indexed_view(layer, pages.block_table), counts, params, scale)
 
 
 def _with_pages(fn):
