@@ -15,12 +15,11 @@ import pytest  # noqa: E402
 
 from kivi_ops import KIVIConfig, quantize  # noqa: E402
 from kivi_ops.extras import Extras  # noqa: E402
-from kivi_ops.kernels.reference import append_reference, attend_reference  # noqa: E402
-from kivi_ops.kernels.triton_append import append_triton  # noqa: E402
+from kivi_ops.kernels.reference import attend_reference  # noqa: E402
 from kivi_ops.layout import QuantParams  # noqa: E402
-from test_triton_kernels import (ATTEND, POOL_BUFFERS, SPARSE_BUFFERS, _cpu, _dev, _kvq_extras,  # noqa: E402
-                                 _kvq_tolerance, assert_cache_equal, fill_pool_cache, fill_reference_cache, kernels,
-                                 layer, make_cache, pool_keys, sparse_store)
+from test_triton_kernels import (ATTEND, _cpu, _dev, _kvq_extras, _kvq_tolerance,  # noqa: E402
+                                 check_append_with_options, fill_pool_cache, fill_reference_cache, kernels, layer,
+                                 make_cache, sparse_store)
 
 
 def test_three_bits_sit_between_two_and_four():
@@ -82,30 +81,7 @@ def test_attention_kernels_match_reference(option, k_bits, v_bits, dtype, q_len)
 def test_append_kernels_match_reference(option, D, dtype):
     """Both append paths (a ragged prefill chunk: the multi-launch kernels; decode steps across
     key flushes: the one-launch kernel) write the reference's bytes at 3 bits, with each option."""
-    B, H, S, R, G, k_bits, v_bits = 2, 2, 48, 16, 8, 3, 3
-    extras = _kvq_extras("nuq" in option, None, D, k_bits, v_bits)
-    if "sparse" in option:
-        extras = extras._replace(**sparse_store(B, H, S, D, R, 1, 2, dtype))
-    sink, n_out, spill = (1, 2, 2) if "pool" in option else (0, 0, 0)
-    P = sink + n_out + spill
-    pool = (torch.zeros(B, H, P, D, dtype=dtype), torch.zeros(B, H, P, D, dtype=dtype),
-            torch.full((B, H, P), -1, dtype=torch.int64)) if P else None
-    ref = make_cache(B, H, S, D, R, G, k_bits, v_bits, dtype)
-    tri = [_dev(t) for t in ref]
-    dev_pool = None if pool is None else tuple(_dev(t) for t in pool)
-    dev_extras = Extras(*(None if x is None else _dev(x) for x in extras))
-    params = QuantParams(k_bits, v_bits, G, R, sink, n_out)
-    gen = torch.Generator().manual_seed(31)
-    for step, (n, counts) in enumerate([(21, [21, 13])] + [(1, [1, step % 2]) for step in range(12)]):
-        key = pool_keys(B, H, n, D, gen).to(dtype)
-        value = torch.randn(B, H, n, D, generator=gen).to(dtype)
-        c = torch.tensor(counts)
-        append_reference(layer(ref, pool, extras), key, value, c, params)
-        append_triton(layer(tri, dev_pool, dev_extras), _dev(key), _dev(value), _dev(c), params)
-        assert_cache_equal(tri, ref, f"after step {step}")
-        for name, a, b in zip(POOL_BUFFERS + SPARSE_BUFFERS, (dev_pool or (None,) * 3) + tuple(dev_extras[2:6]),
-                              (pool or (None,) * 3) + tuple(extras[2:6])):
-            assert (a is None) == (b is None) and (a is None or torch.equal(_cpu(a), b)), f"{name} after step {step}"
+    ref = check_append_with_options(option, D, dtype, k_bits=3, v_bits=3, R=16, G=8, prompt=[21, 13], steps=12)
     assert ref[-1].tolist() == [33, 19]
     assert (ref[0] != 0).any() and (ref[4] != 0).any(), "nothing was quantized: the case tests nothing"
 

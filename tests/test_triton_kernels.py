@@ -1000,8 +1000,17 @@ def test_append_option_matrix(option, D, dtype):
     """Both append paths (a ragged prefill chunk: the multi-launch kernels; decode steps across a key
     flush: the one-launch kernel) against the reference, bit for bit, for each option, head_dim 64,
     128 and 256, fp16 and bf16 (GQA and MHA do not exist for an append: it sees kv heads only)."""
-    B, H, S, R, G, k_bits, v_bits = 2, 2, 48, 8, 4, 2, 4
-    extras = _kvq_extras(option == "nuq", None, D, k_bits, v_bits)
+    ref = check_append_with_options(option, D, dtype, k_bits=2, v_bits=4, R=8, G=4, prompt=[13, 9], steps=9)
+    assert ref[-1].tolist() == [22, 13]
+
+
+def check_append_with_options(option, D, dtype, *, k_bits, v_bits, R, G, prompt, steps):
+    """A ragged prefill chunk of `prompt` tokens per row (the multi-launch kernels), then `steps`
+    one-token decode steps, row 1 skipping every other one (the one-launch kernel), appended by
+    the reference and by Triton with `option`'s parts ("nuq", "sparse", "pool", combined with "+"):
+    every buffer bit for bit after every call. Returns the reference cache's buffers."""
+    B, H, S = 2, 2, 48
+    extras = _kvq_extras("nuq" in option, None, D, k_bits, v_bits)
     if "sparse" in option:
         extras = extras._replace(**sparse_store(B, H, S, D, R, 1, 2, dtype))
     sink, n_out, spill = (1, 2, 2) if "pool" in option else (0, 0, 0)
@@ -1014,15 +1023,15 @@ def test_append_option_matrix(option, D, dtype):
     dev_extras = Extras(*(None if x is None else _dev(x) for x in extras))
     params = QuantParams(k_bits, v_bits, G, R, sink, n_out)
     gen = torch.Generator().manual_seed(31)
-    for step, (n, counts) in enumerate([(13, [13, 9])] + [(1, [1, step % 2]) for step in range(9)]):
+    for step, (n, counts) in enumerate([(max(prompt), prompt)] + [(1, [1, step % 2]) for step in range(steps)]):
         key = pool_keys(B, H, n, D, gen).to(dtype)
         value = torch.randn(B, H, n, D, generator=gen).to(dtype)
         c = torch.tensor(counts)
         append_reference(layer(ref, pool, extras), key, value, c, params)
         append_triton(layer(tri, dev_pool, dev_extras), _dev(key), _dev(value), _dev(c), params)
         assert_cache_equal(tri, ref, f"after step {step}")
-        for name, (a, b) in zip(POOL_BUFFERS + SPARSE_BUFFERS, zip((dev_pool or (None,) * 3) + tuple(dev_extras[2:6]),
-                                                                    (pool or (None,) * 3) + tuple(extras[2:6]))):
+        for name, a, b in zip(POOL_BUFFERS + SPARSE_BUFFERS, (dev_pool or (None,) * 3) + tuple(dev_extras[2:6]),
+                              (pool or (None,) * 3) + tuple(extras[2:6])):
             assert (a is None) == (b is None) and (a is None or torch.equal(_cpu(a), b)), f"{name} after step {step}"
-    assert ref[-1].tolist() == [22, 13]
+    return ref
 
