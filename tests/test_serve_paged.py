@@ -35,16 +35,13 @@ METHODS = ["fp", pytest.param("kivi", marks=pytest.mark.skipif(not HAS_PAGED_KIV
 
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     from kivi_models.loading import default_model_dir
+    from tiny_models import tiny_llama
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=256)).eval()
-    return patch_model(model), tokenizer
+    return patch_model(tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=256)), tokenizer
 
 
 def make_engine(tiny, method, num_pages, page_size=None, slots=4, **options) -> Engine:

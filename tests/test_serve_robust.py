@@ -33,16 +33,13 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "O
 
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     from kivi_models.loading import default_model_dir
+    from tiny_models import tiny_llama
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=256)).eval()
-    return patch_model(model), tokenizer
+    return patch_model(tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=256)), tokenizer
 
 
 def free_port() -> int:
