@@ -173,5 +173,14 @@ def test_bench_memory_serving_table_holds_the_issues_numbers(tmp_path):
     assert held[("llama3-8b", 2048, "fp16 paged")] == 159  # 8 KV heads: 4x the 7B shape's
     if result["paged_kivi"] == "exact":
         assert held[("llama2-7b", "chat", "KIVI-2 paged")] > 2 * held[("llama2-7b", "chat", "fp16 paged")]
+        # Paging the window saves the exact tokens a short sequence does not hold: 2R - (L mod R) -
+        # min(L, R) per sequence, so more chat sequences, and at 8K (L mod R = 0: R keys fewer) a few.
+        # A 2048- or 8192-token sequence keeps min(L, R) = R values and 0 keys exact: exactly the
+        # key buffer less, 128 tokens x 256 KiB (32 layers x 32 heads x 128 x 2 bytes) = 32 MiB.
+        from benchmarks.paged_memory import WINDOW_PAGED
+        bytes_of = {(r["workload"], r["cache"]): r["bytes_per_seq"] for r in result["rows"] if r["shape"] == "llama2-7b"}
+        assert held[("llama2-7b", "chat", WINDOW_PAGED)] > held[("llama2-7b", "chat", "KIVI-2 paged")]
+        for n in (2048, 8192):
+            assert bytes_of[(n, "KIVI-2 paged")] - bytes_of[(n, WINDOW_PAGED)] == 128 * 256 * 1024
     assert main(["bench", "memory", "--contexts", "4096", "--out", str(tmp_path)]) == 0
     assert "| llama3-8b | chat | fp16 paged |" in (tmp_path / "bench_memory_serving.md").read_text()
