@@ -76,8 +76,8 @@ def bench_memory(contexts=(1024, 4096, 16384, 32768, 131072), sink_tokens: int =
 # ---------------------------------------------------------------- attention
 
 
-def _median_time(fn, device: str, repeats: int) -> float:
-    """Median seconds of fn()."""
+def median_time(fn, device: str = "cpu", repeats: int = 30) -> float:
+    """Median seconds of fn() (after one warm-up call on CPU; Triton's do_bench on CUDA)."""
     if device == "cuda":
         from triton.testing import do_bench
 
@@ -102,7 +102,7 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
     """Measured device-to-device copy bandwidth in bytes/s (read + write counted)."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).uniform_()
     dst = torch.empty_like(src)
-    t = _median_time(lambda: dst.copy_(src), device, 5)
+    t = median_time(lambda: dst.copy_(src), device, 5)
     return 2 * src.numel() * src.element_size() / t
 
 
@@ -131,13 +131,13 @@ def bench_attention(device: str, contexts, bits_list=(2, 4), batch: int = 1, q_h
         k = torch.randn(batch, kv_heads, n, head_dim, device=device, dtype=dtype)
         v = torch.randn_like(k)
         q = torch.randn(batch, q_heads, 1, head_dim, device=device, dtype=dtype)
-        sdpa = _median_time(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), device, repeats)
+        sdpa = median_time(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), device, repeats)
         for bits in bits_list:
             cache = KIVICache(KIVIConfig(bits, bits, 32, 128), num_layers=1, batch_size=batch, max_seq_len=n,
                               num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device)
             layer = cache.layers[0]
             layer.append(k, v)
-            t = _median_time(lambda: layer.attend(q), device, repeats)
+            t = median_time(lambda: layer.attend(q), device, repeats)
             row = dict(tokens=n, bits=bits, batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
                        sdpa_s=sdpa, kivi_s=t, speedup=sdpa / t)
             if bandwidth:

@@ -22,28 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from kivi_benchmarks.environment import environment
+from kivi_benchmarks.perf import median_time
 
 
 def row_bytes(D: int) -> dict:
     return dict(head_dim=D, bits2=D // 4, bits3_planes=3 * D // 8, bits3_int32x10=4 * math.ceil(D / 10), bits4=D // 2)
-
-
-def _median_s(fn, repeats: int = 30) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _scores_planes(packed, q):  # packed uint8 [S, 3 * D/8], q fp32 [8, D/8] (ij order)
@@ -81,7 +69,7 @@ def cpu_unpack(S: int = 32768, D: int = 128) -> list[dict]:
     rows = []
     for name, (fn, packed, q) in cases.items():
         compiled = torch.compile(fn, fullgraph=True, dynamic=False)
-        t = _median_s(lambda: compiled(packed, q))
+        t = median_time(lambda: compiled(packed, q))
         rows.append(dict(candidate=name, tokens=S, head_dim=D, bytes_read=packed.numel() * packed.element_size(),
                          median_us=round(t * 1e6, 1), ns_per_token=round(t * 1e9 / S, 2)))
     return rows
@@ -103,7 +91,7 @@ def cpu_fused_attention(S: int = 4096, H: int = 3, Hq: int = 9, D: int = 64) -> 
         t, p = layer.tensors(), layer.params
         q = torch.randn(1, Hq, 1, D, generator=gen)
         compiled = torch.compile(attend_fused, fullgraph=True, dynamic=False)
-        sec = _median_s(lambda: compiled(q, t, None, p, D**-0.5), repeats=20)
+        sec = median_time(lambda: compiled(q, t, None, p, D**-0.5), repeats=20)
         rows.append(dict(bits=bits, tokens=S, kv_heads=H, q_heads=Hq, head_dim=D, cache_bytes=cache.nbytes(),
                          median_us=round(sec * 1e6, 1)))
     return rows
