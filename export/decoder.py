@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kivi_models.generate import forward
+from kivi_models.generate import forward, lm_logits
 from kivi_ops import StaticCacheBase, Step
 
 
@@ -39,7 +39,7 @@ class DecoderStep(nn.Module):
         positions = input_pos[:, None] + torch.arange(n, device=input_ids.device)[None, :]
         hidden = forward(self.model, self.cache, input_ids, positions, Step(counts=counts, exact=fresh.all()))
         last = hidden[torch.arange(input_ids.shape[0], device=input_ids.device), counts - 1]
-        return self.model.lm_head(last)
+        return lm_logits(self.model, last)  # with the family's final logit soft-capping, as `kivi generate`
 
 
 class ExportableDecoder(nn.Module):

@@ -196,6 +196,31 @@ def test_decoder_cache_as_io_leaves_its_own_buffers_alone():
     assert all(int(t.abs().sum()) == 0 for t in functional.cache_tensors())
 
 
+def test_decoder_caps_the_final_logits_like_generate():
+    """A family with final logit soft-capping (Gemma 2): the exported decoder returns the capped
+    logits that `kivi generate` samples from (generate.lm_logits), not the raw LM head's."""
+    from kivi_models import make_cache, patch_model
+    from kivi_models.generate import lm_logits, prefill
+    from kivi_ops import KIVIConfig
+    from tiny_models import tiny_llama
+
+    model = tiny_llama()
+    model.config.final_logit_softcapping = 0.05  # far below the raw logits' range: the cap shows
+    patch_model(model)
+    config = KIVIConfig(group_size=4, residual_length=4)
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exported = ExportableDecoder(model, make_cache(model, method="kivi", batch_size=1, max_seq_len=32,
+                                                       kivi_config=config))(ids, torch.zeros(1, dtype=torch.long),
+                                                                            torch.tensor([9]))
+        reference = prefill(model, make_cache(model, method="kivi", batch_size=1, max_seq_len=32, kivi_config=config),
+                            ids, torch.tensor([9]))
+    assert exported.abs().max() <= 0.05
+    assert torch.equal(exported, reference)
+    model.config.final_logit_softcapping = None
+    assert torch.equal(lm_logits(model, torch.ones(1, 32)), model.lm_head(torch.ones(1, 32)))
+
+
 @pytest.mark.slow  # a minute: an int8 generate and a pt2 export of its own
 def test_int8_weights_export_to_pt2_with_plain_tensors(tmp_path, capsys):
     """torchao int8 weights export unwrapped (plain int8 + scales, no pickled subclasses), and the
