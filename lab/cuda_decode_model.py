@@ -135,7 +135,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lab cuda_decode_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--library", default=None,
+                        help="also build the shared library for a GPU machine without nvcc (kivi_ops/cuda/prebuilt.py) "
+                             "here, e.g. .gpu/libkivi_cuda_decode.so")
     args = parser.parse_args(argv)
+    if args.library:
+        from kivi_ops.cuda.prebuilt import build
+
+        Path(args.library).parent.mkdir(parents=True, exist_ok=True)
+        print(f"built {build(Path(args.library), args.arch)}")
     result = measure(args.arch)
     print(f"{'kernel':<22} {'regs':>5} {'spill st/ld':>11} {'smem':>6} {'instr/token':>11} {'cycles':>7} "
           f"{'bound':>6} {'bytes cyc':>9} {'bw ceiling':>10}")

@@ -18,6 +18,7 @@ The output (a convex combination) is then off by at most
 which the test computes from the data (`bound`). fp32 accumulation error is far below it.
 """
 
+import ctypes
 import os
 
 import pytest
@@ -187,6 +188,27 @@ def test_kernel_compiles_for_sm90a_without_spills():
     for r in (r for r in rows if "head_dim" in r):
         assert r["by_pipe"]["tensor"] == r["head_dim"] / 128  # 2 (QK + PV) x D/16 MMAs x 2 tiles / 32 tokens
         assert r["bandwidth_share_ceiling"] >= 0.8, r
+
+
+def test_prebuilt_params_mirror_the_c_struct():
+    from kivi_ops.cuda.prebuilt import DecodeParams
+
+    # decode_attend.cu static_asserts the same three numbers
+    assert (ctypes.sizeof(DecodeParams), DecodeParams.batch.offset, DecodeParams.qscale.offset) == (160, 112, 152)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(pip_toolkit_root() is None, reason="needs the cuda-build extra (nvcc from PyPI)")
+def test_prebuilt_library_builds_and_loads_without_a_gpu(tmp_path):
+    """The no-compiler route for a GPU machine: the library builds here, loads, and a launch with
+    no GPU returns a CUDA error code instead of crashing."""
+    from kivi_ops.cuda.prebuilt import DecodeParams, Library, build
+
+    path = build(tmp_path / "libkivi_cuda_decode.so")
+    assert path.stat().st_size < 8 * 2**20  # carried to the GPU machine with the working tree
+    lib = Library(path)
+    params = DecodeParams(batch=1, kv_heads=1, qg=1, head_dim=64, num_splits=1)
+    assert lib.lib.kivi_decode_attend_launch(ctypes.byref(params), None) != 0
 
 
 # ---------------------------------------------------------------- on a GPU

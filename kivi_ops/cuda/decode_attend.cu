@@ -29,7 +29,13 @@
 // PV product (2^-11), accumulations are fp32; tail tokens are fp32 throughout.
 #include "decode_attend.h"
 
+#include <cstddef>
+
 namespace kivi_cuda {
+// prebuilt.py mirrors DecodeParams with ctypes: keep the two layouts equal.
+static_assert(sizeof(DecodeParams) == 160 && offsetof(DecodeParams, batch) == 112 &&
+                  offsetof(DecodeParams, qscale) == 152,
+              "DecodeParams changed: update kivi_ops/cuda/prebuilt.py");
 namespace {
 
 constexpr int kWarps = 4;
@@ -449,3 +455,9 @@ cudaError_t launch_decode_attend(const DecodeParams& p, cudaStream_t stream) {
 }
 
 }  // namespace kivi_cuda
+
+// C entry point for a shared library built by plain nvcc (loader.py's prebuilt route: no torch
+// header and no compiler on the GPU machine); returns the cudaError_t as an int.
+extern "C" int kivi_decode_attend_launch(const kivi_cuda::DecodeParams* p, cudaStream_t stream) {
+  return static_cast<int>(kivi_cuda::launch_decode_attend(*p, stream));
+}

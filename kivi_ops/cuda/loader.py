@@ -2,7 +2,7 @@
 torch.utils.cpp_extension.load: compiled once per machine into torch's extension cache, for the
 current device's architecture (sm_90a on Hopper, for wgmma-era PTX features; mma.sync needs sm_80).
 
-`load()` returns the extension or raises CudaKernelUnavailable saying why (no CUDA build of torch,
+`load()` returns the extension (or, with KIVI_CUDA_DECODE_LIB, prebuilt.py's library) or raises CudaKernelUnavailable saying why (no CUDA build of torch,
 no GPU, a GPU older than sm_80, no nvcc, or the compiler's own error). Nothing here runs at import.
 """
 
@@ -66,8 +66,23 @@ def _build():
             os.environ["TORCH_CUDA_ARCH_LIST"] = saved
 
 
+@functools.cache
+def _prebuilt(path: str):
+    from .prebuilt import Library
+
+    return Library(Path(path))
+
+
 def load():
-    """The built extension (cached per process); CudaKernelUnavailable if it cannot be had."""
+    """The built extension (cached per process); CudaKernelUnavailable if it cannot be had.
+    KIVI_CUDA_DECODE_LIB=path: the shared library prebuilt by plain nvcc (prebuilt.py) instead,
+    for a GPU machine without a CUDA compiler."""
+    library = os.environ.get("KIVI_CUDA_DECODE_LIB")
+    if library:
+        if torch.version.cuda is None or not torch.cuda.is_available():
+            raise CudaKernelUnavailable("the CUDA C++ decode kernel is unavailable: needs a CUDA GPU and a CUDA build "
+                                        f"of torch (this is {torch.__version__})")
+        return _prebuilt(library)
     reason = unavailable_reason()
     if reason is not None:
         raise CudaKernelUnavailable(f"the CUDA C++ decode kernel is unavailable: {reason}")

@@ -31,7 +31,8 @@ def pip_toolkit_root() -> Optional[Path]:
 
 
 def toolkit_root() -> Path:
-    """The CUDA toolkit to compile with: $CUDA_HOME, else the PyPI one, else the nvcc on PATH."""
+    """The CUDA toolkit to compile with: $CUDA_HOME, else the PyPI one, else the nvcc on PATH,
+    else /usr/local/cuda."""
     if os.environ.get("CUDA_HOME"):
         root = Path(os.environ["CUDA_HOME"])
         if (root / "bin" / "nvcc").is_file():
@@ -43,6 +44,8 @@ def toolkit_root() -> Path:
     nvcc = shutil.which("nvcc")
     if nvcc:
         return Path(nvcc).resolve().parent.parent
+    if Path("/usr/local/cuda/bin/nvcc").is_file():  # CUDA images install here, often off PATH
+        return Path("/usr/local/cuda")
     raise CudaKernelUnavailable("no CUDA compiler: install the cuda-build extra (pip install -e '.[cuda-build]') "
                                 "or set CUDA_HOME to a CUDA toolkit")
 
