@@ -61,6 +61,9 @@ for stage in $stages; do
              0:32:1:2,0:16:4:2,0:32:4:2,0:32:8:2,mma/0:32:2:2,mma/0:32:4:2,mma-magic/0:32:2:2 32/32,32/8 --json
            TAIL=12 run sweep256 90 python3 -m lab gpu_attend_sweep 1024,32768 0:32:1:2,0:16:4:2,0:16:8:2 4/1 \
              --head-dim 256 --json ;;
+    # the CUDA C++ decode kernel (kivi_ops/cuda) against the Triton default and SDPA: what decides its dispatch
+    sweepcuda) TAIL=30 run sweepcuda 120 python3 -m lab gpu_attend_sweep 1024,32768 \
+             0:32:1:2,cuda/0:0:0:0,cuda/1:0:0:0,cuda/16:0:0:0 32/32,32/8 --json ;;
     attention) run attention 75 python3 -m kivi_cli bench attention --device cuda --out "$RESULTS" ;;
     decode) run decode 200 python3 -m kivi_cli bench decode --device cuda --model llama2-7b-shape --contexts 1024,32768 --batches 1 \
               --new-tokens 64 --out "$RESULTS" ;;
@@ -68,6 +71,6 @@ for stage in $stages; do
     budget) run budget 200 python3 -m kivi_cli bench decode --device cuda --model llama2-7b-shape --contexts 4096 --budget-gib 40 \
               --new-tokens 32 --out "$RESULTS" ;;
     layers) run layers 90 python3 -m lab gpu_layer_costs 1 1024,32768 ;;
-    *) echo "unknown stage $stage (tests, sweep, attention, decode, profile, budget, layers)"; exit 2 ;;
+    *) echo "unknown stage $stage (tests, sweep, sweepcuda, attention, decode, profile, budget, layers)"; exit 2 ;;
   esac
 done
