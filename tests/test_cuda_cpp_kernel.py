@@ -166,6 +166,29 @@ def test_triton_stays_the_default():
         assert choice.implementation == "triton_decode"
 
 
+def test_dispatch_chooses_cuda_cpp_only_where_asked_and_supported(monkeypatch):
+    """With the setting on (the build faked: no GPU here), what choose returns per call."""
+    from kivi_ops.cuda import loader
+
+    monkeypatch.setattr(loader, "load", lambda: object())
+    monkeypatch.setattr(dispatch, "_cuda_decode", "cuda_cpp")
+    layer, params = make_layer(1, 2, 256, 128, 64, 32, [100])
+
+    def impl(**kw):
+        args = dict(device="cuda", mode="eager", q_len=1, layer=layer, params=params, query_heads=4) | kw
+        return dispatch.choose("attend", **args).implementation
+
+    assert impl() == "cuda_cpp"
+    assert impl(params=params._replace(v_bits=4)) == "triton_decode"
+    assert impl(query_heads=32) == "triton_decode"  # 16 query heads per kv head
+    assert impl(q_len=3) == "triton_split"
+    assert impl(paged=True) == "triton_decode"
+    assert impl(params=None) == "triton_decode"  # traced callers (dispatch.attend) never pass params
+    assert impl(device="cpu") == "decomposed_fused"
+    assert dispatch.choose("append", device="cuda", mode="eager", q_len=1, layer=layer,
+                           params=params).implementation == "triton"
+
+
 def test_environment_variable_is_checked_by_name():
     import subprocess
     import sys
