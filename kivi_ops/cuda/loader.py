@@ -77,6 +77,17 @@ def load():
     """The built extension (cached per process); CudaKernelUnavailable if it cannot be had.
     KIVI_CUDA_DECODE_LIB=path: the shared library prebuilt by plain nvcc (prebuilt.py) instead,
     for a GPU machine without a CUDA compiler."""
+    global _loaded
+    if _loaded is not None:  # dispatch asks on every decode call: the checks below run once
+        return _loaded
+    _loaded = _load()
+    return _loaded
+
+
+_loaded = None
+
+
+def _load():
     library = os.environ.get("KIVI_CUDA_DECODE_LIB")
     if library:
         if torch.version.cuda is None or not torch.cuda.is_available():
