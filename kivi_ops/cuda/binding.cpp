@@ -1,7 +1,7 @@
 // torch binding of the CUDA decode kernel (decode_attend.cu): checks the tensors, allocates the
 // split workspace and the output, launches on the current stream. Built only by
 // torch.utils.cpp_extension (loader.py) on a machine with a CUDA build of torch.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
@@ -73,7 +73,7 @@ torch::Tensor decode_attend(torch::Tensor query, torch::Tensor k_codes, torch::T
   p.num_splits = num_splits;
   p.ott_policy = ott_policy;
   p.qscale = static_cast<float>(scale * 1.4426950408889634);  // log2(e): base-2 softmax
-  const cudaError_t err = kivi_cuda::launch_decode_attend(p, at::cuda::getCurrentCUDAStream());
+  const cudaError_t err = kivi_cuda::launch_decode_attend(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "kivi cuda decode: launch failed: ", cudaGetErrorString(err));
   return out;
 }

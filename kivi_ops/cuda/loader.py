@@ -56,8 +56,8 @@ def _build():
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list()
     try:
         return cpp_extension.load(name=EXTENSION_NAME, sources=[str(s) for s in SOURCES],
-                                  extra_cflags=["-O3", "-std=c++17"],
-                                  extra_cuda_cflags=["-O3", "-std=c++17", "-Xptxas", "-v"],
+                                  extra_cflags=["-O3"],  # the C++ standard: cpp_extension's, torch's
+                                  extra_cuda_cflags=["-O3", "-Xptxas", "-v"],
                                   extra_ldflags=[f"-L{lib}"], verbose=False)
     finally:
         if saved is None:
