@@ -209,13 +209,13 @@ def test_loader_and_dispatch_refuse_cuda_cpp_here():
                             query_heads=2)
 
 
+@pytest.mark.skipif(os.environ.get("KIVI_CUDA_DECODE") == "cuda_cpp", reason="KIVI_CUDA_DECODE=cuda_cpp is set")
 def test_triton_stays_the_default():
+    """Until a GPU has timed the C++ kernel (docs/performance.md), Triton runs every CUDA decode."""
     layer, params = make_layer(1, 1, 256, 64, 64, 32, [100])
-    choice = dispatch.choose("attend", device="cuda", mode="eager", q_len=1, layer=layer, params=params,
-                             query_heads=2)
-    assert dispatch.current_cuda_decode() == "triton" or os.environ.get("KIVI_CUDA_DECODE") == "cuda_cpp"
-    if dispatch.current_cuda_decode() == "triton":
-        assert choice.implementation == "triton_decode"
+    assert dispatch.current_cuda_decode() == "triton"
+    assert dispatch.choose("attend", device="cuda", mode="eager", q_len=1, layer=layer, params=params,
+                           query_heads=2).implementation == "triton_decode"
 
 
 def test_dispatch_chooses_cuda_cpp_only_where_asked_and_supported(monkeypatch):
