@@ -172,6 +172,20 @@ def test_emulator_detects_a_wrong_mapping(monkeypatch):
         check(out, query, layer, None, params, 0.125)
 
 
+def test_emulator_uses_the_kernels_constants():
+    """Drift guard: every bit-pattern constant of the kernel (masks, magic numbers, fp16x2 multipliers
+    and addends, prmt selectors) is in the emulator, so an edit to one shows in the other's tests."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    kernel = set(re.findall(r"0x([0-9A-Fa-f]{4,8})u?\b", (root / "kivi_ops/cuda/decode_attend.cu").read_text()))
+    emulator = (root / "tests/cuda_decode_emulator.py").read_text().upper()
+    # 0x6400 is the comment's fp16 1024.0 (0x64006400 in code); 0xffffffff the shuffle mask
+    missing = {c for c in kernel if f"0X{c.upper()}" not in emulator} - {"6400", "ffffffff"}
+    assert not missing, f"constants of decode_attend.cu not in the emulator: {sorted(missing)}"
+
+
 def test_what_the_kernel_supports():
     layer, params = make_layer(1, 2, 256, 64, 64, 32, [100])
     assert unsupported(layer, params, 1, 8) is None
