@@ -277,6 +277,7 @@ def test_kernel_compiles_for_sm90a_without_spills():
     for r in (r for r in rows if "head_dim" in r):
         assert r["by_pipe"]["tensor"] == r["head_dim"] / 128  # 2 (QK + PV) x D/16 MMAs x 2 tiles / 32 tokens
         assert r["bandwidth_share_ceiling"] >= 0.8, r
+        assert not {"I2F", "I2FP", "F2I"} & set(r["loop_opcodes"]), r  # codes reach fp16 by lop3 + fma only
 
 
 def test_prebuilt_params_mirror_the_c_struct():
