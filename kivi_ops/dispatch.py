@@ -30,6 +30,10 @@ Support matrix (decomposed forms are core ATen: traced inline, never inside the 
     store, nuq levels, pre-RoPE keys and the pool. The tensor-core candidate
     (lab/triton_decode_mma.py) is not chosen: on an H200 it was slower than triton_decode with
     MHA, faster with GQA 4:1, and wrong on 5 of its CUDA tests (benchmarks/results/h200/).
+    With KIVI_CUDA_DECODE=cuda_cpp (set_cuda_decode), the CUDA C++ tensor-core kernel
+    (kivi_ops/cuda, "cuda_cpp") for the calls it supports (cuda/attend.py: plain KIVI-2, fp16,
+    head_dim 64/128, G % 32 == 0, <= 8 query heads per kv head, not paged); Triton elsewhere.
+    Not the default: no GPU has run or timed it yet (docs/performance.md, "The CUDA C++ route").
 [3] decomposed, with the key flush under torch.cond: on CPU Inductor makes it a host-side `if`,
     so a decode step quantizes a key window only on the steps that complete one.
 [4] One-token appends and decode attention (q_len == 1) run the compile-mode forms, compiled
@@ -63,7 +67,7 @@ from .paged_layout import Paging
 OPS = ("append", "attend")
 MODES = ("eager", "compile", "export", "portable")
 IMPLEMENTATIONS = ("reference", "decomposed", "decomposed_cond", "decomposed_fused", "decomposed_materialized", "triton",
-                   "triton_decode", "triton_split")
+                   "triton_decode", "triton_split", "cuda_cpp")
 
 
 CPU_KERNELS = ("compiled", "reference")
@@ -103,6 +107,56 @@ def current_cpu_kernels() -> str:
     return _cpu_kernels
 
 
+# The CUDA decode attention kernel: "triton" (default, and the fallback for every call cuda_cpp does
+# not support) or "cuda_cpp", the CUDA C++ tensor-core kernel (kivi_ops/cuda), opt-in until a GPU
+# has checked and timed it. The environment variable is read at import; asking for cuda_cpp where
+# it cannot be built raises CudaKernelUnavailable when the setting is made (set_cuda_decode) or,
+# from the environment, at the first CUDA decode call.
+CUDA_DECODE = ("triton", "cuda_cpp")
+
+
+def _cuda_decode_from_environment() -> str:
+    name = os.environ.get("KIVI_CUDA_DECODE", "triton")
+    if name not in CUDA_DECODE:
+        raise ValueError(f"the environment variable KIVI_CUDA_DECODE must be one of {CUDA_DECODE}, got {name!r}")
+    return name
+
+
+_cuda_decode = _cuda_decode_from_environment()
+
+
+def set_cuda_decode(name: str) -> str:
+    """Select the CUDA decode attention kernel for the whole process ("triton" or "cuda_cpp");
+    returns the previous selection. cuda_cpp is built here and refused (CudaKernelUnavailable,
+    with the reason) where it cannot be."""
+    global _cuda_decode
+    if name not in CUDA_DECODE:
+        raise ValueError(f"cuda decode must be one of {CUDA_DECODE}, got {name!r}")
+    if name == "cuda_cpp":
+        from .cuda.loader import load
+
+        load()
+    previous, _cuda_decode = _cuda_decode, name
+    return previous
+
+
+def current_cuda_decode() -> str:
+    return _cuda_decode
+
+
+def _cuda_cpp_takes(layer: LayerTensors, params: Optional[QuantParams], q_len: int, paged: bool,
+                    query_heads: Optional[int]) -> bool:
+    """Whether the CUDA C++ decode kernel runs this call: asked for, and the call is one it supports.
+    Asked for but not buildable: CudaKernelUnavailable (a setting is never silently ignored)."""
+    if _cuda_decode != "cuda_cpp" or params is None or query_heads is None or paged:
+        return False
+    from .cuda.attend import unsupported
+    from .cuda.loader import load
+
+    load()
+    return unsupported(layer, params, q_len, query_heads) is None
+
+
 class Choice(NamedTuple):
     implementation: str
     in_op: bool  # runs inside the kivi custom op (its device kernel), rather than traced inline
@@ -121,8 +175,11 @@ def current_mode(portable: bool) -> str:
 
 
 def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors,
-           cpu_kernels: str = "compiled") -> Choice:
-    """The implementation of `op` for one call (the support matrix above; cpu_kernels: footnote [4])."""
+           cpu_kernels: str = "compiled", params: Optional[QuantParams] = None, paged: bool = False,
+           query_heads: Optional[int] = None) -> Choice:
+    """The implementation of `op` for one call (the support matrix above; cpu_kernels: footnote [4]).
+    params / paged / query_heads: the call's settings, whether the layer is paged, the query's heads;
+    the CUDA C++ decode kernel (footnote [2]) is chosen only with params and query_heads, unpaged."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if mode not in MODES:
@@ -135,6 +192,8 @@ def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors,
     if device == "cuda":
         if op == "append":
             return Choice("triton", in_op=True)  # every option: the sparse store, the pool, nuq
+        if op == "attend" and _cuda_cpp_takes(layer, params, q_len, paged, query_heads):
+            return Choice("cuda_cpp", in_op=True)
         head_dim = layer.k_res.shape[-1]
         decode = q_len == 1 and head_dim & (head_dim - 1) == 0 and decode_kernel_compiles(layer)
         return Choice("triton_decode" if decode else "triton_split", in_op=True)
@@ -194,7 +253,9 @@ def append(layer: LayerTensors, key, value, counts, params: QuantParams, *, port
 
 def attend(query, layer: LayerTensors, counts, params: QuantParams, scale: float, *, portable: bool = False,
            pages: Optional[Paging] = None):
-    """cache_attend as the cache calls it (pages: the layer is paged)."""
+    """cache_attend as the cache calls it (pages: the layer is paged). On CUDA this is always the
+    op; its kernel (ops.py) asks choose again with params and query_heads, which is where the CUDA
+    C++ kernel can be chosen: traced code (torch.compile, export) never touches the extension."""
     choice = choose("attend", device=query.device.type, mode=current_mode(portable), q_len=query.shape[2],
                     layer=layer, cpu_kernels=_cpu_kernels)
     paged = pages is not None
@@ -249,6 +310,8 @@ def attend_implementation(implementation: str, paged: bool = False):
         from .kernels.triton_decode import attend_decode as fn
     elif implementation == "triton_split":
         from .kernels.triton_split import attend_split as fn
+    elif implementation == "cuda_cpp":
+        from .cuda.attend import attend_cuda_cpp as fn
     else:
         raise ValueError(f"no attend implementation {implementation!r}")
     return fn

@@ -8,7 +8,8 @@ cache of the same shape, with each compiled kernel's registers, spills and share
     python -m lab gpu_attend_sweep [contexts] [configs] [heads] [--json]
 
 configs: "default" or a list "[kernel/]splits:block_n:warps:stages,...", kernel decode (the
-default), mma or mma-magic (magic-number code conversion); heads: "32/32" (query/kv, default),
+default), mma or mma-magic (magic-number code conversion), or cuda (the CUDA C++ kernel,
+kivi_ops/cuda; only its splits count, 0: its default); heads: "32/32" (query/kv, default),
 e.g. "32/32,32/8". Prints a table; --json for rows."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from kivi_ops import KIVICache, KIVIConfig
+from kivi_ops.cuda.attend import attend_cuda_cpp
 from kivi_ops.kernels import triton_decode, triton_split
 from lab import triton_decode_mma
 from kivi_benchmarks.perf import attend_read_bytes, copy_bandwidth
@@ -55,9 +57,11 @@ def parse_config(spec: str) -> tuple[str, dict]:
     """"[kernel/]splits:block_n:warps:stages" -> (kernel, launcher keywords); splits 0: the launcher's choice."""
     kernel, _, knobs = spec.rpartition("/")
     kernel = kernel or "decode"
-    if kernel not in ("decode", "mma", "mma-magic"):
-        raise SystemExit(f"config kernel must be decode, mma or mma-magic, got {kernel!r}")
+    if kernel not in ("decode", "mma", "mma-magic", "cuda"):
+        raise SystemExit(f"config kernel must be decode, mma, mma-magic or cuda, got {kernel!r}")
     splits, block_n, warps, stages = (int(v) for v in knobs.split(":"))
+    if kernel == "cuda":  # the CUDA C++ kernel (kivi_ops/cuda): its tiles and warps are fixed
+        return kernel, dict(num_splits=splits or None)
     kw = dict(num_splits=splits or None, block_n=block_n, num_warps=warps, num_stages=stages)
     if kernel == "mma-magic":
         kw["magic"] = True
@@ -94,7 +98,8 @@ def main(argv=None):
         first = None
         for cfg in configs:
             kernel, kw = cfg or ("decode", {})
-            launcher = triton_decode_mma.attend_decode_mma if kernel.startswith("mma") else triton_decode.attend_decode
+            launcher = (triton_decode_mma.attend_decode_mma if kernel.startswith("mma") else
+                        attend_cuda_cpp if kernel == "cuda" else triton_decode.attend_decode)
             fn = lambda: launcher(q, layer, None, params, D ** -0.5, **kw)  # noqa: E731
             got = fn().float()
             err = ((got - want).norm() / want.norm()).item()

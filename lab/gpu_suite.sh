@@ -23,6 +23,13 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$RESULTS/install.log" 2>&1 \
   || { cat "$RESULTS/install.log"; exit 1; }
 [ -f .gpu/model.gguf ] && export KIVI_GPU_TEST_MODEL=$PWD/.gpu/model.gguf
+# The CUDA C++ decode kernel (kivi_ops/cuda): torch.utils.cpp_extension builds it where the image has
+# nvcc; else the library prebuilt without a GPU (`python -m lab cuda_decode_model --library
+# .gpu/libkivi_cuda_decode.so`, carry .gpu): the PyPI nvcc is too big to carry.
+if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ] && [ -f .gpu/libkivi_cuda_decode.so ]; then
+  export KIVI_CUDA_DECODE_LIB=$PWD/.gpu/libkivi_cuda_decode.so
+fi
+echo "nvcc: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || echo none) KIVI_CUDA_DECODE_LIB=${KIVI_CUDA_DECODE_LIB:-}"
 echo "sha ${KIVI_GIT_SHA:-unknown}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.sm --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
@@ -47,13 +54,16 @@ for stage in $stages; do
     # every CUDA kernel and path against the CPU reference, in parallel processes (compiles dominate)
     tests) TAIL=25 run tests 210 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 16 --timeout 150 -rfE --tb=line \
              --junitxml="$RESULTS/tests.xml" tests/test_triton_kernels.py tests/test_gpu.py tests/test_gpu_deploy.py \
-             tests/test_overflow.py tests/test_dispatch.py tests/test_weight_quant.py ;;
+             tests/test_overflow.py tests/test_dispatch.py tests/test_weight_quant.py tests/test_cuda_cpp_kernel.py ;;
     # the decode kernel's launch configurations (default 1 warp x 32 tokens; no-spill 4 x 16) and the
     # tensor-core candidate, MHA and GQA 4:1, then head_dim 256 (Gemma 3's 4:1)
     sweep) TAIL=40 run sweep 100 python3 -m lab gpu_attend_sweep 1024,32768 \
              0:32:1:2,0:16:4:2,0:32:4:2,0:32:8:2,mma/0:32:2:2,mma/0:32:4:2,mma-magic/0:32:2:2 32/32,32/8 --json
            TAIL=12 run sweep256 90 python3 -m lab gpu_attend_sweep 1024,32768 0:32:1:2,0:16:4:2,0:16:8:2 4/1 \
              --head-dim 256 --json ;;
+    # the CUDA C++ decode kernel (kivi_ops/cuda) against the Triton default and SDPA: what decides its dispatch
+    sweepcuda) TAIL=30 run sweepcuda 120 python3 -m lab gpu_attend_sweep 1024,32768 \
+             0:32:1:2,cuda/0:0:0:0,cuda/1:0:0:0,cuda/16:0:0:0 32/32,32/8 --json ;;
     attention) run attention 75 python3 -m kivi_cli bench attention --device cuda --out "$RESULTS" ;;
     decode) run decode 200 python3 -m kivi_cli bench decode --device cuda --model llama2-7b-shape --contexts 1024,32768 --batches 1 \
               --new-tokens 64 --out "$RESULTS" ;;
@@ -61,6 +71,6 @@ for stage in $stages; do
     budget) run budget 200 python3 -m kivi_cli bench decode --device cuda --model llama2-7b-shape --contexts 4096 --budget-gib 40 \
               --new-tokens 32 --out "$RESULTS" ;;
     layers) run layers 90 python3 -m lab gpu_layer_costs 1 1024,32768 ;;
-    *) echo "unknown stage $stage (tests, sweep, attention, decode, profile, budget, layers)"; exit 2 ;;
+    *) echo "unknown stage $stage (tests, sweep, sweepcuda, attention, decode, profile, budget, layers)"; exit 2 ;;
   esac
 done

@@ -1,0 +1,85 @@
+// torch binding of the CUDA decode kernel (decode_attend.cu): checks the tensors, allocates the
+// split workspace and the output, launches on the current stream. Built only by
+// torch.utils.cpp_extension (loader.py) on a machine with a CUDA build of torch.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include "decode_attend.h"
+
+namespace {
+
+void check(const torch::Tensor& t, const char* name, torch::ScalarType dtype) {
+  TORCH_CHECK(t.is_cuda(), "kivi cuda decode: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, "kivi cuda decode: ", name, " has dtype ", t.scalar_type(), ", expected ",
+              dtype);
+  TORCH_CHECK(t.is_contiguous(), "kivi cuda decode: ", name, " must be contiguous");
+}
+
+torch::Tensor decode_attend(torch::Tensor query, torch::Tensor k_codes, torch::Tensor k_scale, torch::Tensor k_zero,
+                            torch::Tensor k_res, torch::Tensor v_codes, torch::Tensor v_scale, torch::Tensor v_zero,
+                            torch::Tensor v_res, torch::Tensor lengths, c10::optional<torch::Tensor> counts,
+                            int64_t group_size, int64_t residual_length, int64_t ott_policy, double scale,
+                            int64_t num_splits) {
+  const auto half = torch::kHalf;
+  check(query, "query", half);
+  check(k_codes, "k_codes", torch::kUInt8);
+  check(v_codes, "v_codes", torch::kUInt8);
+  for (auto& [t, name] : {std::pair{&k_scale, "k_scale"}, {&k_zero, "k_zero"}, {&k_res, "k_res"},
+                          {&v_scale, "v_scale"}, {&v_zero, "v_zero"}, {&v_res, "v_res"}}) {
+    check(*t, name, half);
+  }
+  check(lengths, "lengths", torch::kLong);
+  TORCH_CHECK(query.dim() == 4 && query.size(2) == 1, "kivi cuda decode: query must be [B, Hq, 1, D]");
+  const int64_t B = query.size(0), Hq = query.size(1), D = query.size(3);
+  const int64_t H = k_codes.size(1), S = k_codes.size(2);
+  TORCH_CHECK(D == 64 || D == 128, "kivi cuda decode: head_dim must be 64 or 128, got ", D);
+  TORCH_CHECK(k_codes.size(3) == D / 4 && v_codes.size(3) == D / 4, "kivi cuda decode: 2-bit keys and values only");
+  TORCH_CHECK(Hq % H == 0 && Hq / H <= 8, "kivi cuda decode: at most 8 query heads per kv head, got ", Hq, "/", H);
+  TORCH_CHECK(group_size % 32 == 0, "kivi cuda decode: group_size must be a multiple of 32, got ", group_size);
+  TORCH_CHECK(num_splits >= 1, "kivi cuda decode: num_splits must be >= 1");
+  if (counts.has_value()) check(*counts, "counts", torch::kLong);
+
+  const c10::cuda::CUDAGuard guard(query.device());
+  auto f32 = query.options().dtype(torch::kFloat);
+  auto part_acc = torch::empty({B * Hq, num_splits + 1, D}, f32);
+  auto part_ml = torch::empty({B * Hq, num_splits + 1, 2}, f32);
+  auto out = torch::empty_like(query);
+  if (B == 0) return out;
+
+  kivi_cuda::DecodeParams p{};
+  p.q = reinterpret_cast<const __half*>(query.data_ptr<at::Half>());
+  p.k_codes = k_codes.data_ptr<uint8_t>();
+  p.k_scale = reinterpret_cast<const __half*>(k_scale.data_ptr<at::Half>());
+  p.k_zero = reinterpret_cast<const __half*>(k_zero.data_ptr<at::Half>());
+  p.k_res = reinterpret_cast<const __half*>(k_res.data_ptr<at::Half>());
+  p.v_codes = v_codes.data_ptr<uint8_t>();
+  p.v_scale = reinterpret_cast<const __half*>(v_scale.data_ptr<at::Half>());
+  p.v_zero = reinterpret_cast<const __half*>(v_zero.data_ptr<at::Half>());
+  p.v_res = reinterpret_cast<const __half*>(v_res.data_ptr<at::Half>());
+  p.lengths = lengths.data_ptr<int64_t>();
+  p.counts = counts.has_value() ? counts->data_ptr<int64_t>() : nullptr;
+  p.part_acc = part_acc.data_ptr<float>();
+  p.part_ml = part_ml.data_ptr<float>();
+  p.out = reinterpret_cast<__half*>(out.data_ptr<at::Half>());
+  p.batch = B;
+  p.kv_heads = H;
+  p.qg = Hq / H;
+  p.max_tokens = S;
+  p.slots = k_res.size(2);
+  p.residual = residual_length;
+  p.group = group_size;
+  p.head_dim = D;
+  p.num_splits = num_splits;
+  p.ott_policy = ott_policy;
+  p.qscale = static_cast<float>(scale * 1.4426950408889634);  // log2(e): base-2 softmax
+  const cudaError_t err = kivi_cuda::launch_decode_attend(p, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, "kivi cuda decode: launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attend", &decode_attend, "KIVI-2 decode attention on tensor cores (decode_attend.cu)");
+}

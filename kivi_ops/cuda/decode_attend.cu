@@ -1,0 +1,463 @@
+// KIVI-2 decode attention (one query token per row) on tensor cores, for sm_80+ (built for sm_90a).
+//
+// The math is kernels/reference.py's attend_reference; the layout is kivi_ops/layout.py's. Grid
+// (B * H, num_splits + 1), 4 warps per block. Splits [0, num_splits) share the fully quantized
+// 32-token chunks [0, 32 * floor(min(nqk, nqv) / 32)) of the row; split num_splits (the "tail")
+// takes the rest, at most R + 31 tokens (quantized, residual or mixed), in fp32 on CUDA cores. A
+// second kernel merges the splits' (max, sum, unnormalized output) into the fp16 output.
+//
+// Quantized chunks: each warp takes whole chunks (one key group when G = 32; G must be a multiple
+// of 32) and runs mma.sync m16n8k16 (fp16 in, fp32 accumulate) with the KV tokens in the M
+// dimension and the qg <= 8 query heads of the kv head in N (TurboMind's swap: a decode query is
+// one row, tokens fill the tile):
+//   scores^T [16 tokens, 8 heads] = codes_K [16 tokens, D] . q'^T [D, 8 heads] + q . z (per group)
+//     where q' = q * k_scale (per channel of the group, in fp16): KIVI's key fold, so the key
+//     codes enter the MMA as exact small integers and the zero point costs one dot per group.
+//   out^T [D, 8 heads] += V^T [D, 16 tokens] . p [16 tokens, 8 heads], V = v_scale * code + v_zero
+//     dequantized to fp16 in registers (one rounding; v's scale and zero vary per token, so they
+//     cannot fold into p for a tile whose rows span value groups).
+// Unpacking: a 2-bit code c at bit 2i of a byte is moved by one prmt (byte select) and one lop3
+// ((x & mask) | 0x6400) into the mantissa of 1024.0 as 1024 + 4^i c, and one fma.f16x2 by
+// (4^-i, -1024 * 4^-i) gives c exactly; no integer-to-float conversion instruction is issued.
+// The MMA's k index (channels for K, tokens for V) and the rows of V^T are permuted so that each
+// thread reads whole bytes of the layout as stored: the query fragment and the output rows use the
+// same permutation (k_channel / v_channel below), nothing is repacked.
+//
+// Numerics against the fp32 reference (tests/test_cuda_cpp_kernel.py checks this bound): q' is
+// rounded to fp16 (relative 2^-11 per term, so a base-2 score is off by at most
+// 3 * 2^-11 * sum_c |q'_c|), V is dequantized to fp16 (2^-11 |v|), p is rounded to fp16 for the
+// PV product (2^-11), accumulations are fp32; tail tokens are fp32 throughout.
+#include "decode_attend.h"
+
+#include <cstddef>
+
+namespace kivi_cuda {
+// prebuilt.py mirrors DecodeParams with ctypes: keep the two layouts equal.
+static_assert(sizeof(DecodeParams) == 160 && offsetof(DecodeParams, batch) == 112 &&
+                  offsetof(DecodeParams, qscale) == 152,
+              "DecodeParams changed: update kivi_ops/cuda/prebuilt.py");
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kChunk = 32;   // tokens per warp step (two 16-token MMA tiles)
+constexpr int kHeads = 8;    // query heads per kv head: the MMA's N
+constexpr int kPStride = 36; // p transpose buffer row stride (floats): conflict-free stores, 16-byte rows
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// (x & MASK) | 0x64006400: the masked codes land in the mantissas of two fp16 1024.0s.
+template <uint32_t MASK>
+__device__ __forceinline__ uint32_t magic(uint32_t x) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(x), "n"(MASK), "n"(0x64006400));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// 2^x on the MUFU unit (relative error 2^-22; 2^-inf = 0), the base of the online softmax.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// fp16x2 (multiplier, addend) turning 1024 + 4^i c into c, for code position i in its byte.
+__device__ __forceinline__ uint32_t code_mul(int i) {
+  return i == 0 ? 0x3C003C00u : i == 1 ? 0x34003400u : i == 2 ? 0x2C002C00u : 0x24002400u;
+}
+__device__ __forceinline__ uint32_t code_add(int i) {
+  return i == 0 ? 0xE400E400u : i == 1 ? 0xDC00DC00u : i == 2 ? 0xD400D400u : 0xCC00CC00u;
+}
+template <int I>
+__device__ __forceinline__ uint32_t codes_at(uint32_t x) {  // the position-I codes of bytes 0 and 2
+  constexpr uint32_t mask = 0x00030003u << (2 * I);
+  return hfma2(magic<mask>(x), code_mul(I), code_add(I));
+}
+
+// Key fragment mapping (D = 16 * KS channels; each of the 4 lanes of a row group reads WPT = D/64
+// consecutive 32-bit words of a token row). k-step s reads byte s % 4 of word tig * WPT + s / 4;
+// MMA k index 2*tig + e is channel k_channel(s, tig, e), k index 2*tig + 8 + e is e + 2.
+template <int D>
+__device__ __forceinline__ int k_channel(int s, int tig, int e) {
+  constexpr int WPT = D / 64;
+  return 16 * (tig * WPT + s / 4) + 4 * (s % 4) + e;
+}
+
+// Value mapping: lane group g (row g and g + 8 of every m-tile) owns BPT = D/32 consecutive bytes
+// of each token row; m-tile mt reads its byte mt / 2, row g is code 2 * (mt % 2), row g + 8 the next.
+template <int D>
+__device__ __forceinline__ int v_channel(int mt, int g, int row8) {
+  constexpr int BPT = D / 32;
+  return 4 * (g * BPT + mt / 2) + 2 * (mt % 2) + row8;
+}
+
+struct RowCounts {
+  int length, nqk, nqv, chunks;
+};
+
+__device__ __forceinline__ RowCounts row_counts(const DecodeParams& p, int b) {
+  int L = static_cast<int>(p.lengths[b]);
+  if (p.counts != nullptr && p.counts[b] == 0) L = 0;  // padding row: attends to nothing
+  int nqk, nqv;
+  if (p.ott_policy) {
+    nqk = nqv = max(L - p.residual, 0) / p.group * p.group;
+  } else {
+    nqk = L / p.residual * p.residual;
+    nqv = max(L - p.residual, 0);
+  }
+  return {L, nqk, nqv, min(nqk, nqv) / kChunk};
+}
+
+// Per-warp partial state in the layout the block merge reads.
+struct Merge {
+  float acc[kWarps][kHeads][128];
+  float m[kWarps][kHeads], l[kWarps][kHeads];
+};
+
+// One warp's quantized chunks [c, c_end) step kWarps. Writes its (m, l, acc) into `merge`.
+template <int D>
+__device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], float (*p_s)[kPStride], Merge& merge,
+                                 int b, int h, int c, int c_end) {
+  constexpr int KS = D / 16, WPT = D / 64, BPT = D / 32, MT = D / 16;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
+  const int Gv = min(p.group, D), ngv = D / Gv;
+  const size_t bh = static_cast<size_t>(b) * p.kv_heads + h;
+  const uint8_t* k_codes = p.k_codes + bh * p.max_tokens * (D / 4);
+  const uint8_t* v_codes = p.v_codes + bh * p.max_tokens * (D / 4);
+  const __half* k_scale = p.k_scale + bh * ((p.max_tokens + p.group - 1) / p.group) * D;
+  const __half* k_zero = p.k_zero + bh * ((p.max_tokens + p.group - 1) / p.group) * D;
+  const __half* v_scale = p.v_scale + bh * p.max_tokens * ngv;
+  const __half* v_zero = p.v_zero + bh * p.max_tokens * ngv;
+  const int vgroup = 4 * g * BPT / Gv;  // this lane group's value group (its bytes lie in one)
+
+  float acc[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // heads 2 tig and 2 tig + 1
+
+  for (; c < c_end; c += kWarps) {
+    const int t0 = c * kChunk, kg = t0 / p.group;
+    // q' = q * k_scale of head g over this lane's channels, and the zero dot q . z (partial).
+    uint32_t qk[KS][2];
+    float zdot = 0.f;
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+      const int ch = k_channel<D>(s, tig, 0);
+      const float4 qv = *reinterpret_cast<const float4*>(&q_s[g][ch]);
+      const uint2 sv = *reinterpret_cast<const uint2*>(k_scale + static_cast<size_t>(kg) * D + ch);
+      const uint2 zv = *reinterpret_cast<const uint2*>(k_zero + static_cast<size_t>(kg) * D + ch);
+      const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&sv.x));
+      const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&sv.y));
+      const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&zv.x));
+      const float2 z23 = __half22float2(*reinterpret_cast<const __half2*>(&zv.y));
+      qk[s][0] = pack_half2(qv.x * s01.x, qv.y * s01.y);
+      qk[s][1] = pack_half2(qv.z * s23.x, qv.w * s23.y);
+      zdot += qv.x * z01.x + qv.y * z01.y + qv.z * z23.x + qv.w * z23.y;
+    }
+    zdot += __shfl_xor_sync(0xffffffffu, zdot, 1);
+    zdot += __shfl_xor_sync(0xffffffffu, zdot, 2);
+    const float bias0 = __shfl_sync(0xffffffffu, zdot, 8 * tig);      // head 2 tig lives in group 2 tig
+    const float bias1 = __shfl_sync(0xffffffffu, zdot, 8 * tig + 4);  // head 2 tig + 1
+
+    // Scores of the chunk's 32 tokens: m-tile mt holds tokens t0 + 16 mt + {g, g + 8}.
+    float sc[2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      uint32_t w[2][WPT];  // rows g and g + 8
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint8_t* row = k_codes + static_cast<size_t>(t0 + 16 * mt + g + 8 * r) * (D / 4) + 4 * WPT * tig;
+        if constexpr (WPT == 2) {
+          const uint2 v = __ldg(reinterpret_cast<const uint2*>(row));
+          w[r][0] = v.x;
+          w[r][WPT - 1] = v.y;
+        } else {
+          w[r][0] = __ldg(reinterpret_cast<const uint32_t*>(row));
+        }
+      }
+      sc[mt][0] = sc[mt][1] = sc[mt][2] = sc[mt][3] = 0.f;
+#pragma unroll
+      for (int s = 0; s < KS; ++s) {
+        const uint32_t sel = (s % 4) * 0x0101u;  // byte s % 4 into bytes 0 and 2 (1 and 3: masked off)
+        const uint32_t x0 = prmt(w[0][s / 4], 0, sel), x1 = prmt(w[1][s / 4], 0, sel);
+        // k index 2 tig + {0, 1}: codes 0 and 1 of the byte; 2 tig + 8 + {0, 1}: codes 2 and 3.
+        const uint32_t a0 = hfma2(magic<0x000C0003u>(x0), 0x34003C00u, 0xDC00E400u);
+        const uint32_t a1 = hfma2(magic<0x000C0003u>(x1), 0x34003C00u, 0xDC00E400u);
+        const uint32_t a2 = hfma2(magic<0x00C00030u>(x0), 0x24002C00u, 0xCC00D400u);
+        const uint32_t a3 = hfma2(magic<0x00C00030u>(x1), 0x24002C00u, 0xCC00D400u);
+        mma16816(sc[mt], a0, a1, a2, a3, qk[s][0], qk[s][1]);
+      }
+    }
+
+    // Online softmax (base 2) per head over the chunk: heads 2 tig (c0, c2) and 2 tig + 1 (c1, c3).
+    float mx0 = fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2])) + bias0;
+    float mx1 = fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3])) + bias1;
+#pragma unroll
+    for (int off = 4; off < 32; off *= 2) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float al0 = fast_exp2(m0 - n0), al1 = fast_exp2(m1 - n1);
+    m0 = n0;
+    m1 = n1;
+    l0 *= al0;
+    l1 *= al1;
+    __syncwarp();  // the previous chunk's p reads are done
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const float p00 = fast_exp2(sc[mt][0] + bias0 - n0), p01 = fast_exp2(sc[mt][1] + bias1 - n1);
+      const float p10 = fast_exp2(sc[mt][2] + bias0 - n0), p11 = fast_exp2(sc[mt][3] + bias1 - n1);
+      l0 += p00 + p10;
+      l1 += p01 + p11;
+      p_s[2 * tig][16 * mt + g] = p00;
+      p_s[2 * tig + 1][16 * mt + g] = p01;
+      p_s[2 * tig][16 * mt + g + 8] = p10;
+      p_s[2 * tig + 1][16 * mt + g + 8] = p11;
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      acc[mt][0] *= al0;
+      acc[mt][1] *= al1;
+      acc[mt][2] *= al0;
+      acc[mt][3] *= al1;
+    }
+    __syncwarp();
+
+    // PV: k-step ks covers tokens t0 + 16 ks + 4 tig + {0..3} (k index 2 tig + e <-> token 4 tig + e,
+    // 2 tig + 8 + e <-> token 4 tig + 2 + e), head g.
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+      const float4 pv = *reinterpret_cast<const float4*>(&p_s[g][16 * ks + 4 * tig]);
+      const uint32_t b0 = pack_half2(pv.x, pv.y), b1 = pack_half2(pv.z, pv.w);
+      const int t = t0 + 16 * ks + 4 * tig;
+      uint32_t w[4];
+      __half sc_h[4], zr_h[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint8_t* row = v_codes + static_cast<size_t>(t + e) * (D / 4) + g * BPT;
+        if constexpr (BPT == 4) {
+          w[e] = __ldg(reinterpret_cast<const uint32_t*>(row));
+        } else {
+          w[e] = __ldg(reinterpret_cast<const uint16_t*>(row));
+        }
+        sc_h[e] = v_scale[static_cast<size_t>(t + e) * ngv + vgroup];
+        zr_h[e] = v_zero[static_cast<size_t>(t + e) * ngv + vgroup];
+      }
+      const __half2 s01 = __halves2half2(sc_h[0], sc_h[1]), s23 = __halves2half2(sc_h[2], sc_h[3]);
+      const __half2 z01 = __halves2half2(zr_h[0], zr_h[1]), z23 = __halves2half2(zr_h[2], zr_h[3]);
+      const uint32_t S01 = *reinterpret_cast<const uint32_t*>(&s01), S23 = *reinterpret_cast<const uint32_t*>(&s23);
+      const uint32_t Z01 = *reinterpret_cast<const uint32_t*>(&z01), Z23 = *reinterpret_cast<const uint32_t*>(&z23);
+#pragma unroll
+      for (int j = 0; j < BPT; ++j) {
+        const uint32_t sel = j | ((4 + j) << 8);  // byte j of tokens (0, 1) / (2, 3) into bytes 0 and 2
+        const uint32_t x01 = prmt(w[0], w[1], sel), x23 = prmt(w[2], w[3], sel);
+        // m-tile 2j: rows g / g + 8 are codes 0 / 1 of byte j; m-tile 2j + 1: codes 2 / 3.
+        mma16816(acc[2 * j], hfma2(codes_at<0>(x01), S01, Z01), hfma2(codes_at<1>(x01), S01, Z01),
+                 hfma2(codes_at<0>(x23), S23, Z23), hfma2(codes_at<1>(x23), S23, Z23), b0, b1);
+        mma16816(acc[2 * j + 1], hfma2(codes_at<2>(x01), S01, Z01), hfma2(codes_at<3>(x01), S01, Z01),
+                 hfma2(codes_at<2>(x23), S23, Z23), hfma2(codes_at<3>(x23), S23, Z23), b0, b1);
+      }
+    }
+  }
+
+  // Row sums over the 8 lane groups, then the warp's state in head-major layout.
+#pragma unroll
+  for (int off = 4; off < 32; off *= 2) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int ch = v_channel<D>(mt, g, 0);
+    merge.acc[warp][2 * tig][ch] = acc[mt][0];
+    merge.acc[warp][2 * tig + 1][ch] = acc[mt][1];
+    merge.acc[warp][2 * tig][ch + 1] = acc[mt][2];
+    merge.acc[warp][2 * tig + 1][ch + 1] = acc[mt][3];
+  }
+  if (g == 0) {
+    merge.m[warp][2 * tig] = m0;
+    merge.m[warp][2 * tig + 1] = m1;
+    merge.l[warp][2 * tig] = l0;
+    merge.l[warp][2 * tig + 1] = l1;
+  }
+}
+
+// One warp's tail tokens [t, L) step kWarps, in fp32: lane owns channels lane * CPL + i.
+template <int D>
+__device__ void tail_tokens(const DecodeParams& p, const float (*q_s)[D], Merge& merge, int b, int h, int t,
+                            const RowCounts& rc) {
+  constexpr int CPL = D / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int Gv = min(p.group, D), ngv = D / Gv;
+  const size_t bh = static_cast<size_t>(b) * p.kv_heads + h;
+  float q[kHeads][CPL], acc[kHeads][CPL], m[kHeads], l[kHeads];
+#pragma unroll
+  for (int n = 0; n < kHeads; ++n) {
+    m[n] = -INFINITY;
+    l[n] = 0.f;
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      q[n][i] = q_s[n][lane * CPL + i];
+      acc[n][i] = 0.f;
+    }
+  }
+  for (; t < rc.length; t += kWarps) {
+    float k[CPL], v[CPL];
+    const int slot = t % p.slots;
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      const int ch = lane * CPL + i;
+      if (t < rc.nqk) {
+        const int code = (p.k_codes[(bh * p.max_tokens + t) * (D / 4) + ch / 4] >> (2 * (ch % 4))) & 3;
+        const size_t kidx = (bh * ((p.max_tokens + p.group - 1) / p.group) + t / p.group) * D + ch;
+        k[i] = code * __half2float(p.k_scale[kidx]) + __half2float(p.k_zero[kidx]);
+      } else {
+        k[i] = __half2float(p.k_res[(bh * p.slots + slot) * D + ch]);
+      }
+      if (t < rc.nqv) {
+        const int code = (p.v_codes[(bh * p.max_tokens + t) * (D / 4) + ch / 4] >> (2 * (ch % 4))) & 3;
+        const size_t vidx = (bh * p.max_tokens + t) * ngv + ch / Gv;
+        v[i] = code * __half2float(p.v_scale[vidx]) + __half2float(p.v_zero[vidx]);
+      } else {
+        v[i] = __half2float(p.v_res[(bh * p.slots + slot) * D + ch]);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < kHeads; ++n) {
+      if (n >= p.qg) break;
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) s += q[n][i] * k[i];
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+      const float mn = fmaxf(m[n], s), alpha = fast_exp2(m[n] - mn), pr = fast_exp2(s - mn);
+      m[n] = mn;
+      l[n] = l[n] * alpha + pr;
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) acc[n][i] = acc[n][i] * alpha + pr * v[i];
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < kHeads; ++n) {
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) merge.acc[warp][n][lane * CPL + i] = acc[n][i];
+    if (lane == 0) {
+      merge.m[warp][n] = m[n];
+      merge.l[warp][n] = l[n];
+    }
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(kWarps * 32) decode_split_kernel(const DecodeParams p) {
+  __shared__ __align__(16) float q_s[kHeads][D];
+  __shared__ __align__(16) float p_s[kWarps][kHeads][kPStride];
+  __shared__ Merge merge;
+  const int b = blockIdx.x / p.kv_heads, h = blockIdx.x % p.kv_heads, split = blockIdx.y;
+  const int warp = threadIdx.x / 32;
+  for (int i = threadIdx.x; i < kHeads * D; i += blockDim.x) {  // heads >= qg: zero queries, never written
+    const int n = i / D, ch = i % D;
+    q_s[n][ch] = n < p.qg ? __half2float(p.q[((static_cast<size_t>(b) * p.kv_heads + h) * p.qg + n) * D + ch]) * p.qscale
+                          : 0.f;
+  }
+  __syncthreads();
+  const RowCounts rc = row_counts(p, b);
+  if (split < p.num_splits) {
+    const int per = (rc.chunks + p.num_splits - 1) / p.num_splits;
+    const int begin = split * per, end = min(begin + per, rc.chunks);
+    quantized_chunks<D>(p, q_s, p_s[warp], merge, b, h, begin + warp, end);
+  } else {
+    tail_tokens<D>(p, q_s, merge, b, h, rc.chunks * kChunk + warp, rc);
+  }
+  __syncthreads();
+  // Merge the warps: (max, sum, acc) of each query head for this split.
+  for (int i = threadIdx.x; i < p.qg * D; i += blockDim.x) {
+    const int n = i / D, ch = i % D;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, merge.m[w][n]);
+    float a = 0.f, l = 0.f;
+    if (M != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = fast_exp2(merge.m[w][n] - M);
+        a += f * merge.acc[w][n][ch];
+        l += f * merge.l[w][n];
+      }
+    }
+    const size_t row = (static_cast<size_t>(b) * p.kv_heads + h) * p.qg + n;
+    const size_t slot = row * (p.num_splits + 1) + split;
+    p.part_acc[slot * D + ch] = a;
+    if (ch == 0) {
+      p.part_ml[2 * slot] = M;
+      p.part_ml[2 * slot + 1] = l;
+    }
+  }
+}
+
+// One block per query row, one thread per channel: the splits' softmax merge, saturated to fp16.
+__global__ void decode_merge_kernel(const DecodeParams p) {
+  const size_t row = blockIdx.x;
+  const int ch = threadIdx.x, splits = p.num_splits + 1;
+  const float* ml = p.part_ml + row * splits * 2;
+  float M = -INFINITY;
+  for (int s = 0; s < splits; ++s) M = fmaxf(M, ml[2 * s]);
+  float a = 0.f, l = 0.f;
+  if (M != -INFINITY) {
+    for (int s = 0; s < splits; ++s) {
+      const float f = fast_exp2(ml[2 * s] - M);
+      a += f * p.part_acc[(row * splits + s) * p.head_dim + ch];
+      l += f * ml[2 * s + 1];
+    }
+  }
+  const float o = l > 0.f ? fminf(fmaxf(a / l, -65504.f), 65504.f) : 0.f;
+  p.out[row * p.head_dim + ch] = __float2half_rn(o);
+}
+
+}  // namespace
+
+cudaError_t launch_decode_attend(const DecodeParams& p, cudaStream_t stream) {
+  const dim3 grid(p.batch * p.kv_heads, p.num_splits + 1);
+  if (p.head_dim == 128) {
+    decode_split_kernel<128><<<grid, kWarps * 32, 0, stream>>>(p);
+  } else if (p.head_dim == 64) {
+    decode_split_kernel<64><<<grid, kWarps * 32, 0, stream>>>(p);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  decode_merge_kernel<<<p.batch * p.kv_heads * p.qg, p.head_dim, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace kivi_cuda
+
+// C entry point for a shared library built by plain nvcc (loader.py's prebuilt route: no torch
+// header and no compiler on the GPU machine); returns the cudaError_t as an int.
+extern "C" int kivi_decode_attend_launch(const kivi_cuda::DecodeParams* p, cudaStream_t stream) {
+  return static_cast<int>(kivi_cuda::launch_decode_attend(*p, stream));
+}

@@ -1,0 +1,36 @@
+// KIVI-2 decode attention on tensor cores: the launch parameters shared by the CUDA file and the
+// torch binding. No torch header here, so decode_attend.cu compiles with plain nvcc (ptxas
+// reports and SASS without a CUDA build of torch: lab/cuda_decode_model.py).
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace kivi_cuda {
+
+// Every cache tensor contiguous, in kivi_ops/layout.py's shapes (B batch, H kv heads, S max tokens,
+// D head_dim, W residual slots, Gv = min(G, D) value group); the query is [B, H * qg, D].
+struct DecodeParams {
+  const __half* q;
+  const uint8_t* k_codes;   // [B, H, S, D/4]
+  const __half* k_scale;    // [B, H, ceil(S/G), D]
+  const __half* k_zero;
+  const __half* k_res;      // [B, H, W, D]
+  const uint8_t* v_codes;   // [B, H, S, D/4]
+  const __half* v_scale;    // [B, H, S, D/Gv]
+  const __half* v_zero;
+  const __half* v_res;      // [B, H, W, D]
+  const int64_t* lengths;   // [B]
+  const int64_t* counts;    // [B] or nullptr: a row with count 0 is padding and returns zeros
+  float* part_acc;          // [B, H * qg, num_splits + 1, D]: unnormalized output per split
+  float* part_ml;           // [B, H * qg, num_splits + 1, 2]: (max, sum) per split, base 2
+  __half* out;              // [B, H * qg, D]
+  int batch, kv_heads, qg, max_tokens, slots, residual, group, head_dim, num_splits, ott_policy;
+  float qscale;             // softmax scale * log2(e): scores are in base 2
+};
+
+// Launches the split kernel (num_splits quantized splits + 1 tail split per (row, kv head)) and the
+// merge kernel on `stream`. Returns cudaSuccess or the launch error; head_dim must be 64 or 128.
+cudaError_t launch_decode_attend(const DecodeParams& p, cudaStream_t stream);
+
+}  // namespace kivi_cuda

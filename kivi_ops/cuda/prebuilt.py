@@ -1,0 +1,97 @@
+"""The CUDA decode kernel as a shared library built by plain nvcc, called through ctypes: the route
+for a GPU machine with no CUDA compiler.
+
+The PyPI toolkit (nvcc + nvvm wheels, ~120 MB) is larger than what a device call can carry (64 MiB),
+so it cannot travel to a GPU image that lacks nvcc. Instead, `build(path)` compiles
+decode_attend.cu here, with no GPU, into a ~1.2 MB library (sm_90a SASS, cudart linked statically,
+glibc >= 2.34), and KIVI_CUDA_DECODE_LIB=path makes loader.load() use it. `Library.decode_attend`
+does what binding.cpp does (checks, workspace, launch on torch's current stream); the launch is
+asynchronous and CUDA-graph capturable like the extension's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from pathlib import Path
+
+import torch
+
+from .toolkit import CudaKernelUnavailable, compile_env, tool, toolkit_root
+
+SOURCE = Path(__file__).resolve().parent / "decode_attend.cu"
+LOG2E = 1.4426950408889634
+
+
+class DecodeParams(ctypes.Structure):
+    """decode_attend.h's DecodeParams, field for field (x86-64 layout)."""
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "q", "k_codes", "k_scale", "k_zero", "k_res", "v_codes", "v_scale", "v_zero", "v_res", "lengths", "counts",
+        "part_acc", "part_ml", "out")] + [(name, ctypes.c_int) for name in (
+        "batch", "kv_heads", "qg", "max_tokens", "slots", "residual", "group", "head_dim", "num_splits",
+        "ott_policy")] + [("qscale", ctypes.c_float)]
+
+
+def build(path: Path, arch: str = "sm_90a") -> Path:
+    """Compile the shared library (no GPU needed). Returns its path."""
+    root = toolkit_root()
+    compute = arch.replace("sm_", "compute_")
+    run = subprocess.run([str(tool(root, "nvcc")), f"-gencode=arch={compute},code={arch}", "-O3", "-std=c++17",
+                          "-shared", "-Xcompiler", "-fPIC", "--cudart", "static", "-o", str(path), str(SOURCE)],
+                         capture_output=True, text=True, env=compile_env(root))
+    if run.returncode:
+        raise CudaKernelUnavailable(f"nvcc failed to build {path}:\n{run.stderr}")
+    return Path(path)
+
+
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
+    if not t.is_cuda or t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(f"kivi cuda decode: {name} must be a contiguous CUDA {dtype} tensor, got "
+                         f"{t.dtype} on {t.device}{'' if t.is_contiguous() else ' (not contiguous)'}")
+
+
+class Library:
+    """The loaded library, with binding.cpp's decode_attend."""
+
+    def __init__(self, path: Path):
+        try:
+            self.lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise CudaKernelUnavailable(f"cannot load the prebuilt CUDA decode library {path}: {e}") from e
+        self.lib.kivi_decode_attend_launch.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_void_p]
+        self.lib.kivi_decode_attend_launch.restype = ctypes.c_int
+        self.path = path
+
+    def decode_attend(self, query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
+                      group_size, residual_length, ott_policy, scale, num_splits):
+        _check(query, "query", torch.float16)
+        for t, name in ((k_codes, "k_codes"), (v_codes, "v_codes")):
+            _check(t, name, torch.uint8)
+        for t, name in ((k_scale, "k_scale"), (k_zero, "k_zero"), (k_res, "k_res"), (v_scale, "v_scale"),
+                        (v_zero, "v_zero"), (v_res, "v_res")):
+            _check(t, name, torch.float16)
+        _check(lengths, "lengths", torch.int64)
+        if counts is not None:
+            _check(counts, "counts", torch.int64)
+        B, Hq, q_len, D = query.shape
+        H, S = k_codes.shape[1:3]
+        if q_len != 1 or D not in (64, 128) or k_codes.shape[3] != D // 4 or Hq % H or Hq // H > 8 or group_size % 32:
+            raise ValueError(f"kivi cuda decode: unsupported call (query {tuple(query.shape)}, kv heads {H}, "
+                             f"codes {tuple(k_codes.shape)}, group_size {group_size})")
+        f32 = dict(dtype=torch.float32, device=query.device)
+        part_acc = torch.empty(B * Hq, num_splits + 1, D, **f32)
+        part_ml = torch.empty(B * Hq, num_splits + 1, 2, **f32)
+        out = torch.empty_like(query)
+        if B == 0:
+            return out
+        p = DecodeParams(query.data_ptr(), k_codes.data_ptr(), k_scale.data_ptr(), k_zero.data_ptr(), k_res.data_ptr(),
+                         v_codes.data_ptr(), v_scale.data_ptr(), v_zero.data_ptr(), v_res.data_ptr(), lengths.data_ptr(),
+                         None if counts is None else counts.data_ptr(), part_acc.data_ptr(), part_ml.data_ptr(),
+                         out.data_ptr(), B, H, Hq // H, S, k_res.shape[2], residual_length, group_size, D, num_splits,
+                         ott_policy, scale * LOG2E)
+        stream = torch.cuda.current_stream(query.device).cuda_stream
+        with torch.cuda.device(query.device):
+            err = self.lib.kivi_decode_attend_launch(ctypes.byref(p), ctypes.c_void_p(stream))
+        if err:
+            raise RuntimeError(f"kivi cuda decode: launch failed with cudaError {err} ({self.path})")
+        return out

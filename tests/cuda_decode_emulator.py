@@ -1,0 +1,244 @@
+"""A lane-by-lane Python model of kivi_ops/cuda/decode_attend.cu, so that a CPU-only machine can
+check the kernel's index algebra against the reference before any GPU runs it.
+
+It mirrors the kernel statement by statement: which bytes each lane loads, the prmt selectors,
+the lop3 masks and magic constants, the fp16x2 fmas (one fp16 rounding, as fma.rn.f16x2), the
+fragment registers each lane hands to mma.sync, the p transpose through shared memory, the bias
+shuffles and the split/warp/tail scheduling. mma.sync itself is modelled from the PTX ISA's
+m16n8k16 fragment layout (which lane holds which element), products exact, sums in float64. What
+it cannot catch: compiler or hardware behaviour (that is tests/test_cuda_cpp_kernel.py's GPU part).
+Slow by design: small shapes only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+WARPS, CHUNK, HEADS = 4, 32, 8
+
+
+def h2(bits: int) -> np.ndarray:
+    """The two fp16 halves (low, high) of a 32-bit register, as float64."""
+    return np.array([bits & 0xFFFFFFFF], dtype=np.uint32).view(np.float16).astype(np.float64)
+
+
+def pack(lo: float, hi: float) -> int:
+    """Two values rounded to fp16 (round to nearest even) packed as a register."""
+    return int(np.array([lo, hi], dtype=np.float32).astype(np.float16).view(np.uint32)[0])
+
+
+def prmt(a: int, b: int, sel: int) -> int:
+    src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+    return sum(src[(sel >> 4 * i) & 7] << 8 * i for i in range(4))
+
+
+def magic(x: int, mask: int) -> int:
+    return (x & mask) | 0x64006400
+
+
+def hfma2(a: int, b: int, c: int) -> int:
+    r = h2(a) * h2(b) + h2(c)  # exact in float64 for these operands, then one fp16 rounding
+    return int(r.astype(np.float16).view(np.uint32)[0])
+
+
+CODE_MUL = (0x3C003C00, 0x34003400, 0x2C002C00, 0x24002400)
+CODE_ADD = (0xE400E400, 0xDC00DC00, 0xD400D400, 0xCC00CC00)
+
+
+def codes_at(x: int, i: int) -> int:
+    return hfma2(magic(x, 0x00030003 << (2 * i)), CODE_MUL[i], CODE_ADD[i])
+
+
+def mma(c, a, b):
+    """c[lane] (4 fp32) += A . B for one warp's fragments a[lane] (4 regs), b[lane] (2 regs)."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        A[g, 2 * t:2 * t + 2], A[g + 8, 2 * t:2 * t + 2] = h2(a[lane][0]), h2(a[lane][1])
+        A[g, 2 * t + 8:2 * t + 10], A[g + 8, 2 * t + 8:2 * t + 10] = h2(a[lane][2]), h2(a[lane][3])
+        B[2 * t:2 * t + 2, g], B[2 * t + 8:2 * t + 10, g] = h2(b[lane][0]), h2(b[lane][1])
+    C = A @ B
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for k, (r, col) in enumerate(((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))):
+            c[lane][k] = float(np.float32(c[lane][k] + C[r, col]))
+
+
+def word(row: np.ndarray, byte: int, nbytes: int) -> int:
+    """Little-endian load of nbytes (1, 2, 4) at byte offset `byte` of a uint8 row."""
+    return sum(int(row[byte + i]) << 8 * i for i in range(nbytes))
+
+
+def k_channel(D, s, tig, e):
+    return 16 * (tig * (D // 64) + s // 4) + 4 * (s % 4) + e
+
+
+def v_channel(D, mt, g, row8):
+    return 4 * (g * (D // 32) + mt // 2) + 2 * (mt % 2) + row8
+
+
+def quantized_chunks(q_s, kc, ks, kz, vc, vs, vz, chunks, D, G):
+    """One warp over `chunks` (kernel: quantized_chunks). Returns (m, l, acc) per head in fp32."""
+    Gv = min(G, D)
+    WPT, BPT, KS, MT = D // 64, D // 32, D // 16, D // 16
+    acc = [[[0.0] * 4 for _ in range(MT)] for _ in range(32)]
+    m = [[-math.inf, -math.inf] for _ in range(32)]
+    l_ = [[0.0, 0.0] for _ in range(32)]
+    for c in chunks:
+        t0, kg = c * CHUNK, c * CHUNK // G
+        qk, zdot = [[None] * KS for _ in range(32)], [0.0] * 32
+        for lane in range(32):
+            g, tig = lane // 4, lane % 4
+            for s in range(KS):
+                ch = k_channel(D, s, tig, 0)
+                qv = q_s[g, ch:ch + 4]
+                sv, zv = ks[kg, ch:ch + 4].astype(np.float64), kz[kg, ch:ch + 4].astype(np.float64)
+                qk[lane][s] = (pack(qv[0] * sv[0], qv[1] * sv[1]), pack(qv[2] * sv[2], qv[3] * sv[3]))
+                zdot[lane] = float(np.float32(zdot[lane] + np.float32((qv * zv).sum())))
+        zdot = [zdot[lane] + zdot[lane ^ 1] for lane in range(32)]
+        zdot = [zdot[lane] + zdot[lane ^ 2] for lane in range(32)]
+        bias = [(zdot[8 * (lane % 4)], zdot[8 * (lane % 4) + 4]) for lane in range(32)]
+        sc = [[[0.0] * 4 for _ in range(32)] for _ in range(2)]
+        for mt in range(2):
+            rows = []
+            for lane in range(32):
+                g, tig = lane // 4, lane % 4
+                rows.append([[word(kc[t0 + 16 * mt + g + 8 * r], 4 * WPT * tig + 4 * i, 4) for i in range(WPT)]
+                             for r in range(2)])
+            for s in range(KS):
+                sel = (s % 4) * 0x0101
+                a = []
+                for lane in range(32):
+                    x0, x1 = prmt(rows[lane][0][s // 4], 0, sel), prmt(rows[lane][1][s // 4], 0, sel)
+                    a.append((hfma2(magic(x0, 0x000C0003), 0x34003C00, 0xDC00E400),
+                              hfma2(magic(x1, 0x000C0003), 0x34003C00, 0xDC00E400),
+                              hfma2(magic(x0, 0x00C00030), 0x24002C00, 0xCC00D400),
+                              hfma2(magic(x1, 0x00C00030), 0x24002C00, 0xCC00D400)))
+                mma(sc[mt], a, [qk[lane][s] for lane in range(32)])
+        # online softmax, heads 2 tig (c0, c2) and 2 tig + 1 (c1, c3)
+        mx = [[max(sc[0][lane][j], sc[0][lane][j + 2], sc[1][lane][j], sc[1][lane][j + 2]) + bias[lane][j]
+               for j in range(2)] for lane in range(32)]
+        for off in (4, 8, 16):
+            mx = [[max(mx[lane][j], mx[lane ^ off][j]) for j in range(2)] for lane in range(32)]
+        p_s = np.zeros((HEADS, 36))
+        for lane in range(32):
+            g, tig = lane // 4, lane % 4
+            n = [max(m[lane][j], mx[lane][j]) for j in range(2)]
+            al = [2.0 ** (m[lane][j] - n[j]) if m[lane][j] != -math.inf else 0.0 for j in range(2)]
+            m[lane] = n
+            l_[lane] = [l_[lane][j] * al[j] for j in range(2)]
+            for mt in range(2):
+                p = [2.0 ** (sc[mt][lane][k] + bias[lane][k % 2] - n[k % 2]) for k in range(4)]
+                l_[lane][0] += p[0] + p[2]
+                l_[lane][1] += p[1] + p[3]
+                p_s[2 * tig, 16 * mt + g], p_s[2 * tig + 1, 16 * mt + g] = p[0], p[1]
+                p_s[2 * tig, 16 * mt + g + 8], p_s[2 * tig + 1, 16 * mt + g + 8] = p[2], p[3]
+            for mt in range(MT):
+                acc[lane][mt] = [acc[lane][mt][k] * al[k % 2] for k in range(4)]
+        for kstep in range(2):
+            a_regs = [[None] * MT for _ in range(32)]
+            b = []
+            for lane in range(32):
+                g, tig = lane // 4, lane % 4
+                pv = p_s[g, 16 * kstep + 4 * tig:16 * kstep + 4 * tig + 4]
+                b.append((pack(pv[0], pv[1]), pack(pv[2], pv[3])))
+                t = t0 + 16 * kstep + 4 * tig
+                w = [word(vc[t + e], g * BPT, BPT) for e in range(4)]
+                vg = 4 * g * BPT // Gv
+                S01, S23 = pack(vs[t, vg], vs[t + 1, vg]), pack(vs[t + 2, vg], vs[t + 3, vg])
+                Z01, Z23 = pack(vz[t, vg], vz[t + 1, vg]), pack(vz[t + 2, vg], vz[t + 3, vg])
+                for j in range(BPT):
+                    sel = j | ((4 + j) << 8)
+                    x01, x23 = prmt(w[0], w[1], sel), prmt(w[2], w[3], sel)
+                    for half in range(2):
+                        i0, i1 = 2 * half, 2 * half + 1
+                        a_regs[lane][2 * j + half] = (
+                            hfma2(codes_at(x01, i0), S01, Z01), hfma2(codes_at(x01, i1), S01, Z01),
+                            hfma2(codes_at(x23, i0), S23, Z23), hfma2(codes_at(x23, i1), S23, Z23))
+            for mt in range(MT):
+                cm = [acc[lane][mt] for lane in range(32)]
+                mma(cm, [a_regs[lane][mt] for lane in range(32)], b)
+        # (the kernel's __syncwarp()s order the p_s writes and reads; sequential here)
+    for off in (4, 8, 16):
+        l_ = [[l_[lane][j] + l_[lane ^ off][j] for j in range(2)] for lane in range(32)]
+    out_m, out_l, out_acc = np.full(HEADS, -math.inf), np.zeros(HEADS), np.zeros((HEADS, D))
+    for lane in range(32):
+        g, tig = lane // 4, lane % 4
+        for mt in range(MT):
+            ch = v_channel(D, mt, g, 0)
+            out_acc[2 * tig, ch], out_acc[2 * tig + 1, ch] = acc[lane][mt][0], acc[lane][mt][1]
+            out_acc[2 * tig, ch + 1], out_acc[2 * tig + 1, ch + 1] = acc[lane][mt][2], acc[lane][mt][3]
+        if g == 0:
+            out_m[2 * tig:2 * tig + 2], out_l[2 * tig:2 * tig + 2] = m[lane], l_[lane]
+    return out_m, out_l, out_acc
+
+
+def tail_tokens(q_s, kc, ks, kz, kres, vc, vs, vz, vres, tokens, nqk, nqv, qg, D, G):
+    """One warp's tail tokens in fp32 (kernel: tail_tokens), all lanes at once."""
+    Gv = min(G, D)
+    m, l_, acc = np.full(HEADS, -math.inf), np.zeros(HEADS), np.zeros((HEADS, D))
+    ch = np.arange(D)
+    for t in tokens:
+        slot = t % kres.shape[0]
+        if t < nqk:
+            code = (kc[t, ch // 4].astype(np.int64) >> (2 * (ch % 4))) & 3
+            k = code * ks[t // G].astype(np.float64) + kz[t // G].astype(np.float64)
+        else:
+            k = kres[slot].astype(np.float64)
+        if t < nqv:
+            code = (vc[t, ch // 4].astype(np.int64) >> (2 * (ch % 4))) & 3
+            v = code * vs[t, ch // Gv].astype(np.float64) + vz[t, ch // Gv].astype(np.float64)
+        else:
+            v = vres[slot].astype(np.float64)
+        for n in range(qg):
+            s = float(q_s[n] @ k)
+            mn = max(m[n], s)
+            alpha, p = (2.0 ** (m[n] - mn) if m[n] != -math.inf else 0.0), 2.0 ** (s - mn)
+            m[n], l_[n] = mn, l_[n] * alpha + p
+            acc[n] = acc[n] * alpha + p * v
+    return m, l_, acc
+
+
+def merge(states):
+    """Softmax merge of (m, l, acc) states (the kernel's warp merge and the split merge kernel)."""
+    ms = np.stack([s[0] for s in states])
+    M = ms.max(axis=0)
+    f = np.where(np.isfinite(ms), np.exp2(ms - np.where(np.isfinite(M), M, 0)[None]), 0.0)
+    return M, (f * np.stack([s[1] for s in states])).sum(0), (f[..., None] * np.stack([s[2] for s in states])).sum(0)
+
+
+def emulate_decode(query, layer, counts, params, scale, num_splits):
+    """decode_attend.cu's output for query [B, Hq, 1, D] (fp16) over a 2-bit fp16 layer on CPU."""
+    k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = (t.numpy() for t in layer.kivi)
+    B, Hq, _, D = query.shape
+    H = k_codes.shape[1]
+    qg, G, R = Hq // H, params.group_size, params.residual_length
+    out = np.zeros((B, Hq, D), dtype=np.float16)
+    for b in range(B):
+        L = int(lengths[b]) if counts is None or int(counts[b]) != 0 else 0
+        if params.flush_policy:
+            nqk = nqv = max(L - R, 0) // G * G
+        else:
+            nqk, nqv = L // R * R, max(L - R, 0)
+        chunks = min(nqk, nqv) // CHUNK
+        per = -(-chunks // num_splits)
+        for h in range(H):
+            q_s = np.zeros((HEADS, D))
+            q_s[:qg] = query[b, h * qg:(h + 1) * qg, 0].double().numpy() * np.float32(scale * 1.4426950408889634)
+            q_s = q_s.astype(np.float32).astype(np.float64)
+            splits = []
+            args = (k_codes[b, h], k_scale[b, h], k_zero[b, h])
+            for split in range(num_splits):
+                begin, end = split * per, min(split * per + per, chunks)
+                splits.append(merge([quantized_chunks(q_s, *args, v_codes[b, h], v_scale[b, h], v_zero[b, h],
+                                                      range(begin + w, end, WARPS), D, G) for w in range(WARPS)]))
+            splits.append(merge([tail_tokens(q_s, *args, k_res[b, h], v_codes[b, h], v_scale[b, h], v_zero[b, h],
+                                             v_res[b, h], range(chunks * CHUNK + w, L, WARPS), nqk, nqv, qg, D, G)
+                                 for w in range(WARPS)]))
+            M, l_, acc = merge(splits)
+            o = np.where(l_[:, None] > 0, acc / np.where(l_ > 0, l_, 1)[:, None], 0.0)
+            out[b, h * qg:(h + 1) * qg] = np.clip(o[:qg], -65504, 65504).astype(np.float16)
+    return torch.from_numpy(out).reshape(B, Hq, 1, D)
