@@ -25,7 +25,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from test_parallel import REPO, tiny_dirs  # noqa: F401 (fixture: tiny random Llamas with 2 and 4 KV heads)
 
@@ -98,7 +97,7 @@ def torchrun_serve(args: list[str], nproc: int, tmp_path, startup_s: float = 420
 
 def alone(model_dir, prompt: str, max_tokens: int) -> str:
     """`kivi generate` in one process (KIVI, G = R = 8): the prompt alone, greedy; its text."""
-    from kivi_models import generate, load_model, make_cache, patch_model
+    from kivi_models import generate, make_cache
     from kivi_ops import KIVIConfig
 
     model, tokenizer = _loaded(str(model_dir))
@@ -221,5 +220,3 @@ def test_tp3_embedded_model_concurrent_openai_clients_equal_kivi_generate(layout
     assert len(set(per_rank)) == 1 and m["kivi_cache_bytes"] == sum(per_rank)  # one KV head each
     if layout == "paged-preempting":
         assert m["kivi_preemptions_total"] > 0 and m["kivi_cache_pages_used"] == 0, m
-    assert proc.wait(60) == 0 if proc.poll() is not None else True
-    torch._dynamo.reset()
