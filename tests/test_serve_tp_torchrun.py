@@ -4,8 +4,9 @@ group when its test ends; every wait is bounded.
 
 - the tiny random Llama (2 KV heads) at TP = 2 (fast suite): a completion equals `kivi generate` in
   one process; killing rank 1 mid-stream ends the stream with an error event and the next request
-  gets a 503 or a refused connection (torchrun's agent stops the group), never a hang; a SIGTERM
-  to rank 0 stops every rank, each exiting 0.
+  gets a 503 or a refused connection (torchrun's agent stops the group), never a hang; a stopped
+  (hung) rank ends the stream after --tp-timeout and rank 0 stays up answering 503; a SIGTERM to
+  rank 0 stops every rank, each exiting 0.
 - the embedded SmolLM2 at TP = 3 (slow suite: each server loads three copies and one step runs
   60 all-reduces on two cores): concurrent greedy completions equal `kivi generate` in one process,
   static rows (compiled) and paged with preemptions; /metrics reports tp_size and each rank's bytes.
@@ -168,6 +169,35 @@ def test_tp2_kill_a_rank_mid_stream_gives_an_error_event_then_503_not_a_hang(tin
         except httpx.ConnectError:
             pass  # already stopped
         assert proc.wait(60) != 0  # the group ended (a rank failed), within a bound
+
+
+def test_tp2_a_hung_rank_ends_the_stream_after_the_tp_timeout_and_rank_0_answers_503(tiny_dirs, tmp_path):
+    # A rank that is alive but stuck (SIGSTOP): no connection closes, so only the collectives'
+    # timeout (--tp-timeout) can end rank 0's wait. Rank 0 then stays up, answering 503.
+    model_dir = tiny_dirs[2]
+    args = ["--model", str(model_dir), *KIVI, "--max-batch", "2", "--max-seq-len", "256", "--tp-timeout", "4"]
+    with torchrun_serve(args, 2, tmp_path) as (url, proc, log_path):
+        name, rank1 = model_dir.name, children(proc.pid)[1]
+        events = []
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                              json={"model": name, "prompt": PROMPTS[4], "max_tokens": 200, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line:
+                        events.append(line)
+                    if len(events) == 2:
+                        os.kill(rank1, signal.SIGSTOP)
+                        stopped = time.time()
+            waited = time.time() - stopped
+            assert 3 < waited < 30, waited  # about --tp-timeout: it ended, and not before the timeout
+            assert "Timed out" in events[-2] and "tensor_parallel_failure" in events[-2], events[-2]
+            health = httpx.get(f"{url}/health", timeout=10)
+            assert health.status_code == 503 and health.json()["error"]["code"] == "tensor_parallel_failure"
+            r = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 2}, timeout=30)
+            assert r.status_code == 503 and proc.poll() is None  # still up, refusing
+        finally:
+            os.kill(rank1, signal.SIGCONT)  # its collective then fails: it exits, and torchrun ends the group
+        assert proc.wait(60) != 0
 
 
 def test_tp2_a_shutdown_on_rank_0_stops_every_rank(tiny_dirs, tmp_path):
