@@ -195,3 +195,13 @@ def test_a_dead_rank_ends_open_requests_with_503_and_refuses_new_ones(tiny):
         assert not engine.thread.is_alive()  # the engine stopped; nothing waits on the dead rank
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_a_tp_timeout_that_is_not_a_positive_number_is_a_usage_error(value, capsys):
+    from kivi_cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--tp-timeout", value])
+    assert exit_info.value.code == 2
+    assert "--tp-timeout: must be a finite number > 0" in capsys.readouterr().err

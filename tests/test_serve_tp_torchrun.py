@@ -2,7 +2,7 @@
 127.0.0.1, the `openai` client. Every server is started in its own process session and killed as a
 group when its test ends; every wait is bounded.
 
-- the tiny random Llama (2 KV heads) at TP = 2 (fast suite): a completion equals `kivi generate` in
+- the tiny random Llama (2 KV heads) at TP = 2 (fast suite, the hung rank in the slow one): a completion equals `kivi generate` in
   one process; killing rank 1 mid-stream ends the stream with an error event and the next request
   gets a 503 or a refused connection (torchrun's agent stops the group), never a hang; a stopped
   (hung) rank ends the stream after --tp-timeout and rank 0 stays up answering 503; a SIGTERM to
@@ -171,6 +171,7 @@ def test_tp2_kill_a_rank_mid_stream_gives_an_error_event_then_503_not_a_hang(tin
         assert proc.wait(60) != 0  # the group ended (a rank failed), within a bound
 
 
+@pytest.mark.slow  # 25 s: the kill test above covers the fast suite's failure path
 def test_tp2_a_hung_rank_ends_the_stream_after_the_tp_timeout_and_rank_0_answers_503(tiny_dirs, tmp_path):
     # A rank that is alive but stuck (SIGSTOP): no connection closes, so only the collectives'
     # timeout (--tp-timeout) can end rank 0's wait. Rank 0 then stays up, answering 503.
