@@ -151,6 +151,14 @@ def test_a_worker_refuses_a_plan_out_of_order(tiny):
     assert worker.apply(Plan(STOP, 1)) is False
 
 
+def test_ranks_that_built_different_caches_are_refused_at_start(tiny):
+    model, _ = tiny
+    worker = Runner(model, method="fp", kivi_config=None, slots=3, max_seq_len=32)  # rank 1 got other flags
+    with pytest.raises(ValueError, match=r"different caches .*\[\[2, 0, 0\], \[3, 0, 0\]\].*same flags"):
+        LeaderRunner(model, channel=Loopback(worker), timeout_s=60, method="fp", kivi_config=None, slots=2,
+                     max_seq_len=32)
+
+
 def test_an_idle_leader_sends_heartbeats(tiny):
     engine, channel = tp_engine(tiny, "fp", slots=2, timeout_s=0.4)  # a heartbeat every 0.1 s
     try:
