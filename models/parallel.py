@@ -16,8 +16,9 @@ import os
 
 import torch
 
-# Subcommands that run under torchrun; the others refuse it (one process owns an export or a server).
-TP_COMMANDS = ("generate", "eval")
+# Subcommands that run under torchrun; the others refuse it (one process owns an export or a bench).
+# `serve`: rank 0 serves HTTP and schedules, the other ranks replay its steps (serve_tp.py).
+TP_COMMANDS = ("generate", "eval", "serve")
 
 
 def world_size() -> int:

@@ -226,6 +226,8 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
 
     @app.get("/health")
     async def health():
+        if engine.runner.failure is not None:  # tensor parallelism: a rank died (serve_tp.py)
+            return error(503, f"the server cannot serve: {engine.runner.failure}", code="tensor_parallel_failure")
         if not engine.ready.is_set():  # with --compile: until the compiled step has run once
             return error(503, engine.warmup_error or "starting: the decode step is being compiled (--compile)",
                          code="not_ready")
@@ -244,7 +246,8 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
             ("kivi_requests_waiting", "gauge", "requests queued for a slot (FIFO)", s["waiting"]),
             ("kivi_cache_slots_used", "gauge", "cache rows in use", s["slots_used"]),
             ("kivi_cache_slots_free", "gauge", "cache rows free", s["slots_free"]),
-            ("kivi_cache_bytes", "gauge", "bytes held by the static cache", s["cache_bytes"]),
+            ("kivi_cache_bytes", "gauge", "bytes held by the cache (every rank's together)", s["cache_bytes"]),
+            ("kivi_tp_size", "gauge", "tensor-parallel ranks (torchrun processes) serving the model", s["tp_size"]),
             ("kivi_generated_tokens_total", "counter", "tokens generated since start", s["generated_tokens"]),
             ("kivi_tokens_per_second", "gauge", "generated tokens per second since start", s["tokens_per_s"]),
             *((("kivi_cache_pages_used", "gauge", "pages of the pool held by sequences (--paged)", s["pages_used"]),
@@ -255,6 +258,9 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
                 s["preemptions"])) if "pages_used" in s else ()),
         ):
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        lines += ["# HELP kivi_cache_rank_bytes bytes of the cache each rank holds (its KV heads)",
+                  "# TYPE kivi_cache_rank_bytes gauge",
+                  *(f'kivi_cache_rank_bytes{{rank="{rank}"}} {b}' for rank, b in enumerate(s["cache_bytes_by_rank"]))]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     def check_model(name: str) -> Optional[JSONResponse]:

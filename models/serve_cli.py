@@ -49,6 +49,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds running requests get to finish before they end with an error; "
                         "a second signal ends them at once (default 30)")
+    s.add_argument("--tp-timeout", type=positive_float, default=120.0,
+                   help="under torchrun: seconds any collective (a step, a plan, loading) may wait for the other "
+                        "ranks before the server gives up on them and answers 503 (default 120; docs/parallel.md)")
     s.set_defaults(func=cmd_serve, parser=s)
 
 
@@ -144,9 +147,13 @@ def check_paging_flags(args, parser) -> None:
 
 
 def cmd_serve(args, parser) -> int:
+    import functools
+
     import uvicorn
 
+    from .parallel import is_main_process, world_size
     from .serve_engine import Engine, Paging
+    from .serve_runner import Runner
 
     kivi_config = kivi_config_from(args, parser)
     device, dtype = device_and_dtype(args, parser)
@@ -155,6 +162,11 @@ def cmd_serve(args, parser) -> int:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     api_key, allowed_hosts = access_settings(args, parser)
     check_paging_flags(args, parser)
+    make_runner, channel = Runner, None
+    if world_size() > 1:  # tensor parallelism (serve_tp.py): rank 0 serves, the others replay its plans
+        from . import serve_tp
+
+        channel = serve_tp.DistChannel(serve_tp.init_groups(device, args.tp_timeout))
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     context = model.config.max_position_embeddings
     if args.max_seq_len > context:
@@ -173,17 +185,25 @@ def cmd_serve(args, parser) -> int:
         slots, pages, nbytes = plan_pages(model, args, kivi_config, parser)
         paging = Paging(pages, args.page_size)
         check_memory(nbytes, device, what=f"the paged cache ({pages} pages, {slots} rows)")
+    runner_args = dict(method=args.method, kivi_config=kivi_config, slots=slots, max_seq_len=args.max_seq_len,
+                       paging=paging, compile=args.compile)
+    if channel is not None:
+        if not is_main_process():
+            with usage_errors(parser):
+                runner = Runner(model, **runner_args)
+            return serve_tp.run_worker(runner, channel)
+        make_runner = functools.partial(serve_tp.LeaderRunner, channel=channel, timeout_s=args.tp_timeout)
     with usage_errors(parser):
-        engine = Engine(model, tokenizer, method=args.method, kivi_config=kivi_config, slots=slots,
-                        max_seq_len=args.max_seq_len, compile=args.compile, max_waiting=args.max_waiting,
-                        request_timeout=args.request_timeout, paging=paging)
+        engine = Engine(model, tokenizer, **runner_args, max_waiting=args.max_waiting,
+                        request_timeout=args.request_timeout, make_runner=make_runner)
+    share = f" per rank ({world_size()} ranks, each its own KV heads)" if channel is not None else ""
     name = args.served_model_name or (DEFAULT_NAME if args.model == DEFAULT_MODEL else args.model.rstrip("/").split("/")[-1])
     if paging is None:
-        log(f"{slots} slots x {args.max_seq_len} tokens, {nbytes / 2**20:.1f} MiB of {args.method} cache "
+        log(f"{slots} slots x {args.max_seq_len} tokens, {nbytes / 2**20:.1f} MiB of {args.method} cache{share} "
             f"(an fp16 cache would hold {fp16_slots} slots in the same bytes)")
     else:
         log(f"paged: {slots} rows, a pool of {paging.num_pages} pages of {engine.cache.page_size} tokens, "
-            f"{nbytes / 2**20:.1f} MiB of {args.method} cache; a request holds at most {args.max_seq_len} tokens")
+            f"{nbytes / 2**20:.1f} MiB of {args.method} cache{share}; a request holds at most {args.max_seq_len} tokens")
     log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API; /health, /metrics)")
     app = build_app(engine, name, max_request_bytes=args.max_request_bytes, api_key=api_key, docs=args.docs,
                     allowed_hosts=allowed_hosts)

@@ -26,11 +26,17 @@ cancelled request (its client went away) leaves its row at the next step, `reque
 requests older than it (504), and `drain` / `abort` end what is left at shutdown with an error
 event each (503), so that every handler answers or closes its stream. With compile, one step
 with no request runs first (`ready`), so that no client waits on the compilation.
+
+The engine decides; its runner (serve_runner.py) is the only thing that touches the model and the
+cache (prefill into a row or pages, swap out and in, the block table, the decode step). Under
+torchrun that runner also sends each action to the other ranks (serve_tp.py); if they fail, the
+runner says so (`runner.failure`) and the engine ends every request with a 503 and refuses new ones.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -40,10 +46,9 @@ from typing import Callable, Optional
 
 import torch
 
-from kivi_ops.paged_io import copy_sequence, load_sequence, save_sequence
-
 from .block_manager import BlockManager, Scheduler
-from .generate import compile_decode_step, decode_step, make_cache, make_paged_cache, prefill, sampling_probs
+from .generate import sampling_probs
+from .serve_runner import Runner
 
 log = logging.getLogger("kivi.serve")
 
@@ -101,8 +106,9 @@ class Request:
     submitted_s: float = field(default_factory=time.perf_counter)
     deadline_s: Optional[float] = None  # perf_counter time after which it ends (request_timeout)
     first_token_s: Optional[float] = None
-    saved: Optional[tuple] = None  # --paged, while swapped out: (its page count, its pages and row state on the host)
+    saved: Optional[int] = None  # --paged, while swapped out: its page count (the runner holds the host copy)
     preemptions: int = 0
+    key: int = field(default_factory=itertools.count().__next__)  # names its host copy to the runner (every rank)
 
 
 @dataclass(frozen=True)
@@ -117,11 +123,13 @@ class Paging:
 class Engine:
     def __init__(self, model, tokenizer, *, method: str, kivi_config, slots: int, max_seq_len: int,
                  compile: bool = False, max_waiting: Optional[int] = None, request_timeout: Optional[float] = None,
-                 paging: Optional[Paging] = None):
+                 paging: Optional[Paging] = None, make_runner: Callable[..., Runner] = Runner):
         """max_waiting: the most requests queued for a slot (None: no bound); beyond it submit()
         refuses with 503. request_timeout: seconds from submit() after which a request, waiting or
         running, ends with a 504 error (None: none). paging: a paged cache (a pool of pages shared
-        by `slots` rows, block_manager.py) instead of static rows of max_seq_len tokens."""
+        by `slots` rows, block_manager.py) instead of static rows of max_seq_len tokens.
+        make_runner: builds what carries out the engine's decisions on the model and the cache
+        (serve_runner.Runner; tensor parallelism: serve_tp.LeaderRunner)."""
         self.model, self.tokenizer = model, tokenizer
         self.max_waiting, self.request_timeout = max_waiting, request_timeout
         self.draining = False  # set by drain(): new requests are refused
@@ -129,24 +137,15 @@ class Engine:
         self.slots, self.max_seq_len = slots, max_seq_len
         self.device = model.device
         self.scheduler: Optional[Scheduler] = None
-        if paging is None:
-            self.cache = make_cache(model, method=method, batch_size=slots, max_seq_len=max_seq_len,
-                                    kivi_config=kivi_config)
-            self.staging = make_cache(model, method=method, batch_size=1, max_seq_len=max_seq_len,
-                                      kivi_config=kivi_config)
-        else:
-            paged = dict(method=method, max_seq_len=max_seq_len, page_size=paging.page_size, kivi_config=kivi_config)
-            self.cache = make_paged_cache(model, batch_size=slots, num_pages=paging.num_pages, **paged)
-            # The staging cache holds one sequence in pages 0, 1, ...: a prompt is prefilled there,
-            # then its pages and row state are copied into the pages the block manager gave it.
+        self.runner = make_runner(model, method=method, kivi_config=kivi_config, slots=slots, max_seq_len=max_seq_len,
+                                  paging=paging, compile=compile)
+        self.cache = self.runner.cache  # read here for sizes and lengths only; the runner changes it
+        if paging is not None:
             width = self.cache.max_pages_per_seq
-            self.staging = make_paged_cache(model, batch_size=1, num_pages=width, **paged)
-            self.staging_table = torch.arange(width, dtype=torch.int32, device=self.device)[None]
             self.blocks = BlockManager(paging.num_pages, width, self.cache.pages_needed)
             self.scheduler = Scheduler(self.blocks, slots)
             self.table = torch.full_like(self.cache.block_table, self.cache.num_pages, device="cpu")
             self.table_rows: list[tuple[Optional[Request], int]] = [(None, 0)] * slots  # what table[row] holds
-        self.step_fn = compile_decode_step(self.device) if compile else decode_step
         # Ready once the decode step has run: with compile, a first step with no request (counts 0:
         # nothing is stored) compiles it before any client waits on it (/health says so).
         self.ready = threading.Event()
@@ -162,6 +161,15 @@ class Engine:
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="kivi-engine", daemon=True)
         self.thread.start()
+
+    @property
+    def step_fn(self):
+        """The decode step the runner calls (tests slow it down or inject failures through it)."""
+        return self.runner.step_fn
+
+    @step_fn.setter
+    def step_fn(self, fn) -> None:
+        self.runner.step_fn = fn
 
     # ---------------------------------------------------------------- handler side
 
@@ -202,6 +210,9 @@ class Engine:
         """Why a request arriving now would be refused (503: shutting down, or the queue is full),
         else None. submit() asks under the lock; a handler may ask first, before tokenizing."""
         with self.lock:
+            if self.runner.failure is not None:
+                return RequestError(f"the server cannot serve: {self.runner.failure}", status=503,
+                                    code="tensor_parallel_failure")
             if self.draining:
                 return RequestError("the server is shutting down", status=503, code="server_shutting_down")
             queued = len(self.waiting) - sum(r is None for r in self.rows)  # beyond the free slots they will take
@@ -223,8 +234,10 @@ class Engine:
         with self.lock:
             running = sum(r is not None for r in self.rows)
             elapsed = time.perf_counter() - self.started_s
+            by_rank = self.runner.cache_bytes_by_rank()
             stats = dict(running=running, waiting=len(self.waiting), slots_used=running, slots_free=self.slots - running,
-                         cache_bytes=self.cache.nbytes(), generated_tokens=self.generated_tokens,
+                         cache_bytes=sum(by_rank), cache_bytes_by_rank=by_rank, tp_size=len(by_rank),
+                         generated_tokens=self.generated_tokens,
                          tokens_per_s=self.generated_tokens / elapsed if elapsed > 0 else 0.0)
             if self.scheduler is not None:
                 stats.update(pages_used=self.blocks.num_used, pages_free=self.blocks.num_free,
@@ -242,18 +255,20 @@ class Engine:
                 self.drain_timer.daemon = True
                 self.drain_timer.start()
 
-    def abort(self, message: str = "the server is stopping") -> None:
+    def abort(self, message: str = "the server is stopping", code: str = "server_shutting_down") -> None:
         """End every waiting and running request now with a 503 error event and refuse new ones:
         their handlers answer or close their streams cleanly."""
         with self.lock:
             self.draining = True
             for r in [*self.waiting, *self._swapped(), *(r for r in self.rows if r is not None)]:
                 r.cancelled = True
-                r.emit("error", Failure(503, message, "server_shutting_down"))
+                r.emit("error", Failure(503, message, code))
             self.waiting.clear()
             for slot, r in enumerate(self.rows):
                 self._release(slot, r)
             if self.scheduler is not None:
+                for r in self.scheduler.swapped:
+                    self._forget(r)
                 self.scheduler.finish_all()
             self.lock.notify()
 
@@ -281,10 +296,15 @@ class Engine:
     def _loop(self) -> None:
         self._warm_up()
         while True:
+            if self.runner.failure is not None:  # tensor parallelism: a rank died or fell out of step
+                self._runner_failed()
+                return
             with self.lock:
                 while not self.stopping and not self.waiting and not any(self.rows) and not self._swapped():
-                    self.lock.wait()
+                    if not self.lock.wait(self.runner.heartbeat_s):
+                        break  # idle for heartbeat_s: the runner's flush() below tells the other ranks
                 if self.stopping:
+                    self.runner.close()
                     return
                 self._drop_cancelled()
                 self._end_overdue()
@@ -299,7 +319,8 @@ class Engine:
             try:
                 with torch.inference_mode():
                     for slot, r, pages in preempted:  # before anything writes the pages they gave back
-                        r.saved = (len(pages), save_sequence(self.cache, slot, pages))
+                        self.runner.save(slot, pages, r.key)
+                        r.saved = len(pages)
                     for slot in resumed:
                         self._resume(slot)
                     if admitted:
@@ -308,11 +329,27 @@ class Engine:
                         if self.scheduler is not None:
                             self._write_block_table()
                         self._decode()
+                    self.runner.flush()
             except Exception as e:  # the batched step failed: no single row owns it, so every row ends
+                if self.runner.failure is not None:
+                    continue  # every request ends with a 503 (_runner_failed)
                 log.exception("the decode step failed; ending the %d running request(s)", sum(map(bool, self.rows)))
                 for slot, r in enumerate(self.rows):
                     if r is not None:
                         self._fail(slot, r, f"the decode step failed: {type(e).__name__}: {e}")
+
+    def _runner_failed(self) -> None:
+        """The runner cannot run any more (serve_tp.py: a rank died, or a collective failed or timed
+        out): end every request with a 503 and refuse new ones (admission_error); /health says so."""
+        log.error("the engine stops: %s", self.runner.failure)
+        self.ready.clear()
+        self.abort(f"the server cannot serve: {self.runner.failure}", code="tensor_parallel_failure")
+
+    def _forget(self, r: Request) -> None:
+        """r leaves the swapped-out state for good (resumed, or ended): the runner drops its host copy."""
+        if r.saved is not None:
+            self.runner.drop(r.key)
+            r.saved = None
 
     def _drop_cancelled(self) -> None:
         for slot, r in enumerate(self.rows):
@@ -320,7 +357,7 @@ class Engine:
                 self._release(slot, r)
         for r in [r for r in self._swapped() if r.cancelled]:
             self.scheduler.finish(r)
-            r.saved = None
+            self._forget(r)
 
     def _swapped(self) -> list[Request]:
         """--paged: preempted requests waiting in host memory (FCFS), else []."""
@@ -333,7 +370,7 @@ class Engine:
             self.rows[slot] = None
         if self.scheduler is not None and r is not None:
             self.scheduler.finish(r)
-            r.saved = None
+            self._forget(r)
             self.table_rows[slot] = (None, -1)  # rewrite this table row before the next step
 
     # ---------------------------------------------------------------- --paged
@@ -366,8 +403,7 @@ class Engine:
     def _resume(self, slot: int) -> None:
         """Bring a swapped-out request back into row `slot` and the pages it was given (any ids)."""
         r = self.rows[slot]
-        count, state = r.saved
-        load_sequence(self.cache, slot, self.blocks.table(r)[:count], state)
+        self.runner.load(slot, self.blocks.table(r)[:r.saved], r.key)
         r.saved = None
 
     def _write_block_table(self) -> None:
@@ -384,7 +420,7 @@ class Engine:
                     self.table_rows[slot] = (r, len(pages))
                     changed = True
         if changed:
-            self.cache.block_table.copy_(self.table)
+            self.runner.write_table(self.table)
 
     def _end_overdue(self) -> None:
         """Requests past their deadline (request_timeout), waiting or running, end with a 504."""
@@ -395,7 +431,7 @@ class Engine:
             r.emit("error", self._timed_out())
         for r in [r for r in self._swapped() if overdue(r)]:
             self.scheduler.finish(r)
-            r.saved = None
+            self._forget(r)
             r.emit("error", self._timed_out())
         for slot, r in enumerate(self.rows):
             if r is not None and overdue(r):
@@ -409,33 +445,19 @@ class Engine:
         for slot in admitted:
             r = self.rows[slot]
             try:
-                self.staging.reset()
-                if self.scheduler is not None:
-                    self.staging.block_table.copy_(self.staging_table)
-                input_ids = torch.tensor([r.prompt_ids], device=self.device)
-                counts = torch.tensor([len(r.prompt_ids)], device=self.device)
-                logits = prefill(self.model, self.staging, input_ids, counts)
-                if self.scheduler is None:
-                    self.cache.load_row(slot, self.staging)
-                else:
-                    n = self.cache.pages_needed(len(r.prompt_ids))
-                    copy_sequence(self.cache, slot, self.blocks.table(r)[:n], self.staging, 0, range(n))
+                pages = [] if self.scheduler is None else self.blocks.table(r)[:self.cache.pages_needed(len(r.prompt_ids))]
+                logits = self.runner.prefill(slot, r.prompt_ids, pages)
             except Exception as e:
+                if self.runner.failure is not None:
+                    raise  # not this prompt's fault: every request ends (_runner_failed)
                 log.exception("request %s: the prefill failed", r.id)
                 self._fail(slot, r, f"the prefill failed: {type(e).__name__}: {e}")
                 continue
             self._advance(logits, [slot], "the prompt")
 
     def _decode(self) -> None:
-        B = self.slots
-        active = [s for s in range(B) if self.rows[s] is not None]
-        tokens = torch.zeros(B, dtype=torch.long, device=self.device)
-        counts = torch.zeros(B, dtype=torch.long, device=self.device)
-        for s in active:
-            tokens[s] = self.rows[s].tokens[-1]
-            counts[s] = 1
-        positions = self.cache.lengths().clone()
-        logits = self.step_fn(self.model, self.cache, tokens, positions, counts)
+        active = [s for s in range(self.slots) if self.rows[s] is not None]
+        logits = self.runner.decode([r.tokens[-1] if r is not None else -1 for r in self.rows])
         self._advance(logits[active], active, "a decode step")
 
     def _advance(self, logits: torch.Tensor, slots: list[int], where: str) -> None:

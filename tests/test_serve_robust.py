@@ -644,17 +644,17 @@ def test_request_ids_are_random(server):
 
 
 def test_health_is_not_ready_until_the_compiled_step_has_run(tiny, monkeypatch):
-    import kivi_models.serve_engine as serve_engine
+    import kivi_models.serve_runner as serve_runner
 
     release = threading.Event()
 
     def compile_decode_step(device):
         def step(*args, **kwargs):
             assert release.wait(30)  # "compiling"
-            return serve_engine.decode_step(*args, **kwargs)
+            return serve_runner.decode_step(*args, **kwargs)
         return step
 
-    monkeypatch.setattr(serve_engine, "compile_decode_step", compile_decode_step)
+    monkeypatch.setattr(serve_runner, "compile_decode_step", compile_decode_step)
     engine = make_engine(tiny, compile=True)
     try:
         with serving(engine) as url:

@@ -1,0 +1,103 @@
+"""The serve engine's hands: every action of `kivi serve` that touches the model or the cache.
+
+The engine (serve_engine.py) decides (admissions, pages, preemptions, sampling); a Runner carries
+the decisions out on the cache. Keeping the model- and cache-touching actions behind this one
+narrow interface is what lets tensor parallelism replay them: under torchrun, rank 0's runner
+(serve_tp.LeaderRunner) also sends each action to the other ranks, whose plain Runner repeats it
+on their own shard (serve_tp.Worker). Every argument is therefore a plain int or a list of ints.
+
+A new cache action (prefix sharing's chunked prefill or window copy, say) is a new method here,
+called by the engine, plus one entry in serve_tp.OPS so that workers repeat it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kivi_ops.paged_io import copy_sequence, load_sequence, save_sequence
+
+from .generate import compile_decode_step, decode_step, make_cache, make_paged_cache, prefill
+
+
+class Runner:
+    """The cache of `slots` rows (static rows of max_seq_len tokens, or with `paging` a paged cache),
+    a batch-1 staging cache for prefills, the decode step (compiled with `compile`), and host
+    copies of swapped-out sequences (keyed by an int the engine chooses)."""
+
+    # Seconds the engine may stay idle between two calls (None: forever). Tensor parallelism's
+    # leader sets it: its idle workers wait in a collective that times out (serve_tp.py).
+    heartbeat_s: Optional[float] = None
+    # Why this runner can no longer run (tensor parallelism: a rank died or fell out of step); the
+    # engine then ends every request with a 503. None while it can.
+    failure: Optional[str] = None
+
+    def __init__(self, model, *, method: str, kivi_config, slots: int, max_seq_len: int, paging=None,
+                 compile: bool = False):
+        self.model, self.device, self.paged = model, model.device, paging is not None
+        if paging is None:
+            self.cache = make_cache(model, method=method, batch_size=slots, max_seq_len=max_seq_len,
+                                    kivi_config=kivi_config)
+            self.staging = make_cache(model, method=method, batch_size=1, max_seq_len=max_seq_len,
+                                      kivi_config=kivi_config)
+        else:
+            paged = dict(method=method, max_seq_len=max_seq_len, page_size=paging.page_size, kivi_config=kivi_config)
+            self.cache = make_paged_cache(model, batch_size=slots, num_pages=paging.num_pages, **paged)
+            # The staging cache holds one sequence in pages 0, 1, ...: a prompt is prefilled there,
+            # then its pages and row state are copied into the pages the block manager gave it.
+            width = self.cache.max_pages_per_seq
+            self.staging = make_paged_cache(model, batch_size=1, num_pages=width, **paged)
+            self.staging_table = torch.arange(width, dtype=torch.int32, device=self.device)[None]
+        self.step_fn = compile_decode_step(self.device) if compile else decode_step
+        self.saved: dict[int, object] = {}  # key -> a swapped-out sequence's host copy (paged)
+
+    def prefill(self, slot: int, prompt_ids: list[int], pages: list[int]) -> torch.Tensor:
+        """Prefill one prompt alone (exact attention, then quantization, as `kivi generate` does) and
+        move it into row `slot` (paged: into `pages`, the pages its prompt needs; static: []).
+        Returns the logits [1, V] of its last token."""
+        self.staging.reset()
+        if self.paged:
+            self.staging.block_table.copy_(self.staging_table)
+        input_ids = torch.tensor([prompt_ids], device=self.device)
+        counts = torch.tensor([len(prompt_ids)], device=self.device)
+        logits = prefill(self.model, self.staging, input_ids, counts)
+        if self.paged:
+            copy_sequence(self.cache, slot, pages, self.staging, 0, range(len(pages)))
+        else:
+            self.cache.load_row(slot, self.staging)
+        return logits
+
+    def save(self, slot: int, pages: list[int], key: int) -> None:
+        """Swap out: host copies of row `slot`'s pages (in this order) and row state, kept under key."""
+        self.saved[key] = save_sequence(self.cache, slot, pages)
+
+    def load(self, slot: int, pages: list[int], key: int) -> None:
+        """Swap in: the sequence saved under key into row `slot` and `pages` (as many as were saved)."""
+        load_sequence(self.cache, slot, pages, self.saved.pop(key))
+
+    def drop(self, key: int) -> None:
+        """A swapped-out sequence ended (cancelled, timed out, aborted): forget its host copy."""
+        self.saved.pop(key, None)
+
+    def write_table(self, table: torch.Tensor) -> None:
+        """The block table (host int32 [rows, pages per row]) into the device one, in one copy (paged)."""
+        self.cache.block_table.copy_(table)
+
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        """One decode step over every row: tokens[row] is the row's last token, or -1 for a row with
+        no request (count 0: nothing is stored). Returns the logits [rows, V]."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        counts = (ids >= 0).long()
+        positions = self.cache.lengths().clone()
+        return self.step_fn(self.model, self.cache, ids.clamp(min=0), positions, counts)
+
+    def flush(self) -> None:
+        """The end of an engine round (tensor parallelism: send what is queued, or a heartbeat)."""
+
+    def close(self) -> None:
+        """The engine stops (tensor parallelism: stop the other ranks)."""
+
+    def cache_bytes_by_rank(self) -> list[int]:
+        """Bytes of the cache each rank holds: [this one] outside tensor parallelism."""
+        return [self.cache.nbytes()]

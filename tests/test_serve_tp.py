@@ -1,0 +1,215 @@
+"""Tensor-parallel `kivi serve` in one process (the fast suite): the plan's encoding, and a worker
+replaying rank 0's plans. The leader's channel here is a loopback to an in-process Worker over its
+own Runner (the same tiny model, its own caches): after the engine has served requests (static
+rows; paged with preemptions), the worker's cache must equal rank 0's bit for bit, which is what
+makes the real ranks' shards line up. A channel that fails stands for a dead rank. The torchrun
+runs (real processes, gloo) are in tests/test_serve_tp_torchrun.py."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import pytest
+import torch
+
+from kivi_models.serve_engine import Engine, Paging, Request, RequestError
+from kivi_models.serve_runner import Runner
+from kivi_models.serve_tp import (HEADER, OPS, PLAN, STOP, LeaderRunner, OutOfStep, Plan, Worker, decode_plan,
+                                  encode_plan, signature)
+from test_serve_paged import CONFIG, LENGTHS, MAX_SEQ_LEN, PROMPTS, complete_all, tiny  # noqa: F401 (fixture)
+
+
+# ---------------------------------------------------------------- the plan's encoding
+
+
+def test_a_plan_survives_encoding_and_a_decode_step_is_one_fixed_size_header():
+    records = (("save", (2, [7, 3, 9], 41)), ("load", (0, [1], 40)), ("drop", (39,)), ("table_row", (1, [5, 6])),
+               ("table_row", (3, [])), ("prefill", (1, [101, 5, 17, 2], [4, 8])))
+    assert {name for name, _ in records} == {op.name for op in OPS}  # every op
+    plan = Plan(PLAN, 12, records, tokens=(5, -1, 9, -1))
+    header, payload = encode_plan(plan, rows=4)
+    assert header.dtype == payload.dtype == torch.long and header.shape == (HEADER + 4,)
+    assert decode_plan(header, payload) == plan
+    # A pure decode step: the tokens ride in the header, the payload is empty (no second broadcast).
+    header, payload = encode_plan(Plan(PLAN, 13, tokens=(5, -1, 9, -1)), rows=4)
+    assert payload.numel() == 0 and header[HEADER:].tolist() == [5, -1, 9, -1]
+    assert decode_plan(header, payload) == Plan(PLAN, 13, (), (5, -1, 9, -1))
+    stop = decode_plan(*encode_plan(Plan(STOP, 14), rows=4))
+    assert stop.kind == STOP and stop.tokens is None and stop.records == ()
+
+
+def test_a_plan_that_is_not_one_is_refused():
+    header, payload = encode_plan(Plan(PLAN, 0, (("save", (0, [1, 2], 3)),)), rows=2)
+    with pytest.raises(OutOfStep, match="not a plan header"):
+        decode_plan(torch.zeros_like(header), payload)
+    with pytest.raises(OutOfStep, match="announces 6 payload ints, got 5"):
+        decode_plan(header, payload[:-1])
+    bad = payload.clone()
+    bad[2] = 99  # the page list claims 99 ids
+    with pytest.raises(OutOfStep, match="runs past the end"):
+        decode_plan(header, bad)
+    bad[0] = 77
+    with pytest.raises(OutOfStep, match="unknown op code 77"):
+        decode_plan(header, bad)
+    with pytest.raises(ValueError, match="one token per row \\(2\\), got 3"):
+        encode_plan(Plan(PLAN, 0, tokens=(1, 2, 3)), rows=2)
+
+
+# ---------------------------------------------------------------- a worker replaying rank 0's plans
+
+
+class Loopback:
+    """Rank 0's channel to one in-process worker: each plan is decoded and replayed at once, in the
+    sending thread (a model without tensor parallelism has no collectives to line up).
+    fail_after: sending that many plans, the next raises as a dead peer's connection does."""
+
+    def __init__(self, runner: Runner, fail_after=None):
+        self.runner, self.worker, self.fail_after = runner, Worker(runner), fail_after
+        self.plans: list[Plan] = []
+
+    def gather(self, row: torch.Tensor) -> torch.Tensor:
+        return torch.stack([row, signature(self.runner)])
+
+    def send(self, header: torch.Tensor, payload: torch.Tensor) -> None:
+        if self.fail_after is not None and len(self.plans) >= self.fail_after:
+            raise ConnectionResetError("Connection reset by peer (rank 1)")
+        plan = decode_plan(header.clone(), payload.clone())
+        self.plans.append(plan)
+        self.worker.apply(plan)
+
+
+def tp_engine(tiny, method, paging=None, slots=4, fail_after=None, timeout_s=60.0, **options):
+    """An engine whose runner leads one in-process worker; (engine, the loopback channel)."""
+    model, tokenizer = tiny
+    args = dict(method=method, kivi_config=CONFIG, slots=slots, max_seq_len=MAX_SEQ_LEN, paging=paging)
+    channel = Loopback(Runner(model, **args), fail_after)
+    engine = Engine(model, tokenizer, **args, make_runner=functools.partial(LeaderRunner, channel=channel,
+                                                                             timeout_s=timeout_s), **options)
+    engine.eos = set()
+    return engine, channel
+
+
+def assert_same_cache(a: Runner, b: Runner) -> None:
+    ours, theirs = dict(a.cache.named_buffers()), dict(b.cache.named_buffers())
+    assert ours.keys() == theirs.keys() and ours
+    for name, buf in ours.items():
+        assert torch.equal(buf, theirs[name]), name
+
+
+@pytest.mark.parametrize("method, paging", [("kivi", None), ("fp", Paging(16, 4)), ("kivi", Paging(8, 4))],
+                         ids=["static-kivi", "paged-fp", "paged-kivi"])
+def test_a_worker_replaying_the_plans_holds_rank_0s_cache_bit_for_bit(tiny, method, paging):
+    if paging is not None and method == "kivi":
+        pytest.importorskip("kivi_ops.paged")
+    model, tokenizer = tiny
+    alone = Engine(model, tokenizer, method=method, kivi_config=CONFIG, slots=4, max_seq_len=MAX_SEQ_LEN, paging=paging)
+    alone.eos = set()
+    try:
+        want = complete_all(alone, PROMPTS, LENGTHS)
+    finally:
+        alone.close()
+    engine, channel = tp_engine(tiny, method, paging)
+    try:
+        got = complete_all(engine, PROMPTS, LENGTHS, stagger=0.01)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert got == want
+    assert channel.plans[-1].kind == STOP and channel.worker.seq == len(channel.plans)
+    assert_same_cache(engine.runner, channel.runner)
+    assert engine.runner.saved == channel.runner.saved == {}
+    assert stats["tp_size"] == 2 and stats["cache_bytes_by_rank"] == [engine.cache.nbytes()] * 2
+    ops = collections_of(channel.plans)
+    assert ops["prefill"] == len(PROMPTS)
+    steps = [p for p in channel.plans if p.tokens is not None]
+    assert len(steps) >= max(LENGTHS) - 1
+    if paging is None:  # a decode step is one header, no payload (its tokens ride in the header)
+        assert not any(p.records for p in steps)
+    else:  # the records before a step are the pages' bookkeeping (a prefill is a plan of its own)
+        assert {name for p in steps for name, _ in p.records} <= {"save", "load", "drop", "table_row"}
+    if paging is not None:  # the small pools preempt: swaps and block table rows reached the worker
+        assert stats["preemptions"] > 0 and ops["save"] == ops["load"] == stats["preemptions"]
+        assert ops["table_row"] > 0
+
+
+def collections_of(plans) -> dict:
+    counts = {op.name: 0 for op in OPS}
+    for plan in plans:
+        for name, _ in plan.records:
+            counts[name] += 1
+    return counts
+
+
+def test_a_worker_refuses_a_plan_out_of_order(tiny):
+    model, _ = tiny
+    worker = Worker(Runner(model, method="fp", kivi_config=None, slots=2, max_seq_len=32))
+    assert worker.apply(Plan(PLAN, 0)) is True
+    with pytest.raises(OutOfStep, match="expected plan 1, got plan 2"):
+        worker.apply(Plan(PLAN, 2))
+    assert worker.apply(Plan(STOP, 1)) is False
+
+
+def test_ranks_that_built_different_caches_are_refused_at_start(tiny):
+    model, _ = tiny
+    worker = Runner(model, method="fp", kivi_config=None, slots=3, max_seq_len=32)  # rank 1 got other flags
+    with pytest.raises(ValueError, match=r"different caches .*\[\[2, 0, 0\], \[3, 0, 0\]\].*same flags"):
+        LeaderRunner(model, channel=Loopback(worker), timeout_s=60, method="fp", kivi_config=None, slots=2,
+                     max_seq_len=32)
+
+
+def test_an_idle_leader_sends_heartbeats(tiny):
+    engine, channel = tp_engine(tiny, "fp", slots=2, timeout_s=0.4)  # a heartbeat every 0.1 s
+    try:
+        time.sleep(0.8)
+        beats = list(channel.plans)
+    finally:
+        engine.close()
+    assert 3 <= len(beats) <= 12, len(beats)
+    assert all(p.kind == PLAN and p.tokens is None and not p.records for p in beats)
+
+
+def test_a_dead_rank_ends_open_requests_with_503_and_refuses_new_ones(tiny):
+    from fastapi.testclient import TestClient
+
+    from kivi_models.serve_app import build_app
+
+    engine, channel = tp_engine(tiny, "kivi", slots=2, fail_after=6)  # a few steps, then the peer is gone
+    events, ended = [], threading.Event()
+
+    def emit(kind, payload):
+        events.append((kind, payload))
+        if kind in ("done", "error"):
+            ended.set()
+
+    try:
+        ids = engine.tokenizer(PROMPTS[0])["input_ids"]
+        engine.submit(Request(prompt_ids=ids, max_tokens=40, temperature=0, emit=emit))
+        assert ended.wait(30), "the request hung"
+        kind, failure = events[-1]
+        assert kind == "error" and failure.status == 503 and failure.code == "tensor_parallel_failure"
+        assert "Connection reset by peer" in failure.message
+        assert 0 < sum(k == "text" for k, _ in events) < 40
+        with pytest.raises(RequestError, match="cannot serve") as refused:
+            engine.submit(Request(prompt_ids=ids, max_tokens=4, emit=emit))
+        assert refused.value.status == 503 and refused.value.code == "tensor_parallel_failure"
+        client = TestClient(build_app(engine, "tiny"))
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "tensor_parallel_failure"
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "tensor_parallel_failure"
+        engine.thread.join(10)
+        assert not engine.thread.is_alive()  # the engine stopped; nothing waits on the dead rank
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_a_tp_timeout_that_is_not_a_positive_number_is_a_usage_error(value, capsys):
+    from kivi_cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--tp-timeout", value])
+    assert exit_info.value.code == 2
+    assert "--tp-timeout: must be a finite number > 0" in capsys.readouterr().err
