@@ -42,8 +42,10 @@ import torch
 
 from kivi_ops.paged_io import copy_sequence, load_sequence, save_sequence
 
-from .block_manager import BlockManager, Scheduler
-from .generate import compile_decode_step, decode_step, make_cache, make_paged_cache, prefill, sampling_probs
+from .block_manager import BlockManager, CachedPrefix, Scheduler, prefix_keys
+from .generate import (compile_decode_step, decode_step, make_cache, make_paged_cache, prefill, prefill_chunked,
+                       sampling_probs)
+from .prefix_cache import restore_prefix, save_tail
 
 log = logging.getLogger("kivi.serve")
 
@@ -103,15 +105,22 @@ class Request:
     first_token_s: Optional[float] = None
     saved: Optional[tuple] = None  # --paged, while swapped out: (its page count, its pages and row state on the host)
     preemptions: int = 0
+    prefix_keys: list = field(default_factory=list)  # --prefix-caching: keys of its prompt's chunk boundaries
+    prefix_hit: Optional[CachedPrefix] = None  # --prefix-caching: the cached prefix it starts from (admission to prefill)
 
 
 @dataclass(frozen=True)
 class Paging:
     """`kivi serve --paged`: a pool of num_pages pages of page_size tokens (None: the cache kind's
-    default) per layer instead of a static row of max_seq_len tokens per request."""
+    default) per layer instead of a static row of max_seq_len tokens per request. prefix_chunk
+    (`--prefix-caching`): prompts are prefilled in chunks of that many tokens (a multiple of the
+    page size) and the prefixes at chunk boundaries are cached and shared (prefix_cache.py); at
+    most max_prefixes of them are kept (each holds a host copy of its tail). None: off."""
 
     num_pages: int
     page_size: Optional[int] = None
+    prefix_chunk: Optional[int] = None
+    max_prefixes: int = 256
 
 
 class Engine:
@@ -129,6 +138,7 @@ class Engine:
         self.slots, self.max_seq_len = slots, max_seq_len
         self.device = model.device
         self.scheduler: Optional[Scheduler] = None
+        self.prefix_chunk: Optional[int] = None
         if paging is None:
             self.cache = make_cache(model, method=method, batch_size=slots, max_seq_len=max_seq_len,
                                     kivi_config=kivi_config)
@@ -142,7 +152,19 @@ class Engine:
             width = self.cache.max_pages_per_seq
             self.staging = make_paged_cache(model, batch_size=1, num_pages=width, **paged)
             self.staging_table = torch.arange(width, dtype=torch.int32, device=self.device)[None]
-            self.blocks = BlockManager(paging.num_pages, width, self.cache.pages_needed)
+            self.prefix_chunk = paging.prefix_chunk
+            if self.prefix_chunk is not None:
+                page = self.cache.page_size
+                if isinstance(self.prefix_chunk, bool) or not isinstance(self.prefix_chunk, int) \
+                        or self.prefix_chunk <= 0 or self.prefix_chunk % page:
+                    raise ValueError(f"--prefix-chunk must be a positive multiple of the page size ({page} tokens, "
+                                     f"--page-size), got {self.prefix_chunk!r}")
+                if isinstance(paging.max_prefixes, bool) or not isinstance(paging.max_prefixes, int) \
+                        or paging.max_prefixes <= 0:
+                    raise ValueError(f"--prefix-cache-size must be a positive int, got {paging.max_prefixes!r}")
+            self.blocks = BlockManager(paging.num_pages, width, self.cache.pages_needed,
+                                       max_prefixes=paging.max_prefixes if self.prefix_chunk is not None else 0)
+            self.prefix_hits = self.prefix_hit_tokens = 0
             self.scheduler = Scheduler(self.blocks, slots)
             self.table = torch.full_like(self.cache.block_table, self.cache.num_pages, device="cpu")
             self.table_rows: list[tuple[Optional[Request], int]] = [(None, 0)] * slots  # what table[row] holds
@@ -171,6 +193,8 @@ class Engine:
             raise RequestError("the prompt is empty (no tokens); give text to continue", param="prompt")
         if (refused := self.capacity_error(len(request.prompt_ids), request.max_tokens)) is not None:
             raise refused
+        if self.prefix_chunk is not None:
+            request.prefix_keys = prefix_keys(request.prompt_ids, self.prefix_chunk)
         if request.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
         if self.request_timeout is not None:
@@ -230,6 +254,9 @@ class Engine:
                 stats.update(pages_used=self.blocks.num_used, pages_free=self.blocks.num_free,
                              pages_shared=self.blocks.num_shared, preemptions=self.scheduler.preemptions,
                              swapped=len(self.scheduler.swapped))
+            if self.prefix_chunk is not None:
+                stats.update(pages_cached=self.blocks.num_cached, prefixes_cached=len(self.blocks.prefixes),
+                             prefix_hits=self.prefix_hits, prefix_hit_tokens=self.prefix_hit_tokens)
             return stats
 
     def drain(self, timeout: float, message: str = "the server shut down before this request finished") -> None:
@@ -347,7 +374,12 @@ class Engine:
         """Under the lock: the block manager's round (block_manager.Scheduler). Preempted requests
         leave their rows (their pages are saved next, before anything else runs), resumed and
         admitted ones take free rows. Returns ([(row, request, pages saved)], resumed rows, admitted rows)."""
-        plan = self.scheduler.schedule(self.waiting, self._tokens_after_step)
+        lookup = None
+        if self.prefix_chunk is not None:  # a cached prefix must leave a token to prefill (its logits)
+            lookup = lambda r: r.prefix_keys[:(len(r.prompt_ids) - 1) // self.prefix_chunk]  # noqa: E731
+        plan = self.scheduler.schedule(self.waiting, self._tokens_after_step, lookup)
+        for r, hit in plan.hits.items():
+            r.prefix_hit = hit
         preempted = []
         for r, pages in plan.preempted:
             slot = self.rows.index(r)
@@ -412,19 +444,50 @@ class Engine:
                 self.staging.reset()
                 if self.scheduler is not None:
                     self.staging.block_table.copy_(self.staging_table)
-                input_ids = torch.tensor([r.prompt_ids], device=self.device)
-                counts = torch.tensor([len(r.prompt_ids)], device=self.device)
-                logits = prefill(self.model, self.staging, input_ids, counts)
-                if self.scheduler is None:
-                    self.cache.load_row(slot, self.staging)
+                if self.prefix_chunk is not None:
+                    logits = self._prefill_shared(slot, r)
                 else:
-                    n = self.cache.pages_needed(len(r.prompt_ids))
-                    copy_sequence(self.cache, slot, self.blocks.table(r)[:n], self.staging, 0, range(n))
+                    input_ids = torch.tensor([r.prompt_ids], device=self.device)
+                    counts = torch.tensor([len(r.prompt_ids)], device=self.device)
+                    logits = prefill(self.model, self.staging, input_ids, counts)
+                    if self.scheduler is None:
+                        self.cache.load_row(slot, self.staging)
+                    else:
+                        n = self.cache.pages_needed(len(r.prompt_ids))
+                        copy_sequence(self.cache, slot, self.blocks.table(r)[:n], self.staging, 0, range(n))
             except Exception as e:
                 log.exception("request %s: the prefill failed", r.id)
                 self._fail(slot, r, f"the prefill failed: {type(e).__name__}: {e}")
                 continue
             self._advance(logits, [slot], "the prompt")
+
+    def _prefill_shared(self, slot: int, r: Request) -> torch.Tensor:
+        """--prefix-caching: r's prompt in chunks (prefill_chunked) in the staging cache, starting
+        from its cached prefix if the scheduler found one (its shared pages copied into the staging
+        pages, its tail restored), caching each new chunk boundary on the way; then the pages r
+        does not share and its row state go into the pages it was given. Returns the logits."""
+        hit, r.prefix_hit = r.prefix_hit, None
+        table, staged = self.blocks.table(r), range(self.cache.max_pages_per_seq)
+        start = shared = 0
+        if hit is not None:
+            start, shared = hit.num_tokens, len(hit.pages)
+            restore_prefix(self.staging, 0, staged, self.cache, hit.pages, hit.payload)
+            self.prefix_hits += 1
+            self.prefix_hit_tokens += start
+        chunk, tails = self.prefix_chunk, {}
+
+        def at_boundary(b: int) -> None:
+            if r.prefix_keys[b // chunk - 1] not in self.blocks.prefixes:  # only the engine thread changes it
+                tails[b] = save_tail(self.staging, 0, staged, b)
+
+        logits = prefill_chunked(self.model, self.staging, r.prompt_ids, chunk, start=start, on_boundary=at_boundary)
+        n = self.cache.pages_needed(len(r.prompt_ids))
+        copy_sequence(self.cache, slot, table[shared:n], self.staging, 0, staged[shared:n])
+        with self.lock:
+            for b, tail in tails.items():  # r holds these pages: they are final, in the pool now
+                self.blocks.cache_prefix(r.prefix_keys[b // chunk - 1],
+                                         CachedPrefix(b, table[:self.cache.pages_final(b)], tail))
+        return logits
 
     def _decode(self) -> None:
         B = self.slots

@@ -1,0 +1,128 @@
+"""`kivi serve --paged --prefix-caching`: requests that start with the same tokens share the pages of
+that prefix (block_manager.py, prefix_cache.py). Sharing changes no output: every greedy completion
+equals the same prompt prefilled in the same chunks alone, without sharing (prefill_chunked in a
+batch-1 paged cache, then decode steps), with a roomy pool and with one small enough to force
+evictions and preemptions. Pages are shared while requests overlap, /metrics says so, and every
+page comes back once the cached prefixes are dropped."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kivi_models.generate import decode_step, make_paged_cache, prefill_chunked
+from kivi_models.serve_engine import Request
+from test_serve_paged import CONFIG, MAX_SEQ_LEN, METHODS, make_engine, metrics, serving, tiny, wait_idle  # noqa: F401
+
+SYSTEM = list(range(300, 337))  # 37 tokens: past R = 8 and several 4-token pages, mid-chunk
+SUFFIXES = [[7, 8, 9], list(range(400, 411)), [12], list(range(500, 506)), list(range(600, 619)), [5, 6]]
+PROMPTS = [SYSTEM + s for s in SUFFIXES] + [SYSTEM[:20] + [1, 2, 3], SYSTEM[:9]]  # shorter shares too
+LENGTHS = [14, 9, 17, 11, 6, 13, 10, 8]
+PAGE = 4
+
+
+def reference(tiny, method, ids, max_tokens, chunk) -> list[int]:
+    """The prompt alone, prefilled in chunks without sharing, then greedy decode steps: batch-1 paged
+    cache of the engine's capacity."""
+    model, _ = tiny
+    cache = make_paged_cache(model, method=method, batch_size=1, max_seq_len=MAX_SEQ_LEN, num_pages=MAX_SEQ_LEN // PAGE,
+                             page_size=PAGE, kivi_config=CONFIG)
+    cache.block_table.copy_(torch.arange(cache.max_pages_per_seq, dtype=torch.int32)[None])
+    with torch.inference_mode():
+        tokens = [int(prefill_chunked(model, cache, ids, chunk).argmax())]
+        while len(tokens) < max_tokens:
+            position = torch.tensor([len(ids) + len(tokens) - 1])
+            tokens.append(int(decode_step(model, cache, torch.tensor([tokens[-1]]), position).argmax()))
+    return tokens
+
+
+def run(engine, prompts, lengths, first_alone=True) -> list[list[int]]:
+    """Greedy requests; the first runs alone (it fills the prefix cache), the rest together."""
+    done = [threading.Event() for _ in prompts]
+    reqs = []
+    for i, (ids, n) in enumerate(zip(prompts, lengths)):
+        def emit(kind, payload, i=i):
+            if kind == "error":
+                raise AssertionError(f"request {i} failed: {payload}")
+            if kind == "done":
+                done[i].set()
+        reqs.append(Request(prompt_ids=list(ids), max_tokens=n, temperature=0, emit=emit))
+    for i, r in enumerate(reqs):
+        engine.submit(r)
+        if i == 0 and first_alone:
+            assert done[0].wait(120)
+    for i, d in enumerate(done):
+        assert d.wait(120), f"request {i} never finished: {engine.stats()}"
+    return [r.tokens for r in reqs]
+
+
+def watch_sharing(engine) -> list[int]:
+    """Record the pages shared by running sequences before every decode step."""
+    seen, real_step = [], engine.step_fn
+
+    def step(*args, **kwargs):
+        seen.append(engine.blocks.num_shared)
+        engine.blocks.check()
+        return real_step(*args, **kwargs)
+
+    engine.step_fn = step
+    return seen
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("chunk", [PAGE, 2 * PAGE])
+def test_shared_prefix_completions_equal_the_chunked_prefill_alone_and_pages_are_shared(tiny, method, chunk):
+    engine = make_engine(tiny, method, num_pages=200, page_size=PAGE, prefix_chunk=chunk)
+    shared = watch_sharing(engine)
+    try:
+        got = run(engine, PROMPTS, LENGTHS)
+        stats = wait_idle(engine)
+        with serving(engine) as url:
+            m = metrics(url)
+    finally:
+        engine.close()
+    for ids, n, tokens in zip(PROMPTS, LENGTHS, got):
+        assert tokens == reference(tiny, method, ids, n, chunk), ids
+    assert max(shared) > 0, shared  # overlapping requests held the system prompt's pages together
+    # every prompt after the first started from a cached prefix: the longest whole chunks of it
+    # that the first had (or later ones added), leaving at least one token to prefill
+    assert stats["prefix_hits"] == len(PROMPTS) - 1, stats
+    assert stats["prefix_hit_tokens"] >= sum(min(len(SYSTEM), len(p) - 1) // chunk * chunk for p in PROMPTS[1:])
+    assert m["kivi_prefix_hits_total"] == stats["prefix_hits"] and m["kivi_cache_pages_shared"] == 0
+    assert m["kivi_cache_pages_cached"] == stats["pages_cached"] > 0 == stats["preemptions"]
+    # idle: only cached prefixes hold pages; dropping them returns every page
+    assert stats["pages_used"] == engine.blocks.num_cached == engine.blocks.num_reclaimable
+    engine.blocks.clear_prefixes()
+    engine.blocks.check()
+    assert engine.blocks.num_free == engine.blocks.num_pages
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_small_pool_evicts_cached_prefixes_and_preempts_yet_every_completion_is_unchanged(tiny, method):
+    # 6 requests of 41-75 tokens at once in 4 rows, a pool of 28 4-token pages (fp: 112 tokens)
+    # or 22 (KIVI: quantized tokens only): cached prefixes are evicted, running requests preempted.
+    prompts, lengths = PROMPTS[:6], [30, 24, 28, 20, 22, 26]
+    engine = make_engine(tiny, method, num_pages=28 if method == "fp" else 22, page_size=PAGE, prefix_chunk=PAGE,
+                         prefix_cache_size=16)
+    watch_sharing(engine)
+    try:
+        got = run(engine, prompts, lengths, first_alone=False)
+        stats = wait_idle(engine)
+    finally:
+        engine.close()
+    assert stats["preemptions"] > 0 and engine.blocks.evictions > 0 and stats["prefix_hits"] > 0, (stats, engine.blocks.evictions)
+    assert stats["prefixes_cached"] <= 16
+    for ids, n, tokens in zip(prompts, lengths, got):
+        assert tokens == reference(tiny, method, ids, n, PAGE), ids
+    engine.blocks.clear_prefixes()
+    engine.blocks.check()
+    assert engine.blocks.num_free == engine.blocks.num_pages
+
+
+def test_bad_prefix_settings_are_refused_naming_the_flag(tiny):
+    with pytest.raises(ValueError, match=r"--prefix-chunk must be a positive multiple of the page size \(4 tokens"):
+        make_engine(tiny, "kivi", num_pages=20, page_size=4, prefix_chunk=6)
+    with pytest.raises(ValueError, match="--prefix-cache-size must be a positive int"):
+        make_engine(tiny, "fp", num_pages=20, page_size=4, prefix_chunk=4, prefix_cache_size=0)
