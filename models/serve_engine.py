@@ -115,7 +115,8 @@ class Paging:
     default) per layer instead of a static row of max_seq_len tokens per request. prefix_chunk
     (`--prefix-caching`): prompts are prefilled in chunks of that many tokens (a multiple of the
     page size) and the prefixes at chunk boundaries are cached and shared (prefix_cache.py); at
-    most max_prefixes of them are kept (each holds a host copy of its tail). None: off."""
+    most max_prefixes of them are kept (each holds a host copy of its tail; 0: the same chunked
+    prefill without any sharing, what sharing is tested against). None: off."""
 
     num_pages: int
     page_size: Optional[int] = None
@@ -160,8 +161,8 @@ class Engine:
                     raise ValueError(f"--prefix-chunk must be a positive multiple of the page size ({page} tokens, "
                                      f"--page-size), got {self.prefix_chunk!r}")
                 if isinstance(paging.max_prefixes, bool) or not isinstance(paging.max_prefixes, int) \
-                        or paging.max_prefixes <= 0:
-                    raise ValueError(f"--prefix-cache-size must be a positive int, got {paging.max_prefixes!r}")
+                        or paging.max_prefixes < 0:
+                    raise ValueError(f"--prefix-cache-size must be an int >= 0, got {paging.max_prefixes!r}")
             self.blocks = BlockManager(paging.num_pages, width, self.cache.pages_needed,
                                        max_prefixes=paging.max_prefixes if self.prefix_chunk is not None else 0)
             self.prefix_hits = self.prefix_hit_tokens = 0
