@@ -16,7 +16,8 @@ import torch
 from kivi_models.generate import decode_step, make_paged_cache, prefill_chunked
 from kivi_models.serve_engine import Request
 from kivi_ops.paged_io import copy_sequence
-from test_serve_paged import CONFIG, MAX_SEQ_LEN, METHODS, make_engine, metrics, serving, tiny, wait_idle  # noqa: F401
+from test_serve_paged import (CONFIG, HAS_PAGED_KIVI, MAX_SEQ_LEN, METHODS, make_engine, metrics, serving,  # noqa: F401
+                              tiny, wait_idle)
 
 SYSTEM = list(range(300, 337))  # 37 tokens: past R = 8 and several 4-token pages, mid-chunk
 SUFFIXES = [[7, 8, 9], list(range(400, 411)), [12], list(range(500, 506)), list(range(600, 619)), [5, 6]]
@@ -174,6 +175,27 @@ def test_a_small_pool_evicts_cached_prefixes_and_preempts_yet_every_completion_i
     engine.blocks.clear_prefixes()
     engine.blocks.check()
     assert engine.blocks.num_free == engine.blocks.num_pages
+
+
+@pytest.mark.skipif(not HAS_PAGED_KIVI, reason="kivi_ops.paged not built")
+def test_the_compiled_decode_step_never_writes_a_shared_page(tiny):
+    # The compiled step runs the decomposed append (every row's candidate rows written each call,
+    # others to the scratch page): the shared pages must stay as they are there too.
+    torch._dynamo.reset()
+    prompts, lengths = PROMPTS[:5], LENGTHS[:5]
+    engine = make_engine(tiny, "kivi", num_pages=200, page_size=PAGE, prefix_chunk=PAGE, compile=True)
+    shared = watch_sharing(engine)
+    try:
+        assert engine.ready.wait(300)
+        got, logits = run(engine, prompts, lengths)
+        assert engine.stats()["prefix_hits"] == len(prompts) - 1 and max(shared) > 0
+    finally:
+        engine.close()
+    torch._dynamo.reset()
+    unshared_tokens, unshared = without_sharing(tiny, "kivi", prompts, lengths, num_pages=200, page_size=PAGE,
+                                                prefix_chunk=PAGE, compile=True)
+    assert got == unshared_tokens
+    assert_same_logits(logits, unshared)
 
 
 def test_bad_prefix_settings_are_refused_naming_the_flag(tiny):
