@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kivi_models import make_cache, patch_model
-from kivi_models.generate import make_paged_cache, prefill_chunked
+from kivi_models.generate import decode_step, make_paged_cache, prefill_chunked
 from kivi_models.prefix_cache import restore_prefix, save_tail
 from kivi_ops import KIVIConfig
 
@@ -35,7 +35,7 @@ def staging(model, method, page_size):
 
 def sequence_bytes(cache, pages):
     """Every byte of a sequence: its pages (ids `pages`, in table order) and its row, per layer."""
-    idx = torch.tensor(list(pages))
+    idx = torch.tensor(list(pages), dtype=torch.long)
     out = {}
     for i, layer in enumerate(cache.layers):
         out.update({(i, k): t.index_select(0, idx) for k, t in layer.page_tensors().items()})
@@ -102,3 +102,34 @@ def test_prefill_chunked_refuses_bad_arguments_naming_them(model):
         prefill_chunked(model, cache, [1, 2, 3, 4, 5], 4, start=2)
     with pytest.raises(ValueError, match="the cache holds 0 tokens"):
         prefill_chunked(model, cache, [1, 2, 3, 4, 5], 4, start=4)
+
+
+@pytest.mark.parametrize("method", ["kivi", "fp"])
+def test_pages_final_at_a_boundary_are_never_written_again(model, method):
+    # What makes sharing safe: after b tokens, pages [0, pages_final(b)) keep every byte through
+    # later chunks and decode steps (KIVI: keys flushed R at a time, values leaving the window).
+    from kivi_ops.paged_layout import pages_final
+    from kivi_ops.schedule import KIVI, quantized_count_int
+
+    torch.manual_seed(3)
+    prompt = torch.randint(0, 64, (30,)).tolist()
+    cache = staging(model, method, 4)
+    pages = list(range(cache.max_pages_per_seq))
+    snapshots = {}
+    prefill_chunked(model, cache, prompt, CHUNK,
+                    on_boundary=lambda b: snapshots.__setitem__(b, sequence_bytes(cache, pages[:cache.pages_final(b)])))
+    with torch.inference_mode():
+        for t in range(20):  # decode steps past several key flushes and pages
+            L = len(prompt) + t
+            decode_step(model, cache, torch.tensor([t % 64]), torch.tensor([L]))
+    for b, before in snapshots.items():
+        after = sequence_bytes(cache, pages[:cache.pages_final(b)])
+        for k in before:
+            if k[1] in ("k_res", "v_res", "lengths"):
+                continue  # the row state is the tail's: it changes
+            assert torch.equal(before[k], after[k]), (b, k)
+    if method == "kivi":  # the definition: pages whose tokens all have their keys and values quantized
+        for L in range(0, 60):
+            nqk, nqv = quantized_count_int(L, CONFIG.residual_length, CONFIG.group_size, KIVI)
+            assert pages_final(L, 4, CONFIG.residual_length) == min(nqk, nqv) // 4
+    assert sum(cache.pages_final(b) > 0 for b in snapshots) >= 3
