@@ -21,6 +21,12 @@ rows go on; only an error in the batched decode step itself, which no single row
 all. Handlers talk to the engine through `submit` and the request's event queue (thread-safe
 callbacks).
 
+With --paged --prefix-caching (Paging.prefix_chunk) a prompt is prefilled in chunks at fixed
+boundaries instead (generate.prefill_chunked), starting from the longest cached prefix the
+scheduler found: its shared pages and its tail are copied into the staging cache
+(prefix_cache.py), and each new boundary is cached on the way (block_manager.py holds the page
+references and evicts least recently used prefixes before it preempts).
+
 Work is bounded: `max_waiting` caps the queue beyond the free slots (submit refuses with 503), a
 cancelled request (its client went away) leaves its row at the next step, `request_timeout` ends
 requests older than it (504), and `drain` / `abort` end what is left at shutdown with an error
