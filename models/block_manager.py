@@ -216,13 +216,14 @@ class BlockManager:
             self._evict_one()
 
     def check(self) -> None:
-        """Invariants (tests): reference counts equal the tables' holdings; free pages are exactly
-        those no one holds, each once."""
+        """Invariants (tests): reference counts equal the tables' and the cached prefixes' holdings;
+        free pages are exactly those no one holds, each once; at most max_prefixes are cached."""
         counted = collections.Counter(p for pages in self.tables.values() for p in pages)
         cached = collections.Counter(p for prefix in self.prefixes.values() for p in prefix.pages)
         assert all(self.cache_refs[p] == cached.get(p, 0) for p in range(self.num_pages)), (self.cache_refs, cached)
-        assert all(self.refs[p] == counted.get(p, 0) + cached.get(p, 0) for p in range(self.num_pages)), (self.refs, counted)
-        assert len(self.prefixes) <= max(self.max_prefixes, 0), len(self.prefixes)
+        assert all(self.refs[p] == counted.get(p, 0) + cached.get(p, 0)
+                   for p in range(self.num_pages)), (self.refs, counted, cached)
+        assert len(self.prefixes) <= self.max_prefixes, len(self.prefixes)
         assert sorted(self.free_queue) == [p for p in range(self.num_pages) if self.refs[p] == 0], self.free_queue
 
 

@@ -112,7 +112,7 @@ class Request:
     saved: Optional[tuple] = None  # --paged, while swapped out: (its page count, its pages and row state on the host)
     preemptions: int = 0
     prefix_keys: list = field(default_factory=list)  # --prefix-caching: keys of its prompt's chunk boundaries
-    prefix_hit: Optional[CachedPrefix] = None  # --prefix-caching: the cached prefix it starts from (admission to prefill)
+    prefix_hit: Optional[CachedPrefix] = None  # --prefix-caching: the cached prefix it starts from (until prefilled)
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,7 @@ def test_a_small_pool_evicts_cached_prefixes_and_preempts_yet_every_completion_i
         stats = wait_idle(engine)
     finally:
         engine.close()
-    assert stats["preemptions"] > 0 and engine.blocks.evictions > 0 and stats["prefix_hits"] > 0, (stats, engine.blocks.evictions)
+    assert stats["preemptions"] > 0 and engine.blocks.evictions > 0 and stats["prefix_hits"] > 0, stats
     assert stats["prefixes_cached"] <= 16
     check_against_reference(tiny, method, prompts, lengths, got, PAGE)
     # The prompt's logits (the prefill, alone in the staging cache) bit for bit. Not the decode
