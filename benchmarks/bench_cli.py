@@ -71,6 +71,9 @@ def add_bench_parser(sub) -> None:
                      help="multiply the trace's mean prompt and output lengths (ShareGPT: 161 + 338 tokens)")
     srv.add_argument("--shared-prefix", type=int, default=0,
                      help="every prompt starts with the same system prompt of this many tokens (e.g. 300)")
+    srv.add_argument("--prefix-chunk", type=positive_int, default=None,
+                     help="paged caches: prefix caching (kivi serve --prefix-caching) in chunks of this many tokens "
+                          "(rounded up to a multiple of the page size); default: off")
     srv.add_argument("--residual-length", type=positive_int, default=128, help="KIVI's R (G stays 32)")
     srv.add_argument("--page-size", type=positive_int, default=None,
                      help="paged KIVI's page size (default: the paged cache's); paged fp uses 16")
@@ -228,10 +231,12 @@ def cmd_bench(args, parser) -> int:
                                  requests=args.requests, clients=args.clients,
                                  kivi_config=KIVIConfig(residual_length=args.residual_length), compile=args.compile,
                                  caches=args.caches or CACHES, duration=args.duration, length_scale=args.length_scale,
-                                 shared_prefix=args.shared_prefix, page_size=args.page_size)
+                                 shared_prefix=args.shared_prefix, page_size=args.page_size,
+                                 prefix_chunk=args.prefix_chunk)
         result.update(device=device, model="default", compile=args.compile, budget_gib=args.budget_gib,
                       environment=environment(device))
-        name = f"bench_serve_{device}" + (f"_prefix{args.shared_prefix}" if args.shared_prefix else "")
+        name = (f"bench_serve_{device}" + (f"_prefix{args.shared_prefix}" if args.shared_prefix else "")
+                + (f"_shared{args.prefix_chunk}" if args.prefix_chunk else ""))
     elif args.bench_command == "hf-generate":
         import torch
 

@@ -11,7 +11,8 @@ loop of clients for a fixed time: each client sends its next request of the stre
 one finishes; requests still running at the end are cancelled. Prompts and outputs have chat-like
 log-normal lengths (traces.py: ShareGPT's means, times `length_scale`), prompts cut from a fixed
 text, greedy, EOS ignored (every request generates its drawn length, as vLLM's benchmarks do).
-`shared_prefix` puts the same system prompt of that many tokens before every prompt.
+`shared_prefix` puts the same system prompt of that many tokens before every prompt; `prefix_chunk`
+runs the paged caches with prefix caching (kivi serve --prefix-caching), so that they share it.
 
 Reported per cache: the sequences held (running requests, sampled every 10 ms: mean and peak),
 generated tokens/s, TTFT p50 / p99 (from submission, queueing included; requests that got no
@@ -55,8 +56,10 @@ def request_stream(tokenizer, n: int, *, max_seq_len: int, seed: int = 0, length
 
 
 def plan(model, cache: str, *, budget_bytes: float, max_seq_len: int, kivi_config, stream: list,
-         page_size=None, max_rows: int = 256) -> dict:
-    """Rows (and pool pages) of `cache` at the budget, by exact bytes."""
+         page_size=None, max_rows: int = 256, prefix_chunk=None, shared_prefix: int = 0) -> dict:
+    """Rows (and pool pages) of `cache` at the budget, by exact bytes. prefix_chunk: paged caches
+    run with prefix caching in chunks of that many tokens (rounded up to a multiple of the page
+    size); the rows are then planned for sequences that pay the shared prefix's final pages once."""
     method, paged = cache.split("-")[0], cache.endswith("-paged")
     if not paged:
         per_row = cache_bytes_per_sequence(model, method=method, tokens=max_seq_len, kivi_config=kivi_config)
@@ -69,8 +72,11 @@ def plan(model, cache: str, *, budget_bytes: float, max_seq_len: int, kivi_confi
     per_page, fixed1 = paged_bytes(model, batch_size=1, **kw)
     _, fixed2 = paged_bytes(model, batch_size=2, **kw)
     per_row, base = fixed2 - fixed1, 2 * fixed1 - fixed2
-    needed = make_paged_cache(model, batch_size=1, num_pages=1, device="meta", **kw).pages_needed
-    mean_seq = statistics.fmean(needed(len(p) + n) for p, n in stream) * per_page + per_row
+    sizer = make_paged_cache(model, batch_size=1, num_pages=1, device="meta", **kw)
+    needed = sizer.pages_needed
+    chunk = None if prefix_chunk is None else sizer.page_size * -(-prefix_chunk // sizer.page_size)
+    shared = 0 if chunk is None else sizer.pages_final(shared_prefix // chunk * chunk)
+    mean_seq = (statistics.fmean(needed(len(p) + n) for p, n in stream) - shared) * per_page + per_row
     longest = max(needed(len(p) + n) for p, n in stream)
     affordable = int((budget_bytes - base - longest * per_page) // per_row)  # rows that leave the longest its pages
     rows = max(1, min(max_rows, affordable, int(ROWS_OVER_MEAN * (budget_bytes - base) / mean_seq)))
@@ -78,7 +84,7 @@ def plan(model, cache: str, *, budget_bytes: float, max_seq_len: int, kivi_confi
     if pages < longest:
         raise ValueError(f"--budget-gib {budget_bytes / 2**30:g} leaves {cache} {pages} pages after {rows} rows; the "
                          f"longest request needs {longest}")
-    return dict(cache=cache, method=method, slots=rows, paging=Paging(pages, page_size),
+    return dict(cache=cache, method=method, slots=rows, paging=Paging(pages, page_size, chunk),
                 bytes=base + rows * per_row + pages * per_page)
 
 
@@ -155,6 +161,9 @@ def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, 
     if setup["paging"] is not None:
         row.update(pages=setup["paging"].num_pages, page_size=engine.cache.page_size,
                    mean_pages_used=statistics.fmean(pages), peak_pages_used=max(pages))
+    if "prefix_hits" in stats:
+        row.update(prefix_chunk=setup["paging"].prefix_chunk, prefix_hits=stats["prefix_hits"],
+                   prefix_hit_tokens=stats["prefix_hit_tokens"], pages_cached=stats["pages_cached"])
     return row
 
 
@@ -169,7 +178,8 @@ def _complete(engine: Engine, prompt: list[int], max_tokens: int) -> Request:
 
 def bench_serve(model, tokenizer, *, budget_bytes: float, max_seq_len: int, requests: int, clients=None,
                 kivi_config, compile: bool, seed: int = 0, caches=CACHES, duration: float = 60.0,
-                length_scale: float = 1.0, shared_prefix: int = 0, page_size=None, max_rows: int = 256) -> dict:
+                length_scale: float = 1.0, shared_prefix: int = 0, page_size=None, max_rows: int = 256,
+                prefix_chunk=None) -> dict:
     """Each cache in `caches` serves the same stream for `duration` seconds at the same budget.
     clients: concurrent closed-loop clients (default: the most rows any cache gets, so that every
     cache can fill up). A cache that cannot be built here (paged KIVI without kivi_ops.paged) is
@@ -181,7 +191,8 @@ def bench_serve(model, tokenizer, *, budget_bytes: float, max_seq_len: int, requ
         try:
             setups.append(plan(model, cache, budget_bytes=budget_bytes, max_seq_len=max_seq_len,
                                kivi_config=kivi_config, stream=stream,
-                               page_size=page_size if cache == "kivi-paged" else None, max_rows=max_rows))
+                               page_size=page_size if cache == "kivi-paged" else None, max_rows=max_rows,
+                               prefix_chunk=prefix_chunk, shared_prefix=shared_prefix))
         except ValueError as e:
             if cache != "kivi-paged" or "kivi_ops.paged" not in str(e):
                 raise
@@ -199,6 +210,7 @@ def bench_serve(model, tokenizer, *, budget_bytes: float, max_seq_len: int, requ
     output_mean = statistics.fmean(n for _, n in stream)
     return dict(budget_bytes=budget_bytes, max_seq_len=max_seq_len, requests=requests, clients=clients,
                 duration_s=duration, trace=SHAREGPT, length_scale=length_scale, shared_prefix=shared_prefix,
+                prefix_chunk=prefix_chunk,
                 drawn_prompt_mean=prompt_mean, drawn_output_mean=output_mean, kivi_config=repr(kivi_config),
                 rows=rows, skipped=skipped, ratios=ratios)
 

@@ -38,8 +38,8 @@ from .config import KIVIConfig
 from .layer import CacheLayer, dequantized_state, init_constants
 from .layout import LayerTensors, QuantParams
 from .packing import packed_bytes
-from .paged_layout import (BLOCK_TABLE_DTYPE, PAGED_TENSORS, ROW_TENSORS, Paging, check_page_size, pages_needed,
-                           static_view)
+from .paged_layout import (BLOCK_TABLE_DTYPE, PAGED_TENSORS, ROW_TENSORS, Paging, check_page_size, pages_final,
+                           pages_needed, static_view)
 from .step import DECODE, Step
 
 __all__ = ["PagedKIVILayer", "PagedKIVICache", "pages_needed"]
@@ -257,6 +257,10 @@ class PagedKIVICache(StaticCacheBase):
     def pages_needed(self, num_tokens: int) -> int:
         """pages_needed(num_tokens, page_size, residual_length) for this cache."""
         return pages_needed(num_tokens, self.page_size, self.config.residual_length)
+
+    def pages_final(self, num_tokens: int) -> int:
+        """paged_layout.pages_final for this cache: pages no later append writes."""
+        return pages_final(num_tokens, self.page_size, self.config.residual_length)
 
     def page_nbytes(self) -> int:
         """Bytes of one page id over all layers."""

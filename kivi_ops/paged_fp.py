@@ -180,6 +180,11 @@ class PagedFPCache(StaticCacheBase):
         """Pages of the pool a sequence of num_tokens tokens occupies."""
         return pages_needed(num_tokens, self.page_size)
 
+    def pages_final(self, num_tokens: int) -> int:
+        """Pages no later append writes: the full ones (a partial last page still fills)."""
+        pages_needed(num_tokens, self.page_size)  # checks num_tokens
+        return num_tokens // self.page_size
+
     def page_nbytes(self) -> int:
         """Bytes of one page id across all layers."""
         return sum(layer.nbytes() for layer in self.layers) // self.num_pages

@@ -11,7 +11,7 @@ caller's: it writes the new page ids into the destination row.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -59,13 +59,17 @@ def load_sequence(cache, row: int, pages: Sequence[int], saved: HostSequence) ->
                 t[row].copy_(src, non_blocking=True)
 
 
-def copy_sequence(dst, dst_row: int, dst_pages: Sequence[int], src, src_row: int, src_pages: Sequence[int]) -> None:
+def copy_sequence(dst, dst_row: Optional[int], dst_pages: Sequence[int], src, src_row: Optional[int],
+                  src_pages: Sequence[int]) -> None:
     """Make row dst_row of `dst` a copy of row src_row of `src` (a paged cache of the same kind and
-    settings, any batch size and pool size): src_pages[j] is copied into dst_pages[j]."""
+    settings, any batch size and pool size): src_pages[j] is copied into dst_pages[j]. Rows None:
+    the pages only (prefix caching copies shared pages without any row state)."""
     if len(dst_pages) != len(src_pages):
         raise ValueError(f"copy_sequence: {len(dst_pages)} destination pages for {len(src_pages)} source pages")
     if len(dst.layers) != len(src.layers):
         raise ValueError("copy_sequence needs caches with the same layers")
+    if (dst_row is None) != (src_row is None):
+        raise ValueError(f"copy_sequence: dst_row ({dst_row}) and src_row ({src_row}) must both be rows or both None")
     dst_idx, src_idx = _index(dst_pages, dst.device), _index(src_pages, src.device)
     for (i, kind, mine), (_, _, theirs) in zip(_parts(dst), _parts(src)):
         if mine.keys() != theirs.keys():
@@ -76,5 +80,5 @@ def copy_sequence(dst, dst_row: int, dst_pages: Sequence[int], src, src_row: int
                 raise ValueError(f"copy_sequence: layer {i} {name} has shape {list(s.shape)}, here {list(t.shape)}")
             if kind == "page":
                 t.index_copy_(0, dst_idx, s.index_select(0, src_idx))
-            else:
+            elif dst_row is not None:
                 t[dst_row].copy_(s[src_row])

@@ -86,6 +86,15 @@ def pages_needed(num_tokens: int, page_size: int, residual_length: int, group_si
     return -(-quantized // page_size)
 
 
+def pages_final(num_tokens: int, page_size: int, residual_length: int) -> int:
+    """Pages [0, pages_final) of a sequence of num_tokens tokens that are final: every token of them
+    has its key and its value quantized (nqv = num_tokens - R is the smaller count), so no later
+    append writes them again; prefix caching shares them by reference. The pages after them, up to
+    pages_needed, are still being written."""
+    pages_needed(num_tokens, page_size, residual_length)  # checks the arguments
+    return max(num_tokens - residual_length, 0) // page_size
+
+
 def check_page_size(page_size, group_size: int) -> None:
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0 or page_size % group_size:
         raise ValueError(f"page_size must be a positive multiple of group_size={group_size} (a page holds whole "

@@ -14,32 +14,73 @@ engine (serve_engine.py) moves the bytes; this module only decides.
   when the pages for its prompt and its first decode step are free. The oldest running request
   always progresses, so nothing admitted fails for lack of pages and nothing starves, provided
   each request alone fits the pool (the server refuses the ones that never could, with a 400).
+- Prefix caching (`kivi serve --paged --prefix-caching`, vLLM's automatic prefix caching): the
+  manager also keeps cached prefixes, each keyed by the hash chain of the tokens it covers
+  (`prefix_keys`), holding a reference to the pages that prefix made final, plus an opaque payload
+  (the engine's host copy of the rest of the row state at that point). A new request that starts
+  with a cached prefix takes those pages by reference (`share`). Pages that only cached prefixes
+  hold are reclaimable: when the pool runs short, the least recently used prefixes are evicted
+  before any running request is preempted, so the cache never makes the pool run dry.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable
+from typing import Callable, Hashable, Iterable, Optional, Sequence
 
 
 class NoFreePages(RuntimeError):
     """allocate() was asked for more pages than are free (a scheduling bug: callers check first)."""
 
 
+def prefix_keys(tokens: Sequence[int], chunk: int) -> list[bytes]:
+    """The cache keys of a prompt's prefixes of chunk, 2 * chunk, ... tokens (every whole chunk):
+    a SHA-256 chain, key i = H(key i-1, tokens of chunk i), so a key names the whole prefix, not
+    just its last chunk (as vLLM's block hashes)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    keys, key = [], b""
+    for end in range(chunk, len(tokens) + 1, chunk):
+        key = hashlib.sha256(key + b"|" + ",".join(map(str, tokens[end - chunk:end])).encode()).digest()
+        keys.append(key)
+    return keys
+
+
+@dataclass(eq=False)
+class CachedPrefix:
+    """A cached prefix of num_tokens tokens: the pages it made final (held by reference) and the
+    engine's payload (what a request needs besides those pages to continue from there)."""
+
+    num_tokens: int
+    pages: list[int]
+    payload: object = None
+
+
 class BlockManager:
     """Page ids 0..num_pages-1, a free queue (FIFO), reference counts, and per sequence its page
     list. pages_needed(num_tokens) -> pages a sequence of num_tokens tokens occupies;
-    max_pages_per_seq: the block table's width."""
+    max_pages_per_seq: the block table's width. max_prefixes: the most cached prefixes kept (0:
+    prefix caching off); beyond it the least recently used one is dropped."""
 
-    def __init__(self, num_pages: int, max_pages_per_seq: int, pages_needed: Callable[[int], int]):
+    def __init__(self, num_pages: int, max_pages_per_seq: int, pages_needed: Callable[[int], int],
+                 max_prefixes: int = 0):
         for name, value in (("num_pages", num_pages), ("max_pages_per_seq", max_pages_per_seq)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(max_prefixes, bool) or not isinstance(max_prefixes, int) or max_prefixes < 0:
+            raise ValueError(f"max_prefixes must be an int >= 0, got {max_prefixes!r}")
         self.num_pages, self.max_pages_per_seq, self.pages_needed = num_pages, max_pages_per_seq, pages_needed
         self.free_queue: collections.deque[int] = collections.deque(range(num_pages))
-        self.refs = [0] * num_pages
+        self.refs = [0] * num_pages  # every holder: sequences and cached prefixes
+        self.cache_refs = [0] * num_pages  # cached prefixes only
         self.tables: dict[Hashable, list[int]] = {}
+        self.max_prefixes = max_prefixes
+        self.prefixes: collections.OrderedDict[bytes, CachedPrefix] = collections.OrderedDict()  # LRU first
+        self.evictions = 0
+        # Called with each evicted prefix (the engine frees its payload's host copy).
+        self.on_evict: Optional[Callable[[CachedPrefix], None]] = None
 
     # ---------------------------------------------------------------- counts
 
@@ -53,8 +94,18 @@ class BlockManager:
 
     @property
     def num_shared(self) -> int:
-        """Pages held by more than one sequence (prefix sharing)."""
-        return sum(r > 1 for r in self.refs)
+        """Pages held by more than one sequence (prefix sharing; cached prefixes do not count)."""
+        return sum(r - c > 1 for r, c in zip(self.refs, self.cache_refs))
+
+    @property
+    def num_cached(self) -> int:
+        """Pages held by cached prefixes (some may be held by sequences too)."""
+        return sum(c > 0 for c in self.cache_refs)
+
+    @property
+    def num_reclaimable(self) -> int:
+        """Pages only cached prefixes hold: evicting every prefix would free them."""
+        return sum(c > 0 and r == c for r, c in zip(self.refs, self.cache_refs))
 
     @property
     def max_pages(self) -> int:
@@ -95,22 +146,88 @@ class BlockManager:
         self.tables.setdefault(seq, []).extend(new)
         return new
 
+    def _drop(self, pages: Iterable[int]) -> None:
+        for page in pages:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                self.free_queue.append(page)
+
     def free(self, seq: Hashable) -> list[int]:
         """seq ends (or is swapped out): drop one reference to each of its pages; pages no one holds
         go back to the free queue. Returns the pages seq held, in table order (a swap saves them
         first). An unknown sequence holds nothing."""
         pages = self.tables.pop(seq, [])
-        for page in pages:
-            self.refs[page] -= 1
-            if self.refs[page] == 0:
-                self.free_queue.append(page)
+        self._drop(pages)
         return pages
 
+    # ---------------------------------------------------------------- prefix cache
+
+    def lookup(self, keys: Sequence[bytes]) -> Optional[CachedPrefix]:
+        """The longest cached prefix among keys (a prompt's prefix_keys, shortest first), marked
+        recently used; None when none is cached."""
+        for key in reversed(keys):
+            if key in self.prefixes:
+                self.prefixes.move_to_end(key)
+                return self.prefixes[key]
+        return None
+
+    def share(self, seq: Hashable, prefix: CachedPrefix) -> None:
+        """A new sequence (holding nothing yet) starts with prefix's pages, by reference."""
+        if self.tables.get(seq):
+            raise ValueError(f"share: sequence {seq!r} already holds pages")
+        for page in prefix.pages:
+            self.refs[page] += 1
+        self.tables[seq] = list(prefix.pages)
+
+    def cache_prefix(self, key: bytes, prefix: CachedPrefix) -> bool:
+        """Keep prefix under key (its pages gain a reference each); the least recently used prefix
+        goes when more than max_prefixes would be kept. False (nothing changes) when key is
+        already cached or caching is off."""
+        if self.max_prefixes == 0 or key in self.prefixes:
+            return False
+        if not all(0 <= p < self.num_pages and self.refs[p] > 0 for p in prefix.pages):
+            raise ValueError(f"cache_prefix: pages {prefix.pages} must be held by a sequence already")
+        for page in prefix.pages:
+            self.refs[page] += 1
+            self.cache_refs[page] += 1
+        self.prefixes[key] = prefix
+        while len(self.prefixes) > self.max_prefixes:
+            self._evict_one()
+        return True
+
+    def _evict_one(self) -> None:
+        _, prefix = self.prefixes.popitem(last=False)
+        for page in prefix.pages:
+            self.cache_refs[page] -= 1
+        self._drop(prefix.pages)
+        self.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(prefix)
+
+    def reclaim(self, pages: int) -> bool:
+        """Evict least recently used prefixes until `pages` pages are free, if the pages only
+        prefixes hold can make it (else evict nothing). Returns whether that many are free."""
+        if self.num_free >= pages:
+            return True
+        if self.num_free + self.num_reclaimable < pages:
+            return False
+        while self.num_free < pages:
+            self._evict_one()
+        return True
+
+    def clear_prefixes(self) -> None:
+        while self.prefixes:
+            self._evict_one()
+
     def check(self) -> None:
-        """Invariants (tests): reference counts equal the tables' holdings; free pages are exactly
-        those no one holds, each once."""
+        """Invariants (tests): reference counts equal the tables' and the cached prefixes' holdings;
+        free pages are exactly those no one holds, each once; at most max_prefixes are cached."""
         counted = collections.Counter(p for pages in self.tables.values() for p in pages)
-        assert all(self.refs[p] == counted.get(p, 0) for p in range(self.num_pages)), (self.refs, counted)
+        cached = collections.Counter(p for prefix in self.prefixes.values() for p in prefix.pages)
+        assert all(self.cache_refs[p] == cached.get(p, 0) for p in range(self.num_pages)), (self.cache_refs, cached)
+        assert all(self.refs[p] == counted.get(p, 0) + cached.get(p, 0)
+                   for p in range(self.num_pages)), (self.refs, counted, cached)
+        assert len(self.prefixes) <= self.max_prefixes, len(self.prefixes)
         assert sorted(self.free_queue) == [p for p in range(self.num_pages) if self.refs[p] == 0], self.free_queue
 
 
@@ -124,6 +241,7 @@ class Plan:
     preempted: list[tuple[Hashable, list[int]]] = field(default_factory=list)
     resumed: list[Hashable] = field(default_factory=list)
     admitted: list[Hashable] = field(default_factory=list)
+    hits: dict[Hashable, CachedPrefix] = field(default_factory=dict)  # admitted sequences that share a cached prefix
 
 
 class Scheduler:
@@ -139,16 +257,20 @@ class Scheduler:
         self.admissions = 0
         self.preemptions = 0
 
-    def schedule(self, waiting: collections.deque, tokens: Callable[[Hashable], int]) -> Plan:
+    def schedule(self, waiting: collections.deque, tokens: Callable[[Hashable], int],
+                 prefix_keys: Optional[Callable[[Hashable], Sequence[bytes]]] = None) -> Plan:
         """Decide this round. tokens(seq): the tokens seq must hold after the next decode step (for
         a waiting request: its prompt plus the first decoded token). Admitted requests are popped
-        from the left of `waiting` (FCFS)."""
+        from the left of `waiting` (FCFS). prefix_keys(seq) (prefix caching): the keys of the
+        prefixes a waiting sequence may take from the cache; an admitted one that finds one shares
+        its pages (plan.hits). Pages only cached prefixes hold are evicted (least recently used
+        first) before anything is preempted or refused."""
         plan, blocks = Plan(), self.blocks
         # 1. Running sequences grow, oldest first; the most recent ones make room.
         for seq in list(self.running):
             if seq not in self.running:
                 continue  # preempted for an older one this round
-            while blocks.shortfall(seq, tokens(seq)) > blocks.num_free:
+            while not blocks.reclaim(blocks.shortfall(seq, tokens(seq))):
                 victim = self.running.pop()
                 plan.preempted.append((victim, blocks.free(victim)))
                 self.swapped.append(victim)
@@ -161,13 +283,23 @@ class Scheduler:
         if plan.preempted:
             return plan  # the pool is short right now: bring nothing in this round
         # 2. Swapped sequences come back first (FCFS), 3. then new ones (FCFS), while rows and pages last.
-        while self.swapped and len(self.running) < self.rows and blocks.can_hold(self.swapped[0], tokens(self.swapped[0])):
+        while (self.swapped and len(self.running) < self.rows
+               and blocks.reclaim(blocks.shortfall(self.swapped[0], tokens(self.swapped[0])))):
             seq = self.swapped.pop(0)
             blocks.allocate(seq, tokens(seq))
             self.running.append(seq)
             plan.resumed.append(seq)
-        while not self.swapped and waiting and len(self.running) < self.rows and blocks.can_hold(waiting[0], tokens(waiting[0])):
-            seq = waiting.popleft()
+        while not self.swapped and waiting and len(self.running) < self.rows:
+            seq = waiting[0]
+            hit = blocks.lookup(prefix_keys(seq)) if prefix_keys is not None else None
+            if hit is not None:
+                blocks.share(seq, hit)  # first, so that making room cannot evict the pages it takes
+            if not blocks.reclaim(blocks.shortfall(seq, tokens(seq))):
+                blocks.free(seq)  # undo the share: it waits at the head of the queue
+                break
+            if hit is not None:
+                plan.hits[seq] = hit
+            waiting.popleft()
             blocks.allocate(seq, tokens(seq))
             self.order[seq] = self.admissions
             self.admissions += 1

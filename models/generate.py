@@ -208,6 +208,37 @@ def prefill(model, cache: StaticCacheBase, input_ids: torch.Tensor, counts: torc
     return lm_logits(model, hidden[torch.arange(B, device=input_ids.device), counts - 1])
 
 
+def prefill_chunked(model, cache: StaticCacheBase, token_ids, chunk: int, *, start: int = 0,
+                    on_boundary=None) -> torch.Tensor:
+    """Prefill the prompt token_ids (a list of ints) of row 0 of a batch-1 cache in chunks of
+    `chunk` tokens at fixed boundaries (chunk, 2 * chunk, ...; the last chunk takes the rest). Each
+    chunk is appended and then attends through the cache, as a decode step of several tokens does,
+    so the cache after the first b tokens (b a boundary) depends on those b tokens and nothing
+    else, bit for bit: what prefix caching needs (a one-shot prefill computes the same prefix with
+    other shapes inside a longer prompt). start: tokens [0, start) are in the cache already (a
+    cached prefix; a boundary). on_boundary(b): called after each whole chunk, b its end.
+    Returns the logits [1, V] of the last token. The prefill of `kivi serve --prefix-caching` and
+    the reference its tests compare with."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    if cache.batch_size != 1:
+        raise ValueError(f"prefill_chunked takes a batch-1 cache, got batch_size={cache.batch_size}")
+    if start % chunk or not 0 <= start < len(token_ids):
+        raise ValueError(f"start must be a multiple of chunk={chunk} below the prompt's {len(token_ids)} tokens, "
+                         f"got {start}")
+    held = int(cache.lengths()[0])
+    if held != start:
+        raise ValueError(f"the cache holds {held} tokens of this sequence; start must equal that, got {start}")
+    device = cache.lengths().device
+    for begin in range(start, len(token_ids), chunk):
+        ids = torch.tensor([token_ids[begin:begin + chunk]], device=device)
+        positions = begin + torch.arange(ids.shape[1], device=device)[None]
+        hidden = forward(model, cache, ids, positions, Step())
+        if on_boundary is not None and begin + chunk <= len(token_ids):
+            on_boundary(begin + chunk)
+    return lm_logits(model, hidden[:, -1])
+
+
 def decode_step(model, cache: StaticCacheBase, tokens: torch.Tensor, positions: torch.Tensor,
                 counts: Optional[torch.Tensor] = None, *, run_layer=run_decoder_layer) -> torch.Tensor:
     """One token per sequence, tokens [B] at positions [B] -> logits [B, V]. counts [B] (0 or 1):

@@ -250,12 +250,20 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
             ("kivi_tp_size", "gauge", "tensor-parallel ranks (torchrun processes) serving the model", s["tp_size"]),
             ("kivi_generated_tokens_total", "counter", "tokens generated since start", s["generated_tokens"]),
             ("kivi_tokens_per_second", "gauge", "generated tokens per second since start", s["tokens_per_s"]),
-            *((("kivi_cache_pages_used", "gauge", "pages of the pool held by sequences (--paged)", s["pages_used"]),
+            *((("kivi_cache_pages_used", "gauge", "pages of the pool held by sequences or cached prefixes (--paged)",
+                s["pages_used"]),
                ("kivi_cache_pages_free", "gauge", "pages of the pool free (--paged)", s["pages_free"]),
                ("kivi_cache_pages_shared", "gauge", "pages held by more than one sequence (--paged)", s["pages_shared"]),
                ("kivi_requests_swapped", "gauge", "preempted requests waiting in host memory (--paged)", s["swapped"]),
                ("kivi_preemptions_total", "counter", "requests preempted (swapped out) since start (--paged)",
                 s["preemptions"])) if "pages_used" in s else ()),
+            *((("kivi_cache_pages_cached", "gauge", "pages held by cached prefixes (--prefix-caching; reclaimable "
+                "unless a sequence holds them too)", s["pages_cached"]),
+               ("kivi_prefixes_cached", "gauge", "cached prefixes (--prefix-caching)", s["prefixes_cached"]),
+               ("kivi_prefix_hits_total", "counter", "requests that started from a cached prefix (--prefix-caching)",
+                s["prefix_hits"]),
+               ("kivi_prefix_hit_tokens_total", "counter", "prompt tokens taken from cached prefixes, not prefilled "
+                "(--prefix-caching)", s["prefix_hit_tokens"])) if "pages_cached" in s else ()),
         ):
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
         lines += ["# HELP kivi_cache_rank_bytes bytes of the cache each rank holds (its KV heads)",

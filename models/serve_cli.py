@@ -29,6 +29,16 @@ def add_serve_parser(sub) -> None:
                         "the bytes a static cache of 8 rows would take")
     s.add_argument("--page-size", type=positive_int, default=None,
                    help="--paged: tokens per page (fp: default 16, as vLLM; KIVI: a multiple of --group-size)")
+    s.add_argument("--prefix-caching", action="store_true",
+                   help="--paged: requests that start with the same tokens share the pages of that prefix, which is "
+                        "prefilled once (vLLM's automatic prefix caching); prompts are then prefilled in chunks of "
+                        "--prefix-chunk tokens (docs/serve.md)")
+    s.add_argument("--prefix-chunk", type=positive_int, default=None,
+                   help="--prefix-caching: the prefill chunk and the granularity of sharing, a multiple of the page "
+                        f"size (default: {PREFIX_CHUNK} rounded up to a multiple of the page size)")
+    s.add_argument("--prefix-cache-size", type=positive_int, default=256,
+                   help="--prefix-caching: cached prefixes kept at most (each keeps a host copy of its row state), "
+                        "least recently used dropped first (default 256)")
     s.add_argument("--max-seq-len", type=positive_int, default=2048,
                    help="tokens per row: prompt + max_tokens of one request (at most the model's context)")
     s.add_argument("--host", default="127.0.0.1")
@@ -80,6 +90,10 @@ def access_settings(args, parser) -> tuple[Optional[str], Optional[tuple[str, ..
 
 
 PAGED_ROWS = 32  # --paged: default rows (the pool, not the rows, bounds how many run)
+# --prefix-caching: the default prefill chunk, rounded up to a multiple of the page size. Chunks
+# of 64 cost 1.3x a one-shot prefill of 512 tokens (SmolLM2, CPU), chunks of 32 2.3-2.5x
+# (docs/serve.md); smaller chunks share more of a prefix, bigger ones cost little more or less.
+PREFIX_CHUNK = 64
 
 
 def plan_pages(model, args, kivi_config, parser) -> tuple[int, int, int]:
@@ -137,11 +151,17 @@ def check_paging_flags(args, parser) -> None:
     if args.paged:
         if args.num_pages is not None and args.cache_budget_gib is not None:
             parser.error("--num-pages and --cache-budget-gib exclude each other: both size the pool")
+        if not args.prefix_caching:
+            for flag in ("prefix_chunk",):
+                if getattr(args, flag) is not None:
+                    parser.error(f"--{flag.replace('_', '-')} applies only with --prefix-caching")
         return
+    if args.prefix_caching:
+        parser.error("--prefix-caching needs --paged (static rows hold no shareable pages)")
     if args.max_batch is not None and args.cache_budget_gib is not None:
         parser.error("argument --cache-budget-gib: not allowed with argument --max-batch (without --paged the "
                      "budget decides the rows)")
-    for flag in ("num_pages", "page_size"):
+    for flag in ("num_pages", "page_size", "prefix_chunk"):
         if getattr(args, flag) is not None:
             parser.error(f"--{flag.replace('_', '-')} applies only with --paged")
 
@@ -151,6 +171,7 @@ def cmd_serve(args, parser) -> int:
 
     import uvicorn
 
+    from .generate import make_paged_cache
     from .parallel import is_main_process, world_size
     from .serve_engine import Engine, Paging
     from .serve_runner import Runner
@@ -184,6 +205,11 @@ def cmd_serve(args, parser) -> int:
     else:
         slots, pages, nbytes = plan_pages(model, args, kivi_config, parser)
         paging = Paging(pages, args.page_size)
+        if args.prefix_caching:  # the default chunk needs the page size, known once the cache kind is
+            page = args.page_size or make_paged_cache(model, method=args.method, batch_size=1, max_seq_len=1,
+                                                      num_pages=1, kivi_config=kivi_config, device="meta").page_size
+            chunk = args.prefix_chunk or page * -(-PREFIX_CHUNK // page)
+            paging = Paging(pages, args.page_size, chunk, args.prefix_cache_size)
         check_memory(nbytes, device, what=f"the paged cache ({pages} pages, {slots} rows)")
     runner_args = dict(method=args.method, kivi_config=kivi_config, slots=slots, max_seq_len=args.max_seq_len,
                        paging=paging, compile=args.compile)
@@ -203,7 +229,8 @@ def cmd_serve(args, parser) -> int:
             f"(an fp16 cache would hold {fp16_slots} slots in the same bytes)")
     else:
         log(f"paged: {slots} rows, a pool of {paging.num_pages} pages of {engine.cache.page_size} tokens, "
-            f"{nbytes / 2**20:.1f} MiB of {args.method} cache{share}; a request holds at most {args.max_seq_len} tokens")
+            f"{nbytes / 2**20:.1f} MiB of {args.method} cache{share}; a request holds at most {args.max_seq_len} tokens"
+            + (f"; prefix caching in chunks of {paging.prefix_chunk} tokens" if paging.prefix_chunk else ""))
     log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API; /health, /metrics)")
     app = build_app(engine, name, max_request_bytes=args.max_request_bytes, api_key=api_key, docs=args.docs,
                     allowed_hosts=allowed_hosts)

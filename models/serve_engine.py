@@ -21,6 +21,13 @@ rows go on; only an error in the batched decode step itself, which no single row
 all. Handlers talk to the engine through `submit` and the request's event queue (thread-safe
 callbacks).
 
+With --paged --prefix-caching (Paging.prefix_chunk) a prompt is prefilled in chunks at fixed
+boundaries instead (generate.prefill_chunked), starting from the longest cached prefix the
+scheduler found: its shared pages and its tail are copied into the staging cache
+(Runner.prefill_chunked, prefix_cache.py; the runner keeps each cached prefix's tail under an int
+key, on every rank), and each new boundary is cached on the way (block_manager.py holds the page
+references and evicts least recently used prefixes before it preempts).
+
 Work is bounded: `max_waiting` caps the queue beyond the free slots (submit refuses with 503), a
 cancelled request (its client went away) leaves its row at the next step, `request_timeout` ends
 requests older than it (504), and `drain` / `abort` end what is left at shutdown with an error
@@ -46,11 +53,15 @@ from typing import Callable, Optional
 
 import torch
 
-from .block_manager import BlockManager, Scheduler
+from .block_manager import BlockManager, CachedPrefix, Scheduler, prefix_keys
 from .generate import sampling_probs
 from .serve_runner import Runner
 
 log = logging.getLogger("kivi.serve")
+
+# Keys under which the runner keeps host copies (a swapped-out request's, a cached prefix's tail):
+# unique per process, and the same on every rank since only rank 0 draws them.
+HOST_KEYS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -108,16 +119,24 @@ class Request:
     first_token_s: Optional[float] = None
     saved: Optional[int] = None  # --paged, while swapped out: its page count (the runner holds the host copy)
     preemptions: int = 0
-    key: int = field(default_factory=itertools.count().__next__)  # names its host copy to the runner (every rank)
+    key: int = field(default_factory=lambda: next(HOST_KEYS))  # names its host copy to the runner (every rank)
+    prefix_keys: list = field(default_factory=list)  # --prefix-caching: keys of its prompt's chunk boundaries
+    prefix_hit: Optional[CachedPrefix] = None  # --prefix-caching: the cached prefix it starts from (until prefilled)
 
 
 @dataclass(frozen=True)
 class Paging:
     """`kivi serve --paged`: a pool of num_pages pages of page_size tokens (None: the cache kind's
-    default) per layer instead of a static row of max_seq_len tokens per request."""
+    default) per layer instead of a static row of max_seq_len tokens per request. prefix_chunk
+    (`--prefix-caching`): prompts are prefilled in chunks of that many tokens (a multiple of the
+    page size) and the prefixes at chunk boundaries are cached and shared (prefix_cache.py); at
+    most max_prefixes of them are kept (each holds a host copy of its tail; 0: the same chunked
+    prefill without any sharing, what sharing is tested against). None: off."""
 
     num_pages: int
     page_size: Optional[int] = None
+    prefix_chunk: Optional[int] = None
+    max_prefixes: int = 256
 
 
 class Engine:
@@ -140,9 +159,26 @@ class Engine:
         self.runner = make_runner(model, method=method, kivi_config=kivi_config, slots=slots, max_seq_len=max_seq_len,
                                   paging=paging, compile=compile)
         self.cache = self.runner.cache  # read here for sizes and lengths only; the runner changes it
+        self.prefix_chunk: Optional[int] = None
         if paging is not None:
             width = self.cache.max_pages_per_seq
-            self.blocks = BlockManager(paging.num_pages, width, self.cache.pages_needed)
+            self.prefix_chunk = paging.prefix_chunk
+            if self.prefix_chunk is not None:
+                page = self.cache.page_size
+                if isinstance(self.prefix_chunk, bool) or not isinstance(self.prefix_chunk, int) \
+                        or self.prefix_chunk <= 0 or self.prefix_chunk % page:
+                    raise ValueError(f"--prefix-chunk must be a positive multiple of the page size ({page} tokens, "
+                                     f"--page-size), got {self.prefix_chunk!r}")
+                if isinstance(paging.max_prefixes, bool) or not isinstance(paging.max_prefixes, int) \
+                        or paging.max_prefixes < 0:
+                    raise ValueError(f"--prefix-cache-size must be an int >= 0, got {paging.max_prefixes!r}")
+            self.blocks = BlockManager(paging.num_pages, width, self.cache.pages_needed,
+                                       max_prefixes=paging.max_prefixes if self.prefix_chunk is not None else 0)
+            # An evicted prefix's tail (a host copy the runner keeps under the prefix's key) is dropped
+            # after the round's prefills: a request admitted this round may still start from it.
+            self.evicted_tails: list[int] = []
+            self.blocks.on_evict = lambda prefix: self.evicted_tails.append(prefix.payload)
+            self.prefix_hits = self.prefix_hit_tokens = 0
             self.scheduler = Scheduler(self.blocks, slots)
             self.table = torch.full_like(self.cache.block_table, self.cache.num_pages, device="cpu")
             self.table_rows: list[tuple[Optional[Request], int]] = [(None, 0)] * slots  # what table[row] holds
@@ -179,6 +215,8 @@ class Engine:
             raise RequestError("the prompt is empty (no tokens); give text to continue", param="prompt")
         if (refused := self.capacity_error(len(request.prompt_ids), request.max_tokens)) is not None:
             raise refused
+        if self.prefix_chunk is not None:
+            request.prefix_keys = prefix_keys(request.prompt_ids, self.prefix_chunk)
         if request.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
         if self.request_timeout is not None:
@@ -243,6 +281,9 @@ class Engine:
                 stats.update(pages_used=self.blocks.num_used, pages_free=self.blocks.num_free,
                              pages_shared=self.blocks.num_shared, preemptions=self.scheduler.preemptions,
                              swapped=len(self.scheduler.swapped))
+            if self.prefix_chunk is not None:
+                stats.update(pages_cached=self.blocks.num_cached, prefixes_cached=len(self.blocks.prefixes),
+                             prefix_hits=self.prefix_hits, prefix_hit_tokens=self.prefix_hit_tokens)
             return stats
 
     def drain(self, timeout: float, message: str = "the server shut down before this request finished") -> None:
@@ -325,6 +366,8 @@ class Engine:
                         self._resume(slot)
                     if admitted:
                         self._prefill(admitted)
+                    if self.scheduler is not None:
+                        self._drop_evicted_tails()
                     if any(r is not None for r in self.rows):
                         if self.scheduler is not None:
                             self._write_block_table()
@@ -384,7 +427,12 @@ class Engine:
         """Under the lock: the block manager's round (block_manager.Scheduler). Preempted requests
         leave their rows (their pages are saved next, before anything else runs), resumed and
         admitted ones take free rows. Returns ([(row, request, pages saved)], resumed rows, admitted rows)."""
-        plan = self.scheduler.schedule(self.waiting, self._tokens_after_step)
+        lookup = None
+        if self.prefix_chunk is not None:  # a cached prefix must leave a token to prefill (its logits)
+            lookup = lambda r: r.prefix_keys[:(len(r.prompt_ids) - 1) // self.prefix_chunk]  # noqa: E731
+        plan = self.scheduler.schedule(self.waiting, self._tokens_after_step, lookup)
+        for r, hit in plan.hits.items():
+            r.prefix_hit = hit
         preempted = []
         for r, pages in plan.preempted:
             slot = self.rows.index(r)
@@ -445,8 +493,11 @@ class Engine:
         for slot in admitted:
             r = self.rows[slot]
             try:
-                pages = [] if self.scheduler is None else self.blocks.table(r)[:self.cache.pages_needed(len(r.prompt_ids))]
-                logits = self.runner.prefill(slot, r.prompt_ids, pages)
+                if self.prefix_chunk is not None:
+                    logits = self._prefill_shared(slot, r)
+                else:
+                    pages = [] if self.scheduler is None else self.blocks.table(r)[:self.cache.pages_needed(len(r.prompt_ids))]
+                    logits = self.runner.prefill(slot, r.prompt_ids, pages)
             except Exception as e:
                 if self.runner.failure is not None:
                     raise  # not this prompt's fault: every request ends (_runner_failed)
@@ -454,6 +505,38 @@ class Engine:
                 self._fail(slot, r, f"the prefill failed: {type(e).__name__}: {e}")
                 continue
             self._advance(logits, [slot], "the prompt")
+
+    def _prefill_shared(self, slot: int, r: Request) -> torch.Tensor:
+        """--prefix-caching: r's prompt in chunks (Runner.prefill_chunked), starting from its cached
+        prefix if the scheduler found one (its shared pages lead r's page list; its tail is a host
+        copy the runner keeps under the prefix's key), keeping a tail under a new key at each chunk
+        boundary not cached yet; those boundaries are cached once r's pages hold them. Returns the
+        logits."""
+        hit, r.prefix_hit = r.prefix_hit, None
+        chunk, table = self.prefix_chunk, self.blocks.table(r)
+        start, shared, tail_key = 0, 0, -1
+        if hit is not None:
+            start, shared, tail_key = hit.num_tokens, len(hit.pages), hit.payload
+            self.prefix_hits += 1
+            self.prefix_hit_tokens += start
+        new = [b for b in range(start + chunk, len(r.prompt_ids) + 1, chunk)  # only the engine thread changes prefixes
+               if self.blocks.max_prefixes and r.prefix_keys[b // chunk - 1] not in self.blocks.prefixes]
+        keys = [next(HOST_KEYS) for _ in new]
+        pages = table[:self.cache.pages_needed(len(r.prompt_ids))]
+        logits = self.runner.prefill_chunked(slot, r.prompt_ids, pages, chunk, start, shared, tail_key, new, keys)
+        with self.lock:
+            for b, key in zip(new, keys):  # r holds these pages: they are final, in the pool now
+                if not self.blocks.cache_prefix(r.prefix_keys[b // chunk - 1],
+                                                CachedPrefix(b, table[:self.cache.pages_final(b)], key)):
+                    self.runner.drop(key)
+        return logits
+
+    def _drop_evicted_tails(self) -> None:
+        """The host copies of the prefixes evicted since the last call (after the round's prefills)."""
+        with self.lock:
+            evicted, self.evicted_tails = self.evicted_tails, []
+        for key in evicted:
+            self.runner.drop(key)
 
     def _decode(self) -> None:
         active = [s for s in range(self.slots) if self.rows[s] is not None]

@@ -6,8 +6,8 @@ narrow interface is what lets tensor parallelism replay them: under torchrun, ra
 (serve_tp.LeaderRunner) also sends each action to the other ranks, whose plain Runner repeats it
 on their own shard (serve_tp.Worker). Every argument is therefore a plain int or a list of ints.
 
-A new cache action (prefix sharing's chunked prefill or window copy, say) is a new method here,
-called by the engine, plus one entry in serve_tp.OPS so that workers repeat it.
+A new cache action (as prefix caching's chunked prefill) is a new method here, called by the
+engine, plus one entry in serve_tp.OPS so that workers repeat it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 
 from kivi_ops.paged_io import copy_sequence, load_sequence, save_sequence
 
-from .generate import compile_decode_step, decode_step, make_cache, make_paged_cache, prefill
+from .generate import compile_decode_step, decode_step, make_cache, make_paged_cache, prefill, prefill_chunked
+from .prefix_cache import restore_prefix, save_tail
 
 
 class Runner:
@@ -50,15 +51,13 @@ class Runner:
             self.staging = make_paged_cache(model, batch_size=1, num_pages=width, **paged)
             self.staging_table = torch.arange(width, dtype=torch.int32, device=self.device)[None]
         self.step_fn = compile_decode_step(self.device) if compile else decode_step
-        self.saved: dict[int, object] = {}  # key -> a swapped-out sequence's host copy (paged)
+        self.saved: dict[int, object] = {}  # key -> a swapped-out sequence's host copy or a cached prefix's tail (paged)
 
     def prefill(self, slot: int, prompt_ids: list[int], pages: list[int]) -> torch.Tensor:
         """Prefill one prompt alone (exact attention, then quantization, as `kivi generate` does) and
         move it into row `slot` (paged: into `pages`, the pages its prompt needs; static: []).
         Returns the logits [1, V] of its last token."""
-        self.staging.reset()
-        if self.paged:
-            self.staging.block_table.copy_(self.staging_table)
+        self._stage()
         input_ids = torch.tensor([prompt_ids], device=self.device)
         counts = torch.tensor([len(prompt_ids)], device=self.device)
         logits = prefill(self.model, self.staging, input_ids, counts)
@@ -66,6 +65,38 @@ class Runner:
             copy_sequence(self.cache, slot, pages, self.staging, 0, range(len(pages)))
         else:
             self.cache.load_row(slot, self.staging)
+        return logits
+
+    def _stage(self) -> None:
+        self.staging.reset()
+        if self.paged:
+            self.staging.block_table.copy_(self.staging_table)
+
+    def prefill_chunked(self, slot: int, prompt_ids: list[int], pages: list[int], chunk: int, start: int, shared: int,
+                        tail_key: int, boundaries: list[int], keys: list[int]) -> torch.Tensor:
+        """--prefix-caching: prefill one prompt in chunks (generate.prefill_chunked) and move it into
+        row `slot` and `pages` (the pages its prompt needs, in order). start > 0: it starts from a
+        cached prefix of `start` tokens, whose pages are pages[:shared] (in the pool already,
+        shared) and whose tail is the host copy kept under tail_key (-1: none). At each boundary
+        in `boundaries` the tail is kept under the matching key of `keys` (every one is dropped
+        again if the prefill fails). Returns the logits [1, V] of its last token."""
+        self._stage()
+        staged = range(self.cache.max_pages_per_seq)
+        tails = dict(zip(boundaries, keys))
+
+        def at_boundary(b: int) -> None:
+            if b in tails:
+                self.saved[tails[b]] = save_tail(self.staging, 0, staged, b)
+
+        try:
+            if tail_key >= 0:
+                restore_prefix(self.staging, 0, staged, self.cache, pages[:shared], self.saved[tail_key])
+            logits = prefill_chunked(self.model, self.staging, prompt_ids, chunk, start=start, on_boundary=at_boundary)
+        except BaseException:
+            for key in keys:
+                self.saved.pop(key, None)
+            raise
+        copy_sequence(self.cache, slot, pages[shared:], self.staging, 0, staged[shared:len(pages)])
         return logits
 
     def save(self, slot: int, pages: list[int], key: int) -> None:

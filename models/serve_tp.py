@@ -58,15 +58,18 @@ class Op:
     fields: str
 
 
-# Prefix sharing (or any new cache action) adds its Runner method here. Which pages a sequence
-# holds, shared or not, needs nothing new: page ids reach the workers in prefill/save/load records
-# and in block table rows, so the block manager's decisions, made once on rank 0, apply everywhere.
+# A new cache action adds its Runner method here. Which pages a sequence holds, shared or not,
+# needs nothing new: page ids reach the workers in prefill/save/load records and in block table
+# rows, so the block manager's decisions, made once on rank 0, apply everywhere; each rank keeps
+# its own heads' host copies (swaps, cached prefixes' tails) under the keys rank 0 draws.
 OPS = (
     Op(1, "prefill", "ill"),  # slot, prompt ids, pages
     Op(2, "save", "ili"),  # slot, pages, key
     Op(3, "load", "ili"),  # slot, pages, key
     Op(4, "drop", "i"),  # key
     Op(5, "table_row", "il"),  # row, its page ids (the rest of the row: unused)
+    # slot, prompt ids, pages, chunk, start, shared pages, tail key, boundaries to keep, their keys
+    Op(6, "prefill_chunked", "illiiiill"),
 )
 BY_CODE = {op.code: op for op in OPS}
 BY_NAME = {op.name: op for op in OPS}
@@ -265,6 +268,11 @@ class LeaderRunner(Runner):
         self._queue("prefill", slot, prompt_ids, pages)
         self._send()
         return self._forward(super().prefill, slot, prompt_ids, pages)
+
+    def prefill_chunked(self, *args) -> torch.Tensor:
+        self._queue("prefill_chunked", *args)
+        self._send()
+        return self._forward(super().prefill_chunked, *args)
 
     def save(self, slot: int, pages: list[int], key: int) -> None:
         self._queue("save", slot, pages, key)

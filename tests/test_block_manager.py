@@ -1,5 +1,6 @@
 """The block manager and scheduler of `kivi serve --paged` (kivi_models/block_manager.py), without a
-model: allocation, freeing, reference counts, preemption order, FCFS resumption, no starvation."""
+model: allocation, freeing, reference counts, preemption order, FCFS resumption, no starvation, and
+prefix caching (keys, shared pages, least-recently-used eviction before preemption)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import random
 
 import pytest
 
-from kivi_models.block_manager import BlockManager, NoFreePages, Scheduler
+from kivi_models.block_manager import BlockManager, CachedPrefix, NoFreePages, Scheduler, prefix_keys
 
 PS = 4
 
@@ -167,3 +168,132 @@ def test_finish_of_a_swapped_request_forgets_it():
     sched.finish(b)
     sched.finish(b)  # twice is harmless
     assert blocks.num_free == 3 and not sched.swapped
+
+
+# ---------------------------------------------------------------- prefix caching
+
+
+def test_prefix_keys_name_the_whole_prefix_and_only_whole_chunks():
+    a = prefix_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    assert len(a) == 2  # 4 and 8 tokens; the 9th is no whole chunk
+    assert prefix_keys([1, 2, 3, 4, 5, 6, 7, 8], 4) == a
+    b = prefix_keys([0, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert b[0] != a[0] and b[1] != a[1]  # a change in chunk 1 changes every later key (a chain)
+    assert prefix_keys([12, 34], 4) == [] and prefix_keys([1, 23], 1) != prefix_keys([12, 3], 1)
+    with pytest.raises(ValueError, match="chunk must be a positive int"):
+        prefix_keys([1], 0)
+
+
+def test_a_cached_prefix_keeps_its_pages_until_evicted_and_sequences_share_them_by_reference():
+    b = BlockManager(8, 6, pages, max_prefixes=2)
+    b.allocate("a", 12)  # pages 0, 1, 2
+    assert b.cache_prefix(b"k8", CachedPrefix(8, b.table("a")[:2], payload="tail"))
+    assert not b.cache_prefix(b"k8", CachedPrefix(8, [2]))  # cached already: nothing changes
+    assert b.num_cached == 2 and b.num_shared == 0 and b.num_reclaimable == 0  # a holds them too
+    b.check()
+    b.free("a")
+    assert b.num_free == 6 and b.num_reclaimable == 2  # held by the cache alone
+    hit = b.lookup([b"k4", b"k8", b"k12"])
+    assert hit is not None and hit.num_tokens == 8 and hit.payload == "tail"
+    b.share("x", hit)
+    b.share("y", hit)
+    b.allocate("x", 16)
+    assert b.table("x")[:2] == [0, 1] and len(b.table("x")) == 4
+    assert b.num_shared == 2 and b.num_reclaimable == 0
+    b.check()
+    with pytest.raises(ValueError, match="already holds pages"):
+        b.share("x", hit)
+    b.clear_prefixes()  # the sequences keep the pages
+    assert b.refs[0] == 2 and b.num_cached == 0
+    b.free("x")
+    b.free("y")
+    assert b.num_free == 8 and b.evictions == 1
+    b.check()
+
+
+def test_the_least_recently_used_prefix_goes_beyond_max_prefixes():
+    b = BlockManager(8, 6, pages, max_prefixes=2)
+    b.allocate("a", 12)
+    for key, n in ((b"1", 1), (b"2", 2), (b"3", 3)):
+        if key == b"3":
+            assert b.lookup([b"1"]) is not None  # 1 used again: 2 is now the oldest
+        b.cache_prefix(key, CachedPrefix(4 * n, b.table("a")[:n]))
+    assert list(b.prefixes) == [b"1", b"3"] and b.evictions == 1
+    b.check()
+    with pytest.raises(ValueError, match="must be held by a sequence"):
+        b.cache_prefix(b"4", CachedPrefix(4, [7]))
+    assert not BlockManager(8, 6, pages).cache_prefix(b"1", CachedPrefix(4, [0]))  # caching off
+    with pytest.raises(ValueError, match="max_prefixes must be an int >= 0"):
+        BlockManager(8, 6, pages, max_prefixes=-1)
+
+
+def test_pages_only_the_cache_holds_are_evicted_before_a_running_request_is_preempted():
+    blocks = BlockManager(6, 6, pages, max_prefixes=4)
+    sched = Scheduler(blocks, 4)
+    a = Seq("a", 8, 1)
+    sched.schedule(collections.deque([a]), Seq.tokens)
+    blocks.cache_prefix(b"old", CachedPrefix(4, blocks.table(a)[:1]))
+    blocks.cache_prefix(b"new", CachedPrefix(8, blocks.table(a)[:2]))
+    sched.finish(a)
+    assert blocks.num_free == 4 and blocks.num_reclaimable == 2
+    b, c = Seq("b", 4, 20), Seq("c", 4, 20)
+    sched.schedule(collections.deque([b, c]), Seq.tokens)  # 2 pages each: the 4 free ones
+    assert sched.running == [b, c] and blocks.num_free == 0
+    b.generated = 5  # b needs a third page: the cache gives it up (LRU "old" frees nothing alone: its
+    plan = sched.schedule(collections.deque(), Seq.tokens)  # page is in "new" too, so "new" goes as well)
+    assert not plan.preempted and sched.preemptions == 0 and blocks.evictions == 2 and not blocks.prefixes
+    blocks.check()
+    assert blocks.num_free == 1
+    b.generated = 13  # 2 more pages, 1 free, nothing reclaimable: now c (the newest) is preempted
+    plan = sched.schedule(collections.deque(), Seq.tokens)
+    assert [s for s, _ in plan.preempted] == [c]
+    blocks.check()
+
+
+def test_admission_takes_the_longest_cached_prefix_and_waits_whole_when_the_rest_does_not_fit():
+    blocks = BlockManager(5, 6, pages, max_prefixes=4)
+    sched = Scheduler(blocks, 4)
+    a = Seq("a", 8, 30)
+    sched.schedule(collections.deque([a]), Seq.tokens)  # 3 pages
+    blocks.cache_prefix(b"8", CachedPrefix(8, blocks.table(a)[:2], payload="p8"))
+    keys = {"b": [b"4", b"8"], "c": [b"8"]}
+    b, c = Seq("b", 11, 5), Seq("c", 20, 5)  # b: 3 pages, 2 shared; c: 6 pages, more than fit
+    waiting = collections.deque([b, c])
+    plan = sched.schedule(waiting, Seq.tokens, lambda s: keys[s.name])
+    assert plan.admitted == [b] and plan.hits[b].payload == "p8" and list(waiting) == [c]
+    assert blocks.table(b)[:2] == blocks.table(a)[:2] and blocks.num_shared == 2
+    assert c not in blocks.tables  # its share was undone: it holds nothing while it waits
+    blocks.check()
+    plan = sched.schedule(waiting, Seq.tokens)  # without prefix_keys: no lookup, no hits
+    assert not plan.hits
+
+
+def test_a_random_workload_with_prefix_caching_finishes_with_the_pool_intact():
+    rng = random.Random(1)
+    for trial in range(20):
+        seqs = [Seq(f"s{i}", rng.randint(1, 20), rng.randint(1, 20)) for i in range(rng.randint(1, 12))]
+        group = {s.name: rng.randint(0, 2) for s in seqs}  # sequences of a group start with the same tokens
+        num_pages = max(pages(s.prompt + s.max_tokens) for s in seqs) + rng.randint(0, 6)
+        blocks = BlockManager(num_pages, 64, pages, max_prefixes=rng.randint(1, 5))
+        sched = Scheduler(blocks, rng.randint(1, 6))
+        waiting = collections.deque(seqs)
+        keys = lambda s: [f"{group[s.name]}:{n}".encode() for n in range(1, (s.prompt - 1) // PS + 1)]  # noqa: E731
+        done = []
+        for _ in range(10_000):
+            if not (waiting or sched.running or sched.swapped):
+                break
+            plan = sched.schedule(waiting, Seq.tokens, keys)
+            for s in plan.admitted:  # cache the prefixes its prompt made (the engine: after its prefill)
+                for n, key in enumerate(keys(s), start=1):
+                    blocks.cache_prefix(key, CachedPrefix(n * PS, blocks.table(s)[:n]))
+            for s in sched.running:
+                assert len(blocks.table(s)) >= pages(s.tokens())
+            blocks.check()
+            for s in list(sched.running):
+                s.generated += 1
+                if s.generated >= s.max_tokens:
+                    sched.finish(s)
+                    done.append(s.name)
+        assert sorted(done) == sorted(s.name for s in seqs), trial
+        blocks.clear_prefixes()
+        assert blocks.num_free == num_pages, trial

@@ -198,6 +198,11 @@ def test_serve_usage_errors(tiny_dir, capsys):
                           (["--page-size", "8"], "--page-size applies only with --paged"),
                           (["--paged", "--num-pages", "4", "--cache-budget-gib", "1"], "exclude each other"),
                           (["--paged", "--method", "fp", "--cache-budget-gib", "0.000001", "--max-seq-len", "32"],
-                           "does not hold the state of 32 rows")):
+                           "does not hold the state of 32 rows"),
+                          (["--prefix-caching"], "--prefix-caching needs --paged"),
+                          (["--paged", "--prefix-chunk", "8"], "--prefix-chunk applies only with --prefix-caching"),
+                          (["--paged", "--method", "fp", "--num-pages", "8", "--max-seq-len", "32",
+                            "--prefix-caching", "--prefix-chunk", "24"],
+                           "--prefix-chunk must be a positive multiple of the page size (16 tokens")):
         code, _, err = run(["serve", "--model", str(tiny_dir), *argv], capsys)
         assert code == 2 and message in err, (argv, err)

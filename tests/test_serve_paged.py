@@ -44,10 +44,11 @@ def tiny():
     return patch_model(tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=256)), tokenizer
 
 
-def make_engine(tiny, method, num_pages, page_size=None, slots=4, **options) -> Engine:
+def make_engine(tiny, method, num_pages, page_size=None, slots=4, prefix_chunk=None, prefix_cache_size=256,
+                **options) -> Engine:
     model, tokenizer = tiny
     engine = Engine(model, tokenizer, method=method, kivi_config=CONFIG, slots=slots, max_seq_len=MAX_SEQ_LEN,
-                    paging=Paging(num_pages, page_size), **options)
+                    paging=Paging(num_pages, page_size, prefix_chunk, prefix_cache_size), **options)
     engine.eos = set()
     return engine
 

@@ -134,6 +134,43 @@ def test_a_worker_replaying_the_plans_holds_rank_0s_cache_bit_for_bit(tiny, meth
         assert ops["table_row"] > 0
 
 
+def test_prefix_caching_replays_on_a_worker_with_its_own_tails(tiny):
+    """--prefix-caching under tensor parallelism: the chunked prefills (from a cached prefix or
+    not) replay on the worker, which keeps its own copy of every cached prefix's tail under rank
+    0's key; the tokens equal the single-process engine's, and both ranks' caches, tails included,
+    are bit for bit the same. The pool is small enough that prefixes are evicted, and their tails
+    dropped on both ranks."""
+    pytest.importorskip("kivi_ops.paged")
+    model, tokenizer = tiny
+    system = tokenizer(" ".join(["The quick brown fox jumps over the lazy dog."] * 3))["input_ids"]
+    prompts = [tokenizer.decode(system + tokenizer(p)["input_ids"]) for p in PROMPTS]
+    paging = Paging(24, 4, prefix_chunk=8, max_prefixes=6)
+    alone = Engine(model, tokenizer, method="kivi", kivi_config=CONFIG, slots=4, max_seq_len=MAX_SEQ_LEN,
+                   paging=paging)
+    alone.eos = set()
+    try:
+        want = complete_all(alone, prompts, LENGTHS)
+    finally:
+        alone.close()
+    engine, channel = tp_engine(tiny, "kivi", paging)
+    try:
+        got = complete_all(engine, prompts, LENGTHS, stagger=0.01)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert got == want
+    assert stats["prefix_hits"] > 0 and engine.blocks.evictions > 0, stats
+    ops = collections_of(channel.plans)
+    assert ops["prefill_chunked"] == len(prompts) and ops["prefill"] == 0
+    assert_same_cache(engine.runner, channel.runner)
+    tails = {prefix.payload for prefix in engine.blocks.prefixes.values()}
+    assert engine.runner.saved.keys() == channel.runner.saved.keys() == tails  # evicted ones dropped on both
+    for key in tails:
+        ours, theirs = engine.runner.saved[key], channel.runner.saved[key]
+        assert ours.num_pages == theirs.num_pages and ours.saved.keys() == theirs.saved.keys()
+        assert all(torch.equal(ours.saved[k], theirs.saved[k]) for k in ours.saved)
+
+
 def collections_of(plans) -> dict:
     counts = {op.name: 0 for op in OPS}
     for plan in plans:
