@@ -26,7 +26,9 @@ from test_serve_paged import CONFIG, LENGTHS, MAX_SEQ_LEN, PROMPTS, complete_all
 
 def test_a_plan_survives_encoding_and_a_decode_step_is_one_fixed_size_header():
     records = (("save", (2, [7, 3, 9], 41)), ("load", (0, [1], 40)), ("drop", (39,)), ("table_row", (1, [5, 6])),
-               ("table_row", (3, [])), ("prefill", (1, [101, 5, 17, 2], [4, 8])))
+               ("table_row", (3, [])), ("prefill", (1, [101, 5, 17, 2], [4, 8])),
+               ("prefill_chunked", (2, [101, 5, 17, 2, 9], [4, 8, 3], 4, 4, 1, 38, [], [])),
+               ("prefill_chunked", (0, [7] * 9, [2, 5, 6], 4, 0, 0, -1, [4, 8], [42, 43])))
     assert {name for name, _ in records} == {op.name for op in OPS}  # every op
     plan = Plan(PLAN, 12, records, tokens=(5, -1, 9, -1))
     header, payload = encode_plan(plan, rows=4)
