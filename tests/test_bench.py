@@ -132,6 +132,16 @@ def test_bench_serve_runs_the_caches_at_one_budget(tmp_path):
         assert r["cache_bytes"] <= 0.02 * 2**30 and r["generated_tokens"] > 0 and r["peak_held"] <= r["rows"]
     assert by["fp-paged"]["peak_pages_used"] <= by["fp-paged"]["pages"]
     assert (tmp_path / "bench_serve_cpu.png").is_file()
+    for r in by.values():  # the steady window: inside the run, after the fill, its counts within the whole run's
+        whole, steady = r["whole"], r["steady"]
+        assert whole["output_tokens"] == r["generated_tokens"] and whole["seconds"] == pytest.approx(r["seconds"])
+        assert 0 <= r["steady_from_s"] < r["seconds"] and steady["seconds"] == pytest.approx(r["seconds"] - r["steady_from_s"])
+        assert 0 < steady["output_tokens"] <= whole["output_tokens"] and steady["requests_done"] <= whole["requests_done"]
+        assert steady["total_tokens_per_s"] > steady["output_tokens_per_s"] > 0
+        assert steady["decode_calls"] > 0 and 0 < steady["decode_s"] + steady["prefill_s"] <= steady["seconds"] + 1e-6
+        assert steady["itl_p50_s"] <= steady["itl_p99_s"] and steady["ttft_p50_s"] <= steady["ttft_p99_s"]
+        assert len(r["steady_halves_output_tokens_per_s"]) == 2
+    assert result["steady_fill"] == 0.9
 
 
 def test_hf_generate_bench_times_every_cache_through_model_generate():
@@ -175,3 +185,70 @@ def test_bench_memory_serving_table_holds_the_issues_numbers(tmp_path):
         assert held[("llama2-7b", "chat", "KIVI-2 paged")] > 2 * held[("llama2-7b", "chat", "fp16 paged")]
     assert main(["bench", "memory", "--contexts", "4096", "--out", str(tmp_path)]) == 0
     assert "| llama3-8b | chat | fp16 paged |" in (tmp_path / "bench_memory_serving.md").read_text()
+
+
+def test_serve_percentile_is_linear_between_ranks():
+    from kivi_benchmarks.serve_bench import percentile
+
+    assert percentile([], 50) is None
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([4, 1, 3, 2], 50) == 2.5  # unsorted input; between the 2nd and 3rd
+    assert percentile(range(1, 101), 99) == pytest.approx(99.01)  # numpy.percentile(range(1, 101), 99)
+    assert percentile([1, 2, 3], 0) == 1 and percentile([1, 2, 3], 100) == 3
+    with pytest.raises(ValueError):
+        percentile([1], 101)
+
+
+def test_serve_steady_window_starts_when_the_fill_is_done():
+    from kivi_benchmarks.serve_bench import steady_start
+
+    # (t, held, ...): a server filling 10 rows one prefill at a time, then holding 8-10.
+    samples = [(t, min(t, 10)) for t in range(12)] + [(12, 8), (13, 9), (14, 10), (15, 9)]
+    assert steady_start(samples, 1.0) == 10  # first time at the peak
+    assert steady_start(samples, 0.9) == 9  # ceil(0.9 x 10) = 9
+    assert steady_start(samples, 0.85) == 9  # ceil(8.5) = 9, not 8
+    # A later, higher peak moves a fill of 1.0 there, not a fill of 0.9 (9 of 10 reached at t=9).
+    late = samples + [(16, 11)]
+    assert steady_start(late, 1.0) == 16 and steady_start(late, 0.8) == 9
+    assert steady_start([(0, 0), (1, 0)]) is None
+    with pytest.raises(ValueError):
+        steady_start(samples, 0)
+
+
+def test_serve_window_metrics_count_only_the_window():
+    from kivi_benchmarks.serve_bench import window_metrics
+
+    def req(sub, first, done, prompt, out, chunks):
+        return dict(submitted_s=sub, first_token_s=first, done_s=done, prompt_tokens=prompt, output_tokens=out,
+                    chunk_s=chunks)
+
+    requests = [
+        req(0.0, 1.0, 5.0, 10, 5, [1.0, 2.0, 3.0, 4.0, 5.0]),  # first token before the window: TPOT not counted
+        req(0.0, 11.0, 15.0, 20, 3, [11.0, 13.0, 15.0]),  # inside: TTFT 11, TPOT 2
+        req(12.0, 13.0, 19.0, 30, 4, [13.0, 15.0, 17.0, 19.0]),  # inside: TTFT 1, TPOT 2
+        req(14.0, 16.0, None, 40, 2, [16.0, 18.0]),  # cancelled at the end: no completion, its prefill counts
+        req(19.0, None, None, 50, 0, []),  # no token: not in TTFT
+    ]
+    # (t, held, pages, generated so far, preemptions so far)
+    samples = [(0.0, 0, 0, 0, 0), (4.0, 1, 3, 4, 0), (10.0, 2, 5, 5, 1), (15.0, 2, 6, 9, 1), (20.0, 1, 4, 14, 3)]
+    phases = [("prefill", 0.5, 1.0, 1), ("decode", 1.0, 5.0, 1), ("prefill", 10.0, 11.0, 1), ("decode", 11.0, 12.0, 1),
+              ("prefill", 12.0, 13.0, 1), ("decode", 13.0, 20.0, 2)]
+    m = window_metrics(requests, samples, phases, 10.0, 20.0)
+    assert m["seconds"] == 10.0
+    assert m["output_tokens"] == 14 - 5 and m["output_tokens_per_s"] == pytest.approx(0.9)
+    assert m["requests_done"] == 2 and m["requests_per_s"] == pytest.approx(0.2)
+    assert m["prompt_tokens"] == 20 + 30 + 40  # first token at 11, 13, 16
+    assert m["total_tokens_per_s"] == pytest.approx((9 + 90) / 10)
+    assert m["ttft_p50_s"] == pytest.approx(2.0)  # of [11, 1, 2]
+    assert m["tpot_p50_s"] == pytest.approx(2.0) and m["tpot_p99_s"] == pytest.approx(2.0)
+    assert m["itl_p50_s"] == pytest.approx(2.0)  # 2 s gaps only; request 1's 1 s gaps are outside
+    assert m["preemptions"] == 2 and m["peak_held"] == 2 and m["peak_pages_used"] == 6
+    assert m["prefill_s"] == pytest.approx(2.0) and m["prefill_calls"] == 2
+    assert m["decode_s"] == pytest.approx(8.0) and m["decode_calls"] == 2
+    assert m["prefill_s_per_prompt"] == pytest.approx(2.0 / 3) and m["decode_s_per_step"] == pytest.approx(4.0)
+    whole = window_metrics(requests, samples, phases, 0.0, 20.0)
+    assert whole["output_tokens"] == 14 and whole["requests_done"] == 3
+    assert whole["tpot_p50_s"] == pytest.approx(2.0)  # of [1, 2, 2]
+    assert whole["prefill_s"] == pytest.approx(2.5) and whole["decode_s"] == pytest.approx(12.0)
+    with pytest.raises(ValueError):
+        window_metrics(requests, samples, phases, 5.0, 5.0)
