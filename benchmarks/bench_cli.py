@@ -76,8 +76,11 @@ def add_bench_parser(sub) -> None:
                      help="paged KIVI's page size (default: the paged cache's); paged fp uses 16")
     srv.add_argument("--compile", action="store_true", help="compile the decode step (as kivi serve --compile)")
     srv.add_argument("--steady-fill", type=_fraction, default=None,
-                     help="the steady-state window starts when the server first holds this share of the most "
-                          "sequences it held in the run (the startup fill done), and runs to the end (default 0.9)")
+                     help="the steady-state window starts when the server first decodes a batch of this share of "
+                          "the largest batch of the run (the startup fill done; default 0.9)")
+    srv.add_argument("--warmup-turnover", type=float, default=None,
+                     help="and only after this many completed requests per row of the largest batch (default 1.0: "
+                          "the initial fill's sequences replaced once on average; 0: from the fill on)")
 
     hfg = bsub.add_parser("hf-generate", help="transformers' model.generate(): DynamicCache, quanto's QuantizedCache "
                                               "and our KIVI-2 cache (compiled and eager), decode tokens/s, side by side in one run")
@@ -244,7 +247,8 @@ def cmd_bench(args, parser) -> int:
                                  kivi_config=KIVIConfig(residual_length=args.residual_length), compile=args.compile,
                                  caches=args.caches or CACHES, duration=args.duration, length_scale=args.length_scale,
                                  shared_prefix=args.shared_prefix, page_size=args.page_size,
-                                 **({} if args.steady_fill is None else dict(steady_fill=args.steady_fill)))
+                                 **({} if args.steady_fill is None else dict(steady_fill=args.steady_fill)),
+                                 **({} if args.warmup_turnover is None else dict(warmup_turnover=args.warmup_turnover)))
         result.update(device=device, model="default", compile=args.compile, budget_gib=args.budget_gib,
                       environment=environment(device))
         name = f"bench_serve_{device}" + (f"_prefix{args.shared_prefix}" if args.shared_prefix else "")

@@ -13,27 +13,34 @@ log-normal lengths (traces.py: ShareGPT's means, times `length_scale`), prompts 
 text, greedy, EOS ignored (every request generates its drawn length, as vLLM's benchmarks do).
 `shared_prefix` puts the same system prompt of that many tokens before every prompt.
 
-Reported per cache, over two windows: the whole run (the startup fill included, what earlier
-versions reported as tokens/s) and the steady state, which the serving numbers are read from. The
-steady window starts when the server first holds `steady_fill` (default 0.9) of the most sequences
-it held during the run, i.e. when the initial fill is done (a server with 126 rows prefills 126
-prompts one at a time before its first full decode step), and runs to the end (steady_start()). In
-each window, as vLLM's benchmark_serving reports them: requests completed per second, output
-tokens/s (tokens generated inside the window, from the engine's counter sampled every 10 ms), total
-tokens/s (output + the prompt tokens of the prompts prefilled inside the window), TTFT (submission
-to first token, queueing included, over requests whose first token came inside the window), TPOT
-((completion - first token) / (output tokens - 1), over requests whose first token and completion
-both fall inside it) and ITL (the gaps between a request's streamed text events inside it), each
-p50 / p99 (percentile(): linear interpolation, numpy's default). Also per window: the sequences held
-(mean and peak), preemptions, pages used, and the engine's time in prefills and in decode steps
-(the engine's _prefill and _decode timed from the bench). The steady window's output tokens/s is
-also given for its two halves: where they differ, the run was too short to be steady.
-Legacy whole-run keys (tokens_per_s, ttft_p50_s, ...) keep their earlier meaning; TTFT there counts
-a request that got no token before the end as the run's length.
+Reported per cache, over three windows: the whole run (the startup fill included, what earlier
+versions reported as tokens/s), the run after the fill (from the first decode step with at least
+`steady_fill` (0.9) of the largest batch any step decoded: a server with 126 rows prefills 126
+prompts one at a time before that step), and the steady state, which the serving numbers are read
+from: it starts once the server has also completed `warmup_turnover` (1.0) x that batch requests,
+so that the initial fill's sequences, which all started together with short prompts, have been
+replaced once on average, and runs to the end (steady_start()). A run too short for that has no
+steady window (reported, with the completions it had). In each window, as vLLM's benchmark_serving
+reports them: requests completed per second, output tokens/s (tokens generated inside the window,
+from the engine's counter sampled every 10 ms), total tokens/s (output + the prompt tokens of the
+prompts prefilled inside the window), TTFT (submission to first token, queueing included, over
+requests whose first token came inside the window), TPOT ((completion - first token) / (output
+tokens - 1), over requests whose first token and completion both fall inside it) and ITL (the gaps
+between a request's streamed text events inside it), each p50 / p99 (percentile(): linear
+interpolation, numpy's default). Also per window: the sequences held (rows in use, sampled every
+10 ms: mean and peak), preemptions, pages used, the engine's time in prefills and in decode steps
+(its _prefill and _decode timed from the bench), and the share of a core the engine thread got
+(its CPU clock over the wall clock: on a shared machine the caches, run one after the other, get
+different shares, and output tokens per engine CPU second compares them with less of that noise).
+The steady window's output tokens/s is also given for its two halves: where they differ much, the
+run was too short or the machine's load changed. Legacy whole-run keys (tokens_per_s, ttft_p50_s,
+...) keep their earlier meaning; TTFT there counts a request that got no token before the end as
+the run's length.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -96,7 +103,8 @@ def plan(model, cache: str, *, budget_bytes: float, max_seq_len: int, kivi_confi
                 bytes=base + rows * per_row + pages * per_page)
 
 
-STEADY_FILL = 0.9  # the steady window starts when the server first holds this share of its peak held
+STEADY_FILL = 0.9  # the fill is done at the first decode step of at least this share of the largest batch
+WARMUP_TURNOVER = 1.0  # and the steady window starts after this many completions per row of that batch
 
 
 def percentile(values, q: float):
@@ -113,19 +121,42 @@ def percentile(values, q: float):
     return xs[lo] + (xs[hi] - xs[lo]) * (at - lo)
 
 
-def steady_start(samples: list, fill: float = STEADY_FILL):
-    """The time the steady window starts: the first sample (t, held, ...) at which the server holds
-    at least ceil(fill x the most it held in the run) sequences (the initial fill is done). None
-    when it never held one."""
+def fill_done(phases: list, samples: list, fill: float = STEADY_FILL):
+    """(time, batch): when the initial fill is done, the start of the first decode step that ran at
+    least ceil(fill x the largest batch any step of the run decoded) rows, and that largest batch.
+    phases: (kind, start, end, n) as window_metrics takes them. Without decode phases, from the
+    samples (t, held, ...): the first at ceil(fill x the peak held) (held counts rows admitted but
+    not yet prefilled, so this comes earlier). (None, 0) when nothing ran."""
     import math
 
     if not 0 < fill <= 1:
         raise ValueError(f"fill must be in (0, 1], got {fill}")
-    peak = max((s[1] for s in samples), default=0)
+    steps = [(a, n) for kind, a, _, n in phases if kind == "decode"] or [(s[0], s[1]) for s in samples]
+    peak = max((n for _, n in steps), default=0)
     if peak == 0:
-        return None
+        return None, 0
     need = math.ceil(fill * peak - 1e-9)
-    return next(s[0] for s in samples if s[1] >= need)
+    return next(t for t, n in steps if n >= need), peak
+
+
+def steady_start(phases: list, samples: list, done_s: list, *, fill: float = STEADY_FILL,
+                 turnover: float = WARMUP_TURNOVER):
+    """The start of the steady window, or None when the run has none: the later of the fill being
+    done (fill_done) and the completion of the first ceil(turnover x that largest batch) requests
+    (done_s: completion times), so that the sequences of the initial fill, which all started
+    together with short prompts, have been replaced once on average."""
+    import math
+
+    if turnover < 0:
+        raise ValueError(f"turnover must be >= 0, got {turnover}")
+    t_fill, batch = fill_done(phases, samples, fill)
+    if t_fill is None:
+        return None
+    need = math.ceil(turnover * batch - 1e-9)
+    if need == 0:
+        return t_fill
+    done = sorted(done_s)
+    return max(t_fill, done[need - 1]) if len(done) >= need else None
 
 
 def _overlap(a: float, b: float, t0: float, t1: float) -> float:
@@ -137,8 +168,11 @@ def window_metrics(requests: list, samples: list, phases: list, t0: float, t1: f
     requests: dicts with submitted_s, first_token_s (None: no token yet), done_s (None: not
     completed), prompt_tokens, output_tokens (generated by the end), chunk_s (the times of its
     streamed text events); samples: (t, held, pages used, generated tokens so far, preemptions so
-    far), in time order, one at or before t0 and one at t1; phases: (kind "prefill" or "decode",
-    start, end, prompts prefilled or rows decoded)."""
+    far[, the engine thread's CPU seconds so far]), in time order, one at or before t0 and one at
+    t1; phases: (kind "prefill" or "decode", start, end, prompts prefilled or rows decoded).
+    With the CPU clock: engine_cpu_share, the share of one core the engine thread got in the
+    window (below 1: other work had the CPU), and output tokens per engine CPU second, which
+    depends much less on that than tokens/s does."""
     seconds = t1 - t0
     if not seconds > 0:
         raise ValueError(f"empty window [{t0}, {t1}]")
@@ -171,6 +205,10 @@ def window_metrics(requests: list, samples: list, phases: list, t0: float, t1: f
         mine = [(a, b, n) for k, a, b, n in phases if k == kind and _overlap(a, b, t0, t1) > 0]
         out[f"{kind}_s"] = sum(_overlap(a, b, t0, t1) for a, b, _ in mine)
         out[f"{kind}_calls"] = len(mine)
+    if len(first) > 5 and len(last) > 5:
+        cpu = last[5] - first[5]
+        out.update(engine_cpu_s=cpu, engine_cpu_share=cpu / seconds,
+                   output_tokens_per_engine_cpu_s=output / cpu if cpu > 0 else None)
     out["prefill_s_per_prompt"] = out["prefill_s"] / len(prefilled) if prefilled else None
     out["decode_s_per_step"] = out["decode_s"] / out["decode_calls"] if out["decode_calls"] else None
     return out
@@ -198,7 +236,8 @@ def _time_phases(engine: Engine, phases: list) -> None:
 
 
 def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, requests: list, clients: int,
-               duration: float, compile: bool, steady_fill: float = STEADY_FILL) -> dict:
+               duration: float, compile: bool, steady_fill: float = STEADY_FILL,
+               warmup_turnover: float = WARMUP_TURNOVER) -> dict:
     if compile:
         # Each cache compiles its own step; the earlier caches' compiled code would otherwise stay
         # on the same function (dynamo then checks their guards first, and torch 2.13 failed with
@@ -216,14 +255,16 @@ def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, 
     engine.generated_tokens = 0
     preempted_before = engine.stats().get("preemptions", 0)
     queue, lock, records, started, done = list(requests), threading.Lock(), [], [], []
-    samples = []  # (t, held, pages used, generated tokens, preemptions)
+    samples = []  # (t, held, pages used, generated tokens, preemptions, the engine thread's CPU seconds)
     stop = threading.Event()
+    clock = time.pthread_getcpuclockid(engine.thread.ident) if hasattr(time, "pthread_getcpuclockid") else None
     start = time.perf_counter()
 
     def snapshot():
         s = engine.stats()
+        cpu = time.clock_gettime(clock) if clock is not None else float("nan")
         return (time.perf_counter(), s["running"], s.get("pages_used", 0), s["generated_tokens"],
-                s.get("preemptions", 0) - preempted_before)
+                s.get("preemptions", 0) - preempted_before, cpu)
 
     def sample():
         while not stop.is_set():
@@ -285,7 +326,7 @@ def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, 
     reqs = [dict(submitted_s=rec["request"].submitted_s, first_token_s=rec["request"].first_token_s,
                  done_s=rec["done_s"], prompt_tokens=rec["prompt_tokens"], output_tokens=len(rec["request"].tokens),
                  chunk_s=rec["chunk_s"]) for rec in records]
-    samples.insert(0, (start, 0, 0, 0, 0))
+    samples.insert(0, (start, 0, 0, 0, 0, samples[0][5]))
     row = dict(cache=setup["cache"], method=setup["method"], paged=setup["paging"] is not None, rows=setup["slots"],
                cache_bytes=setup["bytes"], requests_started=len(started), requests_done=len(done), seconds=elapsed,
                generated_tokens=tokens, tokens_per_s=tokens / elapsed, mean_held=statistics.fmean(held),
@@ -295,14 +336,20 @@ def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, 
     if setup["paging"] is not None:
         row.update(pages=setup["paging"].num_pages, page_size=engine.cache.page_size,
                    mean_pages_used=statistics.fmean(pages), peak_pages_used=max(pages))
-    row["whole"] = window_metrics(reqs, samples, phases, start, end)
-    t0 = steady_start(samples, steady_fill)
-    row["steady_fill"] = steady_fill
+    row["whole"] = window_metrics(reqs, samples, [ph for ph in phases if start <= ph[1] < end], start, end)
+    run_phases = [ph for ph in phases if start <= ph[1] < end]  # the engine goes on stepping until closed
+    done_s = [r["done_s"] for r in reqs if r["done_s"] is not None]
+    t_fill, batch = fill_done(run_phases, samples, steady_fill)
+    t0 = steady_start(run_phases, samples, done_s, fill=steady_fill, turnover=warmup_turnover)
+    row.update(steady_fill=steady_fill, warmup_turnover=warmup_turnover, largest_batch=batch,
+               fill_done_s=None if t_fill is None else t_fill - start,
+               warmup_completions=math.ceil(warmup_turnover * batch - 1e-9),
+               after_fill=window_metrics(reqs, samples, run_phases, t_fill, end) if t_fill is not None else None)
     row["steady_from_s"] = None if t0 is None else t0 - start
     if t0 is not None and end - t0 > 0:
-        row["steady"] = window_metrics(reqs, samples, phases, t0, end)
+        row["steady"] = window_metrics(reqs, samples, run_phases, t0, end)
         mid = (t0 + end) / 2
-        row["steady_halves_output_tokens_per_s"] = [window_metrics(reqs, samples, phases, a, b)["output_tokens_per_s"]
+        row["steady_halves_output_tokens_per_s"] = [window_metrics(reqs, samples, run_phases, a, b)["output_tokens_per_s"]
                                                     for a, b in ((t0, mid), (mid, end))]
     else:
         row["steady"] = None
@@ -327,13 +374,16 @@ def _complete(engine: Engine, prompt: list[int], max_tokens: int) -> Request:
 def bench_serve(model, tokenizer, *, budget_bytes: float, max_seq_len: int, requests: int, clients=None,
                 kivi_config, compile: bool, seed: int = 0, caches=CACHES, duration: float = 60.0,
                 length_scale: float = 1.0, shared_prefix: int = 0, page_size=None, max_rows: int = 256,
-                steady_fill: float = STEADY_FILL) -> dict:
+                steady_fill: float = STEADY_FILL, warmup_turnover: float = WARMUP_TURNOVER) -> dict:
     """Each cache in `caches` serves the same stream for `duration` seconds at the same budget.
     clients: concurrent closed-loop clients (default: the most rows any cache gets, so that every
     cache can fill up). A cache that cannot be built here (paged KIVI without kivi_ops.paged) is
-    reported as skipped, with the reason. steady_fill: where the steady window starts (steady_start)."""
+    reported as skipped, with the reason. steady_fill, warmup_turnover: where the steady window
+    starts (steady_start)."""
     if not 0 < steady_fill <= 1:
         raise ValueError(f"steady_fill must be in (0, 1], got {steady_fill}")
+    if not warmup_turnover >= 0:
+        raise ValueError(f"warmup_turnover must be >= 0, got {warmup_turnover}")
     stream = request_stream(tokenizer, requests, max_seq_len=max_seq_len, seed=seed, length_scale=length_scale,
                             shared_prefix=shared_prefix)
     setups, skipped = [], {}
@@ -348,7 +398,8 @@ def bench_serve(model, tokenizer, *, budget_bytes: float, max_seq_len: int, requ
             skipped[cache] = str(e)
     clients = clients or max(s["slots"] for s in setups)
     rows = [run_stream(model, tokenizer, s, kivi_config=kivi_config, max_seq_len=max_seq_len, requests=stream,
-                       clients=clients, duration=duration, compile=compile, steady_fill=steady_fill) for s in setups]
+                       clients=clients, duration=duration, compile=compile, steady_fill=steady_fill,
+                       warmup_turnover=warmup_turnover) for s in setups]
     by = {r["cache"]: r for r in rows}
     ratios = {}
     for a, b in (("kivi-paged", "fp-paged"), ("kivi-paged", "kivi"), ("fp-paged", "fp"), ("kivi", "fp")):
@@ -361,10 +412,13 @@ def bench_serve(model, tokenizer, *, budget_bytes: float, max_seq_len: int, requ
                     steady_mean_held=sa["mean_held"] / max(sb["mean_held"], 1e-9),
                     steady_output_tokens_per_s=sa["output_tokens_per_s"] / max(sb["output_tokens_per_s"], 1e-9),
                     steady_requests_per_s=sa["requests_per_s"] / max(sb["requests_per_s"], 1e-9))
+                if sa.get("output_tokens_per_engine_cpu_s") and sb.get("output_tokens_per_engine_cpu_s"):
+                    ratios[f"{a}_over_{b}"]["steady_output_tokens_per_engine_cpu_s"] = (
+                        sa["output_tokens_per_engine_cpu_s"] / sb["output_tokens_per_engine_cpu_s"])
     prompt_mean = statistics.fmean(len(p) for p, _ in stream)
     output_mean = statistics.fmean(n for _, n in stream)
     return dict(budget_bytes=budget_bytes, max_seq_len=max_seq_len, requests=requests, clients=clients,
-                duration_s=duration, steady_fill=steady_fill, trace=SHAREGPT, length_scale=length_scale, shared_prefix=shared_prefix,
+                duration_s=duration, steady_fill=steady_fill, warmup_turnover=warmup_turnover, trace=SHAREGPT, length_scale=length_scale, shared_prefix=shared_prefix,
                 drawn_prompt_mean=prompt_mean, drawn_output_mean=output_mean, kivi_config=repr(kivi_config),
                 rows=rows, skipped=skipped, ratios=ratios)
 
@@ -418,16 +472,19 @@ def serve_markdown(result: dict) -> str:
              f"{result['length_scale']:g} x ShareGPT's means (drawn: prompt {result['drawn_prompt_mean']:.0f}, output "
              f"{result['drawn_output_mean']:.0f} tokens){prefix}; {result['kivi_config']}.", ""]
     if fill is not None:
-        lines += [f"Steady state: from the first moment the server held {fill:g} x its peak sequences (the fill done) "
-                  "to the end of the run.", "",
+        lines += [f"Steady state: from the later of the fill being done (the first decode step of at least {fill:g} x "
+                  f"the largest batch) and {result.get('warmup_turnover', 0):g} x that batch completions, to the end "
+                  "of the run.", "",
                   "| cache | rows | steady from s | held mean (peak) | requests/s | output tok/s (halves) | total tok/s "
                   "| TTFT p50 / p99 s | TPOT p50 / p99 s | ITL p50 / p99 s | prefill s / decode s (per prompt, per step) "
-                  "| preemptions | pages used mean / peak |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| engine CPU share (output tok per CPU s) | preemptions | pages used mean / peak |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in result["rows"]:
             st = r.get("steady")
             if not st:
-                lines.append(f"| {r['cache']} | {r['rows']} | no steady window | | | | | | | | | | |")
+                got = r["whole"]["requests_done"]
+                lines.append(f"| {r['cache']} | {r['rows']} | none: {got} of {r.get('warmup_completions')} warm-up "
+                             f"completions | | | | | | | | | | | |")
                 continue
             halves = " / ".join(f"{h:.1f}" for h in r["steady_halves_output_tokens_per_s"])
             used = f"{st['mean_pages_used']:.0f} / {st['peak_pages_used']}" if r["paged"] else ""
@@ -437,7 +494,21 @@ def serve_markdown(result: dict) -> str:
                 f"{_f(st['ttft_p50_s'])} / {_f(st['ttft_p99_s'])} | {_f(st['tpot_p50_s'], '.3f')} / "
                 f"{_f(st['tpot_p99_s'], '.3f')} | {_f(st['itl_p50_s'], '.3f')} / {_f(st['itl_p99_s'], '.3f')} | "
                 f"{st['prefill_s']:.1f} / {st['decode_s']:.1f} ({_f(st['prefill_s_per_prompt'], '.3f')}, "
-                f"{_f(st['decode_s_per_step'], '.3f')}) | {st['preemptions']} | {used} |")
+                f"{_f(st['decode_s_per_step'], '.3f')}) | {_f(st.get('engine_cpu_share'))} "
+                f"({_f(st.get('output_tokens_per_engine_cpu_s'), '.1f')}) | {st['preemptions']} | {used} |")
+        lines += ["", "After the fill (from its first decode step of the largest batch to the end; the initial "
+                  "sequences' turnover included):", "",
+                  "| cache | from s | held mean (peak) | requests/s | output tok/s | total tok/s | prefill s / decode s "
+                  "| engine CPU share (output tok per CPU s) | preemptions |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in result["rows"]:
+            af = r.get("after_fill")
+            if af:
+                lines.append(f"| {r['cache']} | {r['fill_done_s']:.1f} | {af['mean_held']:.1f} ({af['peak_held']}) | "
+                             f"{af['requests_per_s']:.3f} | {af['output_tokens_per_s']:.1f} | "
+                             f"{af['total_tokens_per_s']:.1f} | {af['prefill_s']:.1f} / {af['decode_s']:.1f} | "
+                             f"{_f(af.get('engine_cpu_share'))} ({_f(af.get('output_tokens_per_engine_cpu_s'), '.1f')}) "
+                             f"| {af['preemptions']} |")
         lines += ["", "Whole run (the fill included):", ""]
     lines += ["| cache | rows | pages (size) | held mean | held peak | tokens/s | TTFT p50 s | TTFT p99 s | preemptions "
               "| pages used mean / peak |",
@@ -455,6 +526,8 @@ def serve_markdown(result: dict) -> str:
             line += (f"; steady {ratio['steady_mean_held']:.2f}x sequences held, "
                      f"{ratio['steady_output_tokens_per_s']:.2f}x output tokens/s, "
                      f"{ratio['steady_requests_per_s']:.2f}x requests/s")
+            if "steady_output_tokens_per_engine_cpu_s" in ratio:
+                line += f", {ratio['steady_output_tokens_per_engine_cpu_s']:.2f}x output tokens per engine CPU second"
         lines.append(line)
     for cache, why in result["skipped"].items():
         lines.append(f"\n{cache}: not run ({why})")

@@ -132,16 +132,31 @@ def test_bench_serve_runs_the_caches_at_one_budget(tmp_path):
         assert r["cache_bytes"] <= 0.02 * 2**30 and r["generated_tokens"] > 0 and r["peak_held"] <= r["rows"]
     assert by["fp-paged"]["peak_pages_used"] <= by["fp-paged"]["pages"]
     assert (tmp_path / "bench_serve_cpu.png").is_file()
-    for r in by.values():  # the steady window: inside the run, after the fill, its counts within the whole run's
-        whole, steady = r["whole"], r["steady"]
+    for r in by.values():  # the windows: inside the run, the counts of the later ones within the earlier ones
+        whole, after, steady = r["whole"], r["after_fill"], r["steady"]
         assert whole["output_tokens"] == r["generated_tokens"] and whole["seconds"] == pytest.approx(r["seconds"])
-        assert 0 <= r["steady_from_s"] < r["seconds"] and steady["seconds"] == pytest.approx(r["seconds"] - r["steady_from_s"])
-        assert 0 < steady["output_tokens"] <= whole["output_tokens"] and steady["requests_done"] <= whole["requests_done"]
-        assert steady["total_tokens_per_s"] > steady["output_tokens_per_s"] > 0
-        assert steady["decode_calls"] > 0 and 0 < steady["decode_s"] + steady["prefill_s"] <= steady["seconds"] + 1e-6
-        assert steady["itl_p50_s"] <= steady["itl_p99_s"] and steady["ttft_p50_s"] <= steady["ttft_p99_s"]
-        assert len(r["steady_halves_output_tokens_per_s"]) == 2
-    assert result["steady_fill"] == 0.9
+        assert whole["total_tokens_per_s"] > whole["output_tokens_per_s"] > 0 and whole["decode_calls"] > 0
+        assert 0 < whole["decode_s"] + whole["prefill_s"] <= whole["seconds"] + 1e-6
+        assert whole["prefill_calls"] >= 1 and whole["itl_p50_s"] <= whole["itl_p99_s"]
+        assert 0 < whole["engine_cpu_share"] <= 1.05  # the engine thread's CPU clock over the wall clock
+        assert 0 <= r["fill_done_s"] < r["seconds"] and 1 <= r["largest_batch"] <= r["rows"]
+        assert after["seconds"] == pytest.approx(r["seconds"] - r["fill_done_s"])
+        assert after["output_tokens"] <= whole["output_tokens"] and after["peak_held"] <= r["rows"]
+        assert r["warmup_completions"] == r["largest_batch"]  # one turnover by default
+        if whole["requests_done"] < r["warmup_completions"]:
+            assert steady is None and r["steady_from_s"] is None
+        else:
+            assert r["fill_done_s"] <= r["steady_from_s"] < r["seconds"]
+            assert steady["output_tokens"] <= after["output_tokens"] and len(r["steady_halves_output_tokens_per_s"]) == 2
+    assert result["steady_fill"] == 0.9 and result["warmup_turnover"] == 1.0
+    from kivi_benchmarks.serve_bench import serve_markdown
+
+    table = serve_markdown(result)
+    assert "Steady state" in table and "After the fill" in table and "Whole run" in table
+    assert table.count("| fp-paged |") == 3
+    for bad in (["--steady-fill", "0"], ["--steady-fill", "1.5"]):
+        with pytest.raises(SystemExit):
+            main(["bench", "serve", *bad, "--out", str(tmp_path)])
 
 
 def test_hf_generate_bench_times_every_cache_through_model_generate():
@@ -199,20 +214,29 @@ def test_serve_percentile_is_linear_between_ranks():
         percentile([1], 101)
 
 
-def test_serve_steady_window_starts_when_the_fill_is_done():
-    from kivi_benchmarks.serve_bench import steady_start
+def test_serve_steady_window_starts_after_the_fill_and_one_turnover():
+    from kivi_benchmarks.serve_bench import fill_done, steady_start
 
-    # (t, held, ...): a server filling 10 rows one prefill at a time, then holding 8-10.
-    samples = [(t, min(t, 10)) for t in range(12)] + [(12, 8), (13, 9), (14, 10), (15, 9)]
-    assert steady_start(samples, 1.0) == 10  # first time at the peak
-    assert steady_start(samples, 0.9) == 9  # ceil(0.9 x 10) = 9
-    assert steady_start(samples, 0.85) == 9  # ceil(8.5) = 9, not 8
-    # A later, higher peak moves a fill of 1.0 there, not a fill of 0.9 (9 of 10 reached at t=9).
-    late = samples + [(16, 11)]
-    assert steady_start(late, 1.0) == 16 and steady_start(late, 0.8) == 9
-    assert steady_start([(0, 0), (1, 0)]) is None
+    # A server that admits 10 requests, prefills them one at a time (t 0-10), then decodes them
+    # (decode steps of 10, 9, 10 ... rows); one decode step of 2 rows ran before the fill.
+    phases = [("prefill", 0, 1, 2), ("decode", 1, 1.5, 2), ("prefill", 1.5, 10, 8)]
+    phases += [("decode", 10 + i, 11 + i, 9 if i % 2 else 10) for i in range(20)]
+    assert fill_done(phases, [], 1.0) == (10, 10)
+    assert fill_done(phases, [], 0.9) == (10, 10)  # ceil(9) rows: the 2-row step does not count
+    assert fill_done(phases, [], 0.2) == (1, 10)  # ceil(2) rows
+    # Held samples (t, held) count rows admitted before their prefill: without phases they say so.
+    assert fill_done([], [(0, 0), (0.5, 10), (20, 9)], 0.9) == (0.5, 10)
+    assert fill_done([], [(0, 0)], 0.9) == (None, 0)
+    done = [12, 14, 15, 17, 18, 20, 21, 23, 24, 25, 27]
+    assert steady_start(phases, [], done, fill=0.9, turnover=0) == 10  # the fill alone
+    assert steady_start(phases, [], done, fill=0.9, turnover=1.0) == 25  # the 10th completion
+    assert steady_start(phases, [], done, fill=0.9, turnover=0.5) == 18  # the 5th
+    assert steady_start(phases, [], done[:9], fill=0.9, turnover=1.0) is None  # 9 of 10: no steady window
+    assert steady_start(phases, [], [1, 2, 3], fill=0.9, turnover=0.1) == 10  # never before the fill
     with pytest.raises(ValueError):
-        steady_start(samples, 0)
+        fill_done(phases, [], 0)
+    with pytest.raises(ValueError):
+        steady_start(phases, [], done, turnover=-1)
 
 
 def test_serve_window_metrics_count_only_the_window():
@@ -246,6 +270,11 @@ def test_serve_window_metrics_count_only_the_window():
     assert m["prefill_s"] == pytest.approx(2.0) and m["prefill_calls"] == 2
     assert m["decode_s"] == pytest.approx(8.0) and m["decode_calls"] == 2
     assert m["prefill_s_per_prompt"] == pytest.approx(2.0 / 3) and m["decode_s_per_step"] == pytest.approx(4.0)
+    assert "engine_cpu_share" not in m  # no CPU clock in these samples
+    cpu = [(*s, 0.5 * s[0]) for s in samples]  # the engine got half a core throughout
+    m = window_metrics(requests, cpu, phases, 10.0, 20.0)
+    assert m["engine_cpu_s"] == pytest.approx(5.0) and m["engine_cpu_share"] == pytest.approx(0.5)
+    assert m["output_tokens_per_engine_cpu_s"] == pytest.approx(9 / 5)
     whole = window_metrics(requests, samples, phases, 0.0, 20.0)
     assert whole["output_tokens"] == 14 and whole["requests_done"] == 3
     assert whole["tpot_p50_s"] == pytest.approx(2.0)  # of [1, 2, 2]
