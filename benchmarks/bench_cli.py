@@ -75,6 +75,9 @@ def add_bench_parser(sub) -> None:
     srv.add_argument("--page-size", type=positive_int, default=None,
                      help="paged KIVI's page size (default: the paged cache's); paged fp uses 16")
     srv.add_argument("--compile", action="store_true", help="compile the decode step (as kivi serve --compile)")
+    srv.add_argument("--max-rows", type=positive_int, default=256,
+                     help="the most rows a paged cache gets (its rows' fixed state, KIVI's R-token window, comes out "
+                          "of the budget before its pages)")
     srv.add_argument("--steady-fill", type=_fraction, default=None,
                      help="the steady-state window starts when the server first decodes a batch of this share of "
                           "the largest batch of the run (the startup fill done; default 0.9)")
@@ -246,7 +249,7 @@ def cmd_bench(args, parser) -> int:
                                  requests=args.requests, clients=args.clients,
                                  kivi_config=KIVIConfig(residual_length=args.residual_length), compile=args.compile,
                                  caches=args.caches or CACHES, duration=args.duration, length_scale=args.length_scale,
-                                 shared_prefix=args.shared_prefix, page_size=args.page_size,
+                                 shared_prefix=args.shared_prefix, page_size=args.page_size, max_rows=args.max_rows,
                                  **({} if args.steady_fill is None else dict(steady_fill=args.steady_fill)),
                                  **({} if args.warmup_turnover is None else dict(warmup_turnover=args.warmup_turnover)))
         result.update(device=device, model="default", compile=args.compile, budget_gib=args.budget_gib,
