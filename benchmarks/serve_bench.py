@@ -317,7 +317,7 @@ def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, 
     end = time.perf_counter()
     samples.append(snapshot())
     elapsed = end - start
-    tokens = engine.generated_tokens  # tokens generated inside the run, finished requests or not
+    tokens = samples[-1][3]  # tokens generated inside the run (at its end), finished requests or not
     stats = engine.stats()
     engine.close()
     ttft = sorted((r.first_token_s if r.first_token_s is not None else start + elapsed) - r.submitted_s for r in started)
@@ -451,8 +451,8 @@ def plot_serve(result: dict, path) -> None:
     prefix = f", shared {result['shared_prefix']}-token prompt" if result["shared_prefix"] else ""
     fig.suptitle(f"kivi serve engine, cache budget {result['budget_bytes'] / 2**20:.0f} MiB, "
                  f"{result['clients']} closed-loop clients, {result['duration_s']:g} s each, lengths "
-                 f"{result['length_scale']:g} x ShareGPT{prefix}; steady: from {result.get('steady_fill', 0):g} of "
-                 f"the peak held", fontsize=9)
+                 f"{result['length_scale']:g} x ShareGPT{prefix}; steady: after the fill and "
+                 f"{result.get('warmup_turnover', 0):g} x its batch completions", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
