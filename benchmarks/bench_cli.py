@@ -78,6 +78,15 @@ def add_bench_parser(sub) -> None:
     srv.add_argument("--page-size", type=positive_int, default=None,
                      help="paged KIVI's page size (default: the paged cache's); paged fp uses 16")
     srv.add_argument("--compile", action="store_true", help="compile the decode step (as kivi serve --compile)")
+    srv.add_argument("--max-rows", type=positive_int, default=256,
+                     help="the most rows a paged cache gets (its rows' fixed state, KIVI's R-token window, comes out "
+                          "of the budget before its pages)")
+    srv.add_argument("--steady-fill", type=_fraction, default=None,
+                     help="the steady-state window starts when the server first decodes a batch of this share of "
+                          "the largest batch of the run (the startup fill done; default 0.9)")
+    srv.add_argument("--warmup-turnover", type=float, default=None,
+                     help="and only after this many completed requests per row of the largest batch (default 1.0: "
+                          "the initial fill's sequences replaced once on average; 0: from the fill on)")
 
     hfg = bsub.add_parser("hf-generate", help="transformers' model.generate(): DynamicCache, quanto's QuantizedCache "
                                               "and our KIVI-2 cache (compiled and eager), decode tokens/s, side by side in one run")
@@ -114,6 +123,18 @@ def _positive_float(text: str) -> float:
         value = float("nan")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
     return value
 
 
@@ -231,8 +252,10 @@ def cmd_bench(args, parser) -> int:
                                  requests=args.requests, clients=args.clients,
                                  kivi_config=KIVIConfig(residual_length=args.residual_length), compile=args.compile,
                                  caches=args.caches or CACHES, duration=args.duration, length_scale=args.length_scale,
-                                 shared_prefix=args.shared_prefix, page_size=args.page_size,
-                                 prefix_chunk=args.prefix_chunk)
+                                 shared_prefix=args.shared_prefix, page_size=args.page_size, max_rows=args.max_rows,
+                                 prefix_chunk=args.prefix_chunk,
+                                 **({} if args.steady_fill is None else dict(steady_fill=args.steady_fill)),
+                                 **({} if args.warmup_turnover is None else dict(warmup_turnover=args.warmup_turnover)))
         result.update(device=device, model="default", compile=args.compile, budget_gib=args.budget_gib,
                       environment=environment(device))
         name = (f"bench_serve_{device}" + (f"_prefix{args.shared_prefix}" if args.shared_prefix else "")

@@ -132,6 +132,31 @@ def test_bench_serve_runs_the_caches_at_one_budget(tmp_path):
         assert r["cache_bytes"] <= 0.02 * 2**30 and r["generated_tokens"] > 0 and r["peak_held"] <= r["rows"]
     assert by["fp-paged"]["peak_pages_used"] <= by["fp-paged"]["pages"]
     assert (tmp_path / "bench_serve_cpu.png").is_file()
+    for r in by.values():  # the windows: inside the run, the counts of the later ones within the earlier ones
+        whole, after, steady = r["whole"], r["after_fill"], r["steady"]
+        assert whole["output_tokens"] == r["generated_tokens"] and whole["seconds"] == pytest.approx(r["seconds"])
+        assert whole["total_tokens_per_s"] > whole["output_tokens_per_s"] > 0 and whole["decode_calls"] > 0
+        assert 0 < whole["decode_s"] + whole["prefill_s"] <= whole["seconds"] + 1e-6
+        assert whole["prefill_calls"] >= 1 and whole["itl_p50_s"] <= whole["itl_p99_s"]
+        assert 0 < whole["engine_cpu_share"] <= 1.05  # the engine thread's CPU clock over the wall clock
+        assert 0 <= r["fill_done_s"] < r["seconds"] and 1 <= r["largest_batch"] <= r["rows"]
+        assert after["seconds"] == pytest.approx(r["seconds"] - r["fill_done_s"])
+        assert after["output_tokens"] <= whole["output_tokens"] and after["peak_held"] <= r["rows"]
+        assert r["warmup_completions"] == r["largest_batch"]  # one turnover by default
+        if whole["requests_done"] < r["warmup_completions"]:
+            assert steady is None and r["steady_from_s"] is None
+        else:
+            assert r["fill_done_s"] <= r["steady_from_s"] < r["seconds"]
+            assert steady["output_tokens"] <= after["output_tokens"] and len(r["steady_halves_output_tokens_per_s"]) == 2
+    assert result["steady_fill"] == 0.9 and result["warmup_turnover"] == 1.0
+    from kivi_benchmarks.serve_bench import serve_markdown
+
+    table = serve_markdown(result)
+    assert "Steady state" in table and "After the fill" in table and "Whole run" in table
+    assert table.count("| fp-paged |") == 3
+    for bad in (["--steady-fill", "0"], ["--steady-fill", "1.5"]):
+        with pytest.raises(SystemExit):
+            main(["bench", "serve", *bad, "--out", str(tmp_path)])
 
 
 def test_hf_generate_bench_times_every_cache_through_model_generate():
@@ -184,3 +209,84 @@ def test_bench_memory_serving_table_holds_the_issues_numbers(tmp_path):
             assert bytes_of[(n, "KIVI-2 paged")] - bytes_of[(n, WINDOW_PAGED)] == 128 * 256 * 1024
     assert main(["bench", "memory", "--contexts", "4096", "--out", str(tmp_path)]) == 0
     assert "| llama3-8b | chat | fp16 paged |" in (tmp_path / "bench_memory_serving.md").read_text()
+
+
+def test_serve_percentile_is_linear_between_ranks():
+    from kivi_benchmarks.serve_bench import percentile
+
+    assert percentile([], 50) is None
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([4, 1, 3, 2], 50) == 2.5  # unsorted input; between the 2nd and 3rd
+    assert percentile(range(1, 101), 99) == pytest.approx(99.01)  # numpy.percentile(range(1, 101), 99)
+    assert percentile([1, 2, 3], 0) == 1 and percentile([1, 2, 3], 100) == 3
+    with pytest.raises(ValueError):
+        percentile([1], 101)
+
+
+def test_serve_steady_window_starts_after_the_fill_and_one_turnover():
+    from kivi_benchmarks.serve_bench import fill_done, steady_start
+
+    # A server that admits 10 requests, prefills them one at a time (t 0-10), then decodes them
+    # (decode steps of 10, 9, 10 ... rows); one decode step of 2 rows ran before the fill.
+    phases = [("prefill", 0, 1, 2), ("decode", 1, 1.5, 2), ("prefill", 1.5, 10, 8)]
+    phases += [("decode", 10 + i, 11 + i, 9 if i % 2 else 10) for i in range(20)]
+    assert fill_done(phases, [], 1.0) == (10, 10)
+    assert fill_done(phases, [], 0.9) == (10, 10)  # ceil(9) rows: the 2-row step does not count
+    assert fill_done(phases, [], 0.2) == (1, 10)  # ceil(2) rows
+    # Held samples (t, held) count rows admitted before their prefill: without phases they say so.
+    assert fill_done([], [(0, 0), (0.5, 10), (20, 9)], 0.9) == (0.5, 10)
+    assert fill_done([], [(0, 0)], 0.9) == (None, 0)
+    done = [12, 14, 15, 17, 18, 20, 21, 23, 24, 25, 27]
+    assert steady_start(phases, [], done, fill=0.9, turnover=0) == 10  # the fill alone
+    assert steady_start(phases, [], done, fill=0.9, turnover=1.0) == 25  # the 10th completion
+    assert steady_start(phases, [], done, fill=0.9, turnover=0.5) == 18  # the 5th
+    assert steady_start(phases, [], done[:9], fill=0.9, turnover=1.0) is None  # 9 of 10: no steady window
+    assert steady_start(phases, [], [1, 2, 3], fill=0.9, turnover=0.1) == 10  # never before the fill
+    with pytest.raises(ValueError):
+        fill_done(phases, [], 0)
+    with pytest.raises(ValueError):
+        steady_start(phases, [], done, turnover=-1)
+
+
+def test_serve_window_metrics_count_only_the_window():
+    from kivi_benchmarks.serve_bench import window_metrics
+
+    def req(sub, first, done, prompt, out, chunks):
+        return dict(submitted_s=sub, first_token_s=first, done_s=done, prompt_tokens=prompt, output_tokens=out,
+                    chunk_s=chunks)
+
+    requests = [
+        req(0.0, 1.0, 5.0, 10, 5, [1.0, 2.0, 3.0, 4.0, 5.0]),  # first token before the window: TPOT not counted
+        req(0.0, 11.0, 15.0, 20, 3, [11.0, 13.0, 15.0]),  # inside: TTFT 11, TPOT 2
+        req(12.0, 13.0, 19.0, 30, 4, [13.0, 15.0, 17.0, 19.0]),  # inside: TTFT 1, TPOT 2
+        req(14.0, 16.0, None, 40, 2, [16.0, 18.0]),  # cancelled at the end: no completion, its prefill counts
+        req(19.0, None, None, 50, 0, []),  # no token: not in TTFT
+    ]
+    # (t, held, pages, generated so far, preemptions so far)
+    samples = [(0.0, 0, 0, 0, 0), (4.0, 1, 3, 4, 0), (10.0, 2, 5, 5, 1), (15.0, 2, 6, 9, 1), (20.0, 1, 4, 14, 3)]
+    phases = [("prefill", 0.5, 1.0, 1), ("decode", 1.0, 5.0, 1), ("prefill", 10.0, 11.0, 1), ("decode", 11.0, 12.0, 1),
+              ("prefill", 12.0, 13.0, 1), ("decode", 13.0, 20.0, 2)]
+    m = window_metrics(requests, samples, phases, 10.0, 20.0)
+    assert m["seconds"] == 10.0
+    assert m["output_tokens"] == 14 - 5 and m["output_tokens_per_s"] == pytest.approx(0.9)
+    assert m["requests_done"] == 2 and m["requests_per_s"] == pytest.approx(0.2)
+    assert m["prompt_tokens"] == 20 + 30 + 40  # first token at 11, 13, 16
+    assert m["total_tokens_per_s"] == pytest.approx((9 + 90) / 10)
+    assert m["ttft_p50_s"] == pytest.approx(2.0)  # of [11, 1, 2]
+    assert m["tpot_p50_s"] == pytest.approx(2.0) and m["tpot_p99_s"] == pytest.approx(2.0)
+    assert m["itl_p50_s"] == pytest.approx(2.0)  # 2 s gaps only; request 1's 1 s gaps are outside
+    assert m["preemptions"] == 2 and m["peak_held"] == 2 and m["peak_pages_used"] == 6
+    assert m["prefill_s"] == pytest.approx(2.0) and m["prefill_calls"] == 2
+    assert m["decode_s"] == pytest.approx(8.0) and m["decode_calls"] == 2
+    assert m["prefill_s_per_prompt"] == pytest.approx(2.0 / 3) and m["decode_s_per_step"] == pytest.approx(4.0)
+    assert "engine_cpu_share" not in m  # no CPU clock in these samples
+    cpu = [(*s, 0.5 * s[0]) for s in samples]  # the engine got half a core throughout
+    m = window_metrics(requests, cpu, phases, 10.0, 20.0)
+    assert m["engine_cpu_s"] == pytest.approx(5.0) and m["engine_cpu_share"] == pytest.approx(0.5)
+    assert m["output_tokens_per_engine_cpu_s"] == pytest.approx(9 / 5)
+    whole = window_metrics(requests, samples, phases, 0.0, 20.0)
+    assert whole["output_tokens"] == 14 and whole["requests_done"] == 3
+    assert whole["tpot_p50_s"] == pytest.approx(2.0)  # of [1, 2, 2]
+    assert whole["prefill_s"] == pytest.approx(2.5) and whole["decode_s"] == pytest.approx(12.0)
+    with pytest.raises(ValueError):
+        window_metrics(requests, samples, phases, 5.0, 5.0)
