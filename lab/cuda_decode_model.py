@@ -25,7 +25,7 @@ from pathlib import Path
 from kivi_benchmarks.environment import environment
 from kivi_ops.cuda.toolkit import compile_env, tool, toolkit_root
 
-from .issue_model import H100, PIPE_RATE, pipe_of, token_bytes
+from .issue_model import H100, PIPE_RATE, pipe_of, sass_loops, token_bytes
 
 SOURCE = Path(__file__).resolve().parent.parent / "kivi_ops" / "cuda" / "decode_attend.cu"
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v")
@@ -80,20 +80,7 @@ def functions(sass: str) -> dict[str, list[str]]:
 
 def mma_loop(lines: list[str]) -> list[str]:
     """Opcodes of the innermost loop (label .. backward branch to it) whose body has an HMMA."""
-    ops, labels, loops = [], {}, []
-    for line in lines:
-        label = re.match(r"\s*(\.L_x_\d+):", line)
-        if label:
-            labels[label.group(1)] = len(ops)
-            continue
-        ins = re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", line)
-        if not ins:
-            continue
-        text = re.sub(r"^@!?U?P\w+\s+", "", ins.group(1))
-        ops.append(text.split()[0])
-        target = re.search(r"(\.L_x_\d+)", text)
-        if ops[-1].startswith("BRA") and target and labels.get(target.group(1), len(ops)) < len(ops) - 1:
-            loops.append(ops[labels[target.group(1)]:])
+    loops = sass_loops(lines)
     with_mma = [loop for loop in loops if any(op.startswith("HMMA") for op in loop)]
     if not with_mma:
         raise ValueError("no loop with HMMA found in the SASS")

@@ -66,10 +66,11 @@ def sass_of(kernel, arch: int) -> str:
                               check=True).stdout
 
 
-def first_loop(sass: str) -> list[str]:
-    """Opcodes of the body of the first loop (label .. its backward branch)."""
-    ops, labels, loop = [], {}, None
-    for line in sass.splitlines():
+def sass_loops(lines) -> list[list[str]]:
+    """Opcodes of the body of every loop (label .. a backward branch to it), in the order their
+    branches appear; lines: the SASS's lines (nvdisasm -c)."""
+    ops, labels, loops = [], {}, []
+    for line in lines:
         label = re.match(r"\s*(\.L_x_\d+):", line)
         if label:
             labels[label.group(1)] = len(ops)
@@ -81,11 +82,16 @@ def first_loop(sass: str) -> list[str]:
         ops.append(text.split()[0])
         target = re.search(r"(\.L_x_\d+)", text)
         if ops[-1].startswith("BRA") and target and labels.get(target.group(1), len(ops)) < len(ops) - 1:
-            loop = ops[labels[target.group(1)]:]
-            break
-    if loop is None:
+            loops.append(ops[labels[target.group(1)]:])
+    return loops
+
+
+def first_loop(sass: str) -> list[str]:
+    """Opcodes of the body of the first loop (label .. its backward branch)."""
+    loops = sass_loops(sass.splitlines())
+    if not loops:
         raise ValueError("no loop found in the SASS")
-    return loop
+    return loops[0]
 
 
 def token_bytes(head_dim: int, bits: int, group: int, scale_bytes: int = 2) -> float:
