@@ -73,14 +73,16 @@ IMPLEMENTATIONS = ("reference", "decomposed", "decomposed_cond", "decomposed_fus
 CPU_KERNELS = ("compiled", "reference")
 
 
-def _cpu_kernels_from_environment() -> str:
-    name = os.environ.get("KIVI_CPU_KERNELS", "compiled")
-    if name not in CPU_KERNELS:
-        raise ValueError(f"the environment variable KIVI_CPU_KERNELS must be one of {CPU_KERNELS}, got {name!r}")
+def _from_environment(variable: str, allowed: tuple[str, ...]) -> str:
+    """The selection an environment variable makes (default: the first allowed value); an unknown
+    value is refused at import, naming the variable and the allowed values."""
+    name = os.environ.get(variable, allowed[0])
+    if name not in allowed:
+        raise ValueError(f"the environment variable {variable} must be one of {allowed}, got {name!r}")
     return name
 
 
-_cpu_kernels = _cpu_kernels_from_environment()
+_cpu_kernels = _from_environment("KIVI_CPU_KERNELS", CPU_KERNELS)
 
 
 def set_cpu_kernels(name: str) -> str:
@@ -115,14 +117,7 @@ def current_cpu_kernels() -> str:
 CUDA_DECODE = ("triton", "cuda_cpp")
 
 
-def _cuda_decode_from_environment() -> str:
-    name = os.environ.get("KIVI_CUDA_DECODE", "triton")
-    if name not in CUDA_DECODE:
-        raise ValueError(f"the environment variable KIVI_CUDA_DECODE must be one of {CUDA_DECODE}, got {name!r}")
-    return name
-
-
-_cuda_decode = _cuda_decode_from_environment()
+_cuda_decode = _from_environment("KIVI_CUDA_DECODE", CUDA_DECODE)
 
 
 def set_cuda_decode(name: str) -> str:
