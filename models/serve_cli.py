@@ -173,7 +173,7 @@ def cmd_serve(args, parser) -> int:
 
     from .generate import make_paged_cache
     from .parallel import is_main_process, world_size
-    from .serve_engine import Engine, Paging
+    from .serve_engine import Engine, Paging, check_prefix_caching
     from .serve_runner import Runner
 
     kivi_config = kivi_config_from(args, parser)
@@ -210,6 +210,8 @@ def cmd_serve(args, parser) -> int:
                                                       num_pages=1, kivi_config=kivi_config, device="meta").page_size
             chunk = args.prefix_chunk or page * -(-PREFIX_CHUNK // page)
             paging = Paging(pages, args.page_size, chunk, args.prefix_cache_size)
+            with usage_errors(parser):  # before the ranks of torchrun start waiting on each other
+                check_prefix_caching(paging, page)
         check_memory(nbytes, device, what=f"the paged cache ({pages} pages, {slots} rows)")
     runner_args = dict(method=args.method, kivi_config=kivi_config, slots=slots, max_seq_len=args.max_seq_len,
                        paging=paging, compile=args.compile)

@@ -97,6 +97,17 @@ def context_error(prompt_tokens: int, max_tokens: int, max_seq_len: int, *,
                         param="max_tokens" if prompt_tokens < max_seq_len else "prompt")
 
 
+def check_prefix_caching(paging: "Paging", page_size: int) -> None:
+    """Refuse a prefix chunk that is not a positive multiple of the page size, or a negative
+    prefix cache size (the CLI asks before tensor parallelism's ranks start waiting on each other)."""
+    chunk, kept = paging.prefix_chunk, paging.max_prefixes
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0 or chunk % page_size:
+        raise ValueError(f"--prefix-chunk must be a positive multiple of the page size ({page_size} tokens, "
+                         f"--page-size), got {chunk!r}")
+    if isinstance(kept, bool) or not isinstance(kept, int) or kept < 0:
+        raise ValueError(f"--prefix-cache-size must be an int >= 0, got {kept!r}")
+
+
 @dataclass(eq=False)  # requests compare by identity (queue removal)
 class Request:
     """One completion. `emit(kind, payload)` is called from the engine thread: ("text", str) for
@@ -164,14 +175,7 @@ class Engine:
             width = self.cache.max_pages_per_seq
             self.prefix_chunk = paging.prefix_chunk
             if self.prefix_chunk is not None:
-                page = self.cache.page_size
-                if isinstance(self.prefix_chunk, bool) or not isinstance(self.prefix_chunk, int) \
-                        or self.prefix_chunk <= 0 or self.prefix_chunk % page:
-                    raise ValueError(f"--prefix-chunk must be a positive multiple of the page size ({page} tokens, "
-                                     f"--page-size), got {self.prefix_chunk!r}")
-                if isinstance(paging.max_prefixes, bool) or not isinstance(paging.max_prefixes, int) \
-                        or paging.max_prefixes < 0:
-                    raise ValueError(f"--prefix-cache-size must be an int >= 0, got {paging.max_prefixes!r}")
+                check_prefix_caching(paging, self.cache.page_size)
             self.blocks = BlockManager(paging.num_pages, width, self.cache.pages_needed,
                                        max_prefixes=paging.max_prefixes if self.prefix_chunk is not None else 0)
             # An evicted prefix's tail (a host copy the runner keeps under the prefix's key) is dropped
