@@ -364,8 +364,7 @@ class Engine:
             try:
                 with torch.inference_mode():
                     for slot, r, pages in preempted:  # before anything writes the pages they gave back
-                        self.runner.save(slot, pages, r.key)
-                        r.saved = len(pages)
+                        self._swap_out(slot, r, pages)
                     for slot in resumed:
                         self._resume(slot)
                     if admitted:
@@ -391,6 +390,24 @@ class Engine:
         log.error("the engine stops: %s", self.runner.failure)
         self.ready.clear()
         self.abort(f"the server cannot serve: {self.runner.failure}", code="tensor_parallel_failure")
+
+    def _swap_out(self, slot: int, r: Request, pages: list[int]) -> None:
+        """Save a preempted request's pages and row state to host memory. If that fails (host
+        memory), that request alone ends: the others go on, and nothing waits for a copy that does
+        not exist."""
+        try:
+            self.runner.save(slot, pages, r.key)
+        except Exception as e:
+            if self.runner.failure is not None:
+                raise  # not this request's fault: every request ends (_runner_failed)
+            log.exception("request %s: swapping it out failed", r.id)
+            self.runner.drop(r.key)  # a rank that saved it drops its copy too
+            with self.lock:
+                self.scheduler.finish(r)
+            r.emit("error", Failure(500, f"the request was preempted and saving it to host memory failed: "
+                                         f"{type(e).__name__}: {e}"))
+            return
+        r.saved = len(pages)
 
     def _forget(self, r: Request) -> None:
         """r leaves the swapped-out state for good (resumed, or ended): the runner drops its host copy."""

@@ -260,6 +260,39 @@ def test_swapped_requests_end_cleanly_on_cancel_timeout_and_abort(tiny):
         engine.close()
 
 
+def test_a_swap_out_that_fails_ends_that_request_alone(tiny):
+    # Host memory runs out while a request is preempted: it ends with an error event, the running
+    # one finishes with its uninterrupted tokens, and nothing later waits for the missing copy.
+    ids = tiny[1](PROMPTS[0])["input_ids"]
+    want = alone(tiny, "fp", PROMPTS[0], 30)
+    engine = make_engine(tiny, "fp", num_pages=10, page_size=4, slots=2)
+    real_save, failures = engine.runner.save, []
+
+    def save(*args):
+        failures.append(args)
+        raise MemoryError("pinned host memory exhausted")
+
+    engine.runner.save = save
+    try:
+        events = [[], []]
+        reqs = [Request(prompt_ids=ids, max_tokens=30, temperature=0, emit=lambda k, p, i=i: events[i].append((k, p)))
+                for i in range(2)]
+        for r in reqs:
+            engine.submit(r)
+        s = wait_idle(engine)
+    finally:
+        engine.runner.save = real_save
+        engine.close()
+    assert failures and s["preemptions"] >= 1
+    last = sorted((e[-1][0], i) for i, e in enumerate(events))
+    assert [kind for kind, _ in last] == ["done", "error"], events  # one each
+    failed = last[1][1]
+    assert "saving it to host memory failed: MemoryError" in events[failed][-1][1].message
+    assert reqs[1 - failed].tokens == want
+    assert engine.runner.saved == {} and s["pages_used"] == 0 and s["swapped"] == 0
+    engine.blocks.check()
+
+
 def test_a_request_back_in_its_old_row_with_as_many_new_pages_gets_its_new_block_table_row(tiny):
     # The block table row is rewritten when a request comes back, even into the same row with the
     # same number of pages (other ids): (request, count) alone would look unchanged.
