@@ -100,24 +100,31 @@ def assert_same_cache(a: Runner, b: Runner) -> None:
         assert torch.equal(buf, theirs[name]), name
 
 
+def serve_alone_and_tp(tiny, method, paging, prompts):
+    """The same greedy requests served by a single-process engine and by a leader with one
+    in-process worker: (tokens alone, tokens under TP, the TP engine's stats, engine, channel)."""
+    model, tokenizer = tiny
+    alone = Engine(model, tokenizer, method=method, kivi_config=CONFIG, slots=4, max_seq_len=MAX_SEQ_LEN, paging=paging)
+    alone.eos = set()
+    try:
+        want = complete_all(alone, prompts, LENGTHS)
+    finally:
+        alone.close()
+    engine, channel = tp_engine(tiny, method, paging)
+    try:
+        got = complete_all(engine, prompts, LENGTHS, stagger=0.01)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    return want, got, stats, engine, channel
+
+
 @pytest.mark.parametrize("method, paging", [("kivi", None), ("fp", Paging(16, 4)), ("kivi", Paging(8, 4))],
                          ids=["static-kivi", "paged-fp", "paged-kivi"])
 def test_a_worker_replaying_the_plans_holds_rank_0s_cache_bit_for_bit(tiny, method, paging):
     if paging is not None and method == "kivi":
         pytest.importorskip("kivi_ops.paged")
-    model, tokenizer = tiny
-    alone = Engine(model, tokenizer, method=method, kivi_config=CONFIG, slots=4, max_seq_len=MAX_SEQ_LEN, paging=paging)
-    alone.eos = set()
-    try:
-        want = complete_all(alone, PROMPTS, LENGTHS)
-    finally:
-        alone.close()
-    engine, channel = tp_engine(tiny, method, paging)
-    try:
-        got = complete_all(engine, PROMPTS, LENGTHS, stagger=0.01)
-        stats = engine.stats()
-    finally:
-        engine.close()
+    want, got, stats, engine, channel = serve_alone_and_tp(tiny, method, paging, PROMPTS)
     assert got == want
     assert channel.plans[-1].kind == STOP and channel.worker.seq == len(channel.plans)
     assert_same_cache(engine.runner, channel.runner)
@@ -143,23 +150,11 @@ def test_prefix_caching_replays_on_a_worker_with_its_own_tails(tiny):
     are bit for bit the same. The pool is small enough that prefixes are evicted, and their tails
     dropped on both ranks."""
     pytest.importorskip("kivi_ops.paged")
-    model, tokenizer = tiny
+    tokenizer = tiny[1]
     system = tokenizer(" ".join(["The quick brown fox jumps over the lazy dog."] * 3))["input_ids"]
     prompts = [tokenizer.decode(system + tokenizer(p)["input_ids"]) for p in PROMPTS]
-    paging = Paging(24, 4, prefix_chunk=8, max_prefixes=6)
-    alone = Engine(model, tokenizer, method="kivi", kivi_config=CONFIG, slots=4, max_seq_len=MAX_SEQ_LEN,
-                   paging=paging)
-    alone.eos = set()
-    try:
-        want = complete_all(alone, prompts, LENGTHS)
-    finally:
-        alone.close()
-    engine, channel = tp_engine(tiny, "kivi", paging)
-    try:
-        got = complete_all(engine, prompts, LENGTHS, stagger=0.01)
-        stats = engine.stats()
-    finally:
-        engine.close()
+    want, got, stats, engine, channel = serve_alone_and_tp(tiny, "kivi", Paging(24, 4, prefix_chunk=8, max_prefixes=6),
+                                                           prompts)
     assert got == want
     assert stats["prefix_hits"] > 0 and engine.blocks.evictions > 0, stats
     ops = collections_of(channel.plans)

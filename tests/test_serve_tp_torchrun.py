@@ -139,6 +139,22 @@ def metrics(url: str) -> dict:
 # ---------------------------------------------------------------- tiny model, TP = 2 (fast suite)
 
 
+def stream_then_signal(url, name, pid, sig, sent=None) -> list[str]:
+    """Stream a long completion; once its second event arrives, send `sig` to `pid` (appending the
+    time to `sent`). Returns every event line of the stream, which must end by itself."""
+    events = []
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                      json={"model": name, "prompt": PROMPTS[4], "max_tokens": 200, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line:
+                events.append(line)
+            if len(events) == 2 and line:
+                os.kill(pid, sig)
+                if sent is not None:
+                    sent.append(time.time())
+    return events
+
+
 def test_tp2_kill_a_rank_mid_stream_gives_an_error_event_then_503_not_a_hang(tiny_dirs, tmp_path):
     model_dir = tiny_dirs[2]
     args = ["--model", str(model_dir), *KIVI, "--max-batch", "2", "--max-seq-len", "256", "--tp-timeout", "30"]
@@ -150,14 +166,8 @@ def test_tp2_kill_a_rank_mid_stream_gives_an_error_event_then_503_not_a_hang(tin
         assert m['kivi_cache_rank_bytes{rank="0"}'] == m['kivi_cache_rank_bytes{rank="1"}'] > 0
         ranks = children(proc.pid)
         assert sorted(ranks) == [0, 1], ranks
-        events, start = [], time.time()
-        with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
-                          json={"model": name, "prompt": PROMPTS[4], "max_tokens": 200, "stream": True}) as r:
-            for line in r.iter_lines():
-                if line:
-                    events.append(line)
-                if len(events) == 2:
-                    os.kill(ranks[1], signal.SIGKILL)
+        start = time.time()
+        events = stream_then_signal(url, name, ranks[1], signal.SIGKILL)
         ended_s = time.time() - start
         assert events[-1] == "data: [DONE]" and '"error"' in events[-2], events[-3:]
         assert "tensor_parallel_failure" in events[-2] and len(events) < 200, events[-2]
@@ -179,17 +189,10 @@ def test_tp2_a_hung_rank_ends_the_stream_after_the_tp_timeout_and_rank_0_answers
     args = ["--model", str(model_dir), *KIVI, "--max-batch", "2", "--max-seq-len", "256", "--tp-timeout", "4"]
     with torchrun_serve(args, 2, tmp_path) as (url, proc, log_path):
         name, rank1 = model_dir.name, children(proc.pid)[1]
-        events = []
+        sent = []
         try:
-            with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
-                              json={"model": name, "prompt": PROMPTS[4], "max_tokens": 200, "stream": True}) as r:
-                for line in r.iter_lines():
-                    if line:
-                        events.append(line)
-                    if len(events) == 2:
-                        os.kill(rank1, signal.SIGSTOP)
-                        stopped = time.time()
-            waited = time.time() - stopped
+            events = stream_then_signal(url, name, rank1, signal.SIGSTOP, sent)
+            waited = time.time() - sent[0]
             assert 3 < waited < 30, waited  # about --tp-timeout: it ended, and not before the timeout
             assert "Timed out" in events[-2] and "tensor_parallel_failure" in events[-2], events[-2]
             health = httpx.get(f"{url}/health", timeout=10)
