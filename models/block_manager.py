@@ -124,9 +124,6 @@ class BlockManager:
         """Pages seq still lacks to hold num_tokens tokens."""
         return max(0, self.pages_needed(num_tokens) - len(self.tables.get(seq, ())))
 
-    def can_hold(self, seq: Hashable, num_tokens: int) -> bool:
-        return self.shortfall(seq, num_tokens) <= self.num_free
-
     # ---------------------------------------------------------------- changes
 
     def allocate(self, seq: Hashable, num_tokens: int) -> list[int]:
