@@ -151,10 +151,8 @@ def check_paging_flags(args, parser) -> None:
     if args.paged:
         if args.num_pages is not None and args.cache_budget_gib is not None:
             parser.error("--num-pages and --cache-budget-gib exclude each other: both size the pool")
-        if not args.prefix_caching:
-            for flag in ("prefix_chunk",):
-                if getattr(args, flag) is not None:
-                    parser.error(f"--{flag.replace('_', '-')} applies only with --prefix-caching")
+        if not args.prefix_caching and args.prefix_chunk is not None:
+            parser.error("--prefix-chunk applies only with --prefix-caching")
         return
     if args.prefix_caching:
         parser.error("--prefix-caching needs --paged (static rows hold no shareable pages)")
