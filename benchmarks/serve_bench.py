@@ -320,8 +320,8 @@ def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, 
     stop.set()
     stopper.cancel()
     sampler.join()
-    end = time.perf_counter()
     samples.append(snapshot())
+    end = samples[-1][0]  # the run ends at its last sample, so every window's counts come from samples inside it
     elapsed = end - start
     tokens = samples[-1][3]  # tokens generated inside the run (at its end), finished requests or not
     stats = engine.stats()
