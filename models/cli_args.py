@@ -69,6 +69,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_ints(text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers, e.g. "8,16,32"."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be positive integers separated by commas (e.g. 8,16,32), got {text!r}")
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"must be positive integers, got {text!r}")
+    return values
+
+
 def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:

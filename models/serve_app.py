@@ -246,6 +246,8 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
             ("kivi_requests_waiting", "gauge", "requests queued for a slot (FIFO)", s["waiting"]),
             ("kivi_cache_slots_used", "gauge", "cache rows in use", s["slots_used"]),
             ("kivi_cache_slots_free", "gauge", "cache rows free", s["slots_free"]),
+            ("kivi_decode_rows", "gauge", "rows the last decode step ran over (--paged: the smallest decode bucket "
+             "holding the running requests)", s["decode_rows"]),
             ("kivi_cache_bytes", "gauge", "bytes held by the cache (every rank's together)", s["cache_bytes"]),
             ("kivi_tp_size", "gauge", "tensor-parallel ranks (torchrun processes) serving the model", s["tp_size"]),
             ("kivi_generated_tokens_total", "counter", "tokens generated since start", s["generated_tokens"]),

@@ -7,7 +7,7 @@ import os
 from typing import Optional
 
 from .cli_args import (add_model_arguments, check_memory, check_weight_quant_modes, device_and_dtype,
-                       kivi_config_from, non_negative_float, non_negative_int, positive_float, positive_int,
+                       kivi_config_from, non_negative_float, non_negative_int, positive_float, positive_int, positive_ints,
                        usage_errors)
 from .loading import DEFAULT_MODEL, DEFAULT_NAME, load_model, log
 from .serve_app import LOOPBACK_HOSTS, MAX_REQUEST_BYTES, Server, build_app
@@ -39,6 +39,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--prefix-cache-size", type=positive_int, default=256,
                    help="--prefix-caching: cached prefixes kept at most (each keeps a host copy of its row state), "
                         "least recently used dropped first (default 256)")
+    s.add_argument("--decode-buckets", type=positive_ints, default=None,
+                   help="--paged: the row counts a decode step may run over, each compiled once (e.g. 8,16,32); "
+                        "requests are kept in the lowest rows and a step runs over the smallest bucket holding them, "
+                        "so idle rows cost nothing (default: powers of two from 8 below --max-batch, and --max-batch)")
     s.add_argument("--max-seq-len", type=positive_int, default=2048,
                    help="tokens per row: prompt + max_tokens of one request (at most the model's context)")
     s.add_argument("--host", default="127.0.0.1")
@@ -159,7 +163,7 @@ def check_paging_flags(args, parser) -> None:
     if args.max_batch is not None and args.cache_budget_gib is not None:
         parser.error("argument --cache-budget-gib: not allowed with argument --max-batch (without --paged the "
                      "budget decides the rows)")
-    for flag in ("num_pages", "page_size", "prefix_chunk"):
+    for flag in ("num_pages", "page_size", "prefix_chunk", "decode_buckets"):
         if getattr(args, flag) is not None:
             parser.error(f"--{flag.replace('_', '-')} applies only with --paged")
 
@@ -171,7 +175,7 @@ def cmd_serve(args, parser) -> int:
 
     from .generate import make_paged_cache
     from .parallel import is_main_process, world_size
-    from .serve_engine import Engine, Paging, check_prefix_caching
+    from .serve_engine import Engine, Paging, check_prefix_caching, decode_buckets
     from .serve_runner import Runner
 
     kivi_config = kivi_config_from(args, parser)
@@ -202,12 +206,14 @@ def cmd_serve(args, parser) -> int:
         check_memory(nbytes, device, what=f"the cache ({slots} rows x {args.max_seq_len} tokens)")
     else:
         slots, pages, nbytes = plan_pages(model, args, kivi_config, parser)
-        paging = Paging(pages, args.page_size)
+        paging = Paging(pages, args.page_size, decode_buckets=args.decode_buckets)
+        with usage_errors(parser):
+            decode_buckets(slots, args.decode_buckets)
         if args.prefix_caching:  # the default chunk needs the page size, known once the cache kind is
             page = args.page_size or make_paged_cache(model, method=args.method, batch_size=1, max_seq_len=1,
                                                       num_pages=1, kivi_config=kivi_config, device="meta").page_size
             chunk = args.prefix_chunk or page * -(-PREFIX_CHUNK // page)
-            paging = Paging(pages, args.page_size, chunk, args.prefix_cache_size)
+            paging = Paging(pages, args.page_size, chunk, args.prefix_cache_size, args.decode_buckets)
             with usage_errors(parser):  # before the ranks of torchrun start waiting on each other
                 check_prefix_caching(paging, page)
         check_memory(nbytes, device, what=f"the paged cache ({pages} pages, {slots} rows)")
@@ -230,7 +236,8 @@ def cmd_serve(args, parser) -> int:
     else:
         log(f"paged: {slots} rows, a pool of {paging.num_pages} pages of {engine.cache.page_size} tokens, "
             f"{nbytes / 2**20:.1f} MiB of {args.method} cache{share}; a request holds at most {args.max_seq_len} tokens"
-            + (f"; prefix caching in chunks of {paging.prefix_chunk} tokens" if paging.prefix_chunk else ""))
+            + (f"; prefix caching in chunks of {paging.prefix_chunk} tokens" if paging.prefix_chunk else "")
+            + f"; decode steps over {', '.join(map(str, engine.buckets))} rows")
     log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API; /health, /metrics)")
     app = build_app(engine, name, max_request_bytes=args.max_request_bytes, api_key=api_key, docs=args.docs,
                     allowed_hosts=allowed_hosts)

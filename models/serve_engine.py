@@ -148,6 +148,23 @@ class Paging:
     page_size: Optional[int] = None
     prefix_chunk: Optional[int] = None
     max_prefixes: int = 256
+    decode_buckets: Optional[tuple[int, ...]] = None  # row counts a decode step may run over (decode_buckets())
+
+
+SMALLEST_BUCKET = 8
+
+
+def decode_buckets(rows: int, chosen: Optional[tuple[int, ...]] = None) -> tuple[int, ...]:
+    """The row counts a paged engine's decode step runs over (each compiled once): `chosen`
+    (`--decode-buckets`), else the powers of two from SMALLEST_BUCKET below `rows`; and `rows`.
+    Requests are kept in the lowest rows, so a step runs over the smallest bucket that holds
+    them: an idle row costs a step nothing, at the price of one graph per bucket (vLLM captures a
+    CUDA graph per batch size the same way)."""
+    if chosen is None:
+        chosen = tuple(2**k for k in range(SMALLEST_BUCKET.bit_length() - 1, rows.bit_length()) if 2**k < rows)
+    if any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= rows for b in chosen):
+        raise ValueError(f"--decode-buckets must be row counts in [1, {rows}] (--max-batch), got {list(chosen)}")
+    return tuple(sorted({*chosen, rows}))
 
 
 class Engine:
@@ -186,6 +203,7 @@ class Engine:
             self.scheduler = Scheduler(self.blocks, slots)
             self.table = torch.full_like(self.cache.block_table, self.cache.num_pages, device="cpu")
             self.table_rows: list[tuple[Optional[Request], int]] = [(None, 0)] * slots  # what table[row] holds
+        self.buckets = decode_buckets(slots, paging.decode_buckets) if paging is not None else (slots,)
         # Ready once the decode step has run: with compile, a first step with no request (counts 0:
         # nothing is stored) compiles it before any client waits on it (/health says so).
         self.ready = threading.Event()
@@ -197,6 +215,7 @@ class Engine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.lock = threading.Condition()
         self.generated_tokens = 0
+        self.decode_rows = 0  # the rows the last decode step ran over (its bucket)
         self.started_s = time.perf_counter()
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="kivi-engine", daemon=True)
@@ -279,7 +298,7 @@ class Engine:
             by_rank = self.runner.cache_bytes_by_rank()
             stats = dict(running=running, waiting=len(self.waiting), slots_used=running, slots_free=self.slots - running,
                          cache_bytes=sum(by_rank), cache_bytes_by_rank=by_rank, tp_size=len(by_rank),
-                         generated_tokens=self.generated_tokens,
+                         generated_tokens=self.generated_tokens, decode_rows=self.decode_rows,
                          tokens_per_s=self.generated_tokens / elapsed if elapsed > 0 else 0.0)
             if self.scheduler is not None:
                 stats.update(pages_used=self.blocks.num_used, pages_free=self.blocks.num_free,
@@ -331,7 +350,8 @@ class Engine:
         if self.compile:
             try:
                 with torch.inference_mode():
-                    self._decode()  # no request yet: every count is 0, nothing is stored
+                    for rows in self.buckets:  # no request yet: every count is 0, nothing is stored
+                        self.runner.decode([-1] * rows)
             except Exception as e:
                 log.exception("the compiled decode step failed to build")
                 self.warmup_error = f"the compiled decode step failed to build: {type(e).__name__}: {e}"
@@ -373,6 +393,7 @@ class Engine:
                         self._drop_evicted_tails()
                     if any(r is not None for r in self.rows):
                         if self.scheduler is not None:
+                            self._compact()
                             self._write_block_table()
                         self._decode()
                     self.runner.flush()
@@ -559,9 +580,30 @@ class Engine:
         for key in evicted:
             self.runner.drop(key)
 
+    def _bucket(self, rows: int) -> int:
+        """The smallest decode bucket of at least `rows` rows."""
+        return next(b for b in self.buckets if b >= rows)
+
+    def _compact(self) -> None:
+        """Keep the requests in the lowest rows (paged): move those at or past the bucket their
+        number needs into free rows below it, so that the step runs over that bucket only. A
+        move copies a row's state (its window), not its pages; its block-table row is rewritten."""
+        with self.lock:
+            active = [slot for slot, r in enumerate(self.rows) if r is not None]
+            limit = self._bucket(len(active))
+            free = [slot for slot in range(limit) if self.rows[slot] is None]
+            moves = [(src, free.pop(0)) for src in active if src >= limit]
+            for src, dst in moves:
+                self.rows[dst], self.rows[src] = self.rows[src], None
+                self.table_rows[src] = self.table_rows[dst] = (None, -1)
+        for src, dst in moves:
+            self.runner.move(src, dst)
+
     def _decode(self) -> None:
         active = [s for s in range(self.slots) if self.rows[s] is not None]
-        logits = self.runner.decode([r.tokens[-1] if r is not None else -1 for r in self.rows])
+        rows = self._bucket(active[-1] + 1)
+        logits = self.runner.decode([r.tokens[-1] if r is not None else -1 for r in self.rows[:rows]])
+        self.decode_rows = rows
         self._advance(logits[active], active, "a decode step")
 
     def _advance(self, logits: torch.Tensor, slots: list[int], where: str) -> None:

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from kivi_ops.paged_io import copy_sequence, load_sequence, save_sequence
+from kivi_ops.row_view import leading_rows
 
 from .generate import compile_decode_step, decode_step, make_cache, make_paged_cache, prefill, prefill_chunked
 from .prefix_cache import restore_prefix, save_tail
@@ -52,6 +53,7 @@ class Runner:
             self.staging_table = torch.arange(width, dtype=torch.int32, device=self.device)[None]
         self.step_fn = compile_decode_step(self.device) if compile else decode_step
         self.saved: dict[int, object] = {}  # key -> a swapped-out sequence's host copy or a cached prefix's tail (paged)
+        self.views = {slots: self.cache}  # rows -> the paged cache's first rows (decode buckets), made once each
 
     def prefill(self, slot: int, prompt_ids: list[int], pages: list[int]) -> torch.Tensor:
         """Prefill one prompt alone (exact attention, then quantization, as `kivi generate` does) and
@@ -115,13 +117,22 @@ class Runner:
         """The block table (host int32 [rows, pages per row]) into the device one, in one copy (paged)."""
         self.cache.block_table.copy_(table)
 
+    def move(self, src: int, dst: int) -> None:
+        """Row `src`'s sequence into the free row `dst` (paged: its row state; its pages stay, the
+        engine writes its block-table row): requests are kept in the lowest rows."""
+        copy_sequence(self.cache, dst, [], self.cache, src, [])
+
     def decode(self, tokens: list[int]) -> torch.Tensor:
-        """One decode step over every row: tokens[row] is the row's last token, or -1 for a row with
-        no request (count 0: nothing is stored). Returns the logits [rows, V]."""
+        """One decode step over the first len(tokens) rows (every row of a static cache; paged: a
+        decode bucket, leading_rows): tokens[row] is the row's last token, or -1 for a row with no
+        request (count 0: nothing is stored). Returns the logits [len(tokens), V]."""
+        cache = self.views.get(len(tokens))
+        if cache is None:
+            cache = self.views[len(tokens)] = leading_rows(self.cache, len(tokens))
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         counts = (ids >= 0).long()
-        positions = self.cache.lengths().clone()
-        return self.step_fn(self.model, self.cache, ids.clamp(min=0), positions, counts)
+        positions = cache.lengths().clone()
+        return self.step_fn(self.model, cache, ids.clamp(min=0), positions, counts)
 
     def flush(self) -> None:
         """The end of an engine round (tensor parallelism: send what is queued, or a heartbeat)."""

@@ -12,8 +12,9 @@ tokens reach the others in the next decode step's plan.
 
 A plan is two int64 tensors broadcast over a gloo group (CPU tensors, also when the model's
 collectives run on nccl; no pickling):
-- the header, fixed size HEADER + rows: [MAGIC, kind, sequence number, payload length, decode?,
-  then each row's token for the decode step (-1: the row takes no token)];
+- the header, fixed size HEADER + rows: [MAGIC, kind, sequence number, payload length, the rows n
+  the decode step runs over (0: none; paged: a decode bucket), then each of those n rows' token
+  (-1: the row takes no token), then unused entries];
 - the payload (broadcast only when its length is not 0): the records of the cache actions that come
   before the decode step, in order, each [op code, its fields...], a field being an int or a list
   of ints written as [length, values...] (OPS gives each op's fields).
@@ -45,7 +46,7 @@ from .serve_runner import Runner
 
 MAGIC = 0x4B495649  # "KIVI": a header that does not start with it is not a plan (out of step)
 PLAN, STOP = 1, 2
-HEADER = 5  # MAGIC, kind, sequence number, payload length, decode flag; then one token per row
+HEADER = 5  # MAGIC, kind, sequence number, payload length, rows decoded (0: no decode step); then their tokens
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ OPS = (
     Op(5, "table_row", "il"),  # row, its page ids (the rest of the row: unused)
     # slot, prompt ids, pages, chunk, start, shared pages, tail key, boundaries to keep, their keys
     Op(6, "prefill_chunked", "illiiiill"),
+    Op(7, "move", "ii"),  # src row, dst row
 )
 BY_CODE = {op.code: op for op in OPS}
 BY_NAME = {op.name: op for op in OPS}
@@ -132,11 +134,12 @@ def encode_plan(plan: Plan, rows: int, records: Optional[list[int]] = None) -> t
     if records is None:
         records = [x for name, args in plan.records for x in encode_record(name, *args)]
     header = torch.full((HEADER + rows,), -1, dtype=torch.long)
-    header[:HEADER] = torch.tensor([MAGIC, plan.kind, plan.seq, len(records), plan.tokens is not None])
+    decoded = 0 if plan.tokens is None else len(plan.tokens)
+    header[:HEADER] = torch.tensor([MAGIC, plan.kind, plan.seq, len(records), decoded])
     if plan.tokens is not None:
-        if len(plan.tokens) != rows:
-            raise ValueError(f"a decode step needs one token per row ({rows}), got {len(plan.tokens)}")
-        header[HEADER:] = torch.tensor(plan.tokens, dtype=torch.long)
+        if not 1 <= decoded <= rows:
+            raise ValueError(f"a decode step needs one token per row it runs over (1 to {rows}), got {decoded}")
+        header[HEADER:HEADER + decoded] = torch.tensor(plan.tokens, dtype=torch.long)
     return header, torch.tensor(records, dtype=torch.long)
 
 
@@ -146,8 +149,10 @@ def decode_plan(header: torch.Tensor, payload: torch.Tensor) -> Plan:
         raise OutOfStep(f"not a plan header: {head[:HEADER]}")
     if head[3] != payload.numel():
         raise OutOfStep(f"the header announces {head[3]} payload ints, got {payload.numel()}")
+    if not 0 <= head[4] <= len(head) - HEADER:
+        raise OutOfStep(f"the header announces a decode step over {head[4]} rows, of {len(head) - HEADER}")
     return Plan(kind=head[1], seq=head[2], records=tuple(decode_records(payload.tolist())),
-                tokens=tuple(head[HEADER:]) if head[4] else None)
+                tokens=tuple(head[HEADER:HEADER + head[4]]) if head[4] else None)
 
 
 # ---------------------------------------------------------------- transport
@@ -285,6 +290,10 @@ class LeaderRunner(Runner):
     def drop(self, key: int) -> None:
         self._queue("drop", key)
         super().drop(key)
+
+    def move(self, src: int, dst: int) -> None:
+        self._queue("move", src, dst)
+        super().move(src, dst)
 
     def write_table(self, table: torch.Tensor) -> None:
         sent = self.sent_table

@@ -201,6 +201,11 @@ def test_serve_usage_errors(tiny_dir, capsys):
                            "does not hold the state of 32 rows"),
                           (["--prefix-caching"], "--prefix-caching needs --paged"),
                           (["--paged", "--prefix-chunk", "8"], "--prefix-chunk applies only with --prefix-caching"),
+                          (["--decode-buckets", "4"], "--decode-buckets applies only with --paged"),
+                          (["--paged", "--decode-buckets", "4,x"], "must be positive integers separated by commas"),
+                          (["--paged", "--decode-buckets", "0"], "must be positive integers"),
+                          (["--paged", "--method", "fp", "--num-pages", "8", "--max-seq-len", "32", "--max-batch", "4",
+                            "--decode-buckets", "2,6"], "--decode-buckets must be row counts in [1, 4] (--max-batch)"),
                           (["--paged", "--method", "fp", "--num-pages", "8", "--max-seq-len", "32",
                             "--prefix-caching", "--prefix-chunk", "24"],
                            "--prefix-chunk must be a positive multiple of the page size (16 tokens")):

@@ -47,8 +47,9 @@ def tiny():
 def make_engine(tiny, method, num_pages, page_size=None, slots=4, prefix_chunk=None, prefix_cache_size=256,
                 **options) -> Engine:
     model, tokenizer = tiny
+    paging = Paging(num_pages, page_size, prefix_chunk, prefix_cache_size, options.pop("decode_buckets", None))
     engine = Engine(model, tokenizer, method=method, kivi_config=CONFIG, slots=slots, max_seq_len=MAX_SEQ_LEN,
-                    paging=Paging(num_pages, page_size, prefix_chunk, prefix_cache_size), **options)
+                    paging=paging, **options)
     engine.eos = set()
     return engine
 
@@ -221,6 +222,52 @@ def test_openai_client_streamed_and_whole_with_preemptions_equals_kivi_generate_
     assert m["kivi_preemptions_total"] > 0 and m["kivi_cache_pages_shared"] == 0, m
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert sum(torch._dynamo.utils.counters["recompiles"].values()) == 0
+
+
+@pytest.mark.parametrize("method, compile", [("fp", False), pytest.param("kivi", False, marks=METHODS[1].marks),
+                                             pytest.param("kivi", True, marks=METHODS[1].marks)])
+def test_decode_steps_run_over_the_smallest_bucket_holding_the_requests(tiny, method, compile):
+    """Rows 6, buckets 2, 4, 6: requests arrive and leave at different times, in a pool small
+    enough for preemptions. Every step runs over the smallest bucket holding the running requests
+    (those in higher rows are moved down), and the tokens are still `kivi generate`'s. Compiled:
+    one graph per bucket, all built before the first request."""
+    if compile:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+    engine = make_engine(tiny, method, num_pages=24 if method == "fp" else 12, page_size=4, slots=6,
+                         decode_buckets=(2, 4), compile=compile)
+    assert engine.buckets == (2, 4, 6)
+    steps, moves = [], []
+    real_decode, real_move = engine.runner.decode, engine.runner.move
+
+    def decode(tokens):
+        steps.append((len(tokens), sum(r is not None for r in engine.rows), max(
+            (i for i, r in enumerate(engine.rows) if r is not None), default=-1)))
+        return real_decode(tokens)
+
+    def move(src, dst):
+        moves.append((src, dst))
+        return real_move(src, dst)
+
+    assert engine.ready.wait(300)
+    recompiles = sum(torch._dynamo.utils.counters["recompiles"].values())
+    engine.runner.decode, engine.runner.move = decode, move
+    prompts, lengths = PROMPTS * 2, [30, 6, 26, 4, 24, 8, 12, 28, 5, 20]  # short ones leave rows free early
+    try:
+        got = complete_all(engine, prompts, lengths, stagger=0.01)
+        stats = wait_idle(engine)
+    finally:
+        engine.close()
+    for prompt, n, tokens in zip(prompts, lengths, got):
+        assert tokens == alone(tiny, method, prompt, n), prompt
+    assert stats["preemptions"] > 0 and moves, (stats, moves)
+    assert {rows for rows, _, _ in steps} == {2, 4, 6}, steps
+    for rows, running, highest in steps:
+        assert highest < rows and rows == engine._bucket(running), steps
+    engine.blocks.check()
+    if compile:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
+        assert sum(torch._dynamo.utils.counters["recompiles"].values()) == recompiles  # none after warm-up
 
 
 def test_swapped_requests_end_cleanly_on_cancel_timeout_and_abort(tiny):

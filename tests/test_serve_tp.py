@@ -28,7 +28,7 @@ def test_a_plan_survives_encoding_and_a_decode_step_is_one_fixed_size_header():
     records = (("save", (2, [7, 3, 9], 41)), ("load", (0, [1], 40)), ("drop", (39,)), ("table_row", (1, [5, 6])),
                ("table_row", (3, [])), ("prefill", (1, [101, 5, 17, 2], [4, 8])),
                ("prefill_chunked", (2, [101, 5, 17, 2, 9], [4, 8, 3], 4, 4, 1, 38, [], [])),
-               ("prefill_chunked", (0, [7] * 9, [2, 5, 6], 4, 0, 0, -1, [4, 8], [42, 43])))
+               ("prefill_chunked", (0, [7] * 9, [2, 5, 6], 4, 0, 0, -1, [4, 8], [42, 43])), ("move", (3, 0)))
     assert {name for name, _ in records} == {op.name for op in OPS}  # every op
     plan = Plan(PLAN, 12, records, tokens=(5, -1, 9, -1))
     header, payload = encode_plan(plan, rows=4)
@@ -38,6 +38,9 @@ def test_a_plan_survives_encoding_and_a_decode_step_is_one_fixed_size_header():
     header, payload = encode_plan(Plan(PLAN, 13, tokens=(5, -1, 9, -1)), rows=4)
     assert payload.numel() == 0 and header[HEADER:].tolist() == [5, -1, 9, -1]
     assert decode_plan(header, payload) == Plan(PLAN, 13, (), (5, -1, 9, -1))
+    # A step over the first rows only (a decode bucket): the header keeps its size.
+    header, payload = encode_plan(Plan(PLAN, 13, tokens=(5, -1)), rows=4)
+    assert header.shape == (HEADER + 4,) and decode_plan(header, payload) == Plan(PLAN, 13, (), (5, -1))
     stop = decode_plan(*encode_plan(Plan(STOP, 14), rows=4))
     assert stop.kind == STOP and stop.tokens is None and stop.records == ()
 
@@ -55,8 +58,12 @@ def test_a_plan_that_is_not_one_is_refused():
     bad[0] = 77
     with pytest.raises(OutOfStep, match="unknown op code 77"):
         decode_plan(header, bad)
-    with pytest.raises(ValueError, match="one token per row \\(2\\), got 3"):
+    with pytest.raises(ValueError, match="one token per row it runs over \\(1 to 2\\), got 3"):
         encode_plan(Plan(PLAN, 0, tokens=(1, 2, 3)), rows=2)
+    bad = header.clone()
+    bad[4] = 3  # a decode step over more rows than the header holds
+    with pytest.raises(OutOfStep, match="decode step over 3 rows, of 2"):
+        decode_plan(bad, payload)
 
 
 # ---------------------------------------------------------------- a worker replaying rank 0's plans
@@ -119,8 +126,9 @@ def serve_alone_and_tp(tiny, method, paging, prompts):
     return want, got, stats, engine, channel
 
 
-@pytest.mark.parametrize("method, paging", [("kivi", None), ("fp", Paging(16, 4)), ("kivi", Paging(8, 4))],
-                         ids=["static-kivi", "paged-fp", "paged-kivi"])
+@pytest.mark.parametrize("method, paging", [("kivi", None), ("fp", Paging(16, 4)), ("kivi", Paging(8, 4)),
+                                            ("kivi", Paging(8, 4, decode_buckets=(2,)))],
+                         ids=["static-kivi", "paged-fp", "paged-kivi", "paged-kivi-buckets"])
 def test_a_worker_replaying_the_plans_holds_rank_0s_cache_bit_for_bit(tiny, method, paging):
     if paging is not None and method == "kivi":
         pytest.importorskip("kivi_ops.paged")
@@ -137,10 +145,38 @@ def test_a_worker_replaying_the_plans_holds_rank_0s_cache_bit_for_bit(tiny, meth
     if paging is None:  # a decode step is one header, no payload (its tokens ride in the header)
         assert not any(p.records for p in steps)
     else:  # the records before a step are the pages' bookkeeping (a prefill is a plan of its own)
-        assert {name for p in steps for name, _ in p.records} <= {"save", "load", "drop", "table_row"}
+        assert {name for p in steps for name, _ in p.records} <= {"save", "load", "drop", "table_row", "move"}
     if paging is not None:  # the small pools preempt: swaps and block table rows reached the worker
         assert stats["preemptions"] > 0 and ops["save"] == ops["load"] == stats["preemptions"]
         assert ops["table_row"] > 0
+    if paging is not None and paging.decode_buckets:  # steps over the first 2 rows as well as all 4
+        assert {len(p.tokens) for p in steps} == {2, 4}, ops
+
+
+def test_a_row_moved_down_and_a_step_over_the_first_rows_replay_on_the_worker(tiny):
+    """Runner.move (the engine keeps requests in the lowest rows) and a decode step over a bucket
+    of rows reach the worker: both ranks' caches stay the same bit for bit."""
+    pytest.importorskip("kivi_ops.paged")
+    model, tokenizer = tiny
+    args = dict(method="kivi", kivi_config=CONFIG, slots=4, max_seq_len=MAX_SEQ_LEN, paging=Paging(8, 4))
+    channel = Loopback(Runner(model, **args))
+    leader = LeaderRunner(model, channel=channel, timeout_s=60.0, **args)
+    ids = tokenizer(" ".join(PROMPTS[:3]))["input_ids"]  # past the window: it holds pages
+    pages = list(range(leader.cache.pages_needed(len(ids) + 1)))
+    assert pages
+    table = torch.full_like(leader.cache.block_table, leader.cache.num_pages, device="cpu")
+    table[3, :len(pages)] = torch.tensor(pages)
+    with torch.inference_mode():
+        leader.write_table(table)
+        token = int(leader.prefill(3, ids, pages[:leader.cache.pages_needed(len(ids))]).argmax())
+        leader.move(3, 0)
+        table[0], table[3] = table[3].clone(), leader.cache.num_pages
+        leader.write_table(table)
+        leader.decode([token, -1])
+    assert [name for p in channel.plans for name, _ in p.records][-3:] == ["move", "table_row", "table_row"]
+    assert channel.plans[-1].tokens == (token, -1)
+    assert int(leader.cache.lengths()[0]) == len(ids) + 1
+    assert_same_cache(leader, channel.runner)
 
 
 def test_prefix_caching_replays_on_a_worker_with_its_own_tails(tiny):
