@@ -3,8 +3,8 @@
 The caches: static fp, paged fp (our vLLM-style paged cache, kivi_ops/paged_fp.py), static KIVI and
 paged KIVI (kivi_ops/paged.py, where built). The budget decides each one's capacity from its exact
 bytes: a static cache gets budget // bytes of a row of max_seq_len tokens rows; a paged cache gets
-rows for 1.25x the sequences of the stream's mean length that the budget holds (so that pages, not
-rows, bound it) and the pool of pages that the budget holds after those rows' own state.
+as many rows as sequences the budget holds at the pages a sequence of the stream holds in flight
+(plan()), and the pool of pages that the budget holds after those rows' own state.
 
 Each run drives the serving engine (kivi_models.serve_engine, what `kivi serve` runs) with a closed
 loop of clients for a fixed time: each client sends its next request of the stream when its last
@@ -52,7 +52,6 @@ from kivi_models.serve_engine import Engine, Paging, Request
 from .traces import SHAREGPT, chat_lengths
 
 CACHES = ("fp", "fp-paged", "kivi", "kivi-paged")
-ROWS_OVER_MEAN = 1.25  # paged rows per sequence of the mean length the budget holds
 
 
 def request_stream(tokenizer, n: int, *, max_seq_len: int, seed: int = 0, length_scale: float = 1.0,
@@ -97,10 +96,16 @@ def plan(model, cache: str, *, budget_bytes: float, max_seq_len: int, kivi_confi
     needed = sizer.pages_needed
     chunk = None if prefix_chunk is None else sizer.page_size * -(-prefix_chunk // sizer.page_size)
     shared = 0 if chunk is None else sizer.pages_final(shared_prefix // chunk * chunk)
-    mean_seq = (statistics.fmean(needed(len(p) + n) for p, n in stream) - shared) * per_page + per_row
+    # The rows are as many sequences as the budget holds at the pages a sequence holds in flight:
+    # the mean over every decode step of every request (a request holds its row for as many steps
+    # as it has output tokens, so long ones weigh more). More rows would take pages (a KIVI row's
+    # fixed state, its fp window, is as large as several pages) and preempt; fewer would leave pages
+    # idle. Idle rows cost a decode step nothing (decode buckets), only their state's bytes.
+    steps = sum(n for _, n in stream)
+    in_flight = sum(needed(len(p) + t + 1) for p, n in stream for t in range(n)) / steps - shared
     longest = max(needed(len(p) + n) for p, n in stream)
     affordable = int((budget_bytes - base - longest * per_page) // per_row)  # rows that leave the longest its pages
-    rows = max(1, min(max_rows, affordable, int(ROWS_OVER_MEAN * (budget_bytes - base) / mean_seq)))
+    rows = max(1, min(max_rows, affordable, round((budget_bytes - base) / (per_row + in_flight * per_page))))
     pages = int((budget_bytes - base - rows * per_row) // per_page)
     if pages < longest:
         raise ValueError(f"--budget-gib {budget_bytes / 2**30:g} leaves {cache} {pages} pages after {rows} rows; the "
