@@ -21,6 +21,7 @@ STUDIES = {
     "compile_modes_cpu": "CPU decode step: one decoder layer compiled for all (regional) vs the whole step",
     "decomposed_attend_cpu": "CPU: compiled decomposed KIVI-2 attention and append vs compiled fp32 SDPA",
     "paged_decode_cpu": "CPU: the compiled paged KIVI decode step (append + attend) vs the static cache's, same rows",
+    "decode_buckets_cpu": "CPU: the compiled paged decode step over every row vs over the bucket holding the requests",
     "prefill_chunk_cpu": "CPU: prefilling a prompt in chunks (--prefix-caching) vs one-shot, per chunk size",
     "gpu_attend_sweep": "GPU: decode attention launch configurations (and the tensor-core candidate) vs SDPA",
     "gpu_layer_costs": "GPU: per-layer append, flush step and attend, plain KIVI and with each option",
