@@ -341,6 +341,8 @@ class Engine:
                 self.drain_timer.cancel()
             self.lock.notify()
         self.thread.join(timeout=30)
+        if self.thread.is_alive():  # a step that does not end (a hung runner): say so, the caller goes on
+            log.warning("the engine thread did not stop within 30 s of close()")
 
     # ---------------------------------------------------------------- engine thread
 
@@ -537,9 +539,22 @@ class Engine:
         return Failure(504, f"the request ran longer than {self.request_timeout:g} s (--request-timeout)", "timeout")
 
     def _prefill(self, admitted: list[int]) -> None:
-        """Prefill each admitted prompt alone; one that fails ends its own request only."""
+        """Prefill each admitted prompt alone; one that fails ends its own request only. A round may
+        admit many prompts (seconds each on a CPU), so between two prefills the engine heeds what
+        came meanwhile: a pending abort ends every request now, and a request cancelled (or every
+        one, once close() was called) leaves its row unprefilled; else close() would wait out the
+        whole round and give up, leaving this thread running torch code at interpreter exit."""
         for slot in admitted:
+            if self.pending_abort is not None:
+                with self.lock:
+                    self._end_aborted()  # between two runner calls: the rows and pages are ours
             r = self.rows[slot]
+            if r is None:
+                continue  # ended by the abort above
+            if r.cancelled or self.stopping:
+                with self.lock:
+                    self._release(slot, r)
+                continue
             try:
                 if self.prefix_chunk is not None:
                     logits = self._prefill_shared(slot, r)

@@ -333,6 +333,65 @@ def test_an_abort_from_another_thread_leaves_the_running_step_alone_and_ends_eac
         engine.close()
 
 
+@pytest.mark.parametrize("action", ["close", "cancel", "abort"])
+def test_a_round_of_many_prefills_stops_at_the_next_one_on_close_cancel_or_abort(tiny, action):
+    # One round admits six prompts; on a CPU each prefill can take seconds. What comes during the
+    # first one is heeded before the second: close() stops the engine thread (it used to wait out
+    # the round, give up after 30 s and leave the thread in torch code at interpreter exit, where
+    # `kivi bench serve` died with "terminate called without an active exception"), cancelled
+    # requests are not prefilled, and an abort ends every request with one 503 at once.
+    engine = make_engine(tiny, "fp", num_pages=64, page_size=4, slots=6)
+    real_prefill, prefills = engine.runner.prefill, []
+    entered, go = threading.Event(), threading.Event()
+
+    def prefill(*args):
+        prefills.append(args[0])
+        if len(prefills) == 1:
+            entered.set()
+            go.wait(30)
+        return real_prefill(*args)
+
+    engine.runner.prefill = prefill
+    events = collections.defaultdict(list)
+    ids = engine.tokenizer(PROMPTS[0])["input_ids"]
+    reqs = [Request(prompt_ids=ids, max_tokens=8, temperature=0, emit=lambda k, p, i=i: events[i].append((k, p)))
+            for i in range(6)]
+    closer = threading.Thread(target=engine.close)
+    try:
+        with engine.lock:  # the engine thread admits all six in one round
+            for r in reqs:
+                engine.submit(r)
+        assert entered.wait(30)
+        if action == "close":
+            closer.start()
+        elif action == "cancel":
+            for r in reqs:
+                engine.cancel(r)
+        else:
+            engine.abort("stopping now", code="test_abort")
+        end = time.time() + 10
+        while action == "close" and not engine.stopping and time.time() < end:
+            time.sleep(0.001)  # close() has asked before the first prefill returns
+        go.set()
+        if action == "close":
+            closer.join(10)
+            assert not engine.thread.is_alive()
+        else:
+            wait_idle(engine)
+        assert len(prefills) == 1, prefills
+        if action == "abort":
+            for i in range(6):
+                assert [e for e in events[i] if e[0] != "text"] == [("error", Failure(503, "stopping now", "test_abort"))]
+        elif action == "cancel":
+            assert not any(k == "error" for i in range(6) for k, _ in events[i])
+        engine.blocks.check()
+        if action != "close":
+            assert engine.blocks.num_free == 64
+    finally:
+        go.set()
+        engine.close()
+
+
 def test_a_swap_out_that_fails_ends_that_request_alone(tiny):
     # Host memory runs out while a request is preempted: it ends with an error event, the running
     # one finishes with its uninterrupted tokens, and nothing later waits for the missing copy.
