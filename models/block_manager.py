@@ -19,8 +19,9 @@ engine (serve_engine.py) moves the bytes; this module only decides.
   (`prefix_keys`), holding a reference to the pages that prefix made final, plus an opaque payload
   (the engine's host copy of the rest of the row state at that point). A new request that starts
   with a cached prefix takes those pages by reference (`share`). Pages that only cached prefixes
-  hold are reclaimable: when the pool runs short, the least recently used prefixes are evicted
-  before any running request is preempted, so the cache never makes the pool run dry.
+  hold are reclaimable: when the pool runs short, the least recently used prefixes whose eviction
+  frees a page are evicted before any running request is preempted, so the cache never makes the
+  pool run dry (and a prefix whose pages running requests hold anyway is kept).
 """
 
 from __future__ import annotations
@@ -192,8 +193,9 @@ class BlockManager:
             self._evict_one()
         return True
 
-    def _evict_one(self) -> None:
-        _, prefix = self.prefixes.popitem(last=False)
+    def _evict_one(self, key: Optional[bytes] = None) -> None:
+        """Evict the prefix under key (None: the least recently used one)."""
+        prefix = self.prefixes.pop(key) if key is not None else self.prefixes.popitem(last=False)[1]
         for page in prefix.pages:
             self.cache_refs[page] -= 1
         self._drop(prefix.pages)
@@ -201,15 +203,32 @@ class BlockManager:
         if self.on_evict is not None:
             self.on_evict(prefix)
 
+    def _reclaim_victim(self) -> Optional[bytes]:
+        """The prefix reclaim() evicts next: the least recently used one whose eviction frees a page
+        (it alone holds it); evicting one whose pages running sequences or other prefixes still
+        hold would throw a useful prefix away for nothing. Failing that (pages several prefixes
+        alone hold, e.g. two prefixes on the same pages), the least recently used one holding such
+        a page: they come free once all of those go. None: nothing is reclaimable."""
+        for key, prefix in self.prefixes.items():  # least recently used first
+            if any(self.refs[p] == 1 for p in prefix.pages):
+                return key
+        for key, prefix in self.prefixes.items():
+            if any(self.refs[p] == self.cache_refs[p] for p in prefix.pages):
+                return key
+        return None
+
     def reclaim(self, pages: int) -> bool:
-        """Evict least recently used prefixes until `pages` pages are free, if the pages only
-        prefixes hold can make it (else evict nothing). Returns whether that many are free."""
+        """Evict least recently used prefixes, skipping those whose eviction frees no page, until
+        `pages` pages are free, if the pages only prefixes hold can make it (else evict nothing).
+        Returns whether that many are free."""
         if self.num_free >= pages:
             return True
         if self.num_free + self.num_reclaimable < pages:
             return False
+        # Each eviction of a victim turns reclaimable pages into free ones (or brings them closer),
+        # and no other page becomes reclaimable or stops being so: the goal above is met.
         while self.num_free < pages:
-            self._evict_one()
+            self._evict_one(self._reclaim_victim())
         return True
 
     def clear_prefixes(self) -> None:

@@ -218,6 +218,9 @@ class Engine:
         self.decode_rows = 0  # the rows the last decode step ran over (its bucket)
         self.started_s = time.perf_counter()
         self.stopping = False
+        # abort() from another thread records its failure here; the engine thread ends the requests.
+        self.pending_abort: Optional[Failure] = None
+        self.stopped = False  # the engine thread has returned: abort() ends requests itself
         self.thread = threading.Thread(target=self._loop, name="kivi-engine", daemon=True)
         self.thread.start()
 
@@ -320,21 +323,35 @@ class Engine:
                 self.drain_timer.start()
 
     def abort(self, message: str = "the server is stopping", code: str = "server_shutting_down") -> None:
-        """End every waiting and running request now with a 503 error event and refuse new ones:
-        their handlers answer or close their streams cleanly."""
+        """End every waiting, running and swapped-out request with a 503 error event and refuse new
+        ones: their handlers answer or close their streams cleanly. Called from another thread (a
+        signal handler, drain's timer), it only records the abort and wakes the engine thread,
+        which ends them at the top of its next round: mid-step, that thread uses those rows,
+        pages and host copies outside the lock, so only it may release them. Called from the
+        engine thread (_runner_failed), or once that thread has stopped, it ends them at once."""
         with self.lock:
             self.draining = True
-            for r in [*self.waiting, *self._swapped(), *(r for r in self.rows if r is not None)]:
-                r.cancelled = True
-                r.emit("error", Failure(503, message, code))
-            self.waiting.clear()
-            for slot, r in enumerate(self.rows):
-                self._release(slot, r)
-            if self.scheduler is not None:
-                for r in self.scheduler.swapped:
-                    self._forget(r)
-                self.scheduler.finish_all()
+            if self.pending_abort is None:  # the first abort's message wins; later ones find nothing left
+                self.pending_abort = Failure(503, message, code)
+            if threading.current_thread() is self.thread or self.stopped:
+                self._end_aborted()
             self.lock.notify()
+
+    def _end_aborted(self) -> None:
+        """Under the lock, on the engine thread (or once it has stopped): carry out a pending abort."""
+        failure, self.pending_abort = self.pending_abort, None
+        if failure is None:
+            return
+        for r in [*self.waiting, *self._swapped(), *(r for r in self.rows if r is not None)]:
+            r.cancelled = True
+            r.emit("error", failure)
+        self.waiting.clear()
+        for slot, r in enumerate(self.rows):
+            self._release(slot, r)
+        if self.scheduler is not None:
+            for r in self.scheduler.swapped:
+                self._forget(r)
+            self.scheduler.finish_all()
 
     def close(self) -> None:
         with self.lock:
@@ -343,6 +360,8 @@ class Engine:
                 self.drain_timer.cancel()
             self.lock.notify()
         self.thread.join(timeout=30)
+        if self.thread.is_alive():  # a step that does not end (a hung runner): say so, the caller goes on
+            log.warning("the engine thread did not stop within 30 s of close()")
 
     # ---------------------------------------------------------------- engine thread
 
@@ -359,15 +378,25 @@ class Engine:
         self.ready.set()
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        finally:
+            with self.lock:  # an abort recorded while this thread was leaving: abort() cannot see it ran
+                self.stopped = True
+                self._end_aborted()
+
+    def _run(self) -> None:
         self._warm_up()
         while True:
             if self.runner.failure is not None:  # tensor parallelism: a rank died or fell out of step
                 self._runner_failed()
                 return
             with self.lock:
-                while not self.stopping and not self.waiting and not any(self.rows) and not self._swapped():
+                while (not self.stopping and self.pending_abort is None and not self.waiting and not any(self.rows)
+                       and not self._swapped()):
                     if not self.lock.wait(self.runner.heartbeat_s):
                         break  # idle for heartbeat_s: the runner's flush() below tells the other ranks
+                self._end_aborted()  # no step is running now: the rows, pages and host copies are ours
                 if self.stopping:
                     self.runner.close()
                     return
@@ -531,9 +560,22 @@ class Engine:
         return Failure(504, f"the request ran longer than {self.request_timeout:g} s (--request-timeout)", "timeout")
 
     def _prefill(self, admitted: list[int]) -> None:
-        """Prefill each admitted prompt alone; one that fails ends its own request only."""
+        """Prefill each admitted prompt alone; one that fails ends its own request only. A round may
+        admit many prompts (seconds each on a CPU), so between two prefills the engine heeds what
+        came meanwhile: a pending abort ends every request now, and a request cancelled (or every
+        one, once close() was called) leaves its row unprefilled; else close() would wait out the
+        whole round and give up, leaving this thread running torch code at interpreter exit."""
         for slot in admitted:
+            if self.pending_abort is not None:
+                with self.lock:
+                    self._end_aborted()  # between two runner calls: the rows and pages are ours
             r = self.rows[slot]
+            if r is None:
+                continue  # ended by the abort above
+            if r.cancelled or self.stopping:
+                with self.lock:
+                    self._release(slot, r)
+                continue
             try:
                 if self.prefix_chunk is not None:
                     logits = self._prefill_shared(slot, r)

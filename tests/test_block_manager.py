@@ -239,15 +239,49 @@ def test_pages_only_the_cache_holds_are_evicted_before_a_running_request_is_pree
     b, c = Seq("b", 4, 20), Seq("c", 4, 20)
     sched.schedule(collections.deque([b, c]), Seq.tokens)  # 2 pages each: the 4 free ones
     assert sched.running == [b, c] and blocks.num_free == 0
-    b.generated = 5  # b needs a third page: the cache gives it up (LRU "old" frees nothing alone: its
-    plan = sched.schedule(collections.deque(), Seq.tokens)  # page is in "new" too, so "new" goes as well)
-    assert not plan.preempted and sched.preemptions == 0 and blocks.evictions == 2 and not blocks.prefixes
+    b.generated = 5  # b needs a third page: the cache gives up "new" (LRU "old" would free nothing:
+    plan = sched.schedule(collections.deque(), Seq.tokens)  # its page is in "new" too), "old" stays
+    assert not plan.preempted and sched.preemptions == 0 and blocks.evictions == 1 and list(blocks.prefixes) == [b"old"]
     blocks.check()
-    assert blocks.num_free == 1
-    b.generated = 13  # 2 more pages, 1 free, nothing reclaimable: now c (the newest) is preempted
+    assert blocks.num_free == 0 and blocks.num_reclaimable == 1
+    b.generated = 13  # 2 more pages, none free, 1 reclaimable: now c (the newest) is preempted
     plan = sched.schedule(collections.deque(), Seq.tokens)
     assert [s for s, _ in plan.preempted] == [c]
     blocks.check()
+
+
+def test_reclaim_evicts_only_prefixes_whose_eviction_frees_a_page():
+    # The least recently used prefix's pages are held by a running sequence, the next one's page by
+    # a newer prefix too: evicting either frees nothing, so only the newest goes, and the older two
+    # stay cached for the requests that would share them.
+    b = BlockManager(8, 8, pages, max_prefixes=4)
+    evicted = []
+    b.on_evict = lambda prefix: evicted.append(prefix.payload)
+    b.allocate("a", 16)  # pages 0-3, still running
+    b.cache_prefix(b"a8", CachedPrefix(8, b.table("a")[:2], "a8"))
+    b.allocate("b", 8)  # pages 4, 5
+    b.cache_prefix(b"b4", CachedPrefix(4, b.table("b")[:1], "b4"))
+    b.cache_prefix(b"b8", CachedPrefix(8, b.table("b")[:2], "b8"))
+    b.free("b")
+    b.allocate("c", 8)  # the last two free pages
+    assert b.num_free == 0 and b.num_reclaimable == 2
+    assert b.reclaim(1)
+    assert evicted == ["b8"] and list(b.prefixes) == [b"a8", b"b4"] and b.num_free == 1
+    b.check()
+    assert not b.reclaim(3) and evicted == ["b8"]  # 1 free + 1 reclaimable cannot make 3: nothing goes
+    assert b.reclaim(2) and evicted == ["b8", "b4"] and list(b.prefixes) == [b"a8"] and b.num_free == 2
+    b.check()
+    # Pages that only several prefixes hold (here two on the same pages): no one eviction frees a
+    # page, yet together they are reclaimable, so they go in LRU order until the pages come free.
+    b = BlockManager(4, 4, pages, max_prefixes=4)
+    b.allocate("a", 8)
+    b.cache_prefix(b"x", CachedPrefix(8, b.table("a")))
+    b.cache_prefix(b"y", CachedPrefix(8, b.table("a")))
+    b.free("a")
+    b.allocate("z", 8)
+    assert b.num_free == 0 and b.num_reclaimable == 2
+    assert b.reclaim(1) and b.evictions == 2 and not b.prefixes and b.num_free == 2
+    b.check()
 
 
 def test_admission_takes_the_longest_cached_prefix_and_waits_whole_when_the_rest_does_not_fit():

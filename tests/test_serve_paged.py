@@ -20,7 +20,7 @@ import torch
 
 from kivi_models import generate, make_cache, patch_model
 from kivi_models.serve_app import build_app
-from kivi_models.serve_engine import Engine, Paging, Request, RequestError
+from kivi_models.serve_engine import Engine, Failure, Paging, Request, RequestError
 from kivi_ops import KIVIConfig
 
 NAME = "tiny"
@@ -298,12 +298,144 @@ def test_swapped_requests_end_cleanly_on_cancel_timeout_and_abort(tiny):
         while not (engine.stats()["swapped"] == 0 and "done" in events[0]) and time.time() < end:
             time.sleep(0.005)
         assert "done" in events[0] and reqs[1].saved is None
-        engine.abort("stopping")
-        assert events[2][-1] == "error" or "done" in events[2]
+        engine.abort("stopping")  # from this thread: the engine thread ends them at its next round
         s = wait_idle(engine)
+        assert events[2][-1] == "error" or "done" in events[2]
         assert s["pages_used"] == 0 and s["pages_free"] == 10
         engine.blocks.check()
     finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("then_close", [False, True], ids=["abort", "abort-then-close"])
+def test_an_abort_from_another_thread_leaves_the_running_step_alone_and_ends_each_request_once(tiny, then_close):
+    # abort() comes from another thread (a signal, drain's timer) while the engine thread is mid-step
+    # on the very rows, pages and host copies abort ends. It only marks (and refuses new requests):
+    # nothing is released from that thread, and once the step ends the engine thread ends each
+    # request (running, swapped out, waiting) with exactly one 503, also when close() came first.
+    engine = make_engine(tiny, "fp", num_pages=10, page_size=4, slots=2)
+    events = collections.defaultdict(list)
+    callers = []  # the thread of every runner.drop / scheduler.finish
+    real_step, real_drop, real_finish = engine.step_fn, engine.runner.drop, engine.scheduler.finish
+    armed, entered, release = threading.Event(), threading.Event(), threading.Event()
+
+    def step(*args, **kwargs):
+        if armed.is_set() and engine.scheduler.swapped:  # once one request is swapped out: hold this step
+            armed.clear()
+            entered.set()
+            release.wait(30)
+        return real_step(*args, **kwargs)
+
+    def drop(key):
+        callers.append(threading.current_thread())
+        real_drop(key)
+
+    def finish(seq):
+        callers.append(threading.current_thread())
+        real_finish(seq)
+
+    engine.step_fn, engine.runner.drop, engine.scheduler.finish = step, drop, finish
+    ids = engine.tokenizer(PROMPTS[0])["input_ids"]
+
+    def request(i):
+        return Request(prompt_ids=ids, max_tokens=30, temperature=0, emit=lambda k, p, i=i: events[i].append((k, p)))
+
+    reqs = [request(i) for i in range(3)]
+    closer = threading.Thread(target=engine.close)
+    try:
+        armed.set()
+        for r in reqs[:2]:  # a pool for one: the second is preempted (swapped out)
+            engine.submit(r)
+        assert entered.wait(30), engine.stats()
+        engine.submit(reqs[2])  # waits: the engine thread is mid-step
+        before = (list(engine.rows), list(engine.scheduler.swapped), {r: engine.blocks.table(r) for r in reqs},
+                  set(engine.runner.saved))
+        assert reqs[0] in before[0] and before[1] == [reqs[1]] and reqs[1].key in before[3]
+        engine.abort("stopping now", code="test_abort")
+        with pytest.raises(RequestError) as refused:
+            engine.submit(request(3))
+        assert refused.value.status == 503
+        after = (list(engine.rows), list(engine.scheduler.swapped), {r: engine.blocks.table(r) for r in reqs},
+                 set(engine.runner.saved))
+        assert after == before and not callers  # the step still owns them
+        if then_close:
+            closer.start()
+        release.set()
+        end = time.time() + 30
+        while not all(events[i] and events[i][-1][0] == "error" for i in range(3)) and time.time() < end:
+            time.sleep(0.005)
+        if then_close:
+            closer.join(30)
+            assert not engine.thread.is_alive()
+        else:
+            wait_idle(engine)
+        for i in range(3):
+            ends = [(k, p) for k, p in events[i] if k != "text"]
+            assert ends == [("error", Failure(503, "stopping now", "test_abort"))], (i, events[i])
+        assert callers and all(t is engine.thread for t in callers), callers
+        assert engine.blocks.num_free == 10 and not engine.runner.saved
+        engine.blocks.check()
+    finally:
+        release.set()
+        engine.close()
+
+
+@pytest.mark.parametrize("action", ["close", "cancel", "abort"])
+def test_a_round_of_many_prefills_stops_at_the_next_one_on_close_cancel_or_abort(tiny, action):
+    # One round admits six prompts; on a CPU each prefill can take seconds. What comes during the
+    # first one is heeded before the second: close() stops the engine thread (it used to wait out
+    # the round, give up after 30 s and leave the thread in torch code at interpreter exit, where
+    # `kivi bench serve` died with "terminate called without an active exception"), cancelled
+    # requests are not prefilled, and an abort ends every request with one 503 at once.
+    engine = make_engine(tiny, "fp", num_pages=64, page_size=4, slots=6)
+    real_prefill, prefills = engine.runner.prefill, []
+    entered, go = threading.Event(), threading.Event()
+
+    def prefill(*args):
+        prefills.append(args[0])
+        if len(prefills) == 1:
+            entered.set()
+            go.wait(30)
+        return real_prefill(*args)
+
+    engine.runner.prefill = prefill
+    events = collections.defaultdict(list)
+    ids = engine.tokenizer(PROMPTS[0])["input_ids"]
+    reqs = [Request(prompt_ids=ids, max_tokens=8, temperature=0, emit=lambda k, p, i=i: events[i].append((k, p)))
+            for i in range(6)]
+    closer = threading.Thread(target=engine.close)
+    try:
+        with engine.lock:  # the engine thread admits all six in one round
+            for r in reqs:
+                engine.submit(r)
+        assert entered.wait(30)
+        if action == "close":
+            closer.start()
+        elif action == "cancel":
+            for r in reqs:
+                engine.cancel(r)
+        else:
+            engine.abort("stopping now", code="test_abort")
+        end = time.time() + 10
+        while action == "close" and not engine.stopping and time.time() < end:
+            time.sleep(0.001)  # close() has asked before the first prefill returns
+        go.set()
+        if action == "close":
+            closer.join(10)
+            assert not engine.thread.is_alive()
+        else:
+            wait_idle(engine)
+        assert len(prefills) == 1, prefills
+        if action == "abort":
+            for i in range(6):
+                assert [e for e in events[i] if e[0] != "text"] == [("error", Failure(503, "stopping now", "test_abort"))]
+        elif action == "cancel":
+            assert not any(k == "error" for i in range(6) for k, _ in events[i])
+        engine.blocks.check()
+        if action != "close":
+            assert engine.blocks.num_free == 64
+    finally:
+        go.set()
         engine.close()
 
 
