@@ -17,6 +17,7 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import time
 
 import torch
@@ -84,7 +85,10 @@ def main(argv=None) -> int:
                   per_active_row_ms={k: 1e3 * v / args.active for k, v in med.items()},
                   device=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
                   torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
-                  greedy_tokens_equal=True)
+                  greedy_tokens_equal=True, command="OMP_NUM_THREADS=1 python -m lab decode_buckets_cpu "
+                  + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+                  commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip() or None)
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:
