@@ -261,13 +261,12 @@ def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, 
     engine.eos = set()  # every request generates its drawn length
     phases = []
     _time_phases(engine, phases)
-    decoded_rows = []  # rows each decode step ran over (paged: its bucket)
+    decoded_rows = []  # (time, rows) of each decode step (paged: the rows of its bucket)
     real_decode = engine.runner.decode
-    engine.runner.decode = lambda tokens: decoded_rows.append(len(tokens)) or real_decode(tokens)
+    engine.runner.decode = lambda tokens: decoded_rows.append((time.perf_counter(), len(tokens))) or real_decode(tokens)
     _complete(engine, requests[0][0][:8], 2)  # warm-up (compilation) outside the timing
     engine.ready.wait()
     engine.generated_tokens = 0
-    decoded_rows.clear()  # the warm-up's steps are not the run's
     preempted_before = engine.stats().get("preemptions", 0)
     queue, lock, records, started, done = list(requests), threading.Lock(), [], [], []
     samples = []  # (t, held, pages used, generated tokens, preemptions, the engine thread's CPU seconds)
@@ -348,7 +347,8 @@ def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, 
                peak_held=max(held), ttft_p50_s=ttft[len(ttft) // 2] if ttft else None,
                ttft_p99_s=ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else None,
                preemptions=stats.get("preemptions", 0) - preempted_before, decode_buckets=list(engine.buckets),
-               mean_decode_rows=statistics.fmean(decoded_rows) if decoded_rows else None)
+               mean_decode_rows=statistics.fmean(n for t, n in decoded_rows if start <= t < end) if any(
+                   start <= t < end for t, _ in decoded_rows) else None)
     if setup["paging"] is not None:
         row.update(pages=setup["paging"].num_pages, page_size=engine.cache.page_size,
                    mean_pages_used=statistics.fmean(pages), peak_pages_used=max(pages))

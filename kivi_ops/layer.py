@@ -203,6 +203,15 @@ class NuqLevels(nn.Module):
         self.register_buffer("v", torch.tensor(value_levels, dtype=torch.float32, device=device), persistent=False)
 
 
+def reserve_for_compiled_steps(device: torch.device, batch_size: int) -> None:
+    """CUDA: the Triton append's arrival counters for batch_size rows, allocated now, before any
+    compiled step (or CUDA graph capture) could need them (triton_append.reserve_arrival_counters)."""
+    if device.type == "cuda":
+        from .kernels.triton_append import reserve_arrival_counters
+
+        reserve_arrival_counters(device, batch_size)
+
+
 def init_constants(layer: CacheLayer, config: KIVIConfig, layer_idx: int, rope, device) -> None:
     """What a KIVI layer (static or paged) holds beside its buffers: the nuq `levels` (None when
     off), and with pre-RoPE keys the model's RoPE frequencies `rope_inv_freq` (else None) and
@@ -288,10 +297,7 @@ class KIVILayer(CacheLayer):
                                   config.layer_outlier_tokens(layer_idx), config.policy_id)
         init_constants(self, config, layer_idx, rope, device)
         self.portable = bool(portable)
-        if device.type == "cuda":  # before any compiled step can need them (see there)
-            from .kernels.triton_append import reserve_arrival_counters
-
-            reserve_arrival_counters(device, batch_size)
+        reserve_for_compiled_steps(device, batch_size)
 
     def tensors(self) -> LayerTensors:
         """The layer as the cache ops take it (whole buffers, options None when off)."""

@@ -35,7 +35,7 @@ from . import dispatch
 from . import paged_ops  # noqa: F401  registers torch.ops.kivi.paged_*
 from .cache import StaticCacheBase, _check_num_layers
 from .config import KIVIConfig
-from .layer import CacheLayer, dequantized_state, init_constants
+from .layer import CacheLayer, dequantized_state, init_constants, reserve_for_compiled_steps
 from .layout import LayerTensors, QuantParams
 from .packing import packed_bytes
 from .paged_layout import (BLOCK_TABLE_DTYPE, PAGED_TENSORS, ROW_TENSORS, Paging, check_page_size, pages_final,
@@ -108,6 +108,7 @@ class PagedKIVILayer(CacheLayer):
         self.params = QuantParams(config.k_bits, config.v_bits, G, R)
         init_constants(self, config, layer_idx, rope, device)
         self.portable = bool(portable)
+        reserve_for_compiled_steps(device, B)  # a decode bucket's view never needs more
 
     # ---------------------------------------------------------------- what the ops take
 

@@ -59,6 +59,14 @@ def load_sequence(cache, row: int, pages: Sequence[int], saved: HostSequence) ->
                 t[row].copy_(src, non_blocking=True)
 
 
+def move_row(cache, src: int, dst: int) -> None:
+    """Row `src`'s state (lengths, KIVI's window: each layer's row_tensors()) into row `dst`; its
+    pages stay where they are (the caller points dst's block-table row at them)."""
+    for layer in cache.layers:
+        for t in layer.row_tensors().values():
+            t[dst].copy_(t[src])
+
+
 def copy_sequence(dst, dst_row: Optional[int], dst_pages: Sequence[int], src, src_row: Optional[int],
                   src_pages: Sequence[int]) -> None:
     """Make row dst_row of `dst` a copy of row src_row of `src` (a paged cache of the same kind and

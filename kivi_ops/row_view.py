@@ -28,7 +28,7 @@ def leading_rows(cache, rows: int):
         return cache
     table = cache.block_table[:rows]
     view = copy.copy(cache)  # a module's copy shares its dicts of buffers and submodules: new ones below
-    view._buffers = {**cache._buffers, "block_table": table}
+    _set_table(view, cache, table)
     view._modules = {**cache._modules, "layers": nn.ModuleList([_layer_rows(layer, rows, table)
                                                                  for layer in cache.layers])}
     if cache.device.type == "cuda":
@@ -41,12 +41,18 @@ def leading_rows(cache, rows: int):
 
 def _layer_rows(layer, rows: int, table: torch.Tensor):
     view = copy.copy(layer)
-    view._buffers = dict(layer._buffers)
+    _set_table(view, layer, table)
     for name, t in layer.row_tensors().items():
         view._buffers[name] = t[:rows]
-    if "block_table" in layer._buffers:  # the paged fp layer registers the shared table, the KIVI layer holds it
-        view._buffers["block_table"] = table
-    else:
-        view.block_table = table
     view.batch_size = rows
     return view
+
+
+def _set_table(view, module, table: torch.Tensor) -> None:
+    """The view's own dict of buffers, with `table` as its block table: a registered buffer in some
+    modules (the paged KIVI cache, the paged fp layer), a plain attribute in others."""
+    view._buffers = dict(module._buffers)
+    if "block_table" in module._buffers:
+        view._buffers["block_table"] = table
+    else:
+        view.__dict__["block_table"] = table

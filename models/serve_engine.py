@@ -152,19 +152,27 @@ class Paging:
 
 
 SMALLEST_BUCKET = 8
+# Each bucket is one more compiled graph of the same function, and torch.compile(fullgraph=True)
+# fails outright past torch's recompile limit (8 in torch 2.13) instead of running eagerly.
+MAX_BUCKETS = 8
 
 
 def decode_buckets(rows: int, chosen: Optional[tuple[int, ...]] = None) -> tuple[int, ...]:
     """The row counts a paged engine's decode step runs over (each compiled once): `chosen`
-    (`--decode-buckets`), else the powers of two from SMALLEST_BUCKET below `rows`; and `rows`.
-    Requests are kept in the lowest rows, so a step runs over the smallest bucket that holds
-    them: an idle row costs a step nothing, at the price of one graph per bucket (vLLM captures a
-    CUDA graph per batch size the same way)."""
+    (`--decode-buckets`), else the largest powers of two from SMALLEST_BUCKET below `rows`; and
+    `rows`; MAX_BUCKETS at most. Requests are kept in the lowest rows, so a step runs over the
+    smallest bucket that holds them: an idle row costs a step nothing, at the price of one graph
+    per bucket (vLLM captures a CUDA graph per batch size the same way)."""
     if chosen is None:
-        chosen = tuple(2**k for k in range(SMALLEST_BUCKET.bit_length() - 1, rows.bit_length()) if 2**k < rows)
+        powers = [2**k for k in range(SMALLEST_BUCKET.bit_length() - 1, rows.bit_length()) if 2**k < rows]
+        chosen = tuple(powers[len(powers) - (MAX_BUCKETS - 1):] if len(powers) >= MAX_BUCKETS else powers)
     if any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= rows for b in chosen):
         raise ValueError(f"--decode-buckets must be row counts in [1, {rows}] (--max-batch), got {list(chosen)}")
-    return tuple(sorted({*chosen, rows}))
+    buckets = tuple(sorted({*chosen, rows}))
+    if len(buckets) > MAX_BUCKETS:
+        raise ValueError(f"--decode-buckets: at most {MAX_BUCKETS} row counts, --max-batch ({rows}) included (each "
+                         f"is a compiled graph, and torch refuses more recompiles of one step), got {list(buckets)}")
+    return buckets
 
 
 class Engine:

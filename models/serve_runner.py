@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from kivi_ops.paged_io import copy_sequence, load_sequence, save_sequence
+from kivi_ops.paged_io import copy_sequence, load_sequence, move_row, save_sequence
 from kivi_ops.row_view import leading_rows
 
 from .generate import compile_decode_step, decode_step, make_cache, make_paged_cache, prefill, prefill_chunked
@@ -120,7 +120,7 @@ class Runner:
     def move(self, src: int, dst: int) -> None:
         """Row `src`'s sequence into the free row `dst` (paged: its row state; its pages stay, the
         engine writes its block-table row): requests are kept in the lowest rows."""
-        copy_sequence(self.cache, dst, [], self.cache, src, [])
+        move_row(self.cache, src, dst)
 
     def decode(self, tokens: list[int]) -> torch.Tensor:
         """One decode step over the first len(tokens) rows (every row of a static cache; paged: a

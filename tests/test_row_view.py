@@ -45,6 +45,10 @@ def test_the_view_writes_the_cache_and_attends_as_the_whole_cache(make, rows):
     view = leading_rows(mine, rows)
     assert view.batch_size == rows and view.lengths().shape == (rows,)
     assert view.layers[0].lengths.data_ptr() == mine.layers[0].lengths.data_ptr()  # a view, not a copy
+    width = mine.block_table.shape[1]
+    assert view.block_table.shape == (rows, width) and all(layer.block_table.shape == (rows, width)
+                                                           for layer in view.layers)
+    assert dict(view.named_buffers()).keys() == dict(mine.named_buffers()).keys()
     for i in range(40):  # several key flushes (R=16) at different steps per row
         counts = torch.tensor([1, 1 if i % 3 else 0, 1, 0, 0][:rows] + [0] * (B - rows))  # idle past the view
         manager.reserve(counts.tolist())
