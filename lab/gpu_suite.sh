@@ -71,6 +71,14 @@ for stage in $stages; do
     budget) run budget 200 python3 -m kivi_cli bench decode --device cuda --model llama2-7b-shape --contexts 4096 --budget-gib 40 \
               --new-tokens 32 --out "$RESULTS" ;;
     layers) run layers 90 python3 -m lab gpu_layer_costs 1 1024,32768 ;;
-    *) echo "unknown stage $stage (tests, sweep, sweepcuda, attention, decode, profile, budget, layers)"; exit 2 ;;
+    # the paged, 3-bit and OTT kernels on CUDA (never run on a GPU yet)
+    paged) TAIL=25 run paged 200 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 16 --timeout 150 -rfE \
+             --tb=line tests/test_paged_gpu.py tests/test_paged_triton.py tests/test_three_bit.py tests/test_triton_ott.py ;;
+    # the served stream, static vs paged KIVI-2, compiled under CUDA graphs: every decode bucket of
+    # the paged engine is one graph (kivi_ops/row_view.py)
+    serve) TAIL=30 run serve 240 python3 -m kivi_cli bench serve --device cuda --budget-gib 1 --max-seq-len 2048 \
+             --duration 60 --requests 2000 --compile --caches kivi,kivi-paged --out "$RESULTS" --json ;;
+    *) echo "unknown stage $stage (tests, sweep, sweepcuda, attention, decode, profile, budget, layers, paged, serve)"
+       exit 2 ;;
   esac
 done
