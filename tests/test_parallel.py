@@ -87,6 +87,7 @@ def test_default_model_tp3_equals_one_process_with_every_option():
     assert three["tp_size"] == 3 and three["cache_bytes"] < one["cache_bytes"] / 2
 
 
+@pytest.mark.slow  # 33 s; the fast suite keeps the tiny model at TP = 2 (make test stays under 10 minutes)
 def test_default_model_tp3_plain_kivi_equals_one_process():
     args = ["generate", "--prompt", PROMPT, "--max-new-tokens", "12", "--method", "kivi",
             "--group-size", "8", "--residual-length", "8"]
