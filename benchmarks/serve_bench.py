@@ -331,6 +331,7 @@ def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, 
     samples.append(snapshot())
     end = samples[-1][0]  # the run ends at its last sample, so every window's counts come from samples inside it
     elapsed = end - start
+    run_rows = [n for t, n in decoded_rows if start <= t < end]  # the decode steps inside the run
     tokens = samples[-1][3]  # tokens generated inside the run (at its end), finished requests or not
     stats = engine.stats()
     engine.close()
@@ -347,8 +348,7 @@ def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, 
                peak_held=max(held), ttft_p50_s=ttft[len(ttft) // 2] if ttft else None,
                ttft_p99_s=ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else None,
                preemptions=stats.get("preemptions", 0) - preempted_before, decode_buckets=list(engine.buckets),
-               mean_decode_rows=statistics.fmean(n for t, n in decoded_rows if start <= t < end) if any(
-                   start <= t < end for t, _ in decoded_rows) else None)
+               mean_decode_rows=statistics.fmean(run_rows) if run_rows else None)
     if setup["paging"] is not None:
         row.update(pages=setup["paging"].num_pages, page_size=engine.cache.page_size,
                    mean_pages_used=statistics.fmean(pages), peak_pages_used=max(pages))
