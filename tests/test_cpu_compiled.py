@@ -5,9 +5,11 @@ reference stays selectable; a process never compiles past the budget.
 The rest of the suite runs with KIVI_CPU_KERNELS=reference (conftest.py); these tests select the
 compiled kernels, the default users get, explicitly."""
 
+import functools
 import os
 import subprocess
 import sys
+from collections import defaultdict
 
 import pytest
 import torch
@@ -54,7 +56,10 @@ def decode_steps(B=3, H=2, D=32, steps=40, seed=0):
 
 
 @pytest.fixture(autouse=True)
-def compiled_kernels():
+def compiled_kernels(monkeypatch):
+    # Each test starts with the whole budget: signatures compiled by earlier tests in this process
+    # would otherwise send later ones to the reference.
+    monkeypatch.setattr(cpu_compiled, "_signatures", defaultdict(set))
     with dispatch.cpu_kernels("compiled"):
         yield
 
@@ -93,7 +98,6 @@ def test_the_choice_follows_the_selection():
 
 def test_past_the_budget_new_signatures_run_the_reference(monkeypatch):
     monkeypatch.setattr(cpu_compiled, "MAX_SIGNATURES", 0)
-    monkeypatch.setitem(cpu_compiled._signatures, FUSED, set())
     cache = twin_caches(CONFIGS["plain"], S=40)[0]
     key, value, step = next(decode_steps())
     cache.layers[0].append(key, value, step)
@@ -157,3 +161,26 @@ def test_hf_generate_with_compile_disabled_runs_the_compiled_kernels_and_the_ref
     got = new_tokens()
     assert got == want
     assert len(cpu_compiled._signatures[FUSED]) >= 1  # the compiled kernels ran
+
+
+def _scaled(factor, query, layer, counts, params, scale):
+    return query * factor
+
+
+def test_dynamos_recompile_limit_never_fails_a_compiled_op(monkeypatch):
+    # Dynamo keeps a function's compiled versions per code object, at most recompile_limit, and
+    # a fullgraph compile past it fails. torch.compile wraps every functools.partial in one shared
+    # function, so partial forms shared that limit (seen in `make test-slow`: the paged attention's
+    # first compile, 9th in the process, failed), and Dynamo recompiles for an inference tensor,
+    # which has other dispatch keys. Here the limit is 1: two partial forms, two shapes each, then
+    # the same shape as an inference tensor; each runs compiled, none fails.
+    forms = {2.0: functools.partial(_scaled, 2.0), 3.0: functools.partial(_scaled, 3.0)}
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for factor, form in forms.items():
+            for n in (3, 5):
+                x = torch.arange(n, dtype=torch.float32)
+                assert torch.equal(cpu_compiled.attend(form, x, (), None, (), 1.0), x * factor)
+            with torch.inference_mode():
+                x = torch.arange(5, dtype=torch.float32)
+                assert torch.equal(cpu_compiled.attend(form, x, (), None, (), 1.0), x * factor)
+            assert len(cpu_compiled._signatures[form]) == 3  # compiled, not the reference's fallback

@@ -11,9 +11,9 @@ later processes); every later call runs the compiled loops.
 Measured (lab/decomposed_attend_cpu.py, the default model's attention at 1K tokens, batch 1, one
 thread): attention 1.17 ms (reference) -> 0.29 ms, a one-token append 0.51 -> 0.23 ms.
 
-At most MAX_SIGNATURES signatures per op are compiled in a process (Dynamo keeps that many
-compiled versions of a function; past them it would run the decomposed form uncompiled, which
-is slower than the reference). A later signature runs the reference.
+At most MAX_SIGNATURES signatures per op are compiled in a process: each costs seconds of compile
+and keeps its code, and a process that meets ever new shapes (an eval over many batch sizes)
+would otherwise compile forever. A later signature runs the reference.
 
 Numerics: the appends write the reference's bits (the decomposed append is bit-exact,
 tests/test_decomposed.py); the attention sums in another order (fp32 rounding, tests bound it).
@@ -26,12 +26,11 @@ import functools
 from collections import defaultdict
 
 import torch
-import torch._dynamo.config
 
 from ..layout import LayerTensors, QuantParams
 from .reference import append_reference, attend_reference
 
-MAX_SIGNATURES = torch._dynamo.config.recompile_limit
+MAX_SIGNATURES = 8
 
 # Per form (dispatch.append_implementation / attend_implementation: one object per name), the
 # signatures compiled so far.
@@ -39,15 +38,27 @@ _signatures: dict = defaultdict(set)
 
 
 @functools.cache
-def _compiled(form):
-    return torch.compile(form, fullgraph=True, dynamic=False)
+def _compiled(form, signature: tuple):
+    """form compiled for one signature, in a function with a code object of its own.
+
+    Dynamo keeps a function's compiled versions on its code object, at most recompile_limit of
+    them, and a fullgraph compile past that fails (FailOnRecompileLimitHit). torch.compile wraps
+    every functools.partial (most forms are) in one shared function, external_utils.wrap_inline's
+    `inner`, so the forms would share that limit; and Dynamo guards on more than _signature sees.
+    A code object per signature holds only that signature's versions."""
+    def run(*args):
+        return form(*args)
+
+    run.__code__ = run.__code__.replace()  # a new code object: replace() always builds one
+    return torch.compile(run, fullgraph=True, dynamic=False)
 
 
 def _signature(*args) -> tuple:
-    """What the compiled code is specialized to: tensor shapes and dtypes, and the plain values."""
+    """What the compiled code is specialized to: tensor shapes, strides, dtypes and dispatch keys
+    (an inference tensor has no autograd keys), and the plain values."""
     def one(a):
         if isinstance(a, torch.Tensor):
-            return tuple(a.shape), a.dtype
+            return tuple(a.shape), a.stride(), a.dtype, a.is_inference(), a.requires_grad
         if isinstance(a, tuple):
             return tuple(one(x) for x in a)
         return a
@@ -66,8 +77,9 @@ def append(form, layer: LayerTensors, key, value, counts, params: QuantParams, p
     """Run the append form (a decomposed append) compiled, or the reference past the budget.
     pages: a paged layer's Paging (form is then a paged form, kernels/paged_forms.py)."""
     extra = () if pages is None else (pages,)
-    if _within_budget(form, _signature(layer, key, value, counts, params, *extra)):
-        _compiled(form)(layer, key, value, counts, params, *extra)
+    signature = _signature(layer, key, value, counts, params, *extra)
+    if _within_budget(form, signature):
+        _compiled(form, signature)(layer, key, value, counts, params, *extra)
     elif pages is None:
         append_reference(layer, key, value, counts, params)
     else:
@@ -79,8 +91,9 @@ def append(form, layer: LayerTensors, key, value, counts, params: QuantParams, p
 def attend(form, query, layer: LayerTensors, counts, params: QuantParams, scale: float, pages=None):
     """Run the attention form (a decomposed attention) compiled, or the reference past the budget."""
     extra = () if pages is None else (pages,)
-    if _within_budget(form, _signature(query, layer, counts, params, scale, *extra)):
-        return _compiled(form)(query, layer, counts, params, scale, *extra)
+    signature = _signature(query, layer, counts, params, scale, *extra)
+    if _within_budget(form, signature):
+        return _compiled(form, signature)(query, layer, counts, params, scale, *extra)
     if pages is None:
         return attend_reference(query, layer, counts, params, scale)
     from .paged_reference import paged_attend_reference
