@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from kivi_ops import FPCache, KIVICache, KIVIConfig, StaticCacheBase, Step
+from kivi_ops.compile_budget import compile_own_code, signature
 from kivi_ops.rope import model_rope_frequencies
 
 from .parallel import local_kv_heads
@@ -266,20 +267,29 @@ def compile_decode_step(device: torch.device, *, regional: Optional[bool] = None
     reference is opaque to Inductor). The prefill and eager steps keep the custom ops. The compiled
     append cannot raise, so each step checks the cache's room first (a host read of the lengths)."""
     device = torch.device(device)
-    if device.type == "cuda" and not regional:
-        compiled = torch.compile(decode_step, fullgraph=True, dynamic=False, mode="reduce-overhead")
-    elif regional is False:
-        compiled = torch.compile(decode_step, fullgraph=True, dynamic=False)
-    else:
-        compiled_layer = torch.compile(run_decoder_layer, fullgraph=True, dynamic=False,
-                                       options={"guard_filter_fn": torch.compiler.skip_guard_on_globals_unsafe,
-                                                "size_asserts": False, "alignment_asserts": False})
-        compiled = functools.partial(decode_step, run_layer=compiled_layer)
+
+    def compiled():
+        # One per cache shape (below): each with its own recompile budget (kivi_ops/compile_budget.py).
+        if device.type == "cuda" and not regional:
+            return compile_own_code(decode_step, fullgraph=True, dynamic=False, mode="reduce-overhead")
+        if regional is False:
+            return compile_own_code(decode_step, fullgraph=True, dynamic=False)
+        compiled_layer = compile_own_code(run_decoder_layer, fullgraph=True, dynamic=False,
+                                          options={"guard_filter_fn": torch.compiler.skip_guard_on_globals_unsafe,
+                                                   "size_asserts": False, "alignment_asserts": False})
+        return functools.partial(decode_step, run_layer=compiled_layer)
+
+    per_shape = {}
 
     def step(model, cache: StaticCacheBase, tokens: torch.Tensor, positions: torch.Tensor,
              counts: Optional[torch.Tensor] = None) -> torch.Tensor:
         cache.layers[0].check_room(1, counts)  # the compiled append cannot raise: check first
-        return compiled(model, cache, tokens, positions, counts)
+        # A new batch size or cache length is a new compiled step, not a recompile of one: Dynamo's
+        # limit of 8 versions per function would fail the 9th (fullgraph) in a long-lived process.
+        shape = signature(tokens, counts, len(cache.layers), type(cache.layers[0]), *cache.layers[0].buffers())
+        if shape not in per_shape:
+            per_shape[shape] = compiled()
+        return per_shape[shape](model, cache, tokens, positions, counts)
 
     return step
 

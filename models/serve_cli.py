@@ -42,7 +42,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--decode-buckets", type=positive_ints, default=None,
                    help="--paged: the row counts a decode step may run over, each compiled once (e.g. 8,16,32); "
                         "requests are kept in the lowest rows and a step runs over the smallest bucket holding them, "
-                        "so idle rows cost nothing (default: powers of two from 8 below --max-batch, and --max-batch)")
+                        "so idle rows cost nothing (default: powers of two from 8 below --max-batch, the 7 largest, and --max-batch)")
     s.add_argument("--max-seq-len", type=positive_int, default=2048,
                    help="tokens per row: prompt + max_tokens of one request (at most the model's context)")
     s.add_argument("--host", default="127.0.0.1")

@@ -152,27 +152,25 @@ class Paging:
 
 
 SMALLEST_BUCKET = 8
-# Each bucket is one more compiled graph of the same function, and torch.compile(fullgraph=True)
-# fails outright past torch's recompile limit (8 in torch 2.13) instead of running eagerly.
-MAX_BUCKETS = 8
+# The default's most buckets: each is a graph compiled at warm-up (seconds each on CPU), which
+# /health waits for. --decode-buckets may ask for more (each compiles on its own:
+# kivi_ops/compile_budget.py, so Dynamo's recompile limit does not bound them).
+DEFAULT_MAX_BUCKETS = 8
 
 
 def decode_buckets(rows: int, chosen: Optional[tuple[int, ...]] = None) -> tuple[int, ...]:
     """The row counts a paged engine's decode step runs over (each compiled once): `chosen`
-    (`--decode-buckets`), else the largest powers of two from SMALLEST_BUCKET below `rows`; and
-    `rows`; MAX_BUCKETS at most. Requests are kept in the lowest rows, so a step runs over the
-    smallest bucket that holds them: an idle row costs a step nothing, at the price of one graph
-    per bucket (vLLM captures a CUDA graph per batch size the same way)."""
+    (`--decode-buckets`), else the largest powers of two from SMALLEST_BUCKET below `rows`,
+    DEFAULT_MAX_BUCKETS - 1 at most; and `rows`. Requests are kept in the lowest rows, so a step
+    runs over the smallest bucket that holds them: an idle row costs a step nothing, at the price
+    of one graph per bucket (vLLM captures a CUDA graph per batch size the same way)."""
     if chosen is None:
         powers = [2**k for k in range(SMALLEST_BUCKET.bit_length() - 1, rows.bit_length()) if 2**k < rows]
-        chosen = tuple(powers[len(powers) - (MAX_BUCKETS - 1):] if len(powers) >= MAX_BUCKETS else powers)
+        chosen = tuple(powers[len(powers) - (DEFAULT_MAX_BUCKETS - 1):] if len(powers) >= DEFAULT_MAX_BUCKETS
+                       else powers)
     if any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= rows for b in chosen):
         raise ValueError(f"--decode-buckets must be row counts in [1, {rows}] (--max-batch), got {list(chosen)}")
-    buckets = tuple(sorted({*chosen, rows}))
-    if len(buckets) > MAX_BUCKETS:
-        raise ValueError(f"--decode-buckets: at most {MAX_BUCKETS} row counts, --max-batch ({rows}) included (each "
-                         f"is a compiled graph, and torch refuses more recompiles of one step), got {list(buckets)}")
-    return buckets
+    return tuple(sorted({*chosen, rows}))
 
 
 class Engine:

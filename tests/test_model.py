@@ -155,6 +155,32 @@ def test_hf_generate_compiles_one_graph_for_every_decode_step(loaded):
     assert sum(counters["recompiles"].values()) == 0
 
 
+def test_hf_generate_compiles_past_dynamos_recompile_limit_in_one_process():
+    # A long-lived process (a notebook, a service) meets ever new batch sizes. Each is a compiled
+    # step of its own (kivi_ops/compile_budget.py), never a recompile of one function: under
+    # fullgraph, Dynamo fails the compile past its recompile_limit (8; the 9th batch size failed).
+    # Here the limit is 1, and two batch sizes each run compiled, with the eager tokens.
+    from transformers import AutoTokenizer
+
+    from kivi_models.loading import default_model_dir
+    from tiny_models import tiny_llama
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
+    model = patch_model(tiny_llama(vocab_size=len(tok)))
+    config = KIVIConfig(group_size=8, residual_length=8)
+    torch.compiler.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for prompts in (BATCH[:1], BATCH[:2]):
+            eager, _ = hf_generate_left_padded(model, tok, prompts, method="kivi", config=config, max_new_tokens=6,
+                                               do_sample=False)
+            compiled, _ = hf_generate_left_padded(model, tok, prompts, method="kivi", config=config,
+                                                  max_new_tokens=6, do_sample=False, disable_compile=False)
+            assert compiled == eager
+    assert counters["stats"]["unique_graphs"] == 2  # both ran compiled
+
+
 def test_hf_generate_refuses_pads_after_real_tokens(loaded):
     _, kivi_model, tok = loaded
     tok.padding_side = "right"

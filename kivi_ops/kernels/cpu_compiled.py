@@ -27,6 +27,7 @@ from collections import defaultdict
 
 import torch
 
+from ..compile_budget import compile_own_code, signature as _signature
 from ..layout import LayerTensors, QuantParams
 from .reference import append_reference, attend_reference
 
@@ -39,30 +40,9 @@ _signatures: dict = defaultdict(set)
 
 @functools.cache
 def _compiled(form, signature: tuple):
-    """form compiled for one signature, in a function with a code object of its own.
-
-    Dynamo keeps a function's compiled versions on its code object, at most recompile_limit of
-    them, and a fullgraph compile past that fails (FailOnRecompileLimitHit). torch.compile wraps
-    every functools.partial (most forms are) in one shared function, external_utils.wrap_inline's
-    `inner`, so the forms would share that limit; and Dynamo guards on more than _signature sees.
-    A code object per signature holds only that signature's versions."""
-    def run(*args):
-        return form(*args)
-
-    run.__code__ = run.__code__.replace()  # a new code object: replace() always builds one
-    return torch.compile(run, fullgraph=True, dynamic=False)
-
-
-def _signature(*args) -> tuple:
-    """What the compiled code is specialized to: tensor shapes, strides, dtypes and dispatch keys
-    (an inference tensor has no autograd keys), and the plain values."""
-    def one(a):
-        if isinstance(a, torch.Tensor):
-            return tuple(a.shape), a.stride(), a.dtype, a.is_inference(), a.requires_grad
-        if isinstance(a, tuple):
-            return tuple(one(x) for x in a)
-        return a
-    return one(args) + (torch.is_grad_enabled(),)
+    """form compiled for one signature (its own recompile budget: compile_budget.py; most forms
+    are functools.partial objects, which would otherwise share one)."""
+    return compile_own_code(form, fullgraph=True, dynamic=False)
 
 
 def _within_budget(form, signature: tuple) -> bool:
