@@ -360,8 +360,15 @@ class Engine:
             self.scheduler.finish_all()
 
     def close(self) -> None:
+        """Stop the engine thread. New requests are refused, and every request still open ends
+        with one 503 error event (an abort() before keeps its message: the server's shutdown
+        aborts first), so no handler or stream waits forever on a closed engine."""
         with self.lock:
-            self.stopping = True
+            self.stopping = self.draining = True
+            if self.pending_abort is None:
+                self.pending_abort = Failure(503, "the engine was closed", "server_shutting_down")
+            if self.stopped:
+                self._end_aborted()
             if self.drain_timer is not None:
                 self.drain_timer.cancel()
             self.lock.notify()
