@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import importlib.util
 import socket
 import threading
 import time
@@ -29,8 +28,7 @@ MAX_SEQ_LEN = 96
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time",
            "The three primary colors are"]
 LENGTHS = [30, 22, 26, 18, 24]
-HAS_PAGED_KIVI = importlib.util.find_spec("kivi_ops.paged") is not None
-METHODS = ["fp", pytest.param("kivi", marks=pytest.mark.skipif(not HAS_PAGED_KIVI, reason="kivi_ops.paged not built"))]
+METHODS = ["fp", "kivi"]
 
 
 @pytest.fixture(scope="module")
@@ -224,8 +222,7 @@ def test_openai_client_streamed_and_whole_with_preemptions_equals_kivi_generate_
     assert sum(torch._dynamo.utils.counters["recompiles"].values()) == 0
 
 
-@pytest.mark.parametrize("method, compile", [("fp", False), pytest.param("kivi", False, marks=METHODS[1].marks),
-                                             pytest.param("kivi", True, marks=METHODS[1].marks)])
+@pytest.mark.parametrize("method, compile", [("fp", False), ("kivi", False), ("kivi", True)])
 def test_decode_steps_run_over_the_smallest_bucket_holding_the_requests(tiny, method, compile):
     """Rows 6, buckets 2, 4, 6: requests arrive and leave at different times, in a pool small
     enough for preemptions. Every step runs over the smallest bucket holding the running requests
