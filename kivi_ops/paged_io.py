@@ -44,6 +44,12 @@ def save_sequence(cache, row: int, pages: Sequence[int]) -> HostSequence:
     return out
 
 
+def sequence_bytes(cache, num_pages: int) -> int:
+    """The host bytes save_sequence takes for a sequence of num_pages pages (and its row state)."""
+    return sum(t[0].nbytes * (num_pages if kind == "page" else 1)
+               for _, kind, tensors in _parts(cache) for t in tensors.values())
+
+
 def load_sequence(cache, row: int, pages: Sequence[int], saved: HostSequence) -> None:
     """Write a saved sequence back: its pages into `pages` (as many as were saved, in order) and
     its row state into row `row`."""

@@ -36,9 +36,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--prefix-chunk", type=positive_int, default=None,
                    help="--prefix-caching: the prefill chunk and the granularity of sharing, a multiple of the page "
                         f"size (default: {PREFIX_CHUNK} rounded up to a multiple of the page size)")
-    s.add_argument("--prefix-cache-size", type=positive_int, default=256,
-                   help="--prefix-caching: cached prefixes kept at most (each keeps a host copy of its row state), "
-                        "least recently used dropped first (default 256)")
+    s.add_argument("--prefix-cache-size", type=positive_int, default=None,
+                   help="--prefix-caching: cached prefixes kept at most (each keeps a host copy of its tail: the row "
+                        "state and unfinished pages), least recently used dropped first (default: as many as 4 GiB "
+                        "of host memory holds, at most 256)")
     s.add_argument("--decode-buckets", type=positive_ints, default=None,
                    help="--paged: the row counts a decode step may run over, each compiled once (e.g. 8,16,32); "
                         "requests are kept in the lowest rows and a step runs over the smallest bucket holding them, "
@@ -155,15 +156,16 @@ def check_paging_flags(args, parser) -> None:
     if args.paged:
         if args.num_pages is not None and args.cache_budget_gib is not None:
             parser.error("--num-pages and --cache-budget-gib exclude each other: both size the pool")
-        if not args.prefix_caching and args.prefix_chunk is not None:
-            parser.error("--prefix-chunk applies only with --prefix-caching")
+        for flag in ("prefix_chunk", "prefix_cache_size"):
+            if not args.prefix_caching and getattr(args, flag) is not None:
+                parser.error(f"--{flag.replace('_', '-')} applies only with --prefix-caching")
         return
     if args.prefix_caching:
         parser.error("--prefix-caching needs --paged (static rows hold no shareable pages)")
     if args.max_batch is not None and args.cache_budget_gib is not None:
         parser.error("argument --cache-budget-gib: not allowed with argument --max-batch (without --paged the "
                      "budget decides the rows)")
-    for flag in ("num_pages", "page_size", "prefix_chunk", "decode_buckets"):
+    for flag in ("num_pages", "page_size", "prefix_chunk", "prefix_cache_size", "decode_buckets"):
         if getattr(args, flag) is not None:
             parser.error(f"--{flag.replace('_', '-')} applies only with --paged")
 
@@ -236,7 +238,8 @@ def cmd_serve(args, parser) -> int:
     else:
         log(f"paged: {slots} rows, a pool of {paging.num_pages} pages of {engine.cache.page_size} tokens, "
             f"{nbytes / 2**20:.1f} MiB of {args.method} cache{share}; a request holds at most {args.max_seq_len} tokens"
-            + (f"; prefix caching in chunks of {paging.prefix_chunk} tokens" if paging.prefix_chunk else "")
+            + (f"; prefix caching in chunks of {paging.prefix_chunk} tokens, {engine.blocks.max_prefixes} prefixes "
+               f"kept at most" if paging.prefix_chunk else "")
             + f"; decode steps over {', '.join(map(str, engine.buckets))} rows")
     log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API; /health, /metrics)")
     app = build_app(engine, name, max_request_bytes=args.max_request_bytes, api_key=api_key, docs=args.docs,

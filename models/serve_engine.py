@@ -53,6 +53,8 @@ from typing import Callable, Optional
 
 import torch
 
+from kivi_ops.paged_io import sequence_bytes
+
 from .block_manager import BlockManager, CachedPrefix, Scheduler, prefix_keys
 from .generate import sampling_probs
 from .serve_runner import Runner
@@ -104,8 +106,23 @@ def check_prefix_caching(paging: "Paging", page_size: int) -> None:
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0 or chunk % page_size:
         raise ValueError(f"--prefix-chunk must be a positive multiple of the page size ({page_size} tokens, "
                          f"--page-size), got {chunk!r}")
-    if isinstance(kept, bool) or not isinstance(kept, int) or kept < 0:
+    if kept is not None and (isinstance(kept, bool) or not isinstance(kept, int) or kept < 0):
         raise ValueError(f"--prefix-cache-size must be an int >= 0, got {kept!r}")
+
+
+# --prefix-cache-size's default: as many cached prefixes as this much host memory holds (each keeps
+# a host copy of its tail: at the Llama-2-7B shape, KIVI-2 G=32 R=128, up to 80 MB, so 53 of them),
+# and at most DEFAULT_MAX_PREFIXES (small models: 256 tails of a few MB).
+PREFIX_HOST_BYTES = 4 * 2**30
+DEFAULT_MAX_PREFIXES = 256
+
+
+def default_max_prefixes(cache, chunk: int, max_seq_len: int) -> int:
+    """How many cached prefixes PREFIX_HOST_BYTES holds at the largest tail a prefix of this paged
+    cache can have (at any chunk boundary up to max_seq_len), between 1 and DEFAULT_MAX_PREFIXES.
+    Under tensor parallelism each rank holds its own heads' tails: the budget is per rank."""
+    tail_pages = max(cache.pages_needed(b) - cache.pages_final(b) for b in range(chunk, max_seq_len + 1, chunk))
+    return max(1, min(DEFAULT_MAX_PREFIXES, PREFIX_HOST_BYTES // sequence_bytes(cache, tail_pages)))
 
 
 @dataclass(eq=False)  # requests compare by identity (queue removal)
@@ -141,13 +158,14 @@ class Paging:
     default) per layer instead of a static row of max_seq_len tokens per request. prefix_chunk
     (`--prefix-caching`): prompts are prefilled in chunks of that many tokens (a multiple of the
     page size) and the prefixes at chunk boundaries are cached and shared (prefix_cache.py); at
-    most max_prefixes of them are kept (each holds a host copy of its tail; 0: the same chunked
-    prefill without any sharing, what sharing is tested against). None: off."""
+    most max_prefixes of them are kept (each holds a host copy of its tail; None: as many as
+    PREFIX_HOST_BYTES holds, default_max_prefixes; 0: the same chunked prefill without any
+    sharing, what sharing is tested against). prefix_chunk None: off."""
 
     num_pages: int
     page_size: Optional[int] = None
     prefix_chunk: Optional[int] = None
-    max_prefixes: int = 256
+    max_prefixes: Optional[int] = None
     decode_buckets: Optional[tuple[int, ...]] = None  # row counts a decode step may run over (decode_buckets())
 
 
@@ -197,10 +215,13 @@ class Engine:
         if paging is not None:
             width = self.cache.max_pages_per_seq
             self.prefix_chunk = paging.prefix_chunk
+            max_prefixes = 0
             if self.prefix_chunk is not None:
                 check_prefix_caching(paging, self.cache.page_size)
-            self.blocks = BlockManager(paging.num_pages, width, self.cache.pages_needed,
-                                       max_prefixes=paging.max_prefixes if self.prefix_chunk is not None else 0)
+                max_prefixes = paging.max_prefixes
+                if max_prefixes is None:
+                    max_prefixes = default_max_prefixes(self.cache, self.prefix_chunk, max_seq_len)
+            self.blocks = BlockManager(paging.num_pages, width, self.cache.pages_needed, max_prefixes=max_prefixes)
             # An evicted prefix's tail (a host copy the runner keeps under the prefix's key) is dropped
             # after the round's prefills: a request admitted this round may still start from it.
             self.evicted_tails: list[int] = []

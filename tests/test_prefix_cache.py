@@ -133,3 +133,22 @@ def test_pages_final_at_a_boundary_are_never_written_again(model, method):
             nqk, nqv = quantized_count_int(L, CONFIG.residual_length, CONFIG.group_size, KIVI)
             assert pages_final(L, 4, CONFIG.residual_length) == min(nqk, nqv) // 4
     assert sum(cache.pages_final(b) > 0 for b in snapshots) >= 3
+
+
+@pytest.mark.parametrize("method", ["kivi", "fp"])
+def test_the_default_prefix_count_is_what_the_host_budget_holds_at_the_largest_tail(model, method, monkeypatch):
+    # --prefix-cache-size's default (serve_engine.default_max_prefixes): each cached prefix keeps a
+    # host copy of its tail, whose bytes paged_io.sequence_bytes computes without copying; checked
+    # against real tails at every chunk boundary (KIVI's vary with the window's fill).
+    from kivi_models import serve_engine
+    from kivi_ops.paged_io import sequence_bytes as host_bytes
+
+    cache = staging(model, method, 4)
+    pages = list(range(cache.max_pages_per_seq))
+    tails = [save_tail(cache, 0, pages, b) for b in range(CHUNK, MAX_SEQ_LEN + 1, CHUNK)]
+    sizes = [sum(t.nbytes for t in tail.saved.values()) for tail in tails]
+    assert [host_bytes(cache, tail.num_pages) for tail in tails] == sizes
+    largest = max(sizes)
+    for budget, kept in ((3 * largest + 1, 3), (largest - 1, 1), (10**6 * largest, serve_engine.DEFAULT_MAX_PREFIXES)):
+        monkeypatch.setattr(serve_engine, "PREFIX_HOST_BYTES", budget)
+        assert serve_engine.default_max_prefixes(cache, CHUNK, MAX_SEQ_LEN) == kept, budget

@@ -16,7 +16,7 @@ import torch
 from kivi_models.generate import decode_step, make_paged_cache, prefill_chunked
 from kivi_models.serve_engine import Request
 from kivi_ops.paged_io import copy_sequence
-from test_serve_paged import (CONFIG, HAS_PAGED_KIVI, MAX_SEQ_LEN, METHODS, make_engine, metrics, serving,  # noqa: F401
+from test_serve_paged import (CONFIG, MAX_SEQ_LEN, METHODS, make_engine, metrics, serving,  # noqa: F401
                               tiny, wait_idle)
 
 SYSTEM = list(range(300, 337))  # 37 tokens: past R = 8 and several 4-token pages, mid-chunk
@@ -177,7 +177,6 @@ def test_a_small_pool_evicts_cached_prefixes_and_preempts_yet_every_completion_i
     assert engine.blocks.num_free == engine.blocks.num_pages
 
 
-@pytest.mark.skipif(not HAS_PAGED_KIVI, reason="kivi_ops.paged not built")
 def test_the_compiled_decode_step_never_writes_a_shared_page(tiny):
     # The compiled step runs the decomposed append (every row's candidate rows written each call,
     # others to the scratch page): the shared pages must stay as they are there too.

@@ -25,8 +25,6 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 
-import torch
-
 from ..compile_budget import compile_own_code, signature as _signature
 from ..layout import LayerTensors, QuantParams
 from .reference import append_reference, attend_reference
