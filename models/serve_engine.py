@@ -121,7 +121,8 @@ def default_max_prefixes(cache, chunk: int, max_seq_len: int) -> int:
     """How many cached prefixes PREFIX_HOST_BYTES holds at the largest tail a prefix of this paged
     cache can have (at any chunk boundary up to max_seq_len), between 1 and DEFAULT_MAX_PREFIXES.
     Under tensor parallelism each rank holds its own heads' tails: the budget is per rank."""
-    tail_pages = max(cache.pages_needed(b) - cache.pages_final(b) for b in range(chunk, max_seq_len + 1, chunk))
+    tail_pages = max((cache.pages_needed(b) - cache.pages_final(b) for b in range(chunk, max_seq_len + 1, chunk)),
+                     default=0)  # a chunk longer than any sequence: no prefix is ever cached
     return max(1, min(DEFAULT_MAX_PREFIXES, PREFIX_HOST_BYTES // sequence_bytes(cache, tail_pages)))
 
 

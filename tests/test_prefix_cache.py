@@ -152,3 +152,5 @@ def test_the_default_prefix_count_is_what_the_host_budget_holds_at_the_largest_t
     for budget, kept in ((3 * largest + 1, 3), (largest - 1, 1), (10**6 * largest, serve_engine.DEFAULT_MAX_PREFIXES)):
         monkeypatch.setattr(serve_engine, "PREFIX_HOST_BYTES", budget)
         assert serve_engine.default_max_prefixes(cache, CHUNK, MAX_SEQ_LEN) == kept, budget
+    # A chunk longer than any sequence (--prefix-chunk 64 with --max-seq-len 48): no boundary, no error.
+    assert serve_engine.default_max_prefixes(cache, 2 * MAX_SEQ_LEN, MAX_SEQ_LEN) == serve_engine.DEFAULT_MAX_PREFIXES
