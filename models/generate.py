@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -252,6 +253,13 @@ def decode_step(model, cache: StaticCacheBase, tokens: torch.Tensor, positions: 
     return lm_logits(model, hidden[:, -1])
 
 
+# The most cache shapes (batch and cache sizes) one compiled decode step builds a graph for: each
+# costs a compile (seconds on CPU, a CUDA-graph capture on GPU) and keeps its code; past them a
+# step runs eagerly, as with compile off (a cache whose size follows each prompt would otherwise
+# compile on every call and grow without bound).
+MAX_COMPILED_SHAPES = 16
+
+
 def compile_decode_step(device: torch.device, *, regional: Optional[bool] = None):
     """decode_step compiled for `device` (fullgraph, static shapes: no recompiles as tokens go by).
 
@@ -288,8 +296,17 @@ def compile_decode_step(device: torch.device, *, regional: Optional[bool] = None
         # limit of 8 versions per function would fail the 9th (fullgraph) in a long-lived process.
         shape = signature(tokens, counts, len(cache.layers), type(cache.layers[0]), *cache.layers[0].buffers())
         if shape not in per_shape:
+            if len(per_shape) >= MAX_COMPILED_SHAPES:
+                if not step.warned:
+                    step.warned = True
+                    warnings.warn(f"{MAX_COMPILED_SHAPES} shapes of the compiled decode step are built; steps of "
+                                  "other batch or cache sizes run eagerly (give caches a few fixed sizes)",
+                                  stacklevel=2)
+                return decode_step(model, cache, tokens, positions, counts)
             per_shape[shape] = compiled()
         return per_shape[shape](model, cache, tokens, positions, counts)
+
+    step.warned = False
 
     return step
 

@@ -56,7 +56,7 @@ import torch
 from kivi_ops.paged_io import sequence_bytes
 
 from .block_manager import BlockManager, CachedPrefix, Scheduler, prefix_keys
-from .generate import sampling_probs
+from .generate import MAX_COMPILED_SHAPES, sampling_probs
 from .serve_runner import Runner
 
 log = logging.getLogger("kivi.serve")
@@ -172,8 +172,8 @@ class Paging:
 
 SMALLEST_BUCKET = 8
 # The default's most buckets: each is a graph compiled at warm-up (seconds each on CPU), which
-# /health waits for. --decode-buckets may ask for more (each compiles on its own:
-# kivi_ops/compile_budget.py, so Dynamo's recompile limit does not bound them).
+# /health waits for. --decode-buckets may ask for up to MAX_COMPILED_SHAPES (the shapes one
+# compiled decode step builds; past them a step would run eagerly).
 DEFAULT_MAX_BUCKETS = 8
 
 
@@ -189,7 +189,11 @@ def decode_buckets(rows: int, chosen: Optional[tuple[int, ...]] = None) -> tuple
                        else powers)
     if any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= rows for b in chosen):
         raise ValueError(f"--decode-buckets must be row counts in [1, {rows}] (--max-batch), got {list(chosen)}")
-    return tuple(sorted({*chosen, rows}))
+    buckets = tuple(sorted({*chosen, rows}))
+    if len(buckets) > MAX_COMPILED_SHAPES:
+        raise ValueError(f"--decode-buckets: at most {MAX_COMPILED_SHAPES} row counts, --max-batch ({rows}) included "
+                         f"(each is a compiled decode step), got {len(buckets)}")
+    return buckets
 
 
 class Engine:
@@ -601,16 +605,14 @@ class Engine:
         one, once close() was called) leaves its row unprefilled; else close() would wait out the
         whole round and give up, leaving this thread running torch code at interpreter exit."""
         for slot in admitted:
-            if self.pending_abort is not None:
-                with self.lock:
-                    self._end_aborted()  # between two runner calls: the rows and pages are ours
-            r = self.rows[slot]
-            if r is None:
-                continue  # ended by the abort above
-            if r.cancelled or self.stopping:
-                with self.lock:
+            with self.lock:  # one look at the abort, close() and cancel: close() sets its abort and stopping together
+                self._end_aborted()  # between two runner calls: the rows and pages are ours
+                r = self.rows[slot]
+                if r is not None and (r.cancelled or self.stopping):
                     self._release(slot, r)
-                continue
+                    r = None
+            if r is None:
+                continue  # ended by an abort (or close()), or cancelled
             try:
                 if self.prefix_chunk is not None:
                     logits = self._prefill_shared(slot, r)

@@ -1,6 +1,7 @@
 """KIVI Llama on the embedded default model: HF integration, static generation, compile, CLI."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -155,7 +156,7 @@ def test_hf_generate_compiles_one_graph_for_every_decode_step(loaded):
     assert sum(counters["recompiles"].values()) == 0
 
 
-def test_hf_generate_compiles_past_dynamos_recompile_limit_in_one_process():
+def test_hf_generate_compiles_past_dynamos_recompile_limit_in_one_process(monkeypatch):
     # A long-lived process (a notebook, a service) meets ever new batch sizes. Each is a compiled
     # step of its own (kivi_ops/compile_budget.py), never a recompile of one function: under
     # fullgraph, Dynamo fails the compile past its recompile_limit (8; the 9th batch size failed).
@@ -179,6 +180,15 @@ def test_hf_generate_compiles_past_dynamos_recompile_limit_in_one_process():
                                                   max_new_tokens=6, do_sample=False, disable_compile=False)
             assert compiled == eager
     assert counters["stats"]["unique_graphs"] == 2  # both ran compiled
+    # Past MAX_COMPILED_SHAPES a new shape runs eagerly (a cache sized per prompt would otherwise
+    # compile on every call, without bound), with a warning, and gives the eager tokens.
+    monkeypatch.setattr(sys.modules["kivi_models.generate"], "MAX_COMPILED_SHAPES", 2)
+    eager, _ = hf_generate_left_padded(model, tok, BATCH, method="kivi", config=config, max_new_tokens=6,
+                                       do_sample=False)
+    with pytest.warns(UserWarning, match="2 shapes of the compiled decode step are built"):
+        compiled, _ = hf_generate_left_padded(model, tok, BATCH, method="kivi", config=config, max_new_tokens=6,
+                                              do_sample=False, disable_compile=False)
+    assert compiled == eager and counters["stats"]["unique_graphs"] == 2
 
 
 def test_hf_generate_refuses_pads_after_real_tokens(loaded):

@@ -274,7 +274,9 @@ def test_decode_buckets_default_and_refusals():
     assert decode_buckets(4096) == (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the largest, 8 compiles at warm-up
     assert len(decode_buckets(10**6)) == DEFAULT_MAX_BUCKETS and decode_buckets(10**6)[-1] == 10**6
     assert decode_buckets(20, (4, 12)) == (4, 12, 20)
-    assert decode_buckets(100, tuple(range(1, 12))) == (*range(1, 12), 100)  # more when asked (compile_budget.py)
+    assert decode_buckets(100, tuple(range(1, 16))) == (*range(1, 16), 100)  # more when asked (compile_budget.py)
+    with pytest.raises(ValueError, match="--decode-buckets: at most 16 row counts, --max-batch \\(100\\) included"):
+        decode_buckets(100, tuple(range(1, 17)))
     with pytest.raises(ValueError, match=r"--decode-buckets must be row counts in \[1, 20\] \(--max-batch\)"):
         decode_buckets(20, (4, 21))
 
