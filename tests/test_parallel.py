@@ -60,7 +60,7 @@ def tiny_dirs(tmp_path_factory):
     return dirs
 
 
-@pytest.mark.parametrize("kv_heads", [2, 4])
+@pytest.mark.parametrize("kv_heads", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: 22 s, make test-slow
 def test_tiny_model_tp2_equals_one_process(tiny_dirs, kv_heads):
     # G=8, R=8: keys flush and values quantize within the run, so the sharded statistics matter.
     args = ["generate", "--model", str(tiny_dirs[kv_heads]), "--prompt", PROMPT, "--max-new-tokens", "24",

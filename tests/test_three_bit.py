@@ -155,8 +155,8 @@ def test_compiled_generation_equals_eager(tiny, options):
 
 
 @pytest.mark.parametrize("fmt,options", [
-    ("pt2", "plain"), ("pt2", "every-option"), ("onnx", "every-option"), ("pt2", "k3v2"),
-    pytest.param("onnx", "plain", marks=pytest.mark.slow),
+    ("pt2", "plain"), ("pt2", "every-option"), ("pt2", "k3v2"),
+    *(pytest.param("onnx", o, marks=pytest.mark.slow) for o in ("plain", "every-option")),  # 26 s: make test-slow
     *(pytest.param(f, o, marks=pytest.mark.slow) for f in ("aoti", "pte") for o in ("plain", "every-option"))])
 def test_export_equals_generate(tiny, fmt, options, tmp_path):
     from kivi_export.exporter import export_decoder
