@@ -25,6 +25,7 @@ def windows(models):
     return token_windows(models[2], load_text(corpus="pydoc"), window=64, max_tokens=128)
 
 
+@pytest.mark.slow  # 24 s of the fast suite
 def test_fp_and_kivi_with_residual_covering_the_window_give_the_same_ppl(models, windows):
     _, patched, _ = models
     fp = cache_perplexity(patched, windows, method="fp")
