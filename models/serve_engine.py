@@ -185,8 +185,7 @@ def decode_buckets(rows: int, chosen: Optional[tuple[int, ...]] = None) -> tuple
     of one graph per bucket (vLLM captures a CUDA graph per batch size the same way)."""
     if chosen is None:
         powers = [2**k for k in range(SMALLEST_BUCKET.bit_length() - 1, rows.bit_length()) if 2**k < rows]
-        chosen = tuple(powers[len(powers) - (DEFAULT_MAX_BUCKETS - 1):] if len(powers) >= DEFAULT_MAX_BUCKETS
-                       else powers)
+        chosen = tuple(powers[-(DEFAULT_MAX_BUCKETS - 1):])
     if any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= rows for b in chosen):
         raise ValueError(f"--decode-buckets must be row counts in [1, {rows}] (--max-batch), got {list(chosen)}")
     buckets = tuple(sorted({*chosen, rows}))
@@ -389,12 +388,9 @@ class Engine:
         """Stop the engine thread. New requests are refused, and every request still open ends
         with one 503 error event (an abort() before keeps its message: the server's shutdown
         aborts first), so no handler or stream waits forever on a closed engine."""
-        with self.lock:
-            self.stopping = self.draining = True
-            if self.pending_abort is None:
-                self.pending_abort = Failure(503, "the engine was closed", "server_shutting_down")
-            if self.stopped:
-                self._end_aborted()
+        with self.lock:  # a reentrant lock: abort() takes it again
+            self.stopping = True
+            self.abort("the engine was closed")
             if self.drain_timer is not None:
                 self.drain_timer.cancel()
             self.lock.notify()
