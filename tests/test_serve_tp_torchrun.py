@@ -218,12 +218,12 @@ def test_tp2_a_shutdown_on_rank_0_stops_every_rank(tiny_dirs, tmp_path):
 # ---------------------------------------------------------------- the embedded model, TP = 3 (slow suite)
 
 
-def concurrent_greedy(url: str) -> dict[int, str]:
-    """The five prompts from five clients arriving 0.15 s apart (into 3 rows: two wait), half streamed."""
+def concurrent_greedy(url: str, apart: float = 0.15) -> dict[int, str]:
+    """The five prompts from five clients arriving `apart` seconds apart (into 3 rows: two wait), half streamed."""
     results = {}
 
     def ask(i):
-        time.sleep(0.15 * i)
+        time.sleep(apart * i)
         results[i] = complete(url, "SmolLM2-135M-Instruct", PROMPTS[i], LENGTHS[i], stream=bool(i % 2))
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
@@ -240,11 +240,15 @@ def test_tp3_embedded_model_concurrent_openai_clients_equal_kivi_generate(layout
     from kivi_models.loading import default_model_dir
 
     args = [*KIVI, "--max-batch", "3", "--max-seq-len", "96"]
-    # paged: 8-token pages hold quantized tokens; the five requests need up to 4 pages each and a
-    # pool of 5 holds fewer than three growing ones, so requests are swapped out and back.
-    args += ["--compile"] if layout == "static-compiled" else ["--paged", "--page-size", "8", "--num-pages", "5"]
+    # paged: 8-token pages hold quantized tokens only; at their ends the five requests hold 3, 1, 2,
+    # 4 and 2 pages. A pool of 4 with arrivals 0.02 s apart (well under a decode step, so they
+    # overlap on any machine) preempts in every arrival order: the block manager's Scheduler, run
+    # on these lengths, preempts at least once for every order and arrival gap up to 4 steps. A
+    # pool of 5 with 0.15 s gaps preempted only on slow machines (CI saw none).
+    paged = layout == "paged-preempting"
+    args += ["--paged", "--page-size", "8", "--num-pages", "4"] if paged else ["--compile"]
     with torchrun_serve(args, 3, tmp_path) as (url, proc, log_path):
-        results = concurrent_greedy(url)
+        results = concurrent_greedy(url, apart=0.02 if paged else 0.15)
         m = metrics(url)
     assert len(results) == len(PROMPTS)
     for i, text in results.items():
@@ -252,5 +256,5 @@ def test_tp3_embedded_model_concurrent_openai_clients_equal_kivi_generate(layout
     assert m["kivi_tp_size"] == 3
     per_rank = [m[f'kivi_cache_rank_bytes{{rank="{r}"}}'] for r in range(3)]
     assert len(set(per_rank)) == 1 and m["kivi_cache_bytes"] == sum(per_rank)  # one KV head each
-    if layout == "paged-preempting":
+    if paged:
         assert m["kivi_preemptions_total"] > 0 and m["kivi_cache_pages_used"] == 0, m
