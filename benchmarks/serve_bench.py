@@ -357,15 +357,17 @@ def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, 
                    prefix_hit_tokens=stats["prefix_hit_tokens"], pages_cached=stats["pages_cached"])
     row["whole"] = window_metrics(reqs, samples, [ph for ph in phases if start <= ph[1] < end], start, end)
     run_phases = [ph for ph in phases if start <= ph[1] < end]  # the engine goes on stepping until closed
-    done_s = [r["done_s"] for r in reqs if r["done_s"] is not None]
+    # completions inside the run only: a request the engine finished after `end` (it steps until
+    # closed) must not open a steady window that the run's counts (window_metrics) do not see
+    done_s = [r["done_s"] for r in reqs if r["done_s"] is not None and r["done_s"] <= end]
     t_fill, batch = fill_done(run_phases, samples, steady_fill)
     t0 = steady_start(run_phases, samples, done_s, fill=steady_fill, turnover=warmup_turnover)
     row.update(steady_fill=steady_fill, warmup_turnover=warmup_turnover, largest_batch=batch,
                fill_done_s=None if t_fill is None else t_fill - start,
                warmup_completions=math.ceil(warmup_turnover * batch - 1e-9),
                after_fill=window_metrics(reqs, samples, run_phases, t_fill, end) if t_fill is not None else None)
-    row["steady_from_s"] = None if t0 is None else t0 - start
-    if t0 is not None and end - t0 > 0:
+    row["steady_from_s"] = None if t0 is None or t0 >= end else t0 - start
+    if row["steady_from_s"] is not None:
         row["steady"] = window_metrics(reqs, samples, run_phases, t0, end)
         mid = (t0 + end) / 2
         row["steady_halves_output_tokens_per_s"] = [window_metrics(reqs, samples, run_phases, a, b)["output_tokens_per_s"]

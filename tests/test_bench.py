@@ -139,7 +139,11 @@ def test_bench_serve_runs_the_caches_at_one_budget(tmp_path):
         assert whole["output_tokens"] == r["generated_tokens"] and whole["seconds"] == pytest.approx(r["seconds"])
         assert whole["total_tokens_per_s"] > whole["output_tokens_per_s"] > 0
         assert 0 < whole["decode_s"] + whole["prefill_s"] <= whole["seconds"] + 1e-6
-        assert whole["prefill_calls"] >= 1 and whole["itl_p50_s"] <= whole["itl_p99_s"]
+        assert whole["prefill_calls"] >= 1
+        if whole["decode_calls"] == 0:  # a loaded machine (above): no request has two text events
+            assert whole["itl_p50_s"] is None
+        elif whole["itl_p50_s"] is not None:  # (a decoded token may add no text: an EOS, part of a character)
+            assert whole["itl_p50_s"] <= whole["itl_p99_s"]
         assert 0 < whole["engine_cpu_share"] <= 1.05  # the engine thread's CPU clock over the wall clock
         assert 0 <= r["fill_done_s"] < r["seconds"] and 1 <= r["largest_batch"] <= r["rows"]
         assert after["seconds"] == pytest.approx(r["seconds"] - r["fill_done_s"])

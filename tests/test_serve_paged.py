@@ -52,8 +52,11 @@ def make_engine(tiny, method, num_pages, page_size=None, slots=4, prefix_chunk=N
     return engine
 
 
-def complete_all(engine, prompts, lengths, stagger=0.0) -> list[list[int]]:
-    """Submit greedy requests (stagger seconds apart) and wait for them: each one's token ids."""
+def complete_all(engine, prompts, lengths, steps_apart=0) -> list[list[int]]:
+    """Submit greedy requests and wait for them: each one's token ids. steps_apart: each request
+    is submitted once the engine has run that many decode steps since the previous one (arrivals
+    counted in the engine's steps, not in seconds, so requests overlap alike on a fast machine
+    and a slow one; a second without a step submits anyway, so an idle engine cannot stall it)."""
     tokenizer = engine.tokenizer
     done = [threading.Event() for _ in prompts]
     reqs = []
@@ -64,11 +67,28 @@ def complete_all(engine, prompts, lengths, stagger=0.0) -> list[list[int]]:
             if kind == "done":
                 done[i].set()
         reqs.append(Request(prompt_ids=tokenizer(p)["input_ids"], max_tokens=n, temperature=0, emit=emit))
-    for r in reqs:
-        engine.submit(r)
-        time.sleep(stagger)
-    for i, d in enumerate(done):
-        assert d.wait(120), f"request {i} never finished: {engine.stats()}"
+    stepped, steps = threading.Condition(), [0]
+    real_decode = engine.runner.decode
+
+    def counted(*args, **kwargs):
+        out = real_decode(*args, **kwargs)
+        with stepped:
+            steps[0] += 1
+            stepped.notify_all()
+        return out
+
+    engine.runner.decode = counted
+    try:
+        for i, r in enumerate(reqs):
+            if i:
+                with stepped:
+                    start = steps[0]
+                    stepped.wait_for(lambda: steps[0] >= start + steps_apart, timeout=1.0)
+            engine.submit(r)
+        for i, d in enumerate(done):
+            assert d.wait(120), f"request {i} never finished: {engine.stats()}"
+    finally:
+        engine.runner.decode = real_decode
     return [r.tokens for r in reqs]
 
 
@@ -251,7 +271,8 @@ def test_decode_steps_run_over_the_smallest_bucket_holding_the_requests(tiny, me
     engine.runner.decode, engine.runner.move = decode, move
     prompts, lengths = PROMPTS * 2, [30, 6, 26, 4, 24, 8, 12, 28, 5, 20]  # short ones leave rows free early
     try:
-        got = complete_all(engine, prompts, lengths, stagger=0.01)
+        # one step apart: 0-3 steps apart all preempt and use every bucket here; 4 does not (measured)
+        got = complete_all(engine, prompts, lengths, steps_apart=1)
         stats = wait_idle(engine)
     finally:
         engine.close()

@@ -340,19 +340,25 @@ def test_wrong_method_is_an_openai_error(server):
 
 
 class SlowTokenizer:
-    """The engine's tokenizer, but encoding (and the chat template) takes `seconds`; counts calls."""
+    """The engine's tokenizer, but encoding (and the chat template) takes `seconds`, or, once
+    `gate` is set to an Event, until that Event is set; counts calls."""
 
     def __init__(self, tokenizer, seconds):
-        self.tokenizer, self.seconds, self.calls = tokenizer, seconds, 0
+        self.tokenizer, self.seconds, self.calls, self.gate = tokenizer, seconds, 0, None
+
+    def _wait(self):
+        self.calls += 1
+        if self.gate is not None:
+            assert self.gate.wait(30), "the test never opened the tokenizer's gate"
+        else:
+            time.sleep(self.seconds)
 
     def __call__(self, *args, **kwargs):
-        self.calls += 1
-        time.sleep(self.seconds)
+        self._wait()
         return self.tokenizer(*args, **kwargs)
 
     def apply_chat_template(self, *args, **kwargs):
-        self.calls += 1
-        time.sleep(self.seconds)
+        self._wait()
         return self.tokenizer.apply_chat_template(*args, **kwargs)
 
     def __getattr__(self, name):
@@ -370,14 +376,17 @@ def slow_tokenizer_server(engine, monkeypatch):
 @pytest.mark.parametrize("path, body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
 def test_tokenizing_runs_off_the_event_loop(slow_tokenizer_server, path, body):
     url, slow = slow_tokenizer_server
+    slow.gate = threading.Event()  # the tokenizer blocks until the test opens it
     result = []
     thread = threading.Thread(target=lambda: result.append(post(url, body, path)))
     thread.start()
-    while slow.calls == 0:
-        time.sleep(0.01)
-    start = time.perf_counter()
-    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-    assert time.perf_counter() - start < 0.5  # the tokenizer sleeps 1.5 s meanwhile, on another thread
+    try:
+        wait_for(lambda: slow.calls > 0)
+        # the event loop answers while the request's tokenizing is still blocked, on another thread
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        assert not result
+    finally:
+        slow.gate.set()
     thread.join(timeout=30)
     assert result[0].status_code == 200
 
@@ -486,11 +495,13 @@ def test_a_request_timeout_ends_slow_requests_with_504(engine, server, monkeypat
     with slow_steps(engine, monkeypatch, 0.02):
         start = time.perf_counter()
         err = assert_openai_error(post(server, LONG), 504, None, "timeout")
-        assert "--request-timeout" in err["message"] and time.perf_counter() - start < 1.5
+        # ended by the timeout, well before LONG's ~2.2 s of slowed steps
+        assert "--request-timeout" in err["message"] and time.perf_counter() - start < 1.8
         events = [line for line in post(server, {**LONG, "stream": True}).text.splitlines() if line]
         assert '"code":"timeout"' in events[-2] and events[-1] == "data: [DONE]"
     wait_idle(engine)
-    assert post(server, COMPLETION).status_code == 200  # a short one fits the timeout
+    monkeypatch.setattr(engine, "request_timeout", 10.0)  # roomy: a loaded machine may stall 0.5 s
+    assert post(server, COMPLETION).status_code == 200  # a short one fits a timeout
 
 
 def read_stream(url, body, into: list):
@@ -521,8 +532,12 @@ def test_a_signal_drains_for_the_shutdown_timeout_then_ends_streams_with_an_erro
     try:
         with slow_steps(engine, monkeypatch, 0.02):
             long, short = [], []
+            # The short one: 8 steps (0.16 s) fit the 1 s drain; for the second signal 40 (0.8 s), so it
+            # is still running when the signals come, even if this thread stalls a while before them.
+            short_tokens = 8 if signals == 1 else 40
             readers = [threading.Thread(target=read_stream, args=(url, LONG, long)),  # > 2 s of decoding
-                       threading.Thread(target=read_stream, args=(url, {**COMPLETION, "max_tokens": 8}, short))]
+                       threading.Thread(target=read_stream, args=(url, {**COMPLETION, "max_tokens": short_tokens},
+                                                                  short))]
             for reader in readers:
                 reader.start()
             wait_for(lambda: engine.stats()["slots_used"] == 2)

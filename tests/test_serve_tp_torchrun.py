@@ -176,8 +176,8 @@ def test_tp2_kill_a_rank_mid_stream_gives_an_error_event_then_503_not_a_hang(tin
         try:
             r = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 2}, timeout=30)
             assert r.status_code == 503 and r.json()["error"]["code"] == "tensor_parallel_failure", r.text
-        except httpx.ConnectError:
-            pass  # already stopped
+        except httpx.TransportError:
+            pass  # already stopped, or stopped while answering
         assert proc.wait(60) != 0  # the group ended (a rank failed), within a bound
 
 
