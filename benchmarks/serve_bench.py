@@ -355,8 +355,8 @@ def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, 
     if "prefix_hits" in stats:
         row.update(prefix_chunk=setup["paging"].prefix_chunk, prefix_hits=stats["prefix_hits"],
                    prefix_hit_tokens=stats["prefix_hit_tokens"], pages_cached=stats["pages_cached"])
-    row["whole"] = window_metrics(reqs, samples, [ph for ph in phases if start <= ph[1] < end], start, end)
     run_phases = [ph for ph in phases if start <= ph[1] < end]  # the engine goes on stepping until closed
+    row["whole"] = window_metrics(reqs, samples, run_phases, start, end)
     # completions inside the run only: a request the engine finished after `end` (it steps until
     # closed) must not open a steady window that the run's counts (window_metrics) do not see
     done_s = [r["done_s"] for r in reqs if r["done_s"] is not None and r["done_s"] <= end]
