@@ -21,6 +21,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from . import dispatch
 from .config import KIVIConfig
+from .devices import resolve_device
 from .kernels.reference import check_capacity, materialize_block
 from .layout import LayerTensors, QuantParams
 from .packing import FLOAT_DTYPES, packed_bytes
@@ -269,7 +270,7 @@ class KIVILayer(CacheLayer):
                  rope: Optional[tuple[torch.Tensor, float]] = None, portable: bool = False):
         if not isinstance(config, KIVIConfig):
             raise TypeError(f"config must be a KIVIConfig, got {type(config).__name__}")
-        device = torch.device(device)
+        device = resolve_device(device)
         super().__init__(batch_size=batch_size, max_seq_len=max_seq_len, num_kv_heads=num_kv_heads,
                          head_dim=head_dim, dtype=dtype, device=device)
         config.check_head_dim(head_dim)

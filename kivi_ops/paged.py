@@ -35,6 +35,7 @@ from . import dispatch
 from . import paged_ops  # noqa: F401  registers torch.ops.kivi.paged_*
 from .cache import StaticCacheBase, _check_num_layers
 from .config import KIVIConfig
+from .devices import resolve_device, same_device
 from .layer import CacheLayer, dequantized_state, init_constants, reserve_for_compiled_steps
 from .layout import LayerTensors, QuantParams
 from .packing import packed_bytes
@@ -83,7 +84,7 @@ class PagedKIVILayer(CacheLayer):
             _positive_int(name, value)
         _positive_int("page_size", page_size)
         check_page_size(page_size, config.group_size)
-        device = torch.device(device)
+        device = resolve_device(device)
         super().__init__(batch_size=batch_size, max_seq_len=max_pages_per_seq * page_size, num_kv_heads=num_kv_heads,
                          head_dim=head_dim, dtype=dtype, device=device)
         config.check_head_dim(head_dim)
@@ -208,10 +209,10 @@ def _check_block_table(block_table, batch_size: int, max_pages: int, device) -> 
     if block_table is None:
         return torch.zeros((batch_size, max_pages), dtype=BLOCK_TABLE_DTYPE, device=device)
     if (not isinstance(block_table, torch.Tensor) or block_table.shape != (batch_size, max_pages)
-            or block_table.dtype != BLOCK_TABLE_DTYPE or block_table.device != device):
+            or block_table.dtype != BLOCK_TABLE_DTYPE or not same_device(block_table.device, device)):
         raise ValueError(f"block_table must be an int32 tensor [batch_size={batch_size}, max_pages_per_seq="
                          f"{max_pages}] on {device}, got {getattr(block_table, 'dtype', block_table)} "
-                         f"{list(getattr(block_table, 'shape', []))}")
+                         f"{list(getattr(block_table, 'shape', []))} on {getattr(block_table, 'device', None)}")
     return block_table
 
 
@@ -232,7 +233,7 @@ class PagedKIVICache(StaticCacheBase):
                              f"got {len(config.key_levels)} and {len(config.value_levels)}")
         _positive_int("batch_size", batch_size)
         _positive_int("max_pages_per_seq", max_pages_per_seq)
-        device = torch.device(device)
+        device = resolve_device(device)
         table = torch.zeros((batch_size, max_pages_per_seq), dtype=BLOCK_TABLE_DTYPE, device=device)
         rope = None if rope_inv_freq is None else (rope_inv_freq, rope_scaling)
         layers = [PagedKIVILayer(config, i, batch_size=batch_size, num_pages=num_pages, page_size=page_size,

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..devices import resolve_device
 from ..layout import LayerTensors, QuantParams
 from ..packing import codes_per_word
 from ..schedule import OTT
@@ -475,9 +476,7 @@ def reserve_arrival_counters(device, batch: int) -> torch.Tensor:
     dict, and cudagraph trees refuse the next recording ("tensor(s) in the cudagraph pool not
     tracked as outputs", seen on an H200 with `kivi bench decode`). A static address lets the
     graphs use it in place."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(device)
     counters = _ARRIVALS.get(device)
     if counters is None or counters.numel() < batch:
         if torch.compiler.is_compiling():
