@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,19 @@ def test_the_suite_names_every_cuda_test_file_and_its_studies():
     assert {"tests/test_paged_gpu.py", "tests/test_gpu.py", "tests/test_gpu_deploy.py",
             "tests/test_cuda_cpp_kernel.py", "tests/test_triton_kernels.py"} <= set(tests)
     assert "kivi_cli.main" in modules and "lab.gpu_attend_sweep" in modules
+
+
+def test_the_carried_bytes_count_what_travels_once(tmp_path):
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text("/.whl/\nignored.bin\n")                # 19 bytes
+    (tmp_path / "tracked.py").write_bytes(b"x" * 100)
+    (tmp_path / "ignored.bin").write_bytes(b"x" * 10_000)                       # stays behind
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / "a.whl").write_bytes(b"x" * 1000)                      # ignored, but carried
+    (tmp_path / ".gpu").mkdir()
+    (tmp_path / ".gpu" / "model.gguf").write_bytes(b"x" * 500)                  # untracked and carried: once
+    subprocess.run(["git", "add", "tracked.py", ".gitignore"], cwd=tmp_path, check=True)
+    assert gpu_wheels.carried_bytes(tmp_path) == 19 + 100 + 1000 + 500
 
 
 # test files that ask for CUDA but test nothing on it
