@@ -29,7 +29,6 @@ import argparse
 import importlib.metadata
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -271,7 +270,7 @@ def split_installable(wheels: list[Path]) -> tuple[list[Path], dict[str, str]]:
 
 
 IMPORT_CHECK = """
-import importlib, sys, traceback
+import importlib, sys
 failed = 0
 for module in sys.argv[1:]:
     try:
