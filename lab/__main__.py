@@ -27,6 +27,7 @@ STUDIES = {
     "gpu_layer_costs": "GPU: per-layer append, flush step and attend, plain KIVI and with each option",
     "gpu_profile_step": "GPU: the graph-replayed 7B-shape decode step's kernels, fp vs KIVI-2 (torch.profiler)",
     "gguf_truncate": "a GGUF model cut to its first N layers (a real-weight test model small enough to carry)",
+    "gpu_wheels": "the wheels the GPU image lacks for lab/gpu_suite.sh (dependency closure minus the image's list)",
 }
 
 

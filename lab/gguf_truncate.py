@@ -76,9 +76,10 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=Path(".gpu/model.gguf"))
     args = parser.parse_args(argv)
     if args.src is None:
-        from kivi_models.loading import resolve_model_path
+        # the GGUF file itself: resolve_model_path("default") is its converted safetensors folder
+        from kivi_models.loading import default_gguf_path
 
-        args.src = Path(resolve_model_path("default"))
+        args.src = default_gguf_path()
     size = truncate(args.src, args.out, args.blocks)
     print(f"{args.out}: blocks {args.blocks} of {args.src.name}, {size / 2**20:.1f} MiB")
 
