@@ -88,8 +88,15 @@ def triton_decode_static(arch: int = 90) -> dict:
     return out
 
 
+def nvcc_version() -> str:
+    from kivi_ops.cuda.toolkit import tool, toolkit_root
+
+    out = subprocess.run([str(tool(toolkit_root(), "nvcc")), "--version"], capture_output=True, text=True, check=True)
+    return next(line for line in out.stdout.splitlines() if "release" in line).strip()
+
+
 def collect() -> dict:
-    meta = dict(**environment(command="python -m lab decode_time_model --static"), arch="sm_90a",
+    meta = dict(**environment(command="python -m lab decode_time_model --static"), arch="sm_90a", nvcc=nvcc_version(),
                 note="KIVI-2, G=32, R=128, head_dim 128, fp16; loop bodies counted in SASS, per warp per iteration "
                      "(Triton: one BLOCK_N-token tile; CUDA C++: one 32-token chunk, one tail token)")
     return dict(meta=meta, triton_decode=triton_decode_static(), cuda_cpp=cuda_cpp_static())

@@ -2,6 +2,12 @@
 measurements: its arithmetic, its launch structure, and that every measured point stays within
 the 25% band (no GPU; the static facts are the committed sm_90 counts)."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from lab.decode_time_designs import predictions
@@ -10,6 +16,8 @@ from lab.decode_time_model import (
     cuda_cpp_launches, error_table, launches_of, load, makespan_us, predict_us, program_us,
     triton_decode_launches,
 )
+
+ROOT = Path(__file__).resolve().parent.parent  # `import lab` from the repository root
 
 # Points the model cannot bring within the band, with what it lacks (docs/performance.md, "Static
 # model, calibrated on two H200 runs"). The test fails if one of them comes back into the band, or
@@ -115,3 +123,30 @@ def test_prefetch_stages_trade_waits_for_occupancy(static, committed):
     assert cuda_cpp_launches(static, 8, 32, 32, 32768, stages=4)[0]["resident"] == 3 and four > two
     with pytest.raises(ValueError, match="kernel must be one of"):
         launches_of(dict(batch=1, q_heads=1, kv_heads=1, tokens=1, kernel="flash"), static)
+
+
+def _toolkit_missing() -> bool:
+    from kivi_ops.cuda.toolkit import CudaKernelUnavailable, toolkit_root
+
+    try:
+        toolkit_root()
+    except CudaKernelUnavailable:
+        return True
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_toolkit_missing(), reason="needs nvcc (the cuda-build extra or a CUDA toolkit)")
+def test_static_facts_are_what_the_compilers_give(static):
+    # Recompiles every configuration for sm_90 (minutes): the committed counts are the current code's.
+    # A fresh process without TRITON_INTERPRET (interpreted kernels are never compiled).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import json; from lab.decode_time_static import collect; print(json.dumps(collect()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    fresh = json.loads(out.stdout.strip().splitlines()[-1])
+    assert fresh["meta"]["triton"] == static["meta"]["triton"]  # the pinned Triton
+    assert fresh["triton_decode"] == static["triton_decode"]
+    if fresh["meta"]["nvcc"] == static["meta"]["nvcc"]:  # another nvcc may schedule the .cu differently
+        assert {k: v for k, v in fresh["cuda_cpp"].items() if k != "kernel"} == {
+            k: v for k, v in static["cuda_cpp"].items() if k != "kernel"}
