@@ -112,7 +112,8 @@ def measure(arch: str = "sm_90a") -> dict:
         row = dict(kernel=name, **res)
         head_dim = re.search(r"decode_split_kernelILi(\d+)E", name)
         if head_dim:
-            row.update(head_dim=int(head_dim.group(1)),
+            paged = re.search(r"decode_split_kernelILi\d+ELb([01])E", name)
+            row.update(head_dim=int(head_dim.group(1)), paged=bool(paged and paged.group(1) == "1"),
                        **model_row(mma_loop(bodies[name]), int(head_dim.group(1))))
         rows.append(row)
     return dict(rows=rows, ptxas=report)
@@ -132,11 +133,12 @@ def main(argv=None) -> None:
         Path(args.library).parent.mkdir(parents=True, exist_ok=True)
         print(f"built {build(Path(args.library), args.arch)}")
     result = measure(args.arch)
-    print(f"{'kernel':<22} {'regs':>5} {'spill st/ld':>11} {'smem':>6} {'instr/token':>11} {'cycles':>7} "
+    print(f"{'kernel':<28} {'regs':>5} {'spill st/ld':>11} {'smem':>6} {'instr/token':>11} {'cycles':>7} "
           f"{'bound':>6} {'bytes cyc':>9} {'bw ceiling':>10}")
     for r in result["rows"]:
         short = re.sub(r".*(decode_(split|merge)_kernel)(ILi(\d+)E)?.*", r"\1 \4", r["kernel"]).strip()
-        line = (f"{short:<22} {r['registers']:>5} {r['spill_store_bytes']:>5}/{r['spill_load_bytes']:<5} "
+        short += " paged" if r.get("paged") else ""
+        line = (f"{short:<28} {r['registers']:>5} {r['spill_store_bytes']:>5}/{r['spill_load_bytes']:<5} "
                 f"{r['shared_bytes']:>6}")
         if "head_dim" in r:
             line += (f" {r['warp_instructions_per_token']:>11} {r['sm_cycles_per_token']:>7} {r['bound']:>6} "

@@ -80,15 +80,40 @@ def v_channel(D, mt, g, row8):
     return 4 * (g * (D // 32) + mt // 2) + 2 * (mt % 2) + row8
 
 
-def quantized_chunks(q_s, kc, ks, kz, vc, vs, vz, chunks, D, G):
-    """One warp over `chunks` (kernel: quantized_chunks). Returns (m, l, acc) per head in fp32."""
+class Rows:
+    """The kernel's token_rows for one kv row (b, h): (row, key_row) of token t in the flat code and
+    scale buffers, static (bh * N + i) or through the block table (row t % PS of page
+    block_table[b, t // PS], key row (t % PS) // G of that page, the id clamped into the pool)."""
+
+    def __init__(self, b, h, H, max_tokens, G, table=None, page_size=0, num_pages=0):
+        self.b, self.h, self.H, self.S, self.G = b, h, H, max_tokens, G
+        self.table, self.page_size, self.num_pages = table, page_size, num_pages
+
+    def __call__(self, t):
+        if self.table is not None:
+            return self._paged(t)
+        bh = self.b * self.H + self.h
+        return bh * self.S + t, bh * (-(-self.S // self.G)) + t // self.G
+
+    def _paged(self, t):
+        PS = self.page_size
+        j, in_page = t // PS, t % PS
+        page = min(max(int(self.table[self.b, j]), 0), self.num_pages - 1)
+        ph = page * self.H + self.h
+        return ph * PS + in_page, ph * (PS // self.G) + in_page // self.G
+
+
+def quantized_chunks(q_s, kc, ks, kz, vc, vs, vz, rows, chunks, D, G):
+    """One warp over `chunks` (kernel: quantized_chunks); the buffers are flat [rows, ...] and
+    `rows` (Rows) addresses them. Returns (m, l, acc) per head in fp32."""
     Gv = min(G, D)
     WPT, BPT, KS, MT = D // 64, D // 32, D // 16, D // 16
     acc = [[[0.0] * 4 for _ in range(MT)] for _ in range(32)]
     m = [[-math.inf, -math.inf] for _ in range(32)]
     l_ = [[0.0, 0.0] for _ in range(32)]
     for c in chunks:
-        t0, kg = c * CHUNK, c * CHUNK // G
+        t0 = c * CHUNK
+        r0, kg = rows(t0)  # the chunk's rows are r0 + 0..31 (one page)
         qk, zdot = [[None] * KS for _ in range(32)], [0.0] * 32
         for lane in range(32):
             g, tig = lane // 4, lane % 4
@@ -103,16 +128,16 @@ def quantized_chunks(q_s, kc, ks, kz, vc, vs, vz, chunks, D, G):
         bias = [(zdot[8 * (lane % 4)], zdot[8 * (lane % 4) + 4]) for lane in range(32)]
         sc = [[[0.0] * 4 for _ in range(32)] for _ in range(2)]
         for mt in range(2):
-            rows = []
+            words = []
             for lane in range(32):
                 g, tig = lane // 4, lane % 4
-                rows.append([[word(kc[t0 + 16 * mt + g + 8 * r], 4 * WPT * tig + 4 * i, 4) for i in range(WPT)]
-                             for r in range(2)])
+                words.append([[word(kc[r0 + 16 * mt + g + 8 * r], 4 * WPT * tig + 4 * i, 4) for i in range(WPT)]
+                              for r in range(2)])
             for s in range(KS):
                 sel = (s % 4) * 0x0101
                 a = []
                 for lane in range(32):
-                    x0, x1 = prmt(rows[lane][0][s // 4], 0, sel), prmt(rows[lane][1][s // 4], 0, sel)
+                    x0, x1 = prmt(words[lane][0][s // 4], 0, sel), prmt(words[lane][1][s // 4], 0, sel)
                     a.append((hfma2(magic(x0, 0x000C0003), 0x34003C00, 0xDC00E400),
                               hfma2(magic(x1, 0x000C0003), 0x34003C00, 0xDC00E400),
                               hfma2(magic(x0, 0x00C00030), 0x24002C00, 0xCC00D400),
@@ -145,7 +170,7 @@ def quantized_chunks(q_s, kc, ks, kz, vc, vs, vz, chunks, D, G):
                 g, tig = lane // 4, lane % 4
                 pv = p_s[g, 16 * kstep + 4 * tig:16 * kstep + 4 * tig + 4]
                 b.append((pack(pv[0], pv[1]), pack(pv[2], pv[3])))
-                t = t0 + 16 * kstep + 4 * tig
+                t = r0 + 16 * kstep + 4 * tig  # a row of the flat buffers
                 w = [word(vc[t + e], g * BPT, BPT) for e in range(4)]
                 vg = 4 * g * BPT // Gv
                 S01, S23 = pack(vs[t, vg], vs[t + 1, vg]), pack(vs[t + 2, vg], vs[t + 3, vg])
@@ -176,21 +201,22 @@ def quantized_chunks(q_s, kc, ks, kz, vc, vs, vz, chunks, D, G):
     return out_m, out_l, out_acc
 
 
-def tail_tokens(q_s, kc, ks, kz, kres, vc, vs, vz, vres, tokens, nqk, nqv, qg, D, G):
-    """One warp's tail tokens in fp32 (kernel: tail_tokens), all lanes at once."""
+def tail_tokens(q_s, kc, ks, kz, kres, vc, vs, vz, vres, rows, tokens, nqk, nqv, qg, D, G):
+    """One warp's tail tokens in fp32 (kernel: tail_tokens), all lanes at once; code and scale
+    buffers flat, addressed by `rows` (Rows), the residuals [W, D] of the kv row."""
     Gv = min(G, D)
     m, l_, acc = np.full(HEADS, -math.inf), np.zeros(HEADS), np.zeros((HEADS, D))
     ch = np.arange(D)
     for t in tokens:
-        slot = t % kres.shape[0]
+        (row, kr), slot = rows(t), t % kres.shape[0]
         if t < nqk:
-            code = (kc[t, ch // 4].astype(np.int64) >> (2 * (ch % 4))) & 3
-            k = code * ks[t // G].astype(np.float64) + kz[t // G].astype(np.float64)
+            code = (kc[row, ch // 4].astype(np.int64) >> (2 * (ch % 4))) & 3
+            k = code * ks[kr].astype(np.float64) + kz[kr].astype(np.float64)
         else:
             k = kres[slot].astype(np.float64)
         if t < nqv:
-            code = (vc[t, ch // 4].astype(np.int64) >> (2 * (ch % 4))) & 3
-            v = code * vs[t, ch // Gv].astype(np.float64) + vz[t, ch // Gv].astype(np.float64)
+            code = (vc[row, ch // 4].astype(np.int64) >> (2 * (ch % 4))) & 3
+            v = code * vs[row, ch // Gv].astype(np.float64) + vz[row, ch // Gv].astype(np.float64)
         else:
             v = vres[slot].astype(np.float64)
         for n in range(qg):
@@ -210,11 +236,18 @@ def merge(states):
     return M, (f * np.stack([s[1] for s in states])).sum(0), (f[..., None] * np.stack([s[2] for s in states])).sum(0)
 
 
-def emulate_decode(query, layer, counts, params, scale, num_splits):
-    """decode_attend.cu's output for query [B, Hq, 1, D] (fp16) over a 2-bit fp16 layer on CPU."""
+def emulate_decode(query, layer, counts, params, scale, num_splits, pages=None):
+    """decode_attend.cu's output for query [B, Hq, 1, D] (fp16) over a 2-bit fp16 layer on CPU;
+    pages (a paged_layout.Paging): the layer is paged, read through its block table."""
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = (t.numpy() for t in layer.kivi)
     B, Hq, _, D = query.shape
     H = k_codes.shape[1]
+    if pages is None:
+        S, paging = k_codes.shape[2], {}
+    else:
+        S = pages.capacity
+        paging = dict(table=pages.block_table.numpy(), page_size=k_codes.shape[2], num_pages=k_codes.shape[0])
+    flat = [x.reshape(-1, x.shape[-1]) for x in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)]
     qg, G, R = Hq // H, params.group_size, params.residual_length
     out = np.zeros((B, Hq, D), dtype=np.float16)
     for b in range(B):
@@ -230,13 +263,14 @@ def emulate_decode(query, layer, counts, params, scale, num_splits):
             q_s[:qg] = query[b, h * qg:(h + 1) * qg, 0].double().numpy() * np.float32(scale * 1.4426950408889634)
             q_s = q_s.astype(np.float32).astype(np.float64)
             splits = []
-            args = (k_codes[b, h], k_scale[b, h], k_zero[b, h])
+            rows = Rows(b, h, H, S, G, **paging)
+            kc, ks, kz, vc, vs, vz = flat
             for split in range(num_splits):
                 begin, end = split * per, min(split * per + per, chunks)
-                splits.append(merge([quantized_chunks(q_s, *args, v_codes[b, h], v_scale[b, h], v_zero[b, h],
-                                                      range(begin + w, end, WARPS), D, G) for w in range(WARPS)]))
-            splits.append(merge([tail_tokens(q_s, *args, k_res[b, h], v_codes[b, h], v_scale[b, h], v_zero[b, h],
-                                             v_res[b, h], range(chunks * CHUNK + w, L, WARPS), nqk, nqv, qg, D, G)
+                splits.append(merge([quantized_chunks(q_s, kc, ks, kz, vc, vs, vz, rows, range(begin + w, end, WARPS),
+                                                      D, G) for w in range(WARPS)]))
+            splits.append(merge([tail_tokens(q_s, kc, ks, kz, k_res[b, h], vc, vs, vz, v_res[b, h], rows,
+                                             range(chunks * CHUNK + w, L, WARPS), nqk, nqv, qg, D, G)
                                  for w in range(WARPS)]))
             M, l_, acc = merge(splits)
             o = np.where(l_[:, None] > 0, acc / np.where(l_ > 0, l_, 1)[:, None], 0.0)

@@ -26,11 +26,13 @@ import pytest
 import torch
 
 from kivi_ops import dispatch
-from kivi_ops.cuda.attend import attend_cuda_cpp, default_num_splits, unsupported
+from kivi_ops.cuda.attend import attend_cuda_cpp, attend_cuda_cpp_paged, default_num_splits, unsupported
 from kivi_ops.cuda.toolkit import CudaKernelUnavailable, pip_toolkit_root
 from kivi_ops.kernels.reference import append_reference, attend_reference
+from kivi_ops.kernels.paged_reference import paged_attend_reference
 from kivi_ops.layout import LayerTensors, QuantParams
 from kivi_ops.packing import packed_bytes
+from kivi_ops.paged_layout import PAGED_TENSORS, Paging, pages_needed
 from kivi_ops.schedule import KIVI, OTT
 
 from tests.cuda_decode_emulator import emulate_decode
@@ -61,6 +63,32 @@ def make_layer(B, H, S, D, R, G, lengths, policy=KIVI, seed=0, outlier_scale=1.0
         append_reference(layer, kv[0], kv[1], (lengths - layer.lengths).clamp(max=1), params)
     assert layer.lengths.tolist() == lengths.tolist()
     return layer, params
+
+
+def to_paged(layer, params, page_size, seed=0, extra_pages=3):
+    """The static layer's quantized rows moved into a shuffled page pool (paged_layout.py), every
+    other pool row random bytes, and the block table's entries past each row's pages_needed out of
+    the pool (the kernel clamps ids and never reads those pages' tokens). Returns (layer, Paging)."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, S = layer.k_codes.shape[:3]
+    M = S // page_size
+    N = B * M + extra_pages
+    ids = torch.randperm(N, generator=gen).to(torch.int32).reshape(-1)[:B * M].reshape(B, M)
+    pools = {}
+    for name in PAGED_TENSORS:
+        static = getattr(layer, name)  # [B, H, rows, ...], rows = S or S / G
+        per_page = static.shape[2] // M
+        pool = torch.randint(0, 256, (N + 1, H, per_page, *static.shape[3:]), generator=gen, dtype=torch.uint8)
+        if static.dtype != torch.uint8:  # finite garbage for scales and zeros
+            pool = torch.randn(pool.shape, generator=gen).to(static.dtype)
+        for b in range(B):
+            pool[ids[b].long()] = static[b].reshape(H, M, per_page, *static.shape[3:]).transpose(0, 1)
+        pools[name] = pool
+    table = ids.clone()
+    for b in range(B):
+        used = pages_needed(int(layer.lengths[b]), page_size, params.residual_length)
+        table[b, used:] = torch.tensor([-7, 10**6], dtype=torch.int32).repeat(M)[:M - used]
+    return layer._replace(**pools), Paging(table, page_size)
 
 
 def bound(query, layer, params, scale, ref):
@@ -158,6 +186,53 @@ def test_emulated_kernel_padded_row_and_ott_policy():
     check(out, query, layer, counts, params, 0.125)
 
 
+PAGED_CASES = [  # (B, H, Hq, D, S, R, lengths, page_size)
+    (2, 2, 4, 64, 384, 64, [300, 129], 64),
+    (1, 1, 8, 128, 256, 64, [230], 32),
+    (3, 2, 16, 64, 512, 128, [445, 64, 511], 128),
+]
+
+
+def _paged_case(case):
+    B, H, Hq, D, S, R, lengths, page_size = case
+    layer, params = make_layer(B, H, S, D, R, 32, lengths)
+    paged, pages = to_paged(layer, params, page_size)
+    query = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(6)).half()
+    return layer, paged, pages, params, query, D**-0.5
+
+
+@pytest.mark.parametrize("case", [pytest.param(PAGED_CASES[0], id="B2-H2-Hq4-D64-PS64"),
+                                  pytest.param(PAGED_CASES[1], id="B1-H1-Hq8-D128-PS32", marks=pytest.mark.slow)])
+def test_emulated_paged_kernel_reads_the_static_layers_bits(case):
+    """Through the block table (shuffled pages, garbage elsewhere in the pool, out-of-pool ids past
+    a row's pages) the kernel does the static kernel's arithmetic on the same values: bit-equal
+    outputs, and within the bounds of the (paged) reference."""
+    layer, paged, pages, params, query, scale = _paged_case(case)
+    ref = attend_reference(query, layer, None, params, scale)
+    assert torch.equal(paged_attend_reference(query, paged, None, params, scale, pages), ref)  # to_paged is right
+    out = emulate_decode(query, paged, None, params, scale, 2, pages)
+    assert torch.equal(out, emulate_decode(query, layer, None, params, scale, 2))
+    check(out, query, layer, None, params, scale)
+
+
+def test_emulated_paged_kernel_detects_an_ignored_block_table(monkeypatch):
+    """The paged comparison can fail: pages read in pool order (row b's page j as pool page b * M + j)
+    instead of through the table."""
+    from tests import cuda_decode_emulator as emu
+
+    layer, paged, pages, params, query, scale = _paged_case(PAGED_CASES[0])
+    M = pages.max_pages
+
+    def in_pool_order(self, t):
+        ph = (self.b * M + t // self.page_size) * self.H + self.h
+        return ph * self.page_size + t % self.page_size, ph * (self.page_size // self.G) + t % self.page_size // self.G
+
+    monkeypatch.setattr(emu.Rows, "_paged", in_pool_order)
+    out = emu.emulate_decode(query, paged, None, params, scale, 1, pages)
+    with pytest.raises(AssertionError, match="max error"):
+        check(out, query, layer, None, params, scale)
+
+
 def test_emulator_detects_a_wrong_mapping(monkeypatch):
     """The emulated comparison can fail: pair the key codes of k-step s with the query channels of
     k-step s + 1 (a fragment mapping off by one byte)."""
@@ -194,6 +269,10 @@ def test_what_the_kernel_supports():
     assert "group_size" in unsupported(layer, params._replace(group_size=16), 1, 2)
     assert "2-bit" in unsupported(layer, params._replace(k_bits=4), 1, 2)
     assert "fp16" in unsupported(layer._replace(k_res=layer.k_res.float()), params, 1, 2)
+    paged, _ = to_paged(layer, params, 64)
+    assert unsupported(paged, params, 1, 8, paged=True) is None
+    assert "page_size" in unsupported(paged, params._replace(group_size=128), 1, 8, paged=True)
+    assert "at most 8" in unsupported(paged, params, 1, 32, paged=True)
 
 
 def test_default_splits_fill_the_gpu_from_static_shapes():
@@ -284,7 +363,7 @@ def test_prebuilt_params_mirror_the_c_struct():
     from kivi_ops.cuda.prebuilt import DecodeParams
 
     # decode_attend.cu static_asserts the same three numbers
-    assert (ctypes.sizeof(DecodeParams), DecodeParams.batch.offset, DecodeParams.qscale.offset) == (160, 112, 152)
+    assert (ctypes.sizeof(DecodeParams), DecodeParams.batch.offset, DecodeParams.qscale.offset) == (176, 120, 172)
 
 
 @pytest.mark.slow
@@ -353,4 +432,39 @@ def test_dispatch_runs_the_cuda_kernel_when_asked():
                                params=params._replace(k_bits=4), query_heads=4).implementation == "triton_decode"
     finally:
         dispatch.set_cuda_decode(previous)
+    check(out, query, layer, None, params, 128**-0.5)
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", PAGED_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}-Hq{c[2]}-D{c[3]}-PS{c[7]}")
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_cuda_paged_kernel_matches_the_reference_and_the_static_kernel(case, splits):
+    """The paged form (paged_forms.attend_form("cuda_cpp")) on a shuffled pool: within the paged
+    reference's bound and bit-equal to the static kernel on the same tokens (same arithmetic)."""
+    from kivi_ops.kernels.paged_forms import attend_form
+
+    layer, paged, pages, params, query, scale = _paged_case(case)
+    if query.shape[1] // layer.k_codes.shape[1] > 8:
+        assert "at most 8" in unsupported(paged, params, 1, query.shape[1], paged=True)
+        pytest.skip("more than 8 query heads per kv head: Triton's (unsupported names it)")
+    B = query.shape[0]
+    counts = torch.ones(B, dtype=torch.int64)
+    counts[-1] = 0 if B > 1 else 1
+    gpu_pages = Paging(pages.block_table.cuda(), pages.page_size)
+    out = attend_cuda_cpp_paged(query.cuda(), _on_gpu(paged), counts.cuda(), params, scale, gpu_pages,
+                                num_splits=splits).cpu()
+    static = attend_cuda_cpp(query.cuda(), _on_gpu(layer), counts.cuda(), params, scale, num_splits=splits).cpu()
+    assert torch.equal(out, static)
+    check(out, query, layer, counts, params, scale)
+    form = attend_form("cuda_cpp")(query.cuda(), _on_gpu(paged), counts.cuda(), params, scale, gpu_pages).cpu()
+    check(form, query, layer, counts, params, scale)
+
+
+@needs_gpu
+def test_cuda_paged_kernel_long_context_takes_an_int64_table():
+    layer, params = make_layer(2, 2, 8192, 128, 128, 32, [8000, 4133], outlier_scale=30.0)
+    paged, pages = to_paged(layer, params, 256)
+    query = torch.randn(2, 8, 1, 128, generator=torch.Generator().manual_seed(7)).half()
+    gpu_pages = Paging(pages.block_table.long().cuda(), pages.page_size)  # the wrapper converts to int32
+    out = attend_cuda_cpp_paged(query.cuda(), _on_gpu(paged), None, params, 128**-0.5, gpu_pages).cpu()
     check(out, query, layer, None, params, 128**-0.5)

@@ -1,6 +1,7 @@
 // KIVI-2 decode attention (one query token per row) on tensor cores, for sm_80+ (built for sm_90a).
 //
-// The math is kernels/reference.py's attend_reference; the layout is kivi_ops/layout.py's. Grid
+// The math is kernels/reference.py's attend_reference; the layout is kivi_ops/layout.py's, or a
+// paged layer's (paged_layout.py: the code and scale rows through the block table). Grid
 // (B * H, num_splits + 1), 4 warps per block. Splits [0, num_splits) share the fully quantized
 // 32-token chunks [0, 32 * floor(min(nqk, nqv) / 32)) of the row; split num_splits (the "tail")
 // takes the rest, at most R + 31 tokens (quantized, residual or mixed), in fp32 on CUDA cores. A
@@ -33,8 +34,8 @@
 
 namespace kivi_cuda {
 // prebuilt.py mirrors DecodeParams with ctypes: keep the two layouts equal.
-static_assert(sizeof(DecodeParams) == 160 && offsetof(DecodeParams, batch) == 112 &&
-                  offsetof(DecodeParams, qscale) == 152,
+static_assert(sizeof(DecodeParams) == 176 && offsetof(DecodeParams, batch) == 120 &&
+                  offsetof(DecodeParams, qscale) == 172,
               "DecodeParams changed: update kivi_ops/cuda/prebuilt.py");
 namespace {
 
@@ -113,6 +114,28 @@ __device__ __forceinline__ int v_channel(int mt, int g, int row8) {
   return 4 * (g * BPT + mt / 2) + 2 * (mt % 2) + row8;
 }
 
+// Where token t of kv row (b, h) lives: `row` of the code and v_scale/v_zero buffers, `key_row` of
+// k_scale/k_zero (its key group). Static layout: bh * N + i. Paged (PAGED, a template parameter so
+// the static kernel carries no paging code): row t % PS of page block_table[b, t / PS] (PS the
+// page size), key row (t % PS) / G of the same page (a page holds whole key groups), the id
+// clamped into the pool as kernels/triton_paging.py does. PS is a multiple of G, hence of 32: a
+// 32-token chunk lies in one page, so the chunk's rows are `row` + 0..31.
+template <bool PAGED>
+__device__ __forceinline__ void token_rows(const DecodeParams& p, int b, int h, int t, size_t& row, size_t& key_row) {
+  if constexpr (PAGED) {
+    const int j = t / p.page_size, in_page = t - j * p.page_size;
+    int page = __ldg(p.block_table + static_cast<size_t>(b) * p.max_pages + j);
+    page = min(max(page, 0), p.num_pages - 1);
+    const size_t ph = static_cast<size_t>(page) * p.kv_heads + h;
+    row = ph * p.page_size + in_page;
+    key_row = ph * (p.page_size / p.group) + in_page / p.group;
+  } else {
+    const size_t bh = static_cast<size_t>(b) * p.kv_heads + h;
+    row = bh * p.max_tokens + t;
+    key_row = bh * ((p.max_tokens + p.group - 1) / p.group) + t / p.group;
+  }
+}
+
 struct RowCounts {
   int length, nqk, nqv, chunks;
 };
@@ -137,19 +160,12 @@ struct Merge {
 };
 
 // One warp's quantized chunks [c, c_end) step kWarps. Writes its (m, l, acc) into `merge`.
-template <int D>
+template <int D, bool PAGED>
 __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], float (*p_s)[kPStride], Merge& merge,
                                  int b, int h, int c, int c_end) {
   constexpr int KS = D / 16, WPT = D / 64, BPT = D / 32, MT = D / 16;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
   const int Gv = min(p.group, D), ngv = D / Gv;
-  const size_t bh = static_cast<size_t>(b) * p.kv_heads + h;
-  const uint8_t* k_codes = p.k_codes + bh * p.max_tokens * (D / 4);
-  const uint8_t* v_codes = p.v_codes + bh * p.max_tokens * (D / 4);
-  const __half* k_scale = p.k_scale + bh * ((p.max_tokens + p.group - 1) / p.group) * D;
-  const __half* k_zero = p.k_zero + bh * ((p.max_tokens + p.group - 1) / p.group) * D;
-  const __half* v_scale = p.v_scale + bh * p.max_tokens * ngv;
-  const __half* v_zero = p.v_zero + bh * p.max_tokens * ngv;
   const int vgroup = 4 * g * BPT / Gv;  // this lane group's value group (its bytes lie in one)
 
   float acc[MT][4];
@@ -158,7 +174,14 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // heads 2 tig and 2 tig + 1
 
   for (; c < c_end; c += kWarps) {
-    const int t0 = c * kChunk, kg = t0 / p.group;
+    const int t0 = c * kChunk;
+    // The chunk's rows (consecutive: one page holds the chunk) and its key group's row.
+    size_t r0, kr;
+    token_rows<PAGED>(p, b, h, t0, r0, kr);
+    const uint8_t* k_codes = p.k_codes + r0 * (D / 4);
+    const uint8_t* v_codes = p.v_codes + r0 * (D / 4);
+    const __half* v_scale = p.v_scale + r0 * ngv;
+    const __half* v_zero = p.v_zero + r0 * ngv;
     // q' = q * k_scale of head g over this lane's channels, and the zero dot q . z (partial).
     uint32_t qk[KS][2];
     float zdot = 0.f;
@@ -166,8 +189,8 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
     for (int s = 0; s < KS; ++s) {
       const int ch = k_channel<D>(s, tig, 0);
       const float4 qv = *reinterpret_cast<const float4*>(&q_s[g][ch]);
-      const uint2 sv = *reinterpret_cast<const uint2*>(k_scale + static_cast<size_t>(kg) * D + ch);
-      const uint2 zv = *reinterpret_cast<const uint2*>(k_zero + static_cast<size_t>(kg) * D + ch);
+      const uint2 sv = *reinterpret_cast<const uint2*>(p.k_scale + kr * D + ch);
+      const uint2 zv = *reinterpret_cast<const uint2*>(p.k_zero + kr * D + ch);
       const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&sv.x));
       const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&sv.y));
       const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&zv.x));
@@ -188,7 +211,7 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
       uint32_t w[2][WPT];  // rows g and g + 8
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const uint8_t* row = k_codes + static_cast<size_t>(t0 + 16 * mt + g + 8 * r) * (D / 4) + 4 * WPT * tig;
+        const uint8_t* row = k_codes + static_cast<size_t>(16 * mt + g + 8 * r) * (D / 4) + 4 * WPT * tig;
         if constexpr (WPT == 2) {
           const uint2 v = __ldg(reinterpret_cast<const uint2*>(row));
           w[r][0] = v.x;
@@ -252,7 +275,7 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
     for (int ks = 0; ks < 2; ++ks) {
       const float4 pv = *reinterpret_cast<const float4*>(&p_s[g][16 * ks + 4 * tig]);
       const uint32_t b0 = pack_half2(pv.x, pv.y), b1 = pack_half2(pv.z, pv.w);
-      const int t = t0 + 16 * ks + 4 * tig;
+      const int t = 16 * ks + 4 * tig;  // relative to the chunk's first row
       uint32_t w[4];
       __half sc_h[4], zr_h[4];
 #pragma unroll
@@ -306,7 +329,7 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
 }
 
 // One warp's tail tokens [t, L) step kWarps, in fp32: lane owns channels lane * CPL + i.
-template <int D>
+template <int D, bool PAGED>
 __device__ void tail_tokens(const DecodeParams& p, const float (*q_s)[D], Merge& merge, int b, int h, int t,
                             const RowCounts& rc) {
   constexpr int CPL = D / 32;
@@ -327,19 +350,21 @@ __device__ void tail_tokens(const DecodeParams& p, const float (*q_s)[D], Merge&
   for (; t < rc.length; t += kWarps) {
     float k[CPL], v[CPL];
     const int slot = t % p.slots;
+    size_t row, kr;
+    token_rows<PAGED>(p, b, h, t, row, kr);
 #pragma unroll
     for (int i = 0; i < CPL; ++i) {
       const int ch = lane * CPL + i;
       if (t < rc.nqk) {
-        const int code = (p.k_codes[(bh * p.max_tokens + t) * (D / 4) + ch / 4] >> (2 * (ch % 4))) & 3;
-        const size_t kidx = (bh * ((p.max_tokens + p.group - 1) / p.group) + t / p.group) * D + ch;
+        const int code = (p.k_codes[row * (D / 4) + ch / 4] >> (2 * (ch % 4))) & 3;
+        const size_t kidx = kr * D + ch;
         k[i] = code * __half2float(p.k_scale[kidx]) + __half2float(p.k_zero[kidx]);
       } else {
         k[i] = __half2float(p.k_res[(bh * p.slots + slot) * D + ch]);
       }
       if (t < rc.nqv) {
-        const int code = (p.v_codes[(bh * p.max_tokens + t) * (D / 4) + ch / 4] >> (2 * (ch % 4))) & 3;
-        const size_t vidx = (bh * p.max_tokens + t) * ngv + ch / Gv;
+        const int code = (p.v_codes[row * (D / 4) + ch / 4] >> (2 * (ch % 4))) & 3;
+        const size_t vidx = row * ngv + ch / Gv;
         v[i] = code * __half2float(p.v_scale[vidx]) + __half2float(p.v_zero[vidx]);
       } else {
         v[i] = __half2float(p.v_res[(bh * p.slots + slot) * D + ch]);
@@ -371,7 +396,7 @@ __device__ void tail_tokens(const DecodeParams& p, const float (*q_s)[D], Merge&
   }
 }
 
-template <int D>
+template <int D, bool PAGED>
 __global__ void __launch_bounds__(kWarps * 32) decode_split_kernel(const DecodeParams p) {
   __shared__ __align__(16) float q_s[kHeads][D];
   __shared__ __align__(16) float p_s[kWarps][kHeads][kPStride];
@@ -388,9 +413,9 @@ __global__ void __launch_bounds__(kWarps * 32) decode_split_kernel(const DecodeP
   if (split < p.num_splits) {
     const int per = (rc.chunks + p.num_splits - 1) / p.num_splits;
     const int begin = split * per, end = min(begin + per, rc.chunks);
-    quantized_chunks<D>(p, q_s, p_s[warp], merge, b, h, begin + warp, end);
+    quantized_chunks<D, PAGED>(p, q_s, p_s[warp], merge, b, h, begin + warp, end);
   } else {
-    tail_tokens<D>(p, q_s, merge, b, h, rc.chunks * kChunk + warp, rc);
+    tail_tokens<D, PAGED>(p, q_s, merge, b, h, rc.chunks * kChunk + warp, rc);
   }
   __syncthreads();
   // Merge the warps: (max, sum, acc) of each query head for this split.
@@ -441,10 +466,11 @@ __global__ void decode_merge_kernel(const DecodeParams p) {
 
 cudaError_t launch_decode_attend(const DecodeParams& p, cudaStream_t stream) {
   const dim3 grid(p.batch * p.kv_heads, p.num_splits + 1);
+  const bool paged = p.block_table != nullptr;
   if (p.head_dim == 128) {
-    decode_split_kernel<128><<<grid, kWarps * 32, 0, stream>>>(p);
+    (paged ? decode_split_kernel<128, true> : decode_split_kernel<128, false>)<<<grid, kWarps * 32, 0, stream>>>(p);
   } else if (p.head_dim == 64) {
-    decode_split_kernel<64><<<grid, kWarps * 32, 0, stream>>>(p);
+    (paged ? decode_split_kernel<64, true> : decode_split_kernel<64, false>)<<<grid, kWarps * 32, 0, stream>>>(p);
   } else {
     return cudaErrorInvalidValue;
   }

@@ -25,7 +25,12 @@ struct DecodeParams {
   float* part_acc;          // [B, H * qg, num_splits + 1, D]: unnormalized output per split
   float* part_ml;           // [B, H * qg, num_splits + 1, 2]: (max, sum) per split, base 2
   __half* out;              // [B, H * qg, D]
+  // Paged layer (kivi_ops/paged_layout.py) or nullptr (static): the block table [B, max_pages];
+  // the code and scale buffers above are then page pools [num_pages, H, page_size (/G for
+  // k_scale/k_zero), ...] and max_tokens = max_pages * page_size. Ids are clamped into the pool.
+  const int32_t* block_table;
   int batch, kv_heads, qg, max_tokens, slots, residual, group, head_dim, num_splits, ott_policy;
+  int max_pages, page_size, num_pages;
   float qscale;             // softmax scale * log2(e): scores are in base 2
 };
 
