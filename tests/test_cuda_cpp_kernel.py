@@ -10,8 +10,8 @@ against the reference, the loader's and the dispatcher's refusals, and (slow, wh
 cuda-build extra is installed) nvcc compiling the kernel for sm_90a with no spills.
 
 Tolerance (decode_attend.cu's header): the kernel rounds q * k_scale, the dequantized values and
-p to fp16 and accumulates in fp32. A base-2 score is off by at most 3 u sum_c |q'_c| (u = 2^-11,
-q' = q * scale * log2(e) * k_scale of its group, codes <= 3), so each softmax weight by a factor
+p to fp16 and accumulates in fp32. A base-2 score is off by at most (2^kb - 1) u sum_c |q'_c|
+(u = 2^-11, q' = q * scale * log2(e) * k_scale of its group, codes <= 2^kb - 1), so each softmax weight by a factor
 within 2^(+-2 du) of the exact one, du the largest such score error; the values by u |v|, p by u.
 The output (a convex combination) is then off by at most
     (2^(2 du) - 1 + 3 u) * max|v| + u |ref|
@@ -42,17 +42,17 @@ needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 U = 2.0**-11
 
 
-def make_layer(B, H, S, D, R, G, lengths, policy=KIVI, seed=0, outlier_scale=1.0):
-    """A fp16 KIVI-2 layer on CPU holding `lengths` tokens per row: a prefill chunk, then 3 decode
-    steps, written by the reference append."""
+def make_layer(B, H, S, D, R, G, lengths, policy=KIVI, seed=0, outlier_scale=1.0, bits=(2, 2)):
+    """A fp16 KIVI layer (bits: key and value widths) on CPU holding `lengths` tokens per row: a
+    prefill chunk, then 3 decode steps, written by the reference append."""
     gen = torch.Generator().manual_seed(seed)
     ng, gv, W = -(-S // G), min(G, D), min(R + (G - 1 if policy == OTT else 0), S)
-    shapes = [((B, H, S, packed_bytes(D, 2)), torch.uint8), ((B, H, ng, D), torch.float16),
+    shapes = [((B, H, S, packed_bytes(D, bits[0])), torch.uint8), ((B, H, ng, D), torch.float16),
               ((B, H, ng, D), torch.float16), ((B, H, W, D), torch.float16),
-              ((B, H, S, packed_bytes(D, 2)), torch.uint8), ((B, H, S, D // gv), torch.float16),
+              ((B, H, S, packed_bytes(D, bits[1])), torch.uint8), ((B, H, S, D // gv), torch.float16),
               ((B, H, S, D // gv), torch.float16), ((B, H, W, D), torch.float16), ((B,), torch.int64)]
     layer = LayerTensors(*[torch.zeros(shape, dtype=dtype) for shape, dtype in shapes])
-    params = QuantParams(2, 2, G, R, flush_policy=policy)
+    params = QuantParams(*bits, G, R, flush_policy=policy)
     lengths = torch.tensor(lengths)
     first = (lengths - 3).clamp(min=0)
     if int(first.max()):
@@ -97,10 +97,17 @@ def bound(query, layer, params, scale, ref):
     B, Hq, _, D = query.shape
     H = k_scale.shape[1]
     q = query.float().reshape(B, H, Hq // H, D) * scale * 1.4426950408889634
-    du = 3 * U * (q.abs()[:, :, :, None, :] * k_scale.abs()[:, :, None]).sum(-1).amax()  # over groups, heads
+    kmax, vmax_code = 2**params.k_bits - 1, 2**params.v_bits - 1  # the largest codes
+    du = kmax * U * (q.abs()[:, :, :, None, :] * k_scale.abs()[:, :, None]).sum(-1).amax()  # over groups, heads
     vmax = max(layer.v_res.float().abs().max(),
-               (3 * layer.v_scale.float().abs() + layer.v_zero.float().abs()).max(), v_res.abs().max())
+               (vmax_code * layer.v_scale.float().abs() + layer.v_zero.float().abs()).max(), v_res.abs().max())
     return float((2 ** (2 * du) - 1 + 3 * U) * vmax) + U * ref.float().abs() + 1e-6
+
+
+def unpack_codes(rows, bits, D):
+    """[T, D] float64 codes of packed rows [T, D * bits / 8] (packing.py's layout, low bits first)."""
+    ch = np.arange(D)
+    return ((rows[:, ch * bits // 8] >> (bits * (ch % (8 // bits)))) & (2**bits - 1)).astype(np.float64)
 
 
 def matched_reference(query, layer, counts, params, scale):
@@ -127,8 +134,8 @@ def matched_reference(query, layer, counts, params, scale):
         fast = (t < min(nqk, nqv) // 32 * 32)[:, None]
         for h in range(H):
             q = (query[b, h * qg:(h + 1) * qg, 0].float() * np.float32(scale * 1.4426950408889634)).double().numpy()
-            k_code = ((kc[b, h, :L][:, ch // 4] >> (2 * (ch % 4))) & 3).astype(np.float64)
-            v_code = ((vc[b, h, :L][:, ch // 4] >> (2 * (ch % 4))) & 3).astype(np.float64)
+            k_code = unpack_codes(kc[b, h, :L], params.k_bits, D)
+            v_code = unpack_codes(vc[b, h, :L], params.v_bits, D)
             s, z = ks[b, h, t // G].astype(np.float64), kz[b, h, t // G].astype(np.float64)
             q_prime = f16((q[:, None, :] * s[None]).astype(np.float32))  # [qg, L, D]
             terms = np.abs(q_prime * k_code).sum(-1) + np.abs(q[:, None, :] * z[None]).sum(-1)
@@ -175,6 +182,22 @@ def test_emulated_kernel_matches_the_reference(case):
     for splits in (1, 3):
         check(emulate_decode(query, layer, None, params, scale, splits), query, layer, None, params, scale,
               f"splits={splits}")
+
+
+BITS_CASES = [  # (bits, case): 4-bit and mixed widths, each path of the unpack at one head_dim or both
+    pytest.param((4, 4), (1, 1, 4, 64, 256, 64, [200]), id="k4v4-D64"),
+    pytest.param((4, 2), (1, 1, 2, 128, 256, 64, [230]), id="k4v2-D128", marks=pytest.mark.slow),
+    pytest.param((2, 4), (2, 1, 8, 128, 256, 128, [250, 140]), id="k2v4-D128", marks=pytest.mark.slow),
+    pytest.param((4, 4), (1, 2, 4, 128, 256, 64, [190]), id="k4v4-D128", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("bits, case", BITS_CASES)
+def test_emulated_kernel_with_4_bit_codes(bits, case):
+    B, H, Hq, D, S, R, lengths = case
+    layer, params = make_layer(B, H, S, D, R, 32, lengths, bits=bits)
+    query = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(8)).half()
+    check(emulate_decode(query, layer, None, params, D**-0.5, 2), query, layer, None, params, D**-0.5)
 
 
 def test_emulated_kernel_padded_row_and_ott_policy():
@@ -233,14 +256,15 @@ def test_emulated_paged_kernel_detects_an_ignored_block_table(monkeypatch):
         check(out, query, layer, None, params, scale)
 
 
-def test_emulator_detects_a_wrong_mapping(monkeypatch):
+@pytest.mark.parametrize("bits", [(2, 2), (4, 4)], ids=["2-bit", "4-bit"])
+def test_emulator_detects_a_wrong_mapping(monkeypatch, bits):
     """The emulated comparison can fail: pair the key codes of k-step s with the query channels of
     k-step s + 1 (a fragment mapping off by one byte)."""
     from tests import cuda_decode_emulator as emu
 
     real = emu.k_channel
-    monkeypatch.setattr(emu, "k_channel", lambda D, s, tig, e: real(D, (s + 1) % (D // 16), tig, e))
-    layer, params = make_layer(1, 1, 256, 64, 64, 32, [200])
+    monkeypatch.setattr(emu, "k_channel", lambda D, KB, s, tig, e: real(D, KB, (s + 1) % (D // 16), tig, e))
+    layer, params = make_layer(1, 1, 256, 64, 64, 32, [200], bits=bits)
     query = torch.randn(1, 1, 1, 64, generator=torch.Generator().manual_seed(3)).half()
     out = emu.emulate_decode(query, layer, None, params, 0.125, 1)
     with pytest.raises(AssertionError, match="max error"):
@@ -267,7 +291,9 @@ def test_what_the_kernel_supports():
     assert "q_len" in unsupported(layer, params, 4, 8)
     assert "at most 8" in unsupported(layer, params, 1, 18)
     assert "group_size" in unsupported(layer, params._replace(group_size=16), 1, 2)
-    assert "2-bit" in unsupported(layer, params._replace(k_bits=4), 1, 2)
+    assert unsupported(layer, params._replace(k_bits=4), 1, 2) is None  # codes' widths: any of 2 and 4
+    assert "2 or 4 bits" in unsupported(layer, params._replace(v_bits=3), 1, 2)
+    assert "2 or 4 bits" in unsupported(layer, params._replace(k_bits=8), 1, 2)
     assert "fp16" in unsupported(layer._replace(k_res=layer.k_res.float()), params, 1, 2)
     paged, _ = to_paged(layer, params, 64)
     assert unsupported(paged, params, 1, 8, paged=True) is None
@@ -324,7 +350,7 @@ def test_dispatch_chooses_cuda_cpp_only_where_asked_and_supported(monkeypatch):
         return dispatch.choose("attend", **args).implementation
 
     assert impl() == "cuda_cpp"
-    assert impl(params=params._replace(v_bits=4)) == "triton_decode"
+    assert impl(params=params._replace(v_bits=3)) == "triton_decode"
     assert impl(query_heads=32) == "triton_decode"  # 16 query heads per kv head
     assert impl(q_len=3) == "triton_split"
     assert impl(paged=True) == "triton_decode"
@@ -363,7 +389,7 @@ def test_prebuilt_params_mirror_the_c_struct():
     from kivi_ops.cuda.prebuilt import DecodeParams
 
     # decode_attend.cu static_asserts the same three numbers
-    assert (ctypes.sizeof(DecodeParams), DecodeParams.batch.offset, DecodeParams.qscale.offset) == (176, 120, 172)
+    assert (ctypes.sizeof(DecodeParams), DecodeParams.batch.offset, DecodeParams.qscale.offset) == (184, 120, 180)
 
 
 @pytest.mark.slow
@@ -429,7 +455,7 @@ def test_dispatch_runs_the_cuda_kernel_when_asked():
         out = torch.ops.kivi.cache_attend(query.cuda(), *gpu, None, *params, 128**-0.5).cpu()
         # what it does not support still runs Triton
         assert dispatch.choose("attend", device="cuda", mode="eager", q_len=1, layer=gpu,
-                               params=params._replace(k_bits=4), query_heads=4).implementation == "triton_decode"
+                               params=params._replace(k_bits=3), query_heads=4).implementation == "triton_decode"
     finally:
         dispatch.set_cuda_decode(previous)
     check(out, query, layer, None, params, 128**-0.5)
@@ -468,3 +494,28 @@ def test_cuda_paged_kernel_long_context_takes_an_int64_table():
     gpu_pages = Paging(pages.block_table.long().cuda(), pages.page_size)  # the wrapper converts to int32
     out = attend_cuda_cpp_paged(query.cuda(), _on_gpu(paged), None, params, 128**-0.5, gpu_pages).cpu()
     check(out, query, layer, None, params, 128**-0.5)
+
+
+@needs_gpu
+@pytest.mark.parametrize("bits", [(4, 4), (2, 4), (4, 2)], ids=lambda b: f"k{b[0]}v{b[1]}")
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: f"B{c[0]}-H{c[1]}-Hq{c[2]}-D{c[3]}")
+@pytest.mark.parametrize("splits", [None, 5])
+def test_cuda_kernel_with_4_bit_codes_matches_the_reference(bits, case, splits):
+    B, H, Hq, D, S, R, lengths = case
+    layer, params = make_layer(B, H, S, D, R, 32, lengths, bits=bits)
+    query = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(9)).half()
+    out = attend_cuda_cpp(query.cuda(), _on_gpu(layer), None, params, D**-0.5, num_splits=splits).cpu()
+    check(out, query, layer, None, params, D**-0.5)
+
+
+@needs_gpu
+@pytest.mark.parametrize("bits", [(4, 4), (4, 2)], ids=lambda b: f"k{b[0]}v{b[1]}")
+def test_cuda_paged_kernel_with_4_bit_codes(bits):
+    B, H, Hq, D, S, R, lengths, page_size = PAGED_CASES[0]
+    layer, params = make_layer(B, H, S, D, R, 32, lengths, bits=bits)
+    paged, pages = to_paged(layer, params, page_size)
+    query = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(10)).half()
+    gpu_pages = Paging(pages.block_table.cuda(), page_size)
+    out = attend_cuda_cpp_paged(query.cuda(), _on_gpu(paged), None, params, D**-0.5, gpu_pages).cpu()
+    assert torch.equal(out, attend_cuda_cpp(query.cuda(), _on_gpu(layer), None, params, D**-0.5).cpu())
+    check(out, query, layer, None, params, D**-0.5)

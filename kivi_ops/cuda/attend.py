@@ -2,12 +2,12 @@
 implementations' signature (query, layer, counts, params, scale), its paged form
 attend_cuda_cpp_paged (the same plus a paged_layout.Paging), and what it supports.
 
-Takes: KIVI-2 keys and values, fp16 cache, head_dim 64 or 128, group_size a multiple of 32, 1 to 8
+Takes: 2- or 4-bit keys and values (each its own width), fp16 cache, head_dim 64 or 128, group_size a multiple of 32, 1 to 8
 query heads per kv head, one query token per row, static or paged (block table; a page holds whole
 key groups, so whole 32-token chunks), either flush policy.
 Falls back to Triton (`unsupported` names the reason, the dispatcher runs Triton):
     q_len > 1 (prefill/verify)               triton_split
-    4-bit (or mixed) keys/values             not implemented in the kernel (the unpack is 2-bit)
+    3- or 8-bit codes                        not instantiated (a 3-bit word spans 3 bytes)
     bf16 / fp32 caches                       the kernel's MMA and unpack are fp16 only
     head_dim other than 64 and 128 (256)     not instantiated
     more than 8 query heads per kv head      the MMA's N is 8; no two-tile variant yet
@@ -27,6 +27,7 @@ from ..paged_layout import BLOCK_TABLE_DTYPE, Paging
 from ..schedule import OTT
 
 HEAD_DIMS = (64, 128)
+CODE_BITS = (2, 4)  # key and value widths, any pair (decode_attend.cu's split_kernel)
 MAX_QUERY_HEADS_PER_KV_HEAD = 8  # the MMA's N
 MAX_SPLITS = 64
 SPLIT_MIN_TOKENS = 128  # no split gets fewer of a full cache's tokens
@@ -43,8 +44,8 @@ def unsupported(layer: LayerTensors, params: QuantParams, q_len: int, query_head
         return f"cache dtype {layer.k_res.dtype} (fp16 only)"
     if D not in HEAD_DIMS:
         return f"head_dim {D} (64 or 128)"
-    if params.k_bits != 2 or params.v_bits != 2:
-        return f"{params.k_bits}/{params.v_bits}-bit codes (2-bit only)"
+    if params.k_bits not in CODE_BITS or params.v_bits not in CODE_BITS:
+        return f"{params.k_bits}/{params.v_bits}-bit codes (2 or 4 bits each)"
     if params.group_size % 32:
         return f"group_size {params.group_size} (a multiple of 32)"
     if layer.pool is not None or layer.extras.active:

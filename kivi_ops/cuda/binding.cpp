@@ -36,7 +36,11 @@ torch::Tensor decode_attend(torch::Tensor query, torch::Tensor k_codes, torch::T
   const int64_t H = k_codes.size(1), rows = k_codes.size(2);
   const int64_t S = block_table.has_value() ? block_table->size(1) * rows : rows;
   TORCH_CHECK(D == 64 || D == 128, "kivi cuda decode: head_dim must be 64 or 128, got ", D);
-  TORCH_CHECK(k_codes.size(3) == D / 4 && v_codes.size(3) == D / 4, "kivi cuda decode: 2-bit keys and values only");
+  const int64_t k_bits = k_codes.size(3) * 8 / D, v_bits = v_codes.size(3) * 8 / D;
+  TORCH_CHECK((k_bits == 2 || k_bits == 4) && (v_bits == 2 || v_bits == 4) && k_codes.size(3) * 8 == k_bits * D &&
+                  v_codes.size(3) * 8 == v_bits * D,
+              "kivi cuda decode: 2- or 4-bit keys and values only, got code rows of ", k_codes.size(3), " and ",
+              v_codes.size(3), " bytes at head_dim ", D);
   TORCH_CHECK(Hq % H == 0 && Hq / H <= 8, "kivi cuda decode: at most 8 query heads per kv head, got ", Hq, "/", H);
   TORCH_CHECK(group_size % 32 == 0, "kivi cuda decode: group_size must be a multiple of 32, got ", group_size);
   TORCH_CHECK(num_splits >= 1, "kivi cuda decode: num_splits must be >= 1");
@@ -74,6 +78,8 @@ torch::Tensor decode_attend(torch::Tensor query, torch::Tensor k_codes, torch::T
   p.max_pages = block_table.has_value() ? block_table->size(1) : 0;
   p.page_size = block_table.has_value() ? rows : 0;
   p.num_pages = block_table.has_value() ? k_codes.size(0) : 0;
+  p.k_bits = k_bits;
+  p.v_bits = v_bits;
   p.batch = B;
   p.kv_heads = H;
   p.qg = Hq / H;
@@ -93,5 +99,5 @@ torch::Tensor decode_attend(torch::Tensor query, torch::Tensor k_codes, torch::T
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attend", &decode_attend, "KIVI-2 decode attention on tensor cores (decode_attend.cu)");
+  m.def("decode_attend", &decode_attend, "KIVI decode attention on tensor cores (decode_attend.cu)");
 }

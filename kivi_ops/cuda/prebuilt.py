@@ -29,7 +29,7 @@ class DecodeParams(ctypes.Structure):
         "q", "k_codes", "k_scale", "k_zero", "k_res", "v_codes", "v_scale", "v_zero", "v_res", "lengths", "counts",
         "part_acc", "part_ml", "out", "block_table")] + [(name, ctypes.c_int) for name in (
         "batch", "kv_heads", "qg", "max_tokens", "slots", "residual", "group", "head_dim", "num_splits",
-        "ott_policy", "max_pages", "page_size", "num_pages")] + [("qscale", ctypes.c_float)]
+        "ott_policy", "max_pages", "page_size", "num_pages", "k_bits", "v_bits")] + [("qscale", ctypes.c_float)]
 
 
 def build(path: Path, arch: str = "sm_90a") -> Path:
@@ -81,7 +81,9 @@ class Library:
             if block_table.dim() != 2 or block_table.shape[0] != B or rows % group_size:
                 raise ValueError(f"kivi cuda decode: block_table must be [{B}, max_pages] and the page size {rows} a "
                                  f"multiple of group_size {group_size}, got {tuple(block_table.shape)}")
-        if q_len != 1 or D not in (64, 128) or k_codes.shape[3] != D // 4 or Hq % H or Hq // H > 8 or group_size % 32:
+        k_bits, v_bits = k_codes.shape[3] * 8 // D, v_codes.shape[3] * 8 // D
+        if (q_len != 1 or D not in (64, 128) or {k_bits, v_bits} - {2, 4} or Hq % H or Hq // H > 8
+                or group_size % 32):
             raise ValueError(f"kivi cuda decode: unsupported call (query {tuple(query.shape)}, kv heads {H}, "
                              f"codes {tuple(k_codes.shape)}, group_size {group_size})")
         f32 = dict(dtype=torch.float32, device=query.device)
@@ -96,7 +98,7 @@ class Library:
                          out.data_ptr(), None if block_table is None else block_table.data_ptr(), B, H, Hq // H, S,
                          k_res.shape[2], residual_length, group_size, D, num_splits, ott_policy,
                          0 if block_table is None else block_table.shape[1], 0 if block_table is None else rows,
-                         0 if block_table is None else k_codes.shape[0], scale * LOG2E)
+                         0 if block_table is None else k_codes.shape[0], k_bits, v_bits, scale * LOG2E)
         stream = torch.cuda.current_stream(query.device).cuda_stream
         with torch.cuda.device(query.device):
             err = self.lib.kivi_decode_attend_launch(ctypes.byref(p), ctypes.c_void_p(stream))
