@@ -2,7 +2,8 @@
 implementations' signature (query, layer, counts, params, scale), its paged form
 attend_cuda_cpp_paged (the same plus a paged_layout.Paging), and what it supports.
 
-Takes: 2- or 4-bit keys and values (each its own width), fp16 cache, head_dim 64 or 128, group_size a multiple of 32, 1 to 8
+Takes: 2- or 4-bit keys and values (each its own width), fp16 cache, head_dim 64, 128 or 256, group_size
+a multiple of 32, 1 to 8
 query heads per kv head, one query token per row, static or paged (block table; a page holds whole
 key groups, so whole 32-token chunks), either flush policy.
 Falls back to Triton (`unsupported` names the reason, the dispatcher runs Triton):
@@ -26,7 +27,7 @@ from ..layout import LayerTensors, QuantParams
 from ..paged_layout import BLOCK_TABLE_DTYPE, Paging
 from ..schedule import OTT
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 CODE_BITS = (2, 4)  # key and value widths, any pair (decode_attend.cu's split_kernel)
 MAX_QUERY_HEADS_PER_KV_HEAD = 8  # the MMA's N
 MAX_SPLITS = 64
@@ -43,7 +44,7 @@ def unsupported(layer: LayerTensors, params: QuantParams, q_len: int, query_head
     if layer.k_res.dtype != torch.float16:
         return f"cache dtype {layer.k_res.dtype} (fp16 only)"
     if D not in HEAD_DIMS:
-        return f"head_dim {D} (64 or 128)"
+        return f"head_dim {D} (64, 128 or 256)"
     if params.k_bits not in CODE_BITS or params.v_bits not in CODE_BITS:
         return f"{params.k_bits}/{params.v_bits}-bit codes (2 or 4 bits each)"
     if params.group_size % 32:

@@ -35,7 +35,7 @@ torch::Tensor decode_attend(torch::Tensor query, torch::Tensor k_codes, torch::T
   // Paged (block_table given): k_codes is the page pool [pages, H, page_size, D/4].
   const int64_t H = k_codes.size(1), rows = k_codes.size(2);
   const int64_t S = block_table.has_value() ? block_table->size(1) * rows : rows;
-  TORCH_CHECK(D == 64 || D == 128, "kivi cuda decode: head_dim must be 64 or 128, got ", D);
+  TORCH_CHECK(D == 64 || D == 128 || D == 256, "kivi cuda decode: head_dim must be 64, 128 or 256, got ", D);
   const int64_t k_bits = k_codes.size(3) * 8 / D, v_bits = v_codes.size(3) * 8 / D;
   TORCH_CHECK((k_bits == 2 || k_bits == 4) && (v_bits == 2 || v_bits == 4) && k_codes.size(3) * 8 == k_bits * D &&
                   v_codes.size(3) * 8 == v_bits * D,

@@ -129,11 +129,14 @@ __device__ __forceinline__ int v_channel(int mt, int g, int row8) {
   }
 }
 
-// N consecutive 32-bit words of a code row (N = 1, 2, 4: one vector load), or its first 16 bits
-// (N = 0: a 2-byte share, 2-bit values at D = 64).
+// N consecutive 32-bit words of a code row (N = 1, 2, 4: one vector load; 8: two, 4-bit keys at
+// D = 256), or its first 16 bits (N = 0: a 2-byte share, 2-bit values at D = 64).
 template <int N>
 __device__ __forceinline__ void load_words(const uint8_t* row, uint32_t (&w)[N > 0 ? N : 1]) {
-  if constexpr (N == 4) {
+  if constexpr (N == 8) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(row)), v = __ldg(reinterpret_cast<const uint4*>(row) + 1);
+    w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w, w[4] = v.x, w[5] = v.y, w[6] = v.z, w[7] = v.w;
+  } else if constexpr (N == 4) {
     const uint4 v = __ldg(reinterpret_cast<const uint4*>(row));
     w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
   } else if constexpr (N == 2) {
@@ -186,14 +189,15 @@ __device__ __forceinline__ RowCounts row_counts(const DecodeParams& p, int b) {
 }
 
 // Per-warp partial state in the layout the block merge reads.
+template <int D>
 struct Merge {
-  float acc[kWarps][kHeads][128];
+  float acc[kWarps][kHeads][D];
   float m[kWarps][kHeads], l[kWarps][kHeads];
 };
 
 // One warp's quantized chunks [c, c_end) step kWarps. Writes its (m, l, acc) into `merge`.
 template <int D, int KB, int VB, bool PAGED>
-__device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], float (*p_s)[kPStride], Merge& merge,
+__device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], float (*p_s)[kPStride], Merge<D>& merge,
                                  int b, int h, int c, int c_end) {
   constexpr int KS = D / 16, MT = D / 16;
   constexpr int KROW = D * KB / 8, VROW = D * VB / 8;  // bytes of a token's key / value codes
@@ -370,7 +374,7 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
 
 // One warp's tail tokens [t, L) step kWarps, in fp32: lane owns channels lane * CPL + i.
 template <int D, int KB, int VB, bool PAGED>
-__device__ void tail_tokens(const DecodeParams& p, const float (*q_s)[D], Merge& merge, int b, int h, int t,
+__device__ void tail_tokens(const DecodeParams& p, const float (*q_s)[D], Merge<D>& merge, int b, int h, int t,
                             const RowCounts& rc) {
   constexpr int CPL = D / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -437,12 +441,13 @@ __device__ void tail_tokens(const DecodeParams& p, const float (*q_s)[D], Merge&
 }
 
 // (.., 3): at most 168 registers, the 3 blocks per SM the design counts on; with no minimum ptxas
-// chose 96 registers and spilled 4 bytes in the D = 64, k2/v4, paged variant.
+// chose 96 registers and spilled 4 bytes in the D = 64, k2/v4, paged variant. D = 256 holds twice
+// the accumulators (64 MMA registers, 128 in the tail) and spilled ~150 bytes at 168: 2 blocks.
 template <int D, int KB, int VB, bool PAGED>
-__global__ void __launch_bounds__(kWarps * 32, 3) decode_split_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : 3) decode_split_kernel(const DecodeParams p) {
   __shared__ __align__(16) float q_s[kHeads][D];
   __shared__ __align__(16) float p_s[kWarps][kHeads][kPStride];
-  __shared__ Merge merge;
+  __shared__ Merge<D> merge;  // with q_s and p_s: 45 KB at D = 256, under the 48 KB of static shared memory
   const int b = blockIdx.x / p.kv_heads, h = blockIdx.x % p.kv_heads, split = blockIdx.y;
   const int warp = threadIdx.x / 32;
   for (int i = threadIdx.x; i < kHeads * D; i += blockDim.x) {  // heads >= qg: zero queries, never written
@@ -522,8 +527,10 @@ auto split_kernel(const DecodeParams& p) -> void (*)(DecodeParams) {
 
 cudaError_t launch_decode_attend(const DecodeParams& p, cudaStream_t stream) {
   const dim3 grid(p.batch * p.kv_heads, p.num_splits + 1);
-  void (*kernel)(DecodeParams) = p.head_dim == 128 ? split_kernel<128>(p) : p.head_dim == 64 ? split_kernel<64>(p)
-                                                                                            : nullptr;
+  void (*kernel)(DecodeParams) = p.head_dim == 128   ? split_kernel<128>(p)
+                                 : p.head_dim == 64  ? split_kernel<64>(p)
+                                 : p.head_dim == 256 ? split_kernel<256>(p)
+                                                     : nullptr;
   if (kernel == nullptr) return cudaErrorInvalidValue;
   kernel<<<grid, kWarps * 32, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();

@@ -37,7 +37,7 @@ struct DecodeParams {
 
 // Launches the split kernel (num_splits quantized splits + 1 tail split per (row, kv head)) and the
 // merge kernel on `stream`. Returns cudaSuccess or the launch error (cudaErrorInvalidValue for a
-// head_dim other than 64/128 or bits other than 2/4).
+// head_dim other than 64/128/256 or bits other than 2/4).
 cudaError_t launch_decode_attend(const DecodeParams& p, cudaStream_t stream);
 
 }  // namespace kivi_cuda
