@@ -278,9 +278,11 @@ def emulate_decode(query, layer, counts, params, scale, num_splits, pages=None):
             nqk, nqv = L // R * R, max(L - R, 0)
         chunks = min(nqk, nqv) // CHUNK
         per = -(-chunks // num_splits)
-        for h in range(H):
+        for h, head0 in ((h, head0) for h in range(H) for head0 in range(0, qg, HEADS)):  # the blocks' tiles
+            heads = min(HEADS, qg - head0)
+            first = h * qg + head0  # the tile's first query head
             q_s = np.zeros((HEADS, D))
-            q_s[:qg] = query[b, h * qg:(h + 1) * qg, 0].double().numpy() * np.float32(scale * 1.4426950408889634)
+            q_s[:heads] = query[b, first:first + heads, 0].double().numpy() * np.float32(scale * 1.4426950408889634)
             q_s = q_s.astype(np.float32).astype(np.float64)
             splits = []
             rows = Rows(b, h, H, S, G, **paging)
@@ -290,9 +292,9 @@ def emulate_decode(query, layer, counts, params, scale, num_splits, pages=None):
                 splits.append(merge([quantized_chunks(q_s, kc, ks, kz, vc, vs, vz, rows, range(begin + w, end, WARPS),
                                                       D, G) for w in range(WARPS)]))
             splits.append(merge([tail_tokens(q_s, kc, ks, kz, k_res[b, h], vc, vs, vz, v_res[b, h], rows,
-                                             range(chunks * CHUNK + w, L, WARPS), nqk, nqv, qg, D, G)
+                                             range(chunks * CHUNK + w, L, WARPS), nqk, nqv, heads, D, G)
                                  for w in range(WARPS)]))
             M, l_, acc = merge(splits)
             o = np.where(l_[:, None] > 0, acc / np.where(l_ > 0, l_, 1)[:, None], 0.0)
-            out[b, h * qg:(h + 1) * qg] = np.clip(o[:qg], -65504, 65504).astype(np.float16)
+            out[b, first:first + heads] = np.clip(o[:heads], -65504, 65504).astype(np.float16)
     return torch.from_numpy(out).reshape(B, Hq, 1, D)

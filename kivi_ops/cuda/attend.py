@@ -2,16 +2,20 @@
 implementations' signature (query, layer, counts, params, scale), its paged form
 attend_cuda_cpp_paged (the same plus a paged_layout.Paging), and what it supports.
 
-Takes: 2- or 4-bit keys and values (each its own width), fp16 cache, head_dim 64, 128 or 256, group_size
-a multiple of 32, 1 to 8
-query heads per kv head, one query token per row, static or paged (block table; a page holds whole
-key groups, so whole 32-token chunks), either flush policy.
-Falls back to Triton (`unsupported` names the reason, the dispatcher runs Triton):
-    q_len > 1 (prefill/verify)               triton_split
+Takes: 2- or 4-bit keys and values (each its own width), an fp16 cache, head_dim 64, 128 or 256,
+group_size a multiple of 32, 1 to 16 query heads per kv head (8 per block, the MMA's N: 9 to 16
+take two blocks, which read the same codes, the second mostly from L2), one query token per row,
+static or paged (block table; a page holds whole key groups, so whole 32-token chunks), either
+flush policy.
+Falls back to Triton (`unsupported` names the reason; the dispatcher runs Triton):
+    q_len > 1 (prefill, verify)              decode only
+    bf16 / fp32 caches                       fp16 only: the magic-number unpack puts a code's top
+                                             bit in bf16's exponent (7 mantissa bits), and an fp16
+                                             MMA would overflow on bf16 ranges
     3- or 8-bit codes                        not instantiated (a 3-bit word spans 3 bytes)
-    bf16 / fp32 caches                       the kernel's MMA and unpack are fp16 only
-    head_dim other than 64 and 128 (256)     not instantiated
-    more than 8 query heads per kv head      the MMA's N is 8; no two-tile variant yet
+    head_dim other than 64, 128, 256         not instantiated
+    more than 16 query heads per kv head     a third tile would read the codes a third time
+    group_size not a multiple of 32          a 32-token chunk is one key group's share
     the sink/OTT outlier pool, KVQuant parts (nuq levels, sparse store, pre-RoPE keys)
 The dispatcher (dispatch.py) chooses it only where `unsupported` returns None and only when
 KIVI_CUDA_DECODE=cuda_cpp asks for it; everything else stays on the Triton kernels.
@@ -29,7 +33,7 @@ from ..schedule import OTT
 
 HEAD_DIMS = (64, 128, 256)
 CODE_BITS = (2, 4)  # key and value widths, any pair (decode_attend.cu's split_kernel)
-MAX_QUERY_HEADS_PER_KV_HEAD = 8  # the MMA's N
+MAX_QUERY_HEADS_PER_KV_HEAD = 16  # two tiles of the MMA's N = 8
 MAX_SPLITS = 64
 SPLIT_MIN_TOKENS = 128  # no split gets fewer of a full cache's tokens
 
@@ -54,7 +58,8 @@ def unsupported(layer: LayerTensors, params: QuantParams, q_len: int, query_head
     if paged and layer.k_codes.shape[2] % params.group_size:  # paged_layout refuses these too
         return f"page_size {layer.k_codes.shape[2]} (a multiple of group_size {params.group_size})"
     if query_heads is not None and query_heads > MAX_QUERY_HEADS_PER_KV_HEAD * layer.k_codes.shape[1]:
-        return f"{query_heads} query heads on {layer.k_codes.shape[1]} kv heads (at most 8 per kv head)"
+        return (f"{query_heads} query heads on {layer.k_codes.shape[1]} kv heads (at most "
+                f"{MAX_QUERY_HEADS_PER_KV_HEAD} per kv head)")
     return None
 
 
@@ -94,7 +99,8 @@ def _launch(query, t: LayerTensors, counts, p: QuantParams, scale: float, pages:
     table = None if pages is None else pages.block_table.to(BLOCK_TABLE_DTYPE).contiguous()
     if num_splits is None:
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-        num_splits = default_num_splits(B * H, S, sms)
+        tiles = -(-query.shape[1] // (H * 8))  # blocks per kv row (8 query heads each)
+        num_splits = default_num_splits(B * H * tiles, S, sms)
     out = ext.decode_attend(query.to(torch.float16).contiguous(), k_codes, k_scale, k_zero, k_res, v_codes, v_scale,
                             v_zero, v_res, lengths, None if counts is None else counts.to(torch.int64).contiguous(),
                             p.group_size, p.residual_length, int(p.flush_policy == OTT), float(scale),

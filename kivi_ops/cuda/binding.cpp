@@ -41,7 +41,7 @@ torch::Tensor decode_attend(torch::Tensor query, torch::Tensor k_codes, torch::T
                   v_codes.size(3) * 8 == v_bits * D,
               "kivi cuda decode: 2- or 4-bit keys and values only, got code rows of ", k_codes.size(3), " and ",
               v_codes.size(3), " bytes at head_dim ", D);
-  TORCH_CHECK(Hq % H == 0 && Hq / H <= 8, "kivi cuda decode: at most 8 query heads per kv head, got ", Hq, "/", H);
+  TORCH_CHECK(Hq % H == 0 && Hq / H <= 16, "kivi cuda decode: at most 16 query heads per kv head, got ", Hq, "/", H);
   TORCH_CHECK(group_size % 32 == 0, "kivi cuda decode: group_size must be a multiple of 32, got ", group_size);
   TORCH_CHECK(num_splits >= 1, "kivi cuda decode: num_splits must be >= 1");
   if (counts.has_value()) check(*counts, "counts", torch::kLong);

@@ -3,14 +3,15 @@
 //
 // The math is kernels/reference.py's attend_reference; the layout is kivi_ops/layout.py's, or a
 // paged layer's (paged_layout.py: the code and scale rows through the block table). Grid
-// (B * H, num_splits + 1), 4 warps per block. Splits [0, num_splits) share the fully quantized
+// (B * H * ceil(qg / 8), num_splits + 1), 4 warps per block (one block per 8 query heads: up to 16
+// query heads per kv head in two tiles). Splits [0, num_splits) share the fully quantized
 // 32-token chunks [0, 32 * floor(min(nqk, nqv) / 32)) of the row; split num_splits (the "tail")
 // takes the rest, at most R + 31 tokens (quantized, residual or mixed), in fp32 on CUDA cores. A
 // second kernel merges the splits' (max, sum, unnormalized output) into the fp16 output.
 //
 // Quantized chunks: each warp takes whole chunks (one key group when G = 32; G must be a multiple
 // of 32) and runs mma.sync m16n8k16 (fp16 in, fp32 accumulate) with the KV tokens in the M
-// dimension and the qg <= 8 query heads of the kv head in N (TurboMind's swap: a decode query is
+// dimension and 8 query heads of the kv head in N (TurboMind's swap: a decode query is
 // one row, tokens fill the tile):
 //   scores^T [16 tokens, 8 heads] = codes_K [16 tokens, D] . q'^T [D, 8 heads] + q . z (per group)
 //     where q' = q * k_scale (per channel of the group, in fp16): KIVI's key fold, so the key
@@ -375,7 +376,7 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
 // One warp's tail tokens [t, L) step kWarps, in fp32: lane owns channels lane * CPL + i.
 template <int D, int KB, int VB, bool PAGED>
 __device__ void tail_tokens(const DecodeParams& p, const float (*q_s)[D], Merge<D>& merge, int b, int h, int t,
-                            const RowCounts& rc) {
+                            const RowCounts& rc, int heads) {
   constexpr int CPL = D / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int Gv = min(p.group, D), ngv = D / Gv;
@@ -416,7 +417,7 @@ __device__ void tail_tokens(const DecodeParams& p, const float (*q_s)[D], Merge<
     }
 #pragma unroll
     for (int n = 0; n < kHeads; ++n) {
-      if (n >= p.qg) break;
+      if (n >= heads) break;
       float s = 0.f;
 #pragma unroll
       for (int i = 0; i < CPL; ++i) s += q[n][i] * k[i];
@@ -448,12 +449,17 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : 3) decode_split_ke
   __shared__ __align__(16) float q_s[kHeads][D];
   __shared__ __align__(16) float p_s[kWarps][kHeads][kPStride];
   __shared__ Merge<D> merge;  // with q_s and p_s: 45 KB at D = 256, under the 48 KB of static shared memory
-  const int b = blockIdx.x / p.kv_heads, h = blockIdx.x % p.kv_heads, split = blockIdx.y;
+  // Query-head tiles: more than 8 query heads per kv head (the MMA's N) take ceil(qg / 8) blocks,
+  // each its 8 heads [head0, head0 + heads); the tiles of a kv row are adjacent in x, so they read
+  // the same codes at about the same time (the second read mostly from L2).
+  const int tiles = (p.qg + kHeads - 1) / kHeads, kv_row = blockIdx.x / tiles;
+  const int b = kv_row / p.kv_heads, h = kv_row % p.kv_heads, split = blockIdx.y;
+  const int head0 = (blockIdx.x % tiles) * kHeads, heads = min(kHeads, p.qg - head0);
   const int warp = threadIdx.x / 32;
-  for (int i = threadIdx.x; i < kHeads * D; i += blockDim.x) {  // heads >= qg: zero queries, never written
+  for (int i = threadIdx.x; i < kHeads * D; i += blockDim.x) {  // heads past the tile's: zero queries, never written
     const int n = i / D, ch = i % D;
-    q_s[n][ch] = n < p.qg ? __half2float(p.q[((static_cast<size_t>(b) * p.kv_heads + h) * p.qg + n) * D + ch]) * p.qscale
-                          : 0.f;
+    const size_t row = (static_cast<size_t>(b) * p.kv_heads + h) * p.qg + head0 + n;
+    q_s[n][ch] = n < heads ? __half2float(p.q[row * D + ch]) * p.qscale : 0.f;
   }
   __syncthreads();
   const RowCounts rc = row_counts(p, b);
@@ -462,11 +468,11 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : 3) decode_split_ke
     const int begin = split * per, end = min(begin + per, rc.chunks);
     quantized_chunks<D, KB, VB, PAGED>(p, q_s, p_s[warp], merge, b, h, begin + warp, end);
   } else {
-    tail_tokens<D, KB, VB, PAGED>(p, q_s, merge, b, h, rc.chunks * kChunk + warp, rc);
+    tail_tokens<D, KB, VB, PAGED>(p, q_s, merge, b, h, rc.chunks * kChunk + warp, rc, heads);
   }
   __syncthreads();
   // Merge the warps: (max, sum, acc) of each query head for this split.
-  for (int i = threadIdx.x; i < p.qg * D; i += blockDim.x) {
+  for (int i = threadIdx.x; i < heads * D; i += blockDim.x) {
     const int n = i / D, ch = i % D;
     float M = -INFINITY;
 #pragma unroll
@@ -480,7 +486,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : 3) decode_split_ke
         l += f * merge.l[w][n];
       }
     }
-    const size_t row = (static_cast<size_t>(b) * p.kv_heads + h) * p.qg + n;
+    const size_t row = (static_cast<size_t>(b) * p.kv_heads + h) * p.qg + head0 + n;
     const size_t slot = row * (p.num_splits + 1) + split;
     p.part_acc[slot * D + ch] = a;
     if (ch == 0) {
@@ -526,7 +532,7 @@ auto split_kernel(const DecodeParams& p) -> void (*)(DecodeParams) {
 }  // namespace
 
 cudaError_t launch_decode_attend(const DecodeParams& p, cudaStream_t stream) {
-  const dim3 grid(p.batch * p.kv_heads, p.num_splits + 1);
+  const dim3 grid(p.batch * p.kv_heads * ((p.qg + kHeads - 1) / kHeads), p.num_splits + 1);
   void (*kernel)(DecodeParams) = p.head_dim == 128   ? split_kernel<128>(p)
                                  : p.head_dim == 64  ? split_kernel<64>(p)
                                  : p.head_dim == 256 ? split_kernel<256>(p)

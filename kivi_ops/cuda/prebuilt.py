@@ -82,7 +82,7 @@ class Library:
                 raise ValueError(f"kivi cuda decode: block_table must be [{B}, max_pages] and the page size {rows} a "
                                  f"multiple of group_size {group_size}, got {tuple(block_table.shape)}")
         k_bits, v_bits = k_codes.shape[3] * 8 // D, v_codes.shape[3] * 8 // D
-        if (q_len != 1 or D not in (64, 128, 256) or {k_bits, v_bits} - {2, 4} or Hq % H or Hq // H > 8
+        if (q_len != 1 or D not in (64, 128, 256) or {k_bits, v_bits} - {2, 4} or Hq % H or Hq // H > 16
                 or group_size % 32):
             raise ValueError(f"kivi cuda decode: unsupported call (query {tuple(query.shape)}, kv heads {H}, "
                              f"codes {tuple(k_codes.shape)}, group_size {group_size})")
