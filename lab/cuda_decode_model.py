@@ -110,10 +110,12 @@ def measure(arch: str = "sm_90a") -> dict:
     rows = []
     for name, res in resources.items():
         row = dict(kernel=name, **res)
-        head_dim = re.search(r"decode_split_kernelILi(\d+)E", name)
-        if head_dim:
-            row.update(head_dim=int(head_dim.group(1)),
-                       **model_row(mma_loop(bodies[name]), int(head_dim.group(1))))
+        variant = re.search(r"decode_split_kernelILi(\d+)ELi(\d)ELi(\d)ELb([01])E", name)  # <D, KB, VB, PAGED>
+        if variant:
+            head_dim, k_bits, v_bits, paged = map(int, variant.groups())
+            # token_bytes is linear in the bits: mixed widths read the mean width's bytes
+            row.update(head_dim=head_dim, k_bits=k_bits, v_bits=v_bits, paged=bool(paged),
+                       **model_row(mma_loop(bodies[name]), head_dim, (k_bits + v_bits) / 2))
         rows.append(row)
     return dict(rows=rows, ptxas=report)
 
@@ -132,11 +134,13 @@ def main(argv=None) -> None:
         Path(args.library).parent.mkdir(parents=True, exist_ok=True)
         print(f"built {build(Path(args.library), args.arch)}")
     result = measure(args.arch)
-    print(f"{'kernel':<22} {'regs':>5} {'spill st/ld':>11} {'smem':>6} {'instr/token':>11} {'cycles':>7} "
+    print(f"{'kernel':<34} {'regs':>5} {'spill st/ld':>11} {'smem':>6} {'instr/token':>11} {'cycles':>7} "
           f"{'bound':>6} {'bytes cyc':>9} {'bw ceiling':>10}")
     for r in result["rows"]:
-        short = re.sub(r".*(decode_(split|merge)_kernel)(ILi(\d+)E)?.*", r"\1 \4", r["kernel"]).strip()
-        line = (f"{short:<22} {r['registers']:>5} {r['spill_store_bytes']:>5}/{r['spill_load_bytes']:<5} "
+        short = re.sub(r".*(decode_(split|merge)_kernel).*", r"\1", r["kernel"])
+        if "head_dim" in r:
+            short += f" {r['head_dim']} k{r['k_bits']}v{r['v_bits']}{' paged' if r['paged'] else ''}"
+        line = (f"{short:<34} {r['registers']:>5} {r['spill_store_bytes']:>5}/{r['spill_load_bytes']:<5} "
                 f"{r['shared_bytes']:>6}")
         if "head_dim" in r:
             line += (f" {r['warp_instructions_per_token']:>11} {r['sm_cycles_per_token']:>7} {r['bound']:>6} "
@@ -148,7 +152,7 @@ def main(argv=None) -> None:
         meta = dict(arch=args.arch, **environment(command=f"python -m lab cuda_decode_model --arch {args.arch}"),
                     nvcc=version("nvidia-cuda-nvcc"), nvcc_flags=list(NVCC_FLAGS), device_model=H100,
                     pipe_rates=PIPE_RATE, chunk_tokens=CHUNK_TOKENS,
-                    note="static: the chunk loop's SASS counted per token of one kv head (KIVI-2, G=32, any "
-                         "number of query heads up to 8); a ceiling on the bandwidth share with perfect latency "
-                         "hiding, not a timing. Compiled without a GPU.")
+                    note="static: the chunk loop's SASS counted per token of one kv head (per variant: head_dim, "
+                         "key/value bits, paged; G=32, any number of query heads up to 8); a ceiling on the "
+                         "bandwidth share with perfect latency hiding, not a timing. Compiled without a GPU.")
         Path(args.json).write_text(json.dumps(dict(meta=meta, **result), indent=1) + "\n")

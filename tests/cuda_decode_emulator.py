@@ -48,8 +48,10 @@ CODE_MUL = (0x3C003C00, 0x34003400, 0x2C002C00, 0x24002400)
 CODE_ADD = (0xE400E400, 0xDC00DC00, 0xD400D400, 0xCC00CC00)
 
 
-def codes_at(x: int, i: int) -> int:
-    return hfma2(magic(x, 0x00030003 << (2 * i)), CODE_MUL[i], CODE_ADD[i])
+def codes_at(x: int, bits: int, i: int) -> int:
+    """The position-i codes of bytes 0 and 2 (kernel: codes_at<B, I>)."""
+    mask = ((1 << bits) - 1) * 0x00010001 << (bits * i)
+    return hfma2(magic(x, mask), CODE_MUL[bits * i // 2], CODE_ADD[bits * i // 2])
 
 
 def mma(c, a, b):
@@ -72,28 +74,59 @@ def word(row: np.ndarray, byte: int, nbytes: int) -> int:
     return sum(int(row[byte + i]) << 8 * i for i in range(nbytes))
 
 
-def k_channel(D, s, tig, e):
-    return 16 * (tig * (D // 64) + s // 4) + 4 * (s % 4) + e
+def k_channel(D, KB, s, tig, e):
+    if KB == 2:
+        return 16 * (tig * (D // 64) + s // 4) + 4 * (s % 4) + e
+    return 4 * (tig * (D // 16) + s) + e
 
 
-def v_channel(D, mt, g, row8):
-    return 4 * (g * (D // 32) + mt // 2) + 2 * (mt % 2) + row8
+def v_channel(D, VB, mt, g, row8):
+    if VB == 2:
+        return 4 * (g * (D // 32) + mt // 2) + 2 * (mt % 2) + row8
+    return 2 * (g * (D * VB // 64) + mt) + row8
 
 
-def quantized_chunks(q_s, kc, ks, kz, vc, vs, vz, chunks, D, G):
-    """One warp over `chunks` (kernel: quantized_chunks). Returns (m, l, acc) per head in fp32."""
+class Rows:
+    """The kernel's token_rows for one kv row (b, h): (row, key_row) of token t in the flat code and
+    scale buffers, static (bh * N + i) or through the block table (row t % PS of page
+    block_table[b, t // PS], key row (t % PS) // G of that page, the id clamped into the pool)."""
+
+    def __init__(self, b, h, H, max_tokens, G, table=None, page_size=0, num_pages=0):
+        self.b, self.h, self.H, self.S, self.G = b, h, H, max_tokens, G
+        self.table, self.page_size, self.num_pages = table, page_size, num_pages
+
+    def __call__(self, t):
+        if self.table is not None:
+            return self._paged(t)
+        bh = self.b * self.H + self.h
+        return bh * self.S + t, bh * (-(-self.S // self.G)) + t // self.G
+
+    def _paged(self, t):
+        PS = self.page_size
+        j, in_page = t // PS, t % PS
+        page = min(max(int(self.table[self.b, j]), 0), self.num_pages - 1)
+        ph = page * self.H + self.h
+        return ph * PS + in_page, ph * (PS // self.G) + in_page // self.G
+
+
+def quantized_chunks(q_s, kc, ks, kz, vc, vs, vz, rows, chunks, D, G):
+    """One warp over `chunks` (kernel: quantized_chunks); the buffers are flat [rows, ...] and
+    `rows` (Rows) addresses them. Returns (m, l, acc) per head in fp32."""
     Gv = min(G, D)
-    WPT, BPT, KS, MT = D // 64, D // 32, D // 16, D // 16
+    KB, VB = kc.shape[-1] * 8 // D, vc.shape[-1] * 8 // D
+    KROW, VROW, KS, MT = D * KB // 8, D * VB // 8, D // 16, D // 16
+    KWPT, VBPT = KROW // 16, VROW // 8
     acc = [[[0.0] * 4 for _ in range(MT)] for _ in range(32)]
     m = [[-math.inf, -math.inf] for _ in range(32)]
     l_ = [[0.0, 0.0] for _ in range(32)]
     for c in chunks:
-        t0, kg = c * CHUNK, c * CHUNK // G
+        t0 = c * CHUNK
+        r0, kg = rows(t0)  # the chunk's rows are r0 + 0..31 (one page)
         qk, zdot = [[None] * KS for _ in range(32)], [0.0] * 32
         for lane in range(32):
             g, tig = lane // 4, lane % 4
             for s in range(KS):
-                ch = k_channel(D, s, tig, 0)
+                ch = k_channel(D, KB, s, tig, 0)
                 qv = q_s[g, ch:ch + 4]
                 sv, zv = ks[kg, ch:ch + 4].astype(np.float64), kz[kg, ch:ch + 4].astype(np.float64)
                 qk[lane][s] = (pack(qv[0] * sv[0], qv[1] * sv[1]), pack(qv[2] * sv[2], qv[3] * sv[3]))
@@ -103,20 +136,28 @@ def quantized_chunks(q_s, kc, ks, kz, vc, vs, vz, chunks, D, G):
         bias = [(zdot[8 * (lane % 4)], zdot[8 * (lane % 4) + 4]) for lane in range(32)]
         sc = [[[0.0] * 4 for _ in range(32)] for _ in range(2)]
         for mt in range(2):
-            rows = []
+            words = []
             for lane in range(32):
                 g, tig = lane // 4, lane % 4
-                rows.append([[word(kc[t0 + 16 * mt + g + 8 * r], 4 * WPT * tig + 4 * i, 4) for i in range(WPT)]
-                             for r in range(2)])
+                words.append([[word(kc[r0 + 16 * mt + g + 8 * r], 4 * KWPT * tig + 4 * i, 4) for i in range(KWPT)]
+                              for r in range(2)])
             for s in range(KS):
-                sel = (s % 4) * 0x0101
                 a = []
                 for lane in range(32):
-                    x0, x1 = prmt(rows[lane][0][s // 4], 0, sel), prmt(rows[lane][1][s // 4], 0, sel)
-                    a.append((hfma2(magic(x0, 0x000C0003), 0x34003C00, 0xDC00E400),
-                              hfma2(magic(x1, 0x000C0003), 0x34003C00, 0xDC00E400),
-                              hfma2(magic(x0, 0x00C00030), 0x24002C00, 0xCC00D400),
-                              hfma2(magic(x1, 0x00C00030), 0x24002C00, 0xCC00D400)))
+                    w0, w1 = words[lane]
+                    if KB == 2:
+                        sel = (s % 4) * 0x0101
+                        x0, x1 = prmt(w0[s // 4], 0, sel), prmt(w1[s // 4], 0, sel)
+                        a.append((hfma2(magic(x0, 0x000C0003), 0x34003C00, 0xDC00E400),
+                                  hfma2(magic(x1, 0x000C0003), 0x34003C00, 0xDC00E400),
+                                  hfma2(magic(x0, 0x00C00030), 0x24002C00, 0xCC00D400),
+                                  hfma2(magic(x1, 0x00C00030), 0x24002C00, 0xCC00D400)))
+                    else:
+                        lo = 2 * (s % 2) * 0x0101
+                        hi = lo + 0x0101
+                        xs = (prmt(w0[s // 2], 0, lo), prmt(w1[s // 2], 0, lo), prmt(w0[s // 2], 0, hi),
+                              prmt(w1[s // 2], 0, hi))
+                        a.append(tuple(hfma2(magic(x, 0x00F0000F), 0x2C003C00, 0xD400E400) for x in xs))
                 mma(sc[mt], a, [qk[lane][s] for lane in range(32)])
         # online softmax, heads 2 tig (c0, c2) and 2 tig + 1 (c1, c3)
         mx = [[max(sc[0][lane][j], sc[0][lane][j + 2], sc[1][lane][j], sc[1][lane][j + 2]) + bias[lane][j]
@@ -145,19 +186,22 @@ def quantized_chunks(q_s, kc, ks, kz, vc, vs, vz, chunks, D, G):
                 g, tig = lane // 4, lane % 4
                 pv = p_s[g, 16 * kstep + 4 * tig:16 * kstep + 4 * tig + 4]
                 b.append((pack(pv[0], pv[1]), pack(pv[2], pv[3])))
-                t = t0 + 16 * kstep + 4 * tig
-                w = [word(vc[t + e], g * BPT, BPT) for e in range(4)]
-                vg = 4 * g * BPT // Gv
+                t = r0 + 16 * kstep + 4 * tig  # a row of the flat buffers
+                w = [[word(vc[t + e], g * VBPT + 4 * i, min(VBPT, 4)) for i in range(max(VBPT // 4, 1))]
+                     for e in range(4)]
+                vg = g * (D // 8) // Gv
                 S01, S23 = pack(vs[t, vg], vs[t + 1, vg]), pack(vs[t + 2, vg], vs[t + 3, vg])
                 Z01, Z23 = pack(vz[t, vg], vz[t + 1, vg]), pack(vz[t + 2, vg], vz[t + 3, vg])
-                for j in range(BPT):
-                    sel = j | ((4 + j) << 8)
-                    x01, x23 = prmt(w[0], w[1], sel), prmt(w[2], w[3], sel)
-                    for half in range(2):
+                for j in range(VBPT):
+                    sel = (j % 4) | ((4 + j % 4) << 8)
+                    x01, x23 = prmt(w[0][j // 4], w[1][j // 4], sel), prmt(w[2][j // 4], w[3][j // 4], sel)
+                    # VB = 2: m-tiles 2j, 2j + 1 hold codes (0, 1), (2, 3) of byte j; VB = 4: m-tile j its nibbles
+                    tiles = 2 if VB == 2 else 1
+                    for half in range(tiles):
                         i0, i1 = 2 * half, 2 * half + 1
-                        a_regs[lane][2 * j + half] = (
-                            hfma2(codes_at(x01, i0), S01, Z01), hfma2(codes_at(x01, i1), S01, Z01),
-                            hfma2(codes_at(x23, i0), S23, Z23), hfma2(codes_at(x23, i1), S23, Z23))
+                        a_regs[lane][tiles * j + half] = (
+                            hfma2(codes_at(x01, VB, i0), S01, Z01), hfma2(codes_at(x01, VB, i1), S01, Z01),
+                            hfma2(codes_at(x23, VB, i0), S23, Z23), hfma2(codes_at(x23, VB, i1), S23, Z23))
             for mt in range(MT):
                 cm = [acc[lane][mt] for lane in range(32)]
                 mma(cm, [a_regs[lane][mt] for lane in range(32)], b)
@@ -168,7 +212,7 @@ def quantized_chunks(q_s, kc, ks, kz, vc, vs, vz, chunks, D, G):
     for lane in range(32):
         g, tig = lane // 4, lane % 4
         for mt in range(MT):
-            ch = v_channel(D, mt, g, 0)
+            ch = v_channel(D, VB, mt, g, 0)
             out_acc[2 * tig, ch], out_acc[2 * tig + 1, ch] = acc[lane][mt][0], acc[lane][mt][1]
             out_acc[2 * tig, ch + 1], out_acc[2 * tig + 1, ch + 1] = acc[lane][mt][2], acc[lane][mt][3]
         if g == 0:
@@ -176,21 +220,23 @@ def quantized_chunks(q_s, kc, ks, kz, vc, vs, vz, chunks, D, G):
     return out_m, out_l, out_acc
 
 
-def tail_tokens(q_s, kc, ks, kz, kres, vc, vs, vz, vres, tokens, nqk, nqv, qg, D, G):
-    """One warp's tail tokens in fp32 (kernel: tail_tokens), all lanes at once."""
+def tail_tokens(q_s, kc, ks, kz, kres, vc, vs, vz, vres, rows, tokens, nqk, nqv, qg, D, G):
+    """One warp's tail tokens in fp32 (kernel: tail_tokens), all lanes at once; code and scale
+    buffers flat, addressed by `rows` (Rows), the residuals [W, D] of the kv row."""
     Gv = min(G, D)
+    KB, VB = kc.shape[-1] * 8 // D, vc.shape[-1] * 8 // D
     m, l_, acc = np.full(HEADS, -math.inf), np.zeros(HEADS), np.zeros((HEADS, D))
     ch = np.arange(D)
     for t in tokens:
-        slot = t % kres.shape[0]
+        (row, kr), slot = rows(t), t % kres.shape[0]
         if t < nqk:
-            code = (kc[t, ch // 4].astype(np.int64) >> (2 * (ch % 4))) & 3
-            k = code * ks[t // G].astype(np.float64) + kz[t // G].astype(np.float64)
+            code = (kc[row, ch * KB // 8].astype(np.int64) >> (KB * (ch % (8 // KB)))) & ((1 << KB) - 1)
+            k = code * ks[kr].astype(np.float64) + kz[kr].astype(np.float64)
         else:
             k = kres[slot].astype(np.float64)
         if t < nqv:
-            code = (vc[t, ch // 4].astype(np.int64) >> (2 * (ch % 4))) & 3
-            v = code * vs[t, ch // Gv].astype(np.float64) + vz[t, ch // Gv].astype(np.float64)
+            code = (vc[row, ch * VB // 8].astype(np.int64) >> (VB * (ch % (8 // VB)))) & ((1 << VB) - 1)
+            v = code * vs[row, ch // Gv].astype(np.float64) + vz[row, ch // Gv].astype(np.float64)
         else:
             v = vres[slot].astype(np.float64)
         for n in range(qg):
@@ -210,11 +256,18 @@ def merge(states):
     return M, (f * np.stack([s[1] for s in states])).sum(0), (f[..., None] * np.stack([s[2] for s in states])).sum(0)
 
 
-def emulate_decode(query, layer, counts, params, scale, num_splits):
-    """decode_attend.cu's output for query [B, Hq, 1, D] (fp16) over a 2-bit fp16 layer on CPU."""
+def emulate_decode(query, layer, counts, params, scale, num_splits, pages=None):
+    """decode_attend.cu's output for query [B, Hq, 1, D] (fp16) over a 2/4-bit fp16 layer on CPU;
+    pages (a paged_layout.Paging): the layer is paged, read through its block table."""
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = (t.numpy() for t in layer.kivi)
     B, Hq, _, D = query.shape
     H = k_codes.shape[1]
+    if pages is None:
+        S, paging = k_codes.shape[2], {}
+    else:
+        S = pages.capacity
+        paging = dict(table=pages.block_table.numpy(), page_size=k_codes.shape[2], num_pages=k_codes.shape[0])
+    flat = [x.reshape(-1, x.shape[-1]) for x in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)]
     qg, G, R = Hq // H, params.group_size, params.residual_length
     out = np.zeros((B, Hq, D), dtype=np.float16)
     for b in range(B):
@@ -225,20 +278,23 @@ def emulate_decode(query, layer, counts, params, scale, num_splits):
             nqk, nqv = L // R * R, max(L - R, 0)
         chunks = min(nqk, nqv) // CHUNK
         per = -(-chunks // num_splits)
-        for h in range(H):
+        for h, head0 in ((h, head0) for h in range(H) for head0 in range(0, qg, HEADS)):  # the blocks' tiles
+            heads = min(HEADS, qg - head0)
+            first = h * qg + head0  # the tile's first query head
             q_s = np.zeros((HEADS, D))
-            q_s[:qg] = query[b, h * qg:(h + 1) * qg, 0].double().numpy() * np.float32(scale * 1.4426950408889634)
+            q_s[:heads] = query[b, first:first + heads, 0].double().numpy() * np.float32(scale * 1.4426950408889634)
             q_s = q_s.astype(np.float32).astype(np.float64)
             splits = []
-            args = (k_codes[b, h], k_scale[b, h], k_zero[b, h])
+            rows = Rows(b, h, H, S, G, **paging)
+            kc, ks, kz, vc, vs, vz = flat
             for split in range(num_splits):
                 begin, end = split * per, min(split * per + per, chunks)
-                splits.append(merge([quantized_chunks(q_s, *args, v_codes[b, h], v_scale[b, h], v_zero[b, h],
-                                                      range(begin + w, end, WARPS), D, G) for w in range(WARPS)]))
-            splits.append(merge([tail_tokens(q_s, *args, k_res[b, h], v_codes[b, h], v_scale[b, h], v_zero[b, h],
-                                             v_res[b, h], range(chunks * CHUNK + w, L, WARPS), nqk, nqv, qg, D, G)
+                splits.append(merge([quantized_chunks(q_s, kc, ks, kz, vc, vs, vz, rows, range(begin + w, end, WARPS),
+                                                      D, G) for w in range(WARPS)]))
+            splits.append(merge([tail_tokens(q_s, kc, ks, kz, k_res[b, h], vc, vs, vz, v_res[b, h], rows,
+                                             range(chunks * CHUNK + w, L, WARPS), nqk, nqv, heads, D, G)
                                  for w in range(WARPS)]))
             M, l_, acc = merge(splits)
             o = np.where(l_[:, None] > 0, acc / np.where(l_ > 0, l_, 1)[:, None], 0.0)
-            out[b, h * qg:(h + 1) * qg] = np.clip(o[:qg], -65504, 65504).astype(np.float16)
+            out[b, first:first + heads] = np.clip(o[:heads], -65504, 65504).astype(np.float16)
     return torch.from_numpy(out).reshape(B, Hq, 1, D)

@@ -20,7 +20,7 @@ torch::Tensor decode_attend(torch::Tensor query, torch::Tensor k_codes, torch::T
                             torch::Tensor k_res, torch::Tensor v_codes, torch::Tensor v_scale, torch::Tensor v_zero,
                             torch::Tensor v_res, torch::Tensor lengths, c10::optional<torch::Tensor> counts,
                             int64_t group_size, int64_t residual_length, int64_t ott_policy, double scale,
-                            int64_t num_splits) {
+                            int64_t num_splits, c10::optional<torch::Tensor> block_table) {
   const auto half = torch::kHalf;
   check(query, "query", half);
   check(k_codes, "k_codes", torch::kUInt8);
@@ -32,13 +32,25 @@ torch::Tensor decode_attend(torch::Tensor query, torch::Tensor k_codes, torch::T
   check(lengths, "lengths", torch::kLong);
   TORCH_CHECK(query.dim() == 4 && query.size(2) == 1, "kivi cuda decode: query must be [B, Hq, 1, D]");
   const int64_t B = query.size(0), Hq = query.size(1), D = query.size(3);
-  const int64_t H = k_codes.size(1), S = k_codes.size(2);
-  TORCH_CHECK(D == 64 || D == 128, "kivi cuda decode: head_dim must be 64 or 128, got ", D);
-  TORCH_CHECK(k_codes.size(3) == D / 4 && v_codes.size(3) == D / 4, "kivi cuda decode: 2-bit keys and values only");
-  TORCH_CHECK(Hq % H == 0 && Hq / H <= 8, "kivi cuda decode: at most 8 query heads per kv head, got ", Hq, "/", H);
+  // Paged (block_table given): k_codes is the page pool [pages, H, page_size, D/4].
+  const int64_t H = k_codes.size(1), rows = k_codes.size(2);
+  const int64_t S = block_table.has_value() ? block_table->size(1) * rows : rows;
+  TORCH_CHECK(D == 64 || D == 128 || D == 256, "kivi cuda decode: head_dim must be 64, 128 or 256, got ", D);
+  const int64_t k_bits = k_codes.size(3) * 8 / D, v_bits = v_codes.size(3) * 8 / D;
+  TORCH_CHECK((k_bits == 2 || k_bits == 4) && (v_bits == 2 || v_bits == 4) && k_codes.size(3) * 8 == k_bits * D &&
+                  v_codes.size(3) * 8 == v_bits * D,
+              "kivi cuda decode: 2- or 4-bit keys and values only, got code rows of ", k_codes.size(3), " and ",
+              v_codes.size(3), " bytes at head_dim ", D);
+  TORCH_CHECK(Hq % H == 0 && Hq / H <= 16, "kivi cuda decode: at most 16 query heads per kv head, got ", Hq, "/", H);
   TORCH_CHECK(group_size % 32 == 0, "kivi cuda decode: group_size must be a multiple of 32, got ", group_size);
   TORCH_CHECK(num_splits >= 1, "kivi cuda decode: num_splits must be >= 1");
   if (counts.has_value()) check(*counts, "counts", torch::kLong);
+  if (block_table.has_value()) {
+    check(*block_table, "block_table", torch::kInt);
+    TORCH_CHECK(block_table->dim() == 2 && block_table->size(0) == B, "kivi cuda decode: block_table must be [", B,
+                ", max_pages]");
+    TORCH_CHECK(rows % group_size == 0, "kivi cuda decode: page_size ", rows, " must be a multiple of group_size");
+  }
 
   const c10::cuda::CUDAGuard guard(query.device());
   auto f32 = query.options().dtype(torch::kFloat);
@@ -62,6 +74,12 @@ torch::Tensor decode_attend(torch::Tensor query, torch::Tensor k_codes, torch::T
   p.part_acc = part_acc.data_ptr<float>();
   p.part_ml = part_ml.data_ptr<float>();
   p.out = reinterpret_cast<__half*>(out.data_ptr<at::Half>());
+  p.block_table = block_table.has_value() ? block_table->data_ptr<int32_t>() : nullptr;
+  p.max_pages = block_table.has_value() ? block_table->size(1) : 0;
+  p.page_size = block_table.has_value() ? rows : 0;
+  p.num_pages = block_table.has_value() ? k_codes.size(0) : 0;
+  p.k_bits = k_bits;
+  p.v_bits = v_bits;
   p.batch = B;
   p.kv_heads = H;
   p.qg = Hq / H;
@@ -81,5 +99,5 @@ torch::Tensor decode_attend(torch::Tensor query, torch::Tensor k_codes, torch::T
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attend", &decode_attend, "KIVI-2 decode attention on tensor cores (decode_attend.cu)");
+  m.def("decode_attend", &decode_attend, "KIVI decode attention on tensor cores (decode_attend.cu)");
 }

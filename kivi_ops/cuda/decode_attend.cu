@@ -1,14 +1,17 @@
-// KIVI-2 decode attention (one query token per row) on tensor cores, for sm_80+ (built for sm_90a).
+// KIVI decode attention (one query token per row; 2- or 4-bit keys and values, each its own width)
+// on tensor cores, for sm_80+ (built for sm_90a).
 //
-// The math is kernels/reference.py's attend_reference; the layout is kivi_ops/layout.py's. Grid
-// (B * H, num_splits + 1), 4 warps per block. Splits [0, num_splits) share the fully quantized
+// The math is kernels/reference.py's attend_reference; the layout is kivi_ops/layout.py's, or a
+// paged layer's (paged_layout.py: the code and scale rows through the block table). Grid
+// (B * H * ceil(qg / 8), num_splits + 1), 4 warps per block (one block per 8 query heads: up to 16
+// query heads per kv head in two tiles). Splits [0, num_splits) share the fully quantized
 // 32-token chunks [0, 32 * floor(min(nqk, nqv) / 32)) of the row; split num_splits (the "tail")
 // takes the rest, at most R + 31 tokens (quantized, residual or mixed), in fp32 on CUDA cores. A
 // second kernel merges the splits' (max, sum, unnormalized output) into the fp16 output.
 //
 // Quantized chunks: each warp takes whole chunks (one key group when G = 32; G must be a multiple
 // of 32) and runs mma.sync m16n8k16 (fp16 in, fp32 accumulate) with the KV tokens in the M
-// dimension and the qg <= 8 query heads of the kv head in N (TurboMind's swap: a decode query is
+// dimension and 8 query heads of the kv head in N (TurboMind's swap: a decode query is
 // one row, tokens fill the tile):
 //   scores^T [16 tokens, 8 heads] = codes_K [16 tokens, D] . q'^T [D, 8 heads] + q . z (per group)
 //     where q' = q * k_scale (per channel of the group, in fp16): KIVI's key fold, so the key
@@ -16,16 +19,17 @@
 //   out^T [D, 8 heads] += V^T [D, 16 tokens] . p [16 tokens, 8 heads], V = v_scale * code + v_zero
 //     dequantized to fp16 in registers (one rounding; v's scale and zero vary per token, so they
 //     cannot fold into p for a tile whose rows span value groups).
-// Unpacking: a 2-bit code c at bit 2i of a byte is moved by one prmt (byte select) and one lop3
-// ((x & mask) | 0x6400) into the mantissa of 1024.0 as 1024 + 4^i c, and one fma.f16x2 by
-// (4^-i, -1024 * 4^-i) gives c exactly; no integer-to-float conversion instruction is issued.
+// Unpacking: a B-bit code c at bit B i of a byte is moved by one prmt (byte select) and one lop3
+// ((x & mask) | 0x6400) into the mantissa of 1024.0 as 1024 + 2^(B i) c, and one fma.f16x2 by
+// (2^-(B i), -1024 * 2^-(B i)) gives c exactly; no integer-to-float conversion instruction is issued.
+// Key and value widths are template parameters (KB, VB): each instantiation unpacks one width.
 // The MMA's k index (channels for K, tokens for V) and the rows of V^T are permuted so that each
 // thread reads whole bytes of the layout as stored: the query fragment and the output rows use the
 // same permutation (k_channel / v_channel below), nothing is repacked.
 //
 // Numerics against the fp32 reference (tests/test_cuda_cpp_kernel.py checks this bound): q' is
 // rounded to fp16 (relative 2^-11 per term, so a base-2 score is off by at most
-// 3 * 2^-11 * sum_c |q'_c|), V is dequantized to fp16 (2^-11 |v|), p is rounded to fp16 for the
+// (2^KB - 1) * 2^-11 * sum_c |q'_c|), V is dequantized to fp16 (2^-11 |v|), p is rounded to fp16 for the
 // PV product (2^-11), accumulations are fp32; tail tokens are fp32 throughout.
 #include "decode_attend.h"
 
@@ -33,8 +37,8 @@
 
 namespace kivi_cuda {
 // prebuilt.py mirrors DecodeParams with ctypes: keep the two layouts equal.
-static_assert(sizeof(DecodeParams) == 160 && offsetof(DecodeParams, batch) == 112 &&
-                  offsetof(DecodeParams, qscale) == 152,
+static_assert(sizeof(DecodeParams) == 184 && offsetof(DecodeParams, batch) == 120 &&
+                  offsetof(DecodeParams, qscale) == 180,
               "DecodeParams changed: update kivi_ops/cuda/prebuilt.py");
 namespace {
 
@@ -90,27 +94,82 @@ __device__ __forceinline__ uint32_t code_mul(int i) {
 __device__ __forceinline__ uint32_t code_add(int i) {
   return i == 0 ? 0xE400E400u : i == 1 ? 0xDC00DC00u : i == 2 ? 0xD400D400u : 0xCC00CC00u;
 }
-template <int I>
-__device__ __forceinline__ uint32_t codes_at(uint32_t x) {  // the position-I codes of bytes 0 and 2
-  constexpr uint32_t mask = 0x00030003u << (2 * I);
-  return hfma2(magic<mask>(x), code_mul(I), code_add(I));
+// The position-I B-bit codes of bytes 0 and 2 (B = 2: I < 4; B = 4: I < 2). A 4-bit code at
+// position I sits where a 2-bit one at 2 I would: 1024 + 16^I c = 1024 + 4^(2I) c.
+template <int B, int I>
+__device__ __forceinline__ uint32_t codes_at(uint32_t x) {
+  constexpr uint32_t mask = ((1u << B) - 1) * 0x00010001u << (B * I);
+  return hfma2(magic<mask>(x), code_mul(B * I / 2), code_add(B * I / 2));
 }
 
-// Key fragment mapping (D = 16 * KS channels; each of the 4 lanes of a row group reads WPT = D/64
-// consecutive 32-bit words of a token row). k-step s reads byte s % 4 of word tig * WPT + s / 4;
-// MMA k index 2*tig + e is channel k_channel(s, tig, e), k index 2*tig + 8 + e is e + 2.
-template <int D>
+// Key fragment mapping (D = 16 * KS channels; each of the 4 lanes of a row group reads KWPT =
+// D * KB / 512 consecutive 32-bit words of a token row). MMA k index 2*tig + e is channel
+// k_channel(s, tig, e), k index 2*tig + 8 + e is that + 2.
+//   KB = 2: k-step s reads byte s % 4 of word tig * KWPT + s / 4 (4 channels in one byte).
+//   KB = 4: k-step s reads bytes 2 (s % 2) and 2 (s % 2) + 1 of word tig * KWPT + s / 2.
+template <int D, int KB>
 __device__ __forceinline__ int k_channel(int s, int tig, int e) {
-  constexpr int WPT = D / 64;
-  return 16 * (tig * WPT + s / 4) + 4 * (s % 4) + e;
+  if constexpr (KB == 2) {
+    return 16 * (tig * (D / 64) + s / 4) + 4 * (s % 4) + e;
+  } else {
+    return 4 * (tig * (D / 16) + s) + e;
+  }
 }
 
-// Value mapping: lane group g (row g and g + 8 of every m-tile) owns BPT = D/32 consecutive bytes
-// of each token row; m-tile mt reads its byte mt / 2, row g is code 2 * (mt % 2), row g + 8 the next.
-template <int D>
+// Value mapping: lane group g (row g and g + 8 of every m-tile) owns VBPT = D * VB / 64
+// consecutive bytes (D / 8 channels) of each token row.
+//   VB = 2: m-tile mt reads byte mt / 2; row g is code 2 * (mt % 2), row g + 8 the next.
+//   VB = 4: m-tile mt reads byte mt; row g is code 0 (low nibble), row g + 8 code 1.
+template <int D, int VB>
 __device__ __forceinline__ int v_channel(int mt, int g, int row8) {
-  constexpr int BPT = D / 32;
-  return 4 * (g * BPT + mt / 2) + 2 * (mt % 2) + row8;
+  constexpr int VBPT = D * VB / 64;
+  if constexpr (VB == 2) {
+    return 4 * (g * VBPT + mt / 2) + 2 * (mt % 2) + row8;
+  } else {
+    return 2 * (g * VBPT + mt) + row8;
+  }
+}
+
+// N consecutive 32-bit words of a code row (N = 1, 2, 4: one vector load; 8: two, 4-bit keys at
+// D = 256), or its first 16 bits (N = 0: a 2-byte share, 2-bit values at D = 64).
+template <int N>
+__device__ __forceinline__ void load_words(const uint8_t* row, uint32_t (&w)[N > 0 ? N : 1]) {
+  if constexpr (N == 8) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(row)), v = __ldg(reinterpret_cast<const uint4*>(row) + 1);
+    w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w, w[4] = v.x, w[5] = v.y, w[6] = v.z, w[7] = v.w;
+  } else if constexpr (N == 4) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(row));
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else if constexpr (N == 2) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(row));
+    w[0] = v.x, w[1] = v.y;
+  } else if constexpr (N == 1) {
+    w[0] = __ldg(reinterpret_cast<const uint32_t*>(row));
+  } else {
+    w[0] = __ldg(reinterpret_cast<const uint16_t*>(row));
+  }
+}
+
+// Where token t of kv row (b, h) lives: `row` of the code and v_scale/v_zero buffers, `key_row` of
+// k_scale/k_zero (its key group). Static layout: bh * N + i. Paged (PAGED, a template parameter so
+// the static kernel carries no paging code): row t % PS of page block_table[b, t / PS] (PS the
+// page size), key row (t % PS) / G of the same page (a page holds whole key groups), the id
+// clamped into the pool as kernels/triton_paging.py does. PS is a multiple of G, hence of 32: a
+// 32-token chunk lies in one page, so the chunk's rows are `row` + 0..31.
+template <bool PAGED>
+__device__ __forceinline__ void token_rows(const DecodeParams& p, int b, int h, int t, size_t& row, size_t& key_row) {
+  if constexpr (PAGED) {
+    const int j = t / p.page_size, in_page = t - j * p.page_size;
+    int page = __ldg(p.block_table + static_cast<size_t>(b) * p.max_pages + j);
+    page = min(max(page, 0), p.num_pages - 1);
+    const size_t ph = static_cast<size_t>(page) * p.kv_heads + h;
+    row = ph * p.page_size + in_page;
+    key_row = ph * (p.page_size / p.group) + in_page / p.group;
+  } else {
+    const size_t bh = static_cast<size_t>(b) * p.kv_heads + h;
+    row = bh * p.max_tokens + t;
+    key_row = bh * ((p.max_tokens + p.group - 1) / p.group) + t / p.group;
+  }
 }
 
 struct RowCounts {
@@ -131,26 +190,22 @@ __device__ __forceinline__ RowCounts row_counts(const DecodeParams& p, int b) {
 }
 
 // Per-warp partial state in the layout the block merge reads.
+template <int D>
 struct Merge {
-  float acc[kWarps][kHeads][128];
+  float acc[kWarps][kHeads][D];
   float m[kWarps][kHeads], l[kWarps][kHeads];
 };
 
 // One warp's quantized chunks [c, c_end) step kWarps. Writes its (m, l, acc) into `merge`.
-template <int D>
-__device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], float (*p_s)[kPStride], Merge& merge,
+template <int D, int KB, int VB, bool PAGED>
+__device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], float (*p_s)[kPStride], Merge<D>& merge,
                                  int b, int h, int c, int c_end) {
-  constexpr int KS = D / 16, WPT = D / 64, BPT = D / 32, MT = D / 16;
+  constexpr int KS = D / 16, MT = D / 16;
+  constexpr int KROW = D * KB / 8, VROW = D * VB / 8;  // bytes of a token's key / value codes
+  constexpr int KWPT = KROW / 16, VBPT = VROW / 8, VW = VBPT / 4;  // words per lane, bytes per lane group
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
   const int Gv = min(p.group, D), ngv = D / Gv;
-  const size_t bh = static_cast<size_t>(b) * p.kv_heads + h;
-  const uint8_t* k_codes = p.k_codes + bh * p.max_tokens * (D / 4);
-  const uint8_t* v_codes = p.v_codes + bh * p.max_tokens * (D / 4);
-  const __half* k_scale = p.k_scale + bh * ((p.max_tokens + p.group - 1) / p.group) * D;
-  const __half* k_zero = p.k_zero + bh * ((p.max_tokens + p.group - 1) / p.group) * D;
-  const __half* v_scale = p.v_scale + bh * p.max_tokens * ngv;
-  const __half* v_zero = p.v_zero + bh * p.max_tokens * ngv;
-  const int vgroup = 4 * g * BPT / Gv;  // this lane group's value group (its bytes lie in one)
+  const int vgroup = g * (D / 8) / Gv;  // this lane group's value group (its D / 8 channels lie in one)
 
   float acc[MT][4];
 #pragma unroll
@@ -158,16 +213,23 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // heads 2 tig and 2 tig + 1
 
   for (; c < c_end; c += kWarps) {
-    const int t0 = c * kChunk, kg = t0 / p.group;
+    const int t0 = c * kChunk;
+    // The chunk's rows (consecutive: one page holds the chunk) and its key group's row.
+    size_t r0, kr;
+    token_rows<PAGED>(p, b, h, t0, r0, kr);
+    const uint8_t* k_codes = p.k_codes + r0 * KROW;
+    const uint8_t* v_codes = p.v_codes + r0 * VROW;
+    const __half* v_scale = p.v_scale + r0 * ngv;
+    const __half* v_zero = p.v_zero + r0 * ngv;
     // q' = q * k_scale of head g over this lane's channels, and the zero dot q . z (partial).
     uint32_t qk[KS][2];
     float zdot = 0.f;
 #pragma unroll
     for (int s = 0; s < KS; ++s) {
-      const int ch = k_channel<D>(s, tig, 0);
+      const int ch = k_channel<D, KB>(s, tig, 0);
       const float4 qv = *reinterpret_cast<const float4*>(&q_s[g][ch]);
-      const uint2 sv = *reinterpret_cast<const uint2*>(k_scale + static_cast<size_t>(kg) * D + ch);
-      const uint2 zv = *reinterpret_cast<const uint2*>(k_zero + static_cast<size_t>(kg) * D + ch);
+      const uint2 sv = *reinterpret_cast<const uint2*>(p.k_scale + kr * D + ch);
+      const uint2 zv = *reinterpret_cast<const uint2*>(p.k_zero + kr * D + ch);
       const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&sv.x));
       const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&sv.y));
       const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&zv.x));
@@ -185,28 +247,33 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
     float sc[2][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-      uint32_t w[2][WPT];  // rows g and g + 8
+      uint32_t w[2][KWPT];  // rows g and g + 8
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const uint8_t* row = k_codes + static_cast<size_t>(t0 + 16 * mt + g + 8 * r) * (D / 4) + 4 * WPT * tig;
-        if constexpr (WPT == 2) {
-          const uint2 v = __ldg(reinterpret_cast<const uint2*>(row));
-          w[r][0] = v.x;
-          w[r][WPT - 1] = v.y;
-        } else {
-          w[r][0] = __ldg(reinterpret_cast<const uint32_t*>(row));
-        }
+        load_words<KWPT>(k_codes + static_cast<size_t>(16 * mt + g + 8 * r) * KROW + 4 * KWPT * tig, w[r]);
       }
       sc[mt][0] = sc[mt][1] = sc[mt][2] = sc[mt][3] = 0.f;
 #pragma unroll
       for (int s = 0; s < KS; ++s) {
-        const uint32_t sel = (s % 4) * 0x0101u;  // byte s % 4 into bytes 0 and 2 (1 and 3: masked off)
-        const uint32_t x0 = prmt(w[0][s / 4], 0, sel), x1 = prmt(w[1][s / 4], 0, sel);
-        // k index 2 tig + {0, 1}: codes 0 and 1 of the byte; 2 tig + 8 + {0, 1}: codes 2 and 3.
-        const uint32_t a0 = hfma2(magic<0x000C0003u>(x0), 0x34003C00u, 0xDC00E400u);
-        const uint32_t a1 = hfma2(magic<0x000C0003u>(x1), 0x34003C00u, 0xDC00E400u);
-        const uint32_t a2 = hfma2(magic<0x00C00030u>(x0), 0x24002C00u, 0xCC00D400u);
-        const uint32_t a3 = hfma2(magic<0x00C00030u>(x1), 0x24002C00u, 0xCC00D400u);
+        uint32_t a0, a1, a2, a3;
+        if constexpr (KB == 2) {
+          const uint32_t sel = (s % 4) * 0x0101u;  // byte s % 4 into bytes 0 and 2 (1 and 3: masked off)
+          const uint32_t x0 = prmt(w[0][s / 4], 0, sel), x1 = prmt(w[1][s / 4], 0, sel);
+          // k index 2 tig + {0, 1}: codes 0 and 1 of the byte; 2 tig + 8 + {0, 1}: codes 2 and 3.
+          a0 = hfma2(magic<0x000C0003u>(x0), 0x34003C00u, 0xDC00E400u);
+          a1 = hfma2(magic<0x000C0003u>(x1), 0x34003C00u, 0xDC00E400u);
+          a2 = hfma2(magic<0x00C00030u>(x0), 0x24002C00u, 0xCC00D400u);
+          a3 = hfma2(magic<0x00C00030u>(x1), 0x24002C00u, 0xCC00D400u);
+        } else {
+          // k index 2 tig + {0, 1}: the two nibbles of byte 2 (s % 2); 2 tig + 8 + {0, 1}: of the next byte.
+          const uint32_t lo = 2 * (s % 2) * 0x0101u, hi = lo + 0x0101u;
+          const uint32_t x0 = prmt(w[0][s / 2], 0, lo), x1 = prmt(w[1][s / 2], 0, lo);
+          const uint32_t y0 = prmt(w[0][s / 2], 0, hi), y1 = prmt(w[1][s / 2], 0, hi);
+          a0 = hfma2(magic<0x00F0000Fu>(x0), 0x2C003C00u, 0xD400E400u);
+          a1 = hfma2(magic<0x00F0000Fu>(x1), 0x2C003C00u, 0xD400E400u);
+          a2 = hfma2(magic<0x00F0000Fu>(y0), 0x2C003C00u, 0xD400E400u);
+          a3 = hfma2(magic<0x00F0000Fu>(y1), 0x2C003C00u, 0xD400E400u);
+        }
         mma16816(sc[mt], a0, a1, a2, a3, qk[s][0], qk[s][1]);
       }
     }
@@ -252,17 +319,12 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
     for (int ks = 0; ks < 2; ++ks) {
       const float4 pv = *reinterpret_cast<const float4*>(&p_s[g][16 * ks + 4 * tig]);
       const uint32_t b0 = pack_half2(pv.x, pv.y), b1 = pack_half2(pv.z, pv.w);
-      const int t = t0 + 16 * ks + 4 * tig;
-      uint32_t w[4];
+      const int t = 16 * ks + 4 * tig;  // relative to the chunk's first row
+      uint32_t w[4][VW > 0 ? VW : 1];
       __half sc_h[4], zr_h[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const uint8_t* row = v_codes + static_cast<size_t>(t + e) * (D / 4) + g * BPT;
-        if constexpr (BPT == 4) {
-          w[e] = __ldg(reinterpret_cast<const uint32_t*>(row));
-        } else {
-          w[e] = __ldg(reinterpret_cast<const uint16_t*>(row));
-        }
+        load_words<VW>(v_codes + static_cast<size_t>(t + e) * VROW + g * VBPT, w[e]);
         sc_h[e] = v_scale[static_cast<size_t>(t + e) * ngv + vgroup];
         zr_h[e] = v_zero[static_cast<size_t>(t + e) * ngv + vgroup];
       }
@@ -271,14 +333,20 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
       const uint32_t S01 = *reinterpret_cast<const uint32_t*>(&s01), S23 = *reinterpret_cast<const uint32_t*>(&s23);
       const uint32_t Z01 = *reinterpret_cast<const uint32_t*>(&z01), Z23 = *reinterpret_cast<const uint32_t*>(&z23);
 #pragma unroll
-      for (int j = 0; j < BPT; ++j) {
-        const uint32_t sel = j | ((4 + j) << 8);  // byte j of tokens (0, 1) / (2, 3) into bytes 0 and 2
-        const uint32_t x01 = prmt(w[0], w[1], sel), x23 = prmt(w[2], w[3], sel);
-        // m-tile 2j: rows g / g + 8 are codes 0 / 1 of byte j; m-tile 2j + 1: codes 2 / 3.
-        mma16816(acc[2 * j], hfma2(codes_at<0>(x01), S01, Z01), hfma2(codes_at<1>(x01), S01, Z01),
-                 hfma2(codes_at<0>(x23), S23, Z23), hfma2(codes_at<1>(x23), S23, Z23), b0, b1);
-        mma16816(acc[2 * j + 1], hfma2(codes_at<2>(x01), S01, Z01), hfma2(codes_at<3>(x01), S01, Z01),
-                 hfma2(codes_at<2>(x23), S23, Z23), hfma2(codes_at<3>(x23), S23, Z23), b0, b1);
+      for (int j = 0; j < VBPT; ++j) {
+        const uint32_t sel = (j % 4) | ((4 + j % 4) << 8);  // byte j of tokens (0, 1) / (2, 3) into bytes 0 and 2
+        const uint32_t x01 = prmt(w[0][j / 4], w[1][j / 4], sel), x23 = prmt(w[2][j / 4], w[3][j / 4], sel);
+        if constexpr (VB == 2) {
+          // m-tile 2j: rows g / g + 8 are codes 0 / 1 of byte j; m-tile 2j + 1: codes 2 / 3.
+          mma16816(acc[2 * j], hfma2(codes_at<2, 0>(x01), S01, Z01), hfma2(codes_at<2, 1>(x01), S01, Z01),
+                   hfma2(codes_at<2, 0>(x23), S23, Z23), hfma2(codes_at<2, 1>(x23), S23, Z23), b0, b1);
+          mma16816(acc[2 * j + 1], hfma2(codes_at<2, 2>(x01), S01, Z01), hfma2(codes_at<2, 3>(x01), S01, Z01),
+                   hfma2(codes_at<2, 2>(x23), S23, Z23), hfma2(codes_at<2, 3>(x23), S23, Z23), b0, b1);
+        } else {
+          // m-tile j: rows g / g + 8 are the low / high nibble of byte j.
+          mma16816(acc[j], hfma2(codes_at<4, 0>(x01), S01, Z01), hfma2(codes_at<4, 1>(x01), S01, Z01),
+                   hfma2(codes_at<4, 0>(x23), S23, Z23), hfma2(codes_at<4, 1>(x23), S23, Z23), b0, b1);
+        }
       }
     }
   }
@@ -291,7 +359,7 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
   }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-    const int ch = v_channel<D>(mt, g, 0);
+    const int ch = v_channel<D, VB>(mt, g, 0);
     merge.acc[warp][2 * tig][ch] = acc[mt][0];
     merge.acc[warp][2 * tig + 1][ch] = acc[mt][1];
     merge.acc[warp][2 * tig][ch + 1] = acc[mt][2];
@@ -306,9 +374,9 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
 }
 
 // One warp's tail tokens [t, L) step kWarps, in fp32: lane owns channels lane * CPL + i.
-template <int D>
-__device__ void tail_tokens(const DecodeParams& p, const float (*q_s)[D], Merge& merge, int b, int h, int t,
-                            const RowCounts& rc) {
+template <int D, int KB, int VB, bool PAGED>
+__device__ void tail_tokens(const DecodeParams& p, const float (*q_s)[D], Merge<D>& merge, int b, int h, int t,
+                            const RowCounts& rc, int heads) {
   constexpr int CPL = D / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int Gv = min(p.group, D), ngv = D / Gv;
@@ -327,19 +395,21 @@ __device__ void tail_tokens(const DecodeParams& p, const float (*q_s)[D], Merge&
   for (; t < rc.length; t += kWarps) {
     float k[CPL], v[CPL];
     const int slot = t % p.slots;
+    size_t row, kr;
+    token_rows<PAGED>(p, b, h, t, row, kr);
 #pragma unroll
     for (int i = 0; i < CPL; ++i) {
       const int ch = lane * CPL + i;
       if (t < rc.nqk) {
-        const int code = (p.k_codes[(bh * p.max_tokens + t) * (D / 4) + ch / 4] >> (2 * (ch % 4))) & 3;
-        const size_t kidx = (bh * ((p.max_tokens + p.group - 1) / p.group) + t / p.group) * D + ch;
+        const int code = (p.k_codes[row * (D * KB / 8) + ch * KB / 8] >> (KB * (ch % (8 / KB)))) & ((1 << KB) - 1);
+        const size_t kidx = kr * D + ch;
         k[i] = code * __half2float(p.k_scale[kidx]) + __half2float(p.k_zero[kidx]);
       } else {
         k[i] = __half2float(p.k_res[(bh * p.slots + slot) * D + ch]);
       }
       if (t < rc.nqv) {
-        const int code = (p.v_codes[(bh * p.max_tokens + t) * (D / 4) + ch / 4] >> (2 * (ch % 4))) & 3;
-        const size_t vidx = (bh * p.max_tokens + t) * ngv + ch / Gv;
+        const int code = (p.v_codes[row * (D * VB / 8) + ch * VB / 8] >> (VB * (ch % (8 / VB)))) & ((1 << VB) - 1);
+        const size_t vidx = row * ngv + ch / Gv;
         v[i] = code * __half2float(p.v_scale[vidx]) + __half2float(p.v_zero[vidx]);
       } else {
         v[i] = __half2float(p.v_res[(bh * p.slots + slot) * D + ch]);
@@ -347,7 +417,7 @@ __device__ void tail_tokens(const DecodeParams& p, const float (*q_s)[D], Merge&
     }
 #pragma unroll
     for (int n = 0; n < kHeads; ++n) {
-      if (n >= p.qg) break;
+      if (n >= heads) break;
       float s = 0.f;
 #pragma unroll
       for (int i = 0; i < CPL; ++i) s += q[n][i] * k[i];
@@ -371,30 +441,38 @@ __device__ void tail_tokens(const DecodeParams& p, const float (*q_s)[D], Merge&
   }
 }
 
-template <int D>
-__global__ void __launch_bounds__(kWarps * 32) decode_split_kernel(const DecodeParams p) {
+// (.., 3): at most 168 registers, the 3 blocks per SM the design counts on; with no minimum ptxas
+// chose 96 registers and spilled 4 bytes in the D = 64, k2/v4, paged variant. D = 256 holds twice
+// the accumulators (64 MMA registers, 128 in the tail) and spilled ~150 bytes at 168: 2 blocks.
+template <int D, int KB, int VB, bool PAGED>
+__global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : 3) decode_split_kernel(const DecodeParams p) {
   __shared__ __align__(16) float q_s[kHeads][D];
   __shared__ __align__(16) float p_s[kWarps][kHeads][kPStride];
-  __shared__ Merge merge;
-  const int b = blockIdx.x / p.kv_heads, h = blockIdx.x % p.kv_heads, split = blockIdx.y;
+  __shared__ Merge<D> merge;  // with q_s and p_s: 45 KB at D = 256, under the 48 KB of static shared memory
+  // Query-head tiles: more than 8 query heads per kv head (the MMA's N) take ceil(qg / 8) blocks,
+  // each its 8 heads [head0, head0 + heads); the tiles of a kv row are adjacent in x, so they read
+  // the same codes at about the same time (the second read mostly from L2).
+  const int tiles = (p.qg + kHeads - 1) / kHeads, kv_row = blockIdx.x / tiles;
+  const int b = kv_row / p.kv_heads, h = kv_row % p.kv_heads, split = blockIdx.y;
+  const int head0 = (blockIdx.x % tiles) * kHeads, heads = min(kHeads, p.qg - head0);
   const int warp = threadIdx.x / 32;
-  for (int i = threadIdx.x; i < kHeads * D; i += blockDim.x) {  // heads >= qg: zero queries, never written
+  for (int i = threadIdx.x; i < kHeads * D; i += blockDim.x) {  // heads past the tile's: zero queries, never written
     const int n = i / D, ch = i % D;
-    q_s[n][ch] = n < p.qg ? __half2float(p.q[((static_cast<size_t>(b) * p.kv_heads + h) * p.qg + n) * D + ch]) * p.qscale
-                          : 0.f;
+    const size_t row = (static_cast<size_t>(b) * p.kv_heads + h) * p.qg + head0 + n;
+    q_s[n][ch] = n < heads ? __half2float(p.q[row * D + ch]) * p.qscale : 0.f;
   }
   __syncthreads();
   const RowCounts rc = row_counts(p, b);
   if (split < p.num_splits) {
     const int per = (rc.chunks + p.num_splits - 1) / p.num_splits;
     const int begin = split * per, end = min(begin + per, rc.chunks);
-    quantized_chunks<D>(p, q_s, p_s[warp], merge, b, h, begin + warp, end);
+    quantized_chunks<D, KB, VB, PAGED>(p, q_s, p_s[warp], merge, b, h, begin + warp, end);
   } else {
-    tail_tokens<D>(p, q_s, merge, b, h, rc.chunks * kChunk + warp, rc);
+    tail_tokens<D, KB, VB, PAGED>(p, q_s, merge, b, h, rc.chunks * kChunk + warp, rc, heads);
   }
   __syncthreads();
   // Merge the warps: (max, sum, acc) of each query head for this split.
-  for (int i = threadIdx.x; i < p.qg * D; i += blockDim.x) {
+  for (int i = threadIdx.x; i < heads * D; i += blockDim.x) {
     const int n = i / D, ch = i % D;
     float M = -INFINITY;
 #pragma unroll
@@ -408,7 +486,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_split_kernel(const DecodeP
         l += f * merge.l[w][n];
       }
     }
-    const size_t row = (static_cast<size_t>(b) * p.kv_heads + h) * p.qg + n;
+    const size_t row = (static_cast<size_t>(b) * p.kv_heads + h) * p.qg + head0 + n;
     const size_t slot = row * (p.num_splits + 1) + split;
     p.part_acc[slot * D + ch] = a;
     if (ch == 0) {
@@ -437,17 +515,30 @@ __global__ void decode_merge_kernel(const DecodeParams p) {
   p.out[row * p.head_dim + ch] = __float2half_rn(o);
 }
 
+
+// The split kernel for (head_dim, key bits, value bits, paged); nullptr for what is not built.
+template <int D>
+auto split_kernel(const DecodeParams& p) -> void (*)(DecodeParams) {
+  const bool paged = p.block_table != nullptr;
+  switch (p.k_bits * 10 + p.v_bits) {
+    case 22: return paged ? decode_split_kernel<D, 2, 2, true> : decode_split_kernel<D, 2, 2, false>;
+    case 24: return paged ? decode_split_kernel<D, 2, 4, true> : decode_split_kernel<D, 2, 4, false>;
+    case 42: return paged ? decode_split_kernel<D, 4, 2, true> : decode_split_kernel<D, 4, 2, false>;
+    case 44: return paged ? decode_split_kernel<D, 4, 4, true> : decode_split_kernel<D, 4, 4, false>;
+    default: return nullptr;
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_decode_attend(const DecodeParams& p, cudaStream_t stream) {
-  const dim3 grid(p.batch * p.kv_heads, p.num_splits + 1);
-  if (p.head_dim == 128) {
-    decode_split_kernel<128><<<grid, kWarps * 32, 0, stream>>>(p);
-  } else if (p.head_dim == 64) {
-    decode_split_kernel<64><<<grid, kWarps * 32, 0, stream>>>(p);
-  } else {
-    return cudaErrorInvalidValue;
-  }
+  const dim3 grid(p.batch * p.kv_heads * ((p.qg + kHeads - 1) / kHeads), p.num_splits + 1);
+  void (*kernel)(DecodeParams) = p.head_dim == 128   ? split_kernel<128>(p)
+                                 : p.head_dim == 64  ? split_kernel<64>(p)
+                                 : p.head_dim == 256 ? split_kernel<256>(p)
+                                                     : nullptr;
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  kernel<<<grid, kWarps * 32, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   decode_merge_kernel<<<p.batch * p.kv_heads * p.qg, p.head_dim, 0, stream>>>(p);

@@ -27,9 +27,9 @@ class DecodeParams(ctypes.Structure):
     """decode_attend.h's DecodeParams, field for field (x86-64 layout)."""
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "q", "k_codes", "k_scale", "k_zero", "k_res", "v_codes", "v_scale", "v_zero", "v_res", "lengths", "counts",
-        "part_acc", "part_ml", "out")] + [(name, ctypes.c_int) for name in (
+        "part_acc", "part_ml", "out", "block_table")] + [(name, ctypes.c_int) for name in (
         "batch", "kv_heads", "qg", "max_tokens", "slots", "residual", "group", "head_dim", "num_splits",
-        "ott_policy")] + [("qscale", ctypes.c_float)]
+        "ott_policy", "max_pages", "page_size", "num_pages", "k_bits", "v_bits")] + [("qscale", ctypes.c_float)]
 
 
 def build(path: Path, arch: str = "sm_90a") -> Path:
@@ -63,7 +63,7 @@ class Library:
         self.path = path
 
     def decode_attend(self, query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
-                      group_size, residual_length, ott_policy, scale, num_splits):
+                      group_size, residual_length, ott_policy, scale, num_splits, block_table=None):
         _check(query, "query", torch.float16)
         for t, name in ((k_codes, "k_codes"), (v_codes, "v_codes")):
             _check(t, name, torch.uint8)
@@ -74,8 +74,16 @@ class Library:
         if counts is not None:
             _check(counts, "counts", torch.int64)
         B, Hq, q_len, D = query.shape
-        H, S = k_codes.shape[1:3]
-        if q_len != 1 or D not in (64, 128) or k_codes.shape[3] != D // 4 or Hq % H or Hq // H > 8 or group_size % 32:
+        H, rows = k_codes.shape[1:3]  # rows: S, or the page size of a page pool (block_table given)
+        S = rows if block_table is None else block_table.shape[1] * rows
+        if block_table is not None:
+            _check(block_table, "block_table", torch.int32)
+            if block_table.dim() != 2 or block_table.shape[0] != B or rows % group_size:
+                raise ValueError(f"kivi cuda decode: block_table must be [{B}, max_pages] and the page size {rows} a "
+                                 f"multiple of group_size {group_size}, got {tuple(block_table.shape)}")
+        k_bits, v_bits = k_codes.shape[3] * 8 // D, v_codes.shape[3] * 8 // D
+        if (q_len != 1 or D not in (64, 128, 256) or {k_bits, v_bits} - {2, 4} or Hq % H or Hq // H > 16
+                or group_size % 32):
             raise ValueError(f"kivi cuda decode: unsupported call (query {tuple(query.shape)}, kv heads {H}, "
                              f"codes {tuple(k_codes.shape)}, group_size {group_size})")
         f32 = dict(dtype=torch.float32, device=query.device)
@@ -87,8 +95,10 @@ class Library:
         p = DecodeParams(query.data_ptr(), k_codes.data_ptr(), k_scale.data_ptr(), k_zero.data_ptr(), k_res.data_ptr(),
                          v_codes.data_ptr(), v_scale.data_ptr(), v_zero.data_ptr(), v_res.data_ptr(), lengths.data_ptr(),
                          None if counts is None else counts.data_ptr(), part_acc.data_ptr(), part_ml.data_ptr(),
-                         out.data_ptr(), B, H, Hq // H, S, k_res.shape[2], residual_length, group_size, D, num_splits,
-                         ott_policy, scale * LOG2E)
+                         out.data_ptr(), None if block_table is None else block_table.data_ptr(), B, H, Hq // H, S,
+                         k_res.shape[2], residual_length, group_size, D, num_splits, ott_policy,
+                         0 if block_table is None else block_table.shape[1], 0 if block_table is None else rows,
+                         0 if block_table is None else k_codes.shape[0], k_bits, v_bits, scale * LOG2E)
         stream = torch.cuda.current_stream(query.device).cuda_stream
         with torch.cuda.device(query.device):
             err = self.lib.kivi_decode_attend_launch(ctypes.byref(p), ctypes.c_void_p(stream))

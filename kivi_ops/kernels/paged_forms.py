@@ -14,6 +14,8 @@ block table passed along. Each takes the static form's arguments plus a Paging (
                                           pages gathered into contiguous static-layout copies:
                                           its matmuls round by stride on CPU)
             triton_decode, triton_split   the kernels with the block table (triton_paging.py)
+            cuda_cpp                      the CUDA C++ kernel with the block table
+                                          (cuda/attend.py's attend_cuda_cpp_paged)
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ def attend_form(implementation: str):
         from .triton_split import attend_split
 
         return _with_pages(attend_split)
+    if implementation == "cuda_cpp":
+        from ..cuda.attend import attend_cuda_cpp_paged
+
+        return attend_cuda_cpp_paged
     raise ValueError(f"no attend implementation {implementation!r}")
 
 
