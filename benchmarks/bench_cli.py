@@ -10,6 +10,8 @@ from kivi_models.cli_args import check_weight_quant_modes, dumps_json, fraction_
 
 from . import DEFAULT_OUT
 
+SHAPE_7B = "llama2-7b-shape"  # --model: random weights at Llama-2-7B's shape, for speed only
+
 
 def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="performance harness: cache memory, fused attention, end-to-end decode")
@@ -31,8 +33,7 @@ def add_bench_parser(sub) -> None:
     att.add_argument("--batch", type=positive_int, default=None, help="default: 8 on cuda, 1 on cpu")
 
     dec = bsub.add_parser("decode", help="end-to-end compiled decode tokens/s, fp vs KIVI")
-    dec.add_argument("--model", default="default",
-                    help="'default', 'llama2-7b-shape' (random weights), a GGUF file or a directory")
+    _add_model_flag(dec)
     dec.add_argument("--contexts", type=int_list, default=None, help="default: 1024,4096 on cpu")
     dec.add_argument("--batches", type=_int_list_any, default=None, help="default: 1,4")
     dec.add_argument("--new-tokens", type=positive_int, default=32)
@@ -47,8 +48,7 @@ def add_bench_parser(sub) -> None:
 
     wq = bsub.add_parser("weight-quant", help="{fp, int8/int4 weights} x {fp, KIVI cache}: model + cache bytes, "
                                               "compiled decode tokens/s, one run")
-    wq.add_argument("--model", default="default",
-                    help="'default', 'llama2-7b-shape' (random weights), a GGUF file or a directory")
+    _add_model_flag(wq)
     wq.add_argument("--modes", type=_mode_list, default=None,
                     help="comma-separated weight modes, 'none' first "
                          "(default: none,int8 on cpu, none,int8,int4 on cuda)")
@@ -58,6 +58,7 @@ def add_bench_parser(sub) -> None:
 
     srv = bsub.add_parser("serve", help="the kivi serve engine: static fp, paged fp, static KIVI-2 and paged KIVI-2 "
                                         "at one cache budget, one chat-like request stream")
+    _add_model_flag(srv, extra=" (with the default model's tokenizer; cuda only unless --device cpu is given)")
     srv.add_argument("--budget-gib", type=_positive_float, default=0.25, help="cache bytes of every cache")
     srv.add_argument("--max-seq-len", type=positive_int, default=2048,
                      help="tokens per static row, and the most one request may hold in a paged cache")
@@ -112,6 +113,11 @@ def add_bench_parser(sub) -> None:
                        help=f"output folder (default ./{DEFAULT_OUT}; the committed results: --out benchmarks/results)")
         p.add_argument("--json", action="store_true", help="print the result object")
         p.set_defaults(func=cmd_bench, parser=p)
+
+
+def _add_model_flag(parser, extra: str = "") -> None:
+    parser.add_argument("--model", default="default",
+                        help=f"'default', '{SHAPE_7B}' (random weights{extra}), a GGUF file or a directory")
 
 
 def _positive_float(text: str) -> float:
@@ -221,7 +227,7 @@ def cmd_bench(args, parser) -> int:
         if args.max_batch and not args.budget_gib:
             parser.error("--max-batch applies only with --budget-gib")
         check_weight_quant_modes([args.weight_quant], device, parser)
-        model = _quantized(_decode_model(args, device, parser), args.weight_quant, parser)
+        model = _quantized(_bench_model(args, device, parser)[0], args.weight_quant, parser)
         if args.budget_gib:
             with usage_errors(parser):
                 result = perf.bench_budget(model, device=device, contexts=args.contexts or [1024],
@@ -235,18 +241,20 @@ def cmd_bench(args, parser) -> int:
         name = (f"bench_budget_{device}" if args.budget_gib else f"bench_decode_{device}") + (
             "" if args.weight_quant == "none" else f"_{args.weight_quant}")
     elif args.bench_command == "serve":
-        from kivi_models import load_model, patch_model
         from kivi_ops import KIVIConfig
 
         from .environment import environment
         from .serve_bench import CACHES, bench_serve
 
-        import torch
-
-        model, tokenizer = load_model(dtype=torch.float16 if device == "cuda" else torch.float32, device=device)
-        patch_model(model)
         if args.shared_prefix < 0:
             parser.error(f"--shared-prefix must be >= 0, got {args.shared_prefix}")
+        if args.model == SHAPE_7B and device == "cpu" and args.device != "cpu":
+            # 6.7B float32 parameters are 27 GB, more than most hosts have, and would serve a few
+            # tokens a minute: only an explicit --device cpu builds them there.
+            parser.error(f"--model {SHAPE_7B} is 6.7B random parameters (27 GB in float32 on the CPU) and is meant "
+                         "for --device cuda (float16, 13.5 GB); no CUDA device is here: use --model default or a "
+                         "GGUF file, or pass --device cpu to build it on the CPU anyway")
+        model, tokenizer = _bench_model(args, device, parser, with_tokenizer=True)
         with usage_errors(parser):
             result = bench_serve(model, tokenizer, budget_bytes=args.budget_gib * 2**30, max_seq_len=args.max_seq_len,
                                  requests=args.requests, clients=args.clients,
@@ -256,8 +264,8 @@ def cmd_bench(args, parser) -> int:
                                  prefix_chunk=args.prefix_chunk,
                                  **({} if args.steady_fill is None else dict(steady_fill=args.steady_fill)),
                                  **({} if args.warmup_turnover is None else dict(warmup_turnover=args.warmup_turnover)))
-        result.update(device=device, model="default", compile=args.compile, budget_gib=args.budget_gib,
-                      environment=environment(device))
+        result.update(device=device, model=args.model, model_shape=_model_shape(model), compile=args.compile,
+                      budget_gib=args.budget_gib, environment=environment(device))
         name = (f"bench_serve_{device}" + (f"_prefix{args.shared_prefix}" if args.shared_prefix else "")
                 + (f"_shared{args.prefix_chunk}" if args.prefix_chunk else ""))
     elif args.bench_command == "hf-generate":
@@ -276,7 +284,7 @@ def cmd_bench(args, parser) -> int:
     else:
         modes = args.modes or (["none", "int8", "int4"] if device == "cuda" else ["none", "int8"])
         check_weight_quant_modes(modes, device, parser)
-        result = perf.bench_weight_quant(lambda mode: _quantized(_decode_model(args, device, parser), mode, parser),
+        result = perf.bench_weight_quant(lambda mode: _quantized(_bench_model(args, device, parser)[0], mode, parser),
                                          device=device, contexts=args.contexts, batches=args.batches,
                                          weight_modes=modes, new_tokens=args.new_tokens)
         result["model"] = args.model
@@ -334,22 +342,44 @@ def _quantized(model, mode, parser):
         return apply_weight_quant(model, mode)
 
 
-def _decode_model(args, device, parser):
+def _bench_model(args, device, parser, *, with_tokenizer: bool = False):
+    """(patched model, tokenizer) for --model: float16 on CUDA, float32 on the CPU. The 7B shape has
+    random weights (speed only) and, with with_tokenizer, the default model's tokenizer (None without)."""
     import torch
 
     from kivi_models import load_model, patch_model
 
     dtype = torch.float16 if device == "cuda" else torch.float32
-    if args.model == "llama2-7b-shape":
+    if args.model == SHAPE_7B:
         from transformers import LlamaConfig, LlamaForCausalLM
 
+        tokenizer = _default_tokenizer() if with_tokenizer else None
+        # The default tokenizer has 49152 ids, Llama-2 32000: the embedding must take every id a
+        # prompt holds (a larger LM head, about 1% more weight bytes per step than Llama-2-7B's).
+        vocab = max(32000, len(tokenizer)) if tokenizer is not None else 32000
         config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                             num_key_value_heads=32, vocab_size=32000, max_position_embeddings=131072)
+                             num_key_value_heads=32, vocab_size=vocab, max_position_embeddings=131072)
         with torch.device(device):
             model = LlamaForCausalLM(config).to(dtype).eval()  # random weights: speed only
     else:
-        model, _ = load_model(args.model, dtype=dtype, device=device)
-    return patch_model(model)
+        model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    return patch_model(model), tokenizer
+
+
+def _default_tokenizer():
+    from transformers import AutoTokenizer
+
+    from kivi_models.loading import DEFAULT_MODEL, resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(DEFAULT_MODEL), local_files_only=True)
+
+
+def _model_shape(model) -> dict:
+    """What a result needs to say which model ran: its shape, dtype and parameter count."""
+    c = model.config
+    return dict(layers=c.num_hidden_layers, hidden_size=c.hidden_size, heads=c.num_attention_heads,
+                kv_heads=c.num_key_value_heads, vocab_size=c.vocab_size, dtype=str(next(model.parameters()).dtype),
+                parameters=sum(p.numel() for p in model.parameters()))
 
 
 def print_table(kind: str, result: dict) -> None:

@@ -296,3 +296,90 @@ def test_serve_window_metrics_count_only_the_window():
     assert whole["prefill_s"] == pytest.approx(2.5) and whole["decode_s"] == pytest.approx(12.0)
     with pytest.raises(ValueError):
         window_metrics(requests, samples, phases, 5.0, 5.0)
+
+
+# `kivi bench serve --model ... --device cuda`: the GPU suite's serve stage (lab/gpu_suite.sh on
+# the gpusuite branch), word for word; it must parse here before a GPU minute is spent on it.
+GPU_SUITE_SERVE = ["bench", "serve", "--device", "cuda", "--model", "llama2-7b-shape", "--caches", "fp-paged,kivi-paged",
+                   "--compile", "--budget-gib", "20", "--max-seq-len", "2048", "--duration", "30", "--requests", "2000",
+                   "--out", "/tmp/gpu_results", "--json"]
+
+
+def test_bench_serve_parses_the_gpu_suites_command():
+    from kivi_cli.main import build_parser
+
+    args = build_parser().parse_args(GPU_SUITE_SERVE)
+    assert (args.bench_command, args.device, args.model, args.caches) == ("serve", "cuda", "llama2-7b-shape",
+                                                                          ["fp-paged", "kivi-paged"])
+    assert args.compile and args.json and (args.budget_gib, args.max_seq_len, args.duration, args.requests) == (
+        20.0, 2048, 30.0, 2000)
+    assert build_parser().parse_args(["bench", "serve"]).model == "default"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--caches", "fp,bf16"], "--caches"), (["--budget-gib", "0"], "--budget-gib"), (["--device", "tpu"], "--device"),
+    (["--max-seq-len", "-1"], "--max-seq-len"), (["--duration", "x"], "--duration"),
+])
+def test_bench_serve_bad_values_are_usage_errors_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "serve", *argv])
+    assert exc.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("a model was built before the refusal")
+
+
+def test_bench_serve_refuses_cuda_and_the_7b_shape_on_a_cpu_host(monkeypatch, capsys):
+    import torch
+
+    from kivi_benchmarks import bench_cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench_cli, "_bench_model", _no_model)
+    with pytest.raises(SystemExit) as exc:
+        main(GPU_SUITE_SERVE)
+    assert exc.value.code == 2 and "--device cuda was requested but no CUDA device is available" in capsys.readouterr().err
+    # 27 GB of float32 random weights: only an explicit --device cpu builds them (here: _no_model)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "serve", "--model", "llama2-7b-shape"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--model llama2-7b-shape" in err and "--device cpu" in err
+    with pytest.raises(AssertionError, match="before the refusal"):
+        main(["bench", "serve", "--model", "llama2-7b-shape", "--device", "cpu"])
+
+
+def test_the_7b_shape_takes_every_id_of_the_default_tokenizer():
+    # On the meta device (no bytes): Llama-2-7B's layers, the default tokenizer's vocabulary, so
+    # that every prompt id of the served stream has an embedding row.
+    import argparse
+
+    from kivi_benchmarks.bench_cli import _bench_model
+
+    model, tokenizer = _bench_model(argparse.Namespace(model="llama2-7b-shape"), "meta", None, with_tokenizer=True)
+    c = model.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (32, 4096, 32, 32)
+    assert c.vocab_size == len(tokenizer) > 32000
+    assert _bench_model(argparse.Namespace(model="llama2-7b-shape"), "meta", None)[1] is None  # decode: no tokenizer
+
+
+def test_bench_serve_takes_a_gguf_model(tmp_path, monkeypatch):
+    # A tiny GGUF Llama reaches the engine: two caches, one second each; the result names the model.
+    from gguf_files import write_tiny_llama_gguf
+
+    monkeypatch.setenv("KIVI_MODEL_CACHE", str(tmp_path / "model-cache"))
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(gguf)
+    assert main(["bench", "serve", "--model", str(gguf), "--caches", "fp,fp-paged", "--requests", "20",
+                 "--budget-gib", "0.002", "--max-seq-len", "256", "--length-scale", "0.2", "--duration", "1",
+                 "--threads", "1", "--out", str(tmp_path), "--json"]) == 0
+    result = json.loads((tmp_path / "bench_serve_cpu.json").read_text())
+    assert result["model"] == str(gguf) and result["device"] == "cpu"
+    shape = dict(result["model_shape"])
+    assert shape.pop("parameters") > 0 and shape == dict(layers=2, hidden_size=64, heads=4, kv_heads=2,
+                                                          vocab_size=262, dtype="torch.float32")
+    by = {r["cache"]: r for r in result["rows"]}
+    assert by.keys() == {"fp", "fp-paged"} and all(r["generated_tokens"] > 0 for r in by.values())
+    ratio = result["ratios"]["fp-paged_over_fp"]
+    assert ratio["requests_per_s"] == pytest.approx(
+        by["fp-paged"]["whole"]["requests_per_s"] / max(by["fp"]["whole"]["requests_per_s"], 1e-9))
