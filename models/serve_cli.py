@@ -11,6 +11,8 @@ from .cli_args import (add_model_arguments, check_memory, check_weight_quant_mod
                        usage_errors)
 from .loading import DEFAULT_MODEL, DEFAULT_NAME, load_model, log
 from .serve_app import LOOPBACK_HOSTS, MAX_REQUEST_BYTES, Server, build_app
+from .serve_connections import (READ_TIMEOUT, TIMEOUT_KEEP_ALIVE, ConnectionLimits, check_connection_limits,
+                                uvicorn_config)
 
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching over the cache)")
@@ -18,7 +20,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-batch", type=positive_int, default=None,
                    help="cache rows (concurrent requests); default 8 unless --cache-budget-gib (static), "
                         f"{PAGED_ROWS} with --paged")
-    s.add_argument("--cache-budget-gib", type=float, default=None,
+    s.add_argument("--cache-budget-gib", type=positive_float, default=None,
                    help="static: as many rows as fit this many GiB of cache (exact bytes per row); --paged: as many "
                         "pages as fit (exact bytes per page, after the rows' own state)")
     s.add_argument("--paged", action="store_true",
@@ -64,6 +66,15 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds running requests get to finish before they end with an error; "
                         "a second signal ends them at once (default 30)")
+    s.add_argument("--max-connections", type=positive_int, default=None,
+                   help="open connections at most; one more closes the connection idle longest, or gets 503 when all "
+                        "are in a request (default: the descriptor limit, ulimit -n, less those open and 64 in reserve)")
+    s.add_argument("--timeout-keep-alive", type=positive_float, default=TIMEOUT_KEEP_ALIVE,
+                   help="seconds a connection with no request in progress (new, or between requests) stays open "
+                        f"(default {TIMEOUT_KEEP_ALIVE:g}, as uvicorn)")
+    s.add_argument("--read-timeout", type=positive_float, default=READ_TIMEOUT,
+                   help="seconds a request's headers and body may take to arrive from its first byte; then 408 and "
+                        f"the connection closes (default {READ_TIMEOUT:g})")
     s.add_argument("--tp-timeout", type=positive_float, default=120.0,
                    help="under torchrun: seconds any collective (a step, a plan, loading) may wait for the other "
                         "ranks before the server gives up on them and answers 503 (default 120; docs/parallel.md)")
@@ -173,8 +184,6 @@ def check_paging_flags(args, parser) -> None:
 def cmd_serve(args, parser) -> int:
     import functools
 
-    import uvicorn
-
     from .generate import make_paged_cache
     from .parallel import is_main_process, world_size
     from .serve_engine import Engine, Paging, check_prefix_caching, decode_buckets
@@ -187,6 +196,8 @@ def cmd_serve(args, parser) -> int:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     api_key, allowed_hosts = access_settings(args, parser)
     check_paging_flags(args, parser)
+    limits = ConnectionLimits(check_connection_limits(args.max_connections, parser), args.timeout_keep_alive,
+                              args.read_timeout)
     make_runner, channel = Runner, None
     if world_size() > 1:  # tensor parallelism (serve_tp.py): rank 0 serves, the others replay its plans
         from . import serve_tp
@@ -244,7 +255,7 @@ def cmd_serve(args, parser) -> int:
     log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API; /health, /metrics)")
     app = build_app(engine, name, max_request_bytes=args.max_request_bytes, api_key=api_key, docs=args.docs,
                     allowed_hosts=allowed_hosts)
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), engine,
+    server = Server(uvicorn_config(app, host=args.host, port=args.port, limits=limits), engine,
                     shutdown_timeout=args.shutdown_timeout)
     try:
         server.run()
