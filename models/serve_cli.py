@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from typing import Optional
 
 from .cli_args import (add_model_arguments, check_memory, check_weight_quant_modes, device_and_dtype,
@@ -82,13 +83,17 @@ def add_serve_parser(sub) -> None:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether binding `host` only accepts connections from this machine."""
-    if host == "localhost":
+    """Whether binding `host` only accepts connections from this machine. An address is read as
+    the socket layer reads it (inet_aton: "127.1" is 127.0.0.1, so is "0x7f.1"); of the names, only
+    localhost is known to be loopback: another may resolve to anything."""
+    host = host.strip("[]")
+    if host.lower().rstrip(".") == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve to anything
+        infos = socket.getaddrinfo(host, None, flags=socket.AI_NUMERICHOST)
+    except (socket.gaierror, UnicodeError):
+        return False  # a name
+    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
 def access_settings(args, parser) -> tuple[Optional[str], Optional[tuple[str, ...]]]:
@@ -97,6 +102,10 @@ def access_settings(args, parser) -> tuple[Optional[str], Optional[tuple[str, ..
     api_key = args.api_key if args.api_key is not None else os.environ.get("KIVI_API_KEY")
     if api_key is not None and not api_key.strip():
         parser.error("--api-key (or KIVI_API_KEY) is empty; give a key or unset it")
+    if api_key is not None and not all("!" <= c <= "~" for c in api_key):
+        # A Bearer token travels in an HTTP header: clients send only visible ASCII there.
+        parser.error("--api-key (or KIVI_API_KEY) must be printable ASCII without spaces (what an HTTP client can send "
+                     "in 'Authorization: Bearer <key>')")
     if not is_loopback(args.host):
         if api_key is None:
             log(f"warning: --host {args.host} accepts connections from other machines and no --api-key (or "

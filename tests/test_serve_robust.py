@@ -316,7 +316,9 @@ def test_stop_strings_cut_at_the_earliest_occurrence_in_the_text(tiny, server):
     (b'{"model": "tiny\\ud800", "prompt": "x"}', "/v1/completions", 400, "model", "invalid_value"),
     (b'{"model": "tiny", "prompt": "x", "stop": ["\\ud800"]}', "/v1/completions", 400, "stop.0", "invalid_value"),
     (b"{not json", "/v1/completions", 400, None, "invalid_json"),
-    (b"\xff\xfe not utf-8", "/v1/completions", 400, None, None),
+    (b"\xff\xfe not utf-8", "/v1/completions", 400, None, "invalid_json"),
+    (b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "/v1/completions", 400, None,
+     "invalid_json"),
     ({"model": NAME, "prompt": ""}, "/v1/completions", 400, "prompt", "invalid_value"),
     ({"model": NAME, "prompt": "x", "seed": 2**64}, "/v1/completions", 400, "seed", "invalid_value"),
     ({"model": NAME, "prompt": "x", "seed": -(2**63) - 1}, "/v1/completions", 400, "seed", "invalid_value"),
@@ -332,6 +334,14 @@ def test_stop_strings_cut_at_the_earliest_occurrence_in_the_text(tiny, server):
 def test_every_error_has_openai_shape_and_the_right_param(server, body, path, status, param, code):
     assert_openai_error(post(server, body, path), status, param, code)
     assert post(server, COMPLETION).status_code == 200  # and the server keeps serving
+
+
+def test_errors_quote_at_most_a_little_of_the_input_and_count_tokens_in_good_english(server):
+    err = assert_openai_error(post(server, {"model": "m" * 1_000_000, "prompt": "x"}), 404, "model", "model_not_found")
+    assert len(err["message"]) < 200 and "(1000000 characters)" in err["message"], err["message"][:300]
+    err = assert_openai_error(post(server, {"model": NAME, "prompt": "x", "max_tokens": MAX_SEQ_LEN}), 400,
+                              "max_tokens", "context_length_exceeded")
+    assert err["message"].startswith("the prompt (at least 1 token) + max_tokens"), err["message"]
 
 
 def test_wrong_method_is_an_openai_error(server):
@@ -646,6 +656,14 @@ def test_a_loopback_server_answers_only_its_own_host_names(locked, host, ok):
         assert_openai_error(httpx.get(f"{locked}/health", headers=headers, timeout=10), 400, None, "invalid_host")
 
 
+def test_with_an_api_key_docs_and_unknown_paths_need_it_too(engine):
+    with serving(engine, api_key=KEY, docs=True) as url:
+        for path in ("/docs", "/openapi.json", "/nothing-here"):
+            assert_openai_error(httpx.get(f"{url}{path}", timeout=10), 401, None, "invalid_api_key")
+        assert httpx.get(f"{url}/openapi.json", headers={"authorization": f"Bearer {KEY}"}, timeout=10).status_code == 200
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
 def test_docs_and_openapi_are_off_by_default(server, engine):
     for path in ("/docs", "/openapi.json", "/redoc"):
         assert_openai_error(httpx.get(f"{server}{path}", timeout=10), 404, None, "not_found")
@@ -694,6 +712,10 @@ def serve_args(host, api_key=None):
 @pytest.mark.parametrize("host, key, env, warned, hosts", [
     ("127.0.0.1", None, None, False, ("127.0.0.1", "localhost", "::1")),
     ("127.0.0.2", None, None, False, ("127.0.0.1", "localhost", "::1", "127.0.0.2")),
+    ("127.1", None, None, False, ("127.0.0.1", "localhost", "::1", "127.1")),  # inet_aton's 127.0.0.1
+    ("[::1]", None, None, False, ("127.0.0.1", "localhost", "::1")),
+    ("localhost", None, None, False, ("127.0.0.1", "localhost", "::1")),
+    ("10.1.2.3", None, None, True, None),
     ("0.0.0.0", None, None, True, None),
     ("0.0.0.0", KEY, None, False, None),
     ("::", None, KEY, False, None),
@@ -713,15 +735,17 @@ def test_kivi_serve_access_settings(host, key, env, warned, hosts, monkeypatch, 
     assert ("warning: --host" in capsys.readouterr().err) == warned
 
 
-def test_an_empty_api_key_is_a_usage_error(monkeypatch, capsys):
+@pytest.mark.parametrize("key, message", [(" ", "is empty"), ("clé", "must be printable ASCII"),
+                                          ("a\tb", "must be printable ASCII")])
+def test_an_empty_or_unsendable_api_key_is_a_usage_error(key, message, monkeypatch, capsys):
     import argparse
 
     from kivi_models.serve_cli import access_settings
 
-    monkeypatch.setenv("KIVI_API_KEY", " ")
-    with pytest.raises(SystemExit):
+    monkeypatch.setenv("KIVI_API_KEY", key)
+    with pytest.raises(SystemExit) as exit_:
         access_settings(serve_args("127.0.0.1"), argparse.ArgumentParser())
-    assert "is empty" in capsys.readouterr().err
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_an_unexpected_exception_is_a_logged_openai_500(engine, server, monkeypatch, caplog):
