@@ -57,7 +57,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-request-bytes", type=positive_int, default=MAX_REQUEST_BYTES,
                    help=f"largest request body; more is refused with 413 (default {MAX_REQUEST_BYTES})")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on /v1/* and /metrics (default: the KIVI_API_KEY "
+                   help="require 'Authorization: Bearer <key>' on every path but /health (default: the KIVI_API_KEY "
                         "environment variable, which other users cannot read from the process list; none if unset)")
     s.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (off by default)")
     s.add_argument("--max-waiting", type=non_negative_int, default=64,
@@ -69,7 +69,7 @@ def add_serve_parser(sub) -> None:
                         "a second signal ends them at once (default 30)")
     s.add_argument("--max-connections", type=positive_int, default=None,
                    help="open connections at most; one more closes the connection idle longest, or gets 503 when all "
-                        "are in a request (default: the descriptor limit, ulimit -n, less those open and 64 in reserve)")
+                        "are in a request (default: the descriptor limit, ulimit -n, less those open and a reserve; docs/serve.md)")
     s.add_argument("--timeout-keep-alive", type=positive_float, default=TIMEOUT_KEEP_ALIVE,
                    help="seconds a connection with no request in progress (new, or between requests) stays open "
                         f"(default {TIMEOUT_KEEP_ALIVE:g}, as uvicorn)")
