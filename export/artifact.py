@@ -35,6 +35,7 @@ SCHEMA_VERSION = 3
 METADATA_FILE = "kivi_export.json"
 TOKENIZER_DIR = "tokenizer"
 FORMATS = ("pt2", "aoti", "onnx", "pte")
+PROGRAM_DATA_SUFFIX = ".data"  # ONNX's external data: model.onnx -> model.onnx.data (formats.save_onnx)
 PROGRAM_FILES = {"pt2": "model.pt2", "aoti": "model_aoti.pt2", "onnx": "model.onnx", "pte": "model.pte"}
 # Formats whose files only the torch release that wrote them is known to read.
 TORCH_BOUND_FORMATS = ("pt2", "aoti")
@@ -292,9 +293,14 @@ def signed_fields(path: Path) -> dict:
 
 
 def written_files(raw: dict) -> set[str]:
-    """The paths (relative, POSIX) an export wrote, as its signed metadata lists them: the metadata
-    itself, the program file(s) and every tokenizer file."""
-    return {METADATA_FILE, raw["program"], *raw["extra_files"],
+    """The paths (relative, POSIX) an export wrote, as its signed metadata lists them, kept to the
+    names an export writes: the metadata itself, the program file of its format and that file's
+    external data (ONNX, PROGRAM_DATA_SUFFIX), and the files under the tokenizer directory. The
+    digest is an unkeyed sha256 that anyone can recompute, so a listed name outside these is not
+    taken as the export's: `--overwrite` then refuses, naming it, instead of deleting it."""
+    program = PROGRAM_FILES[raw["format"]]
+    data = f"{program}{PROGRAM_DATA_SUFFIX}"
+    return {METADATA_FILE, program, *({data} & set(raw["extra_files"])),
             *(f"{TOKENIZER_DIR}/{name}" for name in raw["tokenizer_files"])}
 
 

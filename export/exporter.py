@@ -10,8 +10,11 @@ the same target fail at once instead of interleaving files.
 `--overwrite` never deletes what an export did not write. It replaces a directory that is empty or
 holds an intact KIVI export (its kivi_export.json checks, digest included) and nothing else: the
 signed metadata lists every file the export wrote, and any other file or directory there (a user's
-notes, results, a project) makes the export refuse, naming it. A directory whose metadata does not
-verify is never touched. After the swap only the listed files of the old export are removed.
+notes, results, a project) makes the export refuse, naming it. Only the names an export writes
+count as listed (the metadata, the program file, its external data, the tokenizer directory:
+artifact.written_files), whatever else a recomputed digest vouches for. A directory whose
+metadata does not verify is never touched. After the swap only the listed files of the old export
+are removed.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import torch
 
 from kivi_ops import cache_capacity
 
-from .artifact import ArtifactError, ExportMetadata
+from .artifact import PROGRAM_DATA_SUFFIX, ArtifactError, ExportMetadata
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -157,7 +157,7 @@ def save_onnx(ep: torch.export.ExportedProgram, file: Path) -> list[str]:
     program = torch.onnx.export(ep, dynamo=True, verbose=False, optimize=False)
     program.save(str(file), external_data=True)
     onnx.checker.check_model(str(file), full_check=False)
-    data = file.with_name(file.name + ".data")
+    data = file.with_name(file.name + PROGRAM_DATA_SUFFIX)
     return [data.name] if data.exists() else []
 
 

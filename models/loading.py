@@ -169,14 +169,19 @@ def resolve_model_path(model: str) -> Path:
     if model == GEMMA3_MODEL:
         return gguf_model_dir(gemma3_gguf_path())
     path = Path(model)
-    if path.suffix.lower() == ".gguf" and not path.is_dir():
+    if path.suffix.lower() == ".gguf" and path.is_file():
         return gguf_model_dir(path)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             f"--model must be '{DEFAULT_MODEL}', '{GEMMA3_MODEL}', a GGUF file (.gguf) or a local Hugging Face model directory with "
-            f"config.json; {model!r} is not one (nothing is downloaded)"
+            f"config.json; {model!r} is not one{'' if path.exists() else ' (it does not exist)'} (nothing is downloaded)"
         )
     return path
+
+
+class ModelNotFoundError(FileNotFoundError, ValueError):
+    """--model names no model (no such file, or a directory without config.json): the user's
+    mistake, a usage error (the CLI exits 2: ValueError), still a FileNotFoundError for callers."""
 
 
 class ModelLoadError(OSError):

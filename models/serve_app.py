@@ -142,8 +142,8 @@ class Guard:
 
     - allowed_hosts: the Host header must name one of them (None: any). A server bound to loopback
       answers only its own names, so a web page that rebinds its DNS name to 127.0.0.1 cannot read it.
-    - api_key: /v1/* and /metrics need `Authorization: Bearer <key>` (compared in constant time),
-      else 401; /health stays open for probes.
+    - api_key: every path but /health (/v1/*, /metrics, /docs and /openapi.json with --docs) needs
+      `Authorization: Bearer <key>` (compared in constant time), else 401; /health stays open for probes.
     - a Content-Length over max_request_bytes gets OpenAI's 413 here, since FastAPI's limiter
       answers an announced oversize body in plain text. Bodies without a length are counted by
       FastAPI's max_body_size, whose 413 the app's handler shapes."""
@@ -165,7 +165,7 @@ class Guard:
             return error(400, f"the Host header {host!r} is not allowed: this server answers only "
                               f"{', '.join(self.allowed_hosts)}", code="invalid_host")
         path = scope["path"]
-        if self.api_key is not None and (path.startswith("/v1/") or path == "/metrics"):
+        if self.api_key is not None and path != "/health":
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
                 return error(401, "a valid API key is required: send 'Authorization: Bearer <key>' (--api-key)",
@@ -186,6 +186,12 @@ def _hostname(host: str) -> Optional[str]:
     else:
         name, _, port = host.partition(":")
     return name if name and (not port or port.isdigit()) and "@" not in name and "/" not in name else None
+
+
+def shortened(text: str, keep: int = 64) -> str:
+    """repr(text), cut to `keep` characters and its length when longer: an error quotes what the
+    client sent, never a megabyte of it."""
+    return repr(text) if len(text) <= keep else f"{text[:keep]!r}... ({len(text)} characters)"
 
 
 def too_large(limit: int) -> JSONResponse:
@@ -216,6 +222,9 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
     async def http_error(request: HTTPRequest, exc: StarletteHTTPException):  # 404 route, 405 method, ...
         if exc.status_code == 413:
             return too_large(max_request_bytes)
+        if exc.status_code == 400:  # FastAPI's body parser failed: not UTF-8, or JSON nested too deep to parse
+            return error(400, "the request body is not valid JSON (UTF-8 text, not nested too deeply)",
+                         code="invalid_json")
         return error(exc.status_code, str(exc.detail), headers=exc.headers,
                      code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
 
@@ -275,7 +284,7 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
 
     def check_model(name: str) -> Optional[JSONResponse]:
         if name != model_name:
-            return error(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+            return error(404, f"the model {shortened(name)} does not exist; this server serves {model_name!r}",
                          param="model", code="model_not_found")
         return None
 

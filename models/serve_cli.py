@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from typing import Optional
 
 from .cli_args import (add_model_arguments, check_memory, check_weight_quant_modes, device_and_dtype,
@@ -11,6 +12,8 @@ from .cli_args import (add_model_arguments, check_memory, check_weight_quant_mod
                        usage_errors)
 from .loading import DEFAULT_MODEL, DEFAULT_NAME, load_model, log
 from .serve_app import LOOPBACK_HOSTS, MAX_REQUEST_BYTES, Server, build_app
+from .serve_connections import (READ_TIMEOUT, TIMEOUT_KEEP_ALIVE, ConnectionLimits, check_connection_limits,
+                                uvicorn_config)
 
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching over the cache)")
@@ -18,7 +21,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-batch", type=positive_int, default=None,
                    help="cache rows (concurrent requests); default 8 unless --cache-budget-gib (static), "
                         f"{PAGED_ROWS} with --paged")
-    s.add_argument("--cache-budget-gib", type=float, default=None,
+    s.add_argument("--cache-budget-gib", type=positive_float, default=None,
                    help="static: as many rows as fit this many GiB of cache (exact bytes per row); --paged: as many "
                         "pages as fit (exact bytes per page, after the rows' own state)")
     s.add_argument("--paged", action="store_true",
@@ -54,7 +57,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-request-bytes", type=positive_int, default=MAX_REQUEST_BYTES,
                    help=f"largest request body; more is refused with 413 (default {MAX_REQUEST_BYTES})")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on /v1/* and /metrics (default: the KIVI_API_KEY "
+                   help="require 'Authorization: Bearer <key>' on every path but /health (default: the KIVI_API_KEY "
                         "environment variable, which other users cannot read from the process list; none if unset)")
     s.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (off by default)")
     s.add_argument("--max-waiting", type=non_negative_int, default=64,
@@ -64,6 +67,15 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds running requests get to finish before they end with an error; "
                         "a second signal ends them at once (default 30)")
+    s.add_argument("--max-connections", type=positive_int, default=None,
+                   help="open connections at most; one more closes the connection idle longest, or gets 503 when all "
+                        "are in a request (default: the descriptor limit, ulimit -n, less those open and a reserve; docs/serve.md)")
+    s.add_argument("--timeout-keep-alive", type=positive_float, default=TIMEOUT_KEEP_ALIVE,
+                   help="seconds a connection with no request in progress (new, or between requests) stays open "
+                        f"(default {TIMEOUT_KEEP_ALIVE:g}, as uvicorn)")
+    s.add_argument("--read-timeout", type=positive_float, default=READ_TIMEOUT,
+                   help="seconds a request's headers and body may take to arrive from its first byte; then 408 and "
+                        f"the connection closes (default {READ_TIMEOUT:g})")
     s.add_argument("--tp-timeout", type=positive_float, default=120.0,
                    help="under torchrun: seconds any collective (a step, a plan, loading) may wait for the other "
                         "ranks before the server gives up on them and answers 503 (default 120; docs/parallel.md)")
@@ -71,13 +83,17 @@ def add_serve_parser(sub) -> None:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether binding `host` only accepts connections from this machine."""
-    if host == "localhost":
+    """Whether binding `host` only accepts connections from this machine. An address is read as
+    the socket layer reads it (inet_aton: "127.1" is 127.0.0.1, so is "0x7f.1"); of the names, only
+    localhost is known to be loopback: another may resolve to anything."""
+    host = host.strip("[]")
+    if host.lower().rstrip(".") == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve to anything
+        infos = socket.getaddrinfo(host, None, flags=socket.AI_NUMERICHOST)
+    except (socket.gaierror, UnicodeError):
+        return False  # a name
+    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
 def access_settings(args, parser) -> tuple[Optional[str], Optional[tuple[str, ...]]]:
@@ -86,6 +102,10 @@ def access_settings(args, parser) -> tuple[Optional[str], Optional[tuple[str, ..
     api_key = args.api_key if args.api_key is not None else os.environ.get("KIVI_API_KEY")
     if api_key is not None and not api_key.strip():
         parser.error("--api-key (or KIVI_API_KEY) is empty; give a key or unset it")
+    if api_key is not None and not all("!" <= c <= "~" for c in api_key):
+        # A Bearer token travels in an HTTP header: clients send only visible ASCII there.
+        parser.error("--api-key (or KIVI_API_KEY) must be printable ASCII without spaces (what an HTTP client can send "
+                     "in 'Authorization: Bearer <key>')")
     if not is_loopback(args.host):
         if api_key is None:
             log(f"warning: --host {args.host} accepts connections from other machines and no --api-key (or "
@@ -173,8 +193,6 @@ def check_paging_flags(args, parser) -> None:
 def cmd_serve(args, parser) -> int:
     import functools
 
-    import uvicorn
-
     from .generate import make_paged_cache
     from .parallel import is_main_process, world_size
     from .serve_engine import Engine, Paging, check_prefix_caching, decode_buckets
@@ -187,6 +205,8 @@ def cmd_serve(args, parser) -> int:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     api_key, allowed_hosts = access_settings(args, parser)
     check_paging_flags(args, parser)
+    limits = ConnectionLimits(check_connection_limits(args.max_connections, parser), args.timeout_keep_alive,
+                              args.read_timeout)
     make_runner, channel = Runner, None
     if world_size() > 1:  # tensor parallelism (serve_tp.py): rank 0 serves, the others replay its plans
         from . import serve_tp
@@ -244,7 +264,7 @@ def cmd_serve(args, parser) -> int:
     log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API; /health, /metrics)")
     app = build_app(engine, name, max_request_bytes=args.max_request_bytes, api_key=api_key, docs=args.docs,
                     allowed_hosts=allowed_hosts)
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), engine,
+    server = Server(uvicorn_config(app, host=args.host, port=args.port, limits=limits), engine,
                     shutdown_timeout=args.shutdown_timeout)
     try:
         server.run()

@@ -86,6 +86,11 @@ class RequestError(ValueError):
         self.status, self.code, self.param, self.headers = status, code, param, headers
 
 
+def prompt_count(prompt_tokens: int, at_least: bool) -> str:
+    """"12 tokens", "1 token", "at least 1 token" (at_least: a bound counted before tokenizing)."""
+    return f"{'at least ' if at_least else ''}{prompt_tokens} token{'' if prompt_tokens == 1 else 's'}"
+
+
 def context_error(prompt_tokens: int, max_tokens: int, max_seq_len: int, *,
                   at_least: bool = False) -> Optional[RequestError]:
     """The refusal of a prompt of `prompt_tokens` (at_least: a lower bound, counted before
@@ -93,8 +98,7 @@ def context_error(prompt_tokens: int, max_tokens: int, max_seq_len: int, *,
     blames max_tokens when the prompt alone fits, the prompt otherwise."""
     if prompt_tokens + max_tokens <= max_seq_len:
         return None
-    count = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
-    return RequestError(f"the prompt ({count} tokens) + max_tokens ({max_tokens}) exceeds a slot's capacity of "
+    return RequestError(f"the prompt ({prompt_count(prompt_tokens, at_least)}) + max_tokens ({max_tokens}) exceeds a slot's capacity of "
                         f"{max_seq_len} tokens (--max-seq-len)", code="context_length_exceeded",
                         param="max_tokens" if prompt_tokens < max_seq_len else "prompt")
 
@@ -294,9 +298,8 @@ class Engine:
         tokens = prompt_tokens + max_tokens
         if self.blocks.fits(tokens):
             return None
-        count = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
         return RequestError(
-            f"the prompt ({count} tokens) + max_tokens ({max_tokens}) needs {self.blocks.pages_needed(tokens)} pages of "
+            f"the prompt ({prompt_count(prompt_tokens, at_least)}) + max_tokens ({max_tokens}) needs {self.blocks.pages_needed(tokens)} pages of "
             f"{self.cache.page_size} tokens, more than the whole pool of {self.blocks.num_pages} pages holds "
             f"(--num-pages / --cache-budget-gib)", code="context_length_exceeded",
             param="max_tokens" if self.blocks.fits(prompt_tokens) else "prompt")

@@ -122,6 +122,12 @@ def test_broken_model_directories_exit_1(tmp_path, tiny_dir, capsys):
         assert code == 1 or "is not one" in err  # a directory without config.json is a usage error
 
 
+@pytest.mark.parametrize("name", ["missing.gguf", "missing", "missing.GGUF"])
+def test_a_model_path_that_does_not_exist_is_a_usage_error(name, tmp_path, capsys):
+    code, _, err = run(["generate", *PROMPT, "--model", str(tmp_path / name)], capsys)
+    assert code == 2 and "--model" in err and "(it does not exist)" in err, err
+
+
 def test_debug_shows_the_traceback(tmp_path):
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
@@ -193,6 +199,15 @@ def test_serve_usage_errors(tiny_dir, capsys):
     for argv, message in ((["--port", "0"], "--port must be in 1..65535"),
                           (["--max-seq-len", "100"], "exceeds the model's context of 64 tokens"),
                           (["--cache-budget-gib", "0.000001", "--max-seq-len", "32"], "does not hold one row"),
+                          *((["--cache-budget-gib", bad], f"argument --cache-budget-gib: must be a finite number > 0, "
+                              f"got {bad}") for bad in ("nan", "inf", "-1", "0")),
+                          (["--paged", "--cache-budget-gib", "nan"], "argument --cache-budget-gib: must be a finite"),
+                          (["--api-key", "clé"], "--api-key (or KIVI_API_KEY) must be printable ASCII"),
+                          (["--api-key", "two words"], "--api-key (or KIVI_API_KEY) must be printable ASCII"),
+                          (["--max-connections", "100000000"], "--max-connections 100000000 exceeds what the "
+                           "descriptor limit allows"),
+                          (["--read-timeout", "0"], "argument --read-timeout: must be a finite number > 0"),
+                          (["--timeout-keep-alive", "nan"], "argument --timeout-keep-alive: must be a finite"),
                           (["--max-batch", "2", "--cache-budget-gib", "1"], "not allowed with argument"),
                           (["--num-pages", "4"], "--num-pages applies only with --paged"),
                           (["--page-size", "8"], "--page-size applies only with --paged"),

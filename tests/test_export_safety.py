@@ -143,6 +143,18 @@ def export_with_a_link(pt2_export, out):
     return ["data/"]
 
 
+def crafted_metadata_listing_a_user_file(pt2_export, out):
+    """A real export whose metadata was rewritten to list the user's files as its own, hashes and
+    digest recomputed (the digest is unkeyed: anyone can). --overwrite deletes only the names kivi
+    writes, whatever the metadata lists, so these are foreign still."""
+    shutil.copytree(pt2_export, out)
+    (out / "thesis.tex").write_text("three years of work\n")
+    (out / "model.onnx.data").write_text("another tool's weights\n")
+    names = ["thesis.tex", "model.onnx.data"]
+    rewrite(out, sign=True, extra_files=names, extra_sha256=[sha256_of(out / n) for n in names])
+    return names
+
+
 def metadata_that_does_not_verify(raw):
     def layout(pt2_export, out):
         out.mkdir()
@@ -156,10 +168,11 @@ def metadata_that_does_not_verify(raw):
     project_with_copied_metadata,
     export_with_user_files,
     export_with_a_link,
+    crafted_metadata_listing_a_user_file,
     metadata_that_does_not_verify({"schema_version": 0, "format": "none"}),
     metadata_that_does_not_verify({"schema_version": 2, "format": "pt2"}),  # an older schema
     metadata_that_does_not_verify("not json"),
-], ids=["copied-metadata-project", "user-files-in-export", "symlink-in-export", "schema-0-format-none",
+], ids=["copied-metadata-project", "user-files-in-export", "symlink-in-export", "crafted-metadata", "schema-0-format-none",
         "old-schema", "bad-json"])
 def test_overwrite_never_deletes_what_an_export_did_not_write(layout, tiny, pt2_export, tmp_path):
     out = tmp_path / "out"

@@ -22,6 +22,7 @@ import torch
 
 from kivi_models import generate, make_cache, patch_model
 from kivi_models.serve_app import build_app
+from kivi_models.serve_connections import ConnectionLimits, uvicorn_config
 from kivi_models.serve_engine import Engine
 from kivi_ops import KIVIConfig
 
@@ -49,13 +50,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(engine, **app_options):
-    """uvicorn on 127.0.0.1 serving build_app(engine, NAME, **app_options); yields its URL."""
+def serving(engine, limits=ConnectionLimits(max_connections=64), **app_options):
+    """uvicorn on 127.0.0.1, as `kivi serve` configures it, serving build_app(engine, NAME,
+    **app_options); yields its URL."""
     import uvicorn
 
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, NAME, **app_options), host="127.0.0.1", port=port,
-                                        log_level="warning"))
+    srv = uvicorn.Server(uvicorn_config(build_app(engine, NAME, **app_options), host="127.0.0.1", port=port,
+                                        limits=limits))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -314,7 +316,9 @@ def test_stop_strings_cut_at_the_earliest_occurrence_in_the_text(tiny, server):
     (b'{"model": "tiny\\ud800", "prompt": "x"}', "/v1/completions", 400, "model", "invalid_value"),
     (b'{"model": "tiny", "prompt": "x", "stop": ["\\ud800"]}', "/v1/completions", 400, "stop.0", "invalid_value"),
     (b"{not json", "/v1/completions", 400, None, "invalid_json"),
-    (b"\xff\xfe not utf-8", "/v1/completions", 400, None, None),
+    (b"\xff\xfe not utf-8", "/v1/completions", 400, None, "invalid_json"),
+    (b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "/v1/completions", 400, None,
+     "invalid_json"),
     ({"model": NAME, "prompt": ""}, "/v1/completions", 400, "prompt", "invalid_value"),
     ({"model": NAME, "prompt": "x", "seed": 2**64}, "/v1/completions", 400, "seed", "invalid_value"),
     ({"model": NAME, "prompt": "x", "seed": -(2**63) - 1}, "/v1/completions", 400, "seed", "invalid_value"),
@@ -330,6 +334,14 @@ def test_stop_strings_cut_at_the_earliest_occurrence_in_the_text(tiny, server):
 def test_every_error_has_openai_shape_and_the_right_param(server, body, path, status, param, code):
     assert_openai_error(post(server, body, path), status, param, code)
     assert post(server, COMPLETION).status_code == 200  # and the server keeps serving
+
+
+def test_errors_quote_at_most_a_little_of_the_input_and_count_tokens_in_good_english(server):
+    err = assert_openai_error(post(server, {"model": "m" * 1_000_000, "prompt": "x"}), 404, "model", "model_not_found")
+    assert len(err["message"]) < 200 and "(1000000 characters)" in err["message"], err["message"][:300]
+    err = assert_openai_error(post(server, {"model": NAME, "prompt": "x", "max_tokens": MAX_SEQ_LEN}), 400,
+                              "max_tokens", "context_length_exceeded")
+    assert err["message"].startswith("the prompt (at least 1 token) + max_tokens"), err["message"]
 
 
 def test_wrong_method_is_an_openai_error(server):
@@ -644,6 +656,14 @@ def test_a_loopback_server_answers_only_its_own_host_names(locked, host, ok):
         assert_openai_error(httpx.get(f"{locked}/health", headers=headers, timeout=10), 400, None, "invalid_host")
 
 
+def test_with_an_api_key_docs_and_unknown_paths_need_it_too(engine):
+    with serving(engine, api_key=KEY, docs=True) as url:
+        for path in ("/docs", "/openapi.json", "/nothing-here"):
+            assert_openai_error(httpx.get(f"{url}{path}", timeout=10), 401, None, "invalid_api_key")
+        assert httpx.get(f"{url}/openapi.json", headers={"authorization": f"Bearer {KEY}"}, timeout=10).status_code == 200
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
 def test_docs_and_openapi_are_off_by_default(server, engine):
     for path in ("/docs", "/openapi.json", "/redoc"):
         assert_openai_error(httpx.get(f"{server}{path}", timeout=10), 404, None, "not_found")
@@ -692,6 +712,10 @@ def serve_args(host, api_key=None):
 @pytest.mark.parametrize("host, key, env, warned, hosts", [
     ("127.0.0.1", None, None, False, ("127.0.0.1", "localhost", "::1")),
     ("127.0.0.2", None, None, False, ("127.0.0.1", "localhost", "::1", "127.0.0.2")),
+    ("127.1", None, None, False, ("127.0.0.1", "localhost", "::1", "127.1")),  # inet_aton's 127.0.0.1
+    ("[::1]", None, None, False, ("127.0.0.1", "localhost", "::1")),
+    ("localhost", None, None, False, ("127.0.0.1", "localhost", "::1")),
+    ("10.1.2.3", None, None, True, None),
     ("0.0.0.0", None, None, True, None),
     ("0.0.0.0", KEY, None, False, None),
     ("::", None, KEY, False, None),
@@ -711,15 +735,17 @@ def test_kivi_serve_access_settings(host, key, env, warned, hosts, monkeypatch, 
     assert ("warning: --host" in capsys.readouterr().err) == warned
 
 
-def test_an_empty_api_key_is_a_usage_error(monkeypatch, capsys):
+@pytest.mark.parametrize("key, message", [(" ", "is empty"), ("clé", "must be printable ASCII"),
+                                          ("a\tb", "must be printable ASCII")])
+def test_an_empty_or_unsendable_api_key_is_a_usage_error(key, message, monkeypatch, capsys):
     import argparse
 
     from kivi_models.serve_cli import access_settings
 
-    monkeypatch.setenv("KIVI_API_KEY", " ")
-    with pytest.raises(SystemExit):
+    monkeypatch.setenv("KIVI_API_KEY", key)
+    with pytest.raises(SystemExit) as exit_:
         access_settings(serve_args("127.0.0.1"), argparse.ArgumentParser())
-    assert "is empty" in capsys.readouterr().err
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_an_unexpected_exception_is_a_logged_openai_500(engine, server, monkeypatch, caplog):
@@ -732,3 +758,182 @@ def test_an_unexpected_exception_is_a_logged_openai_500(engine, server, monkeypa
         err = assert_openai_error(post(url, COMPLETION), 500, None, "internal_error")
     assert err["message"] == "internal error: RuntimeError"  # no traceback or internals in the body
     assert any("tokenizer exploded" in str(r.exc_info) for r in caplog.records if r.name == "kivi.serve")
+
+
+# ---------------------------------------------------------------- issue 43 item 5: idle and slow clients
+
+
+def raw_connect(url) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def read_all(sock: socket.socket, timeout: float) -> bytes:
+    """What the server sends until it closes the connection (at most `timeout` seconds)."""
+    sock.settimeout(timeout)
+    data = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+PARTIAL_BODY = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                b"Content-Length: 5000\r\n\r\n" + b"x" * 100)
+
+
+def assert_raw_error(data: bytes, status: int, code: str) -> None:
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status} ".encode()), data[:200]
+    assert json.loads(body)["error"]["code"] == code
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_keep_alive_timeout(engine):
+    with serving(engine, ConnectionLimits(8, timeout_keep_alive=0.5, read_timeout=30)) as url:
+        sock = raw_connect(url)
+        start = time.perf_counter()
+        assert read_all(sock, timeout=10) == b""  # closed, nothing sent
+        assert 0.4 < time.perf_counter() - start < 3
+
+
+@pytest.mark.parametrize("partial", [b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n", PARTIAL_BODY],
+                         ids=["headers", "body"])
+def test_a_request_that_never_arrives_whole_gets_408(engine, partial):
+    with serving(engine, ConnectionLimits(8, timeout_keep_alive=30, read_timeout=0.5)) as url:
+        sock = raw_connect(url)
+        sock.sendall(partial)
+        start = time.perf_counter()
+        assert_raw_error(read_all(sock, timeout=10), 408, "request_timeout")
+        assert 0.4 < time.perf_counter() - start < 3
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_the_read_timeout_bounds_the_request_not_its_response_nor_the_next_one(engine, monkeypatch):
+    """A stream that outlasts the read timeout runs to its end, and a kept-alive connection's next
+    request gets a fresh deadline."""
+    with serving(engine, ConnectionLimits(8, timeout_keep_alive=30, read_timeout=0.5)) as url:
+        with slow_steps(engine, monkeypatch, 0.05):
+            r = post(url, {**COMPLETION, "max_tokens": 20, "stream": True})  # 1 s of steps
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        sock = raw_connect(url)
+        for _ in range(2):  # one connection, two requests 0.7 s apart
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            data = b""
+            while not data.endswith(b'{"status":"ok"}'):
+                data += sock.recv(65536) or pytest.fail(f"closed after {data!r}")
+            assert data.startswith(b"HTTP/1.1 200 ")
+            time.sleep(0.7)
+        sock.close()
+
+
+def test_past_the_cap_the_idlest_connection_makes_room_or_the_newcomer_gets_503(engine):
+    with serving(engine, ConnectionLimits(2, timeout_keep_alive=30, read_timeout=30)) as url:
+        idle = raw_connect(url)
+        busy = raw_connect(url)
+        busy.sendall(PARTIAL_BODY)
+        time.sleep(0.2)
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # the idle one made room
+        assert read_all(idle, timeout=5) == b""
+        also_busy = raw_connect(url)
+        also_busy.sendall(PARTIAL_BODY)
+        time.sleep(0.2)
+        assert_raw_error(read_all(raw_connect(url), timeout=5), 503, "too_many_connections")
+        for sock in (busy, also_busy):
+            sock.close()
+
+
+def test_accept_errors_are_logged_at_a_bounded_rate(caplog):
+    import asyncio
+
+    from kivi_models.serve_connections import AcceptErrorLog
+
+    handler, loop = AcceptErrorLog(interval=0.2), asyncio.new_event_loop()
+    context = {"message": "socket.accept() out of system resource", "exception": OSError(24, "Too many open files")}
+    try:
+        with caplog.at_level(logging.ERROR, logger="kivi.serve"):
+            for _ in range(1000):
+                handler(loop, context)
+            time.sleep(0.25)
+            handler(loop, context)
+    finally:
+        loop.close()
+    records = [r.getMessage() for r in caplog.records if r.name == "kivi.serve"]
+    assert len(records) == 2 and "Too many open files" in records[0]
+    assert "999 more since the last report" in records[1]
+
+
+SERVER_UNDER_ULIMIT = """
+import argparse, sys
+from transformers import AutoTokenizer
+from kivi_models import patch_model
+from kivi_models.loading import default_model_dir
+from kivi_models.serve_app import Server, build_app
+from kivi_models.serve_connections import ConnectionLimits, check_connection_limits, uvicorn_config
+from kivi_models.serve_engine import Engine
+from kivi_ops import KIVIConfig
+from tiny_models import tiny_llama
+
+tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
+model = patch_model(tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=256))
+engine = Engine(model, tokenizer, method="kivi", kivi_config=KIVIConfig(group_size=4, residual_length=4), slots=3,
+                max_seq_len=128)
+# keep-alive long: connections are closed by the cap here, not by the idle timeout
+limits = ConnectionLimits(check_connection_limits(None, argparse.ArgumentParser()), timeout_keep_alive=60,
+                          read_timeout=3)
+print("max_connections", limits.max_connections, flush=True)
+Server(uvicorn_config(build_app(engine, "tiny"), host="127.0.0.1", port=int(sys.argv[1]), limits=limits), engine,
+       shutdown_timeout=1).run()
+"""
+
+
+def test_300_idle_connections_under_ulimit_256_leave_health_and_completions_working(tmp_path):
+    """The probe's case (issue 43): a server limited to 256 descriptors, 300 connections that send
+    nothing and 20 that stop halfway through a body. /health still answers in under a second, a
+    completion succeeds, the stalled bodies get 408, and the log stays small (no accept() storm)."""
+    import resource
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def limit_descriptors():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    port, log_path = free_port(), tmp_path / "serve.log"
+    tests = str(Path(__file__).parent)
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-c", SERVER_UNDER_ULIMIT, str(port)], stdout=log_file,
+                                stderr=subprocess.STDOUT, preexec_fn=limit_descriptors, cwd=tests,
+                                env={**__import__("os").environ, "PYTHONPATH": tests})
+    url, socks = f"http://127.0.0.1:{port}", []
+    try:
+        def up():
+            assert proc.poll() is None, log_path.read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        wait_for(up, timeout=120)
+        cap = int(re.search(r"max_connections (\d+)", log_path.read_text()).group(1))
+        assert 100 < cap < 256 - 64 - 2 * 16
+        for _ in range(300):
+            socks.append(raw_connect(url))
+        stalled = [raw_connect(url) for _ in range(20)]
+        for sock in stalled:
+            sock.sendall(PARTIAL_BODY)
+        time.sleep(0.5)
+        seconds = []
+        for _ in range(3):  # each on a new connection; the best of three, as a busy 2-core machine may stall one
+            start = time.perf_counter()
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+            seconds.append(time.perf_counter() - start)
+        assert min(seconds) < 1, seconds
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        for sock in stalled:
+            assert_raw_error(read_all(sock, timeout=10), 408, "request_timeout")
+        assert proc.poll() is None
+    finally:
+        for sock in socks:
+            sock.close()
+        proc.kill()
+        proc.wait(timeout=30)
+    log = log_path.read_text()
+    assert len(log) < 20_000 and "Too many open files" not in log, log[-2000:]

@@ -1,0 +1,209 @@
+"""The connections of `kivi serve`: idle and slow clients are timed out, open connections are capped
+below the process's descriptor limit, and accept() errors are logged at a bounded rate (issue 43).
+
+uvicorn 0.54 (h11) leaves three gaps that this module closes with its own extension points (a
+protocol class and a loop factory):
+
+- its keep-alive timer starts only after a first response, so a connection that never sends a
+  byte stays open for ever: here the same timer also runs from the moment a connection opens;
+- nothing bounds how long a request's headers or body may take: here a request must arrive whole
+  within `read_timeout` seconds of its first byte, else 408 and the connection closes;
+- it accepts connections until the process runs out of descriptors. asyncio's accept loop then
+  logs EMFILE once per pending connection of the backlog, every second (97 MB in 6 s). Here at
+  most `max_connections` are open, a number kept below RLIMIT_NOFILE less the descriptors the
+  process holds, a reserve and room for what one pass of asyncio's accept loop takes; one more closes the connection idle longest, or gets 503 when every
+  connection is in a request. Should accept() still fail (descriptors taken elsewhere), the event
+  loop logs it at most once per ACCEPT_LOG_INTERVAL seconds, with a count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .serve_app import error
+from .serve_engine import log
+
+TIMEOUT_KEEP_ALIVE = 5.0  # uvicorn's default (vLLM's too): seconds an idle connection stays open
+READ_TIMEOUT = 30.0  # seconds a request's headers and body may take to arrive
+# Descriptors kept free beyond those open at start: the listening socket, the event loop's own,
+# the files torch, tokenizers and the compiler open later (Inductor writes its cache as it compiles).
+DESCRIPTOR_RESERVE = 64
+ACCEPT_LOG_INTERVAL = 10.0
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    max_connections: int
+    timeout_keep_alive: float = TIMEOUT_KEEP_ALIVE
+    read_timeout: float = READ_TIMEOUT
+
+
+def descriptor_limit() -> int:
+    """The soft RLIMIT_NOFILE (what open() and accept() fail at), or 2**20 when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 2**20 if soft == resource.RLIM_INFINITY else soft
+
+
+def descriptors_open() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # not Linux: count nothing, the reserve still applies
+        return 0
+
+
+def listen_backlog() -> int:
+    """The listen queue: 1/16 of the descriptor limit, within [16, 2048] (uvicorn's default)."""
+    return max(16, min(2048, descriptor_limit() // 16))
+
+
+def connection_cap() -> int:
+    """The most connections this process can hold open and keep DESCRIPTOR_RESERVE descriptors free
+    (may be <= 0: the limit is too low to serve). asyncio's accept loop takes up to `backlog`
+    connections in one pass before any of them is counted here, and as many evicted ones may still
+    be closing: twice the backlog is kept free for them."""
+    return descriptor_limit() - descriptors_open() - DESCRIPTOR_RESERVE - 2 * listen_backlog()
+
+
+def raw_response(status: int, reason: str, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 response with OpenAI's error object that closes the connection: what a
+    connection gets when no request cycle can answer it (none started, or one still reading)."""
+    body = error(status, message, code=code).body
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n")
+    return head.encode("ascii") + body
+
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the idle and read timeouts and the connection cap of the module
+    docstring. `limits` is bound with functools.partial (uvicorn_config)."""
+
+    def __init__(self, *args, limits: ConnectionLimits, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.limits = limits
+        self.read_deadline: Optional[asyncio.TimerHandle] = None  # armed at a request's first byte
+        self.idle_since = 0.0
+
+    def idle(self) -> bool:
+        """No request in progress: nothing of one received, no response owed."""
+        return self.read_deadline is None and (self.cycle is None or self.cycle.response_complete)
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.idle_since = self.loop.time()
+        open_ = [c for c in self.connections if not (c.transport and c.transport.is_closing())]  # closing: not counted
+        if len(open_) > self.limits.max_connections and not self.evict_idlest(open_):
+            self.transport.write(raw_response(
+                503, "Service Unavailable", f"the server holds its most connections ({self.limits.max_connections}, "
+                "--max-connections), each in a request; retry later", "too_many_connections"))
+            self.transport.close()
+            return
+        # uvicorn arms this timer only after a response; from the start, a silent connection ends too.
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def evict_idlest(self, connections: list) -> bool:
+        """Close the connection idle longest (not this one) to make room; False if none is idle."""
+        idle = [c for c in connections if c is not self and isinstance(c, BoundedH11Protocol) and c.idle()]
+        if not idle:
+            return False
+        min(idle, key=lambda c: c.idle_since).timeout_keep_alive_handler()  # what its keep-alive timeout does
+        return True
+
+    def data_received(self, data: bytes) -> None:
+        if self.read_deadline is None:
+            self.read_deadline = self.loop.call_later(self.limits.read_timeout, self.read_timed_out)
+        super().data_received(data)
+
+    def read_timed_out(self) -> None:
+        """The request's headers or body did not arrive in time. A request read whole (its response
+        may stream for minutes) is left alone."""
+        self.read_deadline = None
+        if self.transport.is_closing() or self.conn.their_state is h11.DONE:
+            return
+        if self.cycle is None or not self.cycle.response_started:
+            self.transport.write(raw_response(
+                408, "Request Timeout", f"the request did not arrive whole within {self.limits.read_timeout:g} s "
+                "(--read-timeout)", "request_timeout"))
+        self.transport.close()  # a request cycle waiting for its body sees a disconnect
+
+    def on_response_complete(self) -> None:
+        if self.read_deadline is not None:  # the next request on this connection gets its own deadline
+            self.read_deadline.cancel()
+            self.read_deadline = None
+        self.idle_since = self.loop.time()
+        super().on_response_complete()
+
+    def connection_lost(self, exc) -> None:
+        if self.read_deadline is not None:
+            self.read_deadline.cancel()
+            self.read_deadline = None
+        super().connection_lost(exc)
+
+
+class AcceptErrorLog:
+    """An event-loop exception handler: accept() failures ("out of system resource": EMFILE,
+    ENFILE, ENOBUFS, ENOMEM) are logged at most once per `interval` seconds with how many there
+    were; anything else goes to asyncio's default handler."""
+
+    def __init__(self, interval: float = ACCEPT_LOG_INTERVAL):
+        self.interval, self.last, self.suppressed = interval, float("-inf"), 0
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        if not context.get("message", "").startswith("socket.accept() out of system resource"):
+            loop.default_exception_handler(context)
+            return
+        now = time.monotonic()
+        if now - self.last < self.interval:
+            self.suppressed += 1
+            return
+        also = f" ({self.suppressed} more since the last report)" if self.suppressed else ""
+        log.error(
+            "accept() failed: %s%s; new connections wait until descriptors free up (lower --max-connections or "
+            "raise ulimit -n)", context.get("exception"), also)
+        self.last, self.suppressed = now, 0
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvicorn's loop factory (Config(loop="module:function")): asyncio's loop with AcceptErrorLog."""
+    loop = asyncio.SelectorEventLoop()
+    loop.set_exception_handler(AcceptErrorLog())
+    return loop
+
+
+def uvicorn_config(app, *, host: str, port: int, limits: ConnectionLimits, **options) -> uvicorn.Config:
+    """uvicorn's Config for `app` with the bounded protocol and loop, and the backlog that
+    connection_cap() made room for (at most max_connections: a longer queue only holds clients the
+    cap will turn away)."""
+    import functools
+
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", loop=f"{__name__}:new_event_loop",
+                          http=functools.partial(BoundedH11Protocol, limits=limits),
+                          timeout_keep_alive=limits.timeout_keep_alive,
+                          backlog=min(listen_backlog(), limits.max_connections), **options)
+
+
+def check_connection_limits(max_connections: Optional[int], parser) -> int:
+    """--max-connections, or its default (connection_cap()); a usage error if the descriptor limit
+    cannot hold it."""
+    cap = connection_cap()
+    if cap < 1:
+        parser.error(f"the descriptor limit (ulimit -n {descriptor_limit()}) leaves no room for connections: "
+                     f"{descriptors_open()} descriptors are open and {DESCRIPTOR_RESERVE + 2 * listen_backlog()} are "
+                     "kept in reserve; "
+                     "raise ulimit -n")
+    if max_connections is None:
+        return cap
+    if max_connections > cap:
+        parser.error(f"--max-connections {max_connections} exceeds what the descriptor limit allows: {cap} (ulimit -n "
+                     f"{descriptor_limit()}, less the {descriptors_open()} descriptors open and "
+                     f"{DESCRIPTOR_RESERVE + 2 * listen_backlog()} kept in reserve); lower it or raise ulimit -n")
+    return max_connections
+
