@@ -110,9 +110,11 @@ def measure(arch: str = "sm_90a") -> dict:
     rows = []
     for name, res in resources.items():
         row = dict(kernel=name, **res)
-        variant = re.search(r"decode_split_kernelILi(\d+)ELi(\d)ELi(\d)ELb([01])E", name)  # <D, KB, VB, PAGED>
+        # <D, KB, VB, PAGED, T>: T mangled as 6__half or 13__nv_bfloat16
+        variant = re.search(r"decode_split_kernelILi(\d+)ELi(\d)ELi(\d)ELb([01])E\d+__(half|nv_bfloat16)", name)
         if variant:
-            head_dim, k_bits, v_bits, paged = map(int, variant.groups())
+            head_dim, k_bits, v_bits, paged = map(int, variant.groups()[:4])
+            row.update(dtype="bf16" if variant.group(5) == "nv_bfloat16" else "fp16")
             # token_bytes is linear in the bits: mixed widths read the mean width's bytes
             row.update(head_dim=head_dim, k_bits=k_bits, v_bits=v_bits, paged=bool(paged),
                        **model_row(mma_loop(bodies[name]), head_dim, (k_bits + v_bits) / 2))
@@ -139,7 +141,7 @@ def main(argv=None) -> None:
     for r in result["rows"]:
         short = re.sub(r".*(decode_(split|merge)_kernel).*", r"\1", r["kernel"])
         if "head_dim" in r:
-            short += f" {r['head_dim']} k{r['k_bits']}v{r['v_bits']}{' paged' if r['paged'] else ''}"
+            short += f" {r['head_dim']} k{r['k_bits']}v{r['v_bits']} {r['dtype']}{' paged' if r['paged'] else ''}"
         line = (f"{short:<34} {r['registers']:>5} {r['spill_store_bytes']:>5}/{r['spill_load_bytes']:<5} "
                 f"{r['shared_bytes']:>6}")
         if "head_dim" in r:
@@ -153,6 +155,6 @@ def main(argv=None) -> None:
                     nvcc=version("nvidia-cuda-nvcc"), nvcc_flags=list(NVCC_FLAGS), device_model=H100,
                     pipe_rates=PIPE_RATE, chunk_tokens=CHUNK_TOKENS,
                     note="static: the chunk loop's SASS counted per token of one kv head (per variant: head_dim, "
-                         "key/value bits, paged; G=32, any number of query heads up to 8); a ceiling on the "
+                         "key/value bits, dtype, paged; G=32, any number of query heads up to 8); a ceiling on the "
                          "bandwidth share with perfect latency hiding, not a timing. Compiled without a GPU.")
         Path(args.json).write_text(json.dumps(dict(meta=meta, **result), indent=1) + "\n")

@@ -2,16 +2,15 @@
 implementations' signature (query, layer, counts, params, scale), its paged form
 attend_cuda_cpp_paged (the same plus a paged_layout.Paging), and what it supports.
 
-Takes: 2- or 4-bit keys and values (each its own width), an fp16 cache, head_dim 64, 128 or 256,
+Takes: 2- or 4-bit keys and values (each its own width), an fp16 or bf16 cache (bf16 MMAs and
+unpack for bf16: decode_attend.cu's header), head_dim 64, 128 or 256,
 group_size a multiple of 32, 1 to 16 query heads per kv head (8 per block, the MMA's N: 9 to 16
 take two blocks, which read the same codes, the second mostly from L2), one query token per row,
 static or paged (block table; a page holds whole key groups, so whole 32-token chunks), either
 flush policy.
 Falls back to Triton (`unsupported` names the reason; the dispatcher runs Triton):
     q_len > 1 (prefill, verify)              decode only
-    bf16 / fp32 caches                       fp16 only: the magic-number unpack puts a code's top
-                                             bit in bf16's exponent (7 mantissa bits), and an fp16
-                                             MMA would overflow on bf16 ranges
+    fp32 caches                              16-bit MMA inputs only (fp16, bf16)
     3- or 8-bit codes                        not instantiated (a 3-bit word spans 3 bytes)
     head_dim other than 64, 128, 256         not instantiated
     more than 16 query heads per kv head     a third tile would read the codes a third time
@@ -32,6 +31,7 @@ from ..paged_layout import BLOCK_TABLE_DTYPE, Paging
 from ..schedule import OTT
 
 HEAD_DIMS = (64, 128, 256)
+CACHE_DTYPES = (torch.float16, torch.bfloat16)  # the query is cast to the cache's dtype
 CODE_BITS = (2, 4)  # key and value widths, any pair (decode_attend.cu's split_kernel)
 MAX_QUERY_HEADS_PER_KV_HEAD = 16  # two tiles of the MMA's N = 8
 MAX_SPLITS = 64
@@ -45,8 +45,8 @@ def unsupported(layer: LayerTensors, params: QuantParams, q_len: int, query_head
     D = layer.k_res.shape[-1]
     if q_len != 1:
         return f"q_len {q_len} (decode only)"
-    if layer.k_res.dtype != torch.float16:
-        return f"cache dtype {layer.k_res.dtype} (fp16 only)"
+    if layer.k_res.dtype not in CACHE_DTYPES:
+        return f"cache dtype {layer.k_res.dtype} (float16 or bfloat16)"
     if D not in HEAD_DIMS:
         return f"head_dim {D} (64, 128 or 256)"
     if params.k_bits not in CODE_BITS or params.v_bits not in CODE_BITS:
@@ -73,7 +73,7 @@ def default_num_splits(rows: int, max_tokens: int, sms: int) -> int:
 def attend_cuda_cpp(query: torch.Tensor, t: LayerTensors, counts: Optional[torch.Tensor], p: QuantParams,
                     scale: float, *, num_splits: Optional[int] = None) -> torch.Tensor:
     """Decode attention of query [B, Hq, 1, D] over the layer (attend_reference's result within the
-    fp16 bound in decode_attend.cu's header); ValueError for what `unsupported` names."""
+    bound in decode_attend.cu's header: fp16's or bf16's); ValueError for what `unsupported` names."""
     return _launch(query, t, counts, p, scale, None, num_splits)
 
 
@@ -101,7 +101,7 @@ def _launch(query, t: LayerTensors, counts, p: QuantParams, scale: float, pages:
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count
         tiles = -(-query.shape[1] // (H * 8))  # blocks per kv row (8 query heads each)
         num_splits = default_num_splits(B * H * tiles, S, sms)
-    out = ext.decode_attend(query.to(torch.float16).contiguous(), k_codes, k_scale, k_zero, k_res, v_codes, v_scale,
+    out = ext.decode_attend(query.to(k_res.dtype).contiguous(), k_codes, k_scale, k_zero, k_res, v_codes, v_scale,
                             v_zero, v_res, lengths, None if counts is None else counts.to(torch.int64).contiguous(),
                             p.group_size, p.residual_length, int(p.flush_policy == OTT), float(scale),
                             int(num_splits), table)

@@ -21,7 +21,10 @@ torch::Tensor decode_attend(torch::Tensor query, torch::Tensor k_codes, torch::T
                             torch::Tensor v_res, torch::Tensor lengths, c10::optional<torch::Tensor> counts,
                             int64_t group_size, int64_t residual_length, int64_t ott_policy, double scale,
                             int64_t num_splits, c10::optional<torch::Tensor> block_table) {
-  const auto half = torch::kHalf;
+  // fp16 or bf16 (the query's dtype): every 16-bit tensor must match it
+  const auto half = query.scalar_type();
+  TORCH_CHECK(half == torch::kHalf || half == torch::kBFloat16, "kivi cuda decode: query dtype must be float16 or "
+              "bfloat16, got ", half);
   check(query, "query", half);
   check(k_codes, "k_codes", torch::kUInt8);
   check(v_codes, "v_codes", torch::kUInt8);
@@ -60,20 +63,20 @@ torch::Tensor decode_attend(torch::Tensor query, torch::Tensor k_codes, torch::T
   if (B == 0) return out;
 
   kivi_cuda::DecodeParams p{};
-  p.q = reinterpret_cast<const __half*>(query.data_ptr<at::Half>());
+  p.q = reinterpret_cast<const __half*>(query.data_ptr());
   p.k_codes = k_codes.data_ptr<uint8_t>();
-  p.k_scale = reinterpret_cast<const __half*>(k_scale.data_ptr<at::Half>());
-  p.k_zero = reinterpret_cast<const __half*>(k_zero.data_ptr<at::Half>());
-  p.k_res = reinterpret_cast<const __half*>(k_res.data_ptr<at::Half>());
+  p.k_scale = reinterpret_cast<const __half*>(k_scale.data_ptr());
+  p.k_zero = reinterpret_cast<const __half*>(k_zero.data_ptr());
+  p.k_res = reinterpret_cast<const __half*>(k_res.data_ptr());
   p.v_codes = v_codes.data_ptr<uint8_t>();
-  p.v_scale = reinterpret_cast<const __half*>(v_scale.data_ptr<at::Half>());
-  p.v_zero = reinterpret_cast<const __half*>(v_zero.data_ptr<at::Half>());
-  p.v_res = reinterpret_cast<const __half*>(v_res.data_ptr<at::Half>());
+  p.v_scale = reinterpret_cast<const __half*>(v_scale.data_ptr());
+  p.v_zero = reinterpret_cast<const __half*>(v_zero.data_ptr());
+  p.v_res = reinterpret_cast<const __half*>(v_res.data_ptr());
   p.lengths = lengths.data_ptr<int64_t>();
   p.counts = counts.has_value() ? counts->data_ptr<int64_t>() : nullptr;
   p.part_acc = part_acc.data_ptr<float>();
   p.part_ml = part_ml.data_ptr<float>();
-  p.out = reinterpret_cast<__half*>(out.data_ptr<at::Half>());
+  p.out = reinterpret_cast<__half*>(out.data_ptr());  // bf16 bits when p.bf16
   p.block_table = block_table.has_value() ? block_table->data_ptr<int32_t>() : nullptr;
   p.max_pages = block_table.has_value() ? block_table->size(1) : 0;
   p.page_size = block_table.has_value() ? rows : 0;
@@ -91,6 +94,7 @@ torch::Tensor decode_attend(torch::Tensor query, torch::Tensor k_codes, torch::T
   p.num_splits = num_splits;
   p.ott_policy = ott_policy;
   p.qscale = static_cast<float>(scale * 1.4426950408889634);  // log2(e): base-2 softmax
+  p.bf16 = half == torch::kBFloat16;
   const cudaError_t err = kivi_cuda::launch_decode_attend(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "kivi cuda decode: launch failed: ", cudaGetErrorString(err));
   return out;

@@ -7,7 +7,10 @@
 // query heads per kv head in two tiles). Splits [0, num_splits) share the fully quantized
 // 32-token chunks [0, 32 * floor(min(nqk, nqv) / 32)) of the row; split num_splits (the "tail")
 // takes the rest, at most R + 31 tokens (quantized, residual or mixed), in fp32 on CUDA cores. A
-// second kernel merges the splits' (max, sum, unnormalized output) into the fp16 output.
+// second kernel merges the splits' (max, sum, unnormalized output) into the output (fp16 or bf16).
+//
+// The cache's 16-bit type T (fp16 or bf16: scales, zeros, residuals, query, output) is a template
+// parameter; below, "fp16" is T for an fp16 cache, and Num<T> says what changes for bf16.
 //
 // Quantized chunks: each warp takes whole chunks (one key group when G = 32; G must be a multiple
 // of 32) and runs mma.sync m16n8k16 (fp16 in, fp32 accumulate) with the KV tokens in the M
@@ -26,19 +29,25 @@
 // The MMA's k index (channels for K, tokens for V) and the rows of V^T are permuted so that each
 // thread reads whole bytes of the layout as stored: the query fragment and the output rows use the
 // same permutation (k_channel / v_channel below), nothing is repacked.
+// bf16: the magic number is 128.0 (0x4300: 7 mantissa bits, ulp 1 on [128, 256)), so a code must
+// stay below 128 in the mantissa: a byte's high nibble (2-bit codes 2 and 3, the 4-bit high code)
+// is read from the word shifted right by 4, one shift per word or register, and every unpacked
+// value is 128 + 4^i c with i <= 1 (at most 140). fma.rn.bf16x2 and the bf16 m16n8k16 MMA (fp32
+// accumulate) replace the fp16 ones; the k and token permutations are the same.
 //
 // Numerics against the fp32 reference (tests/test_cuda_cpp_kernel.py checks this bound): q' is
 // rounded to fp16 (relative 2^-11 per term, so a base-2 score is off by at most
 // (2^KB - 1) * 2^-11 * sum_c |q'_c|), V is dequantized to fp16 (2^-11 |v|), p is rounded to fp16 for the
-// PV product (2^-11), accumulations are fp32; tail tokens are fp32 throughout.
+// PV product (2^-11), accumulations are fp32; tail tokens are fp32 throughout. bf16: the same three
+// roundings at bf16's 2^-8 (8 significant bits) in place of 2^-11; the codes stay exact.
 #include "decode_attend.h"
 
 #include <cstddef>
 
 namespace kivi_cuda {
 // prebuilt.py mirrors DecodeParams with ctypes: keep the two layouts equal.
-static_assert(sizeof(DecodeParams) == 184 && offsetof(DecodeParams, batch) == 120 &&
-                  offsetof(DecodeParams, qscale) == 180,
+static_assert(sizeof(DecodeParams) == 192 && offsetof(DecodeParams, batch) == 120 &&
+                  offsetof(DecodeParams, qscale) == 180 && offsetof(DecodeParams, bf16) == 184,
               "DecodeParams changed: update kivi_ops/cuda/prebuilt.py");
 namespace {
 
@@ -53,17 +62,12 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   return d;
 }
 
-// (x & MASK) | 0x64006400: the masked codes land in the mantissas of two fp16 1024.0s.
-template <uint32_t MASK>
+// (x & MASK) | MAGIC: the masked codes land in the mantissas of two 16-bit floats (fp16 1024.0 =
+// 0x6400: ulp 1 up to 2047; bf16 128.0 = 0x4300: ulp 1 up to 255).
+template <uint32_t MASK, uint32_t MAGIC>
 __device__ __forceinline__ uint32_t magic(uint32_t x) {
   uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(x), "n"(MASK), "n"(0x64006400));
-  return d;
-}
-
-__device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(x), "n"(MASK), "n"(MAGIC));
   return d;
 }
 
@@ -74,32 +78,90 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
+template <typename T>
+__device__ __forceinline__ uint32_t bits_of(T x) {
+  return *reinterpret_cast<const uint16_t*>(&x);
 }
 
-__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+// The cache's 16-bit float type: fp16 (__half) or bf16 (__nv_bfloat16). Each gives its magic
+// number, its x2 fma (one rounding), its m16n8k16 MMA (fp32 accumulate), and the (multiplier,
+// addend) pairs that turn magic + 4^i c back into c for a 2-bit position i of a byte. bf16 has 7
+// mantissa bits: a code at bits 6-7 of a byte (value up to 192) would carry into the exponent of
+// 128.0, so bf16 reads the high nibble of a byte from the word shifted right by 4 (SHIFT_HIGH):
+// every code it unpacks is 4^i c with i <= 1 (at most 15), exact in bf16.
+template <typename T>
+struct Num;
 
-// fp16x2 (multiplier, addend) turning 1024 + 4^i c into c, for code position i in its byte.
-__device__ __forceinline__ uint32_t code_mul(int i) {
-  return i == 0 ? 0x3C003C00u : i == 1 ? 0x34003400u : i == 2 ? 0x2C002C00u : 0x24002400u;
-}
-__device__ __forceinline__ uint32_t code_add(int i) {
-  return i == 0 ? 0xE400E400u : i == 1 ? 0xDC00DC00u : i == 2 ? 0xD400D400u : 0xCC00CC00u;
-}
+template <>
+struct Num<__half> {
+  static constexpr uint32_t kMagic = 0x64006400u;  // two fp16 1024.0
+  static constexpr bool kShiftHigh = false;
+  static constexpr float kMax = 65504.f;  // outputs saturate here
+  __device__ static float to_float(__half x) { return __half2float(x); }
+  __device__ static __half from_float(float x) { return __float2half_rn(x); }
+  __device__ static uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ static uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+  }
+  __device__ static void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+  // 1024 + 4^i c -> c: multiplier 4^-i, addend -1024 * 4^-i (i < 4)
+  __device__ static uint32_t code_mul(int i) {
+    return i == 0 ? 0x3C003C00u : i == 1 ? 0x34003400u : i == 2 ? 0x2C002C00u : 0x24002400u;
+  }
+  __device__ static uint32_t code_add(int i) {
+    return i == 0 ? 0xE400E400u : i == 1 ? 0xDC00DC00u : i == 2 ? 0xD400D400u : 0xCC00CC00u;
+  }
+};
+
+template <>
+struct Num<__nv_bfloat16> {
+  static constexpr uint32_t kMagic = 0x43004300u;  // two bf16 128.0
+  static constexpr bool kShiftHigh = true;
+  static constexpr float kMax = 3.3895314e38f;  // bf16's largest finite value
+  __device__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+  __device__ static uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ static uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+  }
+  __device__ static void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+  // 128 + 4^i c -> c (i < 2: the high nibble is shifted down first)
+  __device__ static uint32_t code_mul(int i) { return i == 0 ? 0x3F803F80u : 0x3E803E80u; }
+  __device__ static uint32_t code_add(int i) { return i == 0 ? 0xC300C300u : 0xC200C200u; }
+};
+
 // The position-I B-bit codes of bytes 0 and 2 (B = 2: I < 4; B = 4: I < 2). A 4-bit code at
-// position I sits where a 2-bit one at 2 I would: 1024 + 16^I c = 1024 + 4^(2I) c.
-template <int B, int I>
+// position I sits where a 2-bit one at 2 I would: magic + 16^I c = magic + 4^(2I) c. bf16 takes
+// the high nibble's positions (B I >= 4) from x >> 4.
+template <typename T, int B, int I>
 __device__ __forceinline__ uint32_t codes_at(uint32_t x) {
-  constexpr uint32_t mask = ((1u << B) - 1) * 0x00010001u << (B * I);
-  return hfma2(magic<mask>(x), code_mul(B * I / 2), code_add(B * I / 2));
+  constexpr bool high = Num<T>::kShiftHigh && B * I >= 4;
+  constexpr int J = high ? I - 4 / B : I;
+  constexpr uint32_t mask = ((1u << B) - 1) * 0x00010001u << (B * J);
+  return Num<T>::fma2(magic<mask, Num<T>::kMagic>(high ? x >> 4 : x), Num<T>::code_mul(B * J / 2),
+                      Num<T>::code_add(B * J / 2));
 }
 
 // Key fragment mapping (D = 16 * KS channels; each of the 4 lanes of a row group reads KWPT =
@@ -197,9 +259,10 @@ struct Merge {
 };
 
 // One warp's quantized chunks [c, c_end) step kWarps. Writes its (m, l, acc) into `merge`.
-template <int D, int KB, int VB, bool PAGED>
+template <int D, int KB, int VB, bool PAGED, typename T>
 __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], float (*p_s)[kPStride], Merge<D>& merge,
                                  int b, int h, int c, int c_end) {
+  using N = Num<T>;
   constexpr int KS = D / 16, MT = D / 16;
   constexpr int KROW = D * KB / 8, VROW = D * VB / 8;  // bytes of a token's key / value codes
   constexpr int KWPT = KROW / 16, VBPT = VROW / 8, VW = VBPT / 4;  // words per lane, bytes per lane group
@@ -219,8 +282,10 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
     token_rows<PAGED>(p, b, h, t0, r0, kr);
     const uint8_t* k_codes = p.k_codes + r0 * KROW;
     const uint8_t* v_codes = p.v_codes + r0 * VROW;
-    const __half* v_scale = p.v_scale + r0 * ngv;
-    const __half* v_zero = p.v_zero + r0 * ngv;
+    const T* v_scale = reinterpret_cast<const T*>(p.v_scale) + r0 * ngv;
+    const T* v_zero = reinterpret_cast<const T*>(p.v_zero) + r0 * ngv;
+    const T* k_scale = reinterpret_cast<const T*>(p.k_scale) + kr * D;
+    const T* k_zero = reinterpret_cast<const T*>(p.k_zero) + kr * D;
     // q' = q * k_scale of head g over this lane's channels, and the zero dot q . z (partial).
     uint32_t qk[KS][2];
     float zdot = 0.f;
@@ -228,15 +293,14 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
     for (int s = 0; s < KS; ++s) {
       const int ch = k_channel<D, KB>(s, tig, 0);
       const float4 qv = *reinterpret_cast<const float4*>(&q_s[g][ch]);
-      const uint2 sv = *reinterpret_cast<const uint2*>(p.k_scale + kr * D + ch);
-      const uint2 zv = *reinterpret_cast<const uint2*>(p.k_zero + kr * D + ch);
-      const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&sv.x));
-      const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&sv.y));
-      const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&zv.x));
-      const float2 z23 = __half22float2(*reinterpret_cast<const __half2*>(&zv.y));
-      qk[s][0] = pack_half2(qv.x * s01.x, qv.y * s01.y);
-      qk[s][1] = pack_half2(qv.z * s23.x, qv.w * s23.y);
-      zdot += qv.x * z01.x + qv.y * z01.y + qv.z * z23.x + qv.w * z23.y;
+      const uint2 sv = *reinterpret_cast<const uint2*>(k_scale + ch);  // 4 channels' scales and zeros
+      const uint2 zv = *reinterpret_cast<const uint2*>(k_zero + ch);
+      const T* s4 = reinterpret_cast<const T*>(&sv);
+      const T* z4 = reinterpret_cast<const T*>(&zv);
+      qk[s][0] = N::pack(qv.x * N::to_float(s4[0]), qv.y * N::to_float(s4[1]));
+      qk[s][1] = N::pack(qv.z * N::to_float(s4[2]), qv.w * N::to_float(s4[3]));
+      zdot += qv.x * N::to_float(z4[0]) + qv.y * N::to_float(z4[1]) + qv.z * N::to_float(z4[2]) +
+              qv.w * N::to_float(z4[3]);
     }
     zdot += __shfl_xor_sync(0xffffffffu, zdot, 1);
     zdot += __shfl_xor_sync(0xffffffffu, zdot, 2);
@@ -256,25 +320,46 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
 #pragma unroll
       for (int s = 0; s < KS; ++s) {
         uint32_t a0, a1, a2, a3;
-        if constexpr (KB == 2) {
+        if constexpr (KB == 2 && N::kShiftHigh) {
+          // bf16: codes 0 and 1 of byte s % 4 as below; codes 2 and 3 from the word shifted by 4, where
+          // they sit at codes 0 and 1's bits (128 + 4 * 3 at most: no carry into the exponent).
+          const uint32_t sel = (s % 4) * 0x0101u;
+          const uint32_t x0 = prmt(w[0][s / 4], 0, sel), x1 = prmt(w[1][s / 4], 0, sel);
+          const uint32_t y0 = prmt(w[0][s / 4] >> 4, 0, sel), y1 = prmt(w[1][s / 4] >> 4, 0, sel);
+          a0 = N::fma2(magic<0x000C0003u, 0x43004300u>(x0), 0x3E803F80u, 0xC200C300u);
+          a1 = N::fma2(magic<0x000C0003u, 0x43004300u>(x1), 0x3E803F80u, 0xC200C300u);
+          a2 = N::fma2(magic<0x000C0003u, 0x43004300u>(y0), 0x3E803F80u, 0xC200C300u);
+          a3 = N::fma2(magic<0x000C0003u, 0x43004300u>(y1), 0x3E803F80u, 0xC200C300u);
+        } else if constexpr (N::kShiftHigh) {
+          // bf16, 4-bit: byte b of the word into byte 0, byte b of the word shifted by 4 (its high
+          // nibble low) into byte 2; one mask takes both nibbles as 128 + c.
+          const int lo = 2 * (s % 2), hi = lo + 1;
+          const uint32_t wa = w[0][s / 2], wb = w[1][s / 2];
+          const uint32_t x0 = prmt(wa, wa >> 4, lo | (4 + lo) << 8), x1 = prmt(wb, wb >> 4, lo | (4 + lo) << 8);
+          const uint32_t y0 = prmt(wa, wa >> 4, hi | (4 + hi) << 8), y1 = prmt(wb, wb >> 4, hi | (4 + hi) << 8);
+          a0 = N::fma2(magic<0x000F000Fu, 0x43004300u>(x0), 0x3F803F80u, 0xC300C300u);
+          a1 = N::fma2(magic<0x000F000Fu, 0x43004300u>(x1), 0x3F803F80u, 0xC300C300u);
+          a2 = N::fma2(magic<0x000F000Fu, 0x43004300u>(y0), 0x3F803F80u, 0xC300C300u);
+          a3 = N::fma2(magic<0x000F000Fu, 0x43004300u>(y1), 0x3F803F80u, 0xC300C300u);
+        } else if constexpr (KB == 2) {
           const uint32_t sel = (s % 4) * 0x0101u;  // byte s % 4 into bytes 0 and 2 (1 and 3: masked off)
           const uint32_t x0 = prmt(w[0][s / 4], 0, sel), x1 = prmt(w[1][s / 4], 0, sel);
           // k index 2 tig + {0, 1}: codes 0 and 1 of the byte; 2 tig + 8 + {0, 1}: codes 2 and 3.
-          a0 = hfma2(magic<0x000C0003u>(x0), 0x34003C00u, 0xDC00E400u);
-          a1 = hfma2(magic<0x000C0003u>(x1), 0x34003C00u, 0xDC00E400u);
-          a2 = hfma2(magic<0x00C00030u>(x0), 0x24002C00u, 0xCC00D400u);
-          a3 = hfma2(magic<0x00C00030u>(x1), 0x24002C00u, 0xCC00D400u);
+          a0 = N::fma2(magic<0x000C0003u, 0x64006400u>(x0), 0x34003C00u, 0xDC00E400u);
+          a1 = N::fma2(magic<0x000C0003u, 0x64006400u>(x1), 0x34003C00u, 0xDC00E400u);
+          a2 = N::fma2(magic<0x00C00030u, 0x64006400u>(x0), 0x24002C00u, 0xCC00D400u);
+          a3 = N::fma2(magic<0x00C00030u, 0x64006400u>(x1), 0x24002C00u, 0xCC00D400u);
         } else {
           // k index 2 tig + {0, 1}: the two nibbles of byte 2 (s % 2); 2 tig + 8 + {0, 1}: of the next byte.
           const uint32_t lo = 2 * (s % 2) * 0x0101u, hi = lo + 0x0101u;
           const uint32_t x0 = prmt(w[0][s / 2], 0, lo), x1 = prmt(w[1][s / 2], 0, lo);
           const uint32_t y0 = prmt(w[0][s / 2], 0, hi), y1 = prmt(w[1][s / 2], 0, hi);
-          a0 = hfma2(magic<0x00F0000Fu>(x0), 0x2C003C00u, 0xD400E400u);
-          a1 = hfma2(magic<0x00F0000Fu>(x1), 0x2C003C00u, 0xD400E400u);
-          a2 = hfma2(magic<0x00F0000Fu>(y0), 0x2C003C00u, 0xD400E400u);
-          a3 = hfma2(magic<0x00F0000Fu>(y1), 0x2C003C00u, 0xD400E400u);
+          a0 = N::fma2(magic<0x00F0000Fu, 0x64006400u>(x0), 0x2C003C00u, 0xD400E400u);
+          a1 = N::fma2(magic<0x00F0000Fu, 0x64006400u>(x1), 0x2C003C00u, 0xD400E400u);
+          a2 = N::fma2(magic<0x00F0000Fu, 0x64006400u>(y0), 0x2C003C00u, 0xD400E400u);
+          a3 = N::fma2(magic<0x00F0000Fu, 0x64006400u>(y1), 0x2C003C00u, 0xD400E400u);
         }
-        mma16816(sc[mt], a0, a1, a2, a3, qk[s][0], qk[s][1]);
+        N::mma(sc[mt], a0, a1, a2, a3, qk[s][0], qk[s][1]);
       }
     }
 
@@ -318,34 +403,32 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
 #pragma unroll
     for (int ks = 0; ks < 2; ++ks) {
       const float4 pv = *reinterpret_cast<const float4*>(&p_s[g][16 * ks + 4 * tig]);
-      const uint32_t b0 = pack_half2(pv.x, pv.y), b1 = pack_half2(pv.z, pv.w);
+      const uint32_t b0 = N::pack(pv.x, pv.y), b1 = N::pack(pv.z, pv.w);
       const int t = 16 * ks + 4 * tig;  // relative to the chunk's first row
       uint32_t w[4][VW > 0 ? VW : 1];
-      __half sc_h[4], zr_h[4];
+      T sc_h[4], zr_h[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         load_words<VW>(v_codes + static_cast<size_t>(t + e) * VROW + g * VBPT, w[e]);
         sc_h[e] = v_scale[static_cast<size_t>(t + e) * ngv + vgroup];
         zr_h[e] = v_zero[static_cast<size_t>(t + e) * ngv + vgroup];
       }
-      const __half2 s01 = __halves2half2(sc_h[0], sc_h[1]), s23 = __halves2half2(sc_h[2], sc_h[3]);
-      const __half2 z01 = __halves2half2(zr_h[0], zr_h[1]), z23 = __halves2half2(zr_h[2], zr_h[3]);
-      const uint32_t S01 = *reinterpret_cast<const uint32_t*>(&s01), S23 = *reinterpret_cast<const uint32_t*>(&s23);
-      const uint32_t Z01 = *reinterpret_cast<const uint32_t*>(&z01), Z23 = *reinterpret_cast<const uint32_t*>(&z23);
+      const uint32_t S01 = bits_of(sc_h[0]) | bits_of(sc_h[1]) << 16, S23 = bits_of(sc_h[2]) | bits_of(sc_h[3]) << 16;
+      const uint32_t Z01 = bits_of(zr_h[0]) | bits_of(zr_h[1]) << 16, Z23 = bits_of(zr_h[2]) | bits_of(zr_h[3]) << 16;
 #pragma unroll
       for (int j = 0; j < VBPT; ++j) {
         const uint32_t sel = (j % 4) | ((4 + j % 4) << 8);  // byte j of tokens (0, 1) / (2, 3) into bytes 0 and 2
         const uint32_t x01 = prmt(w[0][j / 4], w[1][j / 4], sel), x23 = prmt(w[2][j / 4], w[3][j / 4], sel);
         if constexpr (VB == 2) {
           // m-tile 2j: rows g / g + 8 are codes 0 / 1 of byte j; m-tile 2j + 1: codes 2 / 3.
-          mma16816(acc[2 * j], hfma2(codes_at<2, 0>(x01), S01, Z01), hfma2(codes_at<2, 1>(x01), S01, Z01),
-                   hfma2(codes_at<2, 0>(x23), S23, Z23), hfma2(codes_at<2, 1>(x23), S23, Z23), b0, b1);
-          mma16816(acc[2 * j + 1], hfma2(codes_at<2, 2>(x01), S01, Z01), hfma2(codes_at<2, 3>(x01), S01, Z01),
-                   hfma2(codes_at<2, 2>(x23), S23, Z23), hfma2(codes_at<2, 3>(x23), S23, Z23), b0, b1);
+          N::mma(acc[2 * j], N::fma2(codes_at<T, 2, 0>(x01), S01, Z01), N::fma2(codes_at<T, 2, 1>(x01), S01, Z01),
+                 N::fma2(codes_at<T, 2, 0>(x23), S23, Z23), N::fma2(codes_at<T, 2, 1>(x23), S23, Z23), b0, b1);
+          N::mma(acc[2 * j + 1], N::fma2(codes_at<T, 2, 2>(x01), S01, Z01), N::fma2(codes_at<T, 2, 3>(x01), S01, Z01),
+                 N::fma2(codes_at<T, 2, 2>(x23), S23, Z23), N::fma2(codes_at<T, 2, 3>(x23), S23, Z23), b0, b1);
         } else {
           // m-tile j: rows g / g + 8 are the low / high nibble of byte j.
-          mma16816(acc[j], hfma2(codes_at<4, 0>(x01), S01, Z01), hfma2(codes_at<4, 1>(x01), S01, Z01),
-                   hfma2(codes_at<4, 0>(x23), S23, Z23), hfma2(codes_at<4, 1>(x23), S23, Z23), b0, b1);
+          N::mma(acc[j], N::fma2(codes_at<T, 4, 0>(x01), S01, Z01), N::fma2(codes_at<T, 4, 1>(x01), S01, Z01),
+                 N::fma2(codes_at<T, 4, 0>(x23), S23, Z23), N::fma2(codes_at<T, 4, 1>(x23), S23, Z23), b0, b1);
         }
       }
     }
@@ -374,13 +457,17 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
 }
 
 // One warp's tail tokens [t, L) step kWarps, in fp32: lane owns channels lane * CPL + i.
-template <int D, int KB, int VB, bool PAGED>
+template <int D, int KB, int VB, bool PAGED, typename T>
 __device__ void tail_tokens(const DecodeParams& p, const float (*q_s)[D], Merge<D>& merge, int b, int h, int t,
                             const RowCounts& rc, int heads) {
   constexpr int CPL = D / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int Gv = min(p.group, D), ngv = D / Gv;
   const size_t bh = static_cast<size_t>(b) * p.kv_heads + h;
+  using N = Num<T>;
+  const T *k_scale = reinterpret_cast<const T*>(p.k_scale), *k_zero = reinterpret_cast<const T*>(p.k_zero);
+  const T *v_scale = reinterpret_cast<const T*>(p.v_scale), *v_zero = reinterpret_cast<const T*>(p.v_zero);
+  const T *k_res = reinterpret_cast<const T*>(p.k_res), *v_res = reinterpret_cast<const T*>(p.v_res);
   float q[kHeads][CPL], acc[kHeads][CPL], m[kHeads], l[kHeads];
 #pragma unroll
   for (int n = 0; n < kHeads; ++n) {
@@ -403,16 +490,16 @@ __device__ void tail_tokens(const DecodeParams& p, const float (*q_s)[D], Merge<
       if (t < rc.nqk) {
         const int code = (p.k_codes[row * (D * KB / 8) + ch * KB / 8] >> (KB * (ch % (8 / KB)))) & ((1 << KB) - 1);
         const size_t kidx = kr * D + ch;
-        k[i] = code * __half2float(p.k_scale[kidx]) + __half2float(p.k_zero[kidx]);
+        k[i] = code * N::to_float(k_scale[kidx]) + N::to_float(k_zero[kidx]);
       } else {
-        k[i] = __half2float(p.k_res[(bh * p.slots + slot) * D + ch]);
+        k[i] = N::to_float(k_res[(bh * p.slots + slot) * D + ch]);
       }
       if (t < rc.nqv) {
         const int code = (p.v_codes[row * (D * VB / 8) + ch * VB / 8] >> (VB * (ch % (8 / VB)))) & ((1 << VB) - 1);
         const size_t vidx = row * ngv + ch / Gv;
-        v[i] = code * __half2float(p.v_scale[vidx]) + __half2float(p.v_zero[vidx]);
+        v[i] = code * N::to_float(v_scale[vidx]) + N::to_float(v_zero[vidx]);
       } else {
-        v[i] = __half2float(p.v_res[(bh * p.slots + slot) * D + ch]);
+        v[i] = N::to_float(v_res[(bh * p.slots + slot) * D + ch]);
       }
     }
 #pragma unroll
@@ -444,7 +531,7 @@ __device__ void tail_tokens(const DecodeParams& p, const float (*q_s)[D], Merge<
 // (.., 3): at most 168 registers, the 3 blocks per SM the design counts on; with no minimum ptxas
 // chose 96 registers and spilled 4 bytes in the D = 64, k2/v4, paged variant. D = 256 holds twice
 // the accumulators (64 MMA registers, 128 in the tail) and spilled ~150 bytes at 168: 2 blocks.
-template <int D, int KB, int VB, bool PAGED>
+template <int D, int KB, int VB, bool PAGED, typename T>
 __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : 3) decode_split_kernel(const DecodeParams p) {
   __shared__ __align__(16) float q_s[kHeads][D];
   __shared__ __align__(16) float p_s[kWarps][kHeads][kPStride];
@@ -459,16 +546,16 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : 3) decode_split_ke
   for (int i = threadIdx.x; i < kHeads * D; i += blockDim.x) {  // heads past the tile's: zero queries, never written
     const int n = i / D, ch = i % D;
     const size_t row = (static_cast<size_t>(b) * p.kv_heads + h) * p.qg + head0 + n;
-    q_s[n][ch] = n < heads ? __half2float(p.q[row * D + ch]) * p.qscale : 0.f;
+    q_s[n][ch] = n < heads ? Num<T>::to_float(reinterpret_cast<const T*>(p.q)[row * D + ch]) * p.qscale : 0.f;
   }
   __syncthreads();
   const RowCounts rc = row_counts(p, b);
   if (split < p.num_splits) {
     const int per = (rc.chunks + p.num_splits - 1) / p.num_splits;
     const int begin = split * per, end = min(begin + per, rc.chunks);
-    quantized_chunks<D, KB, VB, PAGED>(p, q_s, p_s[warp], merge, b, h, begin + warp, end);
+    quantized_chunks<D, KB, VB, PAGED, T>(p, q_s, p_s[warp], merge, b, h, begin + warp, end);
   } else {
-    tail_tokens<D, KB, VB, PAGED>(p, q_s, merge, b, h, rc.chunks * kChunk + warp, rc, heads);
+    tail_tokens<D, KB, VB, PAGED, T>(p, q_s, merge, b, h, rc.chunks * kChunk + warp, rc, heads);
   }
   __syncthreads();
   // Merge the warps: (max, sum, acc) of each query head for this split.
@@ -496,7 +583,8 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : 3) decode_split_ke
   }
 }
 
-// One block per query row, one thread per channel: the splits' softmax merge, saturated to fp16.
+// One block per query row, one thread per channel: the splits' softmax merge, saturated to T's range.
+template <typename T>
 __global__ void decode_merge_kernel(const DecodeParams p) {
   const size_t row = blockIdx.x;
   const int ch = threadIdx.x, splits = p.num_splits + 1;
@@ -511,38 +599,43 @@ __global__ void decode_merge_kernel(const DecodeParams p) {
       l += f * ml[2 * s + 1];
     }
   }
-  const float o = l > 0.f ? fminf(fmaxf(a / l, -65504.f), 65504.f) : 0.f;
-  p.out[row * p.head_dim + ch] = __float2half_rn(o);
+  const float o = l > 0.f ? fminf(fmaxf(a / l, -Num<T>::kMax), Num<T>::kMax) : 0.f;
+  reinterpret_cast<T*>(p.out)[row * p.head_dim + ch] = Num<T>::from_float(o);
 }
 
 
-// The split kernel for (head_dim, key bits, value bits, paged); nullptr for what is not built.
-template <int D>
+// The split kernel for (head_dim, key bits, value bits, paged, element type); nullptr for what is not built.
+template <int D, typename T>
 auto split_kernel(const DecodeParams& p) -> void (*)(DecodeParams) {
   const bool paged = p.block_table != nullptr;
   switch (p.k_bits * 10 + p.v_bits) {
-    case 22: return paged ? decode_split_kernel<D, 2, 2, true> : decode_split_kernel<D, 2, 2, false>;
-    case 24: return paged ? decode_split_kernel<D, 2, 4, true> : decode_split_kernel<D, 2, 4, false>;
-    case 42: return paged ? decode_split_kernel<D, 4, 2, true> : decode_split_kernel<D, 4, 2, false>;
-    case 44: return paged ? decode_split_kernel<D, 4, 4, true> : decode_split_kernel<D, 4, 4, false>;
+    case 22: return paged ? decode_split_kernel<D, 2, 2, true, T> : decode_split_kernel<D, 2, 2, false, T>;
+    case 24: return paged ? decode_split_kernel<D, 2, 4, true, T> : decode_split_kernel<D, 2, 4, false, T>;
+    case 42: return paged ? decode_split_kernel<D, 4, 2, true, T> : decode_split_kernel<D, 4, 2, false, T>;
+    case 44: return paged ? decode_split_kernel<D, 4, 4, true, T> : decode_split_kernel<D, 4, 4, false, T>;
     default: return nullptr;
   }
 }
 
-}  // namespace
-
-cudaError_t launch_decode_attend(const DecodeParams& p, cudaStream_t stream) {
+template <typename T>
+cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
   const dim3 grid(p.batch * p.kv_heads * ((p.qg + kHeads - 1) / kHeads), p.num_splits + 1);
-  void (*kernel)(DecodeParams) = p.head_dim == 128   ? split_kernel<128>(p)
-                                 : p.head_dim == 64  ? split_kernel<64>(p)
-                                 : p.head_dim == 256 ? split_kernel<256>(p)
+  void (*kernel)(DecodeParams) = p.head_dim == 128   ? split_kernel<128, T>(p)
+                                 : p.head_dim == 64  ? split_kernel<64, T>(p)
+                                 : p.head_dim == 256 ? split_kernel<256, T>(p)
                                                      : nullptr;
   if (kernel == nullptr) return cudaErrorInvalidValue;
   kernel<<<grid, kWarps * 32, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  decode_merge_kernel<<<p.batch * p.kv_heads * p.qg, p.head_dim, 0, stream>>>(p);
+  decode_merge_kernel<T><<<p.batch * p.kv_heads * p.qg, p.head_dim, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_decode_attend(const DecodeParams& p, cudaStream_t stream) {
+  return p.bf16 ? launch<__nv_bfloat16>(p, stream) : launch<__half>(p, stream);
 }
 
 }  // namespace kivi_cuda

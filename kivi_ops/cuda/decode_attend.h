@@ -2,13 +2,14 @@
 // torch binding. No torch header here, so decode_attend.cu compiles with plain nvcc (ptxas
 // reports and SASS without a CUDA build of torch: lab/cuda_decode_model.py).
 #pragma once
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 namespace kivi_cuda {
 
-// Every cache tensor contiguous, in kivi_ops/layout.py's shapes (B batch, H kv heads, S max tokens,
+// Every cache tensor contiguous (the __half pointers hold bf16 bits when bf16 is set), in kivi_ops/layout.py's shapes (B batch, H kv heads, S max tokens,
 // D head_dim, W residual slots, Gv = min(G, D) value group); the query is [B, H * qg, D].
 struct DecodeParams {
   const __half* q;
@@ -33,11 +34,12 @@ struct DecodeParams {
   int max_pages, page_size, num_pages;
   int k_bits, v_bits;       // 2 or 4 each: the codes' widths (k_codes [.., D * k_bits / 8])
   float qscale;             // softmax scale * log2(e): scores are in base 2
+  int bf16;                 // 0: the 16-bit buffers (q, scales, zeros, residuals, out) are fp16; 1: bf16
 };
 
 // Launches the split kernel (num_splits quantized splits + 1 tail split per (row, kv head)) and the
 // merge kernel on `stream`. Returns cudaSuccess or the launch error (cudaErrorInvalidValue for a
-// head_dim other than 64/128/256 or bits other than 2/4).
+// head_dim other than 64/128/256 or bits other than 2/4). bf16 selects the bf16 kernels.
 cudaError_t launch_decode_attend(const DecodeParams& p, cudaStream_t stream);
 
 }  // namespace kivi_cuda

@@ -20,7 +20,7 @@ from .toolkit import CudaKernelUnavailable, toolkit_root
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "binding.cpp", HERE / "decode_attend.cu")
 EXTENSION_NAME = "kivi_cuda_decode"
-MIN_CAPABILITY = (8, 0)  # mma.sync.m16n8k16 with fp16 inputs and fp32 accumulators
+MIN_CAPABILITY = (8, 0)  # mma.sync.m16n8k16 with fp16 or bf16 inputs and fp32 accumulators, fma.rn.bf16x2
 
 
 def unavailable_reason() -> Optional[str]:

@@ -29,7 +29,8 @@ class DecodeParams(ctypes.Structure):
         "q", "k_codes", "k_scale", "k_zero", "k_res", "v_codes", "v_scale", "v_zero", "v_res", "lengths", "counts",
         "part_acc", "part_ml", "out", "block_table")] + [(name, ctypes.c_int) for name in (
         "batch", "kv_heads", "qg", "max_tokens", "slots", "residual", "group", "head_dim", "num_splits",
-        "ott_policy", "max_pages", "page_size", "num_pages", "k_bits", "v_bits")] + [("qscale", ctypes.c_float)]
+        "ott_policy", "max_pages", "page_size", "num_pages", "k_bits", "v_bits")] + [("qscale", ctypes.c_float),
+                                                                                    ("bf16", ctypes.c_int)]
 
 
 def build(path: Path, arch: str = "sm_90a") -> Path:
@@ -64,12 +65,14 @@ class Library:
 
     def decode_attend(self, query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
                       group_size, residual_length, ott_policy, scale, num_splits, block_table=None):
-        _check(query, "query", torch.float16)
+        if query.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"kivi cuda decode: query dtype must be torch.float16 or torch.bfloat16, got {query.dtype}")
+        _check(query, "query", query.dtype)
         for t, name in ((k_codes, "k_codes"), (v_codes, "v_codes")):
             _check(t, name, torch.uint8)
         for t, name in ((k_scale, "k_scale"), (k_zero, "k_zero"), (k_res, "k_res"), (v_scale, "v_scale"),
                         (v_zero, "v_zero"), (v_res, "v_res")):
-            _check(t, name, torch.float16)
+            _check(t, name, query.dtype)
         _check(lengths, "lengths", torch.int64)
         if counts is not None:
             _check(counts, "counts", torch.int64)
@@ -98,7 +101,8 @@ class Library:
                          out.data_ptr(), None if block_table is None else block_table.data_ptr(), B, H, Hq // H, S,
                          k_res.shape[2], residual_length, group_size, D, num_splits, ott_policy,
                          0 if block_table is None else block_table.shape[1], 0 if block_table is None else rows,
-                         0 if block_table is None else k_codes.shape[0], k_bits, v_bits, scale * LOG2E)
+                         0 if block_table is None else k_codes.shape[0], k_bits, v_bits, scale * LOG2E,
+                         int(query.dtype == torch.bfloat16))
         stream = torch.cuda.current_stream(query.device).cuda_stream
         with torch.cuda.device(query.device):
             err = self.lib.kivi_decode_attend_launch(ctypes.byref(p), ctypes.c_void_p(stream))
