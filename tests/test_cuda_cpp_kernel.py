@@ -487,10 +487,13 @@ def test_kernel_compiles_for_sm90a_without_spills():
         assert r["registers"] <= (255 if r.get("head_dim") == 256 else 168), r
     for r in (r for r in rows if "head_dim" in r):
         assert r["by_pipe"]["tensor"] == r["head_dim"] / 128  # 2 (QK + PV) x D/16 MMAs x 2 tiles / 32 tokens
-        # bf16 spends one shift per unpacked register (the high nibble, kept out of 128.0's exponent) on
-        # the int pipe, which binds where a token has the fewest bytes: D = 64, 2-bit, paged, 76%
-        # (docs/performance.md, The CUDA C++ route). fp16 keeps the 80% the design asks for.
-        assert r["bandwidth_share_ceiling"] >= (0.8 if r["dtype"] == "fp16" else 0.75), r
+        # The design asks for 80% of bandwidth. One variant is known below it: bf16 spends one shift per
+        # unpacked register (the high nibble, kept out of 128.0's exponent) on the int pipe, which binds
+        # where a token has the fewest bytes and paging adds its instructions: D = 64, KIVI-2, paged, 76%
+        # (docs/performance.md, The CUDA C++ route). It is named here, so any other variant below 80%,
+        # or this one getting worse than measured, fails.
+        known_below = r["dtype"] == "bf16" and r["head_dim"] == 64 and (r["k_bits"], r["v_bits"]) == (2, 2) and r["paged"]
+        assert r["bandwidth_share_ceiling"] >= (0.76 if known_below else 0.8), r
         assert not {"I2F", "I2FP", "F2I"} & set(r["loop_opcodes"]), r  # codes reach fp16 by lop3 + fma only
 
 
