@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kivi_models.cli_args import check_weight_quant_modes, dumps_json, fraction_arg, int_list, positive_int, usage_errors
+from kivi_models.cli_args import (check_weight_quant_modes, dumps_json, fraction_arg, int_list, positive_int,
+                                   positive_ints, usage_errors)
 
 from . import DEFAULT_OUT
 
@@ -101,7 +102,7 @@ def add_bench_parser(sub) -> None:
                      help="runs per cache, the caches taking turns; each cache's best run is reported (on a "
                           "shared machine 2 or more keep a busy moment from deciding a ratio)")
 
-    hfg.add_argument("--threads", type=int_list, default=None,
+    hfg.add_argument("--threads", type=positive_ints, default=None,
                      help="comma-separated torch CPU thread counts, each measured in turn for every row, e.g. 1,2 "
                           "(default: torch's, one per core); each result row says its count")
 

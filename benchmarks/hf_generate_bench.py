@@ -92,7 +92,7 @@ def bench_hf_generate(plain_model, tokenizer, *, contexts, batches, new_tokens: 
     import copy
 
     default_threads = torch.get_num_threads()
-    threads = threads or [default_threads]
+    threads = list(threads or [default_threads])
     if not threads or not all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in threads):
         raise ValueError(f"threads must be a list of positive ints (torch CPU threads), got {threads!r}")
 

@@ -208,6 +208,13 @@ def test_hf_generate_bench_rows_at_each_thread_count_say_which():
         bench_hf_generate(tiny_llama(), byte_tokenizer, contexts=[24], batches=[1], caches=["dynamic"], threads=[0])
 
 
+@pytest.mark.parametrize("bad", ["0,2", "x", ","])
+def test_hf_generate_bench_bad_threads_is_a_usage_error(bad, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "hf-generate", "--threads", bad, "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "--threads: must be positive integers" in capsys.readouterr().err
+
+
 def test_bench_memory_serving_table_holds_the_issues_numbers(tmp_path):
     # Exact bytes, 40 GiB: KIVI-2 static rows of 4K / 8K hold 91 / 49 Llama-2-7B sequences, paged
     # fp16 about 160 chat sequences; paged KIVI-2 (where built) holds more than paged fp16.
