@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kivi_models.cli_args import check_weight_quant_modes, dumps_json, fraction_arg, int_list, positive_int, usage_errors
+from kivi_models.cli_args import (check_weight_quant_modes, dumps_json, fraction_arg, int_list, positive_int,
+                                   positive_ints, usage_errors)
 
 from . import DEFAULT_OUT
 
@@ -102,7 +103,11 @@ def add_bench_parser(sub) -> None:
                      help="runs per cache, the caches taking turns; each cache's best run is reported (on a "
                           "shared machine 2 or more keep a busy moment from deciding a ratio)")
 
-    for p in (att, dec, wq, srv, hfg):
+    hfg.add_argument("--threads", type=positive_ints, default=None,
+                     help="comma-separated torch CPU thread counts, each measured in turn for every row, e.g. 1,2 "
+                          "(default: torch's, one per core); each result row says its count")
+
+    for p in (att, dec, wq, srv):
         p.add_argument("--threads", type=positive_int, default=None,
                        help="torch CPU threads (default: torch's, one per core). On a CPU other work is using, "
                             "1 avoids OpenMP oversubscription, which slows every row several-fold and erratically")
@@ -199,7 +204,7 @@ def cmd_bench(args, parser) -> int:
     from .plots import plot_bench
 
     device = _device(args, parser)
-    if getattr(args, "threads", None):
+    if getattr(args, "threads", None) and args.bench_command != "hf-generate":  # hf-generate: a list, per row
         import torch
 
         torch.set_num_threads(args.threads)
@@ -278,7 +283,8 @@ def cmd_bench(args, parser) -> int:
         model, tokenizer = load_model(dtype=torch.float16 if device == "cuda" else torch.float32, device=device)
         with usage_errors(parser):
             result = bench_hf_generate(model, tokenizer, contexts=args.contexts, batches=args.batches,
-                                       new_tokens=args.new_tokens, caches=args.caches, rounds=args.rounds)
+                                       new_tokens=args.new_tokens, caches=args.caches, rounds=args.rounds,
+                                       threads=args.threads)
         result["model"] = "default"
         name = f"bench_hf_generate_{device}"
     else:

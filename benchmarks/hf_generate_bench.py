@@ -6,6 +6,10 @@ when optimum-quanto is installed), and our KIVI-2 cache with compiled decode ste
 and eager ones (`disable_compile=True`). Prompts are real text (Python's pydoc topics), greedy,
 every row the same length (no padding), each point in one run.
 
+Each point runs at every thread count asked for (`threads`, e.g. [1, 2]; default torch's own, one
+per core, which is what a user gets), one after the other for the same prompts; each row records
+its count, so a ratio is always read between caches at the same thread count.
+
 Decode speed comes from the time between consecutive decode steps (a logits processor stamps
 each step): tokens/s = batch / median step time after the warm-up steps, which hold the compile.
 """
@@ -80,11 +84,17 @@ def measure(model, prompts: torch.Tensor, *, cache: str, new_tokens: int, kivi_c
 
 def bench_hf_generate(plain_model, tokenizer, *, contexts, batches, new_tokens: int = 64,
                       caches: Optional[list[str]] = None, kivi_config: Optional[KIVIConfig] = None,
-                      rounds: int = 1) -> dict:
+                      rounds: int = 1, threads: Optional[list[int]] = None) -> dict:
     """Decode tokens/s of model.generate() per cache, at each (batch, context), side by side: the
     caches take turns `rounds` times, and each cache's fastest run is its result (all runs' tokens/s
-    are kept under "rounds_tokens_per_s")."""
+    are kept under "rounds_tokens_per_s"). One row per (batch, context, thread count); the thread
+    count torch had before is restored at the end."""
     import copy
+
+    default_threads = torch.get_num_threads()
+    threads = list(threads or [default_threads])
+    if not threads or not all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in threads):
+        raise ValueError(f"threads must be a list of positive ints (torch CPU threads), got {threads!r}")
 
     kivi_config = kivi_config or KIVIConfig()
     caches = [c for c in (caches or CACHES) if c != "quanto" or quanto_available()]
@@ -92,31 +102,43 @@ def bench_hf_generate(plain_model, tokenizer, *, contexts, batches, new_tokens: 
     max_context = plain_model.config.max_position_embeddings - new_tokens
     load_before = os.getloadavg()
     rows = []
-    for batch in batches:
-        for context in contexts:
-            n = min(context, max_context)  # the model's positions bound prompt + new tokens
-            prompts = pydoc_prompts(tokenizer, batch, n)
-            row = dict(batch=batch, context=n, new_tokens=new_tokens)
-            runs = {cache: [] for cache in caches}
-            for _ in range(rounds):
-                for cache in caches:
-                    torch.compiler.reset()  # each row compiles its own shapes: no recompile limit
-                    model = kivi_model if cache.startswith("kivi") else plain_model
-                    m = measure(model, prompts, cache=cache, new_tokens=new_tokens, kivi_config=kivi_config)
-                    runs[cache].append(m)
-                    print(f"  batch {batch} context {n} {cache}: {m['tokens_per_s']:.1f} tok/s (prefill "
-                          f"{m['prefill_s']:.1f} s, warm-up {m['warmup_s']:.1f} s)", file=sys.stderr, flush=True)
-            for cache in caches:
-                row[cache] = max(runs[cache], key=lambda m: m["tokens_per_s"])
-                row[cache]["rounds_tokens_per_s"] = [m["tokens_per_s"] for m in runs[cache]]
-            for cache in caches:
-                row[cache]["vs_dynamic"] = row[cache]["tokens_per_s"] / row["dynamic"]["tokens_per_s"]
-            row["load_average"] = os.getloadavg()[0]
-            rows.append(row)
+    try:
+        for batch in batches:
+            for context in contexts:
+                n = min(context, max_context)  # the model's positions bound prompt + new tokens
+                prompts = pydoc_prompts(tokenizer, batch, n)
+                for count in threads:
+                    torch.set_num_threads(count)
+                    rows.append(_measure_row(plain_model, kivi_model, prompts, caches=caches, new_tokens=new_tokens,
+                                             kivi_config=kivi_config, rounds=rounds, threads=count))
+    finally:
+        torch.set_num_threads(default_threads)
     env = environment("cpu" if plain_model.device.type == "cpu" else "cuda")
     env.update(load_average_before=load_before, load_average_after=os.getloadavg(), quanto=_quanto_version())
-    return dict(device=plain_model.device.type, dtype=str(plain_model.dtype), caches=caches,
+    return dict(device=plain_model.device.type, dtype=str(plain_model.dtype), caches=caches, threads=threads,
                 kivi=kivi_config.to_dict(), warmup_steps=WARMUP_STEPS, rows=rows, environment=env)
+
+
+def _measure_row(plain_model, kivi_model, prompts, *, caches, new_tokens, kivi_config, rounds, threads) -> dict:
+    """One (batch, context) point at the current thread count: the caches take turns `rounds` times."""
+    batch, n = prompts.shape
+    row = dict(batch=batch, context=n, threads=threads, new_tokens=new_tokens)
+    runs = {cache: [] for cache in caches}
+    for _ in range(rounds):
+        for cache in caches:
+            torch.compiler.reset()  # each row compiles its own shapes: no recompile limit
+            model = kivi_model if cache.startswith("kivi") else plain_model
+            m = measure(model, prompts, cache=cache, new_tokens=new_tokens, kivi_config=kivi_config)
+            runs[cache].append(m)
+            print(f"  batch {batch} context {n} threads {threads} {cache}: {m['tokens_per_s']:.1f} tok/s (prefill "
+                  f"{m['prefill_s']:.1f} s, warm-up {m['warmup_s']:.1f} s)", file=sys.stderr, flush=True)
+    for cache in caches:
+        row[cache] = max(runs[cache], key=lambda m: m["tokens_per_s"])
+        row[cache]["rounds_tokens_per_s"] = [m["tokens_per_s"] for m in runs[cache]]
+    for cache in caches:
+        row[cache]["vs_dynamic"] = row[cache]["tokens_per_s"] / row["dynamic"]["tokens_per_s"]
+    row["load_average"] = os.getloadavg()[0]
+    return row
 
 
 def _quanto_version() -> Optional[str]:
@@ -130,10 +152,10 @@ def _quanto_version() -> Optional[str]:
 def print_hf_generate(result: dict) -> None:
     caches = result["caches"]
     print("decode tokens/s of model.generate() (median step after warm-up), and / DynamicCache")
-    print("batch  context  " + "  ".join(f"{c:>18}" for c in caches))
+    print("batch  context  threads  " + "  ".join(f"{c:>18}" for c in caches))
     for r in result["rows"]:
         cells = [f"{r[c]['tokens_per_s']:>9.1f} ({r[c]['vs_dynamic']:.2f}x)" for c in caches]
-        print(f"{r['batch']:>5} {r['context']:>8}  " + "  ".join(f"{c:>18}" for c in cells))
+        print(f"{r['batch']:>5} {r['context']:>8} {r.get('threads', '?'):>8}  " + "  ".join(f"{c:>18}" for c in cells))
 
 
 def plot_hf_generate(result: dict, path) -> None:
@@ -146,7 +168,7 @@ def plot_hf_generate(result: dict, path) -> None:
     labels = {"dynamic": "DynamicCache (fp)", "quanto": "QuantizedCache (quanto, 2-bit)",
               "kivi_eager": "KIVI-2, eager", "kivi": "KIVI-2, compiled (default)"}
     fig, ax = plt.subplots(figsize=(7, 4))
-    points = [f"batch {r['batch']}\n{r['context']} tokens" for r in rows]
+    points = [f"batch {r['batch']}\n{r['context']} tokens\n{r.get('threads', '?')} thr." for r in rows]
     width = 0.8 / len(caches)
     for i, cache in enumerate(caches):
         ax.bar([p + i * width for p in range(len(rows))], [r[cache]["tokens_per_s"] for r in rows], width,

@@ -139,6 +139,39 @@ class StaticCacheBase(nn.Module, Cache):
                 raise ValueError(f"load_row: {name} has shape {list(src.shape)}, this cache {list(t.shape)}")
             t[row].copy_(src[source_row])
 
+    # ---------------------------------------------------------------- transformers' row API (beam search)
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Row b becomes a copy of row beam_idx[b], in every layer (transformers' beam search calls
+        this after each step). Every per-row state buffer follows: KIVI's codes, scales, zeros,
+        residuals, lengths, token pools and sparse stores alike (each layer's row_tensors()). The
+        buffers are written in place (copy_), never replaced, so a compiled step or a CUDA graph
+        that holds their addresses reads the reordered rows. A paged cache is refused: its rows
+        own pages through a block table, and two beams sharing a row's pages would write into each
+        other's tokens."""
+        if any(layer.page_tensors() for layer in self.layers):
+            raise ValueError(f"{type(self).__name__} cannot reorder rows for beam search (num_beams > 1): its rows "
+                             "share a page pool; use num_beams=1, or a static cache (kivi_models.make_cache)")
+        if not isinstance(beam_idx, torch.Tensor) or beam_idx.shape != (self.batch_size,) \
+                or beam_idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"beam_idx must be an integer tensor of shape [{self.batch_size}] (one source row per "
+                             f"row), got {getattr(beam_idx, 'dtype', type(beam_idx).__name__)} "
+                             f"{list(getattr(beam_idx, 'shape', []))}")
+        idx = beam_idx.to(self.device, torch.int64)
+        for layer in self.layers:
+            for t in layer.row_tensors().values():
+                t.copy_(t.index_select(0, idx))  # index_select makes a new tensor: no aliasing on overlap
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise ValueError(self._fixed_batch_why("batch_repeat_interleave"))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise ValueError(self._fixed_batch_why("batch_select_indices"))
+
+    def _fixed_batch_why(self, what: str) -> str:
+        return (f"{type(self).__name__}.{what}: a static cache holds a fixed batch_size ({self.batch_size} rows) "
+                "and cannot grow or shrink; build it with batch_size = prompts x num_beams (or x num_return_sequences)")
+
     def nbytes(self) -> int:
         """Exact bytes held, all layers (each layer's nbytes())."""
         return sum(layer.nbytes() for layer in self.layers)

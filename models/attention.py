@@ -15,7 +15,6 @@ a plain `model(...)`), a pre-hook on the decoder derives it from that call's arg
 
 from __future__ import annotations
 
-import functools
 import sys
 
 import torch
@@ -27,7 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kivi_ops import CacheLayer, StaticCacheBase, Step
 
-from .hf_generate import enable_compiled_generate
+from .hf_generate import check_cache_rows, enable_compiled_generate, generate_from_a_reset_cache
 from .windows import attention_window
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
@@ -158,7 +157,10 @@ def step_of_call(module, args, kwargs):
         return None
     tokens = kwargs.get("input_ids")
     tokens = tokens if tokens is not None else kwargs.get("inputs_embeds")
-    n = tokens.shape[1] if tokens is not None else (args[0].shape[1] if args else 1)
+    shape = tokens.shape if tokens is not None else (args[0].shape if args else None)
+    n = shape[1] if shape is not None else 1
+    if shape is not None:
+        check_cache_rows(cache, shape[0])
     fresh = cache.get_seq_length() == 0
     order = counts = None
     mask = kwargs.get("attention_mask")
@@ -170,28 +172,6 @@ def step_of_call(module, args, kwargs):
         order = (~real).to(torch.int8).argsort(dim=1, stable=True)  # real tokens first, in order
         counts = real.sum(dim=1)
     return args, dict(kwargs, kivi_step=Step(counts=counts, prefill=fresh and n > 1, order=order))
-
-
-def _generate_from_a_reset_cache(generate):
-    """model.generate that empties a library cache passed as past_key_values before it starts.
-
-    transformers' generate() takes the ids as the whole sequence and a non-empty cache as holding
-    its first get_seq_length() tokens: it feeds only the ids past them. Our caches keep no token
-    ids to check that against, so a cache reused for a new prompt would silently continue stale
-    state (a longer prompt: the old tokens plus the new prompt's tail) or fail cryptically (a
-    shorter one). Resetting is right in both cases: the ids hold the whole sequence, so a
-    continuation reruns its prefix and gets the same text. A caller who passes cache_position
-    manages positions itself and keeps its cache."""
-
-    @functools.wraps(generate)
-    def call(*args, **kwargs):
-        cache = kwargs.get("past_key_values")
-        if isinstance(cache, StaticCacheBase) and kwargs.get("cache_position") is None \
-                and bool(cache.lengths().any()):  # a fresh cache needs no reset (it zeroes every buffer)
-            cache.reset()
-        return generate(*args, **kwargs)
-
-    return call
 
 
 def patch_model(model: nn.Module) -> nn.Module:
@@ -213,6 +193,6 @@ def patch_model(model: nn.Module) -> nn.Module:
     config._attn_implementation = ATTN_IMPLEMENTATION
     decoder.register_forward_pre_hook(step_of_call, with_kwargs=True)
     enable_compiled_generate(model)
-    model.generate = _generate_from_a_reset_cache(model.generate)
+    model.generate = generate_from_a_reset_cache(model, model.generate)
     decoder._kivi_patched = True
     return model

@@ -14,6 +14,11 @@ Two things make that safe:
 - transformers compiles on CPU only when asked (`compile_config._compile_all_devices`), so a
   patched model's generation config asks.
 
+What the caller passes is checked before transformers runs (`check_cache_fits`, `check_cache_rows`):
+a cache built for another model, or with fewer or more rows than generate() runs (prompts x
+`num_beams`, or x `num_return_sequences` when sampling), is refused naming both sides. Beam search
+works: transformers reorders the cache's rows after each step (`StaticCacheBase.reorder_cache`).
+
 The first decode step compiles (about 10 s on the 2-core CPU for the embedded model); later
 calls with the same shapes reuse the graph. `model.generate(..., disable_compile=True)` opts out
 and runs the eager step; on CPU its cache ops then run kernels compiled per op on their first
@@ -22,6 +27,7 @@ call (kivi_ops/kernels/cpu_compiled.py; `KIVI_CPU_KERNELS=reference` for the ref
 
 from __future__ import annotations
 
+import functools
 from types import MethodType
 
 import torch
@@ -31,6 +37,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from kivi_ops import StaticCacheBase
 
 from .generate import compile_decode_step
+from .parallel import local_kv_heads
 
 
 def enable_compiled_generate(model) -> None:
@@ -41,6 +48,57 @@ def enable_compiled_generate(model) -> None:
     if config.compile_config is None:
         config.compile_config = CompileConfig(fullgraph=True, dynamic=False)
     config.compile_config._compile_all_devices = True
+
+
+def generate_from_a_reset_cache(model, generate):
+    """model.generate, checking a library cache passed as past_key_values against the model and
+    emptying it before generation starts.
+
+    transformers' generate() takes the ids as the whole sequence and a non-empty cache as holding
+    its first get_seq_length() tokens: it feeds only the ids past them. Our caches keep no token
+    ids to check that against, so a cache reused for a new prompt would silently continue stale
+    state (a longer prompt: the old tokens plus the new prompt's tail) or fail cryptically (a
+    shorter one). Resetting is right in both cases: the ids hold the whole sequence, so a
+    continuation reruns its prefix and gets the same text. (transformers 5.23's generate() takes
+    no cache_position, so there is no call that continues a cache without its prefix.)"""
+
+    @functools.wraps(generate)
+    def call(*args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, StaticCacheBase):
+            check_cache_fits(model, cache)
+            if bool(cache.lengths().any()):  # a fresh cache needs no reset (it zeroes every buffer)
+                cache.reset()
+        return generate(*args, **kwargs)
+
+    return call
+
+
+def check_cache_fits(model, cache: StaticCacheBase) -> None:
+    """Raise unless the cache has one layer per decoder layer, with the model's KV heads (this
+    rank's, under tensor parallelism) and head_dim. Without this a cache of another model fails
+    deep inside a layer (an IndexError for a missing layer)."""
+    want = (model.config.num_hidden_layers, local_kv_heads(model), model.model.layers[0].self_attn.head_dim)
+    have = (cache.num_layers, cache.num_kv_heads, cache.head_dim)
+    if have != want:
+        raise ValueError(
+            f"past_key_values was built for another model: {_layout(*have)}, but this model has {_layout(*want)}; "
+            "build the cache with kivi_models.make_cache(model, ...)")
+
+
+def check_cache_rows(cache: StaticCacheBase, rows: int) -> None:
+    """Raise unless a model call over `rows` sequences fits the cache's batch_size (a static cache
+    cannot grow). generate() runs prompts x num_beams rows in beam search, prompts x
+    num_return_sequences when sampling."""
+    if rows != cache.batch_size:
+        raise ValueError(
+            f"past_key_values holds batch_size={cache.batch_size} rows but the model runs {rows}: generate() runs "
+            "one row per prompt times num_beams (beam search) or num_return_sequences (sampling); build the cache "
+            f"with make_cache(model, ..., batch_size={rows})")
+
+
+def _layout(layers: int, heads: int, head_dim: int) -> str:
+    return f"{layers} layers of {heads} KV heads x head_dim {head_dim}"
 
 
 def _keep_2d_mask(*, attention_mask=None, **kwargs):

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import tiny_models
 from kivi_cli.main import main
@@ -187,6 +188,31 @@ def test_hf_generate_bench_times_every_cache_through_model_generate():
     for cache in result["caches"]:  # two rounds: the reported run is the faster one
         assert len(row[cache]["rounds_tokens_per_s"]) == 2
         assert row[cache]["tokens_per_s"] == max(row[cache]["rounds_tokens_per_s"])
+
+
+def test_hf_generate_bench_rows_at_each_thread_count_say_which():
+    # --threads 1,2: every point is measured at each count, each row records its count, and torch's
+    # own count is restored afterwards (the next bench or test must not inherit 1).
+    from kivi_benchmarks.hf_generate_bench import bench_hf_generate
+
+    def byte_tokenizer(text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 64 for c in text]}
+
+    before = torch.get_num_threads()
+    result = bench_hf_generate(tiny_llama(), byte_tokenizer, contexts=[24], batches=[1], new_tokens=6,
+                               caches=["dynamic", "kivi_eager"], threads=[1, 2])
+    assert torch.get_num_threads() == before and result["threads"] == [1, 2]
+    assert [(r["batch"], r["threads"]) for r in result["rows"]] == [(1, 1), (1, 2)]
+    assert all(r["kivi_eager"]["tokens"] == r["dynamic"]["tokens"] for r in result["rows"])
+    with pytest.raises(ValueError, match="threads must be a list of positive ints"):
+        bench_hf_generate(tiny_llama(), byte_tokenizer, contexts=[24], batches=[1], caches=["dynamic"], threads=[0])
+
+
+@pytest.mark.parametrize("bad", ["0,2", "x", ","])
+def test_hf_generate_bench_bad_threads_is_a_usage_error(bad, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "hf-generate", "--threads", bad, "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "--threads: must be positive integers" in capsys.readouterr().err
 
 
 def test_bench_memory_serving_table_holds_the_issues_numbers(tmp_path):

@@ -353,3 +353,55 @@ def test_load_row_copies_one_sequence_and_leaves_the_others():
     torch.testing.assert_close(big.layers[0].attend(q.expand(3, -1, -1, -1).contiguous())[1:2], small.layers[0].attend(q))
     with pytest.raises(ValueError, match="same kind"):
         big.load_row(0, make_cache(KIVIConfig(group_size=8, residual_length=16, sink_tokens=2), S=64, B=1))
+
+
+# Every option that adds per-row state: sink tokens, OTT's outlier and spill pools, dense-and-sparse stores.
+REORDER_CONFIGS = [KIVIConfig(group_size=8, residual_length=8),
+                   KIVIConfig(group_size=8, residual_length=8, sink_tokens=2, outlier_tokens=2, outlier_skip_layers=0,
+                              sparse_outliers=0.05)]
+
+
+@pytest.mark.parametrize("cfg", REORDER_CONFIGS)
+def test_reorder_cache_moves_every_row_in_place_as_beam_search_needs(cfg):
+    # transformers' beam search calls reorder_cache(beam_idx) after each step: row b must become
+    # row beam_idx[b] in every per-row buffer, with quantized groups already flushed (20 tokens,
+    # G = R = 8), and the buffers must stay the same tensors (compiled steps hold their addresses).
+    cache = make_cache(cfg, S=64, B=3, H=2, layers=3)  # B != H: a per-head buffer cannot pass as per-row
+    torch.manual_seed(0)
+    for layer in cache.layers:
+        layer.append(torch.randn(3, 2, 20, 64), torch.randn(3, 2, 20, 64),
+                     Step(counts=torch.tensor([20, 13, 17]), prefill=True))
+    rows = {(i, name): t for i, layer in enumerate(cache.layers) for name, t in layer.row_tensors().items()}
+    assert all(t.shape[0] == 3 for t in rows.values())
+    before = {key: t.clone() for key, t in rows.items()}
+    addresses = {key: t.data_ptr() for key, t in rows.items()}
+    q = torch.randn(1, 4, 1, 64)
+    attended = [layer.attend(q.expand(3, -1, -1, -1).contiguous()) for layer in cache.layers]
+    cache.reorder_cache(torch.tensor([2, 0, 0]))
+    for i, layer in enumerate(cache.layers):
+        for name, t in layer.row_tensors().items():
+            assert t.data_ptr() == addresses[i, name], name
+            for row, source in enumerate([2, 0, 0]):
+                assert torch.equal(t[row], before[i, name][source]), (i, name, row)
+        again = layer.attend(q.expand(3, -1, -1, -1).contiguous())
+        torch.testing.assert_close(again, attended[i][[2, 0, 0]])
+    assert cache.lengths().tolist() == [17, 20, 20]
+
+
+def test_reorder_cache_refuses_bad_indices_and_batch_resizing():
+    cache = make_cache(KIVIConfig(group_size=8, residual_length=8), S=64, B=2)
+    for bad in (torch.tensor([0]), torch.tensor([0.0, 1.0]), [0, 1]):
+        with pytest.raises(ValueError, match=r"beam_idx must be an integer tensor of shape \[2\]"):
+            cache.reorder_cache(bad)
+    with pytest.raises(ValueError, match="fixed batch_size"):
+        cache.batch_repeat_interleave(2)
+    with pytest.raises(ValueError, match="fixed batch_size"):
+        cache.batch_select_indices(torch.tensor([0]))
+
+
+def test_paged_cache_refuses_beam_search_naming_num_beams():
+    from kivi_ops.paged import PagedKIVICache
+    paged = PagedKIVICache(KIVIConfig(group_size=8, residual_length=16), num_layers=1, batch_size=2, num_pages=4,
+                           page_size=16, max_pages_per_seq=2, num_kv_heads=2, head_dim=32)
+    with pytest.raises(ValueError, match="num_beams"):
+        paged.reorder_cache(torch.tensor([1, 0]))

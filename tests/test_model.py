@@ -126,6 +126,67 @@ def test_hf_generate_left_padded_sampling_eos_and_min_new_tokens(loaded):
     assert eos not in held[0][:5]
 
 
+@pytest.mark.parametrize("method", ["kivi", "fp"])
+def test_hf_generate_beam_search_equals_unpatched_beams(loaded, method):
+    # A lossless cache (the residual window covers prompt + 8 tokens) must give transformers' own
+    # beams: every step's reorder_cache has to move each row's whole state, or the beams diverge.
+    hf_model, kivi_model, tok = loaded
+    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+    reference = hf_model.generate(ids, max_new_tokens=8, num_beams=3, num_return_sequences=2, do_sample=False)
+    config = KIVIConfig(residual_length=128) if method == "kivi" else None
+    cache = make_cache(kivi_model, method=method, batch_size=3, max_seq_len=64, kivi_config=config)
+    out = kivi_model.generate(ids, max_new_tokens=8, num_beams=3, num_return_sequences=2, do_sample=False,
+                              past_key_values=cache, disable_compile=True)
+    assert out.tolist() == reference.tolist()
+
+
+def test_hf_generate_refuses_a_cache_with_too_few_rows_for_num_beams(loaded):
+    _, kivi_model, tok = loaded
+    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+    cache = make_cache(kivi_model, method="kivi", batch_size=1, max_seq_len=64)
+    with pytest.raises(ValueError, match=r"batch_size=1 rows but the model runs 2: .*num_beams.*batch_size=2"):
+        kivi_model.generate(ids, max_new_tokens=4, num_beams=2, past_key_values=cache, disable_compile=True)
+
+
+def test_hf_generate_sampling_num_return_sequences_fills_the_cache_rows(loaded):
+    _, kivi_model, tok = loaded
+    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+    cache = make_cache(kivi_model, method="kivi", batch_size=2, max_seq_len=64,
+                       kivi_config=KIVIConfig(group_size=8, residual_length=8))
+    torch.manual_seed(0)
+    out = kivi_model.generate(ids, max_new_tokens=6, do_sample=True, num_return_sequences=2, past_key_values=cache,
+                              pad_token_id=tok.eos_token_id, disable_compile=True)
+    assert out.shape == (2, ids.shape[1] + 6) and cache.lengths().tolist() == [ids.shape[1] + 5] * 2
+
+
+def test_hf_generate_refuses_a_cache_of_another_model_naming_both_layouts(loaded):
+    _, kivi_model, tok = loaded
+    from kivi_ops import KIVICache
+    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+    for layers, heads, head_dim in ((2, 3, 64), (30, 4, 64), (30, 3, 32)):
+        other = KIVICache(KIVIConfig(), num_layers=layers, batch_size=1, max_seq_len=64, num_kv_heads=heads,
+                          head_dim=head_dim)
+        want = (rf"built for another model: {layers} layers of {heads} KV heads x head_dim {head_dim}, but this "
+                r"model has 30 layers of 3 KV heads x head_dim 64")
+        with pytest.raises(ValueError, match=want):
+            kivi_model.generate(ids, max_new_tokens=2, past_key_values=other, disable_compile=True)
+
+
+def test_hf_generate_resets_a_reused_cache(loaded):
+    # What the docs promise for transformers 5.23 (whose generate() takes no cache_position): a
+    # cache passed again starts from empty, so the second call equals a fresh cache's.
+    _, kivi_model, tok = loaded
+    config = KIVIConfig(group_size=8, residual_length=8)
+    cache = make_cache(kivi_model, method="kivi", batch_size=1, max_seq_len=64, kivi_config=config)
+    first = tok("def fibonacci(n):", return_tensors="pt")["input_ids"]
+    kivi_model.generate(first, max_new_tokens=6, do_sample=False, past_key_values=cache, disable_compile=True)
+    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+    again = kivi_model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache, disable_compile=True)
+    fresh = make_cache(kivi_model, method="kivi", batch_size=1, max_seq_len=64, kivi_config=config)
+    alone = kivi_model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=fresh, disable_compile=True)
+    assert again.tolist() == alone.tolist() and cache.lengths().tolist() == fresh.lengths().tolist()
+
+
 def test_hf_generate_compiles_one_graph_for_every_decode_step(loaded):
     # Our cache is compileable: transformers' generate() runs its decode steps through the patched
     # model's compiled step (kivi_models.hf_generate). A left-padded batch gives the eager path's
