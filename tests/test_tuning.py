@@ -157,10 +157,10 @@ def fake_gpu(monkeypatch):
     ran = []
 
     def fake(name):
-        def kernel(query, layer, counts, params, scale, **launch):
+        def kernel(query, layer, counts, params, scale, pages=None, **launch):
             ran.append(Candidate(name, tuple(sorted(launch.items()))).label())
             return ran[-1]
-        return kernel, None
+        return kernel, (None if name == "cuda_cpp" else kernel)  # the C++ kernel has no paged form yet
 
     attend_forms = dict(dispatch._FORMS["attend"])
     attend_forms.update({name: fake(name) for name in ("triton_decode", "triton_split", "cuda_cpp")})
@@ -260,3 +260,47 @@ def test_auto_can_be_set_back():
         assert dispatch.set_cuda_decode("auto") == "triton" and dispatch.current_cuda_decode() == "auto"
     finally:
         dispatch.set_cuda_decode(previous)
+
+
+# ---------------------------------------------------------------- lab/gpu_tune.py
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
+def test_gpu_tune_refuses_on_cpu(tmp_path):
+    from lab.gpu_tune import main
+
+    with pytest.raises(SystemExit, match=r"gpu_tune: needs a CUDA GPU \(torch.cuda.is_available\(\) is False\)"):
+        main(["--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
+
+
+def test_gpu_tune_keeps_what_it_did_not_measure():
+    from lab.gpu_tune import merged_table, shapes
+
+    measured = [dict(ShapeClass(256, 1024, 1, 128, 2, 2, "float16", False)._asdict(), implementation="triton_decode",
+                     launch={}, us={"triton_decode": 1.0})]
+    table = merged_table("NVIDIA H200", {"command": "test"}, measured)
+    h200 = {tuning.entry_key(e): tuning.entry_choice(e) for e in table["devices"]["NVIDIA H200"]["entries"]}
+    assert h200[CLS] == Candidate("triton_decode")  # measured now: replaces the seed's entry
+    assert h200[CLS._replace(context=32768)] == Candidate("cuda_cpp")  # not measured now: kept
+    assert len(h200) == 4
+    # bounded: the classes serving and the benchmarks use, the seed's four among them
+    all_shapes = list(shapes())
+    assert len(all_shapes) == 30
+    assert {(8, 1024, 32, 32, 128, False), (8, 32768, 32, 8, 128, False)} <= set(all_shapes)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
+def test_gpu_tune_measures_every_eligible_kernel_of_a_class(fake_gpu, paged):
+    # its cache building, candidates and entry, on CPU with the fake kernels (graph_us: one call)
+    from lab.gpu_tune import PAGE_SIZE, measure
+
+    timed = {"triton_decode": 3.0, "triton_split": 4.0, "cuda_cpp": 2.0, "cuda_cpp/num_splits=1": 2.5,
+             "cuda_cpp/num_splits=16": 5.0}
+    entry = measure(1, 2 * PAGE_SIZE, 4, 2, 64, paged, lambda fn: timed[fn()], device="cpu")
+    assert tuning.entry_key(entry) == ShapeClass(2, 256, 2, 64, 2, 2, "float16", paged)
+    if paged:  # Triton only, until the C++ kernel has a paged form
+        assert entry["us"] == {"triton_decode": 3.0, "triton_split": 4.0}
+        assert (entry["implementation"], entry["launch"]) == ("triton_decode", {})
+    else:
+        assert entry["us"] == timed
+        assert (entry["implementation"], entry["launch"]) == ("cuda_cpp", {})
