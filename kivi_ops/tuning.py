@@ -112,8 +112,14 @@ def tracing_or_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+_device_names: dict[int, str] = {}  # per device index: asked on every eager decode call
+
+
 def current_device_name() -> str:
-    return torch.cuda.get_device_name()
+    index = torch.cuda.current_device()
+    if index not in _device_names:
+        _device_names[index] = torch.cuda.get_device_name(index)
+    return _device_names[index]
 
 
 class Tuner:
