@@ -25,15 +25,29 @@ Support matrix (decomposed forms are core ATen: traced inline, never inside the 
 
 [1] decomposed_materialized with nuq levels, the sparse store or pre-RoPE keys (the fused loop
     form covers plain KIVI and the sink/OTT pool).
-[2] triton_split when head_dim is not a power of two, and where the installed Triton cannot
-    compile triton_decode (decode_kernel_compiles). Both attention kernels read the sparse
-    store, nuq levels, pre-RoPE keys and the pool. The tensor-core candidate
-    (lab/triton_decode_mma.py) is not chosen: on an H200 it was slower than triton_decode with
-    MHA, faster with GQA 4:1, and wrong on 5 of its CUDA tests (benchmarks/results/h200/).
-    With KIVI_CUDA_DECODE=cuda_cpp (set_cuda_decode), the CUDA C++ tensor-core kernel
-    (kivi_ops/cuda, "cuda_cpp") for the calls it supports (cuda/attend.py: plain KIVI-2, fp16,
-    head_dim 64/128, G % 32 == 0, <= 8 query heads per kv head, not paged); Triton elsewhere.
-    Not the default: no GPU has run or timed it yet (docs/performance.md, "The CUDA C++ route").
+[2] The Triton rule: triton_split when head_dim is not a power of two, and where the installed
+    Triton cannot compile triton_decode (decode_kernel_compiles). Both attention kernels read the
+    sparse store, nuq levels, pre-RoPE keys and the pool. Inside the op (ops.py, paged_ops.py:
+    attend_in_op), a decode call (q_len == 1) runs the kernel picked for its shape class among the
+    eligible ones, with KIVI_CUDA_DECODE (set_cuda_decode) at its default "auto" (tuning.py):
+      eligible  the Triton rule's kernel, triton_split, and the CUDA C++ tensor-core kernel
+                (kivi_ops/cuda, "cuda_cpp") with each of CUDA_CPP_SPLITS split counts, where
+                cuda/attend.py `unsupported` takes the call and the extension loads (else not
+                eligible, logged once). It takes 2- and 4-bit keys and values, fp16 and bf16,
+                head_dim 64/128/256, G % 32 == 0, <= 16 query heads per kv head, static or paged;
+                what falls back to Triton (cuda/attend.py lists each reason): the sink/OTT pool,
+                KVQuant parts (nuq, sparse store, pre-RoPE), 3- and 8-bit codes, fp32, other head
+                dims, more query heads, q_len > 1.
+      picked    from the tuning table (kivi_ops/tuning_table.json, per device name; seeded with the
+                2026-11-27 H200 sweep at 1a0a8a9), else by a one-time autotune at first use
+                (timed on the call's inputs, CUDA events, median), cached per (device, shape
+                class) for the process and logged once. Never timed inside a CUDA-graph capture
+                or while torch.compile / export trace: the table's kernel or the Triton rule runs.
+    KIVI_CUDA_DECODE=triton runs the Triton rule everywhere; =cuda_cpp the C++ kernel (its default
+    splits) for every call it supports, refused with CudaKernelUnavailable where it cannot be built.
+    The tensor-core Triton candidate (lab/triton_decode_mma.py) is not eligible: on an H200 it was
+    slower than triton_decode with MHA, faster with GQA 4:1, and wrong on 5 of its CUDA tests
+    (benchmarks/results/h200/).
 [3] decomposed, with the key flush under torch.cond: on CPU Inductor makes it a host-side `if`,
     so a decode step quantizes a key window only on the steps that complete one.
 [4] One-token appends and decode attention (q_len == 1) run the compile-mode forms, compiled
@@ -56,13 +70,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from . import tuning
+from .cuda.attend import unsupported as cuda_cpp_unsupported
 from .layout import LayerTensors, QuantParams
 from .paged_layout import Paging
+
+log = logging.getLogger(__name__)
 
 OPS = ("append", "attend")
 MODES = ("eager", "compile", "export", "portable")
@@ -109,21 +128,22 @@ def current_cpu_kernels() -> str:
     return _cpu_kernels
 
 
-# The CUDA decode attention kernel: "triton" (default, and the fallback for every call cuda_cpp does
-# not support) or "cuda_cpp", the CUDA C++ tensor-core kernel (kivi_ops/cuda), opt-in until a GPU
-# has checked and timed it. The environment variable is read at import; asking for cuda_cpp where
-# it cannot be built raises CudaKernelUnavailable when the setting is made (set_cuda_decode) or,
-# from the environment, at the first CUDA decode call.
-CUDA_DECODE = ("triton", "cuda_cpp")
+# The CUDA decode attention kernel (footnote [2]): "auto" (default) picks per shape class from the
+# tuning table or a one-time autotune (tuning.py) among the eligible kernels; "triton" forces the
+# Triton rule; "cuda_cpp" forces the CUDA C++ kernel for every call it supports (Triton for the
+# rest). The environment variable is read at import; asking for cuda_cpp where it cannot be built
+# raises CudaKernelUnavailable when the setting is made (set_cuda_decode) or, from the
+# environment, at the first CUDA decode call. Under "auto" such a kernel is simply not eligible.
+CUDA_DECODE = ("auto", "triton", "cuda_cpp")
 
 
 _cuda_decode = _from_environment("KIVI_CUDA_DECODE", CUDA_DECODE)
 
 
 def set_cuda_decode(name: str) -> str:
-    """Select the CUDA decode attention kernel for the whole process ("triton" or "cuda_cpp");
-    returns the previous selection. cuda_cpp is built here and refused (CudaKernelUnavailable,
-    with the reason) where it cannot be."""
+    """Select the CUDA decode attention kernel for the whole process ("auto", "triton" or
+    "cuda_cpp"); returns the previous selection. cuda_cpp is built here and refused
+    (CudaKernelUnavailable, with the reason) where it cannot be."""
     global _cuda_decode
     if name not in CUDA_DECODE:
         raise ValueError(f"cuda decode must be one of {CUDA_DECODE}, got {name!r}")
@@ -139,23 +159,75 @@ def current_cuda_decode() -> str:
     return _cuda_decode
 
 
-def _cuda_cpp_takes(layer: LayerTensors, params: Optional[QuantParams], q_len: int, paged: bool,
-                    query_heads: Optional[int]) -> bool:
-    """Whether the CUDA C++ decode kernel runs this call: asked for, and the call is one it supports.
-    Asked for but not buildable: CudaKernelUnavailable (a setting is never silently ignored)."""
-    if _cuda_decode != "cuda_cpp" or params is None or query_heads is None or paged:
-        return False
-    from .cuda.attend import unsupported
-    from .cuda.loader import load
+# Its split counts tried by the autotune: the launcher's default (None, from the static shapes), one
+# split (fastest at 1K on the H200) and 16 (the sweep's third point).
+CUDA_CPP_SPLITS = (None, 1, 16)
 
-    load()
-    return unsupported(layer, params, q_len, query_heads) is None
+
+def _cuda_cpp_supports(layer: LayerTensors, params: QuantParams, q_len: int, query_heads: int, paged: bool) -> bool:
+    return cuda_cpp_unsupported(layer, params, q_len, query_heads, paged=paged) is None
+
+
+_cuda_cpp_loads: Optional[bool] = None  # under "auto": whether the extension loads (asked once)
+
+
+def _cuda_cpp_available() -> bool:
+    """Whether the CUDA C++ kernel can be loaded in this process (asked once; why not, logged once)."""
+    global _cuda_cpp_loads
+    if _cuda_cpp_loads is None:
+        from .cuda.loader import load
+        from .cuda.toolkit import CudaKernelUnavailable
+
+        try:
+            load()
+            _cuda_cpp_loads = True
+        except CudaKernelUnavailable as e:
+            log.info("the CUDA C++ decode kernel is not eligible for autotuning in this process: %s", e)
+            _cuda_cpp_loads = False
+    return _cuda_cpp_loads
+
+
+def decode_candidates(layer: LayerTensors, params: QuantParams, query_heads: int, paged: bool,
+                      triton_rule: str) -> list[tuning.Candidate]:
+    """The kernels eligible for one CUDA decode call under the current KIVI_CUDA_DECODE setting."""
+    if _cuda_decode == "triton":
+        return [tuning.Candidate(triton_rule)]
+    if _cuda_decode == "cuda_cpp":
+        from .cuda.loader import load
+
+        load()  # asked for but not buildable: CudaKernelUnavailable (a setting is never silently ignored)
+        supported = _cuda_cpp_supports(layer, params, 1, query_heads, paged)
+        return [tuning.Candidate("cuda_cpp" if supported else triton_rule)]
+    found = [tuning.Candidate(name) for name in dict.fromkeys((triton_rule, "triton_split"))]
+    if _cuda_cpp_supports(layer, params, 1, query_heads, paged) and _cuda_cpp_available():
+        found += [tuning.Candidate("cuda_cpp", () if n is None else (("num_splits", n),)) for n in CUDA_CPP_SPLITS]
+    return found
+
+
+_tuner = tuning.Tuner(tuning.read_table())
+
+
+def _decode_choice(layer: LayerTensors, params: QuantParams, query_heads: int, paged: bool, context: Optional[int],
+                   triton_rule: str, measure) -> Choice:
+    """The CUDA decode-attention kernel for one call: the only eligible one, or the tuner's pick."""
+    candidates = decode_candidates(layer, params, query_heads, paged, triton_rule)
+    if len(candidates) > 1:
+        B, H = layer.k_res.shape[:2]
+        cls = tuning.shape_class(batch=B, kv_heads=H, context=layer.k_codes.shape[2] if context is None else context,
+                                 query_heads=query_heads, head_dim=layer.k_res.shape[-1], k_bits=params.k_bits,
+                                 v_bits=params.v_bits, dtype=layer.k_res.dtype, paged=paged)
+        run = None if measure is None else (lambda c: measure(Choice(c.implementation, True, launch=c.launch)))
+        pick = _tuner.pick(cls, candidates, tuning.Candidate(triton_rule), run)
+    else:
+        pick = candidates[0]
+    return Choice(pick.implementation, in_op=True, launch=pick.launch)
 
 
 class Choice(NamedTuple):
     implementation: str
     in_op: bool  # runs inside the kivi custom op (its device kernel), rather than traced inline
     compiled: bool = False  # an inline form run through torch.compile on its own (footnote [4])
+    launch: tuple = ()  # launcher keywords of a tuned device kernel, sorted pairs (cuda_cpp's num_splits)
 
 
 def current_mode(portable: bool) -> str:
@@ -171,10 +243,14 @@ def current_mode(portable: bool) -> str:
 
 def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors,
            cpu_kernels: str = "compiled", params: Optional[QuantParams] = None, paged: bool = False,
-           query_heads: Optional[int] = None) -> Choice:
+           query_heads: Optional[int] = None, context: Optional[int] = None,
+           measure: Optional[Callable[[Choice], object]] = None) -> Choice:
     """The implementation of `op` for one call (the support matrix above; cpu_kernels: footnote [4]).
     params / paged / query_heads: the call's settings, whether the layer is paged, the query's heads;
-    the CUDA C++ decode kernel (footnote [2]) is chosen only with params and query_heads, unpaged."""
+    the CUDA decode kernel is picked among the eligible ones (footnote [2]) only with params and
+    query_heads (the op's own kernel); traced callers get the Triton rule, which only says "in the op".
+    context: tokens a row holds (default: the static layout's, k_codes' dim 2; a paged layer's
+    Paging.capacity). measure(choice) runs a candidate on the call's inputs, for the autotune."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if mode not in MODES:
@@ -187,11 +263,12 @@ def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors,
     if device == "cuda":
         if op == "append":
             return Choice("triton", in_op=True)  # every option: the sparse store, the pool, nuq
-        if op == "attend" and _cuda_cpp_takes(layer, params, q_len, paged, query_heads):
-            return Choice("cuda_cpp", in_op=True)
         head_dim = layer.k_res.shape[-1]
         decode = q_len == 1 and head_dim & (head_dim - 1) == 0 and decode_kernel_compiles(layer)
-        return Choice("triton_decode" if decode else "triton_split", in_op=True)
+        triton_rule = "triton_decode" if decode else "triton_split"
+        if q_len == 1 and params is not None and query_heads is not None:
+            return _decode_choice(layer, params, query_heads, paged, context, triton_rule, measure)
+        return Choice(triton_rule, in_op=True)
     eager_decode = mode == "eager" and q_len == 1 and cpu_kernels == "compiled"
     if device == "cpu" and (mode == "compile" or eager_decode):
         compiled = mode == "eager"
@@ -202,12 +279,21 @@ def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors,
     return Choice("reference", in_op=True)
 
 
-@functools.cache
-def _triton_older_than(major: int, minor: int) -> bool:
-    from importlib.metadata import version
+def _installed_triton() -> Optional[tuple[int, int]]:
+    from importlib.metadata import PackageNotFoundError, version
 
-    installed = tuple(int(part) for part in version("triton").split(".")[:2])
-    return installed < (major, minor)
+    try:
+        return tuple(int(part) for part in version("triton").split(".")[:2])
+    except PackageNotFoundError:
+        return None
+
+
+# Read at import (not functools.cache): decode_kernel_compiles runs inside traced code.
+_TRITON = _installed_triton()
+
+
+def _triton_older_than(major: int, minor: int) -> bool:
+    return _TRITON is not None and _TRITON < (major, minor)
 
 
 def decode_kernel_compiles(layer: LayerTensors) -> bool:
@@ -266,50 +352,74 @@ def attend(query, layer: LayerTensors, counts, params: QuantParams, scale: float
     return run_attend(choice.implementation, query, layer, counts, params, scale, pages=pages)
 
 
-@functools.cache
-def append_implementation(implementation: str, paged: bool = False):
-    """The function of one append implementation (imported on first use: Triton only where it
-    runs), the same object on every call. paged: its paged form, which takes the Paging as a
-    last argument."""
-    if paged:
-        from .kernels import paged_forms
+# The implementation table: each name's (static, paged) function, the same objects on every call
+# (cpu_compiled.py keys its compiled forms by them). A plain dict, not functools.cache: traced code
+# (torch.compile, export) looks the forms up, and Dynamo warns on every lru_cache-wrapped call it
+# traces. The forms traced inline are filled here at import; the device kernels (Triton, the C++
+# extension) on their first use, which is inside a kivi op, never traced: Triton is imported only
+# where it runs.
+def _inline_forms():
+    from .kernels import paged_forms
+    from .kernels.decomposed_append import append_decomposed
+    from .kernels.decomposed_attend import attend_fused, attend_materialized
+    from .kernels.reference import append_reference, attend_reference
 
-        return paged_forms.append_form(implementation)
-    if implementation == "reference":
-        from .kernels.reference import append_reference as fn
-    elif implementation in ("decomposed", "decomposed_cond"):
-        from .kernels.decomposed_append import append_decomposed
+    append_static = {"reference": append_reference,
+                     "decomposed": functools.partial(append_decomposed, flush_under_cond=False),
+                     "decomposed_cond": functools.partial(append_decomposed, flush_under_cond=True)}
+    attend_static = {"reference": attend_reference, "decomposed_fused": attend_fused,
+                     "decomposed_materialized": attend_materialized}
+    return ({name: (fn, paged_forms.append_form(name)) for name, fn in append_static.items()},
+            {name: (fn, paged_forms.attend_form(name)) for name, fn in attend_static.items()})
 
-        fn = functools.partial(append_decomposed, flush_under_cond=implementation == "decomposed_cond")
-    elif implementation == "triton":
-        from .kernels.triton_append import append_triton as fn
-    else:
-        raise ValueError(f"no append implementation {implementation!r}")
+
+def _device_form(op: str, implementation: str):
+    """(static, paged or None) of a device kernel, imported on first use."""
+    from .kernels import paged_forms
+
+    if op == "append" and implementation == "triton":
+        from .kernels.triton_append import append_triton
+
+        return append_triton, paged_forms.append_form(implementation)
+    if op == "attend" and implementation == "triton_decode":
+        from .kernels.triton_decode import attend_decode
+
+        return attend_decode, paged_forms.attend_form(implementation)
+    if op == "attend" and implementation == "triton_split":
+        from .kernels.triton_split import attend_split
+
+        return attend_split, paged_forms.attend_form(implementation)
+    if op == "attend" and implementation == "cuda_cpp":
+        from .cuda.attend import attend_cuda_cpp
+
+        return attend_cuda_cpp, paged_forms.attend_form(implementation)
+    raise ValueError(f"no {op} implementation {implementation!r}")
+
+
+_FORMS = dict(zip(OPS, _inline_forms()))
+
+
+def _implementation(op: str, implementation: str, paged: bool):
+    forms = _FORMS[op].get(implementation)
+    if forms is None:
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"no {op} implementation {implementation!r}")
+        forms = _FORMS[op][implementation] = _device_form(op, implementation)
+    fn = forms[paged]
+    if fn is None:
+        raise ValueError(f"the {op} implementation {implementation!r} has no paged form")
     return fn
 
 
-@functools.cache
+def append_implementation(implementation: str, paged: bool = False):
+    """The function of one append implementation, the same object on every call. paged: its paged
+    form (kernels/paged_forms.py), which takes the Paging as a last argument."""
+    return _implementation("append", implementation, paged)
+
+
 def attend_implementation(implementation: str, paged: bool = False):
     """The function of one attention implementation (paged: its paged form, see append_implementation)."""
-    if paged:
-        from .kernels import paged_forms
-
-        return paged_forms.attend_form(implementation)
-    if implementation == "reference":
-        from .kernels.reference import attend_reference as fn
-    elif implementation == "decomposed_fused":
-        from .kernels.decomposed_attend import attend_fused as fn
-    elif implementation == "decomposed_materialized":
-        from .kernels.decomposed_attend import attend_materialized as fn
-    elif implementation == "triton_decode":
-        from .kernels.triton_decode import attend_decode as fn
-    elif implementation == "triton_split":
-        from .kernels.triton_split import attend_split as fn
-    elif implementation == "cuda_cpp":
-        from .cuda.attend import attend_cuda_cpp as fn
-    else:
-        raise ValueError(f"no attend implementation {implementation!r}")
-    return fn
+    return _implementation("attend", implementation, paged)
 
 
 def run_append(implementation: str, layer: LayerTensors, key, value, counts, params: QuantParams, *,
@@ -322,8 +432,23 @@ def run_append(implementation: str, layer: LayerTensors, key, value, counts, par
 
 
 def run_attend(implementation: str, query, layer: LayerTensors, counts, params: QuantParams, scale: float, *,
-               pages: Optional[Paging] = None):
-    """Run one attention implementation (its paged form when pages is given)."""
-    if pages is None:
-        return attend_implementation(implementation)(query, layer, counts, params, scale)
-    return attend_implementation(implementation, True)(query, layer, counts, params, scale, pages)
+               pages: Optional[Paging] = None, launch: tuple = ()):
+    """Run one attention implementation (its paged form when pages is given; launch: a tuned
+    kernel's launcher keywords, Choice.launch)."""
+    extra = () if pages is None else (pages,)
+    return attend_implementation(implementation, pages is not None)(query, layer, counts, params, scale, *extra,
+                                                                    **dict(launch))
+
+
+def attend_in_op(query, layer: LayerTensors, counts, params: QuantParams, scale: float, *,
+                 pages: Optional[Paging] = None):
+    """What the attention ops' own kernels run (ops.py, paged_ops.py): choose with the call's
+    settings, the autotune (if its shape class needs one) timing candidates on these inputs."""
+    def run(choice: Choice):
+        return run_attend(choice.implementation, query, layer, counts, params, scale, pages=pages,
+                          launch=choice.launch)
+
+    choice = choose("attend", device=query.device.type, mode="eager", q_len=query.shape[2], layer=layer,
+                    cpu_kernels="reference", params=params, paged=pages is not None, query_heads=query.shape[1],
+                    context=None if pages is None else pages.capacity, measure=run)
+    return run(choice)

@@ -245,10 +245,7 @@ def _append_kernel(*args, **kwargs) -> None:
 def _attend_kernel(*args, **kwargs) -> Tensor:
     """CPU and CUDA kernel of cache_attend."""
     query, layer, counts, params, scale = _attend_args(args, kwargs)
-    choice = dispatch.choose("attend", device=query.device.type, mode="eager", q_len=query.shape[2], layer=layer,
-                             cpu_kernels="reference", params=params,
-                             query_heads=query.shape[1])
-    return dispatch.run_attend(choice.implementation, query, layer, counts, params, scale)
+    return dispatch.attend_in_op(query, layer, counts, params, scale)
 
 
 for _device in ("cpu", "cuda"):

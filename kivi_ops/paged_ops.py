@@ -85,9 +85,7 @@ def _append_kernel(*args, **kwargs) -> None:
 def _attend_kernel(*args, **kwargs) -> Tensor:
     """CPU and CUDA kernel of paged_attend."""
     query, layer, counts, params, scale, pages = _attend_args(args, kwargs)
-    choice = dispatch.choose("attend", device=query.device.type, mode="eager", q_len=query.shape[2], layer=layer,
-                             cpu_kernels="reference")
-    return dispatch.run_attend(choice.implementation, query, layer, counts, params, scale, pages=pages)
+    return dispatch.attend_in_op(query, layer, counts, params, scale, pages=pages)
 
 
 for _device in ("cpu", "cuda"):

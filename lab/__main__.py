@@ -26,6 +26,7 @@ STUDIES = {
     "prefill_chunk_cpu": "CPU: prefilling a prompt in chunks (--prefix-caching) vs one-shot, per chunk size",
     "gpu_attend_sweep": "GPU: decode attention launch configurations (and the tensor-core candidate) vs SDPA",
     "gpu_layer_costs": "GPU: per-layer append, flush step and attend, plain KIVI and with each option",
+    "gpu_tune": "GPU: the decode-attention tuning table (kivi_ops/tuning_table.json), every eligible kernel timed",
     "gpu_profile_step": "GPU: the graph-replayed 7B-shape decode step's kernels, fp vs KIVI-2 (torch.profiler)",
     "gguf_truncate": "a GGUF model cut to its first N layers (a real-weight test model small enough to carry)",
     "gpu_wheels": "the wheels the GPU image lacks for lab/gpu_suite.sh (dependency closure minus the image's list)",

@@ -418,7 +418,7 @@ def test_loader_and_dispatch_refuse_cuda_cpp_here():
         load()
     with pytest.raises(CudaKernelUnavailable, match="unavailable"):
         dispatch.set_cuda_decode("cuda_cpp")
-    assert dispatch.current_cuda_decode() == "triton"  # a refused setting changes nothing
+    assert dispatch.current_cuda_decode() == "auto"  # a refused setting changes nothing
     with pytest.raises(ValueError, match="must be one of"):
         dispatch.set_cuda_decode("cuda")
     layer, params = make_layer(1, 1, 256, 64, 64, 32, [100])
@@ -429,13 +429,10 @@ def test_loader_and_dispatch_refuse_cuda_cpp_here():
                             query_heads=2)
 
 
-@pytest.mark.skipif(os.environ.get("KIVI_CUDA_DECODE") == "cuda_cpp", reason="KIVI_CUDA_DECODE=cuda_cpp is set")
-def test_triton_stays_the_default():
-    """Until a GPU has timed the C++ kernel (docs/performance.md), Triton runs every CUDA decode."""
-    layer, params = make_layer(1, 1, 256, 64, 64, 32, [100])
-    assert dispatch.current_cuda_decode() == "triton"
-    assert dispatch.choose("attend", device="cuda", mode="eager", q_len=1, layer=layer, params=params,
-                           query_heads=2).implementation == "triton_decode"
+@pytest.mark.skipif("KIVI_CUDA_DECODE" in os.environ, reason="KIVI_CUDA_DECODE is set")
+def test_auto_is_the_default():
+    """The tuning table or the autotune picks among the eligible kernels (tests/test_tuning.py)."""
+    assert dispatch.current_cuda_decode() == "auto"
 
 
 def test_dispatch_chooses_cuda_cpp_only_where_asked_and_supported(monkeypatch):
