@@ -69,7 +69,8 @@ def test_fp16_paged_sequences_counts_16_token_pages_of_every_token(embedded):
     assert fp16_paged_sequences(embedded, 10 * per_sequence, CHAT_TOKENS) == 10
 
 
-@pytest.mark.slow  # the embedded model and its per-op kernels' warm-up: minutes on a busy 2-core machine
+@pytest.mark.slow  # the embedded model in a process of its own (it inherits the suite's reference kernels,
+# conftest.py: the warm-up compiles nothing here; tests/test_serve_warmup.py checks the compiled ones)
 def test_kivi_serve_with_no_flags_starts_paged_with_prefix_caching_and_serves(tmp_path):
     from test_serve_paged import free_port
 
