@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import os
 import socket
@@ -24,18 +25,19 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--cache-budget-gib", type=positive_float, default=None,
                    help="static: as many rows as fit this many GiB of cache (exact bytes per row); --paged: as many "
                         "pages as fit (exact bytes per page, after the rows' own state)")
-    s.add_argument("--paged", action="store_true",
+    s.add_argument("--paged", action=argparse.BooleanOptionalAction, default=None,
                    help="a pool of pages shared by the rows instead of a static row of --max-seq-len tokens per "
-                        "request: admission by free pages, preemption by swapping to host memory (docs/serve.md)")
+                        "request: admission by free pages, preemption by swapping to host memory (docs/serve.md); "
+                        "default: on on CPU, off on CUDA (--no-paged: static rows)")
     s.add_argument("--num-pages", type=positive_int, default=None,
                    help="--paged: pages in the pool (per layer); default: as many as --cache-budget-gib holds, else "
-                        "the bytes a static cache of 8 rows would take")
+                        f"the rows' own state plus the pages of {DEFAULT_SEQUENCES} sequences of --max-seq-len tokens")
     s.add_argument("--page-size", type=positive_int, default=None,
                    help="--paged: tokens per page (fp: default 16, as vLLM; KIVI: a multiple of --group-size)")
-    s.add_argument("--prefix-caching", action="store_true",
+    s.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="--paged: requests that start with the same tokens share the pages of that prefix, which is "
                         "prefilled once (vLLM's automatic prefix caching); prompts are then prefilled in chunks of "
-                        "--prefix-chunk tokens (docs/serve.md)")
+                        "--prefix-chunk tokens (docs/serve.md); default: on with --paged")
     s.add_argument("--prefix-chunk", type=positive_int, default=None,
                    help="--prefix-caching: the prefill chunk and the granularity of sharing, a multiple of the page "
                         f"size (default: {PREFIX_CHUNK} rounded up to a multiple of the page size)")
@@ -115,6 +117,32 @@ def access_settings(args, parser) -> tuple[Optional[str], Optional[tuple[str, ..
 
 
 PAGED_ROWS = 32  # --paged: default rows (the pool, not the rows, bounds how many run)
+# --paged without --num-pages or --cache-budget-gib: the pool holds this many sequences of
+# --max-seq-len tokens, as many as the static default's rows hold, on top of the rows' own state
+# (KIVI's R-token windows: for the embedded model 32 of them outweigh 8 static rows, so a budget
+# of "8 static rows' bytes" could not even hold the rows and the default failed to start).
+DEFAULT_SEQUENCES = 8
+# The start-up line's yardstick: a chat sequence of the ShareGPT trace's mean length (161 prompt +
+# 338 output tokens, as the vLLM paper reports it; benchmarks/traces.py).
+CHAT_TOKENS = 500
+
+
+def paged_by_default(device) -> bool:
+    """Whether `kivi serve` uses the paged cache without --paged / --no-paged, by device. CPU: yes,
+    as vLLM (a pool of pages holds more sequences than static rows). CUDA: not until a GPU run has
+    passed the paged CUDA tests (issue 40); static rows stay its default until then."""
+    import torch
+
+    return torch.device(device).type == "cpu"
+
+
+def resolve_paging_defaults(args, device) -> None:
+    """--paged and --prefix-caching left unset take their defaults: paged by device
+    (paged_by_default), prefix caching on with the paged cache (as vLLM's automatic prefix caching)."""
+    if args.paged is None:
+        args.paged = paged_by_default(device)
+    if args.prefix_caching is None:
+        args.prefix_caching = args.paged
 # --prefix-caching: the default prefill chunk, rounded up to a multiple of the page size. Chunks
 # of 64 cost 1.3x a one-shot prefill of 512 tokens (SmolLM2, CPU), chunks of 32 2.3-2.5x
 # (docs/serve.md); smaller chunks share more of a prefix, bigger ones cost little more or less.
@@ -124,8 +152,8 @@ PREFIX_CHUNK = 64
 def plan_pages(model, args, kivi_config, parser) -> tuple[int, int, int]:
     """--paged: (rows, pages, exact cache bytes). The pool gets --num-pages, else the pages that
     --cache-budget-gib holds after the rows' own state (lengths, KIVI's windows, the block table),
-    else the bytes of a static cache of 8 rows."""
-    from .generate import cache_bytes_per_sequence, paged_bytes
+    else the rows' own state plus the pages of DEFAULT_SEQUENCES sequences of --max-seq-len tokens."""
+    from .generate import make_paged_cache, paged_bytes
 
     rows = args.max_batch or PAGED_ROWS
     with usage_errors(parser):
@@ -139,8 +167,10 @@ def plan_pages(model, args, kivi_config, parser) -> tuple[int, int, int]:
                     parser.error(f"--cache-budget-gib must be > 0, got {args.cache_budget_gib}")
                 budget = args.cache_budget_gib * 2**30
             else:
-                budget = 8 * cache_bytes_per_sequence(model, method=args.method, tokens=args.max_seq_len,
-                                                      kivi_config=kivi_config)
+                full = make_paged_cache(model, method=args.method, batch_size=1, max_seq_len=args.max_seq_len,
+                                        num_pages=1, page_size=args.page_size, kivi_config=kivi_config,
+                                        device="meta").pages_needed(args.max_seq_len)
+                budget = fixed + DEFAULT_SEQUENCES * max(full, 1) * per_page
             pages = int((budget - fixed) // per_page)
             if pages <= 0:
                 parser.error(f"the cache budget ({budget / 2**30:.4f} GiB) does not hold the state of {rows} rows "
@@ -169,6 +199,18 @@ def plan_slots(model, args, kivi_config, parser) -> tuple[int, int, int]:
         slots = args.max_batch or 8
         budget = slots * per_slot
     return slots, per_slot, int(budget // fp16_per_slot)
+
+
+def fp16_paged_sequences(model, nbytes: int, tokens: int) -> int:
+    """Sequences of `tokens` tokens an fp16 paged cache (vLLM's: 16-token pages, every token kept)
+    holds in nbytes: the start-up line's comparison."""
+    from kivi_ops.paged_fp import DEFAULT_PAGE_SIZE
+
+    from .generate import make_cache
+
+    padded = -(-tokens // DEFAULT_PAGE_SIZE) * DEFAULT_PAGE_SIZE
+    per_sequence = make_cache(model, method="fp", batch_size=1, max_seq_len=padded, device="meta").fp16_nbytes()
+    return int(nbytes // per_sequence)
 
 
 def check_paging_flags(args, parser) -> None:
@@ -204,6 +246,7 @@ def cmd_serve(args, parser) -> int:
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     api_key, allowed_hosts = access_settings(args, parser)
+    resolve_paging_defaults(args, device)
     check_paging_flags(args, parser)
     limits = ConnectionLimits(check_connection_limits(args.max_connections, parser), args.timeout_keep_alive,
                               args.read_timeout)
@@ -256,8 +299,12 @@ def cmd_serve(args, parser) -> int:
         log(f"{slots} slots x {args.max_seq_len} tokens, {nbytes / 2**20:.1f} MiB of {args.method} cache{share} "
             f"(an fp16 cache would hold {fp16_slots} slots in the same bytes)")
     else:
+        chat = min(CHAT_TOKENS, args.max_seq_len)
+        held = min(slots, paging.num_pages // max(engine.cache.pages_needed(chat), 1))
         log(f"paged: {slots} rows, a pool of {paging.num_pages} pages of {engine.cache.page_size} tokens, "
-            f"{nbytes / 2**20:.1f} MiB of {args.method} cache{share}; a request holds at most {args.max_seq_len} tokens"
+            f"{nbytes / 2**20:.1f} MiB of {args.method} cache{share}: {held} sequences of {chat} tokens (chat length) "
+            f"at once, where an fp16 paged cache would hold {fp16_paged_sequences(model, nbytes, chat)} in the same "
+            f"bytes; a request holds at most {args.max_seq_len} tokens"
             + (f"; prefix caching in chunks of {paging.prefix_chunk} tokens, {engine.blocks.max_prefixes} prefixes "
                f"kept at most" if paging.prefix_chunk else "")
             + f"; decode steps over {', '.join(map(str, engine.buckets))} rows")

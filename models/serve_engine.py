@@ -31,8 +31,10 @@ references and evicts least recently used prefixes before it preempts).
 Work is bounded: `max_waiting` caps the queue beyond the free slots (submit refuses with 503), a
 cancelled request (its client went away) leaves its row at the next step, `request_timeout` ends
 requests older than it (504), and `drain` / `abort` end what is left at shutdown with an error
-event each (503), so that every handler answers or closes its stream. With compile, one step
-with no request runs first (`ready`), so that no client waits on the compilation.
+event each (503), so that every handler answers or closes its stream. Before it is `ready`, one
+step with no request runs per decode bucket, so that what requests run is compiled first (the
+compiled step with --compile, else the per-op CPU kernels) and no client, and no running stream,
+ever waits on a compile (`_warm_up`).
 
 The engine decides; its runner (serve_runner.py) is the only thing that touches the model and the
 cache (prefill into a row or pages, swap out and in, the block table, the decode step). Under
@@ -53,6 +55,7 @@ from typing import Callable, Optional
 
 import torch
 
+from kivi_ops.kernels import cpu_compiled
 from kivi_ops.paged_io import sequence_bytes
 
 from .block_manager import BlockManager, CachedPrefix, Scheduler, prefix_keys
@@ -239,8 +242,7 @@ class Engine:
             self.table = torch.full_like(self.cache.block_table, self.cache.num_pages, device="cpu")
             self.table_rows: list[tuple[Optional[Request], int]] = [(None, 0)] * slots  # what table[row] holds
         self.buckets = decode_buckets(slots, paging.decode_buckets) if paging is not None else (slots,)
-        # Ready once the decode step has run: with compile, a first step with no request (counts 0:
-        # nothing is stored) compiles it before any client waits on it (/health says so).
+        # Ready once the decode step has run over every bucket (_warm_up): /health says so.
         self.ready = threading.Event()
         self.warmup_error: Optional[str] = None
         self.compile = compile
@@ -404,15 +406,22 @@ class Engine:
     # ---------------------------------------------------------------- engine thread
 
     def _warm_up(self) -> None:
-        if self.compile:
-            try:
-                with torch.inference_mode():
-                    for rows in self.buckets:  # no request yet: every count is 0, nothing is stored
-                        self.runner.decode([-1] * rows)
-            except Exception as e:
-                log.exception("the compiled decode step failed to build")
-                self.warmup_error = f"the compiled decode step failed to build: {type(e).__name__}: {e}"
-                return
+        """Compile what serving runs before /health says ready, and nothing after: one decode step
+        per bucket with no request (every count 0: nothing is stored) builds the compiled step
+        (--compile) or, without it, the per-op CPU kernels of those shapes (kernels/cpu_compiled.py).
+        Then this thread stops compiling: a shape met later (the one-token last chunk of a
+        prompt, a one-token prompt) runs the reference ops, a few ms slower, instead of stalling
+        every running stream for the seconds of a compile (issue 43 measured 20.8 s)."""
+        try:
+            with torch.inference_mode():
+                for rows in self.buckets:
+                    self.runner.decode([-1] * rows)
+        except Exception as e:
+            what = "the compiled decode step" if self.compile else "the decode step's CPU kernels"
+            log.exception("%s failed to build", what)
+            self.warmup_error = f"{what} failed to build: {type(e).__name__}: {e}"
+            return
+        cpu_compiled.stop_compiling_on_this_thread()
         self.ready.set()
 
     def _loop(self) -> None:

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from kivi_models.generate import decode_step, make_paged_cache, prefill_chunked
+from kivi_models.generate import decode_step, make_paged_cache, prefill, prefill_chunked
 from kivi_models.serve_engine import Request
 from kivi_ops.paged_io import copy_sequence
 from test_serve_paged import (CONFIG, MAX_SEQ_LEN, METHODS, make_engine, metrics, serving,  # noqa: F401
@@ -202,3 +202,29 @@ def test_bad_prefix_settings_are_refused_naming_the_flag(tiny):
         make_engine(tiny, "kivi", num_pages=20, page_size=4, prefix_chunk=6)
     with pytest.raises(ValueError, match="--prefix-cache-size must be an int >= 0"):
         make_engine(tiny, "fp", num_pages=20, page_size=4, prefix_chunk=4, prefix_cache_size=-1)
+
+
+ROUNDING = 1e-5  # logits of order 1 summed in another order in fp32: ~1e-7 measured; a quantized token moves them >1e-4
+
+
+@pytest.mark.parametrize("chunk", [PAGE, 2 * PAGE])
+def test_a_chunked_prefill_equals_one_shot_below_R_tokens_and_sees_quantized_keys_from_R(tiny, chunk):
+    """docs/serve.md's rule: a chunk attends after its own append, so a prompt of fewer than R
+    tokens sees nothing quantized (one-shot's logits up to rounding), one of R tokens sees its R keys
+    quantized (the window flushed by the append), one of R + 1 also its oldest value."""
+    model, _ = tiny
+    R = CONFIG.residual_length
+
+    def last_logits(ids, chunked: bool) -> torch.Tensor:
+        cache = make_paged_cache(model, method="kivi", batch_size=1, max_seq_len=MAX_SEQ_LEN, page_size=PAGE,
+                                 num_pages=MAX_SEQ_LEN // PAGE, kivi_config=CONFIG)
+        cache.block_table[0] = torch.arange(cache.max_pages_per_seq, dtype=torch.int32)
+        with torch.inference_mode():
+            if chunked:
+                return prefill_chunked(model, cache, ids, chunk)[0]
+            return prefill(model, cache, torch.tensor([ids]), torch.tensor([len(ids)]))[0]
+
+    for n in (R - 2, R - 1, R, R + 1):
+        ids = list(range(300, 300 + n))
+        gap = (last_logits(ids, True) - last_logits(ids, False)).abs().max().item()
+        assert (gap <= ROUNDING) == (n < R), (n, gap)

@@ -157,7 +157,7 @@ def stream_then_signal(url, name, pid, sig, sent=None) -> list[str]:
 
 def test_tp2_kill_a_rank_mid_stream_gives_an_error_event_then_503_not_a_hang(tiny_dirs, tmp_path):
     model_dir = tiny_dirs[2]
-    args = ["--model", str(model_dir), *KIVI, "--max-batch", "2", "--max-seq-len", "256", "--tp-timeout", "30"]
+    args = ["--model", str(model_dir), *KIVI, "--no-paged", "--max-batch", "2", "--max-seq-len", "256", "--tp-timeout", "30"]
     with torchrun_serve(args, 2, tmp_path) as (url, proc, log_path):
         name = model_dir.name
         assert complete(url, name, PROMPTS[0], 16) == alone(model_dir, PROMPTS[0], 16)
@@ -186,7 +186,7 @@ def test_tp2_a_hung_rank_ends_the_stream_after_the_tp_timeout_and_rank_0_answers
     # A rank that is alive but stuck (SIGSTOP): no connection closes, so only the collectives'
     # timeout (--tp-timeout) can end rank 0's wait. Rank 0 then stays up, answering 503.
     model_dir = tiny_dirs[2]
-    args = ["--model", str(model_dir), *KIVI, "--max-batch", "2", "--max-seq-len", "256", "--tp-timeout", "4"]
+    args = ["--model", str(model_dir), *KIVI, "--no-paged", "--max-batch", "2", "--max-seq-len", "256", "--tp-timeout", "4"]
     with torchrun_serve(args, 2, tmp_path) as (url, proc, log_path):
         name, rank1 = model_dir.name, children(proc.pid)[1]
         sent = []
@@ -206,7 +206,7 @@ def test_tp2_a_hung_rank_ends_the_stream_after_the_tp_timeout_and_rank_0_answers
 
 def test_tp2_a_shutdown_on_rank_0_stops_every_rank(tiny_dirs, tmp_path):
     model_dir = tiny_dirs[2]
-    args = ["--model", str(model_dir), *KIVI, "--max-batch", "2", "--max-seq-len", "128", "--shutdown-timeout", "5"]
+    args = ["--model", str(model_dir), *KIVI, "--no-paged", "--max-batch", "2", "--max-seq-len", "128", "--shutdown-timeout", "5"]
     with torchrun_serve(args, 2, tmp_path) as (url, proc, log_path):
         assert complete(url, model_dir.name, PROMPTS[1], 8, stream=True) == alone(model_dir, PROMPTS[1], 8)
         ranks = children(proc.pid)
@@ -246,7 +246,9 @@ def test_tp3_embedded_model_concurrent_openai_clients_equal_kivi_generate(layout
     # on these lengths, preempts at least once for every order and arrival gap up to 4 steps. A
     # pool of 5 with 0.15 s gaps preempted only on slow machines (CI saw none).
     paged = layout == "paged-preempting"
-    args += ["--paged", "--page-size", "8", "--num-pages", "4"] if paged else ["--compile"]
+    # (--no-prefix-caching: one-shot prefills, which `kivi generate` does; --no-paged: static rows)
+    args += ["--paged", "--no-prefix-caching", "--page-size", "8", "--num-pages", "4"] if paged else ["--no-paged",
+                                                                                                      "--compile"]
     with torchrun_serve(args, 3, tmp_path) as (url, proc, log_path):
         results = concurrent_greedy(url, apart=0.02 if paged else 0.15)
         m = metrics(url)

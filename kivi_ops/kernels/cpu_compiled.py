@@ -15,6 +15,12 @@ At most MAX_SIGNATURES signatures per op are compiled in a process: each costs s
 and keeps its code, and a process that meets ever new shapes (an eval over many batch sizes)
 would otherwise compile forever. A later signature runs the reference.
 
+A server compiles before it says it is ready, never while it serves (`kivi serve`, issue 43): its
+engine thread runs the shapes it will meet (the decode buckets, a one-token prefill) and then calls
+`stop_compiling_on_this_thread()`, after which a signature that thread has not seen runs the
+reference instead of compiling (a reference op costs a few times a compiled one; a compile costs
+seconds, which would stall every running stream). Other threads are not affected.
+
 Numerics: the appends write the reference's bits (the decomposed append is bit-exact,
 tests/test_decomposed.py); the attention sums in another order (fp32 rounding, tests bound it).
 `KIVI_CPU_KERNELS=reference` (dispatch.py) selects the reference everywhere.
@@ -23,6 +29,7 @@ tests/test_decomposed.py); the attention sums in another order (fp32 rounding, t
 from __future__ import annotations
 
 import functools
+import threading
 from collections import defaultdict
 
 from ..compile_budget import compile_own_code, signature as _signature
@@ -43,9 +50,25 @@ def _compiled(form, signature: tuple):
     return compile_own_code(form, fullgraph=True, dynamic=False)
 
 
+# Per thread: whether that thread may still compile a new signature (stop_compiling_on_this_thread).
+_thread = threading.local()
+
+
+def stop_compiling_on_this_thread() -> None:
+    """From now on, on the calling thread, a signature not compiled yet runs the reference instead
+    of compiling (the signatures compiled so far, by any thread, keep running compiled). A serving
+    thread calls it once its warm-up has compiled what it will run (see the module doc)."""
+    _thread.compiles = False
+
+
+def compiles_on_this_thread() -> bool:
+    """Whether a new signature met on this thread is compiled (False after stop_compiling_on_this_thread)."""
+    return getattr(_thread, "compiles", True)
+
+
 def _within_budget(form, signature: tuple) -> bool:
     seen = _signatures[form]
-    if signature not in seen and len(seen) >= MAX_SIGNATURES:
+    if signature not in seen and (len(seen) >= MAX_SIGNATURES or not compiles_on_this_thread()):
         return False
     seen.add(signature)
     return True
