@@ -238,7 +238,7 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
         if engine.runner.failure is not None:  # tensor parallelism: a rank died (serve_tp.py)
             return error(503, f"the server cannot serve: {engine.runner.failure}", code="tensor_parallel_failure")
         if not engine.ready.is_set():  # with --compile: until the compiled step has run once
-            return error(503, engine.warmup_error or "starting: the decode step is being compiled (--compile)",
+            return error(503, engine.warmup_error or "starting: the decode step is being compiled for each decode bucket",
                          code="not_ready")
         return {"status": "ok"}
 

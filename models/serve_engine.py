@@ -55,7 +55,6 @@ from typing import Callable, Optional
 
 import torch
 
-from kivi_ops.kernels import cpu_compiled
 from kivi_ops.paged_io import sequence_bytes
 
 from .block_manager import BlockManager, CachedPrefix, Scheduler, prefix_keys
@@ -421,7 +420,7 @@ class Engine:
             log.exception("%s failed to build", what)
             self.warmup_error = f"{what} failed to build: {type(e).__name__}: {e}"
             return
-        cpu_compiled.stop_compiling_on_this_thread()
+        self.runner.stop_compiling()  # every rank's, under tensor parallelism
         self.ready.set()
 
     def _loop(self) -> None:

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from kivi_ops.kernels import cpu_compiled
 from kivi_ops.paged_io import copy_sequence, load_sequence, move_row, save_sequence
 from kivi_ops.row_view import leading_rows
 
@@ -133,6 +134,11 @@ class Runner:
         counts = (ids >= 0).long()
         positions = cache.lengths().clone()
         return self.step_fn(self.model, cache, ids.clamp(min=0), positions, counts)
+
+    def stop_compiling(self) -> None:
+        """Warm-up is done: from now on this thread compiles no new per-op CPU kernel shape (a shape
+        met later runs the reference ops: a compile would stall every running stream for seconds)."""
+        cpu_compiled.stop_compiling_on_this_thread()
 
     def flush(self) -> None:
         """The end of an engine round (tensor parallelism: send what is queued, or a heartbeat)."""

@@ -72,6 +72,7 @@ OPS = (
     # slot, prompt ids, pages, chunk, start, shared pages, tail key, boundaries to keep, their keys
     Op(6, "prefill_chunked", "illiiiill"),
     Op(7, "move", "ii"),  # src row, dst row
+    Op(8, "stop_compiling", ""),  # warm-up done: compile nothing more (every rank, as rank 0)
 )
 BY_CODE = {op.code: op for op in OPS}
 BY_NAME = {op.name: op for op in OPS}
@@ -294,6 +295,10 @@ class LeaderRunner(Runner):
     def move(self, src: int, dst: int) -> None:
         self._queue("move", src, dst)
         super().move(src, dst)
+
+    def stop_compiling(self) -> None:
+        self._queue("stop_compiling")
+        super().stop_compiling()
 
     def write_table(self, table: torch.Tensor) -> None:
         sent = self.sent_table

@@ -454,7 +454,7 @@ def test_dispatch_chooses_cuda_cpp_only_where_asked_and_supported(monkeypatch):
     assert impl(query_heads=32) == "cuda_cpp"  # 16 query heads per kv head: two tiles
     assert impl(query_heads=34) == "triton_decode"  # 17
     assert impl(q_len=3) == "triton_split"
-    assert impl(paged=True) == "triton_decode"
+    assert impl(paged=True) == "cuda_cpp"  # its block-table form
     assert impl(params=None) == "triton_decode"  # traced callers (dispatch.attend) never pass params
     assert impl(device="cpu") == "decomposed_fused"
     assert dispatch.choose("append", device="cuda", mode="eager", q_len=1, layer=layer,

@@ -93,7 +93,8 @@ def test_the_carried_bytes_count_what_travels_once(tmp_path):
 # test files that ask for CUDA but test nothing on it
 NOT_GPU_TESTS = {"conftest.py": "sets up the Triton interpreter where CUDA is absent",
                  "test_model.py": "checks only the CLI's message when CUDA is absent",
-                 "test_gpu_wheels.py": "names it only in this check"}
+                 "test_gpu_wheels.py": "names it only in this check",
+                 "test_tuning.py": "checks only gpu_tune's refusal where CUDA is absent (the dispatch tests fake a GPU)"}
 
 
 def test_the_suite_runs_every_test_file_that_uses_cuda():

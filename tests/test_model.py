@@ -322,8 +322,9 @@ def test_cli_bad_arguments_are_usage_errors(argv, message, capsys):
 
 
 def test_cli_missing_model_directory(capsys):
-    assert main(["generate", "--prompt", "x", "--model", "/nonexistent/model"]) == 1
-    assert "not one (nothing is downloaded)" in capsys.readouterr().err
+    # a usage error (exit 2), as a missing .gguf is (issue 43)
+    assert main(["generate", "--prompt", "x", "--model", "/nonexistent/model"]) == 2
+    assert "--model must be" in (err := capsys.readouterr().err) and "(nothing is downloaded)" in err
 
 
 def tiny_model(model_type):

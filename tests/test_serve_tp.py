@@ -28,7 +28,8 @@ def test_a_plan_survives_encoding_and_a_decode_step_is_one_fixed_size_header():
     records = (("save", (2, [7, 3, 9], 41)), ("load", (0, [1], 40)), ("drop", (39,)), ("table_row", (1, [5, 6])),
                ("table_row", (3, [])), ("prefill", (1, [101, 5, 17, 2], [4, 8])),
                ("prefill_chunked", (2, [101, 5, 17, 2, 9], [4, 8, 3], 4, 4, 1, 38, [], [])),
-               ("prefill_chunked", (0, [7] * 9, [2, 5, 6], 4, 0, 0, -1, [4, 8], [42, 43])), ("move", (3, 0)))
+               ("prefill_chunked", (0, [7] * 9, [2, 5, 6], 4, 0, 0, -1, [4, 8], [42, 43])), ("move", (3, 0)),
+               ("stop_compiling", ()))
     assert {name for name, _ in records} == {op.name for op in OPS}  # every op
     plan = Plan(PLAN, 12, records, tokens=(5, -1, 9, -1))
     header, payload = encode_plan(plan, rows=4)
@@ -234,12 +235,18 @@ def test_an_idle_leader_sends_heartbeats(tiny):
     engine, channel = tp_engine(tiny, "fp", slots=2, timeout_s=0.4)  # a heartbeat every 0.1 s
     try:
         deadline = start + 30
-        while len(channel.plans) < 3 and time.monotonic() < deadline:
+        while sum(p.tokens is None for p in channel.plans) < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
         elapsed = time.monotonic() - start
-        beats = list(channel.plans)
+        plans = list(channel.plans)
     finally:
         engine.close()
+    # First the warm-up, one decode step per bucket; its end tells every rank to stop compiling, in the
+    # first plan after it (sent at once: something is queued); then heartbeats alone.
+    steps = [p for p in plans if p.tokens is not None]
+    assert len(steps) == len(engine.buckets) and plans[:len(steps)] == steps
+    first, *beats = plans[len(steps):]
+    assert [name for name, _ in first.records] == ["stop_compiling"]
     assert 3 <= len(beats) <= elapsed / 0.1 + 1, (len(beats), elapsed)  # not more often than every 0.1 s
     assert all(p.kind == PLAN and p.tokens is None and not p.records for p in beats)
 
