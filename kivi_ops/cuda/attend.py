@@ -16,8 +16,9 @@ Falls back to Triton (`unsupported` names the reason; the dispatcher runs Triton
     more than 16 query heads per kv head     a third tile would read the codes a third time
     group_size not a multiple of 32          a 32-token chunk is one key group's share
     the sink/OTT outlier pool, KVQuant parts (nuq levels, sparse store, pre-RoPE keys)
-The dispatcher (dispatch.py) chooses it only where `unsupported` returns None and only when
-KIVI_CUDA_DECODE=cuda_cpp asks for it; everything else stays on the Triton kernels.
+The dispatcher (dispatch.py) makes it eligible only where `unsupported` returns None; among the
+eligible kernels it runs the one the tuning table or a one-time autotune picks for the call's shape
+class (KIVI_CUDA_DECODE=auto, the default; =cuda_cpp forces it, =triton never runs it).
 """
 
 from __future__ import annotations
