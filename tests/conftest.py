@@ -22,3 +22,18 @@ os.environ.setdefault("KIVI_CPU_KERNELS", "reference")
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test` distributes with `--dist loadgroup`: a test that uses a module-scoped fixture (a
+    loaded model, an export) stays on one worker with the rest of its module, so the fixture is built
+    once; every other test is distributed on its own. Under `--dist loadfile` one long file of
+    independent kernel tests (test_triton_kernels.py) ran on one worker while the other sat idle."""
+    import pytest
+
+    for item in items:
+        fixture_defs = getattr(item, "_fixtureinfo", None)
+        scopes = {d.scope for defs in (fixture_defs.name2fixturedefs.values() if fixture_defs else ())
+                  for d in defs}
+        if "module" in scopes or "class" in scopes or "package" in scopes:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

@@ -227,6 +227,7 @@ def test_compiled_decode_step_matches_eager_without_cache_copies():
     assert "clone" not in code and "copy_" not in code, code
 
 
+@pytest.mark.slow  # a cold Inductor build; test_model.py's compiled decode checks the same forms in a model
 def test_compiled_cache_decode_step_is_decomposed_and_matches_eager():
     # The cache's own compiled CPU step runs the decomposed forms inline (kivi_ops/dispatch.py):
     # the append is bit-exact; attention differs from the eager op (the reference) only in the

@@ -33,9 +33,9 @@ CONFIGS = {
     "ott_policy_pool": KIVIConfig(2, 4, 8, 5, sink_tokens=1, outlier_tokens=2, outlier_skip_layers=0,
                                   flush_policy="ott"),
 }
-# The options' graphs take 15-30 s each to compile on 2 busy cores: `make test-slow`.
-CONFIG_PARAMS = [pytest.param(name, marks=[pytest.mark.slow] if name not in ("plain", "ott_policy") else [])
-                 for name in CONFIGS]
+# The options' graphs take 15-30 s each to compile on 2 busy cores (four graphs a case): `make test`
+# keeps plain KIVI, `make test-slow` the options.
+CONFIG_PARAMS = [pytest.param(name, marks=[pytest.mark.slow] if name != "plain" else []) for name in CONFIGS]
 
 
 def twin_caches(config, B=3, H=2, D=32, S=72):

@@ -1,20 +1,31 @@
 """Exports with the cache's options (sink and OTT tokens, KVQuant's, OTT's flush policy): greedy
-tokens equal `kivi generate`'s with the same options. Apart from test_export.py so that
-`make test-slow` (pytest-xdist, --dist loadfile) runs these exports on the other worker."""
+tokens equal `kivi generate`'s with the same options, through the CLI as a user runs it.
+
+The model is a random 2-layer Llama GGUF (tests/gguf_files.py): what these tests check, the cache's
+options inside an exported graph, does not depend on depth, and the embedded model's 30 layers made
+each AOTInductor and ExecuTorch export minutes long. test_export.py exports the embedded model."""
 
 import json
 
 import pytest
 
+from gguf_files import LAYERS, write_tiny_llama_gguf
 from kivi_cli.main import main
 from test_export import CONFIG, NEW_TOKENS, PROMPT, cli_json
 
 
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
+    write_tiny_llama_gguf(path)
+    return ["--model", str(path)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["pt2", "onnx"])
-def test_export_with_sink_and_outlier_tokens(fmt, tmp_path, capsys):
+def test_export_with_sink_and_outlier_tokens(fmt, model, tmp_path, capsys):
     # Sink 1 + OTT 3 outliers in every layer, G=R=8: 16 new tokens flush and pick outliers in-graph.
-    options = [*CONFIG, "--sink-tokens", "1", "--outlier-tokens", "3", "--outlier-skip-layers", "0"]
+    options = [*model, *CONFIG, "--sink-tokens", "1", "--outlier-tokens", "3", "--outlier-skip-layers", "0"]
     want = cli_json(["generate", "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json", *options], capsys)
     assert main(["export", "--format", fmt, "--out", str(tmp_path), "--max-seq-len", "64", *options]) == 0
     capsys.readouterr()
@@ -26,14 +37,14 @@ def test_export_with_sink_and_outlier_tokens(fmt, tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["pt2", "onnx"])
-def test_export_with_kvquant_options(fmt, tmp_path, capsys):
+def test_export_with_kvquant_options(fmt, model, tmp_path, capsys):
     # pre-RoPE keys, nuq levels and 10% dense-and-sparse outliers (plus a sink), G=R=8: the new
     # tokens flush key windows, pick outliers and rotate keys in-graph.
-    levels = {"2": {"k": [[0.1, 1.1, 1.9, 2.9]] * 30, "v": [[0.0, 0.9, 2.2, 3.0]] * 30}}
+    levels = {"2": {"k": [[0.1, 1.1, 1.9, 2.9]] * LAYERS, "v": [[0.0, 0.9, 2.2, 3.0]] * LAYERS}}
     nuq = tmp_path / "levels.json"
-    nuq.write_text(json.dumps(dict(format="kivi-nuq-v1", num_layers=30, group_size=8, pre_rope=True,
+    nuq.write_text(json.dumps(dict(format="kivi-nuq-v1", num_layers=LAYERS, group_size=8, pre_rope=True,
                                    sparse_outliers=0.1, bits=levels)))
-    options = [*CONFIG, "--pre-rope", "--sparse-outliers", "0.1", "--nuq", str(nuq), "--sink-tokens", "1"]
+    options = [*model, *CONFIG, "--pre-rope", "--sparse-outliers", "0.1", "--nuq", str(nuq), "--sink-tokens", "1"]
     want = cli_json(["generate", "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json", *options], capsys)
     out = tmp_path / "program"
     assert main(["export", "--format", fmt, "--out", str(out), "--max-seq-len", "64", *options]) == 0
@@ -47,12 +58,12 @@ def test_export_with_kvquant_options(fmt, tmp_path, capsys):
 # test_exported_greedy_tokens_equal_eager[pt2] keeps an export there).
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["pt2", "onnx", "aoti", "pte"])
-def test_export_with_ott_flush_policy(fmt, tmp_path, capsys):
+def test_export_with_ott_flush_policy(fmt, model, tmp_path, capsys):
     # OTT's own schedule with its outlier pool in every layer, G=8, R=3 (not a multiple of G): the
     # 16 new tokens complete groups at lengths 11, 19 (and the prompt's), in-graph, with OTT steps.
     if fmt == "pte":
         pytest.importorskip("executorch.runtime")
-    options = ["--flush-policy", "ott", "--group-size", "8", "--residual-length", "3", "--outlier-tokens", "2",
+    options = [*model, "--flush-policy", "ott", "--group-size", "8", "--residual-length", "3", "--outlier-tokens", "2",
                "--outlier-skip-layers", "0"]
     want = cli_json(["generate", "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json", *options], capsys)
     assert main(["export", "--format", fmt, "--out", str(tmp_path / "p"), "--max-seq-len", "64", *options]) == 0

@@ -208,9 +208,10 @@ def test_append_streaming_matches_reference(dtype, k_bits, v_bits, D, schedule, 
 
 @pytest.mark.parametrize(
     "dtype,k_bits,v_bits,D,nuq",
-    [(torch.float32, 2, 2, 64, False), (torch.float16, 2, 4, 128, False), (torch.bfloat16, 4, 2, 64, True),
-     pytest.param(torch.float16, 2, 2, 256, False, marks=pytest.mark.slow),  # 13 s in the interpreter
-     (torch.bfloat16, 3, 3, 64, True), (torch.float32, 2, 3, 128, False)],
+    # `make test` keeps three (mixed bits at d128, nuq, 3-bit codes); the interpreter takes 10-30 s a case
+    [pytest.param(torch.float32, 2, 2, 64, False, marks=pytest.mark.slow), (torch.float16, 2, 4, 128, False),
+     (torch.bfloat16, 4, 2, 64, True), pytest.param(torch.float16, 2, 2, 256, False, marks=pytest.mark.slow),
+     (torch.bfloat16, 3, 3, 64, True), pytest.param(torch.float32, 2, 3, 128, False, marks=pytest.mark.slow)],
     ids=["fp32-k2v2-d64", "fp16-k2v4-d128", "bf16-k4v2-d64-nuq", "fp16-k2v2-d256", "bf16-k3v3-d64-nuq",
          "fp32-k2v3-d128"],
 )
@@ -756,7 +757,7 @@ def plant_magnitude_ties(x, gen):
 @pytest.mark.parametrize("dtype,k_bits,v_bits,D,nuq,nk,nv", [
     (torch.float32, 2, 4, 64, False, 2, 3),
     pytest.param(torch.float16, 2, 2, 128, False, 1, 1, marks=pytest.mark.slow),  # the interpreter is slow
-    (torch.bfloat16, 4, 2, 64, True, 3, 2),
+    pytest.param(torch.bfloat16, 4, 2, 64, True, 3, 2, marks=pytest.mark.slow),  # a minute in the interpreter
 ], ids=["fp32-k2v4-d64", "fp16-k2v2-d128", "bf16-k4v2-d64-nuq"])
 def test_append_writes_the_sparse_store_like_the_reference(dtype, k_bits, v_bits, D, nuq, nk, nv):
     """The append kernels keep the dense-and-sparse outliers as the reference does, bit for bit:
@@ -820,8 +821,9 @@ POOL_APPEND_CASES = {
     "sink-ott-sparse-bf16": (torch.bfloat16, (1, 3, 6), (2, 2), 64, 8),
     "sink-ott-sparse-r12": (torch.float32, (2, 4, 5), (1, 3), 64, 12),  # R not a power of two
 }
-# The interpreter is slow; "sink" alone is covered by the sink-ott cases the fast suite keeps.
-SLOW_POOL_APPEND_CASES = ("sink", "sink-ott-fp16-d128", "sink-ott-sparse-r12")
+# The interpreter is slow (a case is 23 appends, over a minute on a busy 2-core machine): the fast
+# suite keeps the case with every part (sink, OTT outliers, a filling spill pool, the sparse store).
+SLOW_POOL_APPEND_CASES = ("sink", "ott-spill-fills", "sink-ott-fp16-d128", "sink-ott-sparse-r12")
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW_POOL_APPEND_CASES
@@ -959,13 +961,22 @@ MATRIX = [(option, D, heads, dtype) for option in MATRIX_OPTIONS for D in (64, 1
 MATRIX_256 = [(option, 256, (4, 1), dtype) for option in MATRIX_OPTIONS for dtype in (torch.float16, torch.bfloat16)]
 
 
-def _matrix_marks(case):
-    return [pytest.mark.slow] if case[1] == 256 and case[::3] != ("plain", torch.float16) else []
+# `make test` runs, for each option, a pairwise cover of head_dim x heads x dtype x kernel (5 of the 16
+# cases: every pair of two factors' values appears in one of them); `make test-slow` runs the rest.
+# The interpreter spends about 5 s a case, and the full product was 80 cases.
+PAIRWISE_4 = {(0, 0, 0, 0), (0, 1, 1, 1), (1, 0, 1, 1), (1, 1, 0, 1), (1, 1, 1, 0)}
+
+
+def _matrix_marks(case, kernel):
+    if case[1] == 256:
+        return [] if (case[0], case[3], kernel) == ("plain", torch.float16, "decode") else [pytest.mark.slow]
+    levels = ((case[1] == 128), (case[2] == (8, 2)), (case[3] == torch.bfloat16), (kernel == "split"))
+    return [] if tuple(map(int, levels)) in PAIRWISE_4 else [pytest.mark.slow]
 
 
 @pytest.mark.parametrize("option,D,heads,dtype,kernel", [
     pytest.param(*case, kernel, id=f"{case[0]}-d{case[1]}-{case[2][0]}q{case[2][1]}kv-{str(case[3])[6:]}-{kernel}",
-                 marks=_matrix_marks(case))
+                 marks=_matrix_marks(case, kernel))
     for case in MATRIX + MATRIX_256 for kernel in kernels(1)])
 def test_decode_attention_option_matrix(option, D, heads, dtype, kernel):
     """Both attention kernels against the reference for a decode query, for each option alone, head_dim
@@ -990,11 +1001,14 @@ def test_decode_attention_option_matrix(option, D, heads, dtype, kernel):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
-APPEND_MATRIX = [(option, D, dtype) for option in ("plain", "nuq", "sparse", "pool", "pool+sparse")
-                 for D in (64, 128, 256) for dtype in (torch.float16, torch.bfloat16)]
+# Every option at every head_dim, the dtype alternating so that each option and each head_dim meets
+# both dtypes (a pairwise cover of the 30-case product, which took 15 minutes of `make test-slow`).
+APPEND_MATRIX = [(option, D, (torch.float16, torch.bfloat16)[(i + j) % 2])
+                 for i, option in enumerate(("plain", "nuq", "sparse", "pool", "pool+sparse"))
+                 for j, D in enumerate((64, 128, 256))]
 
 
-@pytest.mark.slow  # 30 cases of the interpreter; the focused append tests above run in `make test`
+@pytest.mark.slow  # 15 cases of the interpreter; the focused append tests above run in `make test`
 @pytest.mark.parametrize("option,D,dtype", [pytest.param(*case, id=f"{case[0]}-d{case[1]}-{str(case[2])[6:]}")
                                             for case in APPEND_MATRIX])
 def test_append_option_matrix(option, D, dtype):
