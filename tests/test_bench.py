@@ -51,6 +51,7 @@ def test_bench_memory_counts_the_sparse_outlier_store(tmp_path, capsys):
         assert r["kivi_bytes"] - plain[(r["bits"], r["group_size"], r["residual_length"])]["kivi_bytes"] == extra
 
 
+@pytest.mark.slow  # `make test` keeps the serve bench's CLI; each bench is a run of its own
 def test_bench_attention_cpu_runs(tmp_path, capsys):
     assert main(["bench", "attention", "--device", "cpu", "--contexts", "256", "--out", str(tmp_path), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -166,6 +167,7 @@ def test_bench_serve_runs_the_caches_at_one_budget(tmp_path):
             main(["bench", "serve", *bad, "--out", str(tmp_path)])
 
 
+@pytest.mark.slow  # a cold Inductor build of the compiled cache's step
 def test_hf_generate_bench_times_every_cache_through_model_generate():
     # A tiny random Llama and a byte tokenizer: every cache's row is filled, and with R=128 above
     # the context the KIVI cache holds every token exact, so its greedy tokens equal DynamicCache's.

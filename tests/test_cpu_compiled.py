@@ -33,9 +33,9 @@ CONFIGS = {
     "ott_policy_pool": KIVIConfig(2, 4, 8, 5, sink_tokens=1, outlier_tokens=2, outlier_skip_layers=0,
                                   flush_policy="ott"),
 }
-# The options' graphs take 15-30 s each to compile on 2 busy cores (four graphs a case): `make test`
-# keeps plain KIVI, `make test-slow` the options.
-CONFIG_PARAMS = [pytest.param(name, marks=[pytest.mark.slow] if name != "plain" else []) for name in CONFIGS]
+# The graphs take 15-30 s each to compile on 2 busy cores (four graphs a case): `make test-slow`.
+# `make test` runs the compiled kernels end to end in the library loop below.
+CONFIG_PARAMS = [pytest.param(name, marks=pytest.mark.slow) for name in CONFIGS]
 
 
 def twin_caches(config, B=3, H=2, D=32, S=72):
@@ -141,6 +141,7 @@ def test_the_library_loop_under_inference_mode_runs_the_compiled_kernels_and_the
     assert len(cpu_compiled._signatures[FUSED]) == 1  # the compiled kernels ran, one shape
 
 
+@pytest.mark.slow  # the library loop above runs the same compiled kernels in `make test`
 def test_hf_generate_with_compile_disabled_runs_the_compiled_kernels_and_the_reference_tokens(patched):
     # The README's Hugging Face path with disable_compile=True: a left-padded batch, greedy, gives
     # the tokens the reference kernels give (the attention's fp32 rounding does not move them here).

@@ -82,6 +82,7 @@ def test_pt2_keeps_the_kivi_ops_and_has_no_pickles(exports):
     assert {"kivi.cache_append.default", "kivi.cache_attend.default"} <= targets
 
 
+@pytest.mark.slow  # a new interpreter loading the 30-layer program: about a minute
 def test_run_exported_in_a_fresh_process(exports):
     """The runner needs no model code path: a new interpreter loads the artifact only."""
     out = exports("pt2")

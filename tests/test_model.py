@@ -86,7 +86,7 @@ def hf_generate_left_padded(model, tok, prompts, *, method, config, **kwargs):
     return out[:, batch["input_ids"].shape[1]:].tolist(), cache
 
 
-@pytest.mark.parametrize("method", ["kivi", "fp"])
+@pytest.mark.parametrize("method", ["kivi", pytest.param("fp", marks=pytest.mark.slow)])
 def test_hf_generate_left_padded_batch_equals_each_prompt_alone(loaded, method):
     # G=8, R=8: prompts of 5, 6 and 9 tokens flush their first key groups at different steps.
     _, kivi_model, tok = loaded

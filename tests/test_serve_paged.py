@@ -182,7 +182,8 @@ def metrics(url) -> dict:
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
 
-@pytest.mark.parametrize("method", METHODS)
+# fp's compiled paged server in `make test-slow` (a cold Inductor build); KIVI's in `make test`.
+@pytest.mark.parametrize("method", [pytest.param(m, marks=[pytest.mark.slow] if m == "fp" else []) for m in METHODS])
 def test_openai_client_streamed_and_whole_with_preemptions_equals_kivi_generate_one_compiled_graph(tiny, method):
     from openai import OpenAI
 
@@ -242,7 +243,10 @@ def test_openai_client_streamed_and_whole_with_preemptions_equals_kivi_generate_
     assert sum(torch._dynamo.utils.counters["recompiles"].values()) == 0
 
 
-@pytest.mark.parametrize("method, compile", [("fp", False), ("kivi", False), ("kivi", True)])
+# Compiled, three bucket graphs cold (a minute and a half of `make test`): `make test-slow`; the fast
+# suite's compiled paged serving is the OpenAI-client test above.
+@pytest.mark.parametrize("method, compile", [("fp", False), ("kivi", False),
+                                             pytest.param("kivi", True, marks=pytest.mark.slow)])
 def test_decode_steps_run_over_the_smallest_bucket_holding_the_requests(tiny, method, compile):
     """Rows 6, buckets 2, 4, 6: requests arrive and leave at different times, in a pool small
     enough for preemptions. Every step runs over the smallest bucket holding the running requests

@@ -177,6 +177,7 @@ def test_a_small_pool_evicts_cached_prefixes_and_preempts_yet_every_completion_i
     assert engine.blocks.num_free == engine.blocks.num_pages
 
 
+@pytest.mark.slow  # a cold Inductor build; the eager engine's shared pages are checked above
 def test_the_compiled_decode_step_never_writes_a_shared_page(tiny):
     # The compiled step runs the decomposed append (every row's candidate rows written each call,
     # others to the scratch page): the shared pages must stay as they are there too.

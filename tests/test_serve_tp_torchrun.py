@@ -204,6 +204,7 @@ def test_tp2_a_hung_rank_ends_the_stream_after_the_tp_timeout_and_rank_0_answers
         assert proc.wait(60) != 0
 
 
+@pytest.mark.slow  # 25 s of torchrun; the kill test above covers the fast suite's way out of a TP server
 def test_tp2_a_shutdown_on_rank_0_stops_every_rank(tiny_dirs, tmp_path):
     model_dir = tiny_dirs[2]
     args = ["--model", str(model_dir), *KIVI, "--no-paged", "--max-batch", "2", "--max-seq-len", "128", "--shutdown-timeout", "5"]

@@ -183,10 +183,11 @@ SHORT_SCHEDULE = [(19, [19, 4, 0]), (1, None), (1, [1, 0, 1]), (14, [14, 13, 2])
     [
         (torch.float32, 2, 4, 64, LONG_SCHEDULE, [57, 31, 22]),
         (torch.bfloat16, 8, 2, 128, SHORT_SCHEDULE, [35, 18, 4]),
-        (torch.float16, 4, 8, 64, SHORT_SCHEDULE, [35, 18, 4]),
-        (torch.bfloat16, 2, 2, 256, SHORT_SCHEDULE, [35, 18, 4]),  # Gemma's head_dim
+        # `make test-slow`: cases whose widths and bit widths the ones above and test_three_bit.py cover
+        pytest.param(torch.float16, 4, 8, 64, SHORT_SCHEDULE, [35, 18, 4], marks=pytest.mark.slow),
+        pytest.param(torch.bfloat16, 2, 2, 256, SHORT_SCHEDULE, [35, 18, 4], marks=pytest.mark.slow),  # Gemma's
         (torch.float16, 3, 3, 64, SHORT_SCHEDULE, [35, 18, 4]),  # 3-bit words
-        (torch.float32, 3, 4, 128, SHORT_SCHEDULE, [35, 18, 4]),
+        pytest.param(torch.float32, 3, 4, 128, SHORT_SCHEDULE, [35, 18, 4], marks=pytest.mark.slow),
     ],
     ids=["fp32-k2v4-d64", "bf16-k8v2-d128", "fp16-k4v8-d64", "bf16-k2v2-d256", "fp16-k3v3-d64", "fp32-k3v4-d128"],
 )
@@ -208,10 +209,12 @@ def test_append_streaming_matches_reference(dtype, k_bits, v_bits, D, schedule, 
 
 @pytest.mark.parametrize(
     "dtype,k_bits,v_bits,D,nuq",
-    # `make test` keeps three (mixed bits at d128, nuq, 3-bit codes); the interpreter takes 10-30 s a case
-    [pytest.param(torch.float32, 2, 2, 64, False, marks=pytest.mark.slow), (torch.float16, 2, 4, 128, False),
+    # `make test` keeps one (nuq, mixed bits); the interpreter takes 10-30 s a case
+    [pytest.param(torch.float32, 2, 2, 64, False, marks=pytest.mark.slow),
+     pytest.param(torch.float16, 2, 4, 128, False, marks=pytest.mark.slow),
      (torch.bfloat16, 4, 2, 64, True), pytest.param(torch.float16, 2, 2, 256, False, marks=pytest.mark.slow),
-     (torch.bfloat16, 3, 3, 64, True), pytest.param(torch.float32, 2, 3, 128, False, marks=pytest.mark.slow)],
+     pytest.param(torch.bfloat16, 3, 3, 64, True, marks=pytest.mark.slow),
+     pytest.param(torch.float32, 2, 3, 128, False, marks=pytest.mark.slow)],
     ids=["fp32-k2v2-d64", "fp16-k2v4-d128", "bf16-k4v2-d64-nuq", "fp16-k2v2-d256", "bf16-k3v3-d64-nuq",
          "fp32-k2v3-d128"],
 )
@@ -557,7 +560,8 @@ def plant_ties(key, value, k_levels, v_levels, G, first):
 
 @pytest.mark.parametrize(
     "dtype,k_bits,v_bits,D,schedule",
-    [(torch.float32, 2, 4, 64, LONG_SCHEDULE), (torch.bfloat16, 4, 8, 128, SHORT_SCHEDULE)],
+    [(torch.float32, 2, 4, 64, LONG_SCHEDULE),
+     pytest.param(torch.bfloat16, 4, 8, 128, SHORT_SCHEDULE, marks=pytest.mark.slow)],  # 12 s in the interpreter
     ids=["fp32-k2v4-d64", "bf16-k4v8-d128"],
 )
 def test_append_nuq_streaming_matches_reference(dtype, k_bits, v_bits, D, schedule):
@@ -755,8 +759,9 @@ def plant_magnitude_ties(x, gen):
 
 
 @pytest.mark.parametrize("dtype,k_bits,v_bits,D,nuq,nk,nv", [
-    (torch.float32, 2, 4, 64, False, 2, 3),
-    pytest.param(torch.float16, 2, 2, 128, False, 1, 1, marks=pytest.mark.slow),  # the interpreter is slow
+    # all in `make test-slow` (the interpreter is slow); test_three_bit.py's pool+sparse+nuq append in `make test`
+    pytest.param(torch.float32, 2, 4, 64, False, 2, 3, marks=pytest.mark.slow),
+    pytest.param(torch.float16, 2, 2, 128, False, 1, 1, marks=pytest.mark.slow),
     pytest.param(torch.bfloat16, 4, 2, 64, True, 3, 2, marks=pytest.mark.slow),  # a minute in the interpreter
 ], ids=["fp32-k2v4-d64", "fp16-k2v2-d128", "bf16-k4v2-d64-nuq"])
 def test_append_writes_the_sparse_store_like_the_reference(dtype, k_bits, v_bits, D, nuq, nk, nv):
@@ -821,9 +826,9 @@ POOL_APPEND_CASES = {
     "sink-ott-sparse-bf16": (torch.bfloat16, (1, 3, 6), (2, 2), 64, 8),
     "sink-ott-sparse-r12": (torch.float32, (2, 4, 5), (1, 3), 64, 12),  # R not a power of two
 }
-# The interpreter is slow (a case is 23 appends, over a minute on a busy 2-core machine): the fast
-# suite keeps the case with every part (sink, OTT outliers, a filling spill pool, the sparse store).
-SLOW_POOL_APPEND_CASES = ("sink", "ott-spill-fills", "sink-ott-fp16-d128", "sink-ott-sparse-r12")
+# The interpreter is slow (a case is 23 appends, about a minute): all in `make test-slow`; the fast
+# suite's pool appends are test_three_bit.py's (pool, pool+sparse+nuq) and test_triton_ott.py's.
+SLOW_POOL_APPEND_CASES = tuple(POOL_APPEND_CASES)
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW_POOL_APPEND_CASES

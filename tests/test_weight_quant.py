@@ -52,6 +52,7 @@ def test_tied_lm_head_stays_unquantized_and_tied():
     assert type(model.lm_head.weight) is torch.nn.Parameter and model.lm_head.weight.dtype == torch.float32
 
 
+@pytest.mark.slow  # a cold Inductor build; the eager int8 tests above run in `make test`
 def test_int8_weights_kivi2_compiled_decode_matches_eager():
     model = patch_model(apply_weight_quant(tiny_llama(), "int8"))
     prompt = [[5, 17, 99, 3, 42, 7, 11, 250, 64, 1]]
