@@ -30,9 +30,9 @@ demo: $(STAMP)
 	$(VENV)/bin/kivi generate --prompt "The capital of France is" --max-new-tokens 48 \
 		--method kivi --k-bits 2 --v-bits 2 --compile
 
-# Two workers (pytest-xdist). --dist loadgroup: tests/conftest.py groups a module's tests that use
-# module-scoped fixtures (the loaded model, the exports) on one worker; the rest are spread one by one.
-XDIST := -n 2 --dist loadgroup
+# Two workers (pytest-xdist). --dist loadscope, refined in tests/conftest.py: a file with module-scoped
+# fixtures (the loaded model, the exports) runs on one worker; every other test is spread on its own.
+XDIST := -n 2 --dist loadscope
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)

@@ -24,16 +24,32 @@ if _workers > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 
-def pytest_collection_modifyitems(config, items):
-    """`make test` distributes with `--dist loadgroup`: a test that uses a module-scoped fixture (a
-    loaded model, an export) stays on one worker with the rest of its module, so the fixture is built
-    once; every other test is distributed on its own. Under `--dist loadfile` one long file of
-    independent kernel tests (test_triton_kernels.py) ran on one worker while the other sat idle."""
-    import pytest
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-    for item in items:
-        fixture_defs = getattr(item, "_fixtureinfo", None)
-        scopes = {d.scope for defs in (fixture_defs.name2fixturedefs.values() if fixture_defs else ())
-                  for d in defs}
-        if "module" in scopes or "class" in scopes or "package" in scopes:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+_MODULE_FIXTURE = re.compile(r"""scope=["'](module|class|package)["']""")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs `--dist loadscope` with its scopes refined: the tests of a file that defines a
+    module-scoped fixture (a loaded model, an export, a server) stay on one worker, so the fixture is
+    built once; every other test is its own unit of work, spread over the workers. Under
+    `--dist loadfile` one long file of independent kernel tests (test_triton_kernels.py) kept one
+    worker busy while the other had finished. (xdist's own `loadgroup` marks cannot do this under
+    pytest 9: xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = Path(config.rootpath)
+    shared: dict[str, bool] = {}
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            if path not in shared:
+                file = root / path
+                shared[path] = file.is_file() and bool(_MODULE_FIXTURE.search(file.read_text()))
+            return path if shared[path] else nodeid
+
+    return ModuleFixtureScheduling(config, log)

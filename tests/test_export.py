@@ -1,7 +1,9 @@
 """Export round trips on the default model: every format's greedy tokens equal `kivi generate`'s.
 
 The config quantizes within the short run (G=8, R=8), so the exported cache math is exercised,
-not only the full-precision residual window.
+not only the full-precision residual window. The default model's exports (a minute or more each)
+run in `make test-slow`; the artifact checks of `make test` use a pt2 export of a random 2-layer
+Llama GGUF (tests/gguf_files.py), and test_three_bit.py's pt2 round trips run there too.
 """
 
 import json
@@ -61,8 +63,25 @@ def exports(tmp_path_factory):
     return get
 
 
-# pt2 in the fast suite; the other formats (1.5 to 4 minutes each to export) in `make test-slow`.
-@pytest.mark.parametrize("fmt", ["pt2", *(pytest.param(f, marks=pytest.mark.slow) for f in ("onnx", "aoti", "pte"))])
+@pytest.fixture(scope="module")
+def tiny_pt2(tmp_path_factory):
+    """A pt2 export of a random 2-layer Llama GGUF (seconds, where the default model's takes a minute)."""
+    import contextlib
+    import io
+
+    from gguf_files import write_tiny_llama_gguf
+
+    gguf = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
+    write_tiny_llama_gguf(gguf)
+    out = tmp_path_factory.mktemp("tiny-pt2")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["export", "--model", str(gguf), "--format", "pt2", "--out", str(out), "--max-seq-len", "64",
+                     "--overwrite", *CONFIG]) == 0
+    return out
+
+
+@pytest.mark.slow  # every format of the default model: a minute (pt2) to four (AOTInductor) each
+@pytest.mark.parametrize("fmt", ["pt2", "onnx", "aoti", "pte"])
 def test_exported_greedy_tokens_equal_eager(fmt, exports, eager_tokens, capsys):
     if fmt == "pte":
         pytest.importorskip("executorch.runtime")
@@ -74,8 +93,8 @@ def test_exported_greedy_tokens_equal_eager(fmt, exports, eager_tokens, capsys):
     assert "Paris" in report["text"]
 
 
-def test_pt2_keeps_the_kivi_ops_and_has_no_pickles(exports):
-    out = exports("pt2")
+def test_pt2_keeps_the_kivi_ops_and_has_no_pickles(tiny_pt2):
+    out = tiny_pt2
     check_pt2_has_no_pickles(out / "model.pt2")
     ep = torch.export.load(out / "model.pt2")
     targets = {str(node.target) for node in ep.graph.nodes}
@@ -93,11 +112,11 @@ def test_run_exported_in_a_fresh_process(exports):
     assert set(report) >= {"text", "tokens", "prompt_tokens", "new_tokens", "decode_tokens_per_s", "cache_bytes", "config"}
 
 
-def test_corrupt_or_mismatched_artifacts_are_refused(exports, tmp_path):
+def test_corrupt_or_mismatched_artifacts_are_refused(tiny_pt2, tmp_path):
     import shutil
 
     copy = tmp_path / "copy"
-    shutil.copytree(exports("pt2"), copy)
+    shutil.copytree(tiny_pt2, copy)
     meta = json.loads((copy / METADATA_FILE).read_text())
 
     (copy / METADATA_FILE).write_text(json.dumps({**meta, "schema_version": 99}))
@@ -125,11 +144,11 @@ def test_corrupt_or_mismatched_artifacts_are_refused(exports, tmp_path):
         read_metadata(tmp_path)
 
 
-def test_pt2_from_another_torch_is_refused(exports, tmp_path):
+def test_pt2_from_another_torch_is_refused(tiny_pt2, tmp_path):
     import shutil
 
     copy = tmp_path / "copy"
-    shutil.copytree(exports("pt2"), copy)
+    shutil.copytree(tiny_pt2, copy)
     from kivi_export.artifact import metadata_digest
 
     meta = json.loads((copy / METADATA_FILE).read_text())
@@ -160,8 +179,8 @@ def test_export_refuses_to_overwrite_and_checks_arguments(tmp_path, capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
-def test_run_exported_checks_batch_and_capacity(exports, capsys):
-    out = exports("pt2")
+def test_run_exported_checks_batch_and_capacity(tiny_pt2, capsys):
+    out = tiny_pt2
     with pytest.raises(SystemExit):
         main(["run-exported", str(out), "--prompt", PROMPT, "--max-new-tokens", "100"])
     assert "max_seq_len=64" in capsys.readouterr().err

@@ -55,6 +55,7 @@ print(json.dumps(rows))
 """
 
 
+@pytest.mark.slow  # a Triton compile to SASS for sm_90 (no GPU needed), about 10 s
 def test_issue_model_counts_the_decode_loops_for_sm90():
     # A fresh process without TRITON_INTERPRET (interpreted kernels are never compiled).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

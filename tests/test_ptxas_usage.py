@@ -60,6 +60,7 @@ print(json.dumps(rows))
 """
 
 
+@pytest.mark.slow  # ptxas at head_dim 256, about 10 s; the head_dim 128 builds above run in `make test`
 def test_decode_kernel_default_at_head_dim_256_does_not_spill():
     # Gemma's head_dim: the default launch (triton_decode.decode_launch_config) must compile to
     # no spills for KIVI-2 and KIVI-4 (the 1 warp x 32 tokens default of narrower heads spills
