@@ -118,6 +118,7 @@ def test_results_default_to_the_current_directory(tmp_path, monkeypatch, capsys)
     assert {p: p.stat().st_mtime_ns for p in RESULTS_DIR.iterdir()} == before
 
 
+@pytest.mark.slow  # four caches, 4 s each, and their compiles; test_bench_serve_takes_a_gguf_model is in `make test`
 def test_bench_serve_runs_the_caches_at_one_budget(tmp_path):
     # A few seconds per cache: static fp, paged fp and static KIVI (paged KIVI where built), the
     # same stream of short chat-like requests, the same bytes.

@@ -1,5 +1,7 @@
 """The byte model (lab/byte_model.py): loads counted in Triton's interpreter."""
 
+import pytest
+
 from lab.byte_model import measure, must_read_append, must_read_attend
 
 
@@ -11,6 +13,7 @@ def test_must_read_counts_the_cache_state():
     assert must_read_append(1, 1, 64, 128, flush=True) == 3 * 128 + 127 * 128 + 8
 
 
+@pytest.mark.slow  # Triton builds of the decode kernels (no GPU needed), about 15 s
 def test_decode_kernels_read_what_they_must():
     rows = measure(tokens=256)
     by = {}

@@ -440,8 +440,10 @@ def test_gemma2_is_refused_naming_what_is_missing():
         patch_model(transformers.Gemma3ForCausalLM(config))
 
 
+# All in `make test-slow` (a cold Inductor build each): `make test` compiles the library's step in
+# test_serve.py's server, and traces it with Dynamo in test_quiet_compile.py.
 @pytest.mark.parametrize("method,regional", [
-    ("kivi", None),  # CPU default: one decoder layer compiled, run for all 30
+    pytest.param("kivi", None, marks=pytest.mark.slow),  # CPU default: one decoder layer compiled, run for all 30
     # FPCache's compiled step (its re-inplaced append) also runs in test_serve_paged's fp case
     pytest.param("fp", None, marks=pytest.mark.slow),
     pytest.param("kivi", False, marks=pytest.mark.slow),  # the whole step as one graph

@@ -155,6 +155,7 @@ def stream_then_signal(url, name, pid, sig, sent=None) -> list[str]:
     return events
 
 
+@pytest.mark.slow  # torchrun and two ranks, 20-30 s; test_serve_tp.py runs the TP engine in `make test`
 def test_tp2_kill_a_rank_mid_stream_gives_an_error_event_then_503_not_a_hang(tiny_dirs, tmp_path):
     model_dir = tiny_dirs[2]
     args = ["--model", str(model_dir), *KIVI, "--no-paged", "--max-batch", "2", "--max-seq-len", "256", "--tp-timeout", "30"]
@@ -181,7 +182,7 @@ def test_tp2_kill_a_rank_mid_stream_gives_an_error_event_then_503_not_a_hang(tin
         assert proc.wait(60) != 0  # the group ended (a rank failed), within a bound
 
 
-@pytest.mark.slow  # 25 s: the kill test above covers the fast suite's failure path
+@pytest.mark.slow  # 25 s of torchrun
 def test_tp2_a_hung_rank_ends_the_stream_after_the_tp_timeout_and_rank_0_answers_503(tiny_dirs, tmp_path):
     # A rank that is alive but stuck (SIGSTOP): no connection closes, so only the collectives'
     # timeout (--tp-timeout) can end rank 0's wait. Rank 0 then stays up, answering 503.
@@ -204,7 +205,7 @@ def test_tp2_a_hung_rank_ends_the_stream_after_the_tp_timeout_and_rank_0_answers
         assert proc.wait(60) != 0
 
 
-@pytest.mark.slow  # 25 s of torchrun; the kill test above covers the fast suite's way out of a TP server
+@pytest.mark.slow  # 25 s of torchrun
 def test_tp2_a_shutdown_on_rank_0_stops_every_rank(tiny_dirs, tmp_path):
     model_dir = tiny_dirs[2]
     args = ["--model", str(model_dir), *KIVI, "--no-paged", "--max-batch", "2", "--max-seq-len", "128", "--shutdown-timeout", "5"]

@@ -168,6 +168,7 @@ def masked_reference(keys, values, query, window, scale):
                                                             enable_gqa=True)
 
 
+@pytest.mark.slow  # a cold Inductor build; the eager ring is checked above
 def test_window_layer_ring_matches_a_masked_full_cache_compiled():
     # Rows of different prompt lengths (Step.counts), prompts longer and shorter than the window,
     # then one-token steps through the compiled append and attend: every step equals attention over
