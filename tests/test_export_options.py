@@ -1,4 +1,4 @@
-"""Exports with the cache's options (sink and OTT tokens, KVQuant's, OTT's flush policy): greedy
+"""Exports with the cache's options (sink and OTT tokens, KVQuant's, OTT's flush policy, rotations): greedy
 tokens equal `kivi generate`'s with the same options. Apart from test_export.py so that
 `make test-slow` (pytest-xdist, --dist loadfile) runs these exports on the other worker."""
 
@@ -61,3 +61,20 @@ def test_export_with_ott_flush_policy(fmt, tmp_path, capsys):
                        "--json"], capsys)
     assert report["tokens"] == want["tokens"]
     assert report["config"]["kivi"]["flush_policy"] == "ott" and report["config"]["kivi"]["residual_length"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["pt2", "onnx"])
+def test_export_with_rotation(fmt, tmp_path, capsys):
+    # Keys rotated by Walsh–Hadamard, values by a seeded random orthogonal matrix, G=R=8: the
+    # exported program carries both matrices as constants and rotates the query, the new keys and
+    # values and the attention output in-graph; greedy tokens equal `kivi generate`'s.
+    options = [*CONFIG, "--rotate-keys", "hadamard", "--rotate-values", "random", "--rotation-seed", "7"]
+    want = cli_json(["generate", "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json", *options], capsys)
+    assert main(["export", "--format", fmt, "--out", str(tmp_path / "p"), "--max-seq-len", "64", *options]) == 0
+    capsys.readouterr()
+    report = cli_json(["run-exported", str(tmp_path / "p"), "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS,
+                       "--json"], capsys)
+    assert report["tokens"] == want["tokens"]
+    kivi = report["config"]["kivi"]
+    assert (kivi["rotate_keys"], kivi["rotate_values"], kivi["rotation_seed"]) == ("hadamard", "random", 7)
