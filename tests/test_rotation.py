@@ -140,6 +140,10 @@ def test_paged_rotated_cache_equals_static_bit_for_bit():
         append_both(static, paged, manager, k[:, :, t : t + 1], v[:, :, t : t + 1])
         assert torch.equal(static.layers[0].attend(q), paged.layers[0].attend(q))
     assert paged.layers[0].rot_k is not None and len(paged.constants()) == 2
+    from kivi_ops.row_view import leading_rows  # a server's decode bucket: the view keeps the matrices
+
+    view = leading_rows(paged, 1).layers[0]
+    assert view.rot_k is paged.layers[0].rot_k and view.rot_v is paged.layers[0].rot_v
 
 
 class _Step(torch.nn.Module):
@@ -212,3 +216,28 @@ def test_fake_per_token_head_and_bits_per_element():
     with pytest.raises(ValueError, match="format='fp8' stores 8 bits"):
         FakeQuantConfig(2, 2, format="fp8")
     assert set(ROTATIONS) == {"none", "hadamard", "random"}
+
+
+def test_table_rows_and_bits_per_element(tmp_path):
+    from kivi_benchmarks.quality_table import Row, baseline_rows, bits_per_element, plot_bits, rotation_rows
+    from kivi_models import patch_model
+    from tiny_models import tiny_llama
+
+    model = patch_model(tiny_llama())  # head_dim 8, 2 layers, 2 KV heads
+    rows = {r.name: r for r in rotation_rows() + baseline_rows()}
+    assert {"KIVI-2 + rotated K (G=32, R=128)", "KIVI-4 + rotated K+V (G=32, R=128)",
+            "fake FP8 e4m3, per-head scale", "fake int2 per token-head, rotated K+V"} <= set(rows)
+    kivi2 = Row("KIVI-2", "kivi", "kivi", kivi=KIVIConfig(2, 2, 8, 32))
+    rotated = Row("KIVI-2 rotated", "rotation", "kivi", kivi=KIVIConfig(2, 2, 8, 32, rotate_keys="hadamard",
+                                                                        rotate_values="random"))
+    # Exact bytes at 4K: 2-bit codes + an fp16 scale and zero per 8 keys of a channel and per 8
+    # channels of a value = 2 + 32/8 bits, plus the 32-token fp16 residual (32 * 16 / 4096 each)
+    # and the int64 lengths (64 bits per layer over 2 x 2 heads x 4096 tokens x 8 channels).
+    want = 2 + 32 / 8 + 32 * 16 / 4096 + 64 / (2 * 2 * 4096 * 8)
+    assert bits_per_element(model, kivi2) == bits_per_element(model, rotated) == pytest.approx(want, rel=1e-12)
+    assert bits_per_element(model, Row("16-bit", "baseline", "fp")) == 16.0
+    assert bits_per_element(model, rows["fake int2 per token-head, rotated K+V"]) == 2 + 32 / 8
+    report = {"perplexity": [dict(name="16-bit", group="baseline", method="fp", ppl=10.0, bits_per_element=16.0),
+                             dict(name="KIVI-2", group="kivi", method="kivi", ppl=12.0, bits_per_element=want)]}
+    plot_bits(report, tmp_path / "bits.png", "t")
+    assert (tmp_path / "bits.png").stat().st_size > 0
