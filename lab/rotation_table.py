@@ -41,6 +41,22 @@ ROWS = [
 ]
 
 
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+# Rows not re-run here come from the committed tables at the same settings (4 x 1024, chunk 1;
+# reference CPU kernels, 2 threads: docs/quality.md says how far that moves the last digits).
+COMMITTED = ("quality.json", "quality_kvquant.json")
+
+
+def _committed(name: str):
+    for file in COMMITTED:
+        data = json.loads((RESULTS / file).read_text())
+        for r in data["perplexity"]:
+            if r["name"] == name:
+                env = data["environment"]
+                return r, f"{env['command']} (committed {file}, git {env['git_sha'][:10]}, {env['threads']} threads)"
+    return None, None
+
+
 def _row_config(method: str, config: dict):
     from kivi_benchmarks.perplexity import FakeQuantConfig
     from kivi_ops import KIVIConfig
@@ -55,7 +71,8 @@ def _row_config(method: str, config: dict):
     if config.get("nuq"):
         from kivi_ops.nuq import config_levels
 
-        fields.update(config_levels(config["nuq"], k_bits=config["k_bits"], v_bits=config["v_bits"], num_layers=None,
+        nuq = Path(config["nuq"]) if Path(config["nuq"]).exists() else RESULTS / Path(config["nuq"]).name
+        fields.update(config_levels(nuq, k_bits=config["k_bits"], v_bits=config["v_bits"], num_layers=None,
                                     group_size=config["group_size"], pre_rope=config["pre_rope"],
                                     sparse_outliers=config["sparse_outliers"]))
     return KIVIConfig(**fields), None
@@ -75,6 +92,7 @@ def main(argv=None) -> int:
     from kivi_models import load_model, patch_model
 
     log = args.log.read_text().splitlines()
+    # a row run twice: its last START line counts (later keys overwrite earlier ones)
     started = {m.group(2): (m.group(1), m.group(3)) for m in
                (re.match(r"(\S+) START (\S+) :: (.*)", line) for line in log) if m}
     ended = {m.group(2): m.group(1) for m in (re.match(r"(\S+) END (\S+) rc=0", line) for line in log) if m}
@@ -83,7 +101,15 @@ def main(argv=None) -> int:
     for stem, name, group in ROWS:
         path = args.runs / f"{stem}.json"
         if stem not in ended or not path.exists() or not path.read_text().strip():
-            missing.append(name)
+            old, source = _committed(name)
+            if old is None:
+                missing.append(name)
+                continue
+            kivi, _ = _row_config(old["method"], old["config"] or {})
+            row = Row(name, group, old["method"], kivi=kivi)
+            rows.append(dict(name=name, group=group, method=old["method"], ppl=old["ppl"], tokens=old["tokens"],
+                             seconds=old["seconds"], bits_per_element=bits_per_element(model, row),
+                             config=old["config"], command=source, started="", ended=""))
             continue
         run = json.loads(path.read_text().strip().splitlines()[-1])
         kivi, fake = _row_config(run["method"], run["config"])
@@ -97,6 +123,7 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
     base = next((r["ppl"] for r in rows if r["method"] == "fp"), None)
+    dates = [r["started"] for r in rows if r["started"]]
     lines = [f"# {args.title}: rotations and the per-token / FP8 baselines", "",
              "Teacher-forced perplexity, pydoc_data.topics, 4 x 1024-token windows. Cache rows: chunk 1 (decode "
              "semantics), G=32, R=128, through the real cache. Fake rows: every token quantized, no residual.",
@@ -110,8 +137,9 @@ def main(argv=None) -> int:
     lines += ["", f"Not measured: {', '.join(missing) or 'none'}.", "",
               f"Each row ran alone as `OMP_NUM_THREADS=1 nice -n 19 <command>` on the project's shared 2-core CPU "
               f"machine, default CPU kernels; torch {env['torch']}, transformers {env['transformers']}, python "
-              f"{env['python']}, git {env['git_sha']}. Dates: {rows[0]['started'] if rows else ''} to "
-              f"{max((r['ended'] for r in rows), default='')}.", args.note]
+              f"{env['python']}, git {env['git_sha']}. Dates: {min(dates, default='')} to "
+              f"{max((r['ended'] for r in rows), default='')}. Rows whose command names a committed file are that "
+              "table's numbers, not re-run.", args.note]
     args.out.with_suffix(".md").write_text("\n".join(lines).rstrip() + "\n")
     plot_bits(report, args.out.parent / f"{args.out.name}_bits.png", f"{args.title}: perplexity vs bits per element")
     print("\n".join(lines))
