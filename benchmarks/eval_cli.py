@@ -25,8 +25,14 @@ def add_eval_parser(sub) -> None:
                      help="tokens fed per step; 1 (default) gives exact decode semantics")
     ppl.add_argument("--batch-size", type=positive_int, default=8, help="windows evaluated together")
     add_model_arguments(ppl, methods=("fp", "kivi", "fake"))
-    ppl.add_argument("--k-axis", choices=("token", "channel"), default="channel", help="--method fake only")
-    ppl.add_argument("--v-axis", choices=("token", "channel"), default="token", help="--method fake only")
+    ppl.add_argument("--k-axis", choices=("token", "channel", "head"), default="channel",
+                     help="--method fake only: channel (groups of G tokens per channel), token (groups of G channels "
+                          "per token) or head (per token, one group over the whole head: a scale and zero per token "
+                          "per head)")
+    ppl.add_argument("--v-axis", choices=("token", "channel", "head"), default="token", help="--method fake only")
+    ppl.add_argument("--fake-format", choices=("int", "fp8"), default="int",
+                     help="--method fake only: int (KIVI's min/max grid at --k-bits/--v-bits) or fp8 (float8 e4m3, "
+                          "one scale per head; 8 bits)")
     ppl.add_argument("--json", action="store_true")
     ppl.set_defaults(func=cmd_ppl, parser=ppl)
 
@@ -91,7 +97,7 @@ def _load(args, parser, *, patched: bool, plain: bool):
 def cmd_ppl(args, parser) -> int:
     from kivi_models.corpus import load_text
 
-    from .perplexity import FakeQuantConfig, cache_perplexity, fake_quant_perplexity
+    from .perplexity import FakeQuantConfig, cache_bits_per_element, cache_perplexity, fake_quant_perplexity
 
     kivi_config = kivi_config_from(args, parser)
     try:
@@ -101,22 +107,31 @@ def cmd_ppl(args, parser) -> int:
     if args.method == "fake":
         if args.window % args.group_size:
             parser.error(f"--window must be a multiple of --group-size={args.group_size} for --method fake")
-        spec = FakeQuantConfig(args.k_bits, args.v_bits, args.group_size, args.k_axis, args.v_axis)
+        if args.fake_format == "fp8":
+            if getattr(args, "explicit", set()) & {"k_bits", "v_bits"} and (args.k_bits, args.v_bits) != (8, 8):
+                parser.error("--fake-format fp8 stores 8 bits per element; leave out --k-bits/--v-bits or give 8")
+            args.k_bits = args.v_bits = 8
+        with usage_errors(parser):
+            spec = FakeQuantConfig(args.k_bits, args.v_bits, args.group_size, args.k_axis, args.v_axis,
+                                   args.rotate_keys, args.rotate_values, args.rotation_seed, args.fake_format)
         model, tokenizer = _load(args, parser, patched=False, plain=True)
         nuq = _nuq_tables(args, parser, model.config.num_hidden_layers) if args.nuq else None
         windows = _windows(tokenizer, text, args, parser)
         result = fake_quant_perplexity(model, windows, spec, batch_size=args.batch_size, nuq=nuq,
                                        sparse_outliers=args.sparse_outliers, pre_rope=args.pre_rope)
         config = dict(spec.to_dict(), nuq=args.nuq, sparse_outliers=args.sparse_outliers, pre_rope=args.pre_rope)
+        head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        bits = spec.bits_per_element(head_dim)
     else:
         model, tokenizer = _load(args, parser, patched=True, plain=False)
         windows = _windows(tokenizer, text, args, parser)
         result = cache_perplexity(model, windows, method=args.method, kivi_config=kivi_config, chunk=args.chunk,
                                   batch_size=args.batch_size)
         config = kivi_config.to_record(args.nuq) if args.method == "kivi" else {}
+        bits = cache_bits_per_element(model, args.method, kivi_config if args.method == "kivi" else None)
     report = dict(ppl=result.ppl, tokens=result.tokens, method=args.method, config=config, window=args.window,
                   windows=int(windows.shape[0]), chunk=args.chunk if args.method != "fake" else None,
-                  seconds=result.seconds)
+                  bits_per_element=bits, seconds=result.seconds)
     if args.json:
         print(dumps_json(report))
     else:

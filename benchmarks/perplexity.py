@@ -25,51 +25,114 @@ from transformers.masking_utils import sdpa_mask
 
 from kivi_models import make_cache
 from kivi_ops import KIVIConfig, fake_quantize
-from kivi_ops.config import check_axis, check_bits, check_group_size
+from kivi_ops.config import check_bits, check_group_size
 from kivi_ops.nuq import fake_quantize_nuq, uniform_levels
 from kivi_ops.rope import apply_rope, model_rope_tables, undo_rope
+from kivi_ops.rotation import check_rotation, rotate, rotation_matrix, unrotate
 
 FAKE_ATTN = "kivi_fake"
 
 
+# Fake-quantization axes: KIVI's two (groups of G tokens per channel, groups of G channels per
+# token) and "head": per token, one group over the whole head (a scale and zero per token per head,
+# as vLLM-style per-token int KV caches do).
+FAKE_AXES = ("channel", "token", "head")
+# "int": KIVI's asymmetric min/max integer grid; "fp8": float8 e4m3 with one scale per head
+# (amax of that head over the window / 448), the bits and axes unused (8 bits, k_bits = v_bits = 8).
+FAKE_FORMATS = ("int", "fp8")
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+SCALE_BITS = 16  # an fp16 scale or zero
+
+
 @dataclass(frozen=True)
 class FakeQuantConfig:
-    """Simulated quantization of all keys and values (no residual), as KIVI Table 1."""
+    """Simulated quantization of all keys and values (no residual), as KIVI Table 1, and the
+    baselines: per-token-head int (axis "head"), FP8 e4m3 with a per-head scale (format "fp8"),
+    each optionally rotated (k_rotation / v_rotation, kivi_ops/rotation.py: x M is quantized and
+    rotated back)."""
 
     k_bits: int = 2
     v_bits: int = 2
     group_size: int = 32
     k_axis: str = "channel"
     v_axis: str = "token"
+    k_rotation: str = "none"
+    v_rotation: str = "none"
+    rotation_seed: int = 0
+    format: str = "int"
 
     def __post_init__(self):
         check_bits("k_bits", self.k_bits)
         check_bits("v_bits", self.v_bits)
         check_group_size("group_size", self.group_size)
-        check_axis(self.k_axis)
-        check_axis(self.v_axis)
+        for name in ("k_axis", "v_axis"):
+            if getattr(self, name) not in FAKE_AXES:
+                raise ValueError(f"{name} must be one of {FAKE_AXES}, got {getattr(self, name)!r}")
+        check_rotation("k_rotation", self.k_rotation)
+        check_rotation("v_rotation", self.v_rotation)
+        if self.format not in FAKE_FORMATS:
+            raise ValueError(f"format must be one of {FAKE_FORMATS}, got {self.format!r}")
+        if self.format == "fp8" and (self.k_bits, self.v_bits) != (8, 8):
+            raise ValueError(f"format='fp8' stores 8 bits per element: k_bits and v_bits must be 8, "
+                             f"got {self.k_bits} and {self.v_bits}")
 
     def to_dict(self) -> dict:
         return dict(k_bits=self.k_bits, v_bits=self.v_bits, group_size=self.group_size,
-                    k_axis=self.k_axis, v_axis=self.v_axis)
+                    k_axis=self.k_axis, v_axis=self.v_axis, k_rotation=self.k_rotation,
+                    v_rotation=self.v_rotation, rotation_seed=self.rotation_seed, format=self.format)
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Stored bits per key/value element, K and V averaged, counting each group's fp16 scale
+        and zero (fp8: one fp16 scale per head per window, counted as 0)."""
+        if self.format == "fp8":
+            return 8.0
+
+        def one(bits: int, axis: str) -> float:
+            group = {"channel": self.group_size, "token": min(self.group_size, head_dim), "head": head_dim}[axis]
+            return bits + 2 * SCALE_BITS / group
+
+        return (one(self.k_bits, self.k_axis) + one(self.v_bits, self.v_axis)) / 2
+
+
+def fake_fp8_per_head(x: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D] through float8 e4m3 with one scale per (row, head): amax over the window's
+    tokens and channels / 448 (a constant head reconstructs exactly; zeros stay zeros)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=(-2, -1), keepdim=True) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return ((xf / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+
+
+def _fake_int(x: torch.Tensor, bits: int, group_size: int, axis: str, levels=None, sparse: float = 0.0):
+    """KIVI's fake quantization of x along axis ("head": G = head_dim along tokens' channels)."""
+    if axis == "head":
+        axis, group_size = "token", x.shape[-1]
+    if levels is None:
+        return fake_quantize(x.contiguous(), bits, group_size, axis)
+    return fake_quantize_nuq(x, bits, group_size, axis, levels, sparse)
 
 
 def _fake_quant_attention(module, query, key, value, attention_mask, **kwargs):
     spec: FakeQuantConfig = module.config.kivi_fake_quant
     nuq, sparse = module.config.kivi_fake_nuq, module.config.kivi_fake_sparse
     rope = module.config.kivi_fake_pre_rope  # (cos, sin) [1, 1, T, D] of positions 0..T-1, or None
+    mk, mv = module.config.kivi_fake_rotation  # the rotation matrices (None: off)
     if rope is not None:  # KVQuant pre-RoPE: quantize the keys as they were before the rotation
         cos, sin = (t[:, :, : key.shape[2]].to(key.dtype) for t in rope)
         key = undo_rope(key, cos, sin)
-    if nuq is None and not sparse:
-        key = fake_quantize(key.contiguous(), spec.k_bits, spec.group_size, spec.k_axis)
-        value = fake_quantize(value.contiguous(), spec.v_bits, spec.group_size, spec.v_axis)
+    key, value = rotate(key, mk), rotate(value, mv)
+    if spec.format == "fp8":
+        key, value = fake_fp8_per_head(key), fake_fp8_per_head(value)
+    elif nuq is None and not sparse:
+        key = _fake_int(key, spec.k_bits, spec.group_size, spec.k_axis)
+        value = _fake_int(value, spec.v_bits, spec.group_size, spec.v_axis)
     else:  # KVQuant: nuq levels (or KIVI's uniform grid) with dense-and-sparse outliers
         layer = module.layer_idx
         k_levels = nuq["k"][layer] if nuq else uniform_levels(spec.k_bits)
         v_levels = nuq["v"][layer] if nuq else uniform_levels(spec.v_bits)
-        key = fake_quantize_nuq(key, spec.k_bits, spec.group_size, spec.k_axis, k_levels, sparse)
-        value = fake_quantize_nuq(value, spec.v_bits, spec.group_size, spec.v_axis, v_levels, sparse)
+        key = _fake_int(key, spec.k_bits, spec.group_size, spec.k_axis, k_levels, sparse)
+        value = _fake_int(value, spec.v_bits, spec.group_size, spec.v_axis, v_levels, sparse)
+    key, value = unrotate(key, mk), unrotate(value, mv)
     if rope is not None:
         key = apply_rope(key, cos, sin)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -78,6 +141,17 @@ def _fake_quant_attention(module, query, key, value, attention_mask, **kwargs):
 # The mask function is registered too: without it transformers would silently build no mask.
 AttentionInterface.register(FAKE_ATTN, _fake_quant_attention)
 AttentionMaskInterface.register(FAKE_ATTN, sdpa_mask)
+
+
+def cache_bits_per_element(patched_model, method: str, kivi_config: Optional[KIVIConfig], tokens: int = 4096) -> float:
+    """Stored bits per key/value element of one sequence of `tokens` in the model's full-attention
+    layers, exact (KIVICache.nbytes on the meta device, fp16 scales and residual): codes, scales,
+    zeros, the full-precision residual window and every option's store; 16.0 for the fp cache."""
+    cache = make_cache(patched_model, method=method, batch_size=1, max_seq_len=tokens, kivi_config=kivi_config,
+                       device="meta", dtype=torch.float16)
+    full = [layer for layer in cache.layers if not layer.is_sliding]
+    elements = 2 * len(full) * cache.num_kv_heads * tokens * cache.head_dim
+    return 8 * sum(layer.nbytes() for layer in full) / elements
 
 
 @dataclass
@@ -110,6 +184,13 @@ def fake_quant_perplexity(plain_model, windows: torch.Tensor, spec: Optional[Fak
     plain_model.config.kivi_fake_sparse = sparse_outliers
     # every fake window starts at position 0
     plain_model.config.kivi_fake_pre_rope = model_rope_tables(plain_model, windows.shape[1]) if pre_rope else None
+    if spec is not None:
+        D = getattr(plain_model.config, "head_dim", None) or (
+            plain_model.config.hidden_size // plain_model.config.num_attention_heads)
+        plain_model.config.kivi_fake_rotation = tuple(
+            None if m is None else m.to(plain_model.device)
+            for m in (rotation_matrix(spec.k_rotation, D, spec.rotation_seed),
+                      rotation_matrix(spec.v_rotation, D, spec.rotation_seed)))
     plain_model.config._attn_implementation = FAKE_ATTN if spec is not None else "sdpa"
     start, nll, count = time.perf_counter(), 0.0, 0
     try:

@@ -21,13 +21,14 @@ from kivi_ops import KIVIConfig
 
 from .environment import environment
 from .passkey import passkey_accuracy
-from .perplexity import FakeQuantConfig, cache_perplexity, fake_quant_perplexity
+from .perplexity import FakeQuantConfig, cache_bits_per_element, cache_perplexity, fake_quant_perplexity
 
 
 @dataclass(frozen=True)
 class Row:
     name: str
-    group: str  # "baseline" | "fake" | "kivi" | "group size" | "residual" | "ott / sink" | "kvquant"
+    group: str  # "baseline" | "fake" | "kivi" | "group size" | "residual" | "ott / sink" | "kvquant" | "rotation"
+    #             | "per-token / fp8" (the fake-quantization baselines)
     method: str  # "fp" | "kivi" | "fake"
     kivi: Optional[KIVIConfig] = None
     fake: Optional[FakeQuantConfig] = None
@@ -94,7 +95,44 @@ def standard_rows(quick: bool, levels: Levels = Levels()) -> list[Row]:
     ]
     rows += [Row(f"KIVI-2 G={g} (R=128)", "group size", "kivi", kivi=KIVIConfig(2, 2, g, 128)) for g in (32, 64, 128)]
     rows += [Row(f"KIVI-2 R={r} (G=32)", "residual", "kivi", kivi=KIVIConfig(2, 2, 32, r)) for r in (32, 64, 96, 128)]
-    return rows + extension_rows() + kvquant_rows(levels)
+    return rows + extension_rows() + kvquant_rows(levels) + rotation_rows(levels) + baseline_rows()
+
+
+HAD = "hadamard"
+ROTATED = {"K": dict(rotate_keys=HAD), "V": dict(rotate_values=HAD), "K+V": dict(rotate_keys=HAD, rotate_values=HAD)}
+
+
+def rotation_rows(levels: Levels = Levels()) -> list[Row]:
+    """KIVI-2/3/4 with keys, values or both stored Walsh–Hadamard-rotated (kivi_ops/rotation.py),
+    and the best 2-bit KVQuant rows with the rotations they admit: values rotated (pre-RoPE keys
+    refuse a key rotation; the nuq value levels were calibrated unrotated), and the post-RoPE
+    options (1% sparse + sink 1) with both rotated."""
+    rows = [Row(f"KIVI-{b} + rotated {part} (G=32, R=128)", "rotation", "kivi", kivi=KIVIConfig(b, b, 32, 128, **rot))
+            for b in (2, 3, 4) for part, rot in ROTATED.items()]
+    full = dict(pre_rope=True, sparse_outliers=0.01)
+    return rows + [
+        Row("KVQuant-2 + sink 1 + rotated V (G=32, R=128)", "rotation", "kivi",
+            kivi=KIVIConfig(2, 2, 32, 128, sink_tokens=1, rotate_values=HAD, **full, **_levels(levels.full, 2, **full)),
+            levels_file=levels.full.name),
+        Row("KIVI-2 + 1% sparse + sink 1 + rotated K+V (G=32, R=128)", "rotation", "kivi",
+            kivi=KIVIConfig(2, 2, 32, 128, sink_tokens=1, sparse_outliers=0.01, **ROTATED["K+V"])),
+    ]
+
+
+def baseline_rows() -> list[Row]:
+    """Fake-quantization baselines (every token quantized, no residual): FP8 e4m3 with one scale
+    per head; int4 / int2 per token per head (a scale and zero per token per head, vLLM-like),
+    plain and Walsh–Hadamard-rotated (TurboQuant-like); KIVI's fake 2-bit row rotated."""
+    rows = [Row("fake FP8 e4m3, per-head scale", "per-token / fp8", "fake", fake=FakeQuantConfig(8, 8, format="fp8"))]
+    for b in (4, 2):
+        rows.append(Row(f"fake int{b} per token-head", "per-token / fp8", "fake",
+                        fake=FakeQuantConfig(b, b, 32, "head", "head")))
+        rows.append(Row(f"fake int{b} per token-head, rotated K+V", "per-token / fp8", "fake",
+                        fake=FakeQuantConfig(b, b, 32, "head", "head", HAD, HAD)))
+    for part, (kr, vr) in (("K", (HAD, "none")), ("V", ("none", HAD)), ("K+V", (HAD, HAD))):
+        rows.append(Row(f"fake 2-bit K per-channel, V per-token, rotated {part}", "per-token / fp8", "fake",
+                        fake=FakeQuantConfig(2, 2, 32, "channel", "token", kr, vr)))
+    return rows
 
 
 def kvquant_rows(levels: Levels = Levels()) -> list[Row]:
@@ -216,6 +254,17 @@ def llama2_7b_bytes(row: Row, tokens: int) -> dict:
     return dict(tokens=tokens, total=cache.nbytes(), fp16=fp16)
 
 
+def bits_per_element(patched_model, row: Row, tokens: int = BYTES_CONTEXTS[0]) -> float:
+    """Stored bits per key/value element, scales counted: a fake row's quantized format; a cache
+    row's exact bytes for one sequence of `tokens` (4K) in the model's full-attention layers,
+    residual window and options included (perplexity.cache_bits_per_element)."""
+    if row.method == "fake":
+        config = patched_model.config
+        return row.fake.bits_per_element(getattr(config, "head_dim", None)
+                                         or config.hidden_size // config.num_attention_heads)
+    return cache_bits_per_element(patched_model, row.method, row.kivi, tokens)
+
+
 def run_table(plain_model, patched_model, tokenizer, *, quick: bool, out_dir: Path, window: int, windows: int,
               chunk: int, passkey_lengths: list[int], passkey_trials: int, seed: int = 0,
               only: Optional[list[str]] = None, levels: Levels = Levels(), model: str = "default") -> dict:
@@ -242,7 +291,7 @@ def run_table(plain_model, patched_model, tokenizer, *, quick: bool, out_dir: Pa
         r = done[row.key()]
         print(f"  {row.name:<40} ppl {r.ppl:8.3f}  ({r.seconds:.0f} s)", file=sys.stderr, flush=True)
         ppl_results.append(dict(name=row.name, group=row.group, method=row.method,
-                                config=row.config_record(),
+                                config=row.config_record(), bits_per_element=bits_per_element(patched_model, row),
                                 **r.to_dict()))
     passkey_results = []
     for row in filter(runnable, selected(passkey_rows(quick, levels), only)):
@@ -269,10 +318,14 @@ def run_table(plain_model, patched_model, tokenizer, *, quick: bool, out_dir: Pa
 def markdown(report: dict) -> str:
     lines = [f"Perplexity on {report['windows']} x {report['window']}-token windows of pydoc_data.topics "
              f"(chunk {report['chunk']}; fake rows: every token quantized, no residual)", "",
-             "| configuration | PPL | vs 16-bit |", "| --- | --- | --- |"]
+             "| configuration | PPL | vs 16-bit | bits / element |", "| --- | --- | --- | --- |"]
     base = report["perplexity"][0]["ppl"]
     for r in report["perplexity"]:
-        lines.append(f"| {r['name']} | {r['ppl']:.2f} | {r['ppl'] - base:+.2f} |")
+        bits = f"{r['bits_per_element']:.2f}" if r.get("bits_per_element") is not None else ""
+        lines.append(f"| {r['name']} | {r['ppl']:.2f} | {r['ppl'] - base:+.2f} | {bits} |")
+    lines += ["", "bits / element: stored bits per key/value element, scales and zeros counted; cache rows: "
+              "exact bytes of one 4K-token sequence in the full-attention layers, the fp residual window included; "
+              "fake rows: the quantized format alone (no residual)."]
     lengths = report["passkey_lengths"]
     lines += ["", f"Passkey retrieval accuracy ({report['passkey_trials']} trials per length)", "",
               "| configuration | " + " | ".join(map(str, lengths)) + " |", "| --- |" + " --- |" * len(lengths)]
@@ -302,6 +355,37 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+COLORS = {"baseline": "tab:gray", "fake": "tab:orange", "kivi": "tab:blue", "group size": "tab:green",
+          "residual": "tab:purple", "ott / sink": "tab:red", "kvquant": "tab:brown", "rotation": "tab:cyan",
+          "per-token / fp8": "tab:olive"}
+
+
+def plot_bits(report: dict, path: Path, title: str) -> None:
+    """Perplexity against stored bits per element, one point per row that records its bits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["perplexity"] if r.get("bits_per_element") is not None]
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for group in dict.fromkeys(r["group"] for r in rows):
+        sel = [r for r in rows if r["group"] == group]
+        ax.scatter([r["bits_per_element"] for r in sel], [r["ppl"] for r in sel], color=COLORS.get(group, "k"),
+                   label=group, marker="s" if sel[0]["method"] == "fake" else "o")
+        for r in sel:
+            ax.annotate(r["name"], (r["bits_per_element"], r["ppl"]), fontsize=6, xytext=(3, 2),
+                        textcoords="offset points")
+    ax.set_yscale("log")
+    ax.set_xlabel("stored bits per key/value element (scales counted)")
+    ax.set_ylabel("perplexity (log scale, lower is better)")
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_outputs(report: dict, out_dir: Path) -> None:
     import matplotlib
 
@@ -316,8 +400,7 @@ def write_outputs(report: dict, out_dir: Path) -> None:
     (out_dir / "quality.md").write_text(markdown(report))
 
     rows = report["perplexity"]
-    colors = {"baseline": "tab:gray", "fake": "tab:orange", "kivi": "tab:blue", "group size": "tab:green",
-              "residual": "tab:purple", "ott / sink": "tab:red", "kvquant": "tab:brown"}
+    colors = COLORS
     fig, ax = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.2))
     ax.barh(range(len(rows)), [r["ppl"] for r in rows], color=[colors[r["group"]] for r in rows])
     ax.set_yticks(range(len(rows)), [r["name"] for r in rows])
@@ -345,3 +428,4 @@ def write_outputs(report: dict, out_dir: Path) -> None:
     fig.tight_layout()
     fig.savefig(out_dir / "quality_passkey.png", dpi=110)
     plt.close(fig)
+    plot_bits(report, out_dir / "quality_bits.png", f"{name}: quality against bits per element")

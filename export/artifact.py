@@ -149,8 +149,10 @@ def _check_kivi(kivi) -> Optional[str]:
     if not isinstance(kivi, dict):
         return "an object (KIVIConfig fields) for method 'kivi'"
     want = {f.name for f in fields(KIVIConfig)}
-    # Artifacts written before flush_policy existed ran KIVI's policy, its default.
-    if set(kivi) != want and set(kivi) != want - {"flush_policy"}:
+    # Artifacts written before flush_policy or the rotations existed ran their defaults (KIVI's
+    # policy, no rotation).
+    later = {"flush_policy", "rotate_keys", "rotate_values", "rotation_seed"}
+    if not want - later <= set(kivi) <= want:
         return f"an object with exactly the KIVIConfig fields {sorted(want)}"
     values = dict(kivi)
     for name in ("key_levels", "value_levels"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from .rotation import check_rotation
 from .schedule import POLICIES, key_flush_unit, policy_id, residual_slots
 
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -90,6 +91,15 @@ class KIVIConfig:
     key_levels / value_levels: nuqX (Section 3.3): per layer, the 2^bits sorted levels codes
         index (offline calibration, `kivi calibrate`), rescaled per group by KIVI's online
         scale/zero; () keeps the uniform grid 0..2^bits-1, exactly KIVI.
+
+    Rotation (QuaRot / RotateKV / TurboQuant), off ("none") by default; keys and values choose
+    independently (rotation.py):
+    rotate_keys / rotate_values: "none", "hadamard" (normalized Walsh–Hadamard for a power-of-two
+        head_dim, else the seeded random matrix) or "random" (a seeded random orthogonal matrix).
+        Keys (post-RoPE) and values are stored times M, the query is rotated by M once per call and
+        the attention output rotated back by Mᵀ: attention is unchanged before quantization, and
+        the cache's bytes are unchanged (M is a per-layer constant).
+    rotation_seed: the seed of the random matrix.
     """
 
     k_bits: int = 2
@@ -105,6 +115,9 @@ class KIVIConfig:
     key_levels: tuple = ()
     value_levels: tuple = ()
     flush_policy: str = "kivi"
+    rotate_keys: str = "none"
+    rotate_values: str = "none"
+    rotation_seed: int = 0
 
     def __post_init__(self) -> None:
         check_bits("k_bits", self.k_bits)
@@ -152,6 +165,14 @@ class KIVIConfig:
         if self.flush_policy == "ott" and self.sparse_outliers:
             raise ValueError("sparse_outliers is not supported with flush_policy='ott' (its key store is laid "
                              "out per R-token window of the kivi policy); use flush_policy='kivi'")
+        check_rotation("rotate_keys", self.rotate_keys)
+        check_rotation("rotate_values", self.rotate_values)
+        if isinstance(self.rotation_seed, bool) or not isinstance(self.rotation_seed, int):
+            raise ValueError(f"rotation_seed must be an int, got {self.rotation_seed!r}")
+        if self.pre_rope and self.rotate_keys != "none":
+            raise ValueError(f"rotate_keys={self.rotate_keys!r} is not supported with pre_rope=True: the attention "
+                             "op applies RoPE to the dequantized keys, which does not commute with the rotation; "
+                             "use rotate_keys='none' with pre_rope (rotate_values works with it)")
 
     @property
     def policy_id(self) -> int:

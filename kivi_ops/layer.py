@@ -26,6 +26,7 @@ from .kernels.reference import check_capacity, materialize_block
 from .layout import LayerTensors, QuantParams
 from .packing import FLOAT_DTYPES, packed_bytes
 from .rope import rope_at
+from .rotation import rotate, rotation_matrix, unrotate
 from .step import DECODE, Step
 
 
@@ -84,8 +85,10 @@ class CacheLayer(nn.Module, CacheLayerMixin):
         return []
 
     def nbytes(self) -> int:
-        """Exact bytes held by the layer's buffers."""
-        return sum(buf.numel() * buf.element_size() for buf in self.buffers())
+        """Exact bytes held by the layer's buffers, except the rotation matrices (rotation.py): a
+        model constant of D x D floats, like a weight, that no sequence grows."""
+        rotations = {id(t) for t in rotation_constants(self)}
+        return sum(buf.numel() * buf.element_size() for buf in self.buffers() if id(buf) not in rotations)
 
     def page_tensors(self) -> dict[str, torch.Tensor]:
         """Buffers whose dim 0 is a page id (a paged layer's pools); none in a static layer."""
@@ -213,11 +216,29 @@ def reserve_for_compiled_steps(device: torch.device, batch_size: int) -> None:
         reserve_arrival_counters(device, batch_size)
 
 
+def rotation_constants(layer) -> list[torch.Tensor]:
+    """The layer's rotation matrices (rot_k, rot_v), those that are on."""
+    return [t for t in (getattr(layer, "rot_k", None), getattr(layer, "rot_v", None)) if t is not None]
+
+
+def option_constants(layer) -> list[torch.Tensor]:
+    """A KIVI layer's constants (static or paged): nuq levels, RoPE frequencies, rotation matrices."""
+    levels = [layer.levels.k, layer.levels.v] if layer.levels is not None else []
+    rope = [layer.rope_inv_freq] if layer.rope_inv_freq is not None else []
+    return levels + rope + rotation_constants(layer)
+
+
 def init_constants(layer: CacheLayer, config: KIVIConfig, layer_idx: int, rope, device) -> None:
     """What a KIVI layer (static or paged) holds beside its buffers: the nuq `levels` (None when
-    off), and with pre-RoPE keys the model's RoPE frequencies `rope_inv_freq` (else None) and
-    `rope_scaling`."""
+    off), with pre-RoPE keys the model's RoPE frequencies `rope_inv_freq` (else None) and
+    `rope_scaling`, and the rotation matrices `rot_k` / `rot_v` [D, D] fp32 (None when off)."""
     D = layer.head_dim
+    for name, kind in (("rot_k", config.rotate_keys), ("rot_v", config.rotate_values)):
+        m = rotation_matrix(kind, D, config.rotation_seed)
+        if m is None:
+            setattr(layer, name, None)
+        else:
+            layer.register_buffer(name, m.to(device), persistent=False)
     layer.levels = (NuqLevels(config.key_levels[layer_idx], config.value_levels[layer_idx], device)
                     if config.has_nuq else None)
     layer.pre_rope = config.pre_rope
@@ -249,6 +270,8 @@ def dequantized_state(layer: CacheLayer, t: LayerTensors) -> tuple[torch.Tensor,
             keys[b, h, pos], values[b, h, pos] = pool.k[b, h, i].float(), pool.v[b, h, i].float()
     if layer.pre_rope:  # as attention sees them: rotated, with the model's attention_scaling
         keys = rope_at(keys, torch.arange(stop, device=keys.device), layer.rope_inv_freq) * layer.rope_scaling
+    # stored times M (rotation.py): back to the model's basis
+    keys, values = unrotate(keys, layer.rot_k), unrotate(values, layer.rot_v)
     inside = (torch.arange(stop, device=lengths.device)[None, :] < lengths[:, None])[:, None, :, None]
     zero = torch.zeros((), device=keys.device)
     return torch.where(inside, keys, zero).to(layer.dtype), torch.where(inside, values, zero).to(layer.dtype)
@@ -318,6 +341,7 @@ class KIVILayer(CacheLayer):
         exceed max_seq_len (in eager mode and in compiled mode on CPU; the CUDA kernel drops tokens
         past capacity instead, since it cannot raise inside a CUDA graph)."""
         self._check_append(key, value, step.counts)
+        key, value = rotate(key, self.rot_k), rotate(value, self.rot_v)
         dispatch.append(self.tensors(), key, value, step.counts, self.params, portable=self.portable)
 
     def attend(self, query: torch.Tensor, step: Step = DECODE, scale: Optional[float] = None) -> torch.Tensor:
@@ -334,12 +358,15 @@ class KIVILayer(CacheLayer):
         self._check_attend(query, step.counts)
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
         scale *= self.rope_scaling  # pre-RoPE keys: the model's RoPE scales keys; ours are rotated in the op
-        return dispatch.attend(query, self.tensors(), step.counts, self.params, scale, portable=self.portable)
+        out = dispatch.attend(rotate(query, self.rot_k), self.tensors(), step.counts, self.params, scale,
+                              portable=self.portable)
+        return unrotate(out, self.rot_v)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) [batch, kv_heads, max length, head_dim] exactly as attention sees them
         (dequantized where quantized, exact from the residual and the pool, rotated when stored
-        pre-RoPE); zeros past a sequence's length. Tests and debugging only (host syncs)."""
+        pre-RoPE, rotated back to the model's basis when stored rotated); zeros past a sequence's
+        length. Tests and debugging only (host syncs)."""
         return dequantized_state(self, self.tensors())
 
     def reset(self) -> None:
@@ -360,5 +387,4 @@ class KIVILayer(CacheLayer):
             pos.copy_(torch.where(fresh[:, None, None], torch.full_like(pos, -1), pos))
 
     def constants(self) -> list[torch.Tensor]:
-        levels = [self.levels.k, self.levels.v] if self.levels is not None else []
-        return levels + ([self.rope_inv_freq] if self.rope_inv_freq is not None else [])
+        return option_constants(self)

@@ -36,11 +36,12 @@ from . import paged_ops  # noqa: F401  registers torch.ops.kivi.paged_*
 from .cache import StaticCacheBase, _check_num_layers
 from .config import KIVIConfig
 from .devices import resolve_device, same_device
-from .layer import CacheLayer, dequantized_state, init_constants, reserve_for_compiled_steps
+from .layer import CacheLayer, dequantized_state, init_constants, option_constants, reserve_for_compiled_steps
 from .layout import LayerTensors, QuantParams
 from .packing import packed_bytes
 from .paged_layout import (BLOCK_TABLE_DTYPE, PAGED_TENSORS, ROW_TENSORS, Paging, check_page_size, pages_final,
                            pages_needed, static_view)
+from .rotation import rotate, unrotate
 from .step import DECODE, Step
 
 __all__ = ["PagedKIVILayer", "PagedKIVICache", "pages_needed"]
@@ -134,6 +135,7 @@ class PagedKIVILayer(CacheLayer):
         self._check_append(key, value, step.counts)
         if not torch.compiler.is_compiling():
             self.check_pages(key.shape[2], step.counts)
+        key, value = rotate(key, self.rot_k), rotate(value, self.rot_v)
         dispatch.append(self.tensors(), key, value, step.counts, self.params, portable=self.portable,
                         pages=self.pages)
 
@@ -142,8 +144,9 @@ class PagedKIVILayer(CacheLayer):
         self._check_attend(query, step.counts)
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
         scale *= self.rope_scaling
-        return dispatch.attend(query, self.tensors(), step.counts, self.params, scale, portable=self.portable,
-                               pages=self.pages)
+        out = dispatch.attend(rotate(query, self.rot_k), self.tensors(), step.counts, self.params, scale,
+                              portable=self.portable, pages=self.pages)
+        return unrotate(out, self.rot_v)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """KIVILayer.dequantized (tests and debugging only; host syncs)."""
@@ -158,8 +161,7 @@ class PagedKIVILayer(CacheLayer):
                 buf.zero_()
 
     def constants(self) -> list[torch.Tensor]:
-        levels = [self.levels.k, self.levels.v] if self.levels is not None else []
-        return levels + ([self.rope_inv_freq] if self.rope_inv_freq is not None else [])
+        return option_constants(self)
 
     def page_tensors(self) -> dict[str, torch.Tensor]:
         """The page pools by name, dim 0 the page id: copy t[page_ids] out, index_copy_ back."""

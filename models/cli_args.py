@@ -20,6 +20,7 @@ import torch
 
 from kivi_ops import KIVIConfig
 from kivi_ops.config import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+from kivi_ops.rotation import ROTATIONS
 from kivi_ops.schedule import POLICIES
 
 from .generate import METHODS
@@ -159,6 +160,12 @@ def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
     p.add_argument("--sparse-outliers", type=fraction_arg, default=0.0, metavar="FRACTION",
                    help="KVQuant dense-and-sparse: keep this fraction of each key channel (per R-token window) and "
                         "of each value token exact, e.g. 0.01")
+    for part, what in (("keys", "keys (after RoPE)"), ("values", "values")):
+        p.add_argument(f"--rotate-{part}", choices=ROTATIONS, default="none", action=_Explicit,
+                       help=f"store {what} rotated by an orthogonal matrix of the head dimension before "
+                            "quantization (attention is unchanged): hadamard (Walsh-Hadamard; a seeded random "
+                            "matrix if head_dim is not a power of two) or random (seeded random orthogonal)")
+    p.add_argument("--rotation-seed", type=int, default=0, action=_Explicit, help="seed of the random rotation")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, float16 on cuda")
     from .weight_quant import WEIGHT_QUANT_MODES
@@ -184,11 +191,13 @@ _FLAG_NAMES = (("sink_tokens", "--sink-tokens"), ("outlier_tokens", "--outlier-t
                ("outlier_spill", "--outlier-spill"), ("outlier_skip_layers", "--outlier-skip-layers"),
                ("sparse_outliers", "--sparse-outliers"), ("residual_length", "--residual-length"),
                ("group_size", "--group-size"), ("k_bits", "--k-bits"), ("v_bits", "--v-bits"),
-               ("flush_policy", "--flush-policy"),
+               ("flush_policy", "--flush-policy"), ("rotate_keys", "--rotate-keys"),
+               ("rotate_values", "--rotate-values"), ("rotation_seed", "--rotation-seed"),
                ("temperature", "--temperature"), ("top_p", "--top-p"), ("top_k", "--top-k"))
 # Flags that only configure the KIVI cache; given explicitly with --method fp they are refused
 # (their defaults are not, so that `--method fp` alone works).
-_KIVI_ONLY_FLAGS = ("k_bits", "v_bits", "group_size", "residual_length", "flush_policy")
+_KIVI_ONLY_FLAGS = ("k_bits", "v_bits", "group_size", "residual_length", "flush_policy", "rotate_keys",
+                    "rotate_values", "rotation_seed")
 
 
 class _Explicit(argparse.Action):
@@ -211,7 +220,8 @@ def kivi_config_from(args, parser) -> KIVIConfig:
                             residual_length=args.residual_length, sink_tokens=args.sink_tokens,
                             outlier_tokens=args.outlier_tokens, outlier_spill=args.outlier_spill,
                             outlier_skip_layers=args.outlier_skip_layers, flush_policy=args.flush_policy,
-                            **(kvquant if method == "kivi" else {}))
+                            rotate_keys=args.rotate_keys, rotate_values=args.rotate_values,
+                            rotation_seed=args.rotation_seed, **(kvquant if method == "kivi" else {}))
     except ValueError as e:
         parser.error(flag_spelling(str(e)))
     if method == "fp" and getattr(args, "explicit", set()) & set(_KIVI_ONLY_FLAGS):

@@ -96,7 +96,9 @@ def cmd_generate(args, parser) -> int:
                       f" outliers={kivi_config.outlier_tokens}" if kivi_config.outlier_tokens else "",
                       " pre-RoPE" if kivi_config.pre_rope else "",
                       f" nuq={args.nuq}" if kivi_config.has_nuq else "",
-                      f" sparse={kivi_config.sparse_outliers:g}" if kivi_config.sparse_outliers else ""])
+                      f" sparse={kivi_config.sparse_outliers:g}" if kivi_config.sparse_outliers else "",
+                      f" rotate-keys={kivi_config.rotate_keys}" if kivi_config.rotate_keys != "none" else "",
+                      f" rotate-values={kivi_config.rotate_values}" if kivi_config.rotate_values != "none" else ""])
     label = (f"KIVI-{kivi_config.k_bits}/{kivi_config.v_bits} G={kivi_config.group_size} "
              f"R={kivi_config.residual_length}{extras}, {config['dtype']} scales and residual" if args.method == "kivi"
              else f"fp ({config['dtype']})")

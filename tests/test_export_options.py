@@ -1,5 +1,5 @@
-"""Exports with the cache's options (sink and OTT tokens, KVQuant's, OTT's flush policy): greedy
-tokens equal `kivi generate`'s with the same options, through the CLI as a user runs it.
+"""Exports with the cache's options (sink and OTT tokens, KVQuant's, OTT's flush policy, rotations):
+greedy tokens equal `kivi generate`'s with the same options, through the CLI as a user runs it.
 
 The model is a random 2-layer Llama GGUF (tests/gguf_files.py): what these tests check, the cache's
 options inside an exported graph, does not depend on depth, and the embedded model's 30 layers made
@@ -72,3 +72,20 @@ def test_export_with_ott_flush_policy(fmt, model, tmp_path, capsys):
                        "--json"], capsys)
     assert report["tokens"] == want["tokens"]
     assert report["config"]["kivi"]["flush_policy"] == "ott" and report["config"]["kivi"]["residual_length"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["pt2", "onnx"])
+def test_export_with_rotation(fmt, model, tmp_path, capsys):
+    # Keys rotated by Walsh–Hadamard, values by a seeded random orthogonal matrix, G=R=8: the
+    # exported program carries both matrices as constants and rotates the query, the new keys and
+    # values and the attention output in-graph; greedy tokens equal `kivi generate`'s.
+    options = [*model, *CONFIG, "--rotate-keys", "hadamard", "--rotate-values", "random", "--rotation-seed", "7"]
+    want = cli_json(["generate", "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json", *options], capsys)
+    assert main(["export", "--format", fmt, "--out", str(tmp_path / "p"), "--max-seq-len", "64", *options]) == 0
+    capsys.readouterr()
+    report = cli_json(["run-exported", str(tmp_path / "p"), "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS,
+                       "--json"], capsys)
+    assert report["tokens"] == want["tokens"]
+    kivi = report["config"]["kivi"]
+    assert (kivi["rotate_keys"], kivi["rotate_values"], kivi["rotation_seed"]) == ("hadamard", "random", 7)

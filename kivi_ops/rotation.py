@@ -1,0 +1,82 @@
+"""Orthogonal rotations of the head dimension, applied before quantization (QuaRot, RotateKV,
+TurboQuant): an option of the cache (KIVIConfig.rotate_keys / rotate_values) and of fake quantization.
+
+Attention is unchanged by an orthogonal M (M Mᵀ = I), with vectors as rows:
+    keys:   q·k = (q M)·(k M)                            store k M, rotate the query once per call
+    values: softmax(s) V = (softmax(s) (V M)) Mᵀ         store V M, rotate the output back
+so the kernels see rotated vectors and need no change. The rotation spreads a channel's outlier
+over all channels, which helps per-token quantization (values, and the per-token baselines) and
+may hurt KIVI's per-channel keys, whose groups exploit those outliers: docs/quality.md measures it.
+
+Kinds: "none"; "hadamard", the normalized Walsh–Hadamard matrix (entries ±1/sqrt(D)) when head_dim
+is a power of two, else the seeded random matrix; "random", a seeded random orthogonal matrix (QR
+of a seeded Gaussian, signs fixed so it is Haar-distributed). The matrix is built once, in fp32,
+with `fwht` (the fast transform, O(D log D) per vector) applied to the identity, and applied as
+one small matmul: at D <= 256 one GEMM per call costs less than log2(D) eager butterfly stages.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+ROTATIONS = ("none", "hadamard", "random")
+
+
+def check_rotation(name: str, value) -> None:
+    if not isinstance(value, str) or value not in ROTATIONS:
+        raise ValueError(f"{name} must be one of {ROTATIONS}, got {value!r}")
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """The normalized fast Walsh–Hadamard transform over the last dim (a power of two): x H with
+    H the Sylvester Hadamard matrix / sqrt(D), symmetric and orthogonal (fwht(fwht(x)) == x)."""
+    D = x.shape[-1]
+    if not is_power_of_two(D):
+        raise ValueError(f"the Walsh–Hadamard transform needs a power-of-two last dim, got {D}")
+    shape, h = x.shape, 1
+    y = x.reshape(-1, D)
+    while h < D:
+        y = y.view(-1, D // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return (y.reshape(shape) / D**0.5).to(x.dtype)
+
+
+def random_orthogonal(head_dim: int, seed: int = 0) -> torch.Tensor:
+    """A seeded random orthogonal [D, D] fp32 matrix: Q of the QR of a Gaussian (fp64, CPU
+    generator, so the same seed gives the same matrix on every machine), columns' signs set by
+    R's diagonal."""
+    g = torch.Generator().manual_seed(int(seed))
+    q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))[None, :]).to(torch.float32)
+
+
+def rotation_matrix(kind: str, head_dim: int, seed: int = 0) -> Optional[torch.Tensor]:
+    """The [head_dim, head_dim] fp32 orthogonal matrix M of a rotation kind (x -> x M), or None for "none"."""
+    check_rotation("rotation", kind)
+    if kind == "none":
+        return None
+    if kind == "hadamard" and is_power_of_two(head_dim):
+        return fwht(torch.eye(head_dim, dtype=torch.float64)).to(torch.float32)
+    return random_orthogonal(head_dim, seed)
+
+
+def rotate(x: torch.Tensor, m: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [..., D] times M, computed in fp32 and returned in x's dtype (x itself when M is None)."""
+    if m is None:
+        return x
+    return torch.matmul(x.float(), m).to(x.dtype)
+
+
+def unrotate(x: torch.Tensor, m: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [..., D] times Mᵀ (the inverse of rotate), in fp32, returned in x's dtype."""
+    if m is None:
+        return x
+    return torch.matmul(x.float(), m.t()).to(x.dtype)
