@@ -21,18 +21,24 @@ def model(tmp_path_factory):
     return ["--model", str(path)]
 
 
+def exported_kivi_config(fmt, options, out, capsys) -> dict:
+    """`kivi export` with `options`, then `kivi run-exported`: its greedy tokens equal `kivi generate`'s
+    with the same options. Returns the KIVI config the artifact reports."""
+    want = cli_json(["generate", "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json", *options], capsys)
+    assert main(["export", "--format", fmt, "--out", str(out), "--max-seq-len", "64", *options]) == 0
+    capsys.readouterr()
+    report = cli_json(["run-exported", str(out), "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json"], capsys)
+    assert report["tokens"] == want["tokens"]
+    return report["config"]["kivi"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["pt2", "onnx"])
 def test_export_with_sink_and_outlier_tokens(fmt, model, tmp_path, capsys):
     # Sink 1 + OTT 3 outliers in every layer, G=R=8: 16 new tokens flush and pick outliers in-graph.
     options = [*model, *CONFIG, "--sink-tokens", "1", "--outlier-tokens", "3", "--outlier-skip-layers", "0"]
-    want = cli_json(["generate", "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json", *options], capsys)
-    assert main(["export", "--format", fmt, "--out", str(tmp_path), "--max-seq-len", "64", *options]) == 0
-    capsys.readouterr()
-    report = cli_json(["run-exported", str(tmp_path), "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json"],
-                      capsys)
-    assert report["tokens"] == want["tokens"]
-    assert report["config"]["kivi"]["outlier_tokens"] == 3 and report["config"]["kivi"]["sink_tokens"] == 1
+    kivi = exported_kivi_config(fmt, options, tmp_path / "p", capsys)
+    assert kivi["outlier_tokens"] == 3 and kivi["sink_tokens"] == 1
 
 
 @pytest.mark.slow
@@ -45,17 +51,10 @@ def test_export_with_kvquant_options(fmt, model, tmp_path, capsys):
     nuq.write_text(json.dumps(dict(format="kivi-nuq-v1", num_layers=LAYERS, group_size=8, pre_rope=True,
                                    sparse_outliers=0.1, bits=levels)))
     options = [*model, *CONFIG, "--pre-rope", "--sparse-outliers", "0.1", "--nuq", str(nuq), "--sink-tokens", "1"]
-    want = cli_json(["generate", "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json", *options], capsys)
-    out = tmp_path / "program"
-    assert main(["export", "--format", fmt, "--out", str(out), "--max-seq-len", "64", *options]) == 0
-    capsys.readouterr()
-    report = cli_json(["run-exported", str(out), "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json"], capsys)
-    assert report["tokens"] == want["tokens"]
-    assert report["config"]["kivi"]["pre_rope"] and report["config"]["kivi"]["sparse_outliers"] == 0.1
+    kivi = exported_kivi_config(fmt, options, tmp_path / "program", capsys)
+    assert kivi["pre_rope"] and kivi["sparse_outliers"] == 0.1
 
 
-# Every format in `make test-slow` (pt2 took 28 s of the fast suite, which must stay under 10 minutes;
-# test_exported_greedy_tokens_equal_eager[pt2] keeps an export there).
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["pt2", "onnx", "aoti", "pte"])
 def test_export_with_ott_flush_policy(fmt, model, tmp_path, capsys):
@@ -65,13 +64,8 @@ def test_export_with_ott_flush_policy(fmt, model, tmp_path, capsys):
         pytest.importorskip("executorch.runtime")
     options = [*model, "--flush-policy", "ott", "--group-size", "8", "--residual-length", "3", "--outlier-tokens", "2",
                "--outlier-skip-layers", "0"]
-    want = cli_json(["generate", "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json", *options], capsys)
-    assert main(["export", "--format", fmt, "--out", str(tmp_path / "p"), "--max-seq-len", "64", *options]) == 0
-    capsys.readouterr()
-    report = cli_json(["run-exported", str(tmp_path / "p"), "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS,
-                       "--json"], capsys)
-    assert report["tokens"] == want["tokens"]
-    assert report["config"]["kivi"]["flush_policy"] == "ott" and report["config"]["kivi"]["residual_length"] == 3
+    kivi = exported_kivi_config(fmt, options, tmp_path / "p", capsys)
+    assert kivi["flush_policy"] == "ott" and kivi["residual_length"] == 3
 
 
 @pytest.mark.slow
@@ -81,11 +75,5 @@ def test_export_with_rotation(fmt, model, tmp_path, capsys):
     # exported program carries both matrices as constants and rotates the query, the new keys and
     # values and the attention output in-graph; greedy tokens equal `kivi generate`'s.
     options = [*model, *CONFIG, "--rotate-keys", "hadamard", "--rotate-values", "random", "--rotation-seed", "7"]
-    want = cli_json(["generate", "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json", *options], capsys)
-    assert main(["export", "--format", fmt, "--out", str(tmp_path / "p"), "--max-seq-len", "64", *options]) == 0
-    capsys.readouterr()
-    report = cli_json(["run-exported", str(tmp_path / "p"), "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS,
-                       "--json"], capsys)
-    assert report["tokens"] == want["tokens"]
-    kivi = report["config"]["kivi"]
+    kivi = exported_kivi_config(fmt, options, tmp_path / "p", capsys)
     assert (kivi["rotate_keys"], kivi["rotate_values"], kivi["rotation_seed"]) == ("hadamard", "random", 7)
