@@ -95,8 +95,25 @@ def nvcc_version() -> str:
     return next(line for line in out.stdout.splitlines() if "release" in line).strip()
 
 
+CUDA_SOURCES = ("decode_attend.cu", "decode_attend.h")
+
+
+def cuda_sources_sha256(read=None) -> str:
+    """The digest of the CUDA C++ kernel's sources (kivi_ops/cuda): the C++ facts describe the source
+    they were compiled from. `read(name) -> bytes` reads another revision's files (default: this tree's)."""
+    import hashlib
+
+    root = Path(__file__).resolve().parent.parent / "kivi_ops" / "cuda"
+    read = read or (lambda name: (root / name).read_bytes())
+    digest = hashlib.sha256()
+    for name in CUDA_SOURCES:
+        digest.update(name.encode() + b"\0" + read(name))
+    return digest.hexdigest()
+
+
 def collect() -> dict:
     meta = dict(**environment(command="python -m lab decode_time_model --static"), arch="sm_90a", nvcc=nvcc_version(),
+                cuda_sources_sha256=cuda_sources_sha256(),
                 note="KIVI-2, G=32, R=128, head_dim 128, fp16; loop bodies counted in SASS, per warp per iteration "
                      "(Triton: one BLOCK_N-token tile; CUDA C++: one 32-token chunk, one tail token)")
     return dict(meta=meta, triton_decode=triton_decode_static(), cuda_cpp=cuda_cpp_static())
