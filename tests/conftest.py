@@ -7,6 +7,8 @@ cores four spinning OpenMP threads slowed torch-heavy tests several times over (
 24 s alone, 130 s in the suite)."""
 
 import os
+import re
+from pathlib import Path
 
 import torch
 
@@ -23,9 +25,6 @@ _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
-
-import re  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 _MODULE_FIXTURE = re.compile(r"""scope=["'](module|class|package)["']""")
 
