@@ -179,10 +179,10 @@ def cmd_passkey(args, parser) -> int:
 
 
 def cmd_table(args, parser) -> int:
-    from .quality_table import Levels, kvquant_rows, run_table
+    from .quality_table import LevelFiles, kvquant_rows, run_table
 
     args.device, args.dtype = "cpu", None
-    levels = Levels(**{name: path for name, path in (("plain", args.nuq_levels), ("full", args.kvquant_levels)) if path})
+    levels = LevelFiles(**{name: path for name, path in (("plain", args.nuq_levels), ("full", args.kvquant_levels)) if path})
     with usage_errors(parser, ValueError, OSError):
         kvquant_rows(levels)  # reads the levels files: a missing or wrong one fails before the model loads
     plain, patched, tokenizer = _load(args, parser, patched=True, plain=True)

@@ -44,7 +44,7 @@ class Row:
 
 
 @dataclass(frozen=True)
-class Levels:
+class LevelFiles:
     """The `kivi calibrate` files the nuq rows read: `plain` (no pre-RoPE, no outliers) for
     "KIVI-2 + nuq2", `full` (--pre-rope --sparse-outliers 0.01) for the KVQuant rows. The default:
     the embedded model's (commands in kvquant_fake.json); `kivi eval table --nuq-levels
@@ -60,7 +60,7 @@ class Levels:
     def levels3(self) -> Path:
         if self.full3 is not None:
             return self.full3
-        return _EMBEDDED_NUQ3 if self.full == Levels.full else self.full
+        return _EMBEDDED_NUQ3 if self.full == LevelFiles.full else self.full
 
 
 _EMBEDDED_NUQ3 = Path(__file__).resolve().parent / "results" / "nuq_levels_smollm2_prerope_sparse1_nuq234.json"
@@ -83,7 +83,7 @@ def fake_rows(quick: bool) -> list[Row]:
     return rows
 
 
-def standard_rows(quick: bool, levels: Levels = Levels()) -> list[Row]:
+def standard_rows(quick: bool, levels: LevelFiles = LevelFiles()) -> list[Row]:
     if quick:
         # 256-token windows: R=32 keeps most of each window quantized.
         return ([Row("16-bit", "baseline", "fp")] + fake_rows(quick)
@@ -102,7 +102,7 @@ HAD = "hadamard"
 ROTATED = {"K": dict(rotate_keys=HAD), "V": dict(rotate_values=HAD), "K+V": dict(rotate_keys=HAD, rotate_values=HAD)}
 
 
-def rotation_rows(levels: Levels = Levels()) -> list[Row]:
+def rotation_rows(levels: LevelFiles = LevelFiles()) -> list[Row]:
     """KIVI-2/3/4 with keys, values or both stored Walsh–Hadamard-rotated (kivi_ops/rotation.py),
     and the best 2-bit KVQuant rows with the rotations they admit: values rotated (pre-RoPE keys
     refuse a key rotation; the nuq value levels were calibrated unrotated), and the post-RoPE
@@ -135,7 +135,7 @@ def baseline_rows() -> list[Row]:
     return rows
 
 
-def kvquant_rows(levels: Levels = Levels()) -> list[Row]:
+def kvquant_rows(levels: LevelFiles = LevelFiles()) -> list[Row]:
     """KVQuant's techniques in the cache, alone and combined, G=32 R=128 like KIVI-2:
     pre-RoPE keys, nuq levels, 1% dense-and-sparse outliers, attention sink. Their levels are
     per layer of the model they were calibrated on (`levels`; rows whose levels are for another
@@ -157,7 +157,7 @@ def kvquant_rows(levels: Levels = Levels()) -> list[Row]:
     ] + kvquant3_rows(levels)
 
 
-def kvquant3_rows(levels: Levels = Levels()) -> list[Row]:
+def kvquant3_rows(levels: LevelFiles = LevelFiles()) -> list[Row]:
     """KVQuant's main setting, 3 bits (pre-RoPE, nuq3, 1% dense-and-sparse), with and without an
     attention sink; skipped when the levels file has no 3-bit levels (`kivi calibrate --bits 2,3,4`)."""
     full = dict(pre_rope=True, sparse_outliers=0.01)
@@ -197,7 +197,7 @@ def extension_rows() -> list[Row]:
     ]
 
 
-def passkey_rows(quick: bool, levels: Levels = Levels()) -> list[Row]:
+def passkey_rows(quick: bool, levels: LevelFiles = LevelFiles()) -> list[Row]:
     if quick:
         return [Row("16-bit", "baseline", "fp"), Row("KIVI-2 (G=32, R=32)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 32))]
     return [Row("16-bit", "baseline", "fp"),
@@ -267,7 +267,7 @@ def bits_per_element(patched_model, row: Row, tokens: int = BYTES_CONTEXTS[0]) -
 
 def run_table(plain_model, patched_model, tokenizer, *, quick: bool, out_dir: Path, window: int, windows: int,
               chunk: int, passkey_lengths: list[int], passkey_trials: int, seed: int = 0,
-              only: Optional[list[str]] = None, levels: Levels = Levels(), model: str = "default") -> dict:
+              only: Optional[list[str]] = None, levels: LevelFiles = LevelFiles(), model: str = "default") -> dict:
     started = time.perf_counter()
     num_layers = patched_model.config.num_hidden_layers
 

@@ -47,7 +47,7 @@ import threading
 import time
 
 from kivi_models.generate import cache_bytes_per_sequence, make_paged_cache, paged_bytes
-from kivi_models.serve_engine import Engine, Paging, Request
+from kivi_models.serve_engine import Engine, PagedServing, Request
 
 from .traces import SHAREGPT, chat_lengths
 
@@ -110,7 +110,7 @@ def plan(model, cache: str, *, budget_bytes: float, max_seq_len: int, kivi_confi
     if pages < longest:
         raise ValueError(f"--budget-gib {budget_bytes / 2**30:g} leaves {cache} {pages} pages after {rows} rows; the "
                          f"longest request needs {longest}")
-    return dict(cache=cache, method=method, slots=rows, paging=Paging(pages, page_size, chunk),
+    return dict(cache=cache, method=method, slots=rows, paging=PagedServing(pages, page_size, chunk),
                 bytes=base + rows * per_row + pages * per_page)
 
 

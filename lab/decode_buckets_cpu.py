@@ -40,7 +40,7 @@ def main(argv=None) -> int:
 
     from kivi_models import load_model, patch_model
     from kivi_models.corpus import load_text
-    from kivi_models.serve_engine import Paging
+    from kivi_models.serve_engine import PagedServing
     from kivi_models.serve_runner import Runner
     from kivi_ops import KIVIConfig
 
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     runners = {}
     for name in ("all rows", "bucket"):
         runner = Runner(model, method="kivi", kivi_config=config, slots=args.rows, max_seq_len=args.max_seq_len,
-                        paging=Paging(num_pages=args.active * (need // 32 + 2)), compile=True)
+                        paging=PagedServing(num_pages=args.active * (need // 32 + 2)), compile=True)
         per_row = runner.cache.pages_needed(need)
         table = torch.full_like(runner.cache.block_table, runner.cache.num_pages, device="cpu")
         for row in range(args.active):

@@ -248,7 +248,7 @@ class BlockManager:
 
 
 @dataclass
-class Plan:
+class SchedulePlan:
     """One scheduling round's decisions, to carry out in this order: save each preempted
     sequence's pages (listed here, already returned to the pool) and row state to host memory;
     load each resumed sequence into its new pages; prefill each admitted one into its pages.
@@ -274,14 +274,14 @@ class Scheduler:
         self.preemptions = 0
 
     def schedule(self, waiting: collections.deque, tokens: Callable[[Hashable], int],
-                 prefix_keys: Optional[Callable[[Hashable], Sequence[bytes]]] = None) -> Plan:
+                 prefix_keys: Optional[Callable[[Hashable], Sequence[bytes]]] = None) -> SchedulePlan:
         """Decide this round. tokens(seq): the tokens seq must hold after the next decode step (for
         a waiting request: its prompt plus the first decoded token). Admitted requests are popped
         from the left of `waiting` (FCFS). prefix_keys(seq) (prefix caching): the keys of the
         prefixes a waiting sequence may take from the cache; an admitted one that finds one shares
         its pages (plan.hits). Pages only cached prefixes hold are evicted (least recently used
         first) before anything is preempted or refused."""
-        plan, blocks = Plan(), self.blocks
+        plan, blocks = SchedulePlan(), self.blocks
         # 1. Running sequences grow, oldest first; the most recent ones make room.
         for seq in list(self.running):
             if seq not in self.running:

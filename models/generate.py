@@ -62,8 +62,7 @@ def make_paged_cache(model, *, method: str, batch_size: int, max_seq_len: int, n
                      dtype: Optional[torch.dtype] = None):
     """A paged cache for `model` (patched): "fp" (kivi_ops.paged_fp.PagedFPCache, the vLLM-style
     baseline) or "kivi" (kivi_ops.paged.PagedKIVICache). batch_size sequence rows, a pool of
-    num_pages pages of page_size tokens per layer (default: 16 for fp, the KIVI layer's default
-    or group_size for KIVI), and a block table wide enough for max_seq_len tokens per sequence.
+    num_pages pages of page_size tokens per layer (default: 16 for fp, group_size for KIVI), and a block table wide enough for max_seq_len tokens per sequence.
     The cache has `pages_needed(num_tokens)`, `block_table`, `num_pages`, `page_size`,
     `max_pages_per_seq`. Models with sliding-window layers are refused (no paged window layer)."""
     if method not in METHODS:
@@ -81,19 +80,16 @@ def make_paged_cache(model, *, method: str, batch_size: int, max_seq_len: int, n
         page_size = page_size or DEFAULT_PAGE_SIZE
         cache = PagedFPCache(**dims, page_size=page_size, max_pages_per_seq=-(-max_seq_len // page_size))
     else:
-        try:
-            from kivi_ops import paged
-        except ImportError as e:  # the paged KIVI layer is a separate piece of work
-            raise ValueError(f"--paged --method kivi needs the paged KIVI layer (kivi_ops.paged), which this build "
-                             f"lacks ({e}); use --method fp or serve without --paged") from None
+        from kivi_ops.paged import PagedKIVICache
+
         kivi_config = kivi_config or KIVIConfig()
-        page_size = page_size or getattr(paged, "DEFAULT_PAGE_SIZE", kivi_config.group_size)
+        page_size = page_size or kivi_config.group_size  # a page holds whole quantization groups
         rope = {}
         if kivi_config.pre_rope:
             inv_freq, scaling = model_rope_frequencies(model)
             rope = dict(rope_inv_freq=inv_freq, rope_scaling=scaling)
-        cache = paged.PagedKIVICache(kivi_config, **dims, **rope, page_size=page_size,
-                                     max_pages_per_seq=-(-max_seq_len // page_size))
+        cache = PagedKIVICache(kivi_config, **dims, **rope, page_size=page_size,
+                               max_pages_per_seq=-(-max_seq_len // page_size))
     if cache.device.type == "cuda":
         for buf in cache.buffers():
             torch._dynamo.mark_static_address(buf)

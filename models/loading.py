@@ -2,8 +2,8 @@
 package), the real Gemma 3 270M (`gemma3-270m`, from the `gemma3` extra), a GGUF file, or a local
 Hugging Face directory. Never downloads anything.
 
-GGUF files (the default model ships as one, Q4_1) are dequantized by transformers on load (~30 s
-for the default model), so the first load converts one once to a local safetensors directory in
+GGUF files (the default model ships as one, Q4_1) are dequantized by transformers on load (~11 s
+for the default model, gguf_parsed_once), so the first load converts one once to a local safetensors directory in
 the model cache (KIVI_MODEL_CACHE, default ~/.cache/kivi/; a user's file under its content hash)
 and later loads take seconds.
 """

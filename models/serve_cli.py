@@ -237,7 +237,7 @@ def cmd_serve(args, parser) -> int:
 
     from .generate import make_paged_cache
     from .parallel import is_main_process, world_size
-    from .serve_engine import Engine, Paging, check_prefix_caching, decode_buckets
+    from .serve_engine import Engine, PagedServing, check_prefix_caching, decode_buckets
     from .serve_runner import Runner
 
     kivi_config = kivi_config_from(args, parser)
@@ -271,14 +271,14 @@ def cmd_serve(args, parser) -> int:
         check_memory(nbytes, device, what=f"the cache ({slots} rows x {args.max_seq_len} tokens)")
     else:
         slots, pages, nbytes = plan_pages(model, args, kivi_config, parser)
-        paging = Paging(pages, args.page_size, decode_buckets=args.decode_buckets)
+        paging = PagedServing(pages, args.page_size, decode_buckets=args.decode_buckets)
         with usage_errors(parser):
             decode_buckets(slots, args.decode_buckets)
         if args.prefix_caching:  # the default chunk needs the page size, known once the cache kind is
             page = args.page_size or make_paged_cache(model, method=args.method, batch_size=1, max_seq_len=1,
                                                       num_pages=1, kivi_config=kivi_config, device="meta").page_size
             chunk = args.prefix_chunk or page * -(-PREFIX_CHUNK // page)
-            paging = Paging(pages, args.page_size, chunk, args.prefix_cache_size, args.decode_buckets)
+            paging = PagedServing(pages, args.page_size, chunk, args.prefix_cache_size, args.decode_buckets)
             with usage_errors(parser):  # before the ranks of torchrun start waiting on each other
                 check_prefix_caching(paging, page)
         check_memory(nbytes, device, what=f"the paged cache ({pages} pages, {slots} rows)")

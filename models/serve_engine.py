@@ -21,7 +21,7 @@ rows go on; only an error in the batched decode step itself, which no single row
 all. Handlers talk to the engine through `submit` and the request's event queue (thread-safe
 callbacks).
 
-With --paged --prefix-caching (Paging.prefix_chunk) a prompt is prefilled in chunks at fixed
+With --paged --prefix-caching (PagedServing.prefix_chunk) a prompt is prefilled in chunks at fixed
 boundaries instead (generate.prefill_chunked), starting from the longest cached prefix the
 scheduler found: its shared pages and its tail are copied into the staging cache
 (Runner.prefill_chunked, prefix_cache.py; the runner keeps each cached prefix's tail under an int
@@ -105,7 +105,7 @@ def context_error(prompt_tokens: int, max_tokens: int, max_seq_len: int, *,
                         param="max_tokens" if prompt_tokens < max_seq_len else "prompt")
 
 
-def check_prefix_caching(paging: "Paging", page_size: int) -> None:
+def check_prefix_caching(paging: "PagedServing", page_size: int) -> None:
     """Refuse a prefix chunk that is not a positive multiple of the page size, or a negative
     prefix cache size (the CLI asks before tensor parallelism's ranks start waiting on each other)."""
     chunk, kept = paging.prefix_chunk, paging.max_prefixes
@@ -160,7 +160,7 @@ class Request:
 
 
 @dataclass(frozen=True)
-class Paging:
+class PagedServing:
     """`kivi serve --paged`: a pool of num_pages pages of page_size tokens (None: the cache kind's
     default) per layer instead of a static row of max_seq_len tokens per request. prefix_chunk
     (`--prefix-caching`): prompts are prefilled in chunks of that many tokens (a multiple of the
@@ -204,7 +204,7 @@ def decode_buckets(rows: int, chosen: Optional[tuple[int, ...]] = None) -> tuple
 class Engine:
     def __init__(self, model, tokenizer, *, method: str, kivi_config, slots: int, max_seq_len: int,
                  compile: bool = False, max_waiting: Optional[int] = None, request_timeout: Optional[float] = None,
-                 paging: Optional[Paging] = None, make_runner: Callable[..., Runner] = Runner):
+                 paging: Optional[PagedServing] = None, make_runner: Callable[..., Runner] = Runner):
         """max_waiting: the most requests queued for a slot (None: no bound); beyond it submit()
         refuses with 503. request_timeout: seconds from submit() after which a request, waiting or
         running, ends with a 504 error (None: none). paging: a paged cache (a pool of pages shared

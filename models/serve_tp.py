@@ -122,14 +122,14 @@ def decode_records(payload: list[int]) -> list[tuple[str, tuple]]:
 
 
 @dataclass(frozen=True)
-class Plan:
+class StepBroadcast:
     kind: int  # PLAN or STOP
     seq: int  # plans are numbered from 0: a worker checks it gets the next one
     records: tuple = ()  # the payload's (op name, fields), in order
     tokens: Optional[tuple] = None  # the decode step's token per row (-1: none); None: no decode step
 
 
-def encode_plan(plan: Plan, rows: int, records: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_plan(plan: StepBroadcast, rows: int, records: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(header int64 [HEADER + rows], payload int64 [n]). records: the payload already encoded
     (the leader queues records as it goes), else plan.records is encoded."""
     if records is None:
@@ -144,7 +144,7 @@ def encode_plan(plan: Plan, rows: int, records: Optional[list[int]] = None) -> t
     return header, torch.tensor(records, dtype=torch.long)
 
 
-def decode_plan(header: torch.Tensor, payload: torch.Tensor) -> Plan:
+def decode_plan(header: torch.Tensor, payload: torch.Tensor) -> StepBroadcast:
     head = header.tolist()
     if head[0] != MAGIC or head[1] not in (PLAN, STOP):
         raise OutOfStep(f"not a plan header: {head[:HEADER]}")
@@ -152,7 +152,7 @@ def decode_plan(header: torch.Tensor, payload: torch.Tensor) -> Plan:
         raise OutOfStep(f"the header announces {head[3]} payload ints, got {payload.numel()}")
     if not 0 <= head[4] <= len(head) - HEADER:
         raise OutOfStep(f"the header announces a decode step over {head[4]} rows, of {len(head) - HEADER}")
-    return Plan(kind=head[1], seq=head[2], records=tuple(decode_records(payload.tolist())),
+    return StepBroadcast(kind=head[1], seq=head[2], records=tuple(decode_records(payload.tolist())),
                 tokens=tuple(head[HEADER:HEADER + head[4]]) if head[4] else None)
 
 
@@ -253,7 +253,7 @@ class LeaderRunner(Runner):
             raise GroupFailure(self.failure)
         with self.lock:
             records, self.pending = self.pending, []
-        header, payload = encode_plan(Plan(kind, self.seq, tokens=None if tokens is None else tuple(tokens)),
+        header, payload = encode_plan(StepBroadcast(kind, self.seq, tokens=None if tokens is None else tuple(tokens)),
                                       self.rows, records)
         try:
             self.channel.send(header, payload)
@@ -340,7 +340,7 @@ class Worker:
         self.table = runner.cache.block_table.cpu().clone() if runner.paged else None
         self.table_changed = False
 
-    def apply(self, plan: Plan) -> bool:
+    def apply(self, plan: StepBroadcast) -> bool:
         """Carry out one plan; False once told to stop."""
         if plan.seq != self.seq:
             raise OutOfStep(f"expected plan {self.seq}, got plan {plan.seq}")

@@ -10,6 +10,7 @@ import os
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -29,6 +30,7 @@ if _workers > 1:
 _MODULE_FIXTURE = re.compile(r"""scope=["'](module|class|package)["']""")
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: `pytest -p no:xdist` must still load this file
 def pytest_xdist_make_scheduler(config, log):
     """`make test` runs `--dist loadscope` with its scopes refined: the tests of a file that defines a
     module-scoped fixture (a loaded model, an export, a server) stay on one worker, so the fixture is

@@ -104,11 +104,11 @@ def test_table_nuq_rows_take_the_given_models_levels(tmp_path, capsys):
     # committed Gemma 3 270M calibrations, 18 layers) instead of the embedded model's (30 layers).
     from pathlib import Path
 
-    from kivi_benchmarks.quality_table import Levels, kvquant_rows
+    from kivi_benchmarks.quality_table import LevelFiles, kvquant_rows
 
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-    gemma = Levels(plain=results / "nuq_levels_gemma3.json", full=results / "nuq_levels_gemma3_prerope_sparse1.json")
-    for levels, layers, n in ((Levels(), 30, 6), (gemma, 18, 4)):  # Gemma's file has no nuq3: no KVQuant-3 rows
+    gemma = LevelFiles(plain=results / "nuq_levels_gemma3.json", full=results / "nuq_levels_gemma3_prerope_sparse1.json")
+    for levels, layers, n in ((LevelFiles(), 30, 6), (gemma, 18, 4)):  # Gemma's file has no nuq3: no KVQuant-3 rows
         rows = [r for r in kvquant_rows(levels) if r.kivi.has_nuq]
         assert len(rows) == n and all(len(r.kivi.key_levels) == layers for r in rows)
         assert {r.levels_file for r in rows} == {levels.plain.name, levels.full.name, levels.levels3().name}

@@ -196,3 +196,15 @@ def test_only_kivi_ops_names_a_cache_buffer():
                 named = (node.attr if isinstance(node, ast.Attribute)
                          else node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None)
                 assert named not in CACHE_BUFFERS, f"{path.relative_to(ROOT)}:{node.lineno} names {named!r}"
+
+
+def test_no_two_classes_share_a_name():
+    """A class name says one thing in the whole project (the lab included): two `Plan`s or two
+    `Paging`s make a reader check which one an import means."""
+    where: dict[str, list[str]] = {}
+    for name, path in {**project_modules(), **{f"lab.{p.stem}": p for p in sorted((ROOT / "lab").rglob("*.py"))}}.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(name)
+    shared = {cls: modules for cls, modules in where.items() if len(modules) > 1}
+    assert not shared, shared

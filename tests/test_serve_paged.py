@@ -19,7 +19,7 @@ import torch
 
 from kivi_models import generate, make_cache, patch_model
 from kivi_models.serve_app import build_app
-from kivi_models.serve_engine import Engine, Failure, Paging, Request, RequestError
+from kivi_models.serve_engine import Engine, Failure, PagedServing, Request, RequestError
 from kivi_ops import KIVIConfig
 
 NAME = "tiny"
@@ -45,7 +45,7 @@ def tiny():
 def make_engine(tiny, method, num_pages, page_size=None, slots=4, prefix_chunk=None, prefix_cache_size=256,
                 **options) -> Engine:
     model, tokenizer = tiny
-    paging = Paging(num_pages, page_size, prefix_chunk, prefix_cache_size, options.pop("decode_buckets", None))
+    paging = PagedServing(num_pages, page_size, prefix_chunk, prefix_cache_size, options.pop("decode_buckets", None))
     engine = Engine(model, tokenizer, method=method, kivi_config=CONFIG, slots=slots, max_seq_len=MAX_SEQ_LEN,
                     paging=paging, **options)
     engine.eos = set()

@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from kivi_models.serve_engine import Engine, Paging, Request, RequestError
+from kivi_models.serve_engine import Engine, PagedServing, Request, RequestError
 from kivi_models.serve_runner import Runner
-from kivi_models.serve_tp import (HEADER, OPS, PLAN, STOP, LeaderRunner, OutOfStep, Plan, Worker, decode_plan,
+from kivi_models.serve_tp import (HEADER, OPS, PLAN, STOP, LeaderRunner, OutOfStep, StepBroadcast, Worker, decode_plan,
                                   encode_plan, signature)
 from test_serve_paged import CONFIG, LENGTHS, MAX_SEQ_LEN, PROMPTS, complete_all, tiny  # noqa: F401 (fixture)
 
@@ -31,23 +31,23 @@ def test_a_plan_survives_encoding_and_a_decode_step_is_one_fixed_size_header():
                ("prefill_chunked", (0, [7] * 9, [2, 5, 6], 4, 0, 0, -1, [4, 8], [42, 43])), ("move", (3, 0)),
                ("stop_compiling", ()))
     assert {name for name, _ in records} == {op.name for op in OPS}  # every op
-    plan = Plan(PLAN, 12, records, tokens=(5, -1, 9, -1))
+    plan = StepBroadcast(PLAN, 12, records, tokens=(5, -1, 9, -1))
     header, payload = encode_plan(plan, rows=4)
     assert header.dtype == payload.dtype == torch.long and header.shape == (HEADER + 4,)
     assert decode_plan(header, payload) == plan
     # A pure decode step: the tokens ride in the header, the payload is empty (no second broadcast).
-    header, payload = encode_plan(Plan(PLAN, 13, tokens=(5, -1, 9, -1)), rows=4)
+    header, payload = encode_plan(StepBroadcast(PLAN, 13, tokens=(5, -1, 9, -1)), rows=4)
     assert payload.numel() == 0 and header[HEADER:].tolist() == [5, -1, 9, -1]
-    assert decode_plan(header, payload) == Plan(PLAN, 13, (), (5, -1, 9, -1))
+    assert decode_plan(header, payload) == StepBroadcast(PLAN, 13, (), (5, -1, 9, -1))
     # A step over the first rows only (a decode bucket): the header keeps its size.
-    header, payload = encode_plan(Plan(PLAN, 13, tokens=(5, -1)), rows=4)
-    assert header.shape == (HEADER + 4,) and decode_plan(header, payload) == Plan(PLAN, 13, (), (5, -1))
-    stop = decode_plan(*encode_plan(Plan(STOP, 14), rows=4))
+    header, payload = encode_plan(StepBroadcast(PLAN, 13, tokens=(5, -1)), rows=4)
+    assert header.shape == (HEADER + 4,) and decode_plan(header, payload) == StepBroadcast(PLAN, 13, (), (5, -1))
+    stop = decode_plan(*encode_plan(StepBroadcast(STOP, 14), rows=4))
     assert stop.kind == STOP and stop.tokens is None and stop.records == ()
 
 
 def test_a_plan_that_is_not_one_is_refused():
-    header, payload = encode_plan(Plan(PLAN, 0, (("save", (0, [1, 2], 3)),)), rows=2)
+    header, payload = encode_plan(StepBroadcast(PLAN, 0, (("save", (0, [1, 2], 3)),)), rows=2)
     with pytest.raises(OutOfStep, match="not a plan header"):
         decode_plan(torch.zeros_like(header), payload)
     with pytest.raises(OutOfStep, match="announces 6 payload ints, got 5"):
@@ -60,7 +60,7 @@ def test_a_plan_that_is_not_one_is_refused():
     with pytest.raises(OutOfStep, match="unknown op code 77"):
         decode_plan(header, bad)
     with pytest.raises(ValueError, match="one token per row it runs over \\(1 to 2\\), got 3"):
-        encode_plan(Plan(PLAN, 0, tokens=(1, 2, 3)), rows=2)
+        encode_plan(StepBroadcast(PLAN, 0, tokens=(1, 2, 3)), rows=2)
     bad = header.clone()
     bad[4] = 3  # a decode step over more rows than the header holds
     with pytest.raises(OutOfStep, match="decode step over 3 rows, of 2"):
@@ -77,7 +77,7 @@ class Loopback:
 
     def __init__(self, runner: Runner, fail_after=None):
         self.runner, self.worker, self.fail_after = runner, Worker(runner), fail_after
-        self.plans: list[Plan] = []
+        self.plans: list[StepBroadcast] = []
 
     def gather(self, row: torch.Tensor) -> torch.Tensor:
         return torch.stack([row, signature(self.runner)])
@@ -127,8 +127,8 @@ def serve_alone_and_tp(tiny, method, paging, prompts):
     return want, got, stats, engine, channel
 
 
-@pytest.mark.parametrize("method, paging", [("kivi", None), ("fp", Paging(16, 4)), ("kivi", Paging(8, 4)),
-                                            ("kivi", Paging(8, 4, decode_buckets=(2,)))],
+@pytest.mark.parametrize("method, paging", [("kivi", None), ("fp", PagedServing(16, 4)), ("kivi", PagedServing(8, 4)),
+                                            ("kivi", PagedServing(8, 4, decode_buckets=(2,)))],
                          ids=["static-kivi", "paged-fp", "paged-kivi", "paged-kivi-buckets"])
 def test_a_worker_replaying_the_plans_holds_rank_0s_cache_bit_for_bit(tiny, method, paging):
     if paging is not None and method == "kivi":
@@ -159,7 +159,7 @@ def test_a_row_moved_down_and_a_step_over_the_first_rows_replay_on_the_worker(ti
     of rows reach the worker: both ranks' caches stay the same bit for bit."""
     pytest.importorskip("kivi_ops.paged")
     model, tokenizer = tiny
-    args = dict(method="kivi", kivi_config=CONFIG, slots=4, max_seq_len=MAX_SEQ_LEN, paging=Paging(8, 4))
+    args = dict(method="kivi", kivi_config=CONFIG, slots=4, max_seq_len=MAX_SEQ_LEN, paging=PagedServing(8, 4))
     channel = Loopback(Runner(model, **args))
     leader = LeaderRunner(model, channel=channel, timeout_s=60.0, **args)
     ids = tokenizer(" ".join(PROMPTS[:3]))["input_ids"]  # past the window: it holds pages
@@ -190,7 +190,7 @@ def test_prefix_caching_replays_on_a_worker_with_its_own_tails(tiny):
     tokenizer = tiny[1]
     system = tokenizer(" ".join(["The quick brown fox jumps over the lazy dog."] * 3))["input_ids"]
     prompts = [tokenizer.decode(system + tokenizer(p)["input_ids"]) for p in PROMPTS]
-    want, got, stats, engine, channel = serve_alone_and_tp(tiny, "kivi", Paging(24, 4, prefix_chunk=8, max_prefixes=6),
+    want, got, stats, engine, channel = serve_alone_and_tp(tiny, "kivi", PagedServing(24, 4, prefix_chunk=8, max_prefixes=6),
                                                            prompts)
     assert got == want
     assert stats["prefix_hits"] > 0 and engine.blocks.evictions > 0, stats
@@ -216,10 +216,10 @@ def collections_of(plans) -> dict:
 def test_a_worker_refuses_a_plan_out_of_order(tiny):
     model, _ = tiny
     worker = Worker(Runner(model, method="fp", kivi_config=None, slots=2, max_seq_len=32))
-    assert worker.apply(Plan(PLAN, 0)) is True
+    assert worker.apply(StepBroadcast(PLAN, 0)) is True
     with pytest.raises(OutOfStep, match="expected plan 1, got plan 2"):
-        worker.apply(Plan(PLAN, 2))
-    assert worker.apply(Plan(STOP, 1)) is False
+        worker.apply(StepBroadcast(PLAN, 2))
+    assert worker.apply(StepBroadcast(STOP, 1)) is False
 
 
 def test_ranks_that_built_different_caches_are_refused_at_start(tiny):
