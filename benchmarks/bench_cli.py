@@ -281,12 +281,17 @@ def cmd_bench(args, parser) -> int:
         from .hf_generate_bench import bench_hf_generate
 
         model, tokenizer = load_model(dtype=torch.float16 if device == "cuda" else torch.float32, device=device)
+        name = f"bench_hf_generate_{device}"
+
+        def save_partial(partial: dict) -> None:  # the rows so far, "complete": false, replaced at the end
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"{name}.json").write_text(json.dumps(dict(partial, model="default"), indent=2))
+
         with usage_errors(parser):
             result = bench_hf_generate(model, tokenizer, contexts=args.contexts, batches=args.batches,
                                        new_tokens=args.new_tokens, caches=args.caches, rounds=args.rounds,
-                                       threads=args.threads)
+                                       threads=args.threads, on_row=save_partial)
         result["model"] = "default"
-        name = f"bench_hf_generate_{device}"
     else:
         modes = args.modes or (["none", "int8", "int4"] if device == "cuda" else ["none", "int8"])
         check_weight_quant_modes(modes, device, parser)

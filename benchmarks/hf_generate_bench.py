@@ -20,7 +20,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -84,11 +84,13 @@ def measure(model, prompts: torch.Tensor, *, cache: str, new_tokens: int, kivi_c
 
 def bench_hf_generate(plain_model, tokenizer, *, contexts, batches, new_tokens: int = 64,
                       caches: Optional[list[str]] = None, kivi_config: Optional[KIVIConfig] = None,
-                      rounds: int = 1, threads: Optional[list[int]] = None) -> dict:
+                      rounds: int = 1, threads: Optional[list[int]] = None,
+                      on_row: Optional[Callable[[dict], None]] = None) -> dict:
     """Decode tokens/s of model.generate() per cache, at each (batch, context), side by side: the
     caches take turns `rounds` times, and each cache's fastest run is its result (all runs' tokens/s
     are kept under "rounds_tokens_per_s"). One row per (batch, context, thread count); the thread
-    count torch had before is restored at the end."""
+    count torch had before is restored at the end. on_row(result so far, "complete": False) after
+    each row: an 8K batch-4 point takes minutes a run on CPU, and a run cut off keeps its rows."""
     import copy
 
     default_threads = torch.get_num_threads()
@@ -102,6 +104,14 @@ def bench_hf_generate(plain_model, tokenizer, *, contexts, batches, new_tokens: 
     max_context = plain_model.config.max_position_embeddings - new_tokens
     load_before = os.getloadavg()
     rows = []
+
+    def result(complete: bool) -> dict:
+        env = environment("cpu" if plain_model.device.type == "cpu" else "cuda")
+        env.update(load_average_before=load_before, load_average_after=os.getloadavg(), quanto=_quanto_version())
+        return dict(device=plain_model.device.type, dtype=str(plain_model.dtype), caches=caches, threads=threads,
+                    kivi=kivi_config.to_dict(), warmup_steps=WARMUP_STEPS, rows=list(rows), complete=complete,
+                    environment=env)
+
     try:
         for batch in batches:
             for context in contexts:
@@ -111,12 +121,11 @@ def bench_hf_generate(plain_model, tokenizer, *, contexts, batches, new_tokens: 
                     torch.set_num_threads(count)
                     rows.append(_measure_row(plain_model, kivi_model, prompts, caches=caches, new_tokens=new_tokens,
                                              kivi_config=kivi_config, rounds=rounds, threads=count))
+                    if on_row is not None:
+                        on_row(result(complete=False))
     finally:
         torch.set_num_threads(default_threads)
-    env = environment("cpu" if plain_model.device.type == "cpu" else "cuda")
-    env.update(load_average_before=load_before, load_average_after=os.getloadavg(), quanto=_quanto_version())
-    return dict(device=plain_model.device.type, dtype=str(plain_model.dtype), caches=caches, threads=threads,
-                kivi=kivi_config.to_dict(), warmup_steps=WARMUP_STEPS, rows=rows, environment=env)
+    return result(complete=True)
 
 
 def _measure_row(plain_model, kivi_model, prompts, *, caches, new_tokens, kivi_config, rounds, threads) -> dict:

@@ -202,10 +202,13 @@ def test_hf_generate_bench_rows_at_each_thread_count_say_which():
         return {"input_ids": [ord(c) % 64 for c in text]}
 
     before = torch.get_num_threads()
+    partials = []  # on_row: the result so far after each row, so that a run cut off keeps its rows
     result = bench_hf_generate(tiny_llama(), byte_tokenizer, contexts=[24], batches=[1], new_tokens=6,
-                               caches=["dynamic", "kivi_eager"], threads=[1, 2])
+                               caches=["dynamic", "kivi_eager"], threads=[1, 2], on_row=partials.append)
     assert torch.get_num_threads() == before and result["threads"] == [1, 2]
     assert [(r["batch"], r["threads"]) for r in result["rows"]] == [(1, 1), (1, 2)]
+    assert [len(p["rows"]) for p in partials] == [1, 2] and not any(p["complete"] for p in partials)
+    assert result["complete"] and partials[-1]["rows"] == result["rows"]
     assert all(r["kivi_eager"]["tokens"] == r["dynamic"]["tokens"] for r in result["rows"])
     with pytest.raises(ValueError, match="threads must be a list of positive ints"):
         bench_hf_generate(tiny_llama(), byte_tokenizer, contexts=[24], batches=[1], caches=["dynamic"], threads=[0])
