@@ -61,6 +61,11 @@ def test_batch_of_different_lengths_gives_each_prompt_its_own_tokens(loaded):
         assert tokens == run(kivi_model, tok, [prompt], config=config, max_new_tokens=12).tokens[0]
 
 
+# A cold compile of its own cache shape (40 s of `make test`): make test-slow. The fast suite's compiled
+# generate() is test_hf_generate_compiles_one_graph_for_every_decode_step; its lossless equality with
+# transformers, test_residual_covering_everything_matches_fp_and_unpatched_hf (the library loop) and the
+# beam-search tests (generate(), eager steps).
+@pytest.mark.slow
 def test_hf_generate_with_kivi_cache(loaded):
     hf_model, kivi_model, tok = loaded
     ids = tok(PROMPT, return_tensors="pt")["input_ids"]
