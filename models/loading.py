@@ -3,9 +3,9 @@ package), the real Gemma 3 270M (`gemma3-270m`, from the `gemma3` extra), a GGUF
 Hugging Face directory. Never downloads anything.
 
 GGUF files (the default model ships as one, Q4_1) are dequantized by transformers on load (~11 s
-for the default model, gguf_parsed_once), so the first load converts one once to a local safetensors directory in
-the model cache (KIVI_MODEL_CACHE, default ~/.cache/kivi/; a user's file under its content hash)
-and later loads take seconds.
+for the default model, with gguf_parsed_once), so the first load converts one once to a local
+safetensors directory in the model cache (KIVI_MODEL_CACHE, default ~/.cache/kivi/; a user's file
+under its content hash) and later loads take seconds.
 """
 
 from __future__ import annotations

@@ -56,6 +56,29 @@ def test_gguf_file_converts_once_and_generates_transformers_tokens(tiny_gguf, mo
     assert generate(patched, [prompt], max_new_tokens=8, cache=cache).tokens[0] == want[0, len(prompt):].tolist()
 
 
+def test_the_conversion_parses_the_gguf_file_once_and_restores_gguf(tiny_gguf, model_cache, monkeypatch):
+    # transformers' loader reads the file three times (config, tokenizer, weights); within the
+    # conversion each read after the first is the same parse, and gguf's own functions come back after.
+    import gguf
+
+    path, _ = tiny_gguf
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    parses = []
+
+    def counted(*args, **kwargs):
+        parses.append(args[0])
+        return reader(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    with loading.gguf_parsed_once():
+        assert gguf.GGUFReader(path) is gguf.GGUFReader(str(path))
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert len(parses) == 1 and gguf.GGUFReader is counted and gguf.get_tensor_name_map is name_map
+    parses.clear()
+    load_model(str(path))  # check_gguf_file's parse, then the conversion's one (transformers alone: three)
+    assert len(parses) == 2 and gguf.GGUFReader is counted
+
+
 def test_a_changed_gguf_file_converts_again(tiny_gguf, model_cache, tmp_path):
     path, _ = tiny_gguf
     other = tmp_path / "tiny-llama.gguf"
