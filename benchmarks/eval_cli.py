@@ -182,7 +182,8 @@ def cmd_table(args, parser) -> int:
     from .quality_table import LevelFiles, kvquant_rows, run_table
 
     args.device, args.dtype = "cpu", None
-    levels = LevelFiles(**{name: path for name, path in (("plain", args.nuq_levels), ("full", args.kvquant_levels)) if path})
+    given = (("plain", args.nuq_levels), ("full", args.kvquant_levels))
+    levels = LevelFiles(**{name: path for name, path in given if path})
     with usage_errors(parser, ValueError, OSError):
         kvquant_rows(levels)  # reads the levels files: a missing or wrong one fails before the model loads
     plain, patched, tokenizer = _load(args, parser, patched=True, plain=True)

@@ -62,7 +62,8 @@ def make_paged_cache(model, *, method: str, batch_size: int, max_seq_len: int, n
                      dtype: Optional[torch.dtype] = None):
     """A paged cache for `model` (patched): "fp" (kivi_ops.paged_fp.PagedFPCache, the vLLM-style
     baseline) or "kivi" (kivi_ops.paged.PagedKIVICache). batch_size sequence rows, a pool of
-    num_pages pages of page_size tokens per layer (default: 16 for fp, group_size for KIVI), and a block table wide enough for max_seq_len tokens per sequence.
+    num_pages pages of page_size tokens per layer (default: 16 for fp, group_size for KIVI), and a
+    block table wide enough for max_seq_len tokens per sequence.
     The cache has `pages_needed(num_tokens)`, `block_table`, `num_pages`, `page_size`,
     `max_pages_per_seq`. Models with sliding-window layers are refused (no paged window layer)."""
     if method not in METHODS:

@@ -129,7 +129,8 @@ class StepBroadcast:
     tokens: Optional[tuple] = None  # the decode step's token per row (-1: none); None: no decode step
 
 
-def encode_plan(plan: StepBroadcast, rows: int, records: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_plan(plan: StepBroadcast, rows: int,
+                records: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(header int64 [HEADER + rows], payload int64 [n]). records: the payload already encoded
     (the leader queues records as it goes), else plan.records is encoded."""
     if records is None:

@@ -107,7 +107,8 @@ def test_table_nuq_rows_take_the_given_models_levels(tmp_path, capsys):
     from kivi_benchmarks.quality_table import LevelFiles, kvquant_rows
 
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-    gemma = LevelFiles(plain=results / "nuq_levels_gemma3.json", full=results / "nuq_levels_gemma3_prerope_sparse1.json")
+    gemma = LevelFiles(plain=results / "nuq_levels_gemma3.json",
+                       full=results / "nuq_levels_gemma3_prerope_sparse1.json")
     for levels, layers, n in ((LevelFiles(), 30, 6), (gemma, 18, 4)):  # Gemma's file has no nuq3: no KVQuant-3 rows
         rows = [r for r in kvquant_rows(levels) if r.kivi.has_nuq]
         assert len(rows) == n and all(len(r.kivi.key_levels) == layers for r in rows)

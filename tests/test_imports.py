@@ -202,7 +202,8 @@ def test_no_two_classes_share_a_name():
     """A class name says one thing in the whole project (the lab included): two `Plan`s or two
     `Paging`s make a reader check which one an import means."""
     where: dict[str, list[str]] = {}
-    for name, path in {**project_modules(), **{f"lab.{p.stem}": p for p in sorted((ROOT / "lab").rglob("*.py"))}}.items():
+    lab = {f"lab.{p.stem}": p for p in sorted((ROOT / "lab").rglob("*.py"))}
+    for name, path in {**project_modules(), **lab}.items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 where.setdefault(node.name, []).append(name)

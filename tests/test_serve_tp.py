@@ -190,8 +190,8 @@ def test_prefix_caching_replays_on_a_worker_with_its_own_tails(tiny):
     tokenizer = tiny[1]
     system = tokenizer(" ".join(["The quick brown fox jumps over the lazy dog."] * 3))["input_ids"]
     prompts = [tokenizer.decode(system + tokenizer(p)["input_ids"]) for p in PROMPTS]
-    want, got, stats, engine, channel = serve_alone_and_tp(tiny, "kivi", PagedServing(24, 4, prefix_chunk=8, max_prefixes=6),
-                                                           prompts)
+    paging = PagedServing(24, 4, prefix_chunk=8, max_prefixes=6)
+    want, got, stats, engine, channel = serve_alone_and_tp(tiny, "kivi", paging, prompts)
     assert got == want
     assert stats["prefix_hits"] > 0 and engine.blocks.evictions > 0, stats
     ops = collections_of(channel.plans)
