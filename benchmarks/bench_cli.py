@@ -283,9 +283,13 @@ def cmd_bench(args, parser) -> int:
         model, tokenizer = load_model(dtype=torch.float16 if device == "cuda" else torch.float32, device=device)
         name = f"bench_hf_generate_{device}"
 
-        def save_partial(partial: dict) -> None:  # the rows so far, "complete": false, replaced at the end
+        # The rows so far ("complete": false) go beside the result, not over it: a run cut off keeps its
+        # rows without replacing an earlier complete result in --out; the finished run removes the file.
+        partial_path = args.out / f"{name}.partial.json"
+
+        def save_partial(partial: dict) -> None:
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / f"{name}.json").write_text(json.dumps(dict(partial, model="default"), indent=2))
+            partial_path.write_text(json.dumps(dict(partial, model="default"), indent=2))
 
         with usage_errors(parser):
             result = bench_hf_generate(model, tokenizer, contexts=args.contexts, batches=args.batches,
@@ -302,6 +306,8 @@ def cmd_bench(args, parser) -> int:
         name = f"bench_weight_quant_{device}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    if args.bench_command == "hf-generate":
+        partial_path.unlink(missing_ok=True)
     if args.bench_command == "weight-quant":
         (args.out / f"{name}.md").write_text(perf.weight_quant_markdown(result))
         written = f"{name}.md"

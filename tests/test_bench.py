@@ -221,6 +221,38 @@ def test_hf_generate_bench_bad_threads_is_a_usage_error(bad, tmp_path, capsys):
     assert exc.value.code == 2 and "--threads: must be positive integers" in capsys.readouterr().err
 
 
+def test_hf_generate_cli_keeps_rows_beside_an_earlier_result_until_the_run_ends(tmp_path, monkeypatch, capsys):
+    # A run cut off after a row leaves its rows in bench_hf_generate_cpu.partial.json and the earlier
+    # complete result untouched; a finished run writes the result and removes the partial file.
+    import kivi_benchmarks.hf_generate_bench as bench
+    import kivi_models
+
+    earlier = tmp_path / "bench_hf_generate_cpu.json"
+    earlier.write_text('{"complete": true, "rows": ["earlier"]}')
+    monkeypatch.setattr(kivi_models, "load_model", lambda **kwargs: (None, None))
+    monkeypatch.setattr(bench, "plot_hf_generate", lambda result, path: None)
+    monkeypatch.setattr(bench, "print_hf_generate", lambda result: None)
+
+    def cut_off(model, tokenizer, *, on_row, **kwargs):
+        on_row(dict(rows=["row 1"], complete=False))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "bench_hf_generate", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "hf-generate", "--out", str(tmp_path)])
+    partial = tmp_path / "bench_hf_generate_cpu.partial.json"
+    assert json.loads(partial.read_text())["rows"] == ["row 1"]
+    assert json.loads(earlier.read_text())["rows"] == ["earlier"]
+
+    def finishes(model, tokenizer, *, on_row, **kwargs):
+        on_row(dict(rows=["row 1"], complete=False))
+        return dict(rows=["row 1", "row 2"], complete=True)
+
+    monkeypatch.setattr(bench, "bench_hf_generate", finishes)
+    main(["bench", "hf-generate", "--out", str(tmp_path)])
+    assert json.loads(earlier.read_text())["rows"] == ["row 1", "row 2"] and not partial.exists()
+
+
 def test_bench_memory_serving_table_holds_the_issues_numbers(tmp_path):
     # Exact bytes, 40 GiB: KIVI-2 static rows of 4K / 8K hold 91 / 49 Llama-2-7B sequences, paged
     # fp16 about 160 chat sequences; paged KIVI-2 (where built) holds more than paged fp16.
