@@ -12,12 +12,13 @@ import contextlib
 import io
 import json
 import os
-import socket
 import threading
 import time
 
 import pytest
 import torch
+
+from serve_fixtures import free_port
 
 MODEL = os.environ.get("KIVI_GPU_TEST_MODEL")
 # KIVI_GPU_TEST_DEVICE=cpu dry-runs the tests' own code on this machine before a device call.
@@ -115,9 +116,7 @@ def test_serve_on_cuda_answers_concurrent_requests_like_kivi_generate():
     model, tokenizer = load_model(MODEL, device=DEVICE)
     patch_model(model)
     engine = Engine(model, tokenizer, method="kivi", kivi_config=config, slots=3, max_seq_len=96, compile=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(engine, "gpu-test"), host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -3,7 +3,6 @@ client, concurrent and streamed requests, bad requests, a disconnect, a bounded 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -15,6 +14,7 @@ from kivi_models import generate, load_model, make_cache, patch_model
 from kivi_models.serve_app import build_app
 from kivi_models.serve_engine import Engine
 from kivi_ops import KIVIConfig
+from serve_fixtures import free_port
 
 NAME = "smollm2-test"
 CONFIG = KIVIConfig(group_size=8, residual_length=8)  # flushes within short completions
@@ -33,9 +33,7 @@ def server():
     torch._dynamo.utils.counters.clear()
     engine = Engine(model, tokenizer, method="kivi", kivi_config=CONFIG, slots=SLOTS, max_seq_len=MAX_SEQ_LEN,
                     compile=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()

@@ -16,6 +16,7 @@ import pytest
 from kivi_cli.main import build_parser
 from kivi_models.serve_cli import CHAT_TOKENS, DEFAULT_SEQUENCES, PAGED_ROWS, fp16_paged_sequences, plan_pages, \
     resolve_paging_defaults
+from serve_fixtures import free_port
 
 
 def serve_args(*argv):
@@ -72,8 +73,6 @@ def test_fp16_paged_sequences_counts_16_token_pages_of_every_token(embedded):
 @pytest.mark.slow  # the embedded model in a process of its own (it inherits the suite's reference kernels,
 # conftest.py: the warm-up compiles nothing here; tests/test_serve_warmup.py checks the compiled ones)
 def test_kivi_serve_with_no_flags_starts_paged_with_prefix_caching_and_serves(tmp_path):
-    from test_serve_paged import free_port
-
     port, log_path = free_port(), tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([str(Path(sys.executable).parent / "kivi"), "serve", "--port", str(port)], stdout=log,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import socket
 import threading
 import time
 
@@ -21,6 +20,7 @@ from kivi_models import generate, make_cache, patch_model
 from kivi_models.serve_app import build_app
 from kivi_models.serve_engine import Engine, Failure, PagedServing, Request, RequestError
 from kivi_ops import KIVIConfig
+from serve_fixtures import free_port, uvicorn_in_thread
 
 NAME = "tiny"
 CONFIG = KIVIConfig(group_size=4, residual_length=8)
@@ -152,29 +152,18 @@ def test_a_request_that_could_never_fit_the_pool_is_refused_naming_the_limit(tin
         engine.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serving(engine):
     import uvicorn
 
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 300
-    while not (srv.started and engine.ready.is_set()):
-        assert time.time() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=free_port(),
+                                        log_level="warning"))
+    with uvicorn_in_thread(srv) as url:
+        deadline = time.time() + 300
+        while not engine.ready.is_set():
+            assert time.time() < deadline, "the engine did not get ready"
+            time.sleep(0.02)
+        yield url
 
 
 def metrics(url) -> dict:

@@ -25,6 +25,7 @@ from kivi_models.serve_app import build_app
 from kivi_models.serve_connections import ConnectionLimits, uvicorn_config
 from kivi_models.serve_engine import Engine
 from kivi_ops import KIVIConfig
+from serve_fixtures import free_port, uvicorn_in_thread
 
 NAME = "tiny"
 CONFIG = KIVIConfig(group_size=4, residual_length=4)
@@ -43,33 +44,16 @@ def tiny():
     return patch_model(tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=256)), tokenizer
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serving(engine, limits=ConnectionLimits(max_connections=64), **app_options):
     """uvicorn on 127.0.0.1, as `kivi serve` configures it, serving build_app(engine, NAME,
     **app_options); yields its URL."""
     import uvicorn
 
-    port = free_port()
-    srv = uvicorn.Server(uvicorn_config(build_app(engine, NAME, **app_options), host="127.0.0.1", port=port,
+    srv = uvicorn.Server(uvicorn_config(build_app(engine, NAME, **app_options), host="127.0.0.1", port=free_port(),
                                         limits=limits))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    try:
+    with uvicorn_in_thread(srv) as url:
         yield url
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
 
 
 def make_engine(tiny, **options) -> Engine:

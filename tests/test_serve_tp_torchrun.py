@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,18 +26,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from serve_fixtures import free_port
 from test_parallel import REPO, tiny_dirs  # noqa: F401 (fixture: tiny random Llamas with 2 and 4 KV heads)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of",
            "The three primary colors are", "Once upon a time"]
 LENGTHS = [24, 9, 17, 30, 12]
 KIVI = ["--method", "kivi", "--group-size", "8", "--residual-length", "8"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children(pid: int) -> dict[int, int]:

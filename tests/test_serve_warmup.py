@@ -19,7 +19,8 @@ import torch
 
 from kivi_ops import dispatch
 from kivi_ops.kernels import cpu_compiled
-from test_serve_paged import free_port, make_engine, tiny  # noqa: F401
+from serve_fixtures import free_port, uvicorn_in_thread
+from test_serve_paged import make_engine, tiny  # noqa: F401
 
 CHUNK = 8  # the prefix chunk (2 pages of 4 tokens)
 MAX_GAP_S = 1.0  # a decode step of the tiny model takes milliseconds; a per-op compile takes seconds
@@ -83,16 +84,10 @@ def started(engine):
 
     srv = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny"), host="127.0.0.1", port=free_port(),
                                         log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
     try:
-        while not srv.started:
-            assert thread.is_alive()
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{srv.config.port}"
+        with uvicorn_in_thread(srv) as url:
+            yield url
     finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
         engine.close()
 
 
