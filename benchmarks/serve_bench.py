@@ -6,7 +6,7 @@ bytes: a static cache gets budget // bytes of a row of max_seq_len tokens rows; 
 as many rows as sequences the budget holds at the pages a sequence of the stream holds in flight
 (plan()), and the pool of pages that the budget holds after those rows' own state.
 
-Each run drives the serving engine (kivi_models.serve_engine, what `kivi serve` runs) with a closed
+Each run drives the serving engine (kivi_serve.engine, what `kivi serve` runs) with a closed
 loop of clients for a fixed time: each client sends its next request of the stream when its last
 one finishes; requests still running at the end are cancelled. Prompts and outputs have chat-like
 log-normal lengths (traces.py: ShareGPT's means, times `length_scale`), prompts cut from a fixed
@@ -47,7 +47,7 @@ import threading
 import time
 
 from kivi_models.generate import cache_bytes_per_sequence, make_paged_cache, paged_bytes
-from kivi_models.serve_engine import Engine, PagedServing, Request
+from kivi_serve.engine import Engine, PagedServing, Request
 
 from .traces import SHAREGPT, chat_lengths
 

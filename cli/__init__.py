@@ -1,1 +1,1 @@
-"""The `kivi` command (main.py): the one module that imports the command modules of every package."""
+"""The `kivi` command: its parser (main.py) and one module per subcommand. Nothing else in the project imports it."""

@@ -1,18 +1,18 @@
 """The `kivi` command line: the top-level parser, where every subcommand is registered.
 
-It sits above the three packages it draws its subcommands from, so imports flow one way
-(tests/test_imports.py checks it):
+Every command module lives here, in cli/, above the packages whose work it runs, so imports flow
+one way (tests/test_imports.py checks it):
 
-    kivi_cli.main                    this parser and main(); nothing imports it
-      -> command modules            each adds its subcommand(s) and runs them:
-           kivi_models.generate_cli     generate
-           kivi_models.serve_cli        serve
-           kivi_models.calibrate_cli    calibrate
-           kivi_benchmarks.eval_cli     eval ppl | passkey | table
-           kivi_benchmarks.bench_cli    bench memory | attention | decode | weight-quant | serve
-           kivi_export.cli              export, run-exported
-      -> kivi_models.cli_args       the flags, argument types and usage errors they share
-      -> the library                kivi_ops, kivi_models (kivi_export, kivi_benchmarks for theirs)
+    kivi_cli.main          this parser and main(); only `python -m kivi_cli` imports it
+      -> command modules   each adds its subcommand(s) and runs them:
+           generate.py       generate
+           serve.py          serve
+           calibrate.py      calibrate
+           evaluate.py       eval ppl | passkey | table
+           bench.py          bench memory | attention | decode | weight-quant | serve | hf-generate
+           export.py         export, run-exported
+      -> args.py           the flags, argument types and usage errors they share
+      -> the library       kivi_ops, kivi_models, kivi_serve, kivi_export, kivi_benchmarks
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ import sys
 
 import torch
 
-from kivi_benchmarks.bench_cli import add_bench_parser
-from kivi_benchmarks.eval_cli import add_eval_parser
-from kivi_export.cli import add_export_parsers
-
-from kivi_models.calibrate_cli import add_calibrate_parser
-from kivi_models.cli_args import flag_spelling, usage_errors
 from kivi_models.generate import SamplingConfig
-from kivi_models.generate_cli import add_generate_parser
 from kivi_models.parallel import check_launch, rank_zero_output
-from kivi_models.serve_cli import add_serve_parser
+
+from .args import flag_spelling, usage_errors
+from .bench import add_bench_parser
+from .calibrate import add_calibrate_parser
+from .evaluate import add_eval_parser
+from .export import add_export_parsers
+from .generate import add_generate_parser
+from .serve import add_serve_parser
 
 # In `kivi --help` order.
 SUBCOMMANDS = (add_generate_parser, add_serve_parser, add_eval_parser, add_bench_parser, add_calibrate_parser,

@@ -5,7 +5,7 @@ page_size, D]. Page `num_pages` is the null page: unused block-table entries poi
 writes of padding tokens land in it; it is never visible. One block table for the whole cache,
 `cache.block_table`, int32 [batch_size, max_pages_per_seq] on the device, shared by every layer:
 position t of row b lives in page block_table[b, t // page_size], slot t % page_size. Host code
-(the server's block manager, kivi_models/block_manager.py) writes the table; the layers only read
+(the server's block manager, kivi_serve/block_manager.py) writes the table; the layers only read
 it. Pages hold every token of a sequence (fp has no residual window).
 
 Static shapes everywhere (pool, table, max pages per sequence): a decode step compiles once and

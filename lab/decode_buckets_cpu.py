@@ -40,8 +40,8 @@ def main(argv=None) -> int:
 
     from kivi_models import load_model, patch_model
     from kivi_models.corpus import load_text
-    from kivi_models.serve_engine import PagedServing
-    from kivi_models.serve_runner import Runner
+    from kivi_serve.engine import PagedServing
+    from kivi_serve.runner import Runner
     from kivi_ops import KIVIConfig
 
     model, tokenizer = load_model(dtype=torch.float32, device="cpu")

@@ -1,5 +1,5 @@
 """KVQuant's offline calibration of per-layer nuqX levels (kivi_ops/nuq.py), the model side;
-`kivi calibrate` (calibrate_cli.py) runs it.
+`kivi calibrate` (cli/calibrate.py) runs it.
 
 Runs the model teacher-forced over real text with gradients, records every layer's keys and
 values as attention receives them (keys after RoPE: this cache quantizes post-RoPE keys) and the

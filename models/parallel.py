@@ -17,7 +17,7 @@ import os
 import torch
 
 # Subcommands that run under torchrun; the others refuse it (one process owns an export or a bench).
-# `serve`: rank 0 serves HTTP and schedules, the other ranks replay its steps (serve_tp.py).
+# `serve`: rank 0 serves HTTP and schedules, the other ranks replay its steps (serve/tp.py).
 TP_COMMANDS = ("generate", "eval", "serve")
 
 

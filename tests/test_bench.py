@@ -397,7 +397,7 @@ def _no_model(*args, **kwargs):
 def test_bench_serve_refuses_cuda_and_the_7b_shape_on_a_cpu_host(monkeypatch, capsys):
     import torch
 
-    from kivi_benchmarks import bench_cli
+    from kivi_cli import bench as bench_cli
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(bench_cli, "_bench_model", _no_model)
@@ -418,7 +418,7 @@ def test_the_7b_shape_takes_every_id_of_the_default_tokenizer():
     # that every prompt id of the served stream has an embedding row.
     import argparse
 
-    from kivi_benchmarks.bench_cli import _bench_model
+    from kivi_cli.bench import _bench_model
 
     model, tokenizer = _bench_model(argparse.Namespace(model="llama2-7b-shape"), "meta", None, with_tokenizer=True)
     c = model.config

@@ -1,4 +1,4 @@
-"""The block manager and scheduler of `kivi serve --paged` (kivi_models/block_manager.py), without a
+"""The block manager and scheduler of `kivi serve --paged` (kivi_serve/block_manager.py), without a
 model: allocation, freeing, reference counts, preemption order, FCFS resumption, no starvation, and
 prefix caching (keys, shared pages, least-recently-used eviction before preemption)."""
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from kivi_models.block_manager import BlockManager, CachedPrefix, NoFreePages, Scheduler, prefix_keys
+from kivi_serve.block_manager import BlockManager, CachedPrefix, NoFreePages, Scheduler, prefix_keys
 
 PS = 4
 

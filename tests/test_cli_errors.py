@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kivi_models import cli_args
+from kivi_cli import args as cli_args
 from kivi_cli.main import main
 
 PROMPT = ["--prompt", "The capital of France is"]

@@ -108,8 +108,8 @@ def test_serve_on_cuda_answers_concurrent_requests_like_kivi_generate():
     import uvicorn
 
     from kivi_models import generate, load_model, make_cache, patch_model
-    from kivi_models.serve_app import build_app
-    from kivi_models.serve_engine import Engine
+    from kivi_serve.app import build_app
+    from kivi_serve.engine import Engine
     from kivi_ops import KIVIConfig
 
     config = KIVIConfig(group_size=8, residual_length=8)

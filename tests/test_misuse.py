@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kivi_models import make_cache, patch_model
-from kivi_models.cli_args import read_prompts
+from kivi_cli.args import read_prompts
 from kivi_ops import KIVIConfig
 from tiny_models import tiny_llama
 

@@ -1,5 +1,5 @@
 """Prefix caching, below the server: a sequence that starts from a cached prefix (its final pages
-shared, its tail restored, models/prefix_cache.py) holds the same cache and gets the same logits,
+shared, its tail restored, serve/prefix_cache.py) holds the same cache and gets the same logits,
 bit for bit, as the same prompt prefilled in the same chunks without sharing (prefill_chunked).
 Prompts of different lengths share prefixes that end before, at and after R and page boundaries."""
 
@@ -10,7 +10,7 @@ import torch
 
 from kivi_models import make_cache, patch_model
 from kivi_models.generate import decode_step, make_paged_cache, prefill_chunked
-from kivi_models.prefix_cache import restore_prefix, save_tail
+from kivi_serve.prefix_cache import restore_prefix, save_tail
 from kivi_ops import KIVIConfig
 
 CONFIG = KIVIConfig(group_size=4, residual_length=8)
@@ -137,10 +137,10 @@ def test_pages_final_at_a_boundary_are_never_written_again(model, method):
 
 @pytest.mark.parametrize("method", ["kivi", "fp"])
 def test_the_default_prefix_count_is_what_the_host_budget_holds_at_the_largest_tail(model, method, monkeypatch):
-    # --prefix-cache-size's default (serve_engine.default_max_prefixes): each cached prefix keeps a
+    # --prefix-cache-size's default (kivi_serve.engine.default_max_prefixes): each cached prefix keeps a
     # host copy of its tail, whose bytes paged_io.sequence_bytes computes without copying; checked
     # against real tails at every chunk boundary (KIVI's vary with the window's fill).
-    from kivi_models import serve_engine
+    from kivi_serve import engine as serve_engine
     from kivi_ops.paged_io import sequence_bytes as host_bytes
 
     cache = staging(model, method, 4)

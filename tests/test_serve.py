@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kivi_models import generate, load_model, make_cache, patch_model
-from kivi_models.serve_app import build_app
-from kivi_models.serve_engine import Engine
+from kivi_serve.app import build_app
+from kivi_serve.engine import Engine
 from kivi_ops import KIVIConfig
 from serve_fixtures import free_port
 

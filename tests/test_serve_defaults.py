@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from kivi_cli.main import build_parser
-from kivi_models.serve_cli import CHAT_TOKENS, DEFAULT_SEQUENCES, PAGED_ROWS, fp16_paged_sequences, plan_pages, \
+from kivi_cli.serve import CHAT_TOKENS, DEFAULT_SEQUENCES, PAGED_ROWS, fp16_paged_sequences, plan_pages, \
     resolve_paging_defaults
 from serve_fixtures import free_port
 
@@ -48,7 +48,7 @@ def embedded():
 def test_the_no_flag_pool_holds_the_rows_and_8_full_sequences(embedded):
     """The old default (the bytes of 8 static rows) could not hold 32 rows' KIVI windows: `kivi
     serve --paged` exited 2 with its own defaults."""
-    from kivi_models.cli_args import kivi_config_from
+    from kivi_cli.args import kivi_config_from
     from kivi_models.generate import make_paged_cache, paged_bytes
 
     args, parser = serve_args()

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from kivi_models import generate, make_cache, patch_model
-from kivi_models.serve_app import build_app
-from kivi_models.serve_connections import ConnectionLimits, uvicorn_config
-from kivi_models.serve_engine import Engine
+from kivi_serve.app import build_app
+from kivi_serve.connections import ConnectionLimits, uvicorn_config
+from kivi_serve.engine import Engine
 from kivi_ops import KIVIConfig
 from serve_fixtures import free_port, uvicorn_in_thread
 
@@ -515,7 +515,7 @@ def test_a_signal_drains_for_the_shutdown_timeout_then_ends_streams_with_an_erro
 
     import uvicorn
 
-    from kivi_models.serve_app import Server
+    from kivi_serve.app import Server
 
     engine = make_engine(tiny)
     port = free_port()
@@ -598,7 +598,7 @@ KEY = "s3cret-key"
 
 @pytest.fixture(scope="module")
 def locked(engine):
-    from kivi_models.serve_app import LOOPBACK_HOSTS
+    from kivi_serve.app import LOOPBACK_HOSTS
 
     with serving(engine, api_key=KEY, allowed_hosts=LOOPBACK_HOSTS) as url:
         yield url
@@ -663,7 +663,7 @@ def test_request_ids_are_random(server):
 
 
 def test_health_is_not_ready_until_the_compiled_step_has_run(tiny, monkeypatch):
-    import kivi_models.serve_runner as serve_runner
+    import kivi_serve.runner as serve_runner
 
     release = threading.Event()
 
@@ -708,7 +708,7 @@ def serve_args(host, api_key=None):
 def test_kivi_serve_access_settings(host, key, env, warned, hosts, monkeypatch, capsys):
     import argparse
 
-    from kivi_models.serve_cli import access_settings
+    from kivi_cli.serve import access_settings
 
     if env is None:
         monkeypatch.delenv("KIVI_API_KEY", raising=False)
@@ -724,7 +724,7 @@ def test_kivi_serve_access_settings(host, key, env, warned, hosts, monkeypatch, 
 def test_an_empty_or_unsendable_api_key_is_a_usage_error(key, message, monkeypatch, capsys):
     import argparse
 
-    from kivi_models.serve_cli import access_settings
+    from kivi_cli.serve import access_settings
 
     monkeypatch.setenv("KIVI_API_KEY", key)
     with pytest.raises(SystemExit) as exit_:
@@ -829,7 +829,7 @@ def test_past_the_cap_the_idlest_connection_makes_room_or_the_newcomer_gets_503(
 def test_accept_errors_are_logged_at_a_bounded_rate(caplog):
     import asyncio
 
-    from kivi_models.serve_connections import AcceptErrorLog
+    from kivi_serve.connections import AcceptErrorLog
 
     handler, loop = AcceptErrorLog(interval=0.2), asyncio.new_event_loop()
     context = {"message": "socket.accept() out of system resource", "exception": OSError(24, "Too many open files")}
@@ -851,9 +851,9 @@ import argparse, sys
 from transformers import AutoTokenizer
 from kivi_models import patch_model
 from kivi_models.loading import default_model_dir
-from kivi_models.serve_app import Server, build_app
-from kivi_models.serve_connections import ConnectionLimits, check_connection_limits, uvicorn_config
-from kivi_models.serve_engine import Engine
+from kivi_serve.app import Server, build_app
+from kivi_serve.connections import ConnectionLimits, check_connection_limits, uvicorn_config
+from kivi_serve.engine import Engine
 from kivi_ops import KIVIConfig
 from tiny_models import tiny_llama
 

@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
-from kivi_models.serve_engine import Engine, PagedServing, Request, RequestError
-from kivi_models.serve_runner import Runner
-from kivi_models.serve_tp import (HEADER, OPS, PLAN, STOP, LeaderRunner, OutOfStep, StepBroadcast, Worker, decode_plan,
-                                  encode_plan, signature)
+from kivi_serve.engine import Engine, PagedServing, Request, RequestError
+from kivi_serve.runner import Runner
+from kivi_serve.tp import (HEADER, OPS, PLAN, STOP, LeaderRunner, OutOfStep, StepBroadcast, Worker, decode_plan,
+                           encode_plan, signature)
 from test_serve_paged import CONFIG, LENGTHS, MAX_SEQ_LEN, PROMPTS, complete_all, tiny  # noqa: F401 (fixture)
 
 
@@ -254,7 +254,7 @@ def test_an_idle_leader_sends_heartbeats(tiny):
 def test_a_dead_rank_ends_open_requests_with_503_and_refuses_new_ones(tiny):
     from fastapi.testclient import TestClient
 
-    from kivi_models.serve_app import build_app
+    from kivi_serve.app import build_app
 
     engine, channel = tp_engine(tiny, "kivi", slots=2, fail_after=6)  # a few steps, then the peer is gone
     events, ended = [], threading.Event()

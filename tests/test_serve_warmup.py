@@ -34,7 +34,7 @@ def compiles() -> int:
 @pytest.fixture
 def gated_warm_up(monkeypatch):
     """The engine's decode step waits for the returned event on its first call (the warm-up)."""
-    import kivi_models.serve_runner as serve_runner
+    import kivi_serve.runner as serve_runner
 
     release, real = threading.Event(), serve_runner.decode_step
     release.rows = []  # the rows of each step, in order
@@ -80,7 +80,7 @@ def started(engine):
     """uvicorn on 127.0.0.1 in front of the engine, without waiting for the engine to be ready."""
     import uvicorn
 
-    from kivi_models.serve_app import build_app
+    from kivi_serve.app import build_app
 
     srv = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny"), host="127.0.0.1", port=free_port(),
                                         log_level="warning"))

@@ -1,7 +1,7 @@
 """Tensor-parallel `kivi serve` under torchrun: rank 0 decides, every rank computes its shard.
 
 `torchrun --nproc-per-node N kivi serve ...`: every rank loads the model tensor-parallel
-(parallel.py: whole KV heads per rank) and builds the same Runner (serve_runner.py) over a cache of
+(parallel.py: whole KV heads per rank) and builds the same Runner (runner.py) over a cache of
 its own heads. Rank 0 alone runs the HTTP server, tokenizes, schedules (block manager included) and
 samples; its runner is a LeaderRunner, which sends every cache action to the other ranks before
 doing it itself. The other ranks run `run_worker`: receive a plan, replay it on their runner, repeat.
@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from .serve_runner import Runner
+from .runner import Runner
 
 MAGIC = 0x4B495649  # "KIVI": a header that does not start with it is not a plan (out of step)
 PLAN, STOP = 1, 2

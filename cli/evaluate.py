@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from kivi_models.cli_args import (add_model_arguments, check_weight_quant_modes, device_and_dtype, dumps_json, int_list,
-                                  kivi_config_from, positive_int, usage_errors)
+from .args import (add_model_arguments, check_weight_quant_modes, device_and_dtype, dumps_json, int_list,
+                   kivi_config_from, positive_int, usage_errors)
 
-from . import DEFAULT_OUT
+from kivi_benchmarks import DEFAULT_OUT
 
 
 def add_eval_parser(sub) -> None:
@@ -97,7 +97,7 @@ def _load(args, parser, *, patched: bool, plain: bool):
 def cmd_ppl(args, parser) -> int:
     from kivi_models.corpus import load_text
 
-    from .perplexity import FakeQuantConfig, cache_bits_per_element, cache_perplexity, fake_quant_perplexity
+    from kivi_benchmarks.perplexity import FakeQuantConfig, cache_bits_per_element, cache_perplexity, fake_quant_perplexity
 
     kivi_config = kivi_config_from(args, parser)
     try:
@@ -162,7 +162,7 @@ def _windows(tokenizer, text, args, parser):
 
 
 def cmd_passkey(args, parser) -> int:
-    from .passkey import passkey_accuracy
+    from kivi_benchmarks.passkey import passkey_accuracy
 
     kivi_config = kivi_config_from(args, parser)
     model, tokenizer = _load(args, parser, patched=True, plain=False)
@@ -179,7 +179,7 @@ def cmd_passkey(args, parser) -> int:
 
 
 def cmd_table(args, parser) -> int:
-    from .quality_table import LevelFiles, kvquant_rows, run_table
+    from kivi_benchmarks.quality_table import LevelFiles, kvquant_rows, run_table
 
     args.device, args.dtype = "cpu", None
     given = (("plain", args.nuq_levels), ("full", args.kvquant_levels))
@@ -200,7 +200,7 @@ def cmd_table(args, parser) -> int:
         params["passkey_lengths"] = args.lengths
     report = run_table(plain, patched, tokenizer, quick=args.quick, out_dir=args.out, only=args.rows,
                        levels=levels, model=args.model, **params)
-    from .quality_table import markdown
+    from kivi_benchmarks.quality_table import markdown
 
     sys.stdout.write(markdown(report))
     print(f"\nwrote the table's files to {args.out.resolve()}", file=sys.stderr)

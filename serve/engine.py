@@ -36,9 +36,9 @@ step with no request runs per decode bucket, so that what requests run is compil
 compiled step with --compile, else the per-op CPU kernels) and no client, and no running stream,
 ever waits on a compile (`_warm_up`).
 
-The engine decides; its runner (serve_runner.py) is the only thing that touches the model and the
+The engine decides; its runner (runner.py) is the only thing that touches the model and the
 cache (prefill into a row or pages, swap out and in, the block table, the decode step). Under
-torchrun that runner also sends each action to the other ranks (serve_tp.py); if they fail, the
+torchrun that runner also sends each action to the other ranks (tp.py); if they fail, the
 runner says so (`runner.failure`) and the engine ends every request with a 503 and refuses new ones.
 """
 
@@ -58,8 +58,8 @@ import torch
 from kivi_ops.paged_io import sequence_bytes
 
 from .block_manager import BlockManager, CachedPrefix, Scheduler, prefix_keys
-from .generate import MAX_COMPILED_SHAPES, sampling_probs
-from .serve_runner import Runner
+from kivi_models.generate import MAX_COMPILED_SHAPES, sampling_probs
+from .runner import Runner
 
 log = logging.getLogger("kivi.serve")
 
@@ -210,7 +210,7 @@ class Engine:
         running, ends with a 504 error (None: none). paging: a paged cache (a pool of pages shared
         by `slots` rows, block_manager.py) instead of static rows of max_seq_len tokens.
         make_runner: builds what carries out the engine's decisions on the model and the cache
-        (serve_runner.Runner; tensor parallelism: serve_tp.LeaderRunner)."""
+        (runner.Runner; tensor parallelism: tp.LeaderRunner)."""
         self.model, self.tokenizer = model, tokenizer
         self.max_waiting, self.request_timeout = max_waiting, request_timeout
         self.draining = False  # set by drain(): new requests are refused
@@ -481,7 +481,7 @@ class Engine:
                         self._fail(slot, r, f"the decode step failed: {type(e).__name__}: {e}")
 
     def _runner_failed(self) -> None:
-        """The runner cannot run any more (serve_tp.py: a rank died, or a collective failed or timed
+        """The runner cannot run any more (tp.py: a rank died, or a collective failed or timed
         out): end every request with a 503 and refuse new ones (admission_error); /health says so."""
         log.error("the engine stops: %s", self.runner.failure)
         self.ready.clear()

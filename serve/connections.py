@@ -29,8 +29,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .serve_app import error
-from .serve_engine import log
+from .app import error
+from .engine import log
 
 TIMEOUT_KEEP_ALIVE = 5.0  # uvicorn's default (vLLM's too): seconds an idle connection stays open
 READ_TIMEOUT = 30.0  # seconds a request's headers and body may take to arrive

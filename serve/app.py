@@ -2,7 +2,7 @@
 non-streamed or streamed as server-sent events, models, health and Prometheus metrics.
 
 Every 4xx and 5xx carries OpenAI's error object (`{"error": {"message", "type", "param", "code"}}`),
-body-parse errors and framework errors (404, 405, 413) included; the engine (serve_engine.py) only
+body-parse errors and framework errors (404, 405, 413) included; the engine (engine.py) only
 ever sees validated requests. A Guard in front of the app checks the Host header, the API key and
 an announced body size before anything is read; tokenizing runs off the event loop; a
 non-streamed request is cancelled when its client disconnects; `Server` bounds the drain on
@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .serve_engine import Engine, Failure, Request, RequestError, log
+from .engine import Engine, Failure, Request, RequestError, log
 
 
 def _utf8(value: str) -> str:
@@ -128,7 +128,7 @@ def _field_or_index(part) -> bool:
 
 
 def failed(failure: Failure, request_id: str) -> JSONResponse:
-    """A request the engine ended with an error (serve_engine.Failure)."""
+    """A request the engine ended with an error (engine.Failure)."""
     return error(failure.status, failure.message, code=failure.code, headers={"x-request-id": request_id})
 
 
@@ -235,7 +235,7 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
 
     @app.get("/health")
     async def health():
-        if engine.runner.failure is not None:  # tensor parallelism: a rank died (serve_tp.py)
+        if engine.runner.failure is not None:  # tensor parallelism: a rank died (tp.py)
             return error(503, f"the server cannot serve: {engine.runner.failure}", code="tensor_parallel_failure")
         if not engine.ready.is_set():  # with --compile: until the compiled step has run once
             return error(503, engine.warmup_error or "starting: the decode step is being compiled for each decode bucket",

@@ -1,6 +1,6 @@
 """The block manager and scheduler of `kivi serve --paged`: which pages of the pool each sequence
 holds, and which requests run, wait or sit swapped out. Pure Python (no torch, no model): the
-engine (serve_engine.py) moves the bytes; this module only decides.
+engine (engine.py) moves the bytes; this module only decides.
 
 - `BlockManager`: a pool of `num_pages` page ids with a free queue and a reference count per page,
   and each sequence's page list (its block table row, logical -> physical). A sequence's pages

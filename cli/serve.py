@@ -8,13 +8,13 @@ import os
 import socket
 from typing import Optional
 
-from .cli_args import (add_model_arguments, check_memory, check_weight_quant_modes, device_and_dtype,
-                       kivi_config_from, non_negative_float, non_negative_int, positive_float, positive_int, positive_ints,
-                       usage_errors)
-from .loading import DEFAULT_MODEL, DEFAULT_NAME, load_model, log
-from .serve_app import LOOPBACK_HOSTS, MAX_REQUEST_BYTES, Server, build_app
-from .serve_connections import (READ_TIMEOUT, TIMEOUT_KEEP_ALIVE, ConnectionLimits, check_connection_limits,
-                                uvicorn_config)
+from .args import (add_model_arguments, check_memory, check_weight_quant_modes, device_and_dtype,
+                   kivi_config_from, non_negative_float, non_negative_int, positive_float, positive_int, positive_ints,
+                   usage_errors)
+from kivi_models.loading import DEFAULT_MODEL, DEFAULT_NAME, load_model, log
+from kivi_serve.app import LOOPBACK_HOSTS, MAX_REQUEST_BYTES, Server, build_app
+from kivi_serve.connections import (READ_TIMEOUT, TIMEOUT_KEEP_ALIVE, ConnectionLimits, check_connection_limits,
+                                    uvicorn_config)
 
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching over the cache)")
@@ -153,7 +153,7 @@ def plan_pages(model, args, kivi_config, parser) -> tuple[int, int, int]:
     """--paged: (rows, pages, exact cache bytes). The pool gets --num-pages, else the pages that
     --cache-budget-gib holds after the rows' own state (lengths, KIVI's windows, the block table),
     else the rows' own state plus the pages of DEFAULT_SEQUENCES sequences of --max-seq-len tokens."""
-    from .generate import make_paged_cache, paged_bytes
+    from kivi_models.generate import make_paged_cache, paged_bytes
 
     rows = args.max_batch or PAGED_ROWS
     with usage_errors(parser):
@@ -181,7 +181,7 @@ def plan_pages(model, args, kivi_config, parser) -> tuple[int, int, int]:
 
 def plan_slots(model, args, kivi_config, parser) -> tuple[int, int, int]:
     """(slots, bytes per slot, the slots an fp16 cache would get from the same bytes)."""
-    from .generate import cache_bytes_per_sequence, make_cache
+    from kivi_models.generate import cache_bytes_per_sequence, make_cache
 
     with usage_errors(parser):
         per_slot = cache_bytes_per_sequence(model, method=args.method, tokens=args.max_seq_len, kivi_config=kivi_config)
@@ -206,7 +206,7 @@ def fp16_paged_sequences(model, nbytes: int, tokens: int) -> int:
     holds in nbytes: the start-up line's comparison."""
     from kivi_ops.paged_fp import DEFAULT_PAGE_SIZE
 
-    from .generate import make_cache
+    from kivi_models.generate import make_cache
 
     padded = -(-tokens // DEFAULT_PAGE_SIZE) * DEFAULT_PAGE_SIZE
     per_sequence = make_cache(model, method="fp", batch_size=1, max_seq_len=padded, device="meta").fp16_nbytes()
@@ -235,10 +235,10 @@ def check_paging_flags(args, parser) -> None:
 def cmd_serve(args, parser) -> int:
     import functools
 
-    from .generate import make_paged_cache
-    from .parallel import is_main_process, world_size
-    from .serve_engine import Engine, PagedServing, check_prefix_caching, decode_buckets
-    from .serve_runner import Runner
+    from kivi_models.generate import make_paged_cache
+    from kivi_models.parallel import is_main_process, world_size
+    from kivi_serve.engine import Engine, PagedServing, check_prefix_caching, decode_buckets
+    from kivi_serve.runner import Runner
 
     kivi_config = kivi_config_from(args, parser)
     device, dtype = device_and_dtype(args, parser)
@@ -251,16 +251,16 @@ def cmd_serve(args, parser) -> int:
     limits = ConnectionLimits(check_connection_limits(args.max_connections, parser), args.timeout_keep_alive,
                               args.read_timeout)
     make_runner, channel = Runner, None
-    if world_size() > 1:  # tensor parallelism (serve_tp.py): rank 0 serves, the others replay its plans
-        from . import serve_tp
+    if world_size() > 1:  # tensor parallelism (serve/tp.py): rank 0 serves, the others replay its plans
+        from kivi_serve import tp as serve_tp
 
         channel = serve_tp.DistChannel(serve_tp.init_groups(device, args.tp_timeout))
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     context = model.config.max_position_embeddings
     if args.max_seq_len > context:
         parser.error(f"--max-seq-len {args.max_seq_len} exceeds the model's context of {context} tokens")
-    from .attention import patch_model
-    from .weight_quant import apply_weight_quant
+    from kivi_models.attention import patch_model
+    from kivi_models.weight_quant import apply_weight_quant
 
     with usage_errors(parser):
         apply_weight_quant(model, args.weight_quant)

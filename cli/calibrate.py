@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .cli_args import fraction_arg, positive_int, usage_errors
+from .args import fraction_arg, positive_int, usage_errors
 
 
 def add_calibrate_parser(sub) -> None:
@@ -40,9 +40,9 @@ def cmd_calibrate(args, parser) -> int:
     from kivi_ops.config import check_group_size
     from kivi_ops.nuq import write_levels_file
 
-    from .calibrate import run_calibration
-    from .corpus import load_text
-    from .loading import load_model
+    from kivi_models.calibrate import run_calibration
+    from kivi_models.corpus import load_text
+    from kivi_models.loading import load_model
 
     with usage_errors(parser, ValueError, OSError):
         check_group_size("--group-size", args.group_size)

@@ -23,8 +23,8 @@ from kivi_ops.config import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from kivi_ops.rotation import ROTATIONS
 from kivi_ops.schedule import POLICIES
 
-from .generate import METHODS
-from .loading import DEFAULT_MODEL
+from kivi_models.generate import METHODS
+from kivi_models.loading import DEFAULT_MODEL
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -168,7 +168,7 @@ def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
     p.add_argument("--rotation-seed", type=int, default=0, action=_Explicit, help="seed of the random rotation")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, float16 on cuda")
-    from .weight_quant import WEIGHT_QUANT_MODES
+    from kivi_models.weight_quant import WEIGHT_QUANT_MODES
 
     p.add_argument("--weight-quant", choices=WEIGHT_QUANT_MODES, default="none",
                    help="torchao weight-only quantization of the Linear layers: int8 (cpu, cuda) or int4 (cuda)")
@@ -178,7 +178,7 @@ def _nuq_levels(args, parser) -> dict:
     """{"key_levels": ..., "value_levels": ...} for KIVIConfig from --nuq, checked against the model."""
     from kivi_ops.nuq import config_levels
 
-    from .loading import resolve_model_path
+    from kivi_models.loading import resolve_model_path
 
     with usage_errors(parser, ValueError, OSError):
         num_layers = json.loads((resolve_model_path(args.model) / "config.json").read_text())["num_hidden_layers"]
@@ -246,7 +246,7 @@ def device_and_dtype(args, parser) -> tuple[str, torch.dtype]:
 
 def check_weight_quant_modes(modes, device: str, parser) -> None:
     """--weight-quant mode(s) usable on this device, or a usage error."""
-    from .weight_quant import check_weight_quant
+    from kivi_models.weight_quant import check_weight_quant
 
     with usage_errors(parser):
         for mode in modes:

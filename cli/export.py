@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from kivi_models.cli_args import (add_model_arguments, add_prompt_arguments, add_sampling_arguments, device_and_dtype,
-                                  dumps_json, encode, generation_report, kivi_config_from, positive_int,
-                                  print_generations, read_prompts, usage_errors)
+from .args import (add_model_arguments, add_prompt_arguments, add_sampling_arguments, device_and_dtype,
+                   dumps_json, encode, generation_report, kivi_config_from, positive_int,
+                   print_generations, read_prompts, usage_errors)
 
-from .artifact import FORMATS, ArtifactError
+from kivi_export.artifact import FORMATS, ArtifactError
 
 
 def add_export_parsers(sub) -> None:
@@ -38,7 +38,7 @@ def cmd_export(args, parser) -> int:
     from kivi_models.loading import load_model
     from kivi_models.weight_quant import apply_weight_quant, check_weight_quant
 
-    from .exporter import check_target, export_decoder
+    from kivi_export.exporter import check_target, export_decoder
 
     kivi_config = kivi_config_from(args, parser)
     device, dtype = device_and_dtype(args, parser)
@@ -69,7 +69,7 @@ def cmd_export(args, parser) -> int:
 def cmd_run_exported(args, parser) -> int:
     from kivi_models.generate import SamplingConfig, check_generation_args, generation_loop
 
-    from .runtime import load_exported
+    from kivi_export.runtime import load_exported
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompts = read_prompts(args, parser)

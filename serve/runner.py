@@ -1,13 +1,13 @@
 """The serve engine's hands: every action of `kivi serve` that touches the model or the cache.
 
-The engine (serve_engine.py) decides (admissions, pages, preemptions, sampling); a Runner carries
+The engine (engine.py) decides (admissions, pages, preemptions, sampling); a Runner carries
 the decisions out on the cache. Keeping the model- and cache-touching actions behind this one
 narrow interface is what lets tensor parallelism replay them: under torchrun, rank 0's runner
-(serve_tp.LeaderRunner) also sends each action to the other ranks, whose plain Runner repeats it
-on their own shard (serve_tp.Worker). Every argument is therefore a plain int or a list of ints.
+(tp.LeaderRunner) also sends each action to the other ranks, whose plain Runner repeats it
+on their own shard (tp.Worker). Every argument is therefore a plain int or a list of ints.
 
 A new cache action (as prefix caching's chunked prefill) is a new method here, called by the
-engine, plus one entry in serve_tp.OPS so that workers repeat it.
+engine, plus one entry in tp.OPS so that workers repeat it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kivi_ops.kernels import cpu_compiled
 from kivi_ops.paged_io import copy_sequence, load_sequence, move_row, save_sequence
 from kivi_ops.row_view import leading_rows
 
-from .generate import compile_decode_step, decode_step, make_cache, make_paged_cache, prefill, prefill_chunked
+from kivi_models.generate import compile_decode_step, decode_step, make_cache, make_paged_cache, prefill, prefill_chunked
 from .prefix_cache import restore_prefix, save_tail
 
 
@@ -30,7 +30,7 @@ class Runner:
     copies of swapped-out sequences (keyed by an int the engine chooses)."""
 
     # Seconds the engine may stay idle between two calls (None: forever). Tensor parallelism's
-    # leader sets it: its idle workers wait in a collective that times out (serve_tp.py).
+    # leader sets it: its idle workers wait in a collective that times out (tp.py).
     heartbeat_s: Optional[float] = None
     # Why this runner can no longer run (tensor parallelism: a rank died or fell out of step); the
     # engine then ends every request with a 503. None while it can.

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kivi_models.cli_args import (check_weight_quant_modes, dumps_json, fraction_arg, int_list, positive_int,
-                                   positive_ints, usage_errors)
+from .args import (check_weight_quant_modes, dumps_json, fraction_arg, int_list, positive_int,
+                   positive_ints, usage_errors)
 
-from . import DEFAULT_OUT
+from kivi_benchmarks import DEFAULT_OUT
 
 SHAPE_7B = "llama2-7b-shape"  # --model: random weights at Llama-2-7B's shape, for speed only
 
@@ -152,7 +152,7 @@ def _fraction(text: str) -> float:
 def _serve_caches(text: str) -> list[str]:
     import argparse
 
-    from .serve_bench import CACHES
+    from kivi_benchmarks.serve_bench import CACHES
 
     caches = [x for x in text.split(",") if x]
     if not caches or any(c not in CACHES for c in caches):
@@ -167,7 +167,7 @@ def _int_list_any(text: str) -> list[int]:
 def _cache_list(text: str) -> list[str]:
     import argparse
 
-    from .hf_generate_bench import CACHES
+    from kivi_benchmarks.hf_generate_bench import CACHES
 
     caches = [x for x in text.split(",") if x]
     bad = [c for c in caches if c not in CACHES]
@@ -200,8 +200,8 @@ def _device(args, parser) -> str:
 
 
 def cmd_bench(args, parser) -> int:
-    from . import perf
-    from .plots import plot_bench
+    from kivi_benchmarks import perf
+    from kivi_benchmarks.plots import plot_bench
 
     device = _device(args, parser)
     if getattr(args, "threads", None) and args.bench_command != "hf-generate":  # hf-generate: a list, per row
@@ -218,7 +218,7 @@ def cmd_bench(args, parser) -> int:
             for row in result["rows"]:
                 row["max_batch_kivi"] = perf.max_batch_for_budget(row["kivi_bytes"], budget)
                 row["max_batch_fp16"] = perf.max_batch_for_budget(row["fp16_bytes"], budget)
-        from .paged_memory import bench_paged_memory
+        from kivi_benchmarks.paged_memory import bench_paged_memory
 
         result["serving"] = bench_paged_memory(args.budget_gib or 40.0)
         name = "bench_memory"
@@ -248,8 +248,8 @@ def cmd_bench(args, parser) -> int:
     elif args.bench_command == "serve":
         from kivi_ops import KIVIConfig
 
-        from .environment import environment
-        from .serve_bench import CACHES, bench_serve
+        from kivi_benchmarks.environment import environment
+        from kivi_benchmarks.serve_bench import CACHES, bench_serve
 
         if args.shared_prefix < 0:
             parser.error(f"--shared-prefix must be >= 0, got {args.shared_prefix}")
@@ -278,7 +278,7 @@ def cmd_bench(args, parser) -> int:
 
         from kivi_models import load_model
 
-        from .hf_generate_bench import bench_hf_generate
+        from kivi_benchmarks.hf_generate_bench import bench_hf_generate
 
         model, tokenizer = load_model(dtype=torch.float16 if device == "cuda" else torch.float32, device=device)
         name = f"bench_hf_generate_{device}"
@@ -312,18 +312,18 @@ def cmd_bench(args, parser) -> int:
         (args.out / f"{name}.md").write_text(perf.weight_quant_markdown(result))
         written = f"{name}.md"
     elif args.bench_command == "memory":
-        from .paged_memory import paged_memory_markdown
+        from kivi_benchmarks.paged_memory import paged_memory_markdown
 
         plot_bench(name, _plot_view(result), args.out / f"{name}.png")
         (args.out / f"{name}_serving.md").write_text(paged_memory_markdown(result["serving"]))
         written = f"{name}.png and {name}_serving.md"
     elif args.bench_command == "serve":
-        from .serve_bench import plot_serve
+        from kivi_benchmarks.serve_bench import plot_serve
 
         plot_serve(result, args.out / f"{name}.png")
         written = f"{name}.png"
     elif args.bench_command == "hf-generate":
-        from .hf_generate_bench import plot_hf_generate
+        from kivi_benchmarks.hf_generate_bench import plot_hf_generate
 
         plot_hf_generate(result, args.out / f"{name}.png")
         written = f"{name}.png"
@@ -411,7 +411,7 @@ def print_table(kind: str, result: dict) -> None:
                   f"{r['kivi_bytes'] / 2**20:>10.1f} {r['theory_bytes'] / 2**20:>12.1f} {r['fp16_bytes'] / 2**20:>10.1f} "
                   f"{r['ratio']:>10.2f}")
         if "serving" in result:
-            from .paged_memory import paged_memory_markdown
+            from kivi_benchmarks.paged_memory import paged_memory_markdown
 
             print()
             print(paged_memory_markdown(result["serving"]))
@@ -442,15 +442,15 @@ def print_table(kind: str, result: dict) -> None:
                   f"{r['kivi_batch']:>12} {r['kivi_median_step_tokens_per_s']:>12.1f} {r['batch_ratio']:>12.2f}x "
                   f"{r['throughput_ratio']:>17.2f}x")
     elif kind == "weight-quant":
-        from .perf import weight_quant_markdown
+        from kivi_benchmarks.perf import weight_quant_markdown
 
         print(weight_quant_markdown(result))
     elif kind == "hf-generate":
-        from .hf_generate_bench import print_hf_generate
+        from kivi_benchmarks.hf_generate_bench import print_hf_generate
 
         print_hf_generate(result)
     elif kind == "serve":
-        from .serve_bench import serve_markdown
+        from kivi_benchmarks.serve_bench import serve_markdown
 
         print(serve_markdown(result))
     else:

@@ -6,12 +6,12 @@ import time
 
 import torch
 
-from .cli_args import (add_model_arguments, add_prompt_arguments, add_sampling_arguments, check_memory,
-                       check_weight_quant_modes, device_and_dtype, dumps_json, encode, generation_report, kivi_config_from,
-                       print_generations, read_prompts, usage_errors, warn_unused_sampling)
-from .generate import SamplingConfig, compile_decode_step, decode_step, generate, make_cache
-from .loading import load_model, log
-from .parallel import tp_size
+from .args import (add_model_arguments, add_prompt_arguments, add_sampling_arguments, check_memory,
+                   check_weight_quant_modes, device_and_dtype, dumps_json, encode, generation_report, kivi_config_from,
+                   print_generations, read_prompts, usage_errors, warn_unused_sampling)
+from kivi_models.generate import SamplingConfig, compile_decode_step, decode_step, generate, make_cache
+from kivi_models.loading import load_model, log
+from kivi_models.parallel import tp_size
 
 
 def add_generate_parser(sub) -> None:
@@ -31,11 +31,11 @@ def cmd_generate(args, parser) -> int:
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     warn_unused_sampling(args)
     prompts = read_prompts(args, parser)
-    from .weight_quant import apply_weight_quant, model_weight_nbytes
+    from kivi_models.weight_quant import apply_weight_quant, model_weight_nbytes
 
     check_weight_quant_modes([args.weight_quant], device, parser)
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)  # errors: the `kivi` handler (kivi_cli.main)
-    from .attention import patch_model
+    from kivi_models.attention import patch_model
 
     with usage_errors(parser):
         apply_weight_quant(model, args.weight_quant)
