@@ -47,7 +47,9 @@ import threading
 import time
 
 from kivi_models.generate import cache_bytes_per_sequence, make_paged_cache, paged_bytes
-from kivi_serve.engine import Engine, PagedServing, Request
+from kivi_serve.engine import Engine
+from kivi_serve.paged_options import PagedServing
+from kivi_serve.request import Request
 
 from .traces import SHAREGPT, chat_lengths
 

@@ -237,7 +237,8 @@ def cmd_serve(args, parser) -> int:
 
     from kivi_models.generate import make_paged_cache
     from kivi_models.parallel import is_main_process, world_size
-    from kivi_serve.engine import Engine, PagedServing, check_prefix_caching, decode_buckets
+    from kivi_serve.engine import Engine
+    from kivi_serve.paged_options import PagedServing, check_prefix_caching, decode_buckets
     from kivi_serve.runner import Runner
 
     kivi_config = kivi_config_from(args, parser)

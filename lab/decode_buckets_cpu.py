@@ -40,7 +40,7 @@ def main(argv=None) -> int:
 
     from kivi_models import load_model, patch_model
     from kivi_models.corpus import load_text
-    from kivi_serve.engine import PagedServing
+    from kivi_serve.paged_options import PagedServing
     from kivi_serve.runner import Runner
     from kivi_ops import KIVIConfig
 

@@ -26,7 +26,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import Engine, Failure, Request, RequestError, log
+from .engine import Engine, log
+from .request import Failure, Request, RequestError
 
 
 def _utf8(value: str) -> str:

@@ -45,160 +45,20 @@ runner says so (`runner.failure`) and the engine ends every request with a 503 a
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
-from kivi_ops.paged_io import sequence_bytes
-
 from .block_manager import BlockManager, CachedPrefix, Scheduler, prefix_keys
-from kivi_models.generate import MAX_COMPILED_SHAPES, sampling_probs
+from .output import add_token, sample
+from .paged_options import PagedServing, check_prefix_caching, decode_buckets, default_max_prefixes
+from .request import HOST_KEYS, Failure, Request, RequestError, context_error, prompt_count
 from .runner import Runner
 
 log = logging.getLogger("kivi.serve")
-
-# Keys under which the runner keeps host copies (a swapped-out request's, a cached prefix's tail):
-# unique per process, and the same on every rank since only rank 0 draws them.
-HOST_KEYS = itertools.count()
-
-
-@dataclass(frozen=True)
-class Failure:
-    """Why a request ended without finishing: the HTTP status a non-streamed reply carries, a
-    message naming the cause, and OpenAI's error code."""
-
-    status: int
-    message: str
-    code: str = "generation_failed"
-
-
-class RequestError(ValueError):
-    """submit() refuses a request: the HTTP status, OpenAI's error code, and the request field to
-    blame ("prompt": the prompt, which a chat request calls "messages"; None: no field)."""
-
-    def __init__(self, message: str, *, status: int = 400, code: str = "invalid_value", param: Optional[str] = None,
-                 headers: Optional[dict] = None):
-        super().__init__(message)
-        self.status, self.code, self.param, self.headers = status, code, param, headers
-
-
-def prompt_count(prompt_tokens: int, at_least: bool) -> str:
-    """"12 tokens", "1 token", "at least 1 token" (at_least: a bound counted before tokenizing)."""
-    return f"{'at least ' if at_least else ''}{prompt_tokens} token{'' if prompt_tokens == 1 else 's'}"
-
-
-def context_error(prompt_tokens: int, max_tokens: int, max_seq_len: int, *,
-                  at_least: bool = False) -> Optional[RequestError]:
-    """The refusal of a prompt of `prompt_tokens` (at_least: a lower bound, counted before
-    tokenizing) plus max_tokens that does not fit a slot of max_seq_len tokens, else None. It
-    blames max_tokens when the prompt alone fits, the prompt otherwise."""
-    if prompt_tokens + max_tokens <= max_seq_len:
-        return None
-    return RequestError(f"the prompt ({prompt_count(prompt_tokens, at_least)}) + max_tokens ({max_tokens}) exceeds a slot's capacity of "
-                        f"{max_seq_len} tokens (--max-seq-len)", code="context_length_exceeded",
-                        param="max_tokens" if prompt_tokens < max_seq_len else "prompt")
-
-
-def check_prefix_caching(paging: "PagedServing", page_size: int) -> None:
-    """Refuse a prefix chunk that is not a positive multiple of the page size, or a negative
-    prefix cache size (the CLI asks before tensor parallelism's ranks start waiting on each other)."""
-    chunk, kept = paging.prefix_chunk, paging.max_prefixes
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0 or chunk % page_size:
-        raise ValueError(f"--prefix-chunk must be a positive multiple of the page size ({page_size} tokens, "
-                         f"--page-size), got {chunk!r}")
-    if kept is not None and (isinstance(kept, bool) or not isinstance(kept, int) or kept < 0):
-        raise ValueError(f"--prefix-cache-size must be an int >= 0, got {kept!r}")
-
-
-# --prefix-cache-size's default: as many cached prefixes as this much host memory holds (each keeps
-# a host copy of its tail: at the Llama-2-7B shape, KIVI-2 G=32 R=128, up to 80 MB, so 53 of them),
-# and at most DEFAULT_MAX_PREFIXES (small models: 256 tails of a few MB).
-PREFIX_HOST_BYTES = 4 * 2**30
-DEFAULT_MAX_PREFIXES = 256
-
-
-def default_max_prefixes(cache, chunk: int, max_seq_len: int) -> int:
-    """How many cached prefixes PREFIX_HOST_BYTES holds at the largest tail a prefix of this paged
-    cache can have (at any chunk boundary up to max_seq_len), between 1 and DEFAULT_MAX_PREFIXES.
-    Under tensor parallelism each rank holds its own heads' tails: the budget is per rank."""
-    tail_pages = max((cache.pages_needed(b) - cache.pages_final(b) for b in range(chunk, max_seq_len + 1, chunk)),
-                     default=0)  # a chunk longer than any sequence: no prefix is ever cached
-    return max(1, min(DEFAULT_MAX_PREFIXES, PREFIX_HOST_BYTES // sequence_bytes(cache, tail_pages)))
-
-
-@dataclass(eq=False)  # requests compare by identity (queue removal)
-class Request:
-    """One completion. `emit(kind, payload)` is called from the engine thread: ("text", str) for
-    new text, then ("done", finish_reason) or ("error", Failure)."""
-
-    prompt_ids: list[int]
-    max_tokens: int
-    emit: Callable[[str, object], None]
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: Optional[int] = None
-    stop: list[str] = field(default_factory=list)
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)  # random: ids reveal no traffic
-    tokens: list[int] = field(default_factory=list)
-    text_sent: int = 0  # characters of the decoded completion already emitted
-    cancelled: bool = False
-    generator: Optional[torch.Generator] = None
-    submitted_s: float = field(default_factory=time.perf_counter)
-    deadline_s: Optional[float] = None  # perf_counter time after which it ends (request_timeout)
-    first_token_s: Optional[float] = None
-    saved: Optional[int] = None  # --paged, while swapped out: its page count (the runner holds the host copy)
-    preemptions: int = 0
-    key: int = field(default_factory=lambda: next(HOST_KEYS))  # names its host copy to the runner (every rank)
-    prefix_keys: list = field(default_factory=list)  # --prefix-caching: keys of its prompt's chunk boundaries
-    prefix_hit: Optional[CachedPrefix] = None  # --prefix-caching: the cached prefix it starts from (until prefilled)
-
-
-@dataclass(frozen=True)
-class PagedServing:
-    """`kivi serve --paged`: a pool of num_pages pages of page_size tokens (None: the cache kind's
-    default) per layer instead of a static row of max_seq_len tokens per request. prefix_chunk
-    (`--prefix-caching`): prompts are prefilled in chunks of that many tokens (a multiple of the
-    page size) and the prefixes at chunk boundaries are cached and shared (prefix_cache.py); at
-    most max_prefixes of them are kept (each holds a host copy of its tail; None: as many as
-    PREFIX_HOST_BYTES holds, default_max_prefixes; 0: the same chunked prefill without any
-    sharing, what sharing is tested against). prefix_chunk None: off."""
-
-    num_pages: int
-    page_size: Optional[int] = None
-    prefix_chunk: Optional[int] = None
-    max_prefixes: Optional[int] = None
-    decode_buckets: Optional[tuple[int, ...]] = None  # row counts a decode step may run over (decode_buckets())
-
-
-SMALLEST_BUCKET = 8
-# The default's most buckets: each is a graph compiled at warm-up (seconds each on CPU), which
-# /health waits for. --decode-buckets may ask for up to MAX_COMPILED_SHAPES (the shapes one
-# compiled decode step builds; past them a step would run eagerly).
-DEFAULT_MAX_BUCKETS = 8
-
-
-def decode_buckets(rows: int, chosen: Optional[tuple[int, ...]] = None) -> tuple[int, ...]:
-    """The row counts a paged engine's decode step runs over (each compiled once): `chosen`
-    (`--decode-buckets`), else the largest powers of two from SMALLEST_BUCKET below `rows`,
-    DEFAULT_MAX_BUCKETS - 1 at most; and `rows`. Requests are kept in the lowest rows, so a step
-    runs over the smallest bucket that holds them: an idle row costs a step nothing, at the price
-    of one graph per bucket (vLLM captures a CUDA graph per batch size the same way)."""
-    if chosen is None:
-        powers = [2**k for k in range(SMALLEST_BUCKET.bit_length() - 1, rows.bit_length()) if 2**k < rows]
-        chosen = tuple(powers[-(DEFAULT_MAX_BUCKETS - 1):])
-    if any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= rows for b in chosen):
-        raise ValueError(f"--decode-buckets must be row counts in [1, {rows}] (--max-batch), got {list(chosen)}")
-    buckets = tuple(sorted({*chosen, rows}))
-    if len(buckets) > MAX_COMPILED_SHAPES:
-        raise ValueError(f"--decode-buckets: at most {MAX_COMPILED_SHAPES} row counts, --max-batch ({rows}) included "
-                         f"(each is a compiled decode step), got {len(buckets)}")
-    return buckets
 
 
 class Engine:
@@ -715,47 +575,12 @@ class Engine:
                 self._fail(slot, r, f"sampling failed: {type(e).__name__}: {e}")
 
     def _next_token(self, slot: int, r: Request, logits: torch.Tensor) -> None:
-        token = self._sample(logits, r)
-        r.tokens.append(token)
-        if r.first_token_s is None:
-            r.first_token_s = time.perf_counter()
+        reason = add_token(r, sample(logits, r), self.tokenizer, self.eos)
         self.generated_tokens += 1
-        reason = self._emit_text(r, final=token in self.eos or len(r.tokens) >= r.max_tokens)
-        if reason is None and token in self.eos:
-            reason = "stop"
-        elif reason is None and len(r.tokens) >= r.max_tokens:
-            reason = "length"
         if reason is not None:
             r.emit("done", reason)
             with self.lock:
                 self._release(slot, r)
-
-    def _sample(self, logits: torch.Tensor, r: Request) -> int:
-        if r.temperature == 0:
-            return int(logits.argmax())
-        probs = sampling_probs(logits, r.temperature, top_p=r.top_p)  # the same rule as `kivi generate`
-        return int(torch.multinomial(probs, 1, generator=r.generator))
-
-    def _emit_text(self, r: Request, final: bool) -> Optional[str]:
-        """Emit the completion's new text. Returns "stop" when a stop string appeared (the text is
-        cut before it). Text that could still become a stop string is held back until it cannot."""
-        generated = [t for t in r.tokens if t not in self.eos]
-        text = self.tokenizer.decode(generated, skip_special_tokens=True)
-        found = [at for at in (text.find(stop) for stop in r.stop) if at != -1]
-        if found:  # cut at the earliest stop in the text, whichever the list names first
-            at = min(found)
-            if at > r.text_sent:
-                r.emit("text", text[r.text_sent:at])
-            r.text_sent = at
-            return "stop"
-        hold = 0 if final else max((len(s) - 1 for s in r.stop), default=0)
-        if text.endswith("\ufffd") and not final:  # an incomplete UTF-8 character: wait for the rest
-            hold = max(hold, 1)
-        upto = max(len(text) - hold, r.text_sent)
-        if upto > r.text_sent:
-            r.emit("text", text[r.text_sent:upto])
-            r.text_sent = upto
-        return None
 
     def _fail(self, slot: int, r: Request, message: str, status: int = 500, code: str = "generation_failed") -> None:
         """End one request with an error and free its row (its cache row is reloaded at the next admission)."""

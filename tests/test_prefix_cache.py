@@ -137,10 +137,10 @@ def test_pages_final_at_a_boundary_are_never_written_again(model, method):
 
 @pytest.mark.parametrize("method", ["kivi", "fp"])
 def test_the_default_prefix_count_is_what_the_host_budget_holds_at_the_largest_tail(model, method, monkeypatch):
-    # --prefix-cache-size's default (kivi_serve.engine.default_max_prefixes): each cached prefix keeps a
+    # --prefix-cache-size's default (kivi_serve.paged_options.default_max_prefixes): each cached prefix keeps a
     # host copy of its tail, whose bytes paged_io.sequence_bytes computes without copying; checked
     # against real tails at every chunk boundary (KIVI's vary with the window's fill).
-    from kivi_serve import engine as serve_engine
+    from kivi_serve import paged_options
     from kivi_ops.paged_io import sequence_bytes as host_bytes
 
     cache = staging(model, method, 4)
@@ -149,8 +149,8 @@ def test_the_default_prefix_count_is_what_the_host_budget_holds_at_the_largest_t
     sizes = [sum(t.nbytes for t in tail.saved.values()) for tail in tails]
     assert [host_bytes(cache, tail.num_pages) for tail in tails] == sizes
     largest = max(sizes)
-    for budget, kept in ((3 * largest + 1, 3), (largest - 1, 1), (10**6 * largest, serve_engine.DEFAULT_MAX_PREFIXES)):
-        monkeypatch.setattr(serve_engine, "PREFIX_HOST_BYTES", budget)
-        assert serve_engine.default_max_prefixes(cache, CHUNK, MAX_SEQ_LEN) == kept, budget
+    for budget, kept in ((3 * largest + 1, 3), (largest - 1, 1), (10**6 * largest, paged_options.DEFAULT_MAX_PREFIXES)):
+        monkeypatch.setattr(paged_options, "PREFIX_HOST_BYTES", budget)
+        assert paged_options.default_max_prefixes(cache, CHUNK, MAX_SEQ_LEN) == kept, budget
     # A chunk longer than any sequence (--prefix-chunk 64 with --max-seq-len 48): no boundary, no error.
-    assert serve_engine.default_max_prefixes(cache, 2 * MAX_SEQ_LEN, MAX_SEQ_LEN) == serve_engine.DEFAULT_MAX_PREFIXES
+    assert paged_options.default_max_prefixes(cache, 2 * MAX_SEQ_LEN, MAX_SEQ_LEN) == paged_options.DEFAULT_MAX_PREFIXES

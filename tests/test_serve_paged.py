@@ -18,7 +18,9 @@ import torch
 
 from kivi_models import generate, make_cache, patch_model
 from kivi_serve.app import build_app
-from kivi_serve.engine import Engine, Failure, PagedServing, Request, RequestError
+from kivi_serve.engine import Engine
+from kivi_serve.paged_options import PagedServing
+from kivi_serve.request import Failure, Request, RequestError
 from kivi_ops import KIVIConfig
 from serve_fixtures import free_port, uvicorn_in_thread
 
@@ -282,7 +284,7 @@ def test_decode_steps_run_over_the_smallest_bucket_holding_the_requests(tiny, me
 
 
 def test_decode_buckets_default_and_refusals():
-    from kivi_serve.engine import DEFAULT_MAX_BUCKETS, decode_buckets
+    from kivi_serve.paged_options import DEFAULT_MAX_BUCKETS, decode_buckets
 
     assert decode_buckets(94) == (8, 16, 32, 64, 94) and decode_buckets(8) == (8,) and decode_buckets(5) == (5,)
     assert decode_buckets(4096) == (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the largest, 8 compiles at warm-up

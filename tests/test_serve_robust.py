@@ -20,11 +20,13 @@ import httpx
 import pytest
 import torch
 
+import kivi_serve.engine
 from kivi_models import generate, make_cache, patch_model
+from kivi_ops import KIVIConfig
+from kivi_serve import output
 from kivi_serve.app import build_app
 from kivi_serve.connections import ConnectionLimits, uvicorn_config
 from kivi_serve.engine import Engine
-from kivi_ops import KIVIConfig
 from serve_fixtures import free_port, uvicorn_in_thread
 
 NAME = "tiny"
@@ -143,14 +145,14 @@ def test_a_failing_request_ends_alone_and_co_batched_greedy_outputs_equal_solo_r
         failure, tiny, engine, server, monkeypatch, caplog):
     victims, max_tokens = PROMPTS[:2], 24
     if failure == "sampler":
-        real_sample = engine._sample
+        real_sample = output.sample
 
         def sample(logits, r):
             if r.seed == 13 and len(r.tokens) == 3:
                 raise RuntimeError("injected sampler failure")
             return real_sample(logits, r)
 
-        monkeypatch.setattr(engine, "_sample", sample)
+        monkeypatch.setattr(kivi_serve.engine, "sample", sample)  # the name the engine calls
         expected = "sampling failed: RuntimeError: injected sampler failure"
     else:
         real_step = engine.step_fn
@@ -178,14 +180,14 @@ def test_a_failing_request_ends_alone_and_co_batched_greedy_outputs_equal_solo_r
 
 
 def test_a_failing_stream_gets_an_error_event(engine, server, monkeypatch):
-    real_sample = engine._sample
+    real_sample = output.sample
 
     def sample(logits, r):
         if r.seed == 13:
             raise RuntimeError("injected sampler failure")
         return real_sample(logits, r)
 
-    monkeypatch.setattr(engine, "_sample", sample)
+    monkeypatch.setattr(kivi_serve.engine, "sample", sample)  # the name the engine calls
     body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 1, "seed": 13, "stream": True}
     events = [line for line in httpx.post(f"{server}/v1/completions", json=body, timeout=30).text.splitlines() if line]
     assert '"error"' in events[-2] and "injected sampler failure" in events[-2] and events[-1] == "data: [DONE]"

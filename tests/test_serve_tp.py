@@ -14,7 +14,9 @@ import time
 import pytest
 import torch
 
-from kivi_serve.engine import Engine, PagedServing, Request, RequestError
+from kivi_serve.engine import Engine
+from kivi_serve.paged_options import PagedServing
+from kivi_serve.request import Request, RequestError
 from kivi_serve.runner import Runner
 from kivi_serve.tp import (HEADER, OPS, PLAN, STOP, LeaderRunner, OutOfStep, StepBroadcast, Worker, decode_plan,
                            encode_plan, signature)

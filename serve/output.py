@@ -1,0 +1,60 @@
+"""What becomes of each token a request samples: the text it adds (detokenized, held back while it
+could still become a stop string or is an incomplete character) and whether the request is done
+(EOS, a stop string, max_tokens). vLLM keeps this apart from the engine too (its output processor);
+here it runs on the engine thread, one request at a time, and answers through the request's emit."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from kivi_models.generate import sampling_probs
+
+from .request import Request
+
+
+def sample(logits: torch.Tensor, r: Request) -> int:
+    """The next token from one row's logits: greedy at temperature 0, else `kivi generate`'s rule
+    (temperature, top-p) with the request's own generator."""
+    if r.temperature == 0:
+        return int(logits.argmax())
+    probs = sampling_probs(logits, r.temperature, top_p=r.top_p)
+    return int(torch.multinomial(probs, 1, generator=r.generator))
+
+
+def add_token(r: Request, token: int, tokenizer, eos: set[int]) -> Optional[str]:
+    """Append `token` to r, emit the text it completes, and return why r finished ("stop": EOS or a
+    stop string; "length": max_tokens), or None while it goes on."""
+    r.tokens.append(token)
+    if r.first_token_s is None:
+        r.first_token_s = time.perf_counter()
+    reason = emit_text(r, tokenizer, eos, final=token in eos or len(r.tokens) >= r.max_tokens)
+    if reason is None and token in eos:
+        reason = "stop"
+    elif reason is None and len(r.tokens) >= r.max_tokens:
+        reason = "length"
+    return reason
+
+
+def emit_text(r: Request, tokenizer, eos: set[int], final: bool) -> Optional[str]:
+    """Emit the completion's new text. Returns "stop" when a stop string appeared (the text is cut
+    before it). Text that could still become a stop string is held back until it cannot."""
+    generated = [t for t in r.tokens if t not in eos]
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    found = [at for at in (text.find(stop) for stop in r.stop) if at != -1]
+    if found:  # cut at the earliest stop in the text, whichever the list names first
+        at = min(found)
+        if at > r.text_sent:
+            r.emit("text", text[r.text_sent:at])
+        r.text_sent = at
+        return "stop"
+    hold = 0 if final else max((len(s) - 1 for s in r.stop), default=0)
+    if text.endswith("\ufffd") and not final:  # an incomplete UTF-8 character: wait for the rest
+        hold = max(hold, 1)
+    upto = max(len(text) - hold, r.text_sent)
+    if upto > r.text_sent:
+        r.emit("text", text[r.text_sent:upto])
+        r.text_sent = upto
+    return None
