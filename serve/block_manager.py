@@ -1,6 +1,8 @@
-"""The block manager and scheduler of `kivi serve --paged`: which pages of the pool each sequence
-holds, and which requests run, wait or sit swapped out. Pure Python (no torch, no model): the
-engine (engine.py) moves the bytes; this module only decides.
+"""The block manager and scheduler of `kivi serve`: which pages of the pool each sequence holds,
+and which requests run, wait or sit swapped out. Pure Python (no torch, no model): the engine
+(engine.py) moves the bytes; this module only decides. A static cache is scheduled here too, as
+one page of max_seq_len tokens per row (runner.RowPages): every request needs one page, so it is
+admitted while a row is free and never preempted.
 
 - `BlockManager`: a pool of `num_pages` page ids with a free queue and a reference count per page,
   and each sequence's page list (its block table row, logical -> physical). A sequence's pages

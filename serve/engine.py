@@ -1,17 +1,20 @@
-"""Continuous batching over the static cache: the engine behind `kivi serve`.
+"""Continuous batching over a static or paged cache: the engine behind `kivi serve`.
 
 Each row of the cache is a slot. One engine thread owns the model and the cache and loops:
 
-1. admit: waiting requests (FIFO) take free rows; each prompt is prefilled alone in a batch-1
-   staging cache (exactly `kivi generate`'s prefill: exact attention, then quantization) and that
-   row's state is copied into the request's row (`load_row`; the other rows are untouched), so an
-   admission costs the prompt alone, not a forward over every row;
-2. step: one decode step for every row, counts 1 for rows with a request and 0 for free rows
-   (nothing is stored for those), compiled once with static shapes, so requests coming and going
-   never recompile it;
-3. each request samples its own token (its own temperature, top-p and seeded generator), checks
-   EOS, stop strings and max_tokens, and a finished, stopped or cancelled request frees its row
-   at once.
+1. schedule: the block manager's scheduler (block_manager.py) decides the round, for both
+   layouts: a paged cache's pages, or a static cache seen as one page of max_seq_len tokens per
+   row (runner.RowPages: admit while a row is free, never preempt). Preempted requests are swapped
+   out, swapped-out ones come back, waiting ones are admitted (FIFO) into free rows; each new
+   prompt is prefilled alone in a batch-1 staging cache (exactly `kivi generate`'s prefill: exact
+   attention, then quantization) and copied into the request's row and pages (the other rows are
+   untouched), so an admission costs the prompt alone, not a forward over every row;
+2. step: one decode step over the smallest decode bucket that holds the running rows, counts 1
+   for rows with a request and 0 for free rows (nothing is stored for those), compiled once per
+   bucket with static shapes, so requests coming and going never recompile it;
+3. output: each request samples its own token (its own temperature, top-p and seeded generator;
+   output.py), checks EOS, stop strings and max_tokens, and a finished, stopped or cancelled
+   request frees its row and pages at once.
 
 Per-row lengths and statistics keep rows independent: a greedy completion equals `kivi generate`
 of the same prompt alone, whatever else shares the batch. Failures are isolated the same way: a
@@ -54,7 +57,7 @@ import torch
 
 from .block_manager import BlockManager, CachedPrefix, Scheduler, prefix_keys
 from .output import add_token, sample
-from .paged_options import PagedServing, check_prefix_caching, decode_buckets, default_max_prefixes
+from .paged_options import PagedServing, decode_buckets, prefix_caching
 from .request import HOST_KEYS, Failure, Request, RequestError, context_error, prompt_count
 from .runner import Runner
 
@@ -77,29 +80,23 @@ class Engine:
         self.drain_timer: Optional[threading.Timer] = None
         self.slots, self.max_seq_len = slots, max_seq_len
         self.device = model.device
-        self.scheduler: Optional[Scheduler] = None
         self.runner = make_runner(model, method=method, kivi_config=kivi_config, slots=slots, max_seq_len=max_seq_len,
                                   paging=paging, compile=compile)
         self.cache = self.runner.cache  # read here for sizes and lengths only; the runner changes it
-        self.prefix_chunk: Optional[int] = None
-        if paging is not None:
-            width = self.cache.max_pages_per_seq
-            self.prefix_chunk = paging.prefix_chunk
-            max_prefixes = 0
-            if self.prefix_chunk is not None:
-                check_prefix_caching(paging, self.cache.page_size)
-                max_prefixes = paging.max_prefixes
-                if max_prefixes is None:
-                    max_prefixes = default_max_prefixes(self.cache, self.prefix_chunk, max_seq_len)
-            self.blocks = BlockManager(paging.num_pages, width, self.cache.pages_needed, max_prefixes=max_prefixes)
-            # An evicted prefix's tail (a host copy the runner keeps under the prefix's key) is dropped
-            # after the round's prefills: a request admitted this round may still start from it.
-            self.evicted_tails: list[int] = []
-            self.blocks.on_evict = lambda prefix: self.evicted_tails.append(prefix.payload)
-            self.prefix_hits = self.prefix_hit_tokens = 0
-            self.scheduler = Scheduler(self.blocks, slots)
-            self.table = torch.full_like(self.cache.block_table, self.cache.num_pages, device="cpu")
-            self.table_rows: list[tuple[Optional[Request], int]] = [(None, 0)] * slots  # what table[row] holds
+        # One scheduler for both layouts: the pages are a paged cache's, or one per static row
+        # (runner.RowPages: a static engine admits while a row is free and never preempts).
+        self.layout = self.runner.layout
+        self.prefix_chunk, max_prefixes = prefix_caching(paging, self.cache, max_seq_len)
+        self.blocks = BlockManager(self.layout.num_pages, self.layout.max_pages_per_seq, self.layout.pages_needed,
+                                   max_prefixes=max_prefixes)
+        # An evicted prefix's tail (a host copy the runner keeps under the prefix's key) is dropped
+        # after the round's prefills: a request admitted this round may still start from it.
+        self.evicted_tails: list[int] = []
+        self.blocks.on_evict = lambda prefix: self.evicted_tails.append(prefix.payload)
+        self.prefix_hits = self.prefix_hit_tokens = 0
+        self.scheduler = Scheduler(self.blocks, slots)
+        self.table = torch.full((slots, self.layout.max_pages_per_seq), self.layout.num_pages, dtype=torch.int32)
+        self.table_rows: list[tuple[Optional[Request], int]] = [(None, 0)] * slots  # what table[row] holds
         self.buckets = decode_buckets(slots, paging.decode_buckets) if paging is not None else (slots,)
         # Ready once the decode step has run over every bucket (_warm_up): /health says so.
         self.ready = threading.Event()
@@ -154,14 +151,14 @@ class Engine:
         (paged) needing more pages than the whole pool holds. at_least: prompt_tokens is a lower
         bound (counted before tokenizing)."""
         refused = context_error(prompt_tokens, max_tokens, self.max_seq_len, at_least=at_least)
-        if refused is not None or self.scheduler is None:
+        if refused is not None:
             return refused
         tokens = prompt_tokens + max_tokens
         if self.blocks.fits(tokens):
             return None
         return RequestError(
             f"the prompt ({prompt_count(prompt_tokens, at_least)}) + max_tokens ({max_tokens}) needs {self.blocks.pages_needed(tokens)} pages of "
-            f"{self.cache.page_size} tokens, more than the whole pool of {self.blocks.num_pages} pages holds "
+            f"{self.layout.page_size} tokens, more than the whole pool of {self.blocks.num_pages} pages holds "
             f"(--num-pages / --cache-budget-gib)", code="context_length_exceeded",
             param="max_tokens" if self.blocks.fits(prompt_tokens) else "prompt")
 
@@ -198,7 +195,7 @@ class Engine:
                          cache_bytes=sum(by_rank), cache_bytes_by_rank=by_rank, tp_size=len(by_rank),
                          generated_tokens=self.generated_tokens, decode_rows=self.decode_rows,
                          tokens_per_s=self.generated_tokens / elapsed if elapsed > 0 else 0.0)
-            if self.scheduler is not None:
+            if self.runner.paged:  # a static cache's pages are its rows: slots_used says it
                 stats.update(pages_used=self.blocks.num_used, pages_free=self.blocks.num_free,
                              pages_shared=self.blocks.num_shared, preemptions=self.scheduler.preemptions,
                              swapped=len(self.scheduler.swapped))
@@ -243,10 +240,9 @@ class Engine:
         self.waiting.clear()
         for slot, r in enumerate(self.rows):
             self._release(slot, r)
-        if self.scheduler is not None:
-            for r in self.scheduler.swapped:
-                self._forget(r)
-            self.scheduler.finish_all()
+        for r in self.scheduler.swapped:
+            self._forget(r)
+        self.scheduler.finish_all()
 
     def close(self) -> None:
         """Stop the engine thread. New requests are refused, and every request still open ends
@@ -308,14 +304,7 @@ class Engine:
                     return
                 self._drop_cancelled()
                 self._end_overdue()
-                preempted, resumed, admitted = [], [], []
-                if self.scheduler is None:
-                    for slot in range(self.slots):
-                        if self.rows[slot] is None and self.waiting:
-                            self.rows[slot] = self.waiting.popleft()
-                            admitted.append(slot)
-                else:
-                    preempted, resumed, admitted = self._schedule_pages()
+                preempted, resumed, admitted = self._schedule()
             try:
                 with torch.inference_mode():
                     for slot, r, pages in preempted:  # before anything writes the pages they gave back
@@ -324,12 +313,10 @@ class Engine:
                         self._resume(slot)
                     if admitted:
                         self._prefill(admitted)
-                    if self.scheduler is not None:
-                        self._drop_evicted_tails()
+                    self._drop_evicted_tails()
                     if any(r is not None for r in self.rows):
-                        if self.scheduler is not None:
-                            self._compact()
-                            self._write_block_table()
+                        self._compact()
+                        self._write_block_table()
                         self._decode()
                     self.runner.flush()
             except Exception as e:  # the batched step failed: no single row owns it, so every row ends
@@ -380,27 +367,27 @@ class Engine:
             self._forget(r)
 
     def _swapped(self) -> list[Request]:
-        """--paged: preempted requests waiting in host memory (FCFS), else []."""
-        return self.scheduler.swapped if self.scheduler is not None else []
+        """Preempted requests waiting in host memory (FCFS; a static cache preempts none)."""
+        return self.scheduler.swapped
 
     def _release(self, slot: int, r: Optional[Request]) -> None:
         """Under the lock: r (finished, failed or cancelled) leaves its row; with --paged its pages
         go back to the pool at once."""
         if self.rows[slot] is r:
             self.rows[slot] = None
-        if self.scheduler is not None and r is not None:
+        if r is not None:
             self.scheduler.finish(r)
             self._forget(r)
             self.table_rows[slot] = (None, -1)  # rewrite this table row before the next step
 
-    # ---------------------------------------------------------------- --paged
+    # ---------------------------------------------------------------- scheduling
 
     def _tokens_after_step(self, r: Request) -> int:
         """Tokens r's sequence holds after the next decode step: its prompt and every sampled token
         (the last one is appended by that step); a waiting request's prompt plus its first token."""
         return len(r.prompt_ids) + max(len(r.tokens), 1)
 
-    def _schedule_pages(self) -> tuple[list, list, list]:
+    def _schedule(self) -> tuple[list, list, list]:
         """Under the lock: the block manager's round (block_manager.Scheduler). Preempted requests
         leave their rows (their pages are saved next, before anything else runs), resumed and
         admitted ones take free rows. Returns ([(row, request, pages saved)], resumed rows, admitted rows)."""
@@ -440,7 +427,7 @@ class Engine:
             for slot, r in enumerate(self.rows):
                 pages = self.blocks.tables.get(r, []) if r is not None else []
                 if self.table_rows[slot] != (r, len(pages)):
-                    self.table[slot].fill_(self.cache.num_pages)
+                    self.table[slot].fill_(self.layout.num_pages)
                     self.table[slot, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
                     self.table_rows[slot] = (r, len(pages))
                     changed = True
@@ -484,7 +471,7 @@ class Engine:
                 if self.prefix_chunk is not None:
                     logits = self._prefill_shared(slot, r)
                 else:
-                    pages = [] if self.scheduler is None else self.blocks.table(r)[:self.cache.pages_needed(len(r.prompt_ids))]
+                    pages = self.blocks.table(r)[:self.layout.pages_needed(len(r.prompt_ids))]
                     logits = self.runner.prefill(slot, r.prompt_ids, pages)
             except Exception as e:
                 if self.runner.failure is not None:

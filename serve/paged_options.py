@@ -78,3 +78,13 @@ def decode_buckets(rows: int, chosen: Optional[tuple[int, ...]] = None) -> tuple
                          f"(each is a compiled decode step), got {len(buckets)}")
     return buckets
 
+
+
+def prefix_caching(paging: Optional[PagedServing], cache, max_seq_len: int) -> tuple[Optional[int], int]:
+    """(the prefix chunk, how many prefixes are kept) of an engine: (None, 0) without
+    --prefix-caching; else the checked options, max_prefixes None resolved (default_max_prefixes)."""
+    if paging is None or paging.prefix_chunk is None:
+        return None, 0
+    check_prefix_caching(paging, cache.page_size)
+    kept = paging.max_prefixes
+    return paging.prefix_chunk, default_max_prefixes(cache, paging.prefix_chunk, max_seq_len) if kept is None else kept

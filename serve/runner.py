@@ -12,6 +12,7 @@ engine, plus one entry in tp.OPS so that workers repeat it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -22,6 +23,21 @@ from kivi_ops.row_view import leading_rows
 
 from kivi_models.generate import compile_decode_step, decode_step, make_cache, make_paged_cache, prefill, prefill_chunked
 from .prefix_cache import restore_prefix, save_tail
+
+
+@dataclass(frozen=True)
+class RowPages:
+    """A static cache as the scheduler sees a paged one: one page of max_seq_len tokens per row,
+    `rows` pages in all. A request holds one page while it runs, whatever its length, so a static
+    engine admits while a row is free and never preempts; which page id it holds does not matter,
+    its row is where its tokens are."""
+
+    num_pages: int
+    page_size: int
+    max_pages_per_seq: int = 1
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
 
 
 class Runner:
@@ -52,13 +68,15 @@ class Runner:
             width = self.cache.max_pages_per_seq
             self.staging = make_paged_cache(model, batch_size=1, num_pages=width, **paged)
             self.staging_table = torch.arange(width, dtype=torch.int32, device=self.device)[None]
+        # The pages the engine schedules: the paged cache's own, or one per static row.
+        self.layout = self.cache if self.paged else RowPages(num_pages=slots, page_size=max_seq_len)
         self.step_fn = compile_decode_step(self.device) if compile else decode_step
         self.saved: dict[int, object] = {}  # key -> a swapped-out sequence's host copy or a cached prefix's tail (paged)
         self.views = {slots: self.cache}  # rows -> the paged cache's first rows (decode buckets), made once each
 
     def prefill(self, slot: int, prompt_ids: list[int], pages: list[int]) -> torch.Tensor:
         """Prefill one prompt alone (exact attention, then quantization, as `kivi generate` does) and
-        move it into row `slot` (paged: into `pages`, the pages its prompt needs; static: []).
+        move it into row `slot` (paged: into `pages`, the pages its prompt needs; static: the row).
         Returns the logits [1, V] of its last token."""
         self._stage()
         input_ids = torch.tensor([prompt_ids], device=self.device)
@@ -115,8 +133,10 @@ class Runner:
         self.saved.pop(key, None)
 
     def write_table(self, table: torch.Tensor) -> None:
-        """The block table (host int32 [rows, pages per row]) into the device one, in one copy (paged)."""
-        self.cache.block_table.copy_(table)
+        """The block table (host int32 [rows, pages per row]) into the device one, in one copy (a
+        static cache has none: its rows are its pages)."""
+        if self.paged:
+            self.cache.block_table.copy_(table)
 
     def move(self, src: int, dst: int) -> None:
         """Row `src`'s sequence into the free row `dst` (paged: its row state; its pages stay, the

@@ -302,6 +302,8 @@ class LeaderRunner(Runner):
         super().stop_compiling()
 
     def write_table(self, table: torch.Tensor) -> None:
+        if not self.paged:
+            return  # a static cache has no block table (Runner.write_table)
         sent = self.sent_table
         for row in range(table.shape[0]):  # only the rows that changed, without their unused tail
             if sent is None or not torch.equal(sent[row], table[row]):
