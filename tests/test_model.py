@@ -192,6 +192,7 @@ def test_hf_generate_resets_a_reused_cache(loaded):
     assert again.tolist() == alone.tolist() and cache.lengths().tolist() == fresh.lengths().tolist()
 
 
+@pytest.mark.slow  # 65 s of cold Inductor compiles; make test compiles generate() in the test below
 def test_hf_generate_compiles_one_graph_for_every_decode_step(loaded):
     # Our cache is compileable: transformers' generate() runs its decode steps through the patched
     # model's compiled step (kivi_models.hf_generate). A left-padded batch gives the eager path's

@@ -559,6 +559,7 @@ def test_a_signal_drains_for_the_shutdown_timeout_then_ends_streams_with_an_erro
         engine.close()
 
 
+@pytest.mark.slow  # a `kivi serve` process of the embedded model (20 s); the drain above runs in make test
 def test_kivi_serve_exits_0_after_sigterm_and_ends_a_stream_with_an_error_event(tmp_path):
     """The real CLI process (the embedded model, ~5 s to start): SIGTERM with --shutdown-timeout
     0.2 ends a running stream with an error event and [DONE], and the process exits 0."""
@@ -872,6 +873,7 @@ Server(uvicorn_config(build_app(engine, "tiny"), host="127.0.0.1", port=int(sys.
 """
 
 
+@pytest.mark.slow  # a server process under ulimit and 320 sockets (36 s); the limits' rules run in make test
 def test_300_idle_connections_under_ulimit_256_leave_health_and_completions_working(tmp_path):
     """The probe's case (issue 43): a server limited to 256 descriptors, 300 connections that send
     nothing and 20 that stop halfway through a body. /health still answers in under a second, a
