@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kivi_benchmarks import DEFAULT_OUT
+
 from .args import (check_weight_quant_modes, dumps_json, fraction_arg, int_list, positive_int,
                    positive_ints, usage_errors)
-
-from kivi_benchmarks import DEFAULT_OUT
 
 SHAPE_7B = "llama2-7b-shape"  # --model: random weights at Llama-2-7B's shape, for speed only
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from kivi_benchmarks import DEFAULT_OUT
+
 from .args import (add_model_arguments, check_weight_quant_modes, device_and_dtype, dumps_json, int_list,
                    kivi_config_from, positive_int, usage_errors)
-
-from kivi_benchmarks import DEFAULT_OUT
 
 
 def add_eval_parser(sub) -> None:

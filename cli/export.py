@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
+from kivi_export.artifact import FORMATS, ArtifactError
+
 from .args import (add_model_arguments, add_prompt_arguments, add_sampling_arguments, device_and_dtype,
                    dumps_json, encode, generation_report, kivi_config_from, positive_int,
                    print_generations, read_prompts, usage_errors)
-
-from kivi_export.artifact import FORMATS, ArtifactError
 
 
 def add_export_parsers(sub) -> None:

@@ -234,7 +234,7 @@ class Engine:
         failure, self.pending_abort = self.pending_abort, None
         if failure is None:
             return
-        for r in [*self.waiting, *self._swapped(), *(r for r in self.rows if r is not None)]:
+        for r in [*self.waiting, *self.scheduler.swapped, *(r for r in self.rows if r is not None)]:
             r.cancelled = True
             r.emit("error", failure)
         self.waiting.clear()
@@ -295,7 +295,7 @@ class Engine:
                 return
             with self.lock:
                 while (not self.stopping and self.pending_abort is None and not self.waiting and not any(self.rows)
-                       and not self._swapped()):
+                       and not self.scheduler.swapped):
                     if not self.lock.wait(self.runner.heartbeat_s):
                         break  # idle for heartbeat_s: the runner's flush() below tells the other ranks
                 self._end_aborted()  # no step is running now: the rows, pages and host copies are ours
@@ -362,13 +362,9 @@ class Engine:
         for slot, r in enumerate(self.rows):
             if r is not None and r.cancelled:
                 self._release(slot, r)
-        for r in [r for r in self._swapped() if r.cancelled]:
+        for r in [r for r in self.scheduler.swapped if r.cancelled]:
             self.scheduler.finish(r)
             self._forget(r)
-
-    def _swapped(self) -> list[Request]:
-        """Preempted requests waiting in host memory (FCFS; a static cache preempts none)."""
-        return self.scheduler.swapped
 
     def _release(self, slot: int, r: Optional[Request]) -> None:
         """Under the lock: r (finished, failed or cancelled) leaves its row; with --paged its pages
@@ -441,7 +437,7 @@ class Engine:
         for r in [r for r in self.waiting if overdue(r)]:
             self.waiting.remove(r)
             r.emit("error", self._timed_out())
-        for r in [r for r in self._swapped() if overdue(r)]:
+        for r in [r for r in self.scheduler.swapped if overdue(r)]:
             self.scheduler.finish(r)
             self._forget(r)
             r.emit("error", self._timed_out())
