@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .kernels.avx2_byte_loads import install as install_avx2_byte_loads
+
 
 def signature(*args) -> tuple:
     """What compiled code is specialized to, as a hashable key: tensor shapes, strides, dtypes,
@@ -37,4 +39,5 @@ def compile_own_code(fn, **options):
         return fn(*args, **kwargs)
 
     run.__code__ = run.__code__.replace()  # a new code object: replace() always builds one
+    install_avx2_byte_loads()  # AVX2: the packed codes' loads without a store-forwarding stall
     return torch.compile(run, **options)
