@@ -245,7 +245,7 @@ def _time_phases(engine: Engine, phases: list) -> None:
 
     if callable(getattr(engine, "_prefill", None)) and callable(getattr(engine, "_decode", None)):
         engine._prefill = timed("prefill", engine._prefill, len)
-        engine._decode = timed("decode", engine._decode, lambda: sum(r is not None for r in engine.rows))
+        engine._decode = timed("decode", engine._decode, lambda: len(engine.placement.running()))
 
 
 def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, requests: list, clients: int,
@@ -259,8 +259,8 @@ def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, 
 
         torch._dynamo.reset()
     engine = Engine(model, tokenizer, method=setup["method"], kivi_config=kivi_config, slots=setup["slots"],
-                    max_seq_len=max_seq_len, compile=compile, paging=setup["paging"], max_waiting=None)
-    engine.eos = set()  # every request generates its drawn length
+                    max_seq_len=max_seq_len, compile=compile, paging=setup["paging"], max_waiting=None,
+                    eos_token_ids=set())  # every request generates its drawn length
     phases = []
     _time_phases(engine, phases)
     decoded_rows = []  # (time, rows) of each decode step (paged: the rows of its bucket)
@@ -349,7 +349,7 @@ def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, 
                generated_tokens=tokens, tokens_per_s=tokens / elapsed, mean_held=statistics.fmean(held),
                peak_held=max(held), ttft_p50_s=ttft[len(ttft) // 2] if ttft else None,
                ttft_p99_s=ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else None,
-               preemptions=stats.get("preemptions", 0) - preempted_before, decode_buckets=list(engine.buckets),
+               preemptions=stats.get("preemptions", 0) - preempted_before, decode_buckets=list(engine.placement.buckets),
                mean_decode_rows=statistics.fmean(run_rows) if run_rows else None)
     if setup["paging"] is not None:
         row.update(pages=setup["paging"].num_pages, page_size=engine.cache.page_size,

@@ -306,9 +306,9 @@ def cmd_serve(args, parser) -> int:
             f"{nbytes / 2**20:.1f} MiB of {args.method} cache{share}: {held} sequences of {chat} tokens (chat length) "
             f"at once, where an fp16 paged cache would hold {fp16_paged_sequences(model, nbytes, chat)} in the same "
             f"bytes; a request holds at most {args.max_seq_len} tokens"
-            + (f"; prefix caching in chunks of {paging.prefix_chunk} tokens, {engine.blocks.max_prefixes} prefixes "
+            + (f"; prefix caching in chunks of {paging.prefix_chunk} tokens, {engine.placement.max_prefixes} prefixes "
                f"kept at most" if paging.prefix_chunk else "")
-            + f"; decode steps over {', '.join(map(str, engine.buckets))} rows")
+            + f"; decode steps over {', '.join(map(str, engine.placement.buckets))} rows")
     log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API; /health, /metrics)")
     app = build_app(engine, name, max_request_bytes=args.max_request_bytes, api_key=api_key, docs=args.docs,
                     allowed_hosts=allowed_hosts)

@@ -18,7 +18,7 @@ Timings: median of `--repeats` wall-clock runs per method after warm-up, methods
 round by round (so a noisy neighbour hits all of them alike); the per-round ratios' median is
 reported too. Inputs are random normal data, never zeros.
 
-    .venv/bin/python -m lab decomposed_attend_cpu [--threads 1] [--context 8192] [--repeats 30]
+    .venv/bin/python -m lab decomposed_attend_cpu [--threads 1] [--context 8192] [--repeats 30] [--aten-byte-loads]
 
 Each thread count wants its own process (Inductor specializes its loops to the thread count).
 """
@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from kivi_ops import KIVICache, KIVIConfig
+from kivi_ops.kernels.avx2_byte_loads import install as install_avx2_byte_loads
 from kivi_ops.kernels.decomposed_append import append_decomposed
 from kivi_ops.kernels.decomposed_attend import attend_fused, attend_materialized
 
@@ -77,7 +78,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads before anything is compiled (default: torch's default)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--aten-byte-loads", action="store_true",
+                    help="compile with Inductor's own 8-byte loads (ATen's slow AVX2 path), not the library's "
+                         "(kivi_ops/kernels/avx2_byte_loads.py), to compare")
     args = ap.parse_args(argv)
+    if not args.aten_byte_loads:
+        install_avx2_byte_loads()  # what every compile of the library does (compile_budget.compile_own_code)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -164,6 +170,7 @@ def main(argv=None) -> dict:
         append=dict(base="fp32_index_put_append_compiled", rows=summarize(append_times, "fp32_index_put_append_compiled")),
         bytes=dict(fp32_kv=2 * k_fp.numel() * 4, kivi_layer=cache.nbytes()),
         repeats=args.repeats,
+        inductor_byte_loads="aten (fill, copy, reload)" if args.aten_byte_loads else "one 8-byte load (avx2_byte_loads.py)",
         environment=environment(command="python -m lab decomposed_attend_cpu " + " ".join(argv or [])),
     )
     for part in ("attend", "append"):

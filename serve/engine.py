@@ -2,10 +2,10 @@
 
 Each row of the cache is a slot. One engine thread owns the model and the cache and loops:
 
-1. schedule: the block manager's scheduler (block_manager.py) decides the round, for both
-   layouts: a paged cache's pages, or a static cache seen as one page of max_seq_len tokens per
-   row (runner.RowPages: admit while a row is free, never preempt). Preempted requests are swapped
-   out, swapped-out ones come back, waiting ones are admitted (FIFO) into free rows; each new
+1. schedule: the placement (placement.py, over the block manager's scheduler) plans the round,
+   for both layouts: a paged cache's pages, or a static cache seen as one page of max_seq_len
+   tokens per row (runner.RowPages: admit while a row is free, never preempt). Preempted requests
+   are swapped out, swapped-out ones come back, waiting ones are admitted (FIFO) into free rows; each new
    prompt is prefilled alone in a batch-1 staging cache (exactly `kivi generate`'s prefill: exact
    attention, then quantization) and copied into the request's row and pages (the other rows are
    untouched), so an admission costs the prompt alone, not a forward over every row;
@@ -55,10 +55,10 @@ from typing import Callable, Optional
 
 import torch
 
-from .block_manager import BlockManager, CachedPrefix, Scheduler, prefix_keys
 from .output import add_token, sample
 from .paged_options import PagedServing, decode_buckets, prefix_caching
-from .request import HOST_KEYS, Failure, Request, RequestError, context_error, prompt_count
+from .placement import Placement
+from .request import HOST_KEYS, Failure, Request, RequestError
 from .runner import Runner
 
 log = logging.getLogger("kivi.serve")
@@ -67,53 +67,42 @@ log = logging.getLogger("kivi.serve")
 class Engine:
     def __init__(self, model, tokenizer, *, method: str, kivi_config, slots: int, max_seq_len: int,
                  compile: bool = False, max_waiting: Optional[int] = None, request_timeout: Optional[float] = None,
-                 paging: Optional[PagedServing] = None, make_runner: Callable[..., Runner] = Runner):
+                 paging: Optional[PagedServing] = None, make_runner: Callable[..., Runner] = Runner,
+                 eos_token_ids: Optional[set[int]] = None):
         """max_waiting: the most requests queued for a slot (None: no bound); beyond it submit()
         refuses with 503. request_timeout: seconds from submit() after which a request, waiting or
         running, ends with a 504 error (None: none). paging: a paged cache (a pool of pages shared
         by `slots` rows, block_manager.py) instead of static rows of max_seq_len tokens.
         make_runner: builds what carries out the engine's decisions on the model and the cache
-        (runner.Runner; tensor parallelism: tp.LeaderRunner)."""
-        self.model, self.tokenizer = model, tokenizer
+        (runner.Runner; tensor parallelism: tp.LeaderRunner). eos_token_ids: the tokens that end a
+        completion (None: the tokenizer's; an empty set runs every request to max_tokens)."""
+        self.model, self.tokenizer, self.compile = model, tokenizer, compile
         self.max_waiting, self.request_timeout = max_waiting, request_timeout
-        self.draining = False  # set by drain(): new requests are refused
-        self.drain_timer: Optional[threading.Timer] = None
-        self.slots, self.max_seq_len = slots, max_seq_len
-        self.device = model.device
+        self.slots, self.max_seq_len, self.device = slots, max_seq_len, model.device
         self.runner = make_runner(model, method=method, kivi_config=kivi_config, slots=slots, max_seq_len=max_seq_len,
                                   paging=paging, compile=compile)
-        self.cache = self.runner.cache  # read here for sizes and lengths only; the runner changes it
-        # One scheduler for both layouts: the pages are a paged cache's, or one per static row
-        # (runner.RowPages: a static engine admits while a row is free and never preempts).
-        self.layout = self.runner.layout
-        self.prefix_chunk, max_prefixes = prefix_caching(paging, self.cache, max_seq_len)
-        self.blocks = BlockManager(self.layout.num_pages, self.layout.max_pages_per_seq, self.layout.pages_needed,
-                                   max_prefixes=max_prefixes)
-        # An evicted prefix's tail (a host copy the runner keeps under the prefix's key) is dropped
-        # after the round's prefills: a request admitted this round may still start from it.
-        self.evicted_tails: list[int] = []
-        self.blocks.on_evict = lambda prefix: self.evicted_tails.append(prefix.payload)
-        self.prefix_hits = self.prefix_hit_tokens = 0
-        self.scheduler = Scheduler(self.blocks, slots)
-        self.table = torch.full((slots, self.layout.max_pages_per_seq), self.layout.num_pages, dtype=torch.int32)
-        self.table_rows: list[tuple[Optional[Request], int]] = [(None, 0)] * slots  # what table[row] holds
-        self.buckets = decode_buckets(slots, paging.decode_buckets) if paging is not None else (slots,)
-        # Ready once the decode step has run over every bucket (_warm_up): /health says so.
-        self.ready = threading.Event()
-        self.warmup_error: Optional[str] = None
-        self.compile = compile
-        eos = tokenizer.eos_token_id
-        self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.rows: list[Optional[Request]] = [None] * slots
+        self.cache = self.runner.cache  # read here for sizes only; the runner changes it
+        prefix_chunk, max_prefixes = prefix_caching(paging, self.cache, max_seq_len)
+        buckets = decode_buckets(slots, paging.decode_buckets) if paging is not None else (slots,)
+        self.placement = Placement(self.runner.layout, slots, buckets, prefix_chunk, max_prefixes,
+                                   report_pages=self.runner.paged)
+        if eos_token_ids is None:
+            eos = tokenizer.eos_token_id
+            eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.eos = set(eos_token_ids)
         self.waiting: collections.deque[Request] = collections.deque()
         self.lock = threading.Condition()
-        self.generated_tokens = 0
+        self.generated_tokens = self.prefix_hits = self.prefix_hit_tokens = 0
         self.decode_rows = 0  # the rows the last decode step ran over (its bucket)
         self.started_s = time.perf_counter()
-        self.stopping = False
-        # abort() from another thread records its failure here; the engine thread ends the requests.
+        # Lifecycle: ready once the decode step has run over every bucket (_warm_up; /health says so);
+        # draining refuses new requests; abort() from another thread records its failure in
+        # pending_abort and the engine thread ends the requests; stopped: that thread has returned.
+        self.ready = threading.Event()
+        self.warmup_error: Optional[str] = None
+        self.draining = self.stopping = self.stopped = False
+        self.drain_timer: Optional[threading.Timer] = None
         self.pending_abort: Optional[Failure] = None
-        self.stopped = False  # the engine thread has returned: abort() ends requests itself
         self.thread = threading.Thread(target=self._loop, name="kivi-engine", daemon=True)
         self.thread.start()
 
@@ -134,8 +123,7 @@ class Engine:
             raise RequestError("the prompt is empty (no tokens); give text to continue", param="prompt")
         if (refused := self.capacity_error(len(request.prompt_ids), request.max_tokens)) is not None:
             raise refused
-        if self.prefix_chunk is not None:
-            request.prefix_keys = prefix_keys(request.prompt_ids, self.prefix_chunk)
+        self.placement.submit_keys(request)
         if request.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
         if self.request_timeout is not None:
@@ -147,20 +135,8 @@ class Engine:
             self.lock.notify()
 
     def capacity_error(self, prompt_tokens: int, max_tokens: int, *, at_least: bool = False) -> Optional[RequestError]:
-        """The refusal of a request that could never fit: beyond a sequence's max_seq_len, or
-        (paged) needing more pages than the whole pool holds. at_least: prompt_tokens is a lower
-        bound (counted before tokenizing)."""
-        refused = context_error(prompt_tokens, max_tokens, self.max_seq_len, at_least=at_least)
-        if refused is not None:
-            return refused
-        tokens = prompt_tokens + max_tokens
-        if self.blocks.fits(tokens):
-            return None
-        return RequestError(
-            f"the prompt ({prompt_count(prompt_tokens, at_least)}) + max_tokens ({max_tokens}) needs {self.blocks.pages_needed(tokens)} pages of "
-            f"{self.layout.page_size} tokens, more than the whole pool of {self.blocks.num_pages} pages holds "
-            f"(--num-pages / --cache-budget-gib)", code="context_length_exceeded",
-            param="max_tokens" if self.blocks.fits(prompt_tokens) else "prompt")
+        """The refusal of a request that could never fit (Placement.capacity_error), else None."""
+        return self.placement.capacity_error(prompt_tokens, max_tokens, self.max_seq_len, at_least=at_least)
 
     def admission_error(self) -> Optional[RequestError]:
         """Why a request arriving now would be refused (503: shutting down, or the queue is full),
@@ -171,7 +147,7 @@ class Engine:
                                     code="tensor_parallel_failure")
             if self.draining:
                 return RequestError("the server is shutting down", status=503, code="server_shutting_down")
-            queued = len(self.waiting) - sum(r is None for r in self.rows)  # beyond the free slots they will take
+            queued = len(self.waiting) - self.placement.free_rows()  # beyond the free slots they will take
             if self.max_waiting is not None and queued >= self.max_waiting:
                 return RequestError(f"the server is busy: every slot is in use and {queued} request(s) wait "
                                     f"(--max-waiting); retry later", status=503, code="server_busy",
@@ -188,21 +164,28 @@ class Engine:
 
     def stats(self) -> dict:
         with self.lock:
-            running = sum(r is not None for r in self.rows)
+            running = len(self.placement.running())
             elapsed = time.perf_counter() - self.started_s
             by_rank = self.runner.cache_bytes_by_rank()
             stats = dict(running=running, waiting=len(self.waiting), slots_used=running, slots_free=self.slots - running,
                          cache_bytes=sum(by_rank), cache_bytes_by_rank=by_rank, tp_size=len(by_rank),
                          generated_tokens=self.generated_tokens, decode_rows=self.decode_rows,
                          tokens_per_s=self.generated_tokens / elapsed if elapsed > 0 else 0.0)
-            if self.runner.paged:  # a static cache's pages are its rows: slots_used says it
-                stats.update(pages_used=self.blocks.num_used, pages_free=self.blocks.num_free,
-                             pages_shared=self.blocks.num_shared, preemptions=self.scheduler.preemptions,
-                             swapped=len(self.scheduler.swapped))
-            if self.prefix_chunk is not None:
-                stats.update(pages_cached=self.blocks.num_cached, prefixes_cached=len(self.blocks.prefixes),
-                             prefix_hits=self.prefix_hits, prefix_hit_tokens=self.prefix_hit_tokens)
+            stats.update(self.placement.page_stats())
+            if self.placement.prefix_chunk is not None:
+                stats.update(self.placement.prefix_stats(), prefix_hits=self.prefix_hits,
+                             prefix_hit_tokens=self.prefix_hit_tokens)
             return stats
+
+    def snapshot(self) -> dict:
+        """Where each request sits (Placement.snapshot) and the queue's request ids."""
+        with self.lock:
+            return dict(self.placement.snapshot(), waiting=[r.id for r in self.waiting])
+
+    def check(self) -> None:
+        """The placement's invariants (tests): call while the engine is idle or paused."""
+        with self.lock:
+            self.placement.check()
 
     def drain(self, timeout: float, message: str = "the server shut down before this request finished") -> None:
         """Refuse new requests from now on; after `timeout` seconds, end the ones still waiting or
@@ -234,15 +217,12 @@ class Engine:
         failure, self.pending_abort = self.pending_abort, None
         if failure is None:
             return
-        for r in [*self.waiting, *self.scheduler.swapped, *(r for r in self.rows if r is not None)]:
+        for r in [*self.waiting, *self.placement.swapped, *(r for _, r in self.placement.running())]:
             r.cancelled = True
             r.emit("error", failure)
-        self.waiting.clear()
-        for slot, r in enumerate(self.rows):
-            self._release(slot, r)
-        for r in self.scheduler.swapped:
             self._forget(r)
-        self.scheduler.finish_all()
+        self.waiting.clear()
+        self.placement.finish_all()
 
     def close(self) -> None:
         """Stop the engine thread. New requests are refused, and every request still open ends
@@ -269,7 +249,7 @@ class Engine:
         every running stream for the seconds of a compile (issue 43 measured 20.8 s)."""
         try:
             with torch.inference_mode():
-                for rows in self.buckets:
+                for rows in self.placement.buckets:
                     self.runner.decode([-1] * rows)
         except Exception as e:
             what = "the compiled decode step" if self.compile else "the decode step's CPU kernels"
@@ -288,44 +268,39 @@ class Engine:
                 self._end_aborted()
 
     def _run(self) -> None:
+        """nano-vllm's step: schedule -> run -> output, until closed."""
         self._warm_up()
         while True:
             if self.runner.failure is not None:  # tensor parallelism: a rank died or fell out of step
                 self._runner_failed()
                 return
             with self.lock:
-                while (not self.stopping and self.pending_abort is None and not self.waiting and not any(self.rows)
-                       and not self.scheduler.swapped):
+                while not self.stopping and self.pending_abort is None and not self.waiting and self.placement.idle():
                     if not self.lock.wait(self.runner.heartbeat_s):
                         break  # idle for heartbeat_s: the runner's flush() below tells the other ranks
                 self._end_aborted()  # no step is running now: the rows, pages and host copies are ours
                 if self.stopping:
                     self.runner.close()
                     return
-                self._drop_cancelled()
-                self._end_overdue()
-                preempted, resumed, admitted = self._schedule()
+                self._end_cancelled_and_overdue()
+                plan = self.placement.plan(self.waiting)
             try:
                 with torch.inference_mode():
-                    for slot, r, pages in preempted:  # before anything writes the pages they gave back
-                        self._swap_out(slot, r, pages)
-                    for slot in resumed:
-                        self._resume(slot)
-                    if admitted:
-                        self._prefill(admitted)
-                    self._drop_evicted_tails()
-                    if any(r is not None for r in self.rows):
-                        self._compact()
-                        self._write_block_table()
+                    self._place(plan)
+                    if plan.admitted:
+                        self._prefill(plan.admitted)
+                    for key in self.placement.take_evicted():
+                        self.runner.drop(key)
+                    if self.placement.running():
                         self._decode()
                     self.runner.flush()
             except Exception as e:  # the batched step failed: no single row owns it, so every row ends
                 if self.runner.failure is not None:
                     continue  # every request ends with a 503 (_runner_failed)
-                log.exception("the decode step failed; ending the %d running request(s)", sum(map(bool, self.rows)))
-                for slot, r in enumerate(self.rows):
-                    if r is not None:
-                        self._fail(slot, r, f"the decode step failed: {type(e).__name__}: {e}")
+                running = self.placement.running()
+                log.exception("the decode step failed; ending the %d running request(s)", len(running))
+                for slot, r in running:
+                    self._fail(slot, r, f"the decode step failed: {type(e).__name__}: {e}")
 
     def _runner_failed(self) -> None:
         """The runner cannot run any more (tp.py: a rank died, or a collective failed or timed
@@ -333,6 +308,17 @@ class Engine:
         log.error("the engine stops: %s", self.runner.failure)
         self.ready.clear()
         self.abort(f"the server cannot serve: {self.runner.failure}", code="tensor_parallel_failure")
+
+    def _place(self, plan) -> None:
+        """Carry out a plan's swaps: the preempted requests' pages are saved before anything writes
+        them; the resumed ones come back into their rows and new pages (any ids)."""
+        for slot, r, pages in plan.preempted:
+            log.info("request %s: preempted (swapped out, %d pages)", r.id, len(pages))
+            self._swap_out(slot, r, pages)
+        for slot in plan.resumed:
+            r = self.placement.rows[slot]
+            self.runner.load(slot, self.placement.saved_pages(r), r.key)
+            r.saved = None
 
     def _swap_out(self, slot: int, r: Request, pages: list[int]) -> None:
         """Save a preempted request's pages and row state to host memory. If that fails (host
@@ -346,7 +332,7 @@ class Engine:
             log.exception("request %s: swapping it out failed", r.id)
             self.runner.drop(r.key)  # a rank that saved it drops its copy too
             with self.lock:
-                self.scheduler.finish(r)
+                self.placement.finish(r)
             r.emit("error", Failure(500, f"the request was preempted and saving it to host memory failed: "
                                          f"{type(e).__name__}: {e}"))
             return
@@ -358,91 +344,29 @@ class Engine:
             self.runner.drop(r.key)
             r.saved = None
 
-    def _drop_cancelled(self) -> None:
-        for slot, r in enumerate(self.rows):
-            if r is not None and r.cancelled:
-                self._release(slot, r)
-        for r in [r for r in self.scheduler.swapped if r.cancelled]:
-            self.scheduler.finish(r)
-            self._forget(r)
-
     def _release(self, slot: int, r: Optional[Request]) -> None:
-        """Under the lock: r (finished, failed or cancelled) leaves its row; with --paged its pages
-        go back to the pool at once."""
-        if self.rows[slot] is r:
-            self.rows[slot] = None
+        """Under the lock: r (finished, failed or cancelled) leaves its row and its pages."""
+        self.placement.release(slot, r)
         if r is not None:
-            self.scheduler.finish(r)
             self._forget(r)
-            self.table_rows[slot] = (None, -1)  # rewrite this table row before the next step
 
-    # ---------------------------------------------------------------- scheduling
-
-    def _tokens_after_step(self, r: Request) -> int:
-        """Tokens r's sequence holds after the next decode step: its prompt and every sampled token
-        (the last one is appended by that step); a waiting request's prompt plus its first token."""
-        return len(r.prompt_ids) + max(len(r.tokens), 1)
-
-    def _schedule(self) -> tuple[list, list, list]:
-        """Under the lock: the block manager's round (block_manager.Scheduler). Preempted requests
-        leave their rows (their pages are saved next, before anything else runs), resumed and
-        admitted ones take free rows. Returns ([(row, request, pages saved)], resumed rows, admitted rows)."""
-        lookup = None
-        if self.prefix_chunk is not None:  # a cached prefix must leave a token to prefill (its logits)
-            lookup = lambda r: r.prefix_keys[:(len(r.prompt_ids) - 1) // self.prefix_chunk]  # noqa: E731
-        plan = self.scheduler.schedule(self.waiting, self._tokens_after_step, lookup)
-        for r, hit in plan.hits.items():
-            r.prefix_hit = hit
-        preempted = []
-        for r, pages in plan.preempted:
-            slot = self.rows.index(r)
-            self.rows[slot] = None
-            self.table_rows[slot] = (None, -1)  # r may come back here with other pages, as many
-            r.preemptions += 1
-            preempted.append((slot, r, pages))
-            log.info("request %s: preempted (swapped out, %d pages)", r.id, len(pages))
-        rows = []
-        for r in [*plan.resumed, *plan.admitted]:
-            slot = self.rows.index(None)
-            self.rows[slot] = r
-            rows.append(slot)
-        return preempted, rows[:len(plan.resumed)], rows[len(plan.resumed):]
-
-    def _resume(self, slot: int) -> None:
-        """Bring a swapped-out request back into row `slot` and the pages it was given (any ids)."""
-        r = self.rows[slot]
-        self.runner.load(slot, self.blocks.table(r)[:r.saved], r.key)
-        r.saved = None
-
-    def _write_block_table(self) -> None:
-        """Each row's pages into the device block table (only rows that changed; one copy). A
-        request's pages only grow while it holds its row, so (request, page count) names a row's
-        content; leaving a row (release, preemption) marks it for a rewrite."""
-        changed = False
-        with self.lock:
-            for slot, r in enumerate(self.rows):
-                pages = self.blocks.tables.get(r, []) if r is not None else []
-                if self.table_rows[slot] != (r, len(pages)):
-                    self.table[slot].fill_(self.layout.num_pages)
-                    self.table[slot, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-                    self.table_rows[slot] = (r, len(pages))
-                    changed = True
-        if changed:
-            self.runner.write_table(self.table)
-
-    def _end_overdue(self) -> None:
-        """Requests past their deadline (request_timeout), waiting or running, end with a 504."""
+    def _end_cancelled_and_overdue(self) -> None:
+        """Under the lock: cancelled requests leave; those past their deadline (request_timeout),
+        waiting, swapped out or running, end with a 504."""
         now = time.perf_counter()
         overdue = lambda r: r.deadline_s is not None and now > r.deadline_s  # noqa: E731
         for r in [r for r in self.waiting if overdue(r)]:
             self.waiting.remove(r)
             r.emit("error", self._timed_out())
-        for r in [r for r in self.scheduler.swapped if overdue(r)]:
-            self.scheduler.finish(r)
+        for r in [r for r in self.placement.swapped if r.cancelled or overdue(r)]:
+            self.placement.finish(r)
             self._forget(r)
-            r.emit("error", self._timed_out())
-        for slot, r in enumerate(self.rows):
-            if r is not None and overdue(r):
+            if not r.cancelled:
+                r.emit("error", self._timed_out())
+        for slot, r in self.placement.running():
+            if r.cancelled:
+                self._release(slot, r)
+            elif overdue(r):
                 self._fail(slot, r, self._timed_out().message, status=504, code="timeout")
 
     def _timed_out(self) -> Failure:
@@ -457,18 +381,17 @@ class Engine:
         for slot in admitted:
             with self.lock:  # one look at the abort, close() and cancel: close() sets its abort and stopping together
                 self._end_aborted()  # between two runner calls: the rows and pages are ours
-                r = self.rows[slot]
+                r = self.placement.rows[slot]
                 if r is not None and (r.cancelled or self.stopping):
                     self._release(slot, r)
                     r = None
             if r is None:
                 continue  # ended by an abort (or close()), or cancelled
             try:
-                if self.prefix_chunk is not None:
+                if self.placement.prefix_chunk is not None:
                     logits = self._prefill_shared(slot, r)
                 else:
-                    pages = self.blocks.table(r)[:self.layout.pages_needed(len(r.prompt_ids))]
-                    logits = self.runner.prefill(slot, r.prompt_ids, pages)
+                    logits = self.runner.prefill(slot, r.prompt_ids, self.placement.prompt_pages(r))
             except Exception as e:
                 if self.runner.failure is not None:
                     raise  # not this prompt's fault: every request ends (_runner_failed)
@@ -484,54 +407,34 @@ class Engine:
         boundary not cached yet; those boundaries are cached once r's pages hold them. Returns the
         logits."""
         hit, r.prefix_hit = r.prefix_hit, None
-        chunk, table = self.prefix_chunk, self.blocks.table(r)
         start, shared, tail_key = 0, 0, -1
         if hit is not None:
             start, shared, tail_key = hit.num_tokens, len(hit.pages), hit.payload
             self.prefix_hits += 1
             self.prefix_hit_tokens += start
-        new = [b for b in range(start + chunk, len(r.prompt_ids) + 1, chunk)  # only the engine thread changes prefixes
-               if self.blocks.max_prefixes and r.prefix_keys[b // chunk - 1] not in self.blocks.prefixes]
+        new = self.placement.new_boundaries(r, start)  # only the engine thread changes prefixes
         keys = [next(HOST_KEYS) for _ in new]
-        pages = table[:self.cache.pages_needed(len(r.prompt_ids))]
-        logits = self.runner.prefill_chunked(slot, r.prompt_ids, pages, chunk, start, shared, tail_key, new, keys)
+        logits = self.runner.prefill_chunked(slot, r.prompt_ids, self.placement.prompt_pages(r),
+                                             self.placement.prefix_chunk, start, shared, tail_key, new, keys)
         with self.lock:
             for b, key in zip(new, keys):  # r holds these pages: they are final, in the pool now
-                if not self.blocks.cache_prefix(r.prefix_keys[b // chunk - 1],
-                                                CachedPrefix(b, table[:self.cache.pages_final(b)], key)):
+                if not self.placement.cache_prefix(r, b, key, self.cache.pages_final(b)):
                     self.runner.drop(key)
         return logits
 
-    def _drop_evicted_tails(self) -> None:
-        """The host copies of the prefixes evicted since the last call (after the round's prefills)."""
+    def _decode(self) -> None:
+        """One step over the smallest bucket that holds the requests, moved into the lowest rows."""
         with self.lock:
-            evicted, self.evicted_tails = self.evicted_tails, []
-        for key in evicted:
-            self.runner.drop(key)
-
-    def _bucket(self, rows: int) -> int:
-        """The smallest decode bucket of at least `rows` rows."""
-        return next(b for b in self.buckets if b >= rows)
-
-    def _compact(self) -> None:
-        """Keep the requests in the lowest rows (paged): move those at or past the bucket their
-        number needs into free rows below it, so that the step runs over that bucket only. A
-        move copies a row's state (its window), not its pages; its block-table row is rewritten."""
-        with self.lock:
-            active = [slot for slot, r in enumerate(self.rows) if r is not None]
-            limit = self._bucket(len(active))
-            free = [slot for slot in range(limit) if self.rows[slot] is None]
-            moves = [(src, free.pop(0)) for src in active if src >= limit]
-            for src, dst in moves:
-                self.rows[dst], self.rows[src] = self.rows[src], None
-                self.table_rows[src] = self.table_rows[dst] = (None, -1)
+            moves = self.placement.compaction()
         for src, dst in moves:
             self.runner.move(src, dst)
-
-    def _decode(self) -> None:
-        active = [s for s in range(self.slots) if self.rows[s] is not None]
-        rows = self._bucket(active[-1] + 1)
-        logits = self.runner.decode([r.tokens[-1] if r is not None else -1 for r in self.rows[:rows]])
+        with self.lock:
+            table = self.placement.table_update()
+            active, rows = self.placement.decode_batch()
+            tokens = [r.tokens[-1] if r is not None else -1 for r in self.placement.rows[:rows]]
+        if table is not None:
+            self.runner.write_table(table)
+        logits = self.runner.decode(tokens)
         self.decode_rows = rows
         self._advance(logits[active], active, "a decode step")
 
@@ -541,7 +444,7 @@ class Engine:
         tokenizer) ends its own request; the others go on."""
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         for row_logits, slot, ok in zip(logits, slots, finite):
-            r = self.rows[slot]
+            r = self.placement.rows[slot]
             if r is None or r.cancelled:
                 with self.lock:
                     self._release(slot, r)
@@ -552,18 +455,16 @@ class Engine:
                                     "the dtype (float16 overflow?) or the inputs hold non-finite values")
                 continue
             try:
-                self._next_token(slot, r, row_logits)
+                reason = add_token(r, sample(row_logits, r), self.tokenizer, self.eos)
             except Exception as e:
                 log.exception("request %s: sampling failed", r.id)
                 self._fail(slot, r, f"sampling failed: {type(e).__name__}: {e}")
-
-    def _next_token(self, slot: int, r: Request, logits: torch.Tensor) -> None:
-        reason = add_token(r, sample(logits, r), self.tokenizer, self.eos)
-        self.generated_tokens += 1
-        if reason is not None:
-            r.emit("done", reason)
-            with self.lock:
-                self._release(slot, r)
+                continue
+            self.generated_tokens += 1
+            if reason is not None:
+                r.emit("done", reason)
+                with self.lock:
+                    self._release(slot, r)
 
     def _fail(self, slot: int, r: Request, message: str, status: int = 500, code: str = "generation_failed") -> None:
         """End one request with an error and free its row (its cache row is reloaded at the next admission)."""

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from kivi_serve.app import build_app
-from test_serve_paged import make_engine, tiny  # noqa: F401 (fixture)
+from serve_fixtures import make_engine, tiny  # noqa: F401 (fixture)
 
 ROOT = str(Path(__file__).resolve().parent.parent) + "/"
 KERNEL_DIR = ROOT + "kivi_ops/kernels/"

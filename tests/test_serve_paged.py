@@ -8,7 +8,6 @@ stays one graph. The openai client runs against uvicorn on 127.0.0.1."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 import time
 
@@ -16,100 +15,9 @@ import httpx
 import pytest
 import torch
 
-from kivi_models import generate, make_cache, patch_model
-from kivi_serve.app import build_app
-from kivi_serve.engine import Engine
-from kivi_serve.paged_options import PagedServing
 from kivi_serve.request import Failure, Request, RequestError
-from kivi_ops import KIVIConfig
-from serve_fixtures import free_port, uvicorn_in_thread
-
-NAME = "tiny"
-CONFIG = KIVIConfig(group_size=4, residual_length=8)
-MAX_SEQ_LEN = 96
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time",
-           "The three primary colors are"]
-LENGTHS = [30, 22, 26, 18, 24]
-METHODS = ["fp", "kivi"]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from transformers import AutoTokenizer
-
-    from kivi_models.loading import default_model_dir
-    from tiny_models import tiny_llama
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
-    return patch_model(tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=256)), tokenizer
-
-
-def make_engine(tiny, method, num_pages, page_size=None, slots=4, prefix_chunk=None, prefix_cache_size=256,
-                **options) -> Engine:
-    model, tokenizer = tiny
-    paging = PagedServing(num_pages, page_size, prefix_chunk, prefix_cache_size, options.pop("decode_buckets", None))
-    engine = Engine(model, tokenizer, method=method, kivi_config=CONFIG, slots=slots, max_seq_len=MAX_SEQ_LEN,
-                    paging=paging, **options)
-    engine.eos = set()
-    return engine
-
-
-def complete_all(engine, prompts, lengths, steps_apart=0) -> list[list[int]]:
-    """Submit greedy requests and wait for them: each one's token ids. steps_apart: each request
-    is submitted once the engine has run that many decode steps since the previous one (arrivals
-    counted in the engine's steps, not in seconds, so requests overlap alike on a fast machine
-    and a slow one; a second without a step submits anyway, so an idle engine cannot stall it)."""
-    tokenizer = engine.tokenizer
-    done = [threading.Event() for _ in prompts]
-    reqs = []
-    for i, (p, n) in enumerate(zip(prompts, lengths)):
-        def emit(kind, payload, i=i):
-            if kind == "error":
-                raise AssertionError(f"request {i} failed: {payload}")
-            if kind == "done":
-                done[i].set()
-        reqs.append(Request(prompt_ids=tokenizer(p)["input_ids"], max_tokens=n, temperature=0, emit=emit))
-    stepped, steps = threading.Condition(), [0]
-    real_decode = engine.runner.decode
-
-    def counted(*args, **kwargs):
-        out = real_decode(*args, **kwargs)
-        with stepped:
-            steps[0] += 1
-            stepped.notify_all()
-        return out
-
-    engine.runner.decode = counted
-    try:
-        for i, r in enumerate(reqs):
-            if i:
-                with stepped:
-                    start = steps[0]
-                    stepped.wait_for(lambda: steps[0] >= start + steps_apart, timeout=1.0)
-            engine.submit(r)
-        for i, d in enumerate(done):
-            assert d.wait(120), f"request {i} never finished: {engine.stats()}"
-    finally:
-        engine.runner.decode = real_decode
-    return [r.tokens for r in reqs]
-
-
-def alone(tiny, method, prompt: str, max_tokens: int) -> list[int]:
-    """`kivi generate`: the prompt alone in a static batch-1 cache, greedy."""
-    model, tokenizer = tiny
-    ids = tokenizer(prompt)["input_ids"]
-    cache = make_cache(model, method=method, batch_size=1, max_seq_len=len(ids) + max_tokens, kivi_config=CONFIG)
-    return generate(model, [ids], max_new_tokens=max_tokens, cache=cache).tokens[0]
-
-
-def wait_idle(engine, timeout=10.0) -> dict:
-    end = time.time() + timeout
-    while time.time() < end:
-        s = engine.stats()
-        if s["slots_used"] == 0 and s["waiting"] == 0 and s["swapped"] == 0:
-            return s
-        time.sleep(0.01)
-    raise AssertionError(f"never idle: {engine.stats()}")
+from serve_fixtures import (CONFIG, LENGTHS, MAX_SEQ_LEN, METHODS, NAME, PROMPTS, alone, complete_all,  # noqa: F401
+                            make_engine, metrics, serving, tiny, wait_idle)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -130,8 +38,8 @@ def test_preempted_requests_give_the_tokens_of_an_uninterrupted_run(tiny, method
         small.close()
     assert stats["preemptions"] > 0, stats
     assert got == want  # swapping out and back changes no bit: the same greedy tokens
-    assert stats["pages_used"] == 0 and stats["pages_free"] == small.blocks.num_pages
-    small.blocks.check()
+    assert stats["pages_used"] == 0 and stats["pages_free"] == small.snapshot()["num_pages"]
+    small.check()
     for prompt, n, tokens in zip(PROMPTS, LENGTHS, got):
         assert tokens == alone(tiny, method, prompt, n), prompt
 
@@ -142,7 +50,7 @@ def test_a_request_that_could_never_fit_the_pool_is_refused_naming_the_limit(tin
     try:
         ids = engine.tokenizer(PROMPTS[0])["input_ids"]
         # The pool holds 32 tokens (fp) or 32 quantized tokens plus the window (KIVI).
-        big = min(m for m in range(1, MAX_SEQ_LEN) if not engine.blocks.fits(len(ids) + m))
+        big = min(m for m in range(1, MAX_SEQ_LEN) if engine.capacity_error(len(ids), m) is not None)
         assert len(ids) + big == (33 if method == "fp" else 40)  # KIVI: 40 // R * R = 40 quantized tokens: 5 pages
         with pytest.raises(RequestError, match=r"more than the whole pool of 4 pages.*--num-pages") as e:
             engine.submit(Request(prompt_ids=ids, max_tokens=big, emit=lambda *a: None))
@@ -152,25 +60,6 @@ def test_a_request_that_could_never_fit_the_pool_is_refused_naming_the_limit(tin
         assert e.value.param == "prompt"
     finally:
         engine.close()
-
-
-@contextlib.contextmanager
-def serving(engine):
-    import uvicorn
-
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=free_port(),
-                                        log_level="warning"))
-    with uvicorn_in_thread(srv) as url:
-        deadline = time.time() + 300
-        while not engine.ready.is_set():
-            assert time.time() < deadline, "the engine did not get ready"
-            time.sleep(0.02)
-        yield url
-
-
-def metrics(url) -> dict:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
 
 # In `make test-slow`: each is a cold Inductor build of the paged step (56 s on the 2-core machine).
@@ -225,7 +114,7 @@ def test_openai_client_streamed_and_whole_with_preemptions_equals_kivi_generate_
             end = time.time() + 30
             while (m2 := metrics(url))["kivi_cache_pages_used"] and time.time() < end:
                 time.sleep(0.05)
-            assert m2["kivi_cache_pages_used"] == 0 and m2["kivi_cache_pages_free"] == engine.blocks.num_pages
+            assert m2["kivi_cache_pages_used"] == 0 and m2["kivi_cache_pages_free"] == engine.snapshot()["num_pages"]
     finally:
         engine.close()
     assert len(results) == len(PROMPTS)
@@ -251,13 +140,14 @@ def test_decode_steps_run_over_the_smallest_bucket_holding_the_requests(tiny, me
         torch._dynamo.utils.counters.clear()
     engine = make_engine(tiny, method, num_pages=24 if method == "fp" else 12, page_size=4, slots=6,
                          decode_buckets=(2, 4), compile=compile)
-    assert engine.buckets == (2, 4, 6)
+    assert engine.placement.buckets == (2, 4, 6)
     steps, moves = [], []
     real_decode, real_move = engine.runner.decode, engine.runner.move
 
     def decode(tokens):
-        steps.append((len(tokens), sum(r is not None for r in engine.rows), max(
-            (i for i, r in enumerate(engine.rows) if r is not None), default=-1)))
+        rows = engine.snapshot()["rows"]
+        steps.append((len(tokens), sum(r is not None for r in rows), max(
+            (i for i, r in enumerate(rows) if r is not None), default=-1)))
         return real_decode(tokens)
 
     def move(src, dst):
@@ -279,8 +169,8 @@ def test_decode_steps_run_over_the_smallest_bucket_holding_the_requests(tiny, me
     assert stats["preemptions"] > 0 and moves, (stats, moves)
     assert {rows for rows, _, _ in steps} == {2, 4, 6}, steps
     for rows, running, highest in steps:
-        assert highest < rows and rows == engine._bucket(running), steps
-    engine.blocks.check()
+        assert highest < rows and rows == engine.placement.bucket(running), steps
+    engine.check()
     if compile:
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
         assert sum(torch._dynamo.utils.counters["recompiles"].values()) == recompiles  # none after warm-up
@@ -332,7 +222,7 @@ def test_swapped_requests_end_cleanly_on_cancel_timeout_and_abort(tiny):
         s = wait_idle(engine)
         assert events[2][-1] == "error" or "done" in events[2]
         assert s["pages_used"] == 0 and s["pages_free"] == 10
-        engine.blocks.check()
+        engine.check()
     finally:
         engine.close()
 
@@ -345,12 +235,12 @@ def test_an_abort_from_another_thread_leaves_the_running_step_alone_and_ends_eac
     # request (running, swapped out, waiting) with exactly one 503, also when close() came first.
     engine = make_engine(tiny, "fp", num_pages=10, page_size=4, slots=2)
     events = collections.defaultdict(list)
-    callers = []  # the thread of every runner.drop / scheduler.finish
-    real_step, real_drop, real_finish = engine.step_fn, engine.runner.drop, engine.scheduler.finish
+    callers = []  # the thread of every runner.drop / placement.finish
+    real_step, real_drop, real_finish = engine.step_fn, engine.runner.drop, engine.placement.scheduler.finish
     armed, entered, release = threading.Event(), threading.Event(), threading.Event()
 
     def step(*args, **kwargs):
-        if armed.is_set() and engine.scheduler.swapped:  # once one request is swapped out: hold this step
+        if armed.is_set() and engine.snapshot()["swapped"]:  # once one request is swapped out: hold this step
             armed.clear()
             entered.set()
             release.wait(30)
@@ -364,7 +254,7 @@ def test_an_abort_from_another_thread_leaves_the_running_step_alone_and_ends_eac
         callers.append(threading.current_thread())
         real_finish(seq)
 
-    engine.step_fn, engine.runner.drop, engine.scheduler.finish = step, drop, finish
+    engine.step_fn, engine.runner.drop, engine.placement.scheduler.finish = step, drop, finish
     ids = engine.tokenizer(PROMPTS[0])["input_ids"]
 
     def request(i):
@@ -378,15 +268,13 @@ def test_an_abort_from_another_thread_leaves_the_running_step_alone_and_ends_eac
             engine.submit(r)
         assert entered.wait(30), engine.stats()
         engine.submit(reqs[2])  # waits: the engine thread is mid-step
-        before = (list(engine.rows), list(engine.scheduler.swapped), {r: engine.blocks.table(r) for r in reqs},
-                  set(engine.runner.saved))
-        assert reqs[0] in before[0] and before[1] == [reqs[1]] and reqs[1].key in before[3]
+        before = (engine.snapshot(), set(engine.runner.saved))
+        assert reqs[0].id in before[0]["rows"] and before[0]["swapped"] == [reqs[1].id] and reqs[1].key in before[1]
         engine.abort("stopping now", code="test_abort")
         with pytest.raises(RequestError) as refused:
             engine.submit(request(3))
         assert refused.value.status == 503
-        after = (list(engine.rows), list(engine.scheduler.swapped), {r: engine.blocks.table(r) for r in reqs},
-                 set(engine.runner.saved))
+        after = (engine.snapshot(), set(engine.runner.saved))
         assert after == before and not callers  # the step still owns them
         if then_close:
             closer.start()
@@ -403,8 +291,8 @@ def test_an_abort_from_another_thread_leaves_the_running_step_alone_and_ends_eac
             ends = [(k, p) for k, p in events[i] if k != "text"]
             assert ends == [("error", Failure(503, "stopping now", "test_abort"))], (i, events[i])
         assert callers and all(t is engine.thread for t in callers), callers
-        assert engine.blocks.num_free == 10 and not engine.runner.saved
-        engine.blocks.check()
+        assert engine.snapshot()["pages_free"] == 10 and not engine.runner.saved
+        engine.check()
     finally:
         release.set()
         engine.close()
@@ -464,9 +352,9 @@ def test_a_round_of_many_prefills_stops_at_the_next_one_on_close_cancel_or_abort
                 assert [e for e in events[i] if e[0] != "text"] == [("error", failure)], (i, events[i])
         elif action == "cancel":
             assert not any(k == "error" for i in range(6) for k, _ in events[i])
-        engine.blocks.check()
+        engine.check()
         if action != "close":
-            assert engine.blocks.num_free == 64
+            assert engine.snapshot()["pages_free"] == 64
     finally:
         go.set()
         engine.close()
@@ -502,28 +390,4 @@ def test_a_swap_out_that_fails_ends_that_request_alone(tiny):
     assert "saving it to host memory failed: MemoryError" in events[failed][-1][1].message
     assert reqs[1 - failed].tokens == want
     assert engine.runner.saved == {} and s["pages_used"] == 0 and s["swapped"] == 0
-    engine.blocks.check()
-
-
-def test_a_request_back_in_its_old_row_with_as_many_new_pages_gets_its_new_block_table_row(tiny):
-    # The block table row is rewritten when a request comes back, even into the same row with the
-    # same number of pages (other ids): (request, count) alone would look unchanged.
-    engine = make_engine(tiny, "fp", num_pages=12, page_size=4, slots=1)
-    try:
-        r = Request(prompt_ids=engine.tokenizer(PROMPTS[0])["input_ids"], max_tokens=3, temperature=0,
-                    emit=lambda *a: None)
-        engine.table_rows[0] = (r, 2)  # as if r had held row 0 with 2 pages before it was preempted
-        with engine.lock:
-            engine._release(0, None)
-            engine.rows[0] = r
-            engine.blocks.allocate("other", 8)  # pages 0, 1 go elsewhere: r gets 2, 3
-            engine.blocks.allocate(r, 8)
-        engine.table_rows[0] = (None, -1)  # what preemption does to the row it leaves
-        engine._write_block_table()
-        assert engine.cache.block_table[0, :3].tolist() == [2, 3, 12]
-        with engine.lock:
-            engine.rows[0] = None
-            engine.blocks.free(r)
-            engine.blocks.free("other")
-    finally:
-        engine.close()
+    engine.check()

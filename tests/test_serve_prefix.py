@@ -16,8 +16,8 @@ import torch
 from kivi_models.generate import decode_step, make_paged_cache, prefill, prefill_chunked
 from kivi_serve.request import Request
 from kivi_ops.paged_io import copy_sequence
-from test_serve_paged import (CONFIG, MAX_SEQ_LEN, METHODS, make_engine, metrics, serving,  # noqa: F401
-                              tiny, wait_idle)
+from serve_fixtures import (CONFIG, MAX_SEQ_LEN, METHODS, make_engine, metrics, serving,  # noqa: F401
+                            tiny, wait_idle)
 
 SYSTEM = list(range(300, 337))  # 37 tokens: past R = 8 and several 4-token pages, mid-chunk
 SUFFIXES = [[7, 8, 9], list(range(400, 411)), [12], list(range(500, 506)), list(range(600, 619)), [5, 6]]
@@ -60,7 +60,7 @@ def without_sharing(tiny, method, prompts, lengths, first_alone=True, **options)
     engine = make_engine(tiny, method, **options, prefix_cache_size=0)
     try:
         out = run(engine, prompts, lengths, first_alone)
-        assert engine.stats()["prefix_hits"] == 0 and not engine.blocks.prefixes
+        assert engine.stats()["prefix_hits"] == 0 and engine.stats()["prefixes_cached"] == 0
     finally:
         engine.close()
     return out
@@ -83,8 +83,9 @@ def run(engine, prompts, lengths, first_alone=True) -> tuple[list[list[int]], di
 
     def advance(batch_logits, slots, where):  # the engine thread: rows hold their requests here
         for row_logits, slot in zip(batch_logits, slots):
-            if engine.rows[slot] is not None:
-                logits[reqs.index(engine.rows[slot])].append(row_logits.clone())
+            rid = engine.snapshot()["rows"][slot]
+            if rid is not None:
+                logits[[r.id for r in reqs].index(rid)].append(row_logits.clone())
         return real_advance(batch_logits, slots, where)
 
     engine._advance = advance
@@ -106,13 +107,21 @@ def run(engine, prompts, lengths, first_alone=True) -> tuple[list[list[int]], di
     return [r.tokens for r in reqs], logits
 
 
+def assert_every_page_comes_back(engine) -> None:
+    """Once idle, only cached prefixes hold pages: dropping them returns every page."""
+    engine.placement.blocks.clear_prefixes()
+    engine.check()
+    snap = engine.snapshot()
+    assert snap["pages_free"] == snap["num_pages"]
+
+
 def watch_sharing(engine) -> list[int]:
     """Record the pages shared by running sequences before every decode step."""
     seen, real_step = [], engine.step_fn
 
     def step(*args, **kwargs):
-        seen.append(engine.blocks.num_shared)
-        engine.blocks.check()
+        seen.append(engine.snapshot()["pages_shared"])
+        engine.check()
         return real_step(*args, **kwargs)
 
     engine.step_fn = step
@@ -142,10 +151,8 @@ def test_shared_prefix_completions_equal_the_chunked_prefill_alone_and_pages_are
     assert m["kivi_prefix_hits_total"] == stats["prefix_hits"] and m["kivi_cache_pages_shared"] == 0
     assert m["kivi_cache_pages_cached"] == stats["pages_cached"] > 0 == stats["preemptions"]
     # idle: only cached prefixes hold pages; dropping them returns every page
-    assert stats["pages_used"] == engine.blocks.num_cached == engine.blocks.num_reclaimable
-    engine.blocks.clear_prefixes()
-    engine.blocks.check()
-    assert engine.blocks.num_free == engine.blocks.num_pages
+    assert stats["pages_used"] == engine.placement.blocks.num_cached == engine.placement.blocks.num_reclaimable
+    assert_every_page_comes_back(engine)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -161,7 +168,7 @@ def test_a_small_pool_evicts_cached_prefixes_and_preempts_yet_every_completion_i
         stats = wait_idle(engine)
     finally:
         engine.close()
-    assert stats["preemptions"] > 0 and engine.blocks.evictions > 0 and stats["prefix_hits"] > 0, stats
+    assert stats["preemptions"] > 0 and engine.snapshot()["evictions"] > 0 and stats["prefix_hits"] > 0, stats
     assert stats["prefixes_cached"] <= 16
     check_against_reference(tiny, method, prompts, lengths, got, PAGE)
     # The prompt's logits (the prefill, alone in the staging cache) bit for bit. Not the decode
@@ -172,9 +179,7 @@ def test_a_small_pool_evicts_cached_prefixes_and_preempts_yet_every_completion_i
                                                 page_size=PAGE, prefix_chunk=PAGE)
     assert got == unshared_tokens
     assert_same_logits(logits, unshared, steps=1)
-    engine.blocks.clear_prefixes()
-    engine.blocks.check()
-    assert engine.blocks.num_free == engine.blocks.num_pages
+    assert_every_page_comes_back(engine)
 
 
 @pytest.mark.slow  # a cold Inductor build; the eager engine's shared pages are checked above

@@ -60,10 +60,9 @@ def serving(engine, limits=ConnectionLimits(max_connections=64), **app_options):
 
 def make_engine(tiny, **options) -> Engine:
     model, tokenizer = tiny
-    engine = Engine(model, tokenizer, method="kivi", kivi_config=CONFIG, slots=SLOTS, max_seq_len=MAX_SEQ_LEN,
-                    **options)
-    engine.eos = set()  # a random model: run every request to max_tokens
-    return engine
+    # a random model: eos_token_ids=set() runs every request to max_tokens
+    return Engine(model, tokenizer, method="kivi", kivi_config=CONFIG, slots=SLOTS, max_seq_len=MAX_SEQ_LEN,
+                  eos_token_ids=set(), **options)
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +158,8 @@ def test_a_failing_request_ends_alone_and_co_batched_greedy_outputs_equal_solo_r
 
         def step(*args, **kwargs):
             logits = real_step(*args, **kwargs)
-            for slot, r in enumerate(engine.rows):
-                if r is not None and r.seed == 13 and len(r.tokens) == 3:
+            for slot, r in engine.placement.running():
+                if r.seed == 13 and len(r.tokens) == 3:
                     logits[slot] = float("nan")
             return logits
 

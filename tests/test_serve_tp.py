@@ -20,7 +20,7 @@ from kivi_serve.request import Request, RequestError
 from kivi_serve.runner import Runner
 from kivi_serve.tp import (HEADER, OPS, PLAN, STOP, LeaderRunner, OutOfStep, StepBroadcast, Worker, decode_plan,
                            encode_plan, signature)
-from test_serve_paged import CONFIG, LENGTHS, MAX_SEQ_LEN, PROMPTS, complete_all, tiny  # noqa: F401 (fixture)
+from serve_fixtures import CONFIG, LENGTHS, MAX_SEQ_LEN, PROMPTS, complete_all, tiny  # noqa: F401 (fixture)
 
 
 # ---------------------------------------------------------------- the plan's encoding
@@ -98,8 +98,8 @@ def tp_engine(tiny, method, paging=None, slots=4, fail_after=None, timeout_s=60.
     args = dict(method=method, kivi_config=CONFIG, slots=slots, max_seq_len=MAX_SEQ_LEN, paging=paging)
     channel = Loopback(Runner(model, **args), fail_after)
     engine = Engine(model, tokenizer, **args, make_runner=functools.partial(LeaderRunner, channel=channel,
-                                                                             timeout_s=timeout_s), **options)
-    engine.eos = set()
+                                                                             timeout_s=timeout_s),
+                    eos_token_ids=set(), **options)
     return engine, channel
 
 
@@ -114,8 +114,8 @@ def serve_alone_and_tp(tiny, method, paging, prompts):
     """The same greedy requests served by a single-process engine and by a leader with one
     in-process worker: (tokens alone, tokens under TP, the TP engine's stats, engine, channel)."""
     model, tokenizer = tiny
-    alone = Engine(model, tokenizer, method=method, kivi_config=CONFIG, slots=4, max_seq_len=MAX_SEQ_LEN, paging=paging)
-    alone.eos = set()
+    alone = Engine(model, tokenizer, method=method, kivi_config=CONFIG, slots=4, max_seq_len=MAX_SEQ_LEN, paging=paging,
+                   eos_token_ids=set())
     try:
         want = complete_all(alone, prompts, LENGTHS)
     finally:
@@ -195,11 +195,11 @@ def test_prefix_caching_replays_on_a_worker_with_its_own_tails(tiny):
     paging = PagedServing(24, 4, prefix_chunk=8, max_prefixes=6)
     want, got, stats, engine, channel = serve_alone_and_tp(tiny, "kivi", paging, prompts)
     assert got == want
-    assert stats["prefix_hits"] > 0 and engine.blocks.evictions > 0, stats
+    assert stats["prefix_hits"] > 0 and engine.snapshot()["evictions"] > 0, stats
     ops = collections_of(channel.plans)
     assert ops["prefill_chunked"] == len(prompts) and ops["prefill"] == 0
     assert_same_cache(engine.runner, channel.runner)
-    tails = {prefix.payload for prefix in engine.blocks.prefixes.values()}
+    tails = {prefix.payload for prefix in engine.placement.blocks.prefixes.values()}
     assert engine.runner.saved.keys() == channel.runner.saved.keys() == tails  # evicted ones dropped on both
     for key in tails:
         ours, theirs = engine.runner.saved[key], channel.runner.saved[key]
@@ -246,7 +246,7 @@ def test_an_idle_leader_sends_heartbeats(tiny):
     # First the warm-up, one decode step per bucket; its end tells every rank to stop compiling, in the
     # first plan after it (sent at once: something is queued); then heartbeats alone.
     steps = [p for p in plans if p.tokens is not None]
-    assert len(steps) == len(engine.buckets) and plans[:len(steps)] == steps
+    assert len(steps) == len(engine.placement.buckets) and plans[:len(steps)] == steps
     first, *beats = plans[len(steps):]
     assert [name for name, _ in first.records] == ["stop_compiling"]
     assert 3 <= len(beats) <= elapsed / 0.1 + 1, (len(beats), elapsed)  # not more often than every 0.1 s

@@ -20,7 +20,7 @@ import torch
 from kivi_ops import dispatch
 from kivi_ops.kernels import cpu_compiled
 from serve_fixtures import free_port, uvicorn_in_thread
-from test_serve_paged import make_engine, tiny  # noqa: F401
+from serve_fixtures import make_engine, tiny  # noqa: F401
 
 CHUNK = 8  # the prefix chunk (2 pages of 4 tokens)
 MAX_GAP_S = 1.0  # a decode step of the tiny model takes milliseconds; a per-op compile takes seconds

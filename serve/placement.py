@@ -1,0 +1,242 @@
+"""Where each request of `kivi serve` sits: the one owner of placement.
+
+A `Placement` holds the rows of the cache (which request each row serves), the block manager and
+its page scheduler (block_manager.py: pages, preemption, cached prefixes), the block table the
+runner reads, and the decode buckets. Each engine round asks it for a `StepPlan` (which rows lose
+their request to a preemption, which rows take a resumed or admitted one), then for the moves
+that keep the requests in the lowest rows, the block-table rows that changed, and the bucket the
+decode step runs over. It decides only: the runner (runner.py) moves the bytes.
+
+Both layouts are placed the same way: a paged cache's pages, or a static cache seen as one page
+of max_seq_len tokens per row (runner.RowPages: a request holds one page while it runs, so it is
+admitted while a row is free and never preempted; its block table is ignored by the runner).
+
+Not thread-safe: the engine calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .block_manager import BlockManager, CachedPrefix, Scheduler, prefix_keys
+from .request import Request, RequestError, context_error, prompt_count
+
+
+@dataclass
+class StepPlan:
+    """One round's placement, to carry out in this order: save each preempted request's row
+    state and pages (already back in the pool) under its key; load each resumed request into its
+    row; prefill each admitted one into its row."""
+
+    preempted: list[tuple[int, Request, list[int]]] = field(default_factory=list)  # (row, request, pages it held)
+    resumed: list[int] = field(default_factory=list)  # rows
+    admitted: list[int] = field(default_factory=list)  # rows
+
+
+class Placement:
+    """layout: the pages the cache offers (a paged cache, or runner.RowPages); slots: its rows;
+    buckets: the row counts a decode step may run over (ascending, the last is slots);
+    prefix_chunk / max_prefixes: --prefix-caching's chunk (None: off) and how many prefixes it keeps;
+    report_pages: page_stats() reports the pool (a static cache's pages are its rows: the engine's
+    slot counts say it, and /metrics shows no page counts for it)."""
+
+    def __init__(self, layout, slots: int, buckets: tuple[int, ...], prefix_chunk: Optional[int] = None,
+                 max_prefixes: int = 0, report_pages: bool = True):
+        self.layout, self.slots, self.buckets, self.prefix_chunk = layout, slots, buckets, prefix_chunk
+        self.report_pages = report_pages
+        self.blocks = BlockManager(layout.num_pages, layout.max_pages_per_seq, layout.pages_needed,
+                                   max_prefixes=max_prefixes)
+        # An evicted prefix's tail (a host copy the runner keeps under the prefix's key) is dropped
+        # after the round's prefills (take_evicted): a request admitted this round may still start from it.
+        self.evicted: list[int] = []
+        self.blocks.on_evict = lambda prefix: self.evicted.append(prefix.payload)
+        self.scheduler = Scheduler(self.blocks, slots)
+        self.rows: list[Optional[Request]] = [None] * slots
+        self.table = torch.full((slots, layout.max_pages_per_seq), layout.num_pages, dtype=torch.int32)
+        self.table_rows: list[tuple[Optional[Request], int]] = [(None, 0)] * slots  # what table[row] holds
+
+    # ---------------------------------------------------------------- what is where
+
+    def running(self) -> list[tuple[int, Request]]:
+        return [(slot, r) for slot, r in enumerate(self.rows) if r is not None]
+
+    @property
+    def swapped(self) -> list[Request]:
+        return self.scheduler.swapped
+
+    @property
+    def max_prefixes(self) -> int:
+        return self.blocks.max_prefixes
+
+    def free_rows(self) -> int:
+        return sum(r is None for r in self.rows)
+
+    def idle(self) -> bool:
+        """Nothing runs and nothing is swapped out."""
+        return not any(self.rows) and not self.scheduler.swapped
+
+    def capacity_error(self, prompt_tokens: int, max_tokens: int, max_seq_len: int, *,
+                       at_least: bool = False) -> Optional[RequestError]:
+        """The refusal of a request that could never fit: beyond a sequence's max_seq_len, or
+        needing more pages than the whole pool holds. at_least: prompt_tokens is a lower bound."""
+        refused = context_error(prompt_tokens, max_tokens, max_seq_len, at_least=at_least)
+        if refused is not None:
+            return refused
+        tokens = prompt_tokens + max_tokens
+        if self.blocks.fits(tokens):
+            return None
+        return RequestError(
+            f"the prompt ({prompt_count(prompt_tokens, at_least)}) + max_tokens ({max_tokens}) needs "
+            f"{self.blocks.pages_needed(tokens)} pages of {self.layout.page_size} tokens, more than the whole pool of "
+            f"{self.blocks.num_pages} pages holds (--num-pages / --cache-budget-gib)", code="context_length_exceeded",
+            param="max_tokens" if self.blocks.fits(prompt_tokens) else "prompt")
+
+    def prompt_pages(self, r: Request) -> list[int]:
+        """The pages r's prompt fills (the first of those r holds)."""
+        return self.blocks.table(r)[:self.layout.pages_needed(len(r.prompt_ids))]
+
+    def saved_pages(self, r: Request) -> list[int]:
+        """The pages a resumed request's saved state goes back into."""
+        return self.blocks.table(r)[:r.saved]
+
+    def page_stats(self) -> dict:
+        return self._pool_counts() if self.report_pages else {}
+
+    def _pool_counts(self) -> dict:
+        return dict(pages_used=self.blocks.num_used, pages_free=self.blocks.num_free,
+                    pages_shared=self.blocks.num_shared, preemptions=self.scheduler.preemptions,
+                    swapped=len(self.scheduler.swapped))
+
+    def prefix_stats(self) -> dict:
+        return dict(pages_cached=self.blocks.num_cached, prefixes_cached=len(self.blocks.prefixes))
+
+    def snapshot(self) -> dict:
+        """Who sits where, for tests and debugging: each row's request id (None: free), the
+        swapped-out ids, each request's pages, and the pool's counts."""
+        held = [*(r for _, r in self.running()), *self.scheduler.swapped]
+        counts = dict(self._pool_counts(), **self.prefix_stats(), num_pages=self.blocks.num_pages,
+                      evictions=self.blocks.evictions)
+        counts.pop("swapped", None)  # the ids below say it
+        return dict(counts, rows=[None if r is None else r.id for r in self.rows],
+                    swapped=[r.id for r in self.scheduler.swapped], pages={r.id: self.blocks.table(r) for r in held})
+
+    # ---------------------------------------------------------------- decisions
+
+    def plan(self, waiting) -> StepPlan:
+        """This round (block_manager.Scheduler): preempted requests leave their rows, resumed and
+        admitted ones (popped from `waiting`, FIFO) take free rows."""
+        lookup = None
+        if self.prefix_chunk is not None:  # a cached prefix must leave a token to prefill (its logits)
+            lookup = lambda r: r.prefix_keys[:(len(r.prompt_ids) - 1) // self.prefix_chunk]  # noqa: E731
+        pages = self.scheduler.schedule(waiting, tokens_after_step, lookup)
+        for r, hit in pages.hits.items():
+            r.prefix_hit = hit
+        plan = StepPlan()
+        for r, held in pages.preempted:
+            slot = self.rows.index(r)
+            self._vacate(slot)
+            r.preemptions += 1
+            plan.preempted.append((slot, r, held))
+        for r in [*pages.resumed, *pages.admitted]:
+            slot = self.rows.index(None)
+            self.rows[slot] = r
+            (plan.resumed if r in pages.resumed else plan.admitted).append(slot)
+        return plan
+
+    def _vacate(self, slot: int) -> None:
+        """A preempted request leaves row `slot` (its pages are back in the pool already)."""
+        self.rows[slot] = None
+        self.table_rows[slot] = (None, -1)  # it may come back here with other pages, as many
+
+    def release(self, slot: int, r: Optional[Request]) -> None:
+        """r (finished, failed or cancelled) leaves row `slot`; its pages go back to the pool."""
+        if self.rows[slot] is r:
+            self.rows[slot] = None
+        if r is not None:
+            self.scheduler.finish(r)
+            self.table_rows[slot] = (None, -1)  # rewrite this table row before the next step
+
+    def finish(self, r: Request) -> None:
+        """r ends while swapped out (or never ran): its pages go back."""
+        self.scheduler.finish(r)
+
+    def finish_all(self) -> None:
+        for slot, r in self.running():
+            self.release(slot, r)
+        self.scheduler.finish_all()
+
+    def compaction(self) -> list[tuple[int, int]]:
+        """Keep the requests in the lowest rows: move those at or past the bucket their number
+        needs into free rows below it, so that the step runs over that bucket only. Returns the
+        (from, to) row moves; the runner copies each row's state (not its pages)."""
+        active = [slot for slot, _ in self.running()]
+        limit = self.bucket(len(active))
+        free = [slot for slot in range(limit) if self.rows[slot] is None]
+        moves = [(src, free.pop(0)) for src in active if src >= limit]
+        for src, dst in moves:
+            self.rows[dst], self.rows[src] = self.rows[src], None
+            self.table_rows[src] = self.table_rows[dst] = (None, -1)
+        return moves
+
+    def table_update(self) -> Optional[torch.Tensor]:
+        """The block table if a row's pages changed since the last call, else None. A request's
+        pages only grow while it holds its row, so (request, page count) names a row's content;
+        leaving a row (release, preemption, a move) marks it for a rewrite."""
+        changed = False
+        for slot, r in enumerate(self.rows):
+            pages = self.blocks.tables.get(r, []) if r is not None else []
+            if self.table_rows[slot] != (r, len(pages)):
+                self.table[slot].fill_(self.layout.num_pages)
+                self.table[slot, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+                self.table_rows[slot] = (r, len(pages))
+                changed = True
+        return self.table if changed else None
+
+    def decode_batch(self) -> tuple[list[int], int]:
+        """(the rows that hold a request, the bucket the decode step runs over)."""
+        active = [slot for slot, _ in self.running()]
+        return active, self.bucket(active[-1] + 1)
+
+    def bucket(self, rows: int) -> int:
+        """The smallest decode bucket of at least `rows` rows."""
+        return next(b for b in self.buckets if b >= rows)
+
+    # ---------------------------------------------------------------- prefix caching
+
+    def submit_keys(self, r: Request) -> None:
+        """--prefix-caching: the keys of r's prompt's chunk boundaries, computed once at submit()."""
+        if self.prefix_chunk is not None:
+            r.prefix_keys = prefix_keys(r.prompt_ids, self.prefix_chunk)
+
+    def new_boundaries(self, r: Request, start: int) -> list[int]:
+        """The chunk boundaries of r's prompt past `start` tokens whose prefixes are not cached yet."""
+        chunk = self.prefix_chunk
+        return [b for b in range(start + chunk, len(r.prompt_ids) + 1, chunk)
+                if self.blocks.max_prefixes and r.prefix_keys[b // chunk - 1] not in self.blocks.prefixes]
+
+    def cache_prefix(self, r: Request, boundary: int, key: int, pages_final: int) -> bool:
+        """Cache r's prefix of `boundary` tokens: the first pages_final pages r holds, and the tail
+        the runner keeps under `key`. False: not kept (the caller drops the tail)."""
+        prefix = CachedPrefix(boundary, self.blocks.table(r)[:pages_final], key)
+        return self.blocks.cache_prefix(r.prefix_keys[boundary // self.prefix_chunk - 1], prefix)
+
+    def take_evicted(self) -> list[int]:
+        """The keys of the tails of the prefixes evicted since the last call."""
+        evicted, self.evicted = self.evicted, []
+        return evicted
+
+    def check(self) -> None:
+        """Invariants (tests): the block manager's, and every running request holding one row."""
+        self.blocks.check()
+        running = [r for _, r in self.running()]
+        assert len(running) == len(set(map(id, running))), "a request holds two rows"
+        assert set(map(id, running)) == set(map(id, self.scheduler.running)), (running, self.scheduler.running)
+
+
+def tokens_after_step(r: Request) -> int:
+    """Tokens r's sequence holds after the next decode step: its prompt and every sampled token
+    (the last one is appended by that step); a waiting request's prompt plus its first token."""
+    return len(r.prompt_ids) + max(len(r.tokens), 1)
