@@ -45,7 +45,7 @@ class Placement:
 
     def __init__(self, layout, slots: int, buckets: tuple[int, ...], prefix_chunk: Optional[int] = None,
                  max_prefixes: int = 0, report_pages: bool = True):
-        self.layout, self.slots, self.buckets, self.prefix_chunk = layout, slots, buckets, prefix_chunk
+        self.layout, self.buckets, self.prefix_chunk = layout, buckets, prefix_chunk
         self.report_pages = report_pages
         self.blocks = BlockManager(layout.num_pages, layout.max_pages_per_seq, layout.pages_needed,
                                    max_prefixes=max_prefixes)
@@ -140,11 +140,15 @@ class Placement:
             self._vacate(slot)
             r.preemptions += 1
             plan.preempted.append((slot, r, held))
-        for r in [*pages.resumed, *pages.admitted]:
-            slot = self.rows.index(None)
-            self.rows[slot] = r
-            (plan.resumed if r in pages.resumed else plan.admitted).append(slot)
+        plan.resumed = [self._seat(r) for r in pages.resumed]
+        plan.admitted = [self._seat(r) for r in pages.admitted]
         return plan
+
+    def _seat(self, r: Request) -> int:
+        """r takes the lowest free row; returns it."""
+        slot = self.rows.index(None)
+        self.rows[slot] = r
+        return slot
 
     def _vacate(self, slot: int) -> None:
         """A preempted request leaves row `slot` (its pages are back in the pool already)."""

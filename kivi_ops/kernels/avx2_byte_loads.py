@@ -13,8 +13,9 @@ one-byte elements on AVX2), blended into a vector of ones: the same value ATen's
 (ones past the 8 bytes, so that no lane divides by zero), without the stores.
 
 Measured (lab/decomposed_attend_cpu.py's fused decode attention, context 8192, batch 1, 9 query
-and 3 KV heads of 64 channels, KIVI-2, one thread, the 2-core AMD EPYC AVX2 machine, torch 2.13.0):
-5.7 ms before, 1.6 ms after, the outputs equal. Every compile of ours installs it
+and 3 KV heads of 64 channels, KIVI-2, one thread, the 2-core AMD EPYC AVX2 machine, torch 2.13.0,
+one process per side with its own Inductor cache): 5.85 ms before, 2.26 ms after, the outputs
+equal (benchmarks/results/avx2_byte_loads/). Every compile of ours installs it
 (compile_budget.compile_own_code); other code compiled in the process gets the same loads.
 
 A compile whose graph Inductor finds in its on-disk cache reuses that code as it was generated:
