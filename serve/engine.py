@@ -2,26 +2,28 @@
 
 Each row of the cache is a slot. One engine thread owns the model and the cache and loops:
 
-1. schedule: the placement (placement.py, over the block manager's scheduler) plans the round,
-   for both layouts: a paged cache's pages, or a static cache seen as one page of max_seq_len
-   tokens per row (runner.RowPages: admit while a row is free, never preempt). Preempted requests
-   are swapped out, swapped-out ones come back, waiting ones are admitted (FIFO) into free rows; each new
-   prompt is prefilled alone in a batch-1 staging cache (exactly `kivi generate`'s prefill: exact
+1. schedule: the placement (placement.py: the queue, the rows, the block manager's scheduler)
+   plans the round, for both layouts: a paged cache's pages, or a static cache seen as one page
+   of max_seq_len tokens per row (runner.RowPages: admit while a row is free, never preempt).
+   Preempted requests are swapped out, swapped-out ones come back, waiting ones are admitted
+   (FIFO) into free rows; each new prompt is prefilled alone in a batch-1 staging cache (exactly `kivi generate`'s prefill: exact
    attention, then quantization) and copied into the request's row and pages (the other rows are
    untouched), so an admission costs the prompt alone, not a forward over every row;
 2. step: one decode step over the smallest decode bucket that holds the running rows, counts 1
    for rows with a request and 0 for free rows (nothing is stored for those), compiled once per
    bucket with static shapes, so requests coming and going never recompile it;
-3. output: each request samples its own token (its own temperature, top-p and seeded generator;
-   output.py), checks EOS, stop strings and max_tokens, and a finished, stopped or cancelled
-   request frees its row and pages at once.
+3. output (output.advance): each request samples its own token (its own temperature, top-p and
+   seeded generator), checks EOS, stop strings and max_tokens, and a finished, stopped, failed or
+   cancelled request frees its row and pages at once.
 
 Per-row lengths and statistics keep rows independent: a greedy completion equals `kivi generate`
 of the same prompt alone, whatever else shares the batch. Failures are isolated the same way: a
 prompt whose prefill fails, a row whose logits are not finite, or a sampler or tokenizer error ends
 that request alone (an "error" event naming the cause, logged with the request id) and the other
 rows go on; only an error in the batched decode step itself, which no single row owns, ends them
-all. Handlers talk to the engine through `submit` and the request's event queue (thread-safe
+all. A fault outside the step (a bug in the plan or the bookkeeping) ends every request with a
+503 and the engine refuses new ones (`failure`, /health), rather than leaving them to time out.
+Handlers talk to the engine through `submit` and the request's event queue (thread-safe
 callbacks).
 
 With --paged --prefix-caching (PagedServing.prefix_chunk) a prompt is prefilled in chunks at fixed
@@ -47,7 +49,6 @@ runner says so (`runner.failure`) and the engine ends every request with a 503 a
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -55,7 +56,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .output import add_token, sample
+from .output import advance
 from .paged_options import PagedServing, decode_buckets, prefix_caching
 from .placement import Placement
 from .request import HOST_KEYS, Failure, Request, RequestError
@@ -90,7 +91,6 @@ class Engine:
             eos = tokenizer.eos_token_id
             eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.eos = set(eos_token_ids)
-        self.waiting: collections.deque[Request] = collections.deque()
         self.lock = threading.Condition()
         self.generated_tokens = self.prefix_hits = self.prefix_hit_tokens = 0
         self.decode_rows = 0  # the rows the last decode step ran over (its bucket)
@@ -103,6 +103,7 @@ class Engine:
         self.draining = self.stopping = self.stopped = False
         self.drain_timer: Optional[threading.Timer] = None
         self.pending_abort: Optional[Failure] = None
+        self.failure: Optional[str] = None  # why this engine's thread died (a bug): it refuses every request
         self.thread = threading.Thread(target=self._loop, name="kivi-engine", daemon=True)
         self.thread.start()
 
@@ -131,7 +132,7 @@ class Engine:
         with self.lock:
             if (refused := self.admission_error()) is not None:
                 raise refused
-            self.waiting.append(request)
+            self.placement.waiting.append(request)
             self.lock.notify()
 
     def capacity_error(self, prompt_tokens: int, max_tokens: int, *, at_least: bool = False) -> Optional[RequestError]:
@@ -142,12 +143,12 @@ class Engine:
         """Why a request arriving now would be refused (503: shutting down, or the queue is full),
         else None. submit() asks under the lock; a handler may ask first, before tokenizing."""
         with self.lock:
-            if self.runner.failure is not None:
-                return RequestError(f"the server cannot serve: {self.runner.failure}", status=503,
-                                    code="tensor_parallel_failure")
+            if (failure := self.runner.failure or self.failure) is not None:
+                return RequestError(f"the server cannot serve: {failure}", status=503,
+                                    code="tensor_parallel_failure" if self.runner.failure else "engine_failure")
             if self.draining:
                 return RequestError("the server is shutting down", status=503, code="server_shutting_down")
-            queued = len(self.waiting) - self.placement.free_rows()  # beyond the free slots they will take
+            queued = self.placement.queued_beyond_free_rows()
             if self.max_waiting is not None and queued >= self.max_waiting:
                 return RequestError(f"the server is busy: every slot is in use and {queued} request(s) wait "
                                     f"(--max-waiting); retry later", status=503, code="server_busy",
@@ -158,8 +159,8 @@ class Engine:
         """The client went away: the engine frees its row (or drops it from the queue) next."""
         with self.lock:
             request.cancelled = True
-            if request in self.waiting:
-                self.waiting.remove(request)
+            if request in self.placement.waiting:
+                self.placement.leave(request)
             self.lock.notify()
 
     def stats(self) -> dict:
@@ -167,7 +168,7 @@ class Engine:
             running = len(self.placement.running())
             elapsed = time.perf_counter() - self.started_s
             by_rank = self.runner.cache_bytes_by_rank()
-            stats = dict(running=running, waiting=len(self.waiting), slots_used=running, slots_free=self.slots - running,
+            stats = dict(running=running, waiting=len(self.placement.waiting), slots_used=running, slots_free=self.slots - running,
                          cache_bytes=sum(by_rank), cache_bytes_by_rank=by_rank, tp_size=len(by_rank),
                          generated_tokens=self.generated_tokens, decode_rows=self.decode_rows,
                          tokens_per_s=self.generated_tokens / elapsed if elapsed > 0 else 0.0)
@@ -178,9 +179,9 @@ class Engine:
             return stats
 
     def snapshot(self) -> dict:
-        """Where each request sits (Placement.snapshot) and the queue's request ids."""
+        """Where each request sits, the queue's included (Placement.snapshot)."""
         with self.lock:
-            return dict(self.placement.snapshot(), waiting=[r.id for r in self.waiting])
+            return self.placement.snapshot()
 
     def check(self) -> None:
         """The placement's invariants (tests): call while the engine is idle or paused."""
@@ -203,7 +204,7 @@ class Engine:
         signal handler, drain's timer), it only records the abort and wakes the engine thread,
         which ends them at the top of its next round: mid-step, that thread uses those rows,
         pages and host copies outside the lock, so only it may release them. Called from the
-        engine thread (_runner_failed), or once that thread has stopped, it ends them at once."""
+        engine thread (_stop_serving), or once that thread has stopped, it ends them at once."""
         with self.lock:
             self.draining = True
             if self.pending_abort is None:  # the first abort's message wins; later ones find nothing left
@@ -217,12 +218,12 @@ class Engine:
         failure, self.pending_abort = self.pending_abort, None
         if failure is None:
             return
-        for r in [*self.waiting, *self.placement.swapped, *(r for _, r in self.placement.running())]:
+        ended = self.placement.requests()
+        for r in ended:  # every handler hears first, even if freeing a request fails (a placement bug)
             r.cancelled = True
             r.emit("error", failure)
-            self._forget(r)
-        self.waiting.clear()
-        self.placement.finish_all()
+        for r in ended:
+            self._end(r)
 
     def close(self) -> None:
         """Stop the engine thread. New requests are refused, and every request still open ends
@@ -262,6 +263,10 @@ class Engine:
     def _loop(self) -> None:
         try:
             self._run()
+        except Exception as e:  # a bug outside the batched step (the plan, bookkeeping): fail fast, not hang
+            log.exception("the engine thread failed")
+            self.failure = f"the engine thread failed: {type(e).__name__}: {e}"
+            self._stop_serving(self.failure, "engine_failure")
         finally:
             with self.lock:  # an abort recorded while this thread was leaving: abort() cannot see it ran
                 self.stopped = True
@@ -272,10 +277,10 @@ class Engine:
         self._warm_up()
         while True:
             if self.runner.failure is not None:  # tensor parallelism: a rank died or fell out of step
-                self._runner_failed()
+                self._stop_serving(self.runner.failure, "tensor_parallel_failure")
                 return
             with self.lock:
-                while not self.stopping and self.pending_abort is None and not self.waiting and self.placement.idle():
+                while not self.stopping and self.pending_abort is None and self.placement.idle():
                     if not self.lock.wait(self.runner.heartbeat_s):
                         break  # idle for heartbeat_s: the runner's flush() below tells the other ranks
                 self._end_aborted()  # no step is running now: the rows, pages and host copies are ours
@@ -283,7 +288,7 @@ class Engine:
                     self.runner.close()
                     return
                 self._end_cancelled_and_overdue()
-                plan = self.placement.plan(self.waiting)
+                plan = self.placement.plan()
             try:
                 with torch.inference_mode():
                     self._place(plan)
@@ -296,18 +301,18 @@ class Engine:
                     self.runner.flush()
             except Exception as e:  # the batched step failed: no single row owns it, so every row ends
                 if self.runner.failure is not None:
-                    continue  # every request ends with a 503 (_runner_failed)
+                    continue  # every request ends with a 503 (_stop_serving)
                 running = self.placement.running()
                 log.exception("the decode step failed; ending the %d running request(s)", len(running))
-                for slot, r in running:
-                    self._fail(slot, r, f"the decode step failed: {type(e).__name__}: {e}")
+                for _, r in running:
+                    self._fail(r, f"the decode step failed: {type(e).__name__}: {e}")
 
-    def _runner_failed(self) -> None:
-        """The runner cannot run any more (tp.py: a rank died, or a collective failed or timed
-        out): end every request with a 503 and refuse new ones (admission_error); /health says so."""
-        log.error("the engine stops: %s", self.runner.failure)
+    def _stop_serving(self, failure: str, code: str) -> None:
+        """The engine cannot serve any more: end every request with a 503 and refuse new ones
+        (admission_error); /health says so."""
+        log.error("the engine stops: %s", failure)
         self.ready.clear()
-        self.abort(f"the server cannot serve: {self.runner.failure}", code="tensor_parallel_failure")
+        self.abort(f"the server cannot serve: {failure}", code=code)
 
     def _place(self, plan) -> None:
         """Carry out a plan's swaps: the preempted requests' pages are saved before anything writes
@@ -328,49 +333,37 @@ class Engine:
             self.runner.save(slot, pages, r.key)
         except Exception as e:
             if self.runner.failure is not None:
-                raise  # not this request's fault: every request ends (_runner_failed)
+                raise  # not this request's fault: every request ends (_stop_serving)
             log.exception("request %s: swapping it out failed", r.id)
             self.runner.drop(r.key)  # a rank that saved it drops its copy too
-            with self.lock:
-                self.placement.finish(r)
-            r.emit("error", Failure(500, f"the request was preempted and saving it to host memory failed: "
-                                         f"{type(e).__name__}: {e}"))
+            self._fail(r, f"the request was preempted and saving it to host memory failed: {type(e).__name__}: {e}")
             return
         r.saved = len(pages)
 
-    def _forget(self, r: Request) -> None:
-        """r leaves the swapped-out state for good (resumed, or ended): the runner drops its host copy."""
+    def _end(self, r: Request, failure: Optional[Failure] = None) -> None:
+        """Under the lock: r ends wherever it is (the queue, host memory, a row), with an error
+        event if it failed; its row and pages go back (Placement.leave), the runner drops its host copy."""
+        if failure is not None:
+            r.emit("error", failure)
+        self.placement.leave(r)
         if r.saved is not None:
             self.runner.drop(r.key)
             r.saved = None
 
-    def _release(self, slot: int, r: Optional[Request]) -> None:
-        """Under the lock: r (finished, failed or cancelled) leaves its row and its pages."""
-        self.placement.release(slot, r)
-        if r is not None:
-            self._forget(r)
+    def _fail(self, r: Request, message: str, status: int = 500, code: str = "generation_failed") -> None:
+        with self.lock:
+            self._end(r, Failure(status, message, code))
 
     def _end_cancelled_and_overdue(self) -> None:
         """Under the lock: cancelled requests leave; those past their deadline (request_timeout),
         waiting, swapped out or running, end with a 504."""
         now = time.perf_counter()
-        overdue = lambda r: r.deadline_s is not None and now > r.deadline_s  # noqa: E731
-        for r in [r for r in self.waiting if overdue(r)]:
-            self.waiting.remove(r)
-            r.emit("error", self._timed_out())
-        for r in [r for r in self.placement.swapped if r.cancelled or overdue(r)]:
-            self.placement.finish(r)
-            self._forget(r)
-            if not r.cancelled:
-                r.emit("error", self._timed_out())
-        for slot, r in self.placement.running():
+        for r in self.placement.requests():
             if r.cancelled:
-                self._release(slot, r)
-            elif overdue(r):
-                self._fail(slot, r, self._timed_out().message, status=504, code="timeout")
-
-    def _timed_out(self) -> Failure:
-        return Failure(504, f"the request ran longer than {self.request_timeout:g} s (--request-timeout)", "timeout")
+                self._end(r)
+            elif r.deadline_s is not None and now > r.deadline_s:
+                self._end(r, Failure(504, f"the request ran longer than {self.request_timeout:g} s (--request-timeout)",
+                                     "timeout"))
 
     def _prefill(self, admitted: list[int]) -> None:
         """Prefill each admitted prompt alone; one that fails ends its own request only. A round may
@@ -383,7 +376,7 @@ class Engine:
                 self._end_aborted()  # between two runner calls: the rows and pages are ours
                 r = self.placement.rows[slot]
                 if r is not None and (r.cancelled or self.stopping):
-                    self._release(slot, r)
+                    self._end(r)
                     r = None
             if r is None:
                 continue  # ended by an abort (or close()), or cancelled
@@ -394,9 +387,9 @@ class Engine:
                     logits = self.runner.prefill(slot, r.prompt_ids, self.placement.prompt_pages(r))
             except Exception as e:
                 if self.runner.failure is not None:
-                    raise  # not this prompt's fault: every request ends (_runner_failed)
+                    raise  # not this prompt's fault: every request ends (_stop_serving)
                 log.exception("request %s: the prefill failed", r.id)
-                self._fail(slot, r, f"the prefill failed: {type(e).__name__}: {e}")
+                self._fail(r, f"the prefill failed: {type(e).__name__}: {e}")
                 continue
             self._advance(logits, [slot], "the prompt")
 
@@ -439,35 +432,10 @@ class Engine:
         self._advance(logits[active], active, "a decode step")
 
     def _advance(self, logits: torch.Tensor, slots: list[int], where: str) -> None:
-        """logits [len(slots), V], row i for slots[i]: sample each row's next token and emit it;
-        finish rows that are done. A row that fails (non-finite logits, the sampler, the
-        tokenizer) ends its own request; the others go on."""
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
-        for row_logits, slot, ok in zip(logits, slots, finite):
-            r = self.placement.rows[slot]
-            if r is None or r.cancelled:
-                with self.lock:
-                    self._release(slot, r)
-                continue
-            if not ok:
-                log.error("request %s: non-finite logits at %s", r.id, where)
-                self._fail(slot, r, f"the model produced non-finite logits (NaN or Inf) at {where}: the weights, "
-                                    "the dtype (float16 overflow?) or the inputs hold non-finite values")
-                continue
-            try:
-                reason = add_token(r, sample(row_logits, r), self.tokenizer, self.eos)
-            except Exception as e:
-                log.exception("request %s: sampling failed", r.id)
-                self._fail(slot, r, f"sampling failed: {type(e).__name__}: {e}")
-                continue
-            self.generated_tokens += 1
-            if reason is not None:
-                r.emit("done", reason)
-                with self.lock:
-                    self._release(slot, r)
-
-    def _fail(self, slot: int, r: Request, message: str, status: int = 500, code: str = "generation_failed") -> None:
-        """End one request with an error and free its row (its cache row is reloaded at the next admission)."""
-        r.emit("error", Failure(status, message, code))
+        """logits [len(slots), V], row i for slots[i]: each request's next token (output.advance);
+        those that end here leave their rows."""
+        sampled, ended = advance(logits, [self.placement.rows[slot] for slot in slots], self.tokenizer, self.eos, where)
+        self.generated_tokens += sampled
         with self.lock:
-            self._release(slot, r)
+            for r, failure in ended:
+                self._end(r, failure)

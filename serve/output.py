@@ -1,10 +1,13 @@
-"""What becomes of each token a request samples: the text it adds (detokenized, held back while it
-could still become a stop string or is an incomplete character) and whether the request is done
-(EOS, a stop string, max_tokens). vLLM keeps this apart from the engine too (its output processor);
-here it runs on the engine thread, one request at a time, and answers through the request's emit."""
+"""What becomes of a step's logits: each request's next token (sampled with its own settings), the
+text it adds (detokenized, held back while it could still become a stop string or is an
+incomplete character), and whether the request is done (EOS, a stop string, max_tokens) or failed
+(non-finite logits, the sampler, the tokenizer: that request alone). vLLM keeps this apart from
+the engine too (its output processor); here it runs on the engine thread and answers through each
+request's emit."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Optional
 
@@ -12,7 +15,38 @@ import torch
 
 from kivi_models.generate import sampling_probs
 
-from .request import Request
+from .request import Failure, Request
+
+log = logging.getLogger("kivi.serve")
+
+
+def advance(logits: torch.Tensor, requests: list[Optional[Request]], tokenizer, eos: set[int],
+            where: str) -> tuple[int, list[tuple[Request, Optional[Failure]]]]:
+    """logits [len(requests), V], row i for requests[i] (None: no request). Samples and emits each
+    request's next token; returns (the tokens sampled, the requests that end here: (r, None) for
+    one done, its "done" emitted, or cancelled; (r, Failure) for one whose row failed)."""
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    sampled, ended = 0, []
+    for row_logits, r, ok in zip(logits, requests, finite):
+        if r is None or r.cancelled:
+            ended += [(r, None)] if r is not None else []
+            continue
+        if not ok:
+            log.error("request %s: non-finite logits at %s", r.id, where)
+            ended.append((r, Failure(500, f"the model produced non-finite logits (NaN or Inf) at {where}: the weights, "
+                                          "the dtype (float16 overflow?) or the inputs hold non-finite values")))
+            continue
+        try:
+            reason = add_token(r, sample(row_logits, r), tokenizer, eos)
+        except Exception as e:
+            log.exception("request %s: sampling failed", r.id)
+            ended.append((r, Failure(500, f"sampling failed: {type(e).__name__}: {e}")))
+            continue
+        sampled += 1
+        if reason is not None:
+            r.emit("done", reason)
+            ended.append((r, None))
+    return sampled, ended
 
 
 def sample(logits: torch.Tensor, r: Request) -> int:

@@ -1,6 +1,7 @@
 """Where each request of `kivi serve` sits: the one owner of placement.
 
-A `Placement` holds the rows of the cache (which request each row serves), the block manager and
+A `Placement` holds the queue of waiting requests, the rows of the cache (which request each row
+serves), the block manager and
 its page scheduler (block_manager.py: pages, preemption, cached prefixes), the block table the
 runner reads, and the decode buckets. Each engine round asks it for a `StepPlan` (which rows lose
 their request to a preemption, which rows take a resumed or admitted one), then for the moves
@@ -16,6 +17,7 @@ Not thread-safe: the engine calls it under its own lock.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -54,6 +56,7 @@ class Placement:
         self.evicted: list[int] = []
         self.blocks.on_evict = lambda prefix: self.evicted.append(prefix.payload)
         self.scheduler = Scheduler(self.blocks, slots)
+        self.waiting: collections.deque[Request] = collections.deque()  # FIFO, admitted by plan()
         self.rows: list[Optional[Request]] = [None] * slots
         self.table = torch.full((slots, layout.max_pages_per_seq), layout.num_pages, dtype=torch.int32)
         self.table_rows: list[tuple[Optional[Request], int]] = [(None, 0)] * slots  # what table[row] holds
@@ -62,6 +65,10 @@ class Placement:
 
     def running(self) -> list[tuple[int, Request]]:
         return [(slot, r) for slot, r in enumerate(self.rows) if r is not None]
+
+    def requests(self) -> list[Request]:
+        """Every request not ended: waiting, swapped out or running."""
+        return [*self.waiting, *self.scheduler.swapped, *(r for _, r in self.running())]
 
     @property
     def swapped(self) -> list[Request]:
@@ -75,8 +82,12 @@ class Placement:
         return sum(r is None for r in self.rows)
 
     def idle(self) -> bool:
-        """Nothing runs and nothing is swapped out."""
-        return not any(self.rows) and not self.scheduler.swapped
+        """Nothing waits, runs or is swapped out."""
+        return not self.waiting and not any(self.rows) and not self.scheduler.swapped
+
+    def queued_beyond_free_rows(self) -> int:
+        """Waiting requests beyond the free rows they will take (what --max-waiting bounds)."""
+        return len(self.waiting) - self.free_rows()
 
     def capacity_error(self, prompt_tokens: int, max_tokens: int, max_seq_len: int, *,
                        at_least: bool = False) -> Optional[RequestError]:
@@ -120,18 +131,18 @@ class Placement:
         counts = dict(self._pool_counts(), **self.prefix_stats(), num_pages=self.blocks.num_pages,
                       evictions=self.blocks.evictions)
         counts.pop("swapped", None)  # the ids below say it
-        return dict(counts, rows=[None if r is None else r.id for r in self.rows],
+        return dict(counts, rows=[None if r is None else r.id for r in self.rows], waiting=[r.id for r in self.waiting],
                     swapped=[r.id for r in self.scheduler.swapped], pages={r.id: self.blocks.table(r) for r in held})
 
     # ---------------------------------------------------------------- decisions
 
-    def plan(self, waiting) -> StepPlan:
+    def plan(self) -> StepPlan:
         """This round (block_manager.Scheduler): preempted requests leave their rows, resumed and
-        admitted ones (popped from `waiting`, FIFO) take free rows."""
+        admitted ones (from the front of the queue) take free rows."""
         lookup = None
         if self.prefix_chunk is not None:  # a cached prefix must leave a token to prefill (its logits)
             lookup = lambda r: r.prefix_keys[:(len(r.prompt_ids) - 1) // self.prefix_chunk]  # noqa: E731
-        pages = self.scheduler.schedule(waiting, tokens_after_step, lookup)
+        pages = self.scheduler.schedule(self.waiting, tokens_after_step, lookup)
         for r, hit in pages.hits.items():
             r.prefix_hit = hit
         plan = StepPlan()
@@ -155,22 +166,17 @@ class Placement:
         self.rows[slot] = None
         self.table_rows[slot] = (None, -1)  # it may come back here with other pages, as many
 
-    def release(self, slot: int, r: Optional[Request]) -> None:
-        """r (finished, failed or cancelled) leaves row `slot`; its pages go back to the pool."""
-        if self.rows[slot] is r:
+    def leave(self, r: Request) -> None:
+        """r ends (finished, failed, cancelled), wherever it is: it leaves the queue, or its row and
+        its pages, which go back to the pool."""
+        if r in self.waiting:
+            self.waiting.remove(r)
+            return
+        if r in self.rows:
+            slot = self.rows.index(r)
             self.rows[slot] = None
-        if r is not None:
-            self.scheduler.finish(r)
             self.table_rows[slot] = (None, -1)  # rewrite this table row before the next step
-
-    def finish(self, r: Request) -> None:
-        """r ends while swapped out (or never ran): its pages go back."""
         self.scheduler.finish(r)
-
-    def finish_all(self) -> None:
-        for slot, r in self.running():
-            self.release(slot, r)
-        self.scheduler.finish_all()
 
     def compaction(self) -> list[tuple[int, int]]:
         """Keep the requests in the lowest rows: move those at or past the bucket their number

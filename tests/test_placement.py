@@ -1,7 +1,5 @@
 """serve/placement.py without an engine: rows, the block table it hands the runner, buckets."""
 
-import collections
-
 from kivi_serve.placement import Placement
 from kivi_serve.request import Request
 from kivi_serve.runner import RowPages
@@ -20,7 +18,7 @@ def test_a_request_back_in_its_old_row_with_as_many_new_pages_gets_its_new_block
     placement.blocks.allocate(r, 8)
     assert placement.table_update()[0].tolist() == [0, 1, 12]
     assert placement.table_update() is None  # nothing changed since
-    placement.release(0, r)  # it leaves its row (as a preemption does): pages 0, 1 back to the pool
+    placement.leave(r)  # it leaves its row (as a preemption does): pages 0, 1 back to the pool
     placement.blocks.allocate("other", 12)  # the pool's next pages go elsewhere
     placement.rows[0] = r
     new = placement.blocks.allocate(r, 8)  # back with as many pages, other ids
@@ -31,16 +29,17 @@ def test_a_request_back_in_its_old_row_with_as_many_new_pages_gets_its_new_block
 def test_a_static_cache_admits_while_a_row_is_free_and_never_preempts():
     # runner.RowPages: one page of max_seq_len tokens per row, whatever the request's length.
     placement = Placement(RowPages(num_pages=2, page_size=64), slots=2, buckets=(2,))
-    waiting = collections.deque(request(n) for n in (60, 3, 5))
-    plan = placement.plan(waiting)
+    waiting = placement.waiting
+    waiting.extend(request(n) for n in (60, 3, 5))
+    plan = placement.plan()
     assert plan.admitted == [0, 1] and not plan.preempted and len(waiting) == 1
     running = [r for _, r in placement.running()]
     for r in running:
         r.tokens = [1] * 3  # grows past its page? 60 + 3 tokens still fit one page of 64
-    plan = placement.plan(waiting)
+    plan = placement.plan()
     assert not plan.admitted and not plan.preempted and len(waiting) == 1
-    placement.release(1, running[1])
-    plan = placement.plan(waiting)
+    placement.leave(running[1])
+    plan = placement.plan()
     assert plan.admitted == [1] and not waiting
     placement.check()
     snap = placement.snapshot()
@@ -49,11 +48,11 @@ def test_a_static_cache_admits_while_a_row_is_free_and_never_preempts():
 
 def test_compaction_moves_requests_into_the_lowest_rows_of_their_bucket():
     placement = Placement(RowPages(num_pages=6, page_size=64), slots=6, buckets=(2, 4, 6))
-    waiting = collections.deque(request(4) for _ in range(5))
-    placement.plan(waiting)
+    placement.waiting.extend(request(4) for _ in range(5))
+    placement.plan()
     assert placement.decode_batch() == ([0, 1, 2, 3, 4], 6)
     for slot in (0, 1, 2):
-        placement.release(slot, placement.rows[slot])
+        placement.leave(placement.rows[slot])
     moves = placement.compaction()  # two requests left, in rows 3 and 4: bucket 2
     assert moves == [(3, 0), (4, 1)]
     assert placement.decode_batch() == ([0, 1], 2)
@@ -62,16 +61,16 @@ def test_compaction_moves_requests_into_the_lowest_rows_of_their_bucket():
 
 def test_a_preempted_request_leaves_its_row_and_comes_back_into_a_free_one():
     placement = Placement(RowPages(num_pages=4, page_size=4, max_pages_per_seq=4), slots=2, buckets=(2,))
-    waiting = collections.deque([request(7), request(7)])  # 2 pages each, with the first token: the pool
-    assert placement.plan(waiting).admitted == [0, 1]
+    placement.waiting.extend([request(7), request(7)])  # 2 pages each, with the first token: the pool
+    assert placement.plan().admitted == [0, 1]
     first, second = placement.rows
     first.tokens = [1, 1]  # 9 tokens after the next step: a third page, and none is free
-    plan = placement.plan(waiting)
+    plan = placement.plan()
     assert [(slot, r) for slot, r, _ in plan.preempted] == [(1, second)] and placement.rows == [first, None]
     assert second.preemptions == 1 and placement.snapshot()["swapped"] == [second.id]
     second.saved = len(plan.preempted[0][2])
-    placement.release(0, first)  # the older one finishes: its pages come back
-    plan = placement.plan(waiting)
+    placement.leave(first)  # the older one finishes: its pages come back
+    plan = placement.plan()
     assert plan.resumed == [0] and placement.rows == [second, None]
     pages = placement.saved_pages(second)
     assert len(pages) == 2 and placement.table_update()[0, :2].tolist() == pages

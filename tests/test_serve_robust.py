@@ -20,13 +20,13 @@ import httpx
 import pytest
 import torch
 
-import kivi_serve.engine
 from kivi_models import generate, make_cache, patch_model
 from kivi_ops import KIVIConfig
 from kivi_serve import output
 from kivi_serve.app import build_app
 from kivi_serve.connections import ConnectionLimits, uvicorn_config
 from kivi_serve.engine import Engine
+from kivi_serve.request import Request
 from serve_fixtures import free_port, uvicorn_in_thread
 
 NAME = "tiny"
@@ -151,7 +151,7 @@ def test_a_failing_request_ends_alone_and_co_batched_greedy_outputs_equal_solo_r
                 raise RuntimeError("injected sampler failure")
             return real_sample(logits, r)
 
-        monkeypatch.setattr(kivi_serve.engine, "sample", sample)  # the name the engine calls
+        monkeypatch.setattr(output, "sample", sample)  # the name output.advance calls
         expected = "sampling failed: RuntimeError: injected sampler failure"
     else:
         real_step = engine.step_fn
@@ -186,7 +186,7 @@ def test_a_failing_stream_gets_an_error_event(engine, server, monkeypatch):
             raise RuntimeError("injected sampler failure")
         return real_sample(logits, r)
 
-    monkeypatch.setattr(kivi_serve.engine, "sample", sample)  # the name the engine calls
+    monkeypatch.setattr(output, "sample", sample)  # the name output.advance calls
     body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 1, "seed": 13, "stream": True}
     events = [line for line in httpx.post(f"{server}/v1/completions", json=body, timeout=30).text.splitlines() if line]
     assert '"error"' in events[-2] and "injected sampler failure" in events[-2] and events[-1] == "data: [DONE]"
@@ -744,6 +744,36 @@ def test_an_unexpected_exception_is_a_logged_openai_500(engine, server, monkeypa
         err = assert_openai_error(post(url, COMPLETION), 500, None, "internal_error")
     assert err["message"] == "internal error: RuntimeError"  # no traceback or internals in the body
     assert any("tokenizer exploded" in str(r.exc_info) for r in caplog.records if r.name == "kivi.serve")
+
+
+
+def test_a_bug_that_kills_the_engine_thread_ends_every_request_and_is_reported(tiny, caplog):
+    # A fault outside the batched step (here the plan) used to end the engine thread silently: the
+    # requests then waited out their own timeouts. Now each gets an error event at once, and new
+    # requests and /health get 503 naming the cause.
+    engine = make_engine(tiny)
+    try:
+        assert engine.ready.wait(120)
+        events = []
+
+        def plan():
+            raise RuntimeError("injected plan bug")
+
+        with engine.lock, caplog.at_level(logging.ERROR, logger="kivi.serve"):
+            engine.placement.plan = plan
+            engine.submit(Request(prompt_ids=[1, 2, 3], max_tokens=4, emit=lambda *e: events.append(e)))
+        engine.thread.join(30)
+        assert not engine.thread.is_alive()
+        assert [kind for kind, _ in events] == ["error"], events
+        failure = events[0][1]
+        assert failure.status == 503 and failure.code == "engine_failure" and "injected plan bug" in failure.message
+        assert any("injected plan bug" in str(r.exc_info) for r in caplog.records)
+        refused = engine.admission_error()
+        assert refused.status == 503 and refused.code == "engine_failure" and "injected plan bug" in str(refused)
+        with serving(engine) as url:
+            assert_openai_error(httpx.get(f"{url}/health", timeout=10), 503, None, "engine_failure")
+    finally:
+        engine.close()
 
 
 # ---------------------------------------------------------------- issue 43 item 5: idle and slow clients
