@@ -45,6 +45,30 @@ def test_the_packed_bytes_load_in_one_instruction_and_the_results_are_equal(monk
     torch.compiler.reset()
 
 
+def test_code_cached_without_the_patch_is_not_reused_with_it(monkeypatch):
+    # One on-disk cache, the same graph: first compiled with Inductor's own loads and no salt (a
+    # process before the patch), then with the patch. Without the salt the second compile would
+    # load the first one's code from the FX-graph cache and keep ATen's slow loads.
+    torch.manual_seed(0)
+    codes, scale = torch.randint(0, 256, (512, 16), dtype=torch.uint8), torch.randn(4, 16)
+    assert avx2_byte_loads.install()
+    salt = inductor_config.post_grad_custom_post_pass
+    assert isinstance(salt, avx2_byte_loads.CacheSalt) and salt.uuid()
+    patched = cpp.CppVecKernel._get_vec_load_line
+    compile_ = lambda: run_and_get_code(torch.compile(unpack_and_reduce, fullgraph=True), codes, scale)  # noqa: E731
+    with fresh_cache(), inductor_config.patch(cpp_wrapper=False, fx_graph_cache=True):
+        torch.compiler.reset()
+        with monkeypatch.context() as unpatched, inductor_config.patch(post_grad_custom_post_pass=None):
+            unpatched.setattr(cpp.CppVecKernel, "_get_vec_load_line", avx2_byte_loads.original_load_line())
+            _, (plain_code,) = compile_()
+        assert "Vectorized<uint8_t>::loadu(" in plain_code
+        torch.compiler.reset()
+        assert cpp.CppVecKernel._get_vec_load_line is patched
+        _, (code,) = compile_()
+    assert "_mm_loadl_epi64" in code and "Vectorized<uint8_t>::loadu(" not in code
+    torch.compiler.reset()
+
+
 def test_only_unmasked_quarter_byte_loads_on_avx2_change():
     class Kernel:
         def __init__(self, isa, num_elems):

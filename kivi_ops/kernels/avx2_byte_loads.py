@@ -18,13 +18,22 @@ one process per side with its own Inductor cache): 5.85 ms before, 2.26 ms after
 equal (benchmarks/results/avx2_byte_loads/). Every compile of ours installs it
 (compile_budget.compile_own_code); other code compiled in the process gets the same loads.
 
-A compile whose graph Inductor finds in its on-disk cache reuses that code as it was generated:
-a cache filled before this existed keeps the slow loads (same results) until it is cleared.
+Inductor's on-disk FX-graph cache reuses code as it was generated, and its key does not see a
+patched code generator. So install() also sets a no-op post-grad pass (`CacheSalt`) whose uuid,
+the hash of this file, enters that key: code generated with these loads is cached apart from code
+generated without them, both ways (a cache filled before this existed, or by a process without
+the patch, is not reused). A post-grad pass the user set already is left alone (then the cache
+may mix the two; both compute the same bits, only speed differs).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+log = logging.getLogger(__name__)
 
 _original_load_line = None  # Inductor's own, once install() has wrapped it
 
@@ -51,7 +60,27 @@ def install() -> bool:
 
     cpp.CppVecKernel._get_vec_load_line = vec_load_line
     _original_load_line = original
+    _salt_cache_key()
     return True
+
+
+class CacheSalt(CustomGraphPass):
+    """A post-grad pass that changes nothing; its uuid (this file's hash) keys Inductor's cache."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))
+
+
+def _salt_cache_key() -> None:
+    from torch._inductor import config
+
+    if config.post_grad_custom_post_pass is None:
+        config.post_grad_custom_post_pass = CacheSalt()
+    elif not isinstance(config.post_grad_custom_post_pass, CacheSalt):
+        log.info("post_grad_custom_post_pass is set already: Inductor's cache is not keyed by the AVX2 byte loads")
 
 
 def original_load_line():
