@@ -59,7 +59,7 @@ registered), which is what the dispatcher would do anyway.
 
 Paged layers (paged.py; `pages`, a paged_layout.Paging, is given) follow the same matrix with the
 paged form of each implementation: the ops kivi::paged_append / paged_attend (paged_ops.py);
-reference: kernels/paged_reference.py; decomposed appends write through the block table;
+reference: kernels/reference.py's paged forms; decomposed appends write through the block table;
 decomposed_fused reads the pages through it inside its loops (paged_layout.indexed_view),
 decomposed_materialized reads them gathered into the static layout (paged_layout.static_view); the
 Triton kernels take the block table (kernels/triton_paging.py). The sink/OTT pool and the sparse

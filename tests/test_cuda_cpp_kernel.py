@@ -34,7 +34,7 @@ from kivi_ops import dispatch
 from kivi_ops.cuda.attend import attend_cuda_cpp, attend_cuda_cpp_paged, default_num_splits, unsupported
 from kivi_ops.cuda.toolkit import CudaKernelUnavailable, pip_toolkit_root
 from kivi_ops.kernels.reference import append_reference, attend_reference
-from kivi_ops.kernels.paged_reference import paged_attend_reference
+from kivi_ops.kernels.reference import paged_attend_reference
 from kivi_ops.layout import LayerTensors, QuantParams
 from kivi_ops.packing import packed_bytes
 from kivi_ops.paged_layout import PAGED_TENSORS, Paging, pages_needed

@@ -1,5 +1,5 @@
 """The Triton kernels on a paged layer (kernels/triton_paging.py) against the paged reference
-(kernels/paged_reference.py) and against the same kernels on the static layer holding the same
+(kernels/reference.py's paged forms) and against the same kernels on the static layer holding the same
 sequences: under TRITON_INTERPRET=1 without CUDA (see test_triton_kernels.py).
 
 Bit for bit: a paged launch runs the static kernel's arithmetic on the same values, only the rows
@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from kivi_ops import KIVIConfig  # noqa: E402
-from kivi_ops.kernels.paged_reference import paged_append_reference, paged_attend_reference  # noqa: E402
+from kivi_ops.kernels.reference import paged_append_reference, paged_attend_reference  # noqa: E402
 from kivi_ops.kernels.triton_append import append_triton  # noqa: E402
 from kivi_ops.kernels.triton_decode import attend_decode  # noqa: E402
 from kivi_ops.kernels.triton_split import attend_split  # noqa: E402

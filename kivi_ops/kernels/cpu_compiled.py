@@ -84,7 +84,7 @@ def append(form, layer: LayerTensors, key, value, counts, params: QuantParams, p
     elif pages is None:
         append_reference(layer, key, value, counts, params)
     else:
-        from .paged_reference import paged_append_reference
+        from .reference import paged_append_reference
 
         paged_append_reference(layer, key, value, counts, params, pages)
 
@@ -97,6 +97,6 @@ def attend(form, query, layer: LayerTensors, counts, params: QuantParams, scale:
         return _compiled(form, signature)(query, layer, counts, params, scale, *extra)
     if pages is None:
         return attend_reference(query, layer, counts, params, scale)
-    from .paged_reference import paged_attend_reference
+    from .reference import paged_attend_reference
 
     return paged_attend_reference(query, layer, counts, params, scale, pages)

@@ -1,11 +1,11 @@
 """The paged form of each cache-op implementation (dispatch.py names them): the static code with the
 block table passed along. Each takes the static form's arguments plus a Paging (paged_layout.py).
 
-    append  reference                     paged_reference.paged_append_reference
+    append  reference                     reference.paged_append_reference
             decomposed, decomposed_cond   decomposed_append.append_decomposed(pages=...): rows
                                           written through the block table
             triton                        triton_append.append_triton(pages=...)
-    attend  reference                     paged_reference.paged_attend_reference
+    attend  reference                     reference.paged_attend_reference
             decomposed_fused              the static form on paged_layout.indexed_view: each
                                           pool read through the block table as one indexing
                                           expression, which Inductor inlines into the fused
@@ -28,7 +28,7 @@ from ..paged_layout import indexed_view, static_view
 def append_form(implementation: str):
     """(layer, key, value, counts, params, pages) -> None for one append implementation."""
     if implementation == "reference":
-        from .paged_reference import paged_append_reference
+        from .reference import paged_append_reference
 
         return paged_append_reference
     if implementation in ("decomposed", "decomposed_cond"):
@@ -45,7 +45,7 @@ def append_form(implementation: str):
 def attend_form(implementation: str):
     """(query, layer, counts, params, scale, pages) -> out for one attention implementation."""
     if implementation == "reference":
-        from .paged_reference import paged_attend_reference
+        from .reference import paged_attend_reference
 
         return paged_attend_reference
     if implementation in ("decomposed_fused", "decomposed_materialized"):
