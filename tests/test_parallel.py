@@ -74,14 +74,27 @@ def test_tiny_model_tp2_equals_one_process(tiny_dirs, kv_heads):
     assert two["cache_bytes"] * 2 - one["cache_bytes"] == lengths_bytes
 
 
+@pytest.mark.slow  # 20-30 s; the fast suite keeps the unrotated tiny model at TP = 2
+@pytest.mark.parametrize("rotations", [("hadamard", "hadamard"), ("random", "hadamard")])
+def test_tiny_model_tp2_with_rotated_keys_and_values_equals_one_process(tiny_dirs, rotations):
+    # A rotation multiplies each head's vectors by one head_dim x head_dim matrix: it shards with
+    # the heads, and each rank rotates its own (the matrix is built from the seed on every rank).
+    keys, values = rotations
+    args = ["generate", "--model", str(tiny_dirs[2]), "--prompt", PROMPT, "--max-new-tokens", "24",
+            "--method", "kivi", "--group-size", "8", "--residual-length", "8", "--rotate-keys", keys,
+            "--rotate-values", values, "--rotation-seed", "3"]
+    one, two = kivi(args), kivi(args, nproc=2)
+    assert two["tokens"] == one["tokens"] and two["tp_size"] == 2
+
+
 @pytest.mark.slow
 def test_default_model_tp3_equals_one_process_with_every_option():
     # The embedded SmolLM2 has 3 KV heads: one per rank. Sink + OTT pools, pre-RoPE keys, nuq
-    # levels (per layer) and sparse outliers are all per head, so they shard with the heads.
-    # G=32 (the levels file's), R=32: the 40-token run flushes keys and quantizes values.
+    # levels (per layer), sparse outliers and rotated values are all per head, so they shard with
+    # the heads. G=32 (the levels file's), R=32: the 40-token run flushes keys and quantizes values.
     args = ["generate", "--prompt", PROMPT, "--max-new-tokens", "40", "--method", "kivi",
             "--group-size", "32", "--residual-length", "32", "--sink-tokens", "1", "--outlier-tokens", "2",
-            "--pre-rope", "--sparse-outliers", "0.01", "--nuq", str(NUQ)]
+            "--pre-rope", "--sparse-outliers", "0.01", "--nuq", str(NUQ), "--rotate-values", "hadamard"]
     one, three = kivi(args), kivi(args, nproc=3)
     assert three["tokens"] == one["tokens"]
     assert three["tp_size"] == 3 and three["cache_bytes"] < one["cache_bytes"] / 2
