@@ -14,7 +14,7 @@ from kivi_models import generate, load_model, make_cache, patch_model
 from kivi_serve.app import build_app
 from kivi_serve.engine import Engine
 from kivi_ops import KIVIConfig
-from serve_fixtures import free_port
+from serve_fixtures import free_port, metrics, uvicorn_in_thread
 
 NAME = "smollm2-test"
 CONFIG = KIVIConfig(group_size=8, residual_length=8)  # flushes within short completions
@@ -33,25 +33,20 @@ def server():
     torch._dynamo.utils.counters.clear()
     engine = Engine(model, tokenizer, method="kivi", kivi_config=CONFIG, slots=SLOTS, max_seq_len=MAX_SEQ_LEN,
                     compile=True)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:  # uvicorn starts at once; the engine compiles its step meanwhile
-        try:
-            status = httpx.get(f"{url}/health", timeout=1).status_code
-        except httpx.HTTPError:
-            status = None
-        if status is not None:  # (/health's status, compiled graphs by then)
-            HEALTH.append((status, torch._dynamo.utils.counters["stats"]["unique_graphs"]))
-        if status == 200:
-            break
-        time.sleep(0.05)
-    yield url, engine, model, tokenizer
-    srv.should_exit = True
-    thread.join(timeout=10)
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=free_port(), log_level="warning"))
+    with uvicorn_in_thread(srv) as url:
+        deadline = time.time() + 600
+        while time.time() < deadline:  # uvicorn starts at once; the engine compiles its step meanwhile
+            try:
+                status = httpx.get(f"{url}/health", timeout=1).status_code
+            except httpx.HTTPError:
+                status = None
+            if status is not None:  # (/health's status, compiled graphs by then)
+                HEALTH.append((status, torch._dynamo.utils.counters["stats"]["unique_graphs"]))
+            if status == 200:
+                break
+            time.sleep(0.05)
+        yield url, engine, model, tokenizer
     engine.close()
 
 
@@ -67,11 +62,6 @@ def alone(model, tokenizer, prompt: str, max_tokens: int) -> str:
     cache = make_cache(model, method="kivi", batch_size=1, max_seq_len=len(ids) + max_tokens, kivi_config=CONFIG)
     result = generate(model, [ids], max_new_tokens=max_tokens, cache=cache, eos_token_id=tokenizer.eos_token_id)
     return tokenizer.decode([t for t in result.tokens[0] if t != tokenizer.eos_token_id], skip_special_tokens=True)
-
-
-def metrics(url) -> dict:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
 
 def wait_idle(url, timeout=60) -> dict:

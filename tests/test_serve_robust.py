@@ -27,23 +27,12 @@ from kivi_serve.app import build_app
 from kivi_serve.connections import ConnectionLimits, uvicorn_config
 from kivi_serve.engine import Engine
 from kivi_serve.request import Request
-from serve_fixtures import free_port, uvicorn_in_thread
+from serve_fixtures import free_port, tiny, uvicorn_in_thread  # noqa: F401 (tiny: a fixture)
 
 NAME = "tiny"
 CONFIG = KIVIConfig(group_size=4, residual_length=4)
 SLOTS, MAX_SEQ_LEN = 3, 128
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from transformers import AutoTokenizer
-
-    from kivi_models.loading import default_model_dir
-    from tiny_models import tiny_llama
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
-    return patch_model(tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=256)), tokenizer
 
 
 @contextlib.contextmanager
