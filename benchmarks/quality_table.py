@@ -205,7 +205,8 @@ def passkey_rows(quick: bool, levels: LevelFiles = LevelFiles()) -> list[Row]:
             Row("KIVI-3 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(3, 3, 32, 128)),
             Row("KIVI-2 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 128)),
             *[r for r in extension_rows() if "G=128" not in r.name and "OTT-2 + sink" not in r.name],
-            *[r for r in kvquant_rows(levels) if r.name.startswith("KVQuant")]]
+            *[r for r in kvquant_rows(levels) if r.name.startswith("KVQuant")],
+            *[r for r in rotation_rows(levels) if "rotated K+V" in r.name]]
 
 
 def selected(rows: list[Row], only: Optional[list[str]]) -> list[Row]:

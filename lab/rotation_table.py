@@ -1,11 +1,15 @@
-"""Collect per-row `kivi eval ppl --json` results (one process per row, run one at a time) into one
-quality table: JSON, Markdown and a plot of perplexity against stored bits per element.
+"""Collect per-row `kivi eval ppl --json` and `kivi eval passkey --json` results (one process per
+row, run one at a time by lab/run_rows.sh) into one quality table: JSON, Markdown and a plot of
+perplexity against stored bits per element.
 
-    python -m lab rotation_table --runs DIR --log DIR/log.txt --out benchmarks/results/quality_rotation
+    lab/run_rows.sh QUEUE DIR
+    python -m lab rotation_table --runs DIR --log DIR/log.txt --out benchmarks/results/quality_rotation \
+        [--model gemma3-270m --no-committed]
 
-DIR holds NAME.json (the row's `kivi eval ppl --json` output); the log holds the lines
-"<date> START NAME :: <command>" and "<date> END NAME rc=..." the runner wrote. Bits per element
-are recomputed from each row's config (kivi_benchmarks.quality_table.bits_per_element).
+DIR holds NAME.json (the row's `kivi eval ppl --json` output) and pk_NAME.json (its `kivi eval
+passkey --json` output); the log holds the lines "<date> START NAME :: <command>" and
+"<date> END NAME rc=..." the runner wrote. Bits per element are recomputed from each row's config
+(kivi_benchmarks.quality_table.bits_per_element) on --model.
 """
 
 from __future__ import annotations
@@ -44,16 +48,18 @@ ROWS = [
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 # Rows not re-run here come from the committed tables at the same settings (4 x 1024, chunk 1;
 # reference CPU kernels, 2 threads: docs/quality.md says how far that moves the last digits).
-COMMITTED = ("quality.json", "quality_kvquant.json")
+# quality_rotation.json: this table's own earlier rows, each with its own command.
+COMMITTED = ("quality_rotation.json", "quality.json", "quality_kvquant.json")
 
 
 def _committed(name: str):
     for file in COMMITTED:
         data = json.loads((RESULTS / file).read_text())
         for r in data["perplexity"]:
-            if r["name"] == name:
+            if r["name"] == name and (r.get("started") or "command" not in r):  # measured there, not carried over
                 env = data["environment"]
-                return r, f"{env['command']} (committed {file}, git {env['git_sha'][:10]}, {env['threads']} threads)"
+                command = r.get("command") or env["command"]
+                return r, f"{command} (committed {file}, git {env['git_sha'][:10]}, {env['threads']} threads)"
     return None, None
 
 
@@ -85,6 +91,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True, help="output path without suffix")
     p.add_argument("--title", default="SmolLM2-135M, 4 x 1024 tokens of pydoc topics")
     p.add_argument("--note", default="")
+    p.add_argument("--model", default="default", help="as for `kivi eval` (bits per element depend on its head_dim)")
+    p.add_argument("--no-committed", action="store_true",
+                   help="rows not run here stay out (default: taken from the committed SmolLM2 tables)")
     args = p.parse_args(argv)
 
     from kivi_benchmarks.environment import environment
@@ -96,17 +105,22 @@ def main(argv=None) -> int:
     started = {m.group(2): (m.group(1), m.group(3)) for m in
                (re.match(r"(\S+) START (\S+) :: (.*)", line) for line in log) if m}
     ended = {m.group(2): m.group(1) for m in (re.match(r"(\S+) END (\S+) rc=0", line) for line in log) if m}
-    model = patch_model(load_model()[0])
-    rows, missing = [], []
+    model = patch_model(load_model(args.model)[0])
+    rows, missing, passkey = [], [], []
     for stem, name, group in ROWS:
-        path = args.runs / f"{stem}.json"
+        path, pk = args.runs / f"{stem}.json", args.runs / f"pk_{stem}.json"
+        if f"pk_{stem}" in ended and pk.exists():
+            run = json.loads(pk.read_text().strip().splitlines()[-1])
+            passkey.append(dict(name=name, accuracy=run["accuracy"], trials=run["trials"], seconds=run["seconds"],
+                                config=run["config"], command=started[f"pk_{stem}"][1],
+                                started=started[f"pk_{stem}"][0], ended=ended[f"pk_{stem}"]))
         if stem not in ended or not path.exists() or not path.read_text().strip():
-            old, source = _committed(name)
+            old, source = (None, None) if args.no_committed else _committed(name)
             if old is None:
                 missing.append(name)
                 continue
-            kivi, _ = _row_config(old["method"], old["config"] or {})
-            row = Row(name, group, old["method"], kivi=kivi)
+            kivi, fake = _row_config(old["method"], old["config"] or {})
+            row = Row(name, group, old["method"], kivi=kivi, fake=fake)
             rows.append(dict(name=name, group=group, method=old["method"], ppl=old["ppl"], tokens=old["tokens"],
                              seconds=old["seconds"], bits_per_element=bits_per_element(model, row),
                              config=old["config"], command=source, started="", ended=""))
@@ -117,15 +131,15 @@ def main(argv=None) -> int:
         rows.append(dict(name=name, group=group, method=run["method"], ppl=run["ppl"], tokens=run["tokens"],
                          seconds=run["seconds"], bits_per_element=bits_per_element(model, row),
                          config=run["config"], command=started[stem][1], started=started[stem][0], ended=ended[stem]))
-    report = dict(model="default", corpus="pydoc_data.topics", window=1024, windows=4, chunk=1,
-                  perplexity=rows, not_measured=missing, note=args.note,
+    report = dict(model=args.model, corpus="pydoc_data.topics", window=1024, windows=4, chunk=1,
+                  perplexity=rows, passkey=passkey, not_measured=missing, note=args.note,
                   environment=environment(command="; ".join(r["command"] for r in rows)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
     base = next((r["ppl"] for r in rows if r["method"] == "fp"), None)
-    dates = [r["started"] for r in rows if r["started"]]
+    dates = [r["started"] for r in [*rows, *passkey] if r["started"]]
     lines = [f"# {args.title}: rotations and the per-token / FP8 baselines", "",
-             "Teacher-forced perplexity, pydoc_data.topics, 4 x 1024-token windows. Cache rows: chunk 1 (decode "
+             f"Model: {args.model}. Teacher-forced perplexity, pydoc_data.topics, 4 x 1024-token windows. Cache rows: chunk 1 (decode "
              "semantics), G=32, R=128, through the real cache. Fake rows: every token quantized, no residual.",
              "bits / element: stored bits per key/value element, scales and zeros counted (cache rows: exact bytes "
              "of one 4K-token sequence, the fp16 residual window included; fake rows: the format alone).", "",
@@ -133,12 +147,24 @@ def main(argv=None) -> int:
     for r in rows:
         gap = f"{r['ppl'] - base:+.2f} ({100 * (r['ppl'] / base - 1):+.1f}%)" if base else ""
         lines.append(f"| {r['name']} | {r['ppl']:.2f} | {gap} | {r['bits_per_element']:.2f} | `{r['command']}` |")
+    if passkey:
+        lengths = list(passkey[0]["accuracy"])
+        fp = next((r["accuracy"] for r in passkey if r["config"] is None or r["name"] == "16-bit"), None)
+        lines += ["", f"Passkey retrieval: accuracy over {passkey[0]['trials']} trials per length (`kivi eval passkey`; "
+                      "in brackets, the ratio to 16-bit's)", "",
+                  "| configuration | " + " | ".join(f"{n} tokens" for n in lengths) + " | command |",
+                  "| --- |" + " --- |" * len(lengths) + " --- |"]
+        for r in passkey:
+            cells = [f"{r['accuracy'][n]:.2f}" + (f" ({r['accuracy'][n] / fp[n]:.2f}x)" if fp and fp[n] else "")
+                     for n in lengths]
+            lines.append(f"| {r['name']} | " + " | ".join(cells) + f" | `{r['command']}` |")
     env = report["environment"]
     lines += ["", f"Not measured: {', '.join(missing) or 'none'}.", "",
-              f"Each row ran alone as `OMP_NUM_THREADS=1 nice -n 19 <command>` on the project's shared 2-core CPU "
+              f"Each row ran in its own process on one thread (lab/run_rows.sh: `OMP_NUM_THREADS=1 nice -n 10 "
+              f"<command>`; two queues side by side, one per core) on the project's shared 2-core CPU "
               f"machine, default CPU kernels; torch {env['torch']}, transformers {env['transformers']}, python "
               f"{env['python']}, git {env['git_sha']}. Dates: {min(dates, default='')} to "
-              f"{max((r['ended'] for r in rows), default='')}. Rows whose command names a committed file are that "
+              f"{max((r['ended'] for r in [*rows, *passkey]), default='')}. Rows whose command names a committed file are that "
               "table's numbers, not re-run.", args.note]
     args.out.with_suffix(".md").write_text("\n".join(lines).rstrip() + "\n")
     plot_bits(report, args.out.parent / f"{args.out.name}_bits.png", f"{args.title}: perplexity vs bits per element")
