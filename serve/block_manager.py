@@ -334,7 +334,3 @@ class Scheduler:
             self.swapped.remove(seq)
         self.blocks.free(seq)
         self.order.pop(seq, None)
-
-    def finish_all(self, seqs: Iterable[Hashable] = ()) -> None:
-        for seq in [*self.running, *self.swapped, *seqs]:
-            self.finish(seq)

@@ -6,9 +6,10 @@ Each row of the cache is a slot. One engine thread owns the model and the cache 
    plans the round, for both layouts: a paged cache's pages, or a static cache seen as one page
    of max_seq_len tokens per row (runner.RowPages: admit while a row is free, never preempt).
    Preempted requests are swapped out, swapped-out ones come back, waiting ones are admitted
-   (FIFO) into free rows; each new prompt is prefilled alone in a batch-1 staging cache (exactly `kivi generate`'s prefill: exact
-   attention, then quantization) and copied into the request's row and pages (the other rows are
-   untouched), so an admission costs the prompt alone, not a forward over every row;
+   (FIFO) into free rows; each new prompt is prefilled alone in a batch-1 staging cache (exactly
+   `kivi generate`'s prefill: exact attention, then quantization) and copied into the request's
+   row and pages (the other rows are untouched), so an admission costs the prompt alone, not a
+   forward over every row;
 2. step: one decode step over the smallest decode bucket that holds the running rows, counts 1
    for rows with a request and 0 for free rows (nothing is stored for those), compiled once per
    bucket with static shapes, so requests coming and going never recompile it;

@@ -28,8 +28,10 @@ def advance(logits: torch.Tensor, requests: list[Optional[Request]], tokenizer, 
     finite = torch.isfinite(logits).all(dim=-1).tolist()
     sampled, ended = 0, []
     for row_logits, r, ok in zip(logits, requests, finite):
-        if r is None or r.cancelled:
-            ended += [(r, None)] if r is not None else []
+        if r is None:
+            continue
+        if r.cancelled:
+            ended.append((r, None))
             continue
         if not ok:
             log.error("request %s: non-finite logits at %s", r.id, where)

@@ -1,9 +1,8 @@
 """Where each request of `kivi serve` sits: the one owner of placement.
 
 A `Placement` holds the queue of waiting requests, the rows of the cache (which request each row
-serves), the block manager and
-its page scheduler (block_manager.py: pages, preemption, cached prefixes), the block table the
-runner reads, and the decode buckets. Each engine round asks it for a `StepPlan` (which rows lose
+serves), the block manager and its page scheduler (block_manager.py: pages, preemption, cached
+prefixes), the block table the runner reads, and the decode buckets. Each engine round asks it for a `StepPlan` (which rows lose
 their request to a preemption, which rows take a resumed or admitted one), then for the moves
 that keep the requests in the lowest rows, the block-table rows that changed, and the bucket the
 decode step runs over. It decides only: the runner (runner.py) moves the bytes.

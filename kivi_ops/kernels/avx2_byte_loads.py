@@ -43,7 +43,7 @@ def install() -> bool:
     Inductor alone (False) if its code generator no longer has the method this wraps."""
     global _original_load_line
     if _original_load_line is not None:
-        _salt_cache_key()  # again: a config.patch() around an earlier install() may have restored the old pass
+        _salt_cache_key()  # again: make test's workers lost an earlier call's salt (the cause was not found)
         return True
     from torch._inductor.codegen import cpp
 
