@@ -56,11 +56,19 @@ def _committed(name: str):
     for file in COMMITTED:
         data = json.loads((RESULTS / file).read_text())
         for r in data["perplexity"]:
-            if r["name"] == name and (r.get("started") or "command" not in r):  # measured there, not carried over
+            # measured there, or carried there with its first source named
+            if r["name"] == name and (r.get("started") or "(committed " in r.get("command", "(committed ")):
                 env = data["environment"]
                 command = r.get("command") or env["command"]
+                if "(committed " in command:  # carried over once already: keep its first source
+                    return r, command
                 return r, f"{command} (committed {file}, git {env['git_sha'][:10]}, {env['threads']} threads)"
     return None, None
+
+
+def _last_json(path: Path) -> dict:
+    """A row's result: the last line of its `--json` output."""
+    return json.loads(path.read_text().strip().splitlines()[-1])
 
 
 def _row_config(method: str, config: dict):
@@ -69,7 +77,7 @@ def _row_config(method: str, config: dict):
 
     if method == "fake":
         fields = {k: config[k] for k in ("k_bits", "v_bits", "group_size", "k_axis", "v_axis", "k_rotation",
-                                         "v_rotation", "rotation_seed", "format")}
+                                         "v_rotation", "rotation_seed", "format") if k in config}  # older rows lack some
         return None, FakeQuantConfig(**fields)
     if method == "fp":
         return None, None
@@ -110,7 +118,7 @@ def main(argv=None) -> int:
     for stem, name, group in ROWS:
         path, pk = args.runs / f"{stem}.json", args.runs / f"pk_{stem}.json"
         if f"pk_{stem}" in ended and pk.exists():
-            run = json.loads(pk.read_text().strip().splitlines()[-1])
+            run = _last_json(pk)
             passkey.append(dict(name=name, accuracy=run["accuracy"], trials=run["trials"], seconds=run["seconds"],
                                 config=run["config"], command=started[f"pk_{stem}"][1],
                                 started=started[f"pk_{stem}"][0], ended=ended[f"pk_{stem}"]))
@@ -123,9 +131,10 @@ def main(argv=None) -> int:
             row = Row(name, group, old["method"], kivi=kivi, fake=fake)
             rows.append(dict(name=name, group=group, method=old["method"], ppl=old["ppl"], tokens=old["tokens"],
                              seconds=old["seconds"], bits_per_element=bits_per_element(model, row),
-                             config=old["config"], command=source, started="", ended=""))
+                             config=old["config"], command=source, started=old.get("started", ""),
+                             ended=old.get("ended", "")))
             continue
-        run = json.loads(path.read_text().strip().splitlines()[-1])
+        run = _last_json(path)
         kivi, fake = _row_config(run["method"], run["config"])
         row = Row(name, group, run["method"], kivi=kivi, fake=fake)
         rows.append(dict(name=name, group=group, method=run["method"], ppl=run["ppl"], tokens=run["tokens"],
@@ -149,7 +158,7 @@ def main(argv=None) -> int:
         lines.append(f"| {r['name']} | {r['ppl']:.2f} | {gap} | {r['bits_per_element']:.2f} | `{r['command']}` |")
     if passkey:
         lengths = list(passkey[0]["accuracy"])
-        fp = next((r["accuracy"] for r in passkey if r["config"] is None or r["name"] == "16-bit"), None)
+        fp = next((r["accuracy"] for r in passkey if r["name"] == "16-bit"), None)
         lines += ["", f"Passkey retrieval: accuracy over {passkey[0]['trials']} trials per length (`kivi eval passkey`; "
                       "in brackets, the ratio to 16-bit's)", "",
                   "| configuration | " + " | ".join(f"{n} tokens" for n in lengths) + " | command |",
