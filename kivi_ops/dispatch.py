@@ -1,8 +1,12 @@
 """The one place that decides which implementation of a cache op runs.
 
-`choose` maps (op, device, mode, q_len, the layer's options) to an implementation; `run` runs it.
-KIVICache asks once per call (eager, or while torch.compile / torch.export trace it); the
-kivi ops' own device kernels ask again for what runs inside the op. Nothing else chooses.
+`choose` maps (op, device, mode, q_len, the layer's options) to an implementation. A cache layer
+asks once per call (eager, or while torch.compile / torch.export trace it; layer.run_append /
+run_attend) and runs it: a form traced inline, or the kivi op, which carries the choice as its
+`implementation` argument and whose kernel runs that entry of the implementation table
+(implementations.py) without choosing again. Nothing else chooses. A CUDA decode call is marked
+`tune`: inside the op the tuner may run a faster eligible kernel for its shape class
+(tuned_attend, footnote [2]), the layer's choice being the default.
 
 `KIVI_CPU_KERNELS` (environment, read at import; `set_cpu_kernels` in Python) picks the CPU
 decode kernels outside torch.compile: "compiled" (default), the compiled-mode forms compiled per
@@ -28,8 +32,8 @@ Support matrix (decomposed forms are core ATen: traced inline, never inside the 
 [2] The Triton rule: triton_split when head_dim is not a power of two, and where the installed
     Triton cannot compile triton_decode (decode_kernel_compiles). Both attention kernels read the
     sparse store, nuq levels, pre-RoPE keys and the pool. Inside the op (ops.py, paged_ops.py:
-    attend_in_op), a decode call (q_len == 1) runs the kernel picked for its shape class among the
-    eligible ones, with KIVI_CUDA_DECODE (set_cuda_decode) at its default "auto" (tuning.py):
+    tuned_attend), a decode call (q_len == 1, `tune`) runs the kernel picked for its shape class
+    among the eligible ones, with KIVI_CUDA_DECODE (set_cuda_decode) at its default "auto" (tuning.py):
       eligible  the Triton rule's kernel, triton_split, and the CUDA C++ tensor-core kernel
                 (kivi_ops/cuda, "cuda_cpp") with each of CUDA_CPP_SPLITS split counts, where
                 cuda/attend.py `unsupported` takes the call and the extension loads (else not
@@ -58,18 +62,14 @@ Other devices run the reference inside the op (the op's CPU kernel is the only o
 registered), which is what the dispatcher would do anyway.
 
 Paged layers (paged.py; `pages`, a paged_layout.Paging, is given) follow the same matrix with the
-paged form of each implementation: the ops kivi::paged_append / paged_attend (paged_ops.py);
-reference: kernels/reference.py's paged forms; decomposed appends write through the block table;
-decomposed_fused reads the pages through it inside its loops (paged_layout.indexed_view),
-decomposed_materialized reads them gathered into the static layout (paged_layout.static_view); the
-Triton kernels take the block table (kernels/triton_paging.py). The sink/OTT pool and the sparse
-store are refused by the paged layer, so footnotes [1] and [2] reduce to nuq levels and pre-RoPE.
+paged form of each implementation (implementations.py) and the ops kivi::paged_append / paged_attend
+(paged_ops.py). The sink/OTT pool and the sparse store are refused by the paged layer, so
+footnotes [1] and [2] reduce to nuq levels and pre-RoPE.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 from typing import Callable, NamedTuple, Optional
@@ -78,15 +78,13 @@ import torch
 
 from . import tuning
 from .cuda.attend import unsupported as cuda_cpp_unsupported
+from .implementations import IMPLEMENTATIONS, OPS, run_attend  # noqa: F401 (IMPLEMENTATIONS: re-exported)
 from .layout import LayerTensors, QuantParams
 from .paged_layout import Paging
 
 log = logging.getLogger(__name__)
 
-OPS = ("append", "attend")
 MODES = ("eager", "compile", "export", "portable")
-IMPLEMENTATIONS = ("reference", "decomposed", "decomposed_cond", "decomposed_fused", "decomposed_materialized", "triton",
-                   "triton_decode", "triton_split", "cuda_cpp")
 
 
 CPU_KERNELS = ("compiled", "reference")
@@ -207,20 +205,36 @@ def decode_candidates(layer: LayerTensors, params: QuantParams, query_heads: int
 _tuner = tuning.Tuner(tuning.read_table())
 
 
-def _decode_choice(layer: LayerTensors, params: QuantParams, query_heads: int, paged: bool, context: Optional[int],
-                   triton_rule: str, measure) -> Choice:
-    """The CUDA decode-attention kernel for one call: the only eligible one, or the tuner's pick."""
-    candidates = decode_candidates(layer, params, query_heads, paged, triton_rule)
+def tuned_choice(default: str, layer: LayerTensors, params: QuantParams, query_heads: int, paged: bool,
+                 context: Optional[int] = None, measure: Optional[Callable[[Choice], object]] = None) -> Choice:
+    """The CUDA decode-attention kernel for one call (footnote [2]): the only eligible one, or the
+    tuner's pick for its shape class, `default` (the Triton rule's kernel) where the tuner has
+    none. context: tokens a row holds (default: the static layout's, k_codes' dim 2; a paged
+    layer's Paging.capacity). measure(choice) runs a candidate on the call's inputs, for the autotune."""
+    candidates = decode_candidates(layer, params, query_heads, paged, default)
     if len(candidates) > 1:
         B, H = layer.k_res.shape[:2]
         cls = tuning.shape_class(batch=B, kv_heads=H, context=layer.k_codes.shape[2] if context is None else context,
                                  query_heads=query_heads, head_dim=layer.k_res.shape[-1], k_bits=params.k_bits,
                                  v_bits=params.v_bits, dtype=layer.k_res.dtype, paged=paged)
         run = None if measure is None else (lambda c: measure(Choice(c.implementation, True, launch=c.launch)))
-        pick = _tuner.pick(cls, candidates, tuning.Candidate(triton_rule), run)
+        pick = _tuner.pick(cls, candidates, tuning.Candidate(default), run)
     else:
         pick = candidates[0]
     return Choice(pick.implementation, in_op=True, launch=pick.launch)
+
+
+def tuned_attend(default: str, query, layer: LayerTensors, counts, params: QuantParams, scale: float, *,
+                 pages: Optional[Paging] = None):
+    """A tuned CUDA decode call inside the attention ops (ops.py, paged_ops.py): the tuner's pick
+    (tuned_choice; its autotune, if the shape class needs one, times the candidates on these
+    inputs), run with its launch settings."""
+    def run(choice: Choice):
+        return run_attend(choice.implementation, query, layer, counts, params, scale, pages=pages,
+                          launch=choice.launch)
+
+    return run(tuned_choice(default, layer, params, query.shape[1], pages is not None,
+                            None if pages is None else pages.capacity, run))
 
 
 class Choice(NamedTuple):
@@ -228,6 +242,7 @@ class Choice(NamedTuple):
     in_op: bool  # runs inside the kivi custom op (its device kernel), rather than traced inline
     compiled: bool = False  # an inline form run through torch.compile on its own (footnote [4])
     launch: tuple = ()  # launcher keywords of a tuned device kernel, sorted pairs (cuda_cpp's num_splits)
+    tune: bool = False  # a CUDA decode call: the op runs the tuner's pick, this implementation by default
 
 
 def current_mode(portable: bool) -> str:
@@ -242,15 +257,10 @@ def current_mode(portable: bool) -> str:
 
 
 def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors,
-           cpu_kernels: str = "compiled", params: Optional[QuantParams] = None, paged: bool = False,
-           query_heads: Optional[int] = None, context: Optional[int] = None,
-           measure: Optional[Callable[[Choice], object]] = None) -> Choice:
+           cpu_kernels: str = "compiled") -> Choice:
     """The implementation of `op` for one call (the support matrix above; cpu_kernels: footnote [4]).
-    params / paged / query_heads: the call's settings, whether the layer is paged, the query's heads;
-    the CUDA decode kernel is picked among the eligible ones (footnote [2]) only with params and
-    query_heads (the op's own kernel); traced callers get the Triton rule, which only says "in the op".
-    context: tokens a row holds (default: the static layout's, k_codes' dim 2; a paged layer's
-    Paging.capacity). measure(choice) runs a candidate on the call's inputs, for the autotune."""
+    A CUDA decode call gets the Triton rule's kernel, marked `tune` (footnote [2]: the op runs the
+    tuner's pick, tuned_attend)."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if mode not in MODES:
@@ -265,10 +275,7 @@ def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors,
             return Choice("triton", in_op=True)  # every option: the sparse store, the pool, nuq
         head_dim = layer.k_res.shape[-1]
         decode = q_len == 1 and head_dim & (head_dim - 1) == 0 and decode_kernel_compiles(layer)
-        triton_rule = "triton_decode" if decode else "triton_split"
-        if q_len == 1 and params is not None and query_heads is not None:
-            return _decode_choice(layer, params, query_heads, paged, context, triton_rule, measure)
-        return Choice(triton_rule, in_op=True)
+        return Choice("triton_decode" if decode else "triton_split", in_op=True, tune=q_len == 1)
     eager_decode = mode == "eager" and q_len == 1 and cpu_kernels == "compiled"
     if device == "cpu" and (mode == "compile" or eager_decode):
         compiled = mode == "eager"
@@ -310,145 +317,3 @@ def compiled_decode(device: str, head_dim: int = 128) -> dict[str, str]:
     shape_only = torch.empty((1, 1, 1, head_dim), device="meta")
     layer = LayerTensors(*[shape_only] * len(LayerTensors._fields[:9]))
     return {op: choose(op, device=device, mode="compile", q_len=1, layer=layer).implementation for op in OPS}
-
-
-def append(layer: LayerTensors, key, value, counts, params: QuantParams, *, portable: bool = False,
-           pages: Optional[Paging] = None) -> None:
-    """cache_append as the cache calls it: through the kivi op, or a decomposed form traced inline.
-    pages: the layer is paged (kivi::paged_append and the paged forms)."""
-    choice = choose("append", device=key.device.type, mode=current_mode(portable), q_len=key.shape[2], layer=layer,
-                    cpu_kernels=_cpu_kernels)
-    paged = pages is not None
-    if choice.in_op and paged:
-        torch.ops.kivi.paged_append(*layer, pages.block_table, key, value, counts, *params)
-    elif choice.in_op:
-        torch.ops.kivi.cache_append(*layer, key, value, counts, *params)
-    elif choice.compiled:
-        from .kernels import cpu_compiled
-
-        cpu_compiled.append(append_implementation(choice.implementation, paged), layer, key, value, counts, params,
-                            pages)
-    else:
-        run_append(choice.implementation, layer, key, value, counts, params, pages=pages)
-
-
-def attend(query, layer: LayerTensors, counts, params: QuantParams, scale: float, *, portable: bool = False,
-           pages: Optional[Paging] = None):
-    """cache_attend as the cache calls it (pages: the layer is paged). On CUDA this is always the
-    op; its kernel (ops.py) asks choose again with params and query_heads, which is where the CUDA
-    C++ kernel can be chosen: traced code (torch.compile, export) never touches the extension."""
-    choice = choose("attend", device=query.device.type, mode=current_mode(portable), q_len=query.shape[2],
-                    layer=layer, cpu_kernels=_cpu_kernels)
-    paged = pages is not None
-    if choice.in_op and paged:
-        return torch.ops.kivi.paged_attend(query, *layer, pages.block_table, counts, *params, scale)
-    if choice.in_op:
-        return torch.ops.kivi.cache_attend(query, *layer, counts, *params, scale)
-    if choice.compiled:
-        from .kernels import cpu_compiled
-
-        return cpu_compiled.attend(attend_implementation(choice.implementation, paged), query, layer, counts, params,
-                                   scale, pages)
-    return run_attend(choice.implementation, query, layer, counts, params, scale, pages=pages)
-
-
-# The implementation table: each name's (static, paged) function, the same objects on every call
-# (cpu_compiled.py keys its compiled forms by them). A plain dict, not functools.cache: traced code
-# (torch.compile, export) looks the forms up, and Dynamo warns on every lru_cache-wrapped call it
-# traces. The forms traced inline are filled here at import; the device kernels (Triton, the C++
-# extension) on their first use, which is inside a kivi op, never traced: Triton is imported only
-# where it runs.
-def _inline_forms():
-    from .kernels import paged_forms
-    from .kernels.decomposed_append import append_decomposed
-    from .kernels.decomposed_attend import attend_fused, attend_materialized
-    from .kernels.reference import append_reference, attend_reference
-
-    append_static = {"reference": append_reference,
-                     "decomposed": functools.partial(append_decomposed, flush_under_cond=False),
-                     "decomposed_cond": functools.partial(append_decomposed, flush_under_cond=True)}
-    attend_static = {"reference": attend_reference, "decomposed_fused": attend_fused,
-                     "decomposed_materialized": attend_materialized}
-    return ({name: (fn, paged_forms.append_form(name)) for name, fn in append_static.items()},
-            {name: (fn, paged_forms.attend_form(name)) for name, fn in attend_static.items()})
-
-
-def _device_form(op: str, implementation: str):
-    """(static, paged or None) of a device kernel, imported on first use."""
-    from .kernels import paged_forms
-
-    if op == "append" and implementation == "triton":
-        from .kernels.triton_append import append_triton
-
-        return append_triton, paged_forms.append_form(implementation)
-    if op == "attend" and implementation == "triton_decode":
-        from .kernels.triton_decode import attend_decode
-
-        return attend_decode, paged_forms.attend_form(implementation)
-    if op == "attend" and implementation == "triton_split":
-        from .kernels.triton_split import attend_split
-
-        return attend_split, paged_forms.attend_form(implementation)
-    if op == "attend" and implementation == "cuda_cpp":
-        from .cuda.attend import attend_cuda_cpp
-
-        return attend_cuda_cpp, paged_forms.attend_form(implementation)
-    raise ValueError(f"no {op} implementation {implementation!r}")
-
-
-_FORMS = dict(zip(OPS, _inline_forms()))
-
-
-def _implementation(op: str, implementation: str, paged: bool):
-    forms = _FORMS[op].get(implementation)
-    if forms is None:
-        if implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"no {op} implementation {implementation!r}")
-        forms = _FORMS[op][implementation] = _device_form(op, implementation)
-    fn = forms[paged]
-    if fn is None:
-        raise ValueError(f"the {op} implementation {implementation!r} has no paged form")
-    return fn
-
-
-def append_implementation(implementation: str, paged: bool = False):
-    """The function of one append implementation, the same object on every call. paged: its paged
-    form (kernels/paged_forms.py), which takes the Paging as a last argument."""
-    return _implementation("append", implementation, paged)
-
-
-def attend_implementation(implementation: str, paged: bool = False):
-    """The function of one attention implementation (paged: its paged form, see append_implementation)."""
-    return _implementation("attend", implementation, paged)
-
-
-def run_append(implementation: str, layer: LayerTensors, key, value, counts, params: QuantParams, *,
-               pages: Optional[Paging] = None) -> None:
-    """Run one append implementation (its paged form when pages is given)."""
-    if pages is None:
-        append_implementation(implementation)(layer, key, value, counts, params)
-    else:
-        append_implementation(implementation, True)(layer, key, value, counts, params, pages)
-
-
-def run_attend(implementation: str, query, layer: LayerTensors, counts, params: QuantParams, scale: float, *,
-               pages: Optional[Paging] = None, launch: tuple = ()):
-    """Run one attention implementation (its paged form when pages is given; launch: a tuned
-    kernel's launcher keywords, Choice.launch)."""
-    extra = () if pages is None else (pages,)
-    return attend_implementation(implementation, pages is not None)(query, layer, counts, params, scale, *extra,
-                                                                    **dict(launch))
-
-
-def attend_in_op(query, layer: LayerTensors, counts, params: QuantParams, scale: float, *,
-                 pages: Optional[Paging] = None):
-    """What the attention ops' own kernels run (ops.py, paged_ops.py): choose with the call's
-    settings, the autotune (if its shape class needs one) timing candidates on these inputs."""
-    def run(choice: Choice):
-        return run_attend(choice.implementation, query, layer, counts, params, scale, pages=pages,
-                          launch=choice.launch)
-
-    choice = choose("attend", device=query.device.type, mode="eager", q_len=query.shape[2], layer=layer,
-                    cpu_kernels="reference", params=params, paged=pages is not None, query_heads=query.shape[1],
-                    context=None if pages is None else pages.capacity, measure=run)
-    return run(choice)

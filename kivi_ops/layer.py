@@ -22,8 +22,10 @@ from transformers.cache_utils import CacheLayerMixin
 from . import dispatch
 from .config import KIVIConfig
 from .devices import resolve_device
+from . import implementations
 from .kernels.reference import check_capacity, materialize_block
 from .layout import LayerTensors, QuantParams
+from .paged_layout import Paging
 from .packing import FLOAT_DTYPES, packed_bytes
 from .rope import rope_at
 from .rotation import rotate, rotation_matrix, unrotate
@@ -277,11 +279,54 @@ def dequantized_state(layer: CacheLayer, t: LayerTensors) -> tuple[torch.Tensor,
     return torch.where(inside, keys, zero).to(layer.dtype), torch.where(inside, values, zero).to(layer.dtype)
 
 
+def run_append(layer: LayerTensors, key, value, counts, params: QuantParams, *, portable: bool = False,
+               pages: Optional[Paging] = None) -> None:
+    """A cache layer's append: dispatch.choose once, then the kivi op with that choice (its kernel
+    runs it), or the form traced inline, or compiled on its own (Choice.compiled). pages: the
+    layer is paged (kivi::paged_append and the paged forms)."""
+    choice = dispatch.choose("append", device=key.device.type, mode=dispatch.current_mode(portable), q_len=key.shape[2],
+                             layer=layer, cpu_kernels=dispatch.current_cpu_kernels())
+    name, paged = choice.implementation, pages is not None
+    if choice.in_op and paged:
+        torch.ops.kivi.paged_append(*layer, pages.block_table, key, value, counts, *params, implementations.index(name))
+    elif choice.in_op:
+        torch.ops.kivi.cache_append(*layer, key, value, counts, *params, implementations.index(name))
+    elif choice.compiled:
+        from .kernels import cpu_compiled
+
+        form = implementations.form("append", name, paged)
+        cpu_compiled.append(form, layer, key, value, counts, params, pages)
+    else:
+        implementations.run_append(name, layer, key, value, counts, params, pages=pages)
+
+
+def run_attend(query, layer: LayerTensors, counts, params: QuantParams, scale: float, *, portable: bool = False,
+               pages: Optional[Paging] = None):
+    """A cache layer's attention, as run_append. A CUDA decode call goes to the op marked `tune`
+    (dispatch.tuned_attend): traced code (torch.compile, export) never touches the tuner or the
+    CUDA C++ extension."""
+    choice = dispatch.choose("attend", device=query.device.type, mode=dispatch.current_mode(portable),
+                             q_len=query.shape[2], layer=layer, cpu_kernels=dispatch.current_cpu_kernels())
+    name, paged = choice.implementation, pages is not None
+    if choice.in_op and paged:
+        return torch.ops.kivi.paged_attend(query, *layer, pages.block_table, counts, *params, scale,
+                                           implementations.index(name), choice.tune)
+    if choice.in_op:
+        return torch.ops.kivi.cache_attend(query, *layer, counts, *params, scale, implementations.index(name),
+                                           choice.tune)
+    if choice.compiled:
+        from .kernels import cpu_compiled
+
+        form = implementations.form("attend", name, paged)
+        return cpu_compiled.attend(form, query, layer, counts, params, scale, pages)
+    return implementations.run_attend(name, query, layer, counts, params, scale, pages=pages)
+
+
 class KIVILayer(CacheLayer):
     """One layer of the KIVI cache: the nine buffers of layout.py, and as sub-modules (None when
     their option is off) the sink/OTT `pool`, the dense-and-sparse `sparse` store and the nuq
     `levels`; with pre-RoPE keys, the model's RoPE frequencies. `tensors()` hands it to the cache
-    ops (dispatch.py picks the implementation) as one LayerTensors bundle.
+    ops (run_append / run_attend: dispatch.py picks the implementation) as one LayerTensors bundle.
 
     layer_idx selects this layer's share of the config (its nuq levels, whether it has an OTT
     pool); rope: (inv_freq [head_dim / 2], attention_scaling) of the model, required with
@@ -342,7 +387,7 @@ class KIVILayer(CacheLayer):
         past capacity instead, since it cannot raise inside a CUDA graph)."""
         self._check_append(key, value, step.counts)
         key, value = rotate(key, self.rot_k), rotate(value, self.rot_v)
-        dispatch.append(self.tensors(), key, value, step.counts, self.params, portable=self.portable)
+        run_append(self.tensors(), key, value, step.counts, self.params, portable=self.portable)
 
     def attend(self, query: torch.Tensor, step: Step = DECODE, scale: Optional[float] = None) -> torch.Tensor:
         """Attention of query [batch, q_heads, q_len, head_dim] over the layer (quantized part +
@@ -358,8 +403,8 @@ class KIVILayer(CacheLayer):
         self._check_attend(query, step.counts)
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
         scale *= self.rope_scaling  # pre-RoPE keys: the model's RoPE scales keys; ours are rotated in the op
-        out = dispatch.attend(rotate(query, self.rot_k), self.tensors(), step.counts, self.params, scale,
-                              portable=self.portable)
+        out = run_attend(rotate(query, self.rot_k), self.tensors(), step.counts, self.params, scale,
+                         portable=self.portable)
         return unrotate(out, self.rot_v)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:

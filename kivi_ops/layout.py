@@ -102,3 +102,25 @@ class QuantParams(NamedTuple):
         outliers), or None."""
         pool = t.pool
         return None if pool is None else (*pool, self.sink_tokens, self.outlier_tokens)
+
+
+# ---------------------------------------------------------------- the cache ops' schemas (ops.py, paged_ops.py)
+
+
+def layer_schema(mutable: bool) -> str:
+    """LayerTensors as schema arguments: optional parts `Tensor?`, append's writes aliased `(aN!)`."""
+    args = []
+    for i, name in enumerate(LayerTensors._fields):
+        alias = f"(a{i}!)" if mutable and name in APPEND_MUTATES else ""
+        args.append(f"Tensor{alias}{'' if name in REQUIRED_TENSORS else '?'} {name}")
+    return ", ".join(args)
+
+
+PARAMS_SCHEMA = ", ".join(f"int {name}" for name in QuantParams._fields)
+
+
+def bind_args(names: tuple[str, ...], args, kwargs, defaults: Optional[dict] = None) -> list:
+    """An op's arguments in schema order, whether they came positionally, by name, or not at all
+    (`defaults`: the schema's defaults, which the dispatcher does not pass on when a call omits them)."""
+    defaults = defaults or {}
+    return [*args, *(kwargs[name] if name in kwargs else defaults[name] for name in names[len(args):])]

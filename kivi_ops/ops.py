@@ -2,12 +2,13 @@
 
     kivi::quantize_pack(x, bits, group_size, axis) -> (codes, scale, zero)
     kivi::unpack_dequantize(codes, scale, zero, bits, group_size, axis) -> x'
-    kivi::cache_append(<LayerTensors, mutated>, key, value, counts?, <QuantParams>) -> ()
-    kivi::cache_attend(query, <LayerTensors>, counts?, <QuantParams>, scale) -> out
+    kivi::cache_append(<LayerTensors, mutated>, key, value, counts?, <QuantParams>, implementation) -> ()
+    kivi::cache_attend(query, <LayerTensors>, counts?, <QuantParams>, scale, implementation, tune) -> out
 
 The two cache schemas are generated from the bundles in layout.py (one layer's tensors, the
 optional parts None when off, and its integer settings), and every kernel receives those bundles.
-The CPU and CUDA kernels of the cache ops ask dispatch.py which implementation runs.
+The layer chooses the implementation (dispatch.py) and passes it in; the CPU and CUDA kernels of
+the cache ops run it (implementations.py) and do not choose again.
 
 The ops are opaque to torch.compile/export (not `triton_op`): the CPU reference uses
 per-sequence Python control flow that Inductor could not trace, and keeping the op whole keeps it
@@ -25,7 +26,8 @@ from torch import Tensor
 from . import dispatch
 from .config import check_axis, check_bits, check_group_size
 from .extras import check_extras
-from .layout import APPEND_MUTATES, REQUIRED_TENSORS, LayerTensors, QuantParams
+from . import implementations
+from .layout import PARAMS_SCHEMA, LayerTensors, QuantParams, bind_args, layer_schema
 from .schedule import OTT, check_policy_id, residual_slots
 from .packing import (FLOAT_DTYPES, codes_per_word, packed_bytes, quantize_pack_reference, token_group_size,
                       unpack_dequantize_reference, word_bytes)
@@ -138,48 +140,56 @@ def _(codes, scale, zero, bits, group_size, axis):
 
 # ---------------------------------------------------------------- cache append / attend
 
-
-def _layer_schema(mutable: bool) -> str:
-    """LayerTensors as schema arguments: optional parts `Tensor?`, append's writes aliased `(aN!)`."""
-    args = []
-    for i, name in enumerate(LayerTensors._fields):
-        alias = f"(a{i}!)" if mutable and name in APPEND_MUTATES else ""
-        args.append(f"Tensor{alias}{'' if name in REQUIRED_TENSORS else '?'} {name}")
-    return ", ".join(args)
-
-
-_PARAMS = ", ".join(f"int {name}" for name in QuantParams._fields)
+# The last arguments carry the layer's choice (dispatch.py): `implementation`, an index into
+# implementations.IMPLEMENTATIONS, is what the op's kernel runs; attend's `tune` marks a CUDA decode
+# call, for which the tuner may run a faster eligible kernel of that shape class (dispatch.tuned_attend).
+# A call that names none (by hand, a test) runs the reference, which is right on every device.
+CHOICE_DEFAULTS = dict(implementation=implementations.index("reference"), tune=False)
+APPEND_CHOICE = f"int implementation={CHOICE_DEFAULTS['implementation']}"
+ATTEND_CHOICE = f"{APPEND_CHOICE}, bool tune=False"
 torch.library.define(
     "kivi::cache_append",
-    f"({_layer_schema(True)}, Tensor key, Tensor value, Tensor? counts, {_PARAMS}) -> ()")
+    f"({layer_schema(True)}, Tensor key, Tensor value, Tensor? counts, {PARAMS_SCHEMA}, {APPEND_CHOICE}) -> ()")
 torch.library.define(
     "kivi::cache_attend",
-    f"(Tensor query, {_layer_schema(False)}, Tensor? counts, {_PARAMS}, float scale) -> Tensor")
+    f"(Tensor query, {layer_schema(False)}, Tensor? counts, {PARAMS_SCHEMA}, float scale, {ATTEND_CHOICE}) -> Tensor")
 
 _N = len(LayerTensors._fields)
-_APPEND_ARGS = (*LayerTensors._fields, "key", "value", "counts", *QuantParams._fields)
-_ATTEND_ARGS = ("query", *LayerTensors._fields, "counts", *QuantParams._fields, "scale")
-
-
-def _bind(names, args, kwargs) -> list:
-    """The op's arguments in schema order, whether they came positionally or by name."""
-    return [*args, *(kwargs[name] for name in names[len(args):])]
+_APPEND_ARGS = (*LayerTensors._fields, "key", "value", "counts", *QuantParams._fields, "implementation")
+_ATTEND_ARGS = ("query", *LayerTensors._fields, "counts", *QuantParams._fields, "scale", "implementation", "tune")
 
 
 def _append_args(args, kwargs):
-    """(layer, key, value, counts, params) from cache_append's arguments, checked."""
-    a = _bind(_APPEND_ARGS, args, kwargs)
-    layer, (key, value, counts), params = LayerTensors(*a[:_N]), a[_N:_N + 3], QuantParams(*a[_N + 3:])
+    """(layer, key, value, counts, params, implementation) from cache_append's arguments, checked."""
+    a = bind_args(_APPEND_ARGS, args, kwargs, CHOICE_DEFAULTS)
+    layer, (key, value, counts), params = LayerTensors(*a[:_N]), a[_N:_N + 3], QuantParams(*a[_N + 3:-1])
     check_layer(layer, params)
-    return layer, key, value, counts, params
+    return layer, key, value, counts, params, implementation_name("append", a[-1])
 
 
 def _attend_args(args, kwargs):
-    """(query, layer, counts, params, scale) from cache_attend's arguments, checked."""
-    a = _bind(_ATTEND_ARGS, args, kwargs)
-    layer, counts, params, scale = LayerTensors(*a[1:_N + 1]), a[_N + 1], QuantParams(*a[_N + 2:-1]), a[-1]
+    """(query, layer, counts, params, scale, implementation, tune) from cache_attend's arguments, checked."""
+    a = bind_args(_ATTEND_ARGS, args, kwargs, CHOICE_DEFAULTS)
+    layer, counts, params, scale = LayerTensors(*a[1:_N + 1]), a[_N + 1], QuantParams(*a[_N + 2:-3]), a[-3]
     check_layer(layer, params)
-    return a[0], layer, counts, params, scale
+    check_tune(a[0], a[-1])
+    return a[0], layer, counts, params, scale, implementation_name("attend", a[-2]), a[-1]
+
+
+def implementation_name(op: str, implementation: int) -> str:
+    """The name behind an op's `implementation` argument; a clear error for an index that names no
+    implementation of `op`."""
+    names = implementations.APPEND if op == "append" else implementations.ATTEND
+    if not 0 <= implementation < len(implementations.IMPLEMENTATIONS) or implementations.IMPLEMENTATIONS[implementation] not in names:
+        allowed = ", ".join(f"{implementations.index(name)} ({name})" for name in names)
+        raise ValueError(f"implementation must be one of the {op} implementations, {allowed}; got {implementation}")
+    return implementations.IMPLEMENTATIONS[implementation]
+
+
+def check_tune(query: Tensor, tune: bool) -> None:
+    if tune and (query.device.type != "cuda" or query.shape[2] != 1):
+        raise ValueError(f"tune=True is for CUDA decode calls (a query with q_len 1 on a CUDA device), got a "
+                         f"{query.device.type} query with q_len {query.shape[2]}")
 
 
 def check_layer(layer: LayerTensors, params: QuantParams) -> None:
@@ -234,18 +244,18 @@ def _(*args, **kwargs):
 
 
 def _append_kernel(*args, **kwargs) -> None:
-    """CPU and CUDA kernel of cache_append: what dispatch.py says runs inside the op (on CPU always
-    the reference: the compiled CPU forms run outside the op)."""
-    layer, key, value, counts, params = _append_args(args, kwargs)
-    choice = dispatch.choose("append", device=key.device.type, mode="eager", q_len=key.shape[2], layer=layer,
-                             cpu_kernels="reference")
-    dispatch.run_append(choice.implementation, layer, key, value, counts, params)
+    """CPU and CUDA kernel of cache_append: the implementation the layer chose (dispatch.py)."""
+    layer, key, value, counts, params, implementation = _append_args(args, kwargs)
+    implementations.form("append", implementation)(layer, key, value, counts, params)
 
 
 def _attend_kernel(*args, **kwargs) -> Tensor:
-    """CPU and CUDA kernel of cache_attend."""
-    query, layer, counts, params, scale = _attend_args(args, kwargs)
-    return dispatch.attend_in_op(query, layer, counts, params, scale)
+    """CPU and CUDA kernel of cache_attend: the implementation the layer chose, or, for a tuned
+    CUDA decode call, the tuner's pick with that one as the default."""
+    query, layer, counts, params, scale, implementation, tune = _attend_args(args, kwargs)
+    if tune:
+        return dispatch.tuned_attend(implementation, query, layer, counts, params, scale)
+    return implementations.form("attend", implementation)(query, layer, counts, params, scale)
 
 
 for _device in ("cpu", "cuda"):

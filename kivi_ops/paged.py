@@ -12,8 +12,8 @@ row b holds `pages_needed(L + n, page_size, residual_length)` pages before an ap
 L to L + n tokens; the layers never allocate. Layers keep CacheLayer's contract (append, attend,
 per-row lengths, restart_rows, reset, nbytes, dequantized) and give the same numbers as the
 static layer, bit for bit: the same code runs on the pages through the block table
-(dispatch.py: the ops kivi::paged_append / paged_attend, the decomposed forms under torch.compile,
-the Triton kernels on CUDA).
+(layer.run_append / run_attend, dispatch.py: the ops kivi::paged_append / paged_attend, the
+decomposed forms under torch.compile, the Triton kernels on CUDA).
 
 Swapping a sequence out and back: `page_tensors()` (dim 0 the page id: copy t[page_ids]) and
 `row_tensors()` (dim 0 the batch row: the fp residual windows and the length). The fp window is
@@ -31,12 +31,12 @@ from typing import Optional
 
 import torch
 
-from . import dispatch
 from . import paged_ops  # noqa: F401  registers torch.ops.kivi.paged_*
 from .cache import StaticCacheBase, _check_num_layers
 from .config import KIVIConfig
 from .devices import resolve_device, same_device
-from .layer import CacheLayer, dequantized_state, init_constants, option_constants, reserve_for_compiled_steps
+from .layer import (CacheLayer, dequantized_state, init_constants, option_constants, reserve_for_compiled_steps,
+                    run_append, run_attend)
 from .layout import LayerTensors, QuantParams
 from .packing import packed_bytes
 from .paged_layout import (BLOCK_TABLE_DTYPE, PAGED_TENSORS, ROW_TENSORS, Paging, check_page_size, pages_final,
@@ -136,16 +136,15 @@ class PagedKIVILayer(CacheLayer):
         if not torch.compiler.is_compiling():
             self.check_pages(key.shape[2], step.counts)
         key, value = rotate(key, self.rot_k), rotate(value, self.rot_v)
-        dispatch.append(self.tensors(), key, value, step.counts, self.params, portable=self.portable,
-                        pages=self.pages)
+        run_append(self.tensors(), key, value, step.counts, self.params, portable=self.portable, pages=self.pages)
 
     def attend(self, query: torch.Tensor, step: Step = DECODE, scale: Optional[float] = None) -> torch.Tensor:
         """KIVILayer.attend."""
         self._check_attend(query, step.counts)
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
         scale *= self.rope_scaling
-        out = dispatch.attend(rotate(query, self.rot_k), self.tensors(), step.counts, self.params, scale,
-                              portable=self.portable, pages=self.pages)
+        out = run_attend(rotate(query, self.rot_k), self.tensors(), step.counts, self.params, scale,
+                         portable=self.portable, pages=self.pages)
         return unrotate(out, self.rot_v)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kivi_ops import KIVICache, KIVIConfig, PagedKIVICache, dispatch, tuning
+from kivi_ops import implementations
 from kivi_ops.paged_layout import Paging
 
 CONFIG = KIVIConfig(2, 2, 32, 128)
@@ -67,8 +68,8 @@ def measure(B, n, Hq, H, D, paged, graph_us, device="cuda") -> dict:
     rule = dispatch.choose("attend", device="cuda", mode="eager", q_len=1, layer=layer).implementation
     us = {}
     for c in dispatch.decode_candidates(layer, params, Hq, paged, rule):
-        us[c] = graph_us(lambda c=c: dispatch.run_attend(c.implementation, q, layer, None, params, D ** -0.5,
-                                                        pages=pages, launch=c.launch))
+        us[c] = graph_us(lambda c=c: implementations.run_attend(c.implementation, q, layer, None, params, D ** -0.5,
+                                                     pages=pages, launch=c.launch))
     best = min(us, key=us.__getitem__)
     cls = tuning.shape_class(batch=B, kv_heads=H, context=n, query_heads=Hq, head_dim=D, k_bits=CONFIG.k_bits,
                              v_bits=CONFIG.v_bits, dtype=torch.float16, paged=paged)

@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from kivi_ops import KIVICache, KIVIConfig, Step, dispatch
+from kivi_ops import KIVICache, KIVIConfig, Step
+from kivi_ops import implementations
 from kivi_ops.paged import PagedKIVICache
 
 
@@ -48,18 +49,12 @@ def build_paged(rows, context, capacity, page_size, H, D, seed=0, R=128):
     return build(rows, context, capacity, page_size, H, D, seed, R)[1]
 
 
-_ORIGINAL_ATTEND_IMPLEMENTATION = dispatch.attend_implementation
-
-
-def _gathered_attend_implementation(implementation, paged=False):
-    import functools
-
-    from kivi_ops.kernels import paged_forms
+def _attend_fused_gathered(query, layer, counts, params, scale, pages):
+    """decomposed_fused's paged form before the indexed view: on the pages gathered (static_view)."""
     from kivi_ops.kernels.decomposed_attend import attend_fused
+    from kivi_ops.paged_layout import static_view
 
-    if paged and implementation == "decomposed_fused":
-        return functools.partial(paged_forms._attend_gathered, attend_fused)
-    return _ORIGINAL_ATTEND_IMPLEMENTATION(implementation, paged)
+    return attend_fused(query, static_view(layer, pages.block_table), counts, params, scale)
 
 
 def main(argv=None) -> int:
@@ -84,12 +79,13 @@ def main(argv=None) -> int:
     def gathered(layer, key, value, query):
         """The paged attention on the pages gathered into the static layout (static_view): the
         form before the indexed view, kept here for the comparison."""
-        original = dispatch.attend_implementation
-        dispatch.attend_implementation = _gathered_attend_implementation
+        table = implementations._TABLE["attend"]
+        original = table["decomposed_fused"]
+        table["decomposed_fused"] = original._replace(paged=_attend_fused_gathered)
         try:
             return gathered_step(layer, key, value, query)
         finally:
-            dispatch.attend_implementation = original
+            table["decomposed_fused"] = original
 
     fns = {"static": (torch.compile(step, fullgraph=True), static.layers[0]),
            "paged": (torch.compile(step, fullgraph=True), paged.layers[0])}

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from kivi_ops import FPCache, KIVICache, KIVIConfig, KIVILayer, Step, dispatch, fake_quantize, quantize
+from kivi_ops import FPCache, KIVICache, KIVIConfig, KIVILayer, Step, fake_quantize, quantize
+from kivi_ops import implementations
 
 B, H, D = 2, 2, 16
 
@@ -98,7 +99,7 @@ def test_decode_form_of_an_empty_cache_returns_zeros():
     # decomposed_fused is what a compiled CPU decode step (q_len = 1) runs: same contract.
     cache = make_cache()
     query = torch.randn(B, 2 * H, 1, D)
-    out = dispatch.run_attend("decomposed_fused", query, cache.layers[0].tensors(), None, cache.layers[0].params, 0.25)
+    out = implementations.run_attend("decomposed_fused", query, cache.layers[0].tensors(), None, cache.layers[0].params, 0.25)
     assert torch.equal(out, torch.zeros_like(query))
 
 

@@ -48,7 +48,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kivi_ops import KIVICache, KIVIConfig, Step, dispatch
+from kivi_ops import KIVICache, KIVIConfig, Step
+from kivi_ops import implementations
 
 U = 2.0 ** -24
 
@@ -237,7 +238,7 @@ def check_run(cfg, shape, ops, seed, stats) -> None:
             outs = {f"portable={cache.layers[0].portable}": cache.layers[0].attend(query, Step(counts=counts_t)) for cache in caches}
             if q == 1:
                 eager = caches[0]
-                outs["decomposed_fused"] = dispatch.run_attend("decomposed_fused", query, eager.layers[0].tensors(),
+                outs["decomposed_fused"] = implementations.run_attend("decomposed_fused", query, eager.layers[0].tensors(),
                                                                counts_t, eager.layers[0].params, scale)
             for name, out in outs.items():
                 err = (out.double() - want).abs()

@@ -16,10 +16,11 @@ import torch
 
 from kivi_models import generate, load_model, make_cache, patch_model
 from kivi_ops import KIVICache, KIVIConfig, Step, dispatch
+from kivi_ops import implementations
 from kivi_ops.kernels import cpu_compiled
 from kivi_ops.kernels.reference import attend_reference
 
-FUSED = dispatch.attend_implementation("decomposed_fused")  # cpu_compiled keys its budget by form
+FUSED = implementations.form("attend", "decomposed_fused")  # cpu_compiled keys its budget by form
 
 # Attention tolerance: as tests/test_decomposed.py's ATOL (the same two forms compared: the
 # fused form sums in another order than the reference, in fp32; observed < 2e-6).

@@ -24,6 +24,7 @@ reference rounds where the kernel does, to bf16, so its tolerance stays tight.
 """
 
 import ctypes
+import functools
 import os
 
 import numpy as np
@@ -33,6 +34,7 @@ import torch
 from kivi_ops import dispatch
 from kivi_ops.cuda.attend import attend_cuda_cpp, attend_cuda_cpp_paged, default_num_splits, unsupported
 from kivi_ops.cuda.toolkit import CudaKernelUnavailable, pip_toolkit_root
+from kivi_ops import implementations
 from kivi_ops.kernels.reference import append_reference, attend_reference
 from kivi_ops.kernels.reference import paged_attend_reference
 from kivi_ops.layout import LayerTensors, QuantParams
@@ -425,8 +427,7 @@ def test_loader_and_dispatch_refuse_cuda_cpp_here():
     with pytest.raises(CudaKernelUnavailable):  # asked for through the environment: refused at the call
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(dispatch, "_cuda_decode", "cuda_cpp")
-            dispatch.choose("attend", device="cuda", mode="eager", q_len=1, layer=layer, params=params,
-                            query_heads=2)
+            dispatch.tuned_choice("triton_decode", layer, params, 2, paged=False)
 
 
 @pytest.mark.skipif("KIVI_CUDA_DECODE" in os.environ, reason="KIVI_CUDA_DECODE is set")
@@ -436,16 +437,16 @@ def test_auto_is_the_default():
 
 
 def test_dispatch_chooses_cuda_cpp_only_where_asked_and_supported(monkeypatch):
-    """With the setting on (the build faked: no GPU here), what choose returns per call."""
+    """With the setting on (the build faked: no GPU here), what a tuned decode call runs
+    (dispatch.tuned_choice), and what the layer's choice is."""
     from kivi_ops.cuda import loader
 
     monkeypatch.setattr(loader, "load", lambda: object())
     monkeypatch.setattr(dispatch, "_cuda_decode", "cuda_cpp")
     layer, params = make_layer(1, 2, 256, 128, 64, 32, [100])
 
-    def impl(**kw):
-        args = dict(device="cuda", mode="eager", q_len=1, layer=layer, params=params, query_heads=4) | kw
-        return dispatch.choose("attend", **args).implementation
+    def impl(layer=layer, params=params, query_heads=4, paged=False):
+        return dispatch.tuned_choice("triton_decode", layer, params, query_heads, paged).implementation
 
     assert impl() == "cuda_cpp"
     assert impl(layer=layer._replace(k_res=layer.k_res.bfloat16())) == "cuda_cpp"  # bf16 caches too
@@ -453,12 +454,13 @@ def test_dispatch_chooses_cuda_cpp_only_where_asked_and_supported(monkeypatch):
     assert impl(params=params._replace(v_bits=3)) == "triton_decode"
     assert impl(query_heads=32) == "cuda_cpp"  # 16 query heads per kv head: two tiles
     assert impl(query_heads=34) == "triton_decode"  # 17
-    assert impl(q_len=3) == "triton_split"
     assert impl(paged=True) == "cuda_cpp"  # its block-table form
-    assert impl(params=None) == "triton_decode"  # traced callers (dispatch.attend) never pass params
-    assert impl(device="cpu") == "decomposed_fused"
-    assert dispatch.choose("append", device="cuda", mode="eager", q_len=1, layer=layer,
-                           params=params).implementation == "triton"
+    # The layer's choice: the Triton rule, a decode call marked for tuning (traced or not), a prefill not.
+    choose = functools.partial(dispatch.choose, "attend", device="cuda", layer=layer)
+    assert choose(mode="compile", q_len=1) == dispatch.Choice("triton_decode", in_op=True, tune=True)
+    assert choose(mode="eager", q_len=3) == dispatch.Choice("triton_split", in_op=True)
+    assert choose(mode="eager", q_len=1, device="cpu").implementation == "decomposed_fused"
+    assert dispatch.choose("append", device="cuda", mode="eager", q_len=1, layer=layer).implementation == "triton"
 
 
 def test_environment_variable_is_checked_by_name():
@@ -557,13 +559,12 @@ def test_dispatch_runs_the_cuda_kernel_when_asked():
     query = torch.randn(2, 4, 1, 128, generator=torch.Generator().manual_seed(5)).half()
     previous = dispatch.set_cuda_decode("cuda_cpp")
     try:
-        choice = dispatch.choose("attend", device="cuda", mode="eager", q_len=1, layer=gpu, params=params,
-                                 query_heads=4)
-        assert choice.implementation == "cuda_cpp"
-        out = torch.ops.kivi.cache_attend(query.cuda(), *gpu, None, *params, 128**-0.5).cpu()
+        assert dispatch.tuned_choice("triton_decode", gpu, params, 4, paged=False).implementation == "cuda_cpp"
+        out = torch.ops.kivi.cache_attend(query.cuda(), *gpu, None, *params, 128**-0.5,
+                                          implementation=implementations.index("triton_decode"), tune=True).cpu()
         # what it does not support still runs Triton
-        assert dispatch.choose("attend", device="cuda", mode="eager", q_len=1, layer=gpu,
-                               params=params._replace(k_bits=3), query_heads=4).implementation == "triton_decode"
+        assert dispatch.tuned_choice("triton_decode", gpu, params._replace(k_bits=3), 4,
+                                     paged=False).implementation == "triton_decode"
     finally:
         dispatch.set_cuda_decode(previous)
     check(out, query, layer, None, params, 128**-0.5)
@@ -573,10 +574,8 @@ def test_dispatch_runs_the_cuda_kernel_when_asked():
 @pytest.mark.parametrize("case", PAGED_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}-Hq{c[2]}-D{c[3]}-PS{c[7]}")
 @pytest.mark.parametrize("splits", [None, 1, 5])
 def test_cuda_paged_kernel_matches_the_reference_and_the_static_kernel(case, splits):
-    """The paged form (paged_forms.attend_form("cuda_cpp")) on a shuffled pool: within the paged
-    reference's bound and bit-equal to the static kernel on the same tokens (same arithmetic)."""
-    from kivi_ops.kernels.paged_forms import attend_form
-
+    """The paged form (implementations.form("attend", "cuda_cpp", paged=True)) on a shuffled pool: within the
+    paged reference's bound and bit-equal to the static kernel on the same tokens (same arithmetic)."""
     layer, paged, pages, params, query, scale = _paged_case(case)
     B = query.shape[0]
     counts = torch.ones(B, dtype=torch.int64)
@@ -587,7 +586,8 @@ def test_cuda_paged_kernel_matches_the_reference_and_the_static_kernel(case, spl
     static = attend_cuda_cpp(query.cuda(), _on_gpu(layer), counts.cuda(), params, scale, num_splits=splits).cpu()
     assert torch.equal(out, static)
     check(out, query, layer, counts, params, scale)
-    form = attend_form("cuda_cpp")(query.cuda(), _on_gpu(paged), counts.cuda(), params, scale, gpu_pages).cpu()
+    form = implementations.form("attend", "cuda_cpp", paged=True)(query.cuda(), _on_gpu(paged), counts.cuda(), params, scale,
+                                                        gpu_pages).cpu()
     check(form, query, layer, counts, params, scale)
 
 

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from kivi_ops import KIVICache, KIVIConfig, dispatch
+from kivi_ops import KIVICache, KIVIConfig, dispatch, implementations
 from kivi_ops.dispatch import Choice
 from kivi_ops.kernels.decomposed_attend import attend_fused, attend_materialized
 from kivi_ops.layout import LayerTensors
@@ -95,10 +95,57 @@ def test_choose_follows_the_support_matrix():
         assert isinstance(got, Choice), where
         assert tuple(got[:3]) == want, where
         assert got.launch == (), where  # launch settings come only from the tuner (test_tuning.py)
+        assert got.tune == (device == "cuda" and mode != "portable" and op == "attend" and q_len == 1), where
         seen.add(got.implementation)
     # the walk reaches every implementation but the opt-in CUDA C++ kernel (test_cuda_cpp_kernel.py)
     assert seen == set(dispatch.IMPLEMENTATIONS) - {"cuda_cpp"}
     assert len(OPTION_SETS) == 16  # plain, each option alone, and every combination
+
+
+# ---------------------------------------------------------------- decided once
+
+
+def recording(ran, name, fn):
+    def run(*args, **kwargs):
+        ran.append(name)
+        return fn(*args, **kwargs)
+    return run
+
+
+def test_the_layer_chooses_once_and_the_op_runs_its_choice(monkeypatch):
+    """Each append and attention call asks choose once, in the layer; the op's kernel runs the
+    implementation the layer passed it (its entry of the table) and does not ask again."""
+    cache = KIVICache(KIVIConfig(2, 2, 8, 16), num_layers=1, batch_size=2, max_seq_len=64, num_kv_heads=2, head_dim=32)
+    asked, ran, real_choose = [], [], dispatch.choose
+    monkeypatch.setattr(dispatch, "choose", lambda op, **kw: asked.append(op) or real_choose(op, **kw))
+    for op, name in (("append", "reference"), ("attend", "reference"), ("attend", "decomposed_materialized")):
+        forms = implementations._TABLE[op][name]
+        monkeypatch.setitem(implementations._TABLE[op], name, forms._replace(static=recording(ran, f"{op}:{name}",
+                                                                                               forms.static)))
+    with dispatch.cpu_kernels("reference"):  # eager CPU: both ops of a step inside the kivi op
+        cache.layers[0].append(torch.randn(2, 2, 20, 32), torch.randn(2, 2, 20, 32))
+        out = cache.layers[0].attend(torch.randn(2, 4, 1, 32))
+    assert asked == ["append", "attend"] and ran == ["append:reference", "attend:reference"]
+    # The op runs what it is given: here the materialized form, by hand, and its result.
+    layer, params, query = cache.layers[0].tensors(), cache.layers[0].params, torch.randn(2, 4, 1, 32)
+    got = torch.ops.kivi.cache_attend(query, *layer, None, *params, 0.25,
+                                      implementation=implementations.index("decomposed_materialized"))
+    assert ran[-1] == "attend:decomposed_materialized" and asked == ["append", "attend"]
+    assert torch.equal(got, attend_materialized(query, layer, None, params, 0.25)) and out.shape == (2, 4, 1, 32)
+
+
+def test_an_op_refuses_an_implementation_it_cannot_run():
+    cache = KIVICache(KIVIConfig(2, 2, 8, 16), num_layers=1, batch_size=1, max_seq_len=32, num_kv_heads=1, head_dim=32)
+    layer, params, query = cache.layers[0].tensors(), cache.layers[0].params, torch.randn(1, 1, 1, 32)
+    with pytest.raises(ValueError, match=r"implementation must be one of the attend implementations, 0 \(reference\), "
+                                         r".*; got 99"):
+        torch.ops.kivi.cache_attend(query, *layer, None, *params, 0.25, implementation=99)
+    with pytest.raises(ValueError, match=r"implementation must be one of the append implementations, .*; got "
+                                         f"{implementations.index('triton_split')}"):
+        torch.ops.kivi.cache_append(*layer, query, query, None, *params,
+                                    implementation=implementations.index("triton_split"))
+    with pytest.raises(ValueError, match=r"tune=True is for CUDA decode calls .* got a cpu query with q_len 1"):
+        torch.ops.kivi.cache_attend(query, *layer, None, *params, 0.25, tune=True)
 
 
 def test_decode_kernel_is_left_out_where_triton_cannot_compile_it(monkeypatch):
@@ -138,9 +185,9 @@ def test_choose_and_run_reject_unknown_names():
     with pytest.raises(ValueError, match=r"cpu kernels must be one of \('compiled', 'reference'\), got 'fast'"):
         dispatch.set_cpu_kernels("fast")
     with pytest.raises(ValueError, match="no append implementation 'nope'"):
-        dispatch.run_append("nope", layer, None, None, None, None)
+        implementations.run_append("nope", layer, None, None, None, None)
     with pytest.raises(ValueError, match="no attend implementation 'nope'"):
-        dispatch.run_attend("nope", None, layer, None, None, 1.0)
+        implementations.run_attend("nope", None, layer, None, None, 1.0)
 
 
 def test_attend_form_follows_q_len_and_portable():
@@ -160,7 +207,7 @@ def test_attend_form_follows_q_len_and_portable():
         choice = dispatch.choose("attend", device="cpu", mode="compile", q_len=q, layer=layer)
         name, form = ("decomposed_fused", attend_fused) if q == 1 else ("decomposed_materialized", attend_materialized)
         assert choice == Choice(name, in_op=False)
-        got = dispatch.run_attend(choice.implementation, query, layer, None, params, 0.2)
+        got = implementations.run_attend(choice.implementation, query, layer, None, params, 0.2)
         assert torch.equal(got, form(query, layer, None, params, 0.2))
         assert torch.equal(portable.layers[0].attend(query, scale=0.2),
                            attend_materialized(query, layer, None, params, 0.2))

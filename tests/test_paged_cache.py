@@ -294,22 +294,23 @@ def test_load_row_copies_a_prefilled_sequence_into_this_caches_pages():
 
 def test_every_implementation_dispatch_can_choose_has_a_paged_form():
     """dispatch.choose is the same for paged layers; each implementation it names has a paged form
-    (kernels/paged_forms.py), the same object on every call."""
-    from kivi_ops.kernels import paged_forms
+    in the one table (implementations.py), the same object on every call."""
+    from kivi_ops import implementations
 
     appends = {"reference", "decomposed", "decomposed_cond", "triton"}
-    attends = {"reference", "decomposed_fused", "decomposed_materialized", "triton_decode", "triton_split"}
-    static_only = {"cuda_cpp"}  # the opt-in CUDA C++ kernel: dispatch never chooses it for a paged layer
-    assert appends | attends | static_only == set(dispatch.IMPLEMENTATIONS)
-    for name in appends:
-        assert callable(dispatch.append_implementation(name, True))
-        assert dispatch.append_implementation(name, True) is dispatch.append_implementation(name, True)
-    for name in attends:
-        assert callable(dispatch.attend_implementation(name, True))
-    with pytest.raises(ValueError, match="no append implementation"):
-        paged_forms.append_form("triton_split")
-    with pytest.raises(ValueError, match="no attend implementation"):
-        paged_forms.attend_form("decomposed")
+    attends = {"reference", "decomposed_fused", "decomposed_materialized", "triton_decode", "triton_split",
+               "cuda_cpp"}
+    assert appends == set(implementations.APPEND) and attends == set(implementations.ATTEND)
+    assert appends | attends == set(dispatch.IMPLEMENTATIONS) == set(implementations.IMPLEMENTATIONS)
+    for op, names in (("append", appends), ("attend", attends - {"cuda_cpp"})):  # cuda_cpp needs its extension
+        for name in names:
+            assert callable(implementations.form(op, name, True))
+            assert implementations.form(op, name, True) is implementations.form(op, name, True)
+            assert implementations.form(op, name, True) is not implementations.form(op, name, False)
+    with pytest.raises(ValueError, match="no append implementation 'triton_split'"):
+        implementations.form("append", "triton_split", True)
+    with pytest.raises(ValueError, match="no attend implementation 'decomposed'"):
+        implementations.form("attend", "decomposed", True)
 
 
 def test_portable_paged_equals_portable_static():

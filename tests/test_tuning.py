@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from kivi_ops import dispatch, tuning
+from kivi_ops.dispatch import Choice
+from kivi_ops import implementations
 from kivi_ops.cuda import loader
 from kivi_ops.cuda.toolkit import CudaKernelUnavailable
 from kivi_ops.layout import LayerTensors, QuantParams
@@ -162,66 +164,68 @@ def fake_gpu(monkeypatch):
             return ran[-1]
         return kernel, kernel
 
-    attend_forms = dict(dispatch._FORMS["attend"])
-    attend_forms.update({name: fake(name) for name in ("triton_decode", "triton_split", "cuda_cpp")})
-    monkeypatch.setitem(dispatch._FORMS, "attend", attend_forms)
+    for name in ("triton_decode", "triton_split", "cuda_cpp"):
+        monkeypatch.setitem(implementations._TABLE["attend"], name, implementations.Forms(*fake(name)))
     return SimpleNamespace(tuner=t, timer=timer, ran=ran)
 
 
 def cuda_query(layer, query_heads):
-    """What attend_in_op reads of a query (device type and shape): the fake kernels ignore it."""
+    """What tuned_attend reads of a query (device type and shape): the fake kernels ignore it."""
     B, _, _, D = layer.k_res.shape
     return SimpleNamespace(device=torch.device("cuda"), shape=(B, query_heads, 1, D))
 
 
-def test_attend_in_op_autotunes_then_runs_the_fastest_with_its_launch(fake_gpu):
+def test_a_tuned_call_autotunes_then_runs_the_fastest_with_its_launch(fake_gpu):
     layer, params = plain_layer(S=4096)
-    out = dispatch.attend_in_op(cuda_query(layer, 32), layer, None, params, 0.1)
+    out = dispatch.tuned_attend("triton_decode", cuda_query(layer, 32), layer, None, params, 0.1)
     assert out == "cuda_cpp/num_splits=1"
     assert sorted(fake_gpu.timer.timed) == sorted(["triton_decode", "triton_split", "cuda_cpp", "cuda_cpp/num_splits=1",
                                                    "cuda_cpp/num_splits=16"])
     fake_gpu.ran.clear()
-    assert dispatch.attend_in_op(cuda_query(layer, 32), layer, None, params, 0.1) == "cuda_cpp/num_splits=1"
+    assert dispatch.tuned_attend("triton_decode", cuda_query(layer, 32), layer, None, params, 0.1) == "cuda_cpp/num_splits=1"
     assert fake_gpu.ran == ["cuda_cpp/num_splits=1"] and len(fake_gpu.timer.timed) == 5  # cached
     assert list(fake_gpu.tuner.chosen) == [("Fake GPU", ShapeClass(256, 4096, 1, 128, 2, 2, "float16", False))]
 
 
 def test_what_the_cpp_kernel_does_not_take_is_tuned_among_triton(fake_gpu):
     layer, params = plain_layer(S=2048)
-    assert dispatch.attend_in_op(cuda_query(layer, 32), layer, None, params._replace(k_bits=3), 0.1) == "triton_decode"
+    assert dispatch.tuned_attend("triton_decode", cuda_query(layer, 32), layer, None, params._replace(k_bits=3), 0.1) == "triton_decode"
     assert sorted(fake_gpu.timer.timed) == ["triton_decode", "triton_split"]
 
 
-def test_traced_callers_and_prefill_get_the_triton_rule_untimed(fake_gpu):
+def test_choose_times_nothing_and_marks_only_decode_calls_for_tuning(fake_gpu):
+    """The layer's choice (traced or eager) is the Triton rule; a decode call is marked `tune`, so
+    that the op runs the tuner's pick at run time, a prefill is not."""
     layer, params = plain_layer()
-    traced = dispatch.choose("attend", device="cuda", mode="compile", q_len=1, layer=layer)
-    prefill = dispatch.choose("attend", device="cuda", mode="eager", q_len=4, layer=layer, params=params,
-                              query_heads=32, measure=lambda c: None)
-    assert (traced.implementation, prefill.implementation) == ("triton_decode", "triton_split")
+    for mode in ("compile", "export", "eager"):
+        assert dispatch.choose("attend", device="cuda", mode=mode, q_len=1, layer=layer) == \
+            Choice("triton_decode", in_op=True, tune=True)
+    prefill = dispatch.choose("attend", device="cuda", mode="eager", q_len=4, layer=layer)
+    assert prefill == Choice("triton_split", in_op=True, tune=False)
     assert fake_gpu.timer.timed == []
 
 
 def test_override_triton_and_cuda_cpp_time_nothing(fake_gpu, monkeypatch):
     layer, params = plain_layer()
     monkeypatch.setattr(dispatch, "_cuda_decode", "triton")
-    assert dispatch.attend_in_op(cuda_query(layer, 32), layer, None, params, 0.1) == "triton_decode"
+    assert dispatch.tuned_attend("triton_decode", cuda_query(layer, 32), layer, None, params, 0.1) == "triton_decode"
     monkeypatch.setattr(dispatch, "_cuda_decode", "cuda_cpp")
-    assert dispatch.attend_in_op(cuda_query(layer, 32), layer, None, params, 0.1) == "cuda_cpp"  # its default splits
-    assert dispatch.attend_in_op(cuda_query(layer, 32), layer, None, params._replace(v_bits=3), 0.1) == "triton_decode"
+    assert dispatch.tuned_attend("triton_decode", cuda_query(layer, 32), layer, None, params, 0.1) == "cuda_cpp"  # its default splits
+    assert dispatch.tuned_attend("triton_decode", cuda_query(layer, 32), layer, None, params._replace(v_bits=3), 0.1) == "triton_decode"
     assert fake_gpu.timer.timed == []
 
 
 def test_table_entry_runs_through_dispatch(fake_gpu):
     layer, params = plain_layer(S=32768, H=8)  # the H200 sweep's GQA 32/8 at 32K
     fake_gpu.tuner.table = {"Fake GPU": tuning.read_table()["NVIDIA H200"]}
-    assert dispatch.attend_in_op(cuda_query(layer, 32), layer, None, params, 0.1) == "cuda_cpp"
+    assert dispatch.tuned_attend("triton_decode", cuda_query(layer, 32), layer, None, params, 0.1) == "cuda_cpp"
     assert fake_gpu.timer.timed == []
 
 
 def test_paged_layers_take_their_row_capacity_as_context(fake_gpu):
     layer, params = plain_layer(S=64)  # a pool of pages: dim 2 is the page size, not a row's capacity
-    choice = dispatch.choose("attend", device="cuda", mode="eager", q_len=1, layer=layer, params=params,
-                             query_heads=32, paged=True, context=8192, measure=lambda c: c.implementation)
+    choice = dispatch.tuned_choice("triton_decode", layer, params, 32, paged=True, context=8192,
+                                   measure=lambda c: c.implementation)
     assert choice.implementation == "cuda_cpp"  # the C++ kernel has a paged form too
     (device, cls), = fake_gpu.tuner.chosen
     assert (cls.context, cls.paged) == (8192, True)

@@ -38,7 +38,7 @@ from .reference import append_reference, attend_reference
 
 MAX_SIGNATURES = 8
 
-# Per form (dispatch.append_implementation / attend_implementation: one object per name), the
+# Per form (implementations.form: one object per name), the
 # signatures compiled so far.
 _signatures: dict = defaultdict(set)
 
@@ -76,7 +76,7 @@ def _within_budget(form, signature: tuple) -> bool:
 
 def append(form, layer: LayerTensors, key, value, counts, params: QuantParams, pages=None) -> None:
     """Run the append form (a decomposed append) compiled, or the reference past the budget.
-    pages: a paged layer's Paging (form is then a paged form, kernels/paged_forms.py)."""
+    pages: a paged layer's Paging (form is then a paged form, implementations.py)."""
     extra = () if pages is None else (pages,)
     signature = _signature(layer, key, value, counts, params, *extra)
     if _within_budget(form, signature):
