@@ -236,13 +236,10 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
 
     @app.get("/health")
     async def health():
-        if engine.runner.failure is not None:  # tensor parallelism: a rank died (tp.py)
-            return error(503, f"the server cannot serve: {engine.runner.failure}", code="tensor_parallel_failure")
-        if engine.failure is not None:  # the engine thread died (a bug); every request was ended
-            return error(503, f"the server cannot serve: {engine.failure}", code="engine_failure")
-        if not engine.ready.is_set():  # with --compile: until the compiled step has run once
-            return error(503, engine.warmup_error or "starting: the decode step is being compiled for each decode bucket",
-                         code="not_ready")
+        # 503 while it warms up (until the decode step has run over each bucket), or once it cannot
+        # serve: a tensor-parallel rank died, or the engine thread failed (every request was ended)
+        if (unhealthy := engine.health_error()) is not None:
+            return error(unhealthy.status, str(unhealthy), code=unhealthy.code)
         return {"status": "ok"}
 
     @app.get("/v1/models")

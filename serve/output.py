@@ -20,6 +20,15 @@ from .request import Failure, Request
 log = logging.getLogger("kivi.serve")
 
 
+def eos_token_set(tokenizer, eos_token_ids: Optional[set[int]] = None) -> set[int]:
+    """The tokens that end a completion: eos_token_ids if given (an empty set: none, every request
+    runs to max_tokens), else the tokenizer's EOS token(s)."""
+    if eos_token_ids is not None:
+        return set(eos_token_ids)
+    eos = tokenizer.eos_token_id
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
 def advance(logits: torch.Tensor, requests: list[Optional[Request]], tokenizer, eos: set[int],
             where: str) -> tuple[int, list[tuple[Request, Optional[Failure]]]]:
     """logits [len(requests), V], row i for requests[i] (None: no request). Samples and emits each

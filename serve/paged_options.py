@@ -80,6 +80,12 @@ def decode_buckets(rows: int, chosen: Optional[tuple[int, ...]] = None) -> tuple
 
 
 
+def engine_buckets(paging: Optional[PagedServing], slots: int) -> tuple[int, ...]:
+    """The decode buckets of an engine: decode_buckets with --paged; a static cache's step runs
+    over every row, (slots,)."""
+    return (slots,) if paging is None else decode_buckets(slots, paging.decode_buckets)
+
+
 def prefix_caching(paging: Optional[PagedServing], cache, max_seq_len: int) -> tuple[Optional[int], int]:
     """(the prefix chunk, how many prefixes are kept) of an engine: (None, 0) without
     --prefix-caching; else the checked options, max_prefixes None resolved (default_max_prefixes)."""

@@ -4,13 +4,15 @@ handler's and the engine's) records the project files on the stack when the hand
 request and whenever a cache kernel starts while it runs; the request's path is their union
 (prefill and decode steps, with and without prefix caching).
 
-On this suite's CPU kernels (the reference ones, conftest.py) the path is 10 files at 0fa7d66+:
-serve/app.py -> serve/engine.py -> serve/runner.py -> models/generate.py -> models/attention.py ->
-kivi_ops/paged.py -> kivi_ops/dispatch.py -> kivi_ops/paged_ops.py -> kernels/reference.py (its
-paged forms run the static reference on the pages), and kivi_ops/layer.py: the prompt is
-prefilled in a static batch-1 staging cache, then copied into its pages. It was 11 at c04511e,
-when the paged reference had a file of its own. Issue 41 asks for at most 10. MAX_FILES holds
-today's number so that the path cannot grow unnoticed; lower it as files leave the path."""
+On this suite's CPU kernels (the reference ones, conftest.py) the path is 10 files since the
+engine's split (Engine / EngineCore in serve/engine.py, the round in serve/executor.py):
+serve/app.py -> serve/engine.py -> serve/executor.py -> serve/runner.py -> models/generate.py ->
+models/attention.py -> kivi_ops/paged.py -> kivi_ops/layer.py (run_append / run_attend: the
+layer's one dispatch.choose, which returns before the op runs) -> kivi_ops/paged_ops.py ->
+kernels/reference.py (its paged forms run the static reference on the pages). It was 11 at
+c04511e, 10 at 0fa7d66 (kivi_ops/dispatch.py on the stack), 9 once the op's kernel stopped
+choosing again. Issue 41 asks for at most 10. MAX_FILES holds today's number so that the path
+cannot grow unnoticed; lower it as files leave the path."""
 
 from __future__ import annotations
 

@@ -336,7 +336,7 @@ def test_a_round_of_many_prefills_stops_at_the_next_one_on_close_cancel_or_abort
         else:
             engine.abort("stopping now", code="test_abort")
         end = time.time() + 10
-        while action == "close" and not engine.stopping and time.time() < end:
+        while action == "close" and not engine.core.stopping and time.time() < end:
             time.sleep(0.001)  # close() has asked before the first prefill returns
         go.set()
         if action == "close":

@@ -79,7 +79,7 @@ def run(engine, prompts, lengths, first_alone=True) -> tuple[list[list[int]], di
     Returns each one's tokens and {request index: the logits it sampled from, in order}."""
     done = [threading.Event() for _ in prompts]
     reqs, logits = [], collections.defaultdict(list)
-    real_advance = engine._advance
+    real_advance = engine.executor._advance
 
     def advance(batch_logits, slots, where):  # the engine thread: rows hold their requests here
         for row_logits, slot in zip(batch_logits, slots):
@@ -88,7 +88,7 @@ def run(engine, prompts, lengths, first_alone=True) -> tuple[list[list[int]], di
                 logits[[r.id for r in reqs].index(rid)].append(row_logits.clone())
         return real_advance(batch_logits, slots, where)
 
-    engine._advance = advance
+    engine.executor._advance = advance
     for i, (ids, n) in enumerate(zip(prompts, lengths)):
         def emit(kind, payload, i=i):
             if kind == "error":
