@@ -30,7 +30,7 @@ tokens - 1), over requests whose first token and completion both fall inside it)
 between a request's streamed text events inside it), each p50 / p99 (percentile(): linear
 interpolation, numpy's default). Also per window: the sequences held (rows in use, sampled every
 10 ms: mean and peak), preemptions, pages used, the engine's time in prefills and in decode steps
-(its _prefill and _decode timed from the bench), and the share of a core the engine thread got
+(its executor's prefill and decode timed from the bench), and the share of a core the engine thread got
 (its CPU clock over the wall clock: on a shared machine the caches, run one after the other, get
 different shares, and output tokens per engine CPU second compares them with less of that noise).
 The steady window's output tokens/s is also given for its two halves: where they differ much, the
@@ -228,8 +228,8 @@ def window_metrics(requests: list, samples: list, phases: list, t0: float, t1: f
 
 
 def _time_phases(engine: Engine, phases: list) -> None:
-    """Record (kind, start, end, n) for each of the engine's prefills (n: prompts) and decode steps
-    (n: rows decoded), wrapping its methods on this instance; an engine without them is not timed."""
+    """Record (kind, start, end, n) for each of the engine's prefills (n: 1 prompt) and decode steps
+    (n: rows decoded), wrapping its executor's methods on this instance."""
     import functools
 
     def timed(kind, fn, count):
@@ -243,9 +243,9 @@ def _time_phases(engine: Engine, phases: list) -> None:
                 phases.append((kind, start, time.perf_counter(), n))
         return run
 
-    if callable(getattr(engine, "_prefill", None)) and callable(getattr(engine, "_decode", None)):
-        engine._prefill = timed("prefill", engine._prefill, len)
-        engine._decode = timed("decode", engine._decode, lambda: len(engine.placement.running()))
+    executor = engine.executor
+    executor.prefill = timed("prefill", executor.prefill, lambda slot, request: 1)
+    executor.decode = timed("decode", executor.decode, lambda: len(engine.placement.running()))
 
 
 def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, requests: list, clients: int,
@@ -268,7 +268,7 @@ def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, 
     engine.runner.decode = lambda tokens: decoded_rows.append((time.perf_counter(), len(tokens))) or real_decode(tokens)
     _complete(engine, requests[0][0][:8], 2)  # warm-up (compilation) outside the timing
     engine.ready.wait()
-    engine.generated_tokens = 0
+    engine.executor.generated_tokens = 0  # the warm-up's tokens are not the stream's
     preempted_before = engine.stats().get("preemptions", 0)
     queue, lock, records, started, done = list(requests), threading.Lock(), [], [], []
     samples = []  # (t, held, pages used, generated tokens, preemptions, the engine thread's CPU seconds)
