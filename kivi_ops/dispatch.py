@@ -78,7 +78,7 @@ import torch
 
 from . import tuning
 from .cuda.attend import unsupported as cuda_cpp_unsupported
-from .implementations import IMPLEMENTATIONS, OPS, run_attend  # noqa: F401 (IMPLEMENTATIONS: re-exported)
+from .implementations import OPS, run_attend
 from .layout import LayerTensors, QuantParams
 from .paged_layout import Paging
 

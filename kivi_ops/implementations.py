@@ -135,6 +135,17 @@ def index(implementation: str) -> int:
     return IMPLEMENTATIONS.index(implementation)
 
 
+def name(op: str, implementation: int) -> str:
+    """The name behind a kivi op's `implementation` argument (index's inverse); a clear error for an
+    index that names no implementation of `op`."""
+    names = APPEND if op == "append" else ATTEND
+    found = IMPLEMENTATIONS[implementation] if 0 <= implementation < len(IMPLEMENTATIONS) else None
+    if found not in names:
+        allowed = ", ".join(f"{index(n)} ({n})" for n in names)
+        raise ValueError(f"implementation must be one of the {op} implementations, {allowed}; got {implementation}")
+    return found
+
+
 def run_append(implementation: str, layer, key, value, counts, params, *, pages=None) -> None:
     """Run one append implementation (its paged form when pages, a Paging, is given)."""
     extra = () if pages is None else (pages,)

@@ -164,7 +164,7 @@ def _append_args(args, kwargs):
     a = bind_args(_APPEND_ARGS, args, kwargs, CHOICE_DEFAULTS)
     layer, (key, value, counts), params = LayerTensors(*a[:_N]), a[_N:_N + 3], QuantParams(*a[_N + 3:-1])
     check_layer(layer, params)
-    return layer, key, value, counts, params, implementation_name("append", a[-1])
+    return layer, key, value, counts, params, implementations.name("append", a[-1])
 
 
 def _attend_args(args, kwargs):
@@ -173,17 +173,7 @@ def _attend_args(args, kwargs):
     layer, counts, params, scale = LayerTensors(*a[1:_N + 1]), a[_N + 1], QuantParams(*a[_N + 2:-3]), a[-3]
     check_layer(layer, params)
     check_tune(a[0], a[-1])
-    return a[0], layer, counts, params, scale, implementation_name("attend", a[-2]), a[-1]
-
-
-def implementation_name(op: str, implementation: int) -> str:
-    """The name behind an op's `implementation` argument; a clear error for an index that names no
-    implementation of `op`."""
-    names = implementations.APPEND if op == "append" else implementations.ATTEND
-    if not 0 <= implementation < len(implementations.IMPLEMENTATIONS) or implementations.IMPLEMENTATIONS[implementation] not in names:
-        allowed = ", ".join(f"{implementations.index(name)} ({name})" for name in names)
-        raise ValueError(f"implementation must be one of the {op} implementations, {allowed}; got {implementation}")
-    return implementations.IMPLEMENTATIONS[implementation]
+    return a[0], layer, counts, params, scale, implementations.name("attend", a[-2]), a[-1]
 
 
 def check_tune(query: Tensor, tune: bool) -> None:

@@ -23,7 +23,7 @@ from . import dispatch
 from .extras import check_extras
 from . import implementations
 from .layout import PARAMS_SCHEMA, LayerTensors, QuantParams, bind_args, layer_schema
-from .ops import APPEND_CHOICE, ATTEND_CHOICE, CHOICE_DEFAULTS, check_tune, implementation_name
+from .ops import APPEND_CHOICE, ATTEND_CHOICE, CHOICE_DEFAULTS, check_tune
 from .paged_layout import Paging, check_paged_layer
 
 torch.library.define(
@@ -58,7 +58,7 @@ def _append_args(args, kwargs):
     layer, block_table, (key, value, counts) = LayerTensors(*a[:_N]), a[_N], a[_N + 1:_N + 4]
     params = QuantParams(*a[_N + 4:-1])
     pages = check_paged(layer, block_table, params)
-    return layer, key, value, counts, params, pages, implementation_name("append", a[-1])
+    return layer, key, value, counts, params, pages, implementations.name("append", a[-1])
 
 
 def _attend_args(args, kwargs):
@@ -68,7 +68,7 @@ def _attend_args(args, kwargs):
     params, scale = QuantParams(*a[_N + 3:-3]), a[-3]
     pages = check_paged(layer, block_table, params)
     check_tune(a[0], a[-1])
-    return a[0], layer, counts, params, scale, pages, implementation_name("attend", a[-2]), a[-1]
+    return a[0], layer, counts, params, scale, pages, implementations.name("attend", a[-2]), a[-1]
 
 
 @torch.library.register_fake("kivi::paged_append")

@@ -79,7 +79,6 @@ def decode_buckets(rows: int, chosen: Optional[tuple[int, ...]] = None) -> tuple
     return buckets
 
 
-
 def engine_buckets(paging: Optional[PagedServing], slots: int) -> tuple[int, ...]:
     """The decode buckets of an engine: decode_buckets with --paged; a static cache's step runs
     over every row, (slots,)."""

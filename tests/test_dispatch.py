@@ -98,7 +98,7 @@ def test_choose_follows_the_support_matrix():
         assert got.tune == (device == "cuda" and mode != "portable" and op == "attend" and q_len == 1), where
         seen.add(got.implementation)
     # the walk reaches every implementation but the opt-in CUDA C++ kernel (test_cuda_cpp_kernel.py)
-    assert seen == set(dispatch.IMPLEMENTATIONS) - {"cuda_cpp"}
+    assert seen == set(implementations.IMPLEMENTATIONS) - {"cuda_cpp"}
     assert len(OPTION_SETS) == 16  # plain, each option alone, and every combination
 
 

@@ -301,7 +301,7 @@ def test_every_implementation_dispatch_can_choose_has_a_paged_form():
     attends = {"reference", "decomposed_fused", "decomposed_materialized", "triton_decode", "triton_split",
                "cuda_cpp"}
     assert appends == set(implementations.APPEND) and attends == set(implementations.ATTEND)
-    assert appends | attends == set(dispatch.IMPLEMENTATIONS) == set(implementations.IMPLEMENTATIONS)
+    assert appends | attends == set(implementations.IMPLEMENTATIONS)
     for op, names in (("append", appends), ("attend", attends - {"cuda_cpp"})):  # cuda_cpp needs its extension
         for name in names:
             assert callable(implementations.form(op, name, True))

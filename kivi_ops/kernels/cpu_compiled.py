@@ -32,9 +32,9 @@ import functools
 import threading
 from collections import defaultdict
 
+from .. import implementations
 from ..compile_budget import compile_own_code, signature as _signature
 from ..layout import LayerTensors, QuantParams
-from .reference import append_reference, attend_reference
 
 MAX_SIGNATURES = 8
 
@@ -81,12 +81,8 @@ def append(form, layer: LayerTensors, key, value, counts, params: QuantParams, p
     signature = _signature(layer, key, value, counts, params, *extra)
     if _within_budget(form, signature):
         _compiled(form, signature)(layer, key, value, counts, params, *extra)
-    elif pages is None:
-        append_reference(layer, key, value, counts, params)
     else:
-        from .reference import paged_append_reference
-
-        paged_append_reference(layer, key, value, counts, params, pages)
+        implementations.run_append("reference", layer, key, value, counts, params, pages=pages)
 
 
 def attend(form, query, layer: LayerTensors, counts, params: QuantParams, scale: float, pages=None):
@@ -95,8 +91,4 @@ def attend(form, query, layer: LayerTensors, counts, params: QuantParams, scale:
     signature = _signature(query, layer, counts, params, scale, *extra)
     if _within_budget(form, signature):
         return _compiled(form, signature)(query, layer, counts, params, scale, *extra)
-    if pages is None:
-        return attend_reference(query, layer, counts, params, scale)
-    from .reference import paged_attend_reference
-
-    return paged_attend_reference(query, layer, counts, params, scale, pages)
+    return implementations.run_attend("reference", query, layer, counts, params, scale, pages=pages)
