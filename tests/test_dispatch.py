@@ -48,13 +48,13 @@ def expected_choice(op, device, mode, q_len, options, head_dim, cpu_kernels="com
     impl, in_op = append if op == "append" else decode if q_len == 1 else longer
     if mode == "portable":
         return impl, in_op, False
-    if (device, mode) == ("cpu", "eager") and (q_len > 1 or cpu_kernels == "reference"):  # 5
+    if (device, mode) == ("cpu", "eager") and (q_len > 1 or cpu_kernels == "reference"):  # footnote 5
         return "reference", OP, False
-    compiled = (device, mode) == ("cpu", "eager")  # 5
+    compiled = (device, mode) == ("cpu", "eager")  # footnote 5
     kvquant = {"nuq", "sparse", "pre_rope"} & options
-    if impl == "decomposed_fused" and kvquant:  # 1
+    if impl == "decomposed_fused" and kvquant:  # footnote 1
         impl = "decomposed_materialized"
-    if impl == "triton_decode" and head_dim & (head_dim - 1):  # 3
+    if impl == "triton_decode" and head_dim & (head_dim - 1):  # footnote 3
         impl = "triton_split"
     return impl, in_op, compiled
 

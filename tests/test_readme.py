@@ -1,5 +1,6 @@
-"""The README's CLI table says what `kivi --help` offers: the same subcommands in the same order,
-and for `eval` and `bench` the same sub-subcommands."""
+"""The README says what the code and the results say: its CLI table is `kivi --help`'s (the same
+subcommands in the same order, and for `eval` and `bench` the same sub-subcommands), and every
+figure of its results table is in the committed file the row names."""
 
 import argparse
 import re
