@@ -1,71 +1,6 @@
-"""The one place that decides which implementation of a cache op runs.
-
-`choose` maps (op, device, mode, q_len, the layer's options) to an implementation. A cache layer
-asks once per call (eager, or while torch.compile / torch.export trace it; layer.run_append /
-run_attend) and runs it: a form traced inline, or the kivi op, which carries the choice as its
-`implementation` argument and whose kernel runs that entry of the implementation table
-(implementations.py) without choosing again. Nothing else chooses. A CUDA decode call is marked
-`tune`: inside the op the tuner may run a faster eligible kernel for its shape class
-(tuned_attend, footnote [2]), the layer's choice being the default.
-
-`KIVI_CPU_KERNELS` (environment, read at import; `set_cpu_kernels` in Python) picks the CPU
-decode kernels outside torch.compile: "compiled" (default), the compiled-mode forms compiled per
-op (kernels/cpu_compiled.py), or "reference", the reference inside the op. The committed SmolLM2
-quality tables were measured with the reference (docs/quality.md says what it reproduces).
-
-Modes: "eager"; "compile" (torch.compile is tracing); "export" (torch.export is tracing: the
-custom ops stay in the program, so pt2 and AOTInductor run our kernels); "portable" (the cache
-is built for exporters that cannot carry custom ops: ONNX, ExecuTorch).
-
-Support matrix (decomposed forms are core ATen: traced inline, never inside the op):
-
-    device  mode            append                attend, q_len == 1         attend, q_len > 1
-    cpu     eager           decomposed_cond [4]   decomposed_fused [1][4]    reference (op)
-    cpu     export          reference (op)        reference (op)             reference (op)
-    cpu     compile         decomposed_cond [3]   decomposed_fused [1]       decomposed_materialized
-    any     portable        decomposed            decomposed_materialized    decomposed_materialized
-    cuda    eager, compile, triton (op)           triton_decode (op) [2]     triton_split (op)
-            export
-
-[1] decomposed_materialized with nuq levels, the sparse store or pre-RoPE keys (the fused loop
-    form covers plain KIVI and the sink/OTT pool).
-[2] The Triton rule: triton_split when head_dim is not a power of two, and where the installed
-    Triton cannot compile triton_decode (decode_kernel_compiles). Both attention kernels read the
-    sparse store, nuq levels, pre-RoPE keys and the pool. Inside the op (ops.py, paged_ops.py:
-    tuned_attend), a decode call (q_len == 1, `tune`) runs the kernel picked for its shape class
-    among the eligible ones, with KIVI_CUDA_DECODE (set_cuda_decode) at its default "auto" (tuning.py):
-      eligible  the Triton rule's kernel, triton_split, and the CUDA C++ tensor-core kernel
-                (kivi_ops/cuda, "cuda_cpp") with each of CUDA_CPP_SPLITS split counts, where
-                cuda/attend.py `unsupported` takes the call and the extension loads (else not
-                eligible, logged once). It takes 2- and 4-bit keys and values, fp16 and bf16,
-                head_dim 64/128/256, G % 32 == 0, <= 16 query heads per kv head, static or paged;
-                what falls back to Triton (cuda/attend.py lists each reason): the sink/OTT pool,
-                KVQuant parts (nuq, sparse store, pre-RoPE), 3- and 8-bit codes, fp32, other head
-                dims, more query heads, q_len > 1.
-      picked    from the tuning table (kivi_ops/tuning_table.json, per device name; seeded with the
-                2026-11-27 H200 sweep at 1a0a8a9), else by a one-time autotune at first use
-                (timed on the call's inputs, CUDA events, median), cached per (device, shape
-                class) for the process and logged once. Never timed inside a CUDA-graph capture
-                or while torch.compile / export trace: the table's kernel or the Triton rule runs.
-    KIVI_CUDA_DECODE=triton runs the Triton rule everywhere; =cuda_cpp the C++ kernel (its default
-    splits) for every call it supports, refused with CudaKernelUnavailable where it cannot be built.
-    The tensor-core Triton candidate (lab/triton_decode_mma.py) is not eligible: on an H200 it was
-    slower than triton_decode with MHA, faster with GQA 4:1, and wrong on 5 of its CUDA tests
-    (benchmarks/results/h200/).
-[3] decomposed, with the key flush under torch.cond: on CPU Inductor makes it a host-side `if`,
-    so a decode step quantizes a key window only on the steps that complete one.
-[4] One-token appends and decode attention (q_len == 1) run the compile-mode forms, compiled
-    per op outside any traced graph (Choice.compiled; kernels/cpu_compiled.py). Longer appends
-    (prompts), and everything with KIVI_CPU_KERNELS=reference, run the reference inside the op.
-    The op's own CPU kernel is always the reference (an exported program calling it runs it).
-Other devices run the reference inside the op (the op's CPU kernel is the only other one
-registered), which is what the dispatcher would do anyway.
-
-Paged layers (paged.py; `pages`, a paged_layout.Paging, is given) follow the same matrix with the
-paged form of each implementation (implementations.py) and the ops kivi::paged_append / paged_attend
-(paged_ops.py). The sink/OTT pool and the sparse store are refused by the paged layer, so
-footnotes [1] and [2] reduce to nuq levels and pre-RoPE.
-"""
+"""The one place that decides which implementation of a cache op runs: a layer asks `choose` once per
+call and runs the answer; the op carries it as its `implementation` argument and never chooses
+again. The support matrix and its footnotes are docs/design.md's (`support_matrix` renders it)."""
 
 from __future__ import annotations
 
@@ -91,8 +26,7 @@ CPU_KERNELS = ("compiled", "reference")
 
 
 def _from_environment(variable: str, allowed: tuple[str, ...]) -> str:
-    """The selection an environment variable makes (default: the first allowed value); an unknown
-    value is refused at import, naming the variable and the allowed values."""
+    """The variable's value (default: the first allowed); an unknown one is refused at import."""
     name = os.environ.get(variable, allowed[0])
     if name not in allowed:
         raise ValueError(f"the environment variable {variable} must be one of {allowed}, got {name!r}")
@@ -103,8 +37,7 @@ _cpu_kernels = _from_environment("KIVI_CPU_KERNELS", CPU_KERNELS)
 
 
 def set_cpu_kernels(name: str) -> str:
-    """Select the CPU decode kernels outside torch.compile ("compiled" or "reference", see the
-    module doc) for the whole process; returns the previous selection."""
+    """KIVI_CPU_KERNELS for the whole process (design.md, footnote 5); returns the previous one."""
     global _cpu_kernels
     if name not in CPU_KERNELS:
         raise ValueError(f"cpu kernels must be one of {CPU_KERNELS}, got {name!r}")
@@ -126,12 +59,7 @@ def current_cpu_kernels() -> str:
     return _cpu_kernels
 
 
-# The CUDA decode attention kernel (footnote [2]): "auto" (default) picks per shape class from the
-# tuning table or a one-time autotune (tuning.py) among the eligible kernels; "triton" forces the
-# Triton rule; "cuda_cpp" forces the CUDA C++ kernel for every call it supports (Triton for the
-# rest). The environment variable is read at import; asking for cuda_cpp where it cannot be built
-# raises CudaKernelUnavailable when the setting is made (set_cuda_decode) or, from the
-# environment, at the first CUDA decode call. Under "auto" such a kernel is simply not eligible.
+# KIVI_CUDA_DECODE (design.md, footnote 3). A cuda_cpp that cannot be built is refused, never ignored.
 CUDA_DECODE = ("auto", "triton", "cuda_cpp")
 
 
@@ -139,9 +67,7 @@ _cuda_decode = _from_environment("KIVI_CUDA_DECODE", CUDA_DECODE)
 
 
 def set_cuda_decode(name: str) -> str:
-    """Select the CUDA decode attention kernel for the whole process ("auto", "triton" or
-    "cuda_cpp"); returns the previous selection. cuda_cpp is built here and refused
-    (CudaKernelUnavailable, with the reason) where it cannot be."""
+    """KIVI_CUDA_DECODE for the whole process; returns the previous one (cuda_cpp is built here)."""
     global _cuda_decode
     if name not in CUDA_DECODE:
         raise ValueError(f"cuda decode must be one of {CUDA_DECODE}, got {name!r}")
@@ -157,8 +83,8 @@ def current_cuda_decode() -> str:
     return _cuda_decode
 
 
-# Its split counts tried by the autotune: the launcher's default (None, from the static shapes), one
-# split (fastest at 1K on the H200) and 16 (the sweep's third point).
+# The C++ kernel's split counts the autotune tries: the launcher's default, 1 (fastest at 1K on the
+# H200) and 16 (the sweep's third point).
 CUDA_CPP_SPLITS = (None, 1, 16)
 
 
@@ -170,7 +96,7 @@ _cuda_cpp_loads: Optional[bool] = None  # under "auto": whether the extension lo
 
 
 def _cuda_cpp_available() -> bool:
-    """Whether the CUDA C++ kernel can be loaded in this process (asked once; why not, logged once)."""
+    """Whether the CUDA C++ kernel loads in this process (asked once; why not, logged once)."""
     global _cuda_cpp_loads
     if _cuda_cpp_loads is None:
         from .cuda.loader import load
@@ -207,10 +133,8 @@ _tuner = tuning.Tuner(tuning.read_table())
 
 def tuned_choice(default: str, layer: LayerTensors, params: QuantParams, query_heads: int, paged: bool,
                  context: Optional[int] = None, measure: Optional[Callable[[Choice], object]] = None) -> Choice:
-    """The CUDA decode-attention kernel for one call (footnote [2]): the only eligible one, or the
-    tuner's pick for its shape class, `default` (the Triton rule's kernel) where the tuner has
-    none. context: tokens a row holds (default: the static layout's, k_codes' dim 2; a paged
-    layer's Paging.capacity). measure(choice) runs a candidate on the call's inputs, for the autotune."""
+    """The only eligible kernel, or the tuner's pick for the call's shape class (`default` where it
+    has none). context: tokens a row holds (default k_codes' dim 2); measure runs a candidate."""
     candidates = decode_candidates(layer, params, query_heads, paged, default)
     if len(candidates) > 1:
         B, H = layer.k_res.shape[:2]
@@ -226,9 +150,8 @@ def tuned_choice(default: str, layer: LayerTensors, params: QuantParams, query_h
 
 def tuned_attend(default: str, query, layer: LayerTensors, counts, params: QuantParams, scale: float, *,
                  pages: Optional[Paging] = None):
-    """A tuned CUDA decode call inside the attention ops (ops.py, paged_ops.py): the tuner's pick
-    (tuned_choice; its autotune, if the shape class needs one, times the candidates on these
-    inputs), run with its launch settings."""
+    """A CUDA decode call inside the attention ops: tuned_choice's kernel, timed on these inputs
+    when its shape class needs an autotune."""
     def run(choice: Choice):
         return run_attend(choice.implementation, query, layer, counts, params, scale, pages=pages,
                           launch=choice.launch)
@@ -240,13 +163,13 @@ def tuned_attend(default: str, query, layer: LayerTensors, counts, params: Quant
 class Choice(NamedTuple):
     implementation: str
     in_op: bool  # runs inside the kivi custom op (its device kernel), rather than traced inline
-    compiled: bool = False  # an inline form run through torch.compile on its own (footnote [4])
+    compiled: bool = False  # an inline form run through torch.compile on its own (design.md, footnote 5)
     launch: tuple = ()  # launcher keywords of a tuned device kernel, sorted pairs (cuda_cpp's num_splits)
     tune: bool = False  # a CUDA decode call: the op runs the tuner's pick, this implementation by default
 
 
 def current_mode(portable: bool) -> str:
-    """The mode of the call being made now (see the module doc)."""
+    """The mode of the call being made now (design.md: the modes)."""
     if portable:
         return "portable"
     if torch.compiler.is_exporting():
@@ -258,9 +181,8 @@ def current_mode(portable: bool) -> str:
 
 def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors,
            cpu_kernels: str = "compiled") -> Choice:
-    """The implementation of `op` for one call (the support matrix above; cpu_kernels: footnote [4]).
-    A CUDA decode call gets the Triton rule's kernel, marked `tune` (footnote [2]: the op runs the
-    tuner's pick, tuned_attend)."""
+    """The implementation of `op` for one call (docs/design.md's matrix). A CUDA decode call gets the
+    Triton rule's kernel, marked `tune`: the op runs the tuner's pick (tuned_attend)."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if mode not in MODES:
@@ -304,16 +226,42 @@ def _triton_older_than(major: int, minor: int) -> bool:
 
 
 def decode_kernel_compiles(layer: LayerTensors) -> bool:
-    """Whether the installed Triton compiles triton_decode for this layer. Triton before 3.8
-    fails on pre-RoPE keys with a sink/OTT pool in fp16/bf16 (MLIR: "operand #0 does not
-    dominate this use"; seen on an H200 with Triton 3.6, and without a GPU by compiling for sm_90,
-    while 3.8 compiles it): such a layer decodes with triton_split, which compiles."""
+    """Triton before 3.8 cannot compile triton_decode with pre-RoPE keys and a pool in fp16/bf16
+    ("operand #0 does not dominate this use", H200 with Triton 3.6): such layers use triton_split."""
     rope_and_pool = layer.rope_inv_freq is not None and layer.pool is not None
     return not (rope_and_pool and layer.k_res.dtype != torch.float32 and _triton_older_than(3, 8))
 
 
+def _plain_layer(head_dim: int) -> LayerTensors:
+    """A plain-KIVI layer of meta tensors: choose reads shapes and which options are on, nothing else."""
+    shape_only = torch.empty((1, 1, 1, head_dim), device="meta")
+    return LayerTensors(*[shape_only] * len(LayerTensors._fields[:9]))
+
+
 def compiled_decode(device: str, head_dim: int = 128) -> dict[str, str]:
     """What a compiled plain-KIVI decode step runs on `device`, per op (for benchmark reports)."""
-    shape_only = torch.empty((1, 1, 1, head_dim), device="meta")
-    layer = LayerTensors(*[shape_only] * len(LayerTensors._fields[:9]))
+    layer = _plain_layer(head_dim)
     return {op: choose(op, device=device, mode="compile", q_len=1, layer=layer).implementation for op in OPS}
+
+
+def support_matrix() -> str:
+    """docs/design.md's support matrix as a Markdown table: choose's answer for a plain layer on CPU
+    and CUDA in every mode (a decode append; attend at q_len 1 and 2), modes with equal rows merged."""
+    layer = _plain_layer(128)
+
+    def cell(op: str, device: str, mode: str, q_len: int) -> str:
+        choice = choose(op, device=device, mode=mode, q_len=q_len, layer=layer)
+        return choice.implementation + (" (op)" if choice.in_op else "")
+
+    groups: dict[tuple[str, ...], list[tuple[str, str]]] = {}
+    for device in ("cpu", "cuda"):
+        for mode in MODES:
+            cells = (cell("append", device, mode, 1), cell("attend", device, mode, 1), cell("attend", device, mode, 2))
+            groups.setdefault(cells, []).append((device, mode))
+    lines = ["| device | mode | append | attend, q_len = 1 | attend, q_len > 1 |", "|---|---|---|---|---|"]
+    for cells, where in groups.items():
+        modes = {device: [m for d, m in where if d == device] for device, _ in where}
+        same = len(modes) > 1 and len({tuple(m) for m in modes.values()}) == 1
+        for device, its_modes in ({"any": next(iter(modes.values()))} if same else modes).items():
+            lines.append(f"| {device} | {', '.join(its_modes)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,37 +1,10 @@
-"""The implementation table: each cache-op implementation's name (dispatch.py chooses among them)
-mapped to its static and its paged function, one entry per name.
+"""The implementation table: each cache-op implementation's name (dispatch.py chooses one; a kivi op
+carries it as an index, `index` / `name`) mapped to its static and its paged function.
 
-A paged form is the static code with the block table passed along: it takes the static form's
-arguments plus a Paging (paged_layout.py).
-
-    (files in kernels/ unless named)
-    append  reference                     reference.append_reference / paged_append_reference
-            decomposed, decomposed_cond   decomposed_append.append_decomposed (flush_under_cond
-                                          False / True); paged: rows written through the block table
-            triton                        triton_append.append_triton(pages=...)
-    attend  reference                     reference.attend_reference / paged_attend_reference
-            decomposed_fused              decomposed_attend.attend_fused; paged: on
-                                          paged_layout.indexed_view, each pool read through the
-                                          block table as one indexing expression, which Inductor
-                                          inlines into the fused loops as an indirect load (no copy)
-            decomposed_materialized       decomposed_attend.attend_materialized; paged: on
-                                          paged_layout.static_view (the pages gathered into
-                                          contiguous static-layout copies: its matmuls round by
-                                          stride on CPU)
-            triton_decode, triton_split   the Triton kernels (paged: with the block table,
-                                          triton_paging.py)
-            cuda_cpp                      the CUDA C++ kernel (cuda/attend.py; paged: with the
-                                          block table)
-
-The functions are the same objects on every call (cpu_compiled.py keys its compiled forms by
-them). A plain dict, not functools.cache: traced code (torch.compile, export) looks the forms up,
-and Dynamo warns on every lru_cache-wrapped call it traces. The CPU forms are built at import; the
-device kernels (Triton, the C++ extension) on their first use, which is inside a kivi op, never
-traced: Triton is imported only where it runs.
-
-The kivi ops carry an in-op choice as an index into IMPLEMENTATIONS (their `implementation`
-argument), so that the op's kernel runs the entry the layer chose.
-"""
+A paged form takes the static form's arguments plus a Paging. The forms are the same objects on every
+call (cpu_compiled.py keys its compiled forms by them): a plain dict, not functools.cache, because
+Dynamo warns on every lru_cache-wrapped call it traces. Device kernels load at first use, inside a
+kivi op, so Triton is imported only where it runs."""
 
 from __future__ import annotations
 
@@ -59,6 +32,8 @@ def _append_decomposed(flush_under_cond, layer, key, value, counts, params, page
     append_decomposed(layer, key, value, counts, params, flush_under_cond=flush_under_cond, pages=pages)
 
 
+# The fused form reads each page through the block table as one indexing expression, which Inductor
+# inlines as an indirect load; the materialized form's matmuls need contiguous copies (they round by stride).
 def _attend_indexed(query, layer, counts, params, scale, pages):
     return attend_fused(query, indexed_view(layer, pages.block_table), counts, params, scale)
 
@@ -118,8 +93,7 @@ _DEVICE_KERNELS = {("append", "triton"): _triton_append, ("attend", "triton_deco
 
 
 def form(op: str, implementation: str, paged: bool = False) -> Callable:
-    """The function of one implementation of `op` ("append" or "attend"), the same object on
-    every call. paged: its paged form, which takes the Paging as a last argument."""
+    """The function of one implementation of `op`, the same object on every call (paged: its paged form)."""
     forms = _TABLE[op].get(implementation)
     if forms is None:
         load = _DEVICE_KERNELS.get((op, implementation))
@@ -136,8 +110,7 @@ def index(implementation: str) -> int:
 
 
 def name(op: str, implementation: int) -> str:
-    """The name behind a kivi op's `implementation` argument (index's inverse); a clear error for an
-    index that names no implementation of `op`."""
+    """The name behind a kivi op's `implementation` argument (index's inverse)."""
     names = APPEND if op == "append" else ATTEND
     found = IMPLEMENTATIONS[implementation] if 0 <= implementation < len(IMPLEMENTATIONS) else None
     if found not in names:
@@ -153,8 +126,7 @@ def run_append(implementation: str, layer, key, value, counts, params, *, pages=
 
 
 def run_attend(implementation: str, query, layer, counts, params, scale: float, *, pages=None, launch: tuple = ()):
-    """Run one attention implementation (its paged form when pages is given; launch: a tuned
-    kernel's launcher keywords, sorted (name, value) pairs)."""
+    """Run one attention implementation (paged when pages is given; launch: a tuned kernel's keywords)."""
     extra = () if pages is None else (pages,)
     return form("attend", implementation, pages is not None)(query, layer, counts, params, scale, *extra,
                                                              **dict(launch))

@@ -4,9 +4,7 @@ import logging
 
 
 class _DropKnownImportNoise(logging.Filter):
-    """transformers imports torchao (installed for weight quantization), which logs that its
-    CUDA-only extensions cannot load on a CPU machine, and torch logs a pytree deprecation
-    for it. Only those two messages are dropped; everything else from both loggers passes."""
+    """Drop only torchao's "CUDA extensions cannot load" and torch's pytree deprecation log lines."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()

@@ -1,17 +1,5 @@
 """KIVI attention for Hugging Face Llama-family models, swapped in without forking modeling code.
-
-`patch_model(model)` replaces each decoder layer's `self_attn` with `KIVIAttention`, which keeps
-the original projections (weights untouched) and routes keys/values through its cache layer's
-append and attend. Llama, Mistral, Qwen2, Qwen3 (q/k norms), Phi-3 (fused qkv) and Gemma 3 (q/k
-norms, query_pre_attn_scalar scaling, per-layer-type RoPE) are supported (Qwen2's q/k/v biases live
-in the reused Linear modules). Sliding-window layers (windows.py) get a WindowLayer in the cache and
-a windowed mask at the prompt. Gemma 2 is refused: its attention-logit soft-capping is not in the
-fused attention.
-
-What a call does with the cache comes down the call as one `kivi_ops.Step` (keyword `kivi_step`).
-The library's own loops pass it (generate.py); for a call that does not (transformers' generate(),
-a plain `model(...)`), a pre-hook on the decoder derives it from that call's arguments.
-"""
+What a call does comes down as one `kivi_ops.Step` (`kivi_step`), or a pre-hook derives it."""
 
 from __future__ import annotations
 
@@ -30,7 +18,6 @@ from .hf_generate import check_cache_rows, enable_compiled_generate, generate_fr
 from .windows import attention_window
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
-# Families that need attention features the KIVI cache does not implement, and which ones.
 _SOFTCAP_WHY = ("attention-logit soft-capping (attn_logit_softcapping), which the fused KIVI attention does not "
                 "implement")
 UNSUPPORTED_WHY = {
@@ -40,18 +27,13 @@ UNSUPPORTED_WHY = {
 }
 ATTN_IMPLEMENTATION = "kivi"
 
-# Registered as an attention implementation without a mask function: transformers then skips
-# building masks (the cache layers mask by per-sequence lengths themselves). The function is only a
-# fallback for attention modules we did not replace.
+# No mask function: transformers builds no masks (the cache layers mask by per-row lengths).
 AttentionInterface.register(ATTN_IMPLEMENTATION, sdpa_attention_forward)
 
 
 class KIVIAttention(nn.Module):
-    """The family's own projections (reused modules, same names, weights untouched), then RoPE,
-    the cache layer, and o_proj. What differs between the supported families is only how q, k, v
-    come out of the hidden states (`_project`): separate q/k/v projections (Llama, Mistral, Qwen2),
-    the same plus RMS norms of q and k per head before RoPE (Qwen3), or one fused qkv projection
-    (Phi-3)."""
+    """The family's own projections (weights untouched), RoPE, the cache layer and o_proj; the
+    families differ only in how q, k, v come out of the hidden states (`_project`)."""
 
     def __init__(self, original: nn.Module, config):
         super().__init__()
@@ -62,15 +44,13 @@ class KIVIAttention(nn.Module):
         self.head_dim = original.head_dim
         self.scaling = original.scaling  # Gemma 3: query_pre_attn_scalar ** -0.5
         self.sliding_window = attention_window(original, config)  # None: full attention
-        # Fused qkv (Phi-3): the split points of its output (no tensor parallelism for it).
+        # Phi-3's fused qkv split points (no tensor parallelism for it).
         self.q_size = config.num_attention_heads * self.head_dim
         self.kv_size = config.num_key_value_heads * self.head_dim
-        # The model family's own RoPE function (partial rotary included where the family has it).
         self.apply_rotary_pos_emb = sys.modules[type(original).__module__].apply_rotary_pos_emb
 
     def _project(self, hidden_states):
-        """q, k, v [B, heads, n, head_dim]. Head counts come from the outputs: under tensor
-        parallelism (parallel.py) this rank computes, and caches, only its share of the heads."""
+        """q, k, v [B, heads, n, head_dim]; head counts from the outputs (a TP rank has its share)."""
         B, n, _ = hidden_states.shape
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -83,8 +63,7 @@ class KIVIAttention(nn.Module):
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None,
                 kivi_step: Step = Step(), **kwargs):
-        # transformers' model forward passes the whole cache; the library's own loop passes this
-        # layer's cache layer (so one compiled decoder-layer region serves every layer).
+        # The library's loop passes this layer's cache layer, so one compiled layer serves every layer.
         cache = past_key_values.layers[self.layer_idx] if isinstance(past_key_values, Cache) else past_key_values
         if not isinstance(cache, CacheLayer):
             raise ValueError(
@@ -102,18 +81,11 @@ class KIVIAttention(nn.Module):
         cos, sin = position_embeddings
         q, k_rotated = self.apply_rotary_pos_emb(q, k, cos, sin)
         if step.order is not None:
-            # A left-padded prompt batch: each row's real tokens move to the front (the cache's
-            # right-padded layout), so pads never enter the cache or its statistics; outputs go
-            # back to the original positions below.
+            # A left-padded prompt batch: real tokens move to the front, so pads never enter the cache.
             q, k, k_rotated, v = (_gather_tokens(t, step.order) for t in (q, k, k_rotated, v))
-        # A pre-RoPE cache (KVQuant) stores keys before rotation and rotates them in attention.
         cache.append((k if cache.pre_rope else k_rotated).contiguous(), v.contiguous(), step)
         if step.exact is not None:
-            # Exported programs: one graph serves prompts and decode steps, so the choice is a
-            # tensor. Both paths run and a select picks one: for a decode step the exact path covers
-            # one token (nearly free), for a prompt the cached path costs about what the exact one
-            # does. (torch.cond was tried: Inductor in torch 2.13 mixed up the strides of its
-            # operands and AOTInductor computed garbage.)
+            # Exports: one graph for prompt and decode, both paths run; torch.cond miscompiled (torch 2.13).
             out = torch.where(step.exact, self._exact_attention(q, k_rotated, v),
                               cache.attend(q.contiguous(), step, self.scaling))
         elif step.prefill:
@@ -125,10 +97,7 @@ class KIVIAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, n, -1)), None
 
     def _exact_attention(self, q, k, v):
-        # A prompt attends over its exact keys/values (right padding: pads come after every real
-        # token, so the causal mask already hides them from real queries). A sliding-window layer
-        # sees keys p - window < t <= p (token index = position: prompts start at position 0),
-        # whatever the prompt's length (no branch on it: exports keep the token count dynamic).
+        # Right padding: the causal mask hides pads. No branch on the length: exports keep it dynamic.
         if self.sliding_window is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
         i = torch.arange(q.shape[2], device=q.device)
@@ -147,11 +116,8 @@ def _gather_tokens(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 
 def step_of_call(module, args, kwargs):
-    """The Step of a decoder call that brings none (transformers' generate(), a plain model()
-    call): a call on an empty cache with more than one token is the prompt (exact attention);
-    transformers left-pads a batch of prompts and passes a 2-D attention mask, from which the
-    prompt's token order is derived. Later calls carry one new token per row, which the cache's
-    per-row lengths already place. Eager Python with host reads, outside compiled code."""
+    """The Step of a decoder call that brings none: on an empty cache more than one token is the
+    prompt, its order taken from the left-padded 2-D mask. Eager, with host reads."""
     cache = kwargs.get("past_key_values")
     if "kivi_step" in kwargs or not isinstance(cache, StaticCacheBase):
         return None

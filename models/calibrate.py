@@ -1,17 +1,5 @@
-"""KVQuant's offline calibration of per-layer nuqX levels (kivi_ops/nuq.py), the model side;
-`kivi calibrate` (cli/calibrate.py) runs it.
-
-Runs the model teacher-forced over real text with gradients, records every layer's keys and
-values as attention receives them (keys after RoPE: this cache quantizes post-RoPE keys) and the
-gradient of the summed next-token loss with respect to them, whose square is the diagonal Fisher
-information (KVQuant Appendix D). Each layer's levels then come from a Fisher-weighted k-means
-on the normalized values (Appendix E). Offline: the levels. Online, at quantization time: each
-group's scale and zero point (min/max), as in KIVI. The k-means and the levels file's format are
-kivi_ops.nuq's (calibrate_tables, levels_file, write_levels_file, load_tables).
-
-The calibration text is taken from the *end* of the corpus, the evaluation windows
-(`kivi eval`) from its beginning, so the two never overlap.
-"""
+"""KVQuant's offline calibration of per-layer nuqX levels (`kivi calibrate`): a k-means on each
+layer's keys and values weighted by their squared loss gradients (KVQuant Appendices D, E)."""
 
 from __future__ import annotations
 
@@ -53,9 +41,8 @@ def calibration_windows(tokenizer, text: str, *, window: int, windows: int) -> t
 
 
 def collect_kv_fisher(model, windows: torch.Tensor, *, batch_size: int = 2, pre_rope: bool = False) -> list[dict]:
-    """Per layer: keys, values [N, H, T, D] (fp32) and their squared loss gradients. pre_rope: the
-    keys as they were before RoPE, with the gradient with respect to them (RoPE is a rotation R per
-    position: k_pre = R^T k, dL/dk_pre = R^T dL/dk, so both are un-rotated)."""
+    """Per layer: keys, values [N, H, T, D] (fp32) and their squared loss gradients. pre_rope: both
+    un-rotated (RoPE is a rotation R per position: k_pre = R^T k, dL/dk_pre = R^T dL/dk)."""
     layers = model.config.num_hidden_layers
     record = [dict(k=[], v=[], k_grad=[], v_grad=[]) for _ in range(layers)]
     previous = model.config._attn_implementation
@@ -95,8 +82,7 @@ def collect_kv_fisher(model, windows: torch.Tensor, *, batch_size: int = 2, pre_
 def run_calibration(model, tokenizer, text: str, *, bits_list, group_size: int, window: int, windows: int,
                     model_name: str, batch_size: int = 2, pre_rope: bool = False,
                     sparse_outliers: float = 0.0) -> dict:
-    """The levels file (nuq.levels_file; write it with nuq.write_levels_file) for `model`, calibrated
-    on the last `windows` windows of `window` tokens of `text`."""
+    """The levels file (nuq.levels_file) for `model`, from the last `windows` windows of `text`."""
     start = time.perf_counter()
     win = calibration_windows(tokenizer, text, window=window, windows=windows)
     activations = collect_kv_fisher(model, win, batch_size=batch_size, pre_rope=pre_rope)

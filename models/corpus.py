@@ -1,6 +1,5 @@
-"""Calibration and evaluation text: Python's own documentation (`pydoc_data.topics`, ships with
-CPython) or a file. `kivi calibrate` takes its windows from the end of the text (calibrate.py),
-`kivi eval` from its beginning (token_windows)."""
+"""Calibration and evaluation text: `pydoc_data.topics` (ships with CPython) or a file. Calibration
+takes its windows from the end, evaluation from the beginning, so the two never overlap."""
 
 from __future__ import annotations
 

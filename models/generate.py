@@ -1,9 +1,6 @@
 """Static-cache generation, gpt-fast style: one prefill, then a decode step that compiles once.
-
-Batches are right-padded: row b holds counts[b] real prompt tokens; each sequence keeps its own
-length in the cache (device tensors), positions are tensors, so the compiled step never sees a
-Python int that changes per token (no recompiles, CUDA-graph friendly).
-"""
+Batches are right-padded (row b holds counts[b] prompt tokens) and positions are tensors, so the
+compiled step never sees a per-token Python int (no recompiles, CUDA-graph friendly)."""
 
 from __future__ import annotations
 
@@ -29,11 +26,8 @@ METHODS = ("fp", "kivi")
 def make_cache(model, *, method: str, batch_size: int, max_seq_len: int,
                kivi_config: Optional[KIVIConfig] = None, device=None, portable: bool = False,
                dtype: Optional[torch.dtype] = None) -> StaticCacheBase:
-    """A static cache for `model` (patched with patch_model): "kivi" (a KIVICache) or the
-    unquantized "fp" (an FPCache). Both are transformers Caches: pass one to `model.generate`.
-    Sliding-window layers (windows.py) get a WindowLayer (their window, full precision) in either.
-    device and dtype default to the model's ("meta" sizes a cache without allocating it). Under tensor
-    parallelism it holds this rank's KV heads only. portable: for exporters without custom ops."""
+    """A static cache for the patched `model`: "kivi" (KIVICache) or "fp" (FPCache), transformers
+    Caches both; sliding-window layers get a WindowLayer. device "meta" sizes one without allocating."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     cfg = model.config
@@ -60,12 +54,8 @@ def make_cache(model, *, method: str, batch_size: int, max_seq_len: int,
 def make_paged_cache(model, *, method: str, batch_size: int, max_seq_len: int, num_pages: int,
                      page_size: Optional[int] = None, kivi_config: Optional[KIVIConfig] = None, device=None,
                      dtype: Optional[torch.dtype] = None):
-    """A paged cache for `model` (patched): "fp" (kivi_ops.paged_fp.PagedFPCache, the vLLM-style
-    baseline) or "kivi" (kivi_ops.paged.PagedKIVICache). batch_size sequence rows, a pool of
-    num_pages pages of page_size tokens per layer (default: 16 for fp, group_size for KIVI), and a
-    block table wide enough for max_seq_len tokens per sequence.
-    The cache has `pages_needed(num_tokens)`, `block_table`, `num_pages`, `page_size`,
-    `max_pages_per_seq`. Models with sliding-window layers are refused (no paged window layer)."""
+    """A paged cache for the patched `model`: "fp" (PagedFPCache) or "kivi" (PagedKIVICache), a pool
+    of num_pages pages per layer (page_size default: 16 for fp, group_size for KIVI). No paged window layer."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if any(w is not None for w in layer_windows(model)):
@@ -99,8 +89,7 @@ def make_paged_cache(model, *, method: str, batch_size: int, max_seq_len: int, n
 
 def paged_bytes(model, *, method: str, batch_size: int, max_seq_len: int, page_size: Optional[int] = None,
                 kivi_config: Optional[KIVIConfig] = None) -> tuple[int, int]:
-    """(bytes per page of the pool, all layers; bytes of everything else: rows, block table) of a
-    paged cache with batch_size rows, sized exactly on the meta device."""
+    """(bytes per page, all layers; bytes of the rest) of a paged cache, sized on the meta device."""
     def size(pages):
         return make_paged_cache(model, method=method, batch_size=batch_size, max_seq_len=max_seq_len, num_pages=pages,
                                 page_size=page_size, kivi_config=kivi_config, device="meta").nbytes()
@@ -132,13 +121,8 @@ class SamplingConfig:
 
 def sampling_probs(logits: torch.Tensor, temperature: float, *, top_k: Optional[int] = None,
                    top_p: Optional[float] = None) -> torch.Tensor:
-    """The distribution [..., V] that logits [..., V] sample from at temperature > 0, top-k, top-p.
-
-    Every temperature > 0 and top_p > 0 gives a distribution. The logits are scaled relative to
-    their row's maximum, in float64: a temperature so small that logits / temperature would
-    overflow (1e-45) tends to greedy, its limit, instead of inf - inf = NaN; and top-p always keeps
-    the most likely token (a top_p that rounds to 0 would otherwise keep none). Shared by `kivi
-    generate` (sample) and the server's per-request sampler, so both follow the same rule."""
+    """The distribution [..., V] logits sample from at temperature > 0, top-k, top-p (the CLI's and
+    the server's). Scaled from the row's maximum in float64, so a tiny temperature tends to greedy, not NaN."""
     logits = logits.double()
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # <= 0, the maximum exactly 0
     if top_k is not None:
@@ -170,9 +154,7 @@ def run_decoder_layer(layer, hidden_states, cache_layer, position_embeddings, st
 
 def forward(model, cache: StaticCacheBase, input_ids: torch.Tensor, positions: torch.Tensor, step: Step,
             run_layer=run_decoder_layer) -> torch.Tensor:
-    """The decoder over the cache, as the model's own forward computes it (embedding, RoPE tables,
-    the layers, final norm) but with each layer handed its cache layer and the step: hidden states
-    [B, n, hidden] of input_ids [B, n] at positions [B, n]."""
+    """The model's own decoder forward, each layer handed its cache layer and the step: hidden states [B, n, hidden]."""
     decoder = model.model
     hidden = decoder.embed_tokens(input_ids)  # Gemma 3's embedding scales by sqrt(hidden) itself
     for layer, cache_layer, position_embeddings in zip(decoder.layers, cache.layers,
@@ -182,8 +164,7 @@ def forward(model, cache: StaticCacheBase, input_ids: torch.Tensor, positions: t
 
 
 def layer_position_embeddings(decoder, hidden: torch.Tensor, positions: torch.Tensor) -> list:
-    """Each layer's RoPE (cos, sin) at positions: one table for all layers, or (Gemma 3: its
-    rotary module has `layer_types`) one per layer type, e.g. local and global RoPE bases."""
+    """Each layer's RoPE (cos, sin) at positions: one table, or one per layer type (Gemma 3)."""
     rotary = decoder.rotary_emb
     if not hasattr(rotary, "layer_types"):
         return [rotary(hidden, positions)] * len(decoder.layers)
@@ -199,8 +180,7 @@ def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def prefill(model, cache: StaticCacheBase, input_ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Run the right-padded prompts [B, n] of fresh sequences through the model (exact attention,
-    the cache stores them); logits [B, V] of each last real token."""
+    """Prefill right-padded prompts [B, n] of fresh sequences; logits [B, V] of each last real token."""
     B, n = input_ids.shape
     positions = cache.lengths()[:, None] + torch.arange(n, device=input_ids.device)[None, :]
     hidden = forward(model, cache, input_ids, positions, Step(counts=counts, prefill=True))
@@ -209,15 +189,8 @@ def prefill(model, cache: StaticCacheBase, input_ids: torch.Tensor, counts: torc
 
 def prefill_chunked(model, cache: StaticCacheBase, token_ids, chunk: int, *, start: int = 0,
                     on_boundary=None) -> torch.Tensor:
-    """Prefill the prompt token_ids (a list of ints) of row 0 of a batch-1 cache in chunks of
-    `chunk` tokens at fixed boundaries (chunk, 2 * chunk, ...; the last chunk takes the rest). Each
-    chunk is appended and then attends through the cache, as a decode step of several tokens does,
-    so the cache after the first b tokens (b a boundary) depends on those b tokens and nothing
-    else, bit for bit: what prefix caching needs (a one-shot prefill computes the same prefix with
-    other shapes inside a longer prompt). start: tokens [0, start) are in the cache already (a
-    cached prefix; a boundary). on_boundary(b): called after each whole chunk, b its end.
-    Returns the logits [1, V] of the last token. The prefill of `kivi serve --prefix-caching` and
-    the reference its tests compare with."""
+    """Prefill row 0 of a batch-1 cache in chunks at fixed boundaries, each attending through the cache,
+    so the cache at a boundary depends on the tokens before it alone (prefix caching); start: cached."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     if cache.batch_size != 1:
@@ -240,37 +213,20 @@ def prefill_chunked(model, cache: StaticCacheBase, token_ids, chunk: int, *, sta
 
 def decode_step(model, cache: StaticCacheBase, tokens: torch.Tensor, positions: torch.Tensor,
                 counts: Optional[torch.Tensor] = None, *, run_layer=run_decoder_layer) -> torch.Tensor:
-    """One token per sequence, tokens [B] at positions [B] -> logits [B, V]. counts [B] (0 or 1):
-    rows with 0 take no token (free slots of a server's batch; their logits are meaningless).
-
-    Positions come in as an input rather than being read from the cache's length tensor inside
-    the step: Inductor (torch 2.13) reordered a clone of a buffer after the opaque op that
-    mutates it, so RoPE saw position + 1 in compiled mode."""
+    """tokens [B] at positions [B] -> logits [B, V]; rows with counts 0 take no token. Positions are an
+    input: read from the cache's lengths, Inductor (torch 2.13) ordered them after the append (off by one)."""
     hidden = forward(model, cache, tokens[:, None], positions[:, None], Step(counts=counts), run_layer)
     return lm_logits(model, hidden[:, -1])
 
 
-# The most cache shapes (batch and cache sizes) one compiled decode step builds a graph for: each
-# costs a compile (seconds on CPU, a CUDA-graph capture on GPU) and keeps its code; past them a
-# step runs eagerly, as with compile off (a cache whose size follows each prompt would otherwise
-# compile on every call and grow without bound).
+# Cache shapes one compiled decode step builds graphs for; past them it runs eagerly (a cache sized
+# per prompt would otherwise compile on every call, without bound).
 MAX_COMPILED_SHAPES = 16
 
 
 def compile_decode_step(device: torch.device, *, regional: Optional[bool] = None):
-    """decode_step compiled for `device` (fullgraph, static shapes: no recompiles as tokens go by).
-
-    CUDA: the whole step is one graph, run under CUDA graphs ("reduce-overhead") around the kivi
-    custom ops (Triton kernels).
-    CPU (regional, the default there): one decoder layer is compiled and that one graph runs for
-    every layer (each call gets its layer's weights and cache layer as inputs); the embedding,
-    final norm and LM head run eagerly. A cold compile costs one layer instead of all of them (on
-    the embedded 30-layer model, minutes become seconds); decode speed stays close, since the layers
-    are the work (docs/performance.md). regional=False compiles the whole step instead.
-    Inside the compiled code a KIVICache runs the decomposed forms of its ops, which Inductor
-    fuses into loops over the packed codes (kivi_ops/dispatch.py decides; the custom ops' CPU
-    reference is opaque to Inductor). The prefill and eager steps keep the custom ops. The compiled
-    append cannot raise, so each step checks the cache's room first (a host read of the lengths)."""
+    """decode_step compiled for `device`: on CUDA the whole step under CUDA graphs; on CPU one decoder
+    layer run for every layer, so a cold compile costs one layer (regional=False: the whole step)."""
     device = torch.device(device)
 
     def compiled():
@@ -289,8 +245,7 @@ def compile_decode_step(device: torch.device, *, regional: Optional[bool] = None
     def step(model, cache: StaticCacheBase, tokens: torch.Tensor, positions: torch.Tensor,
              counts: Optional[torch.Tensor] = None) -> torch.Tensor:
         cache.layers[0].check_room(1, counts)  # the compiled append cannot raise: check first
-        # A new batch size or cache length is a new compiled step, not a recompile of one: Dynamo's
-        # limit of 8 versions per function would fail the 9th (fullgraph) in a long-lived process.
+        # A new shape is a new compiled step, not a recompile: Dynamo's 8-version limit would fail the 9th.
         shape = signature(tokens, counts, len(cache.layers), type(cache.layers[0]), *cache.layers[0].buffers())
         if shape not in per_shape:
             if len(per_shape) >= MAX_COMPILED_SHAPES:
@@ -347,8 +302,7 @@ def generate(
     warmup_steps: int = 0,
     seed: Optional[int] = None,
 ) -> GenerationResult:
-    """Generate up to max_new_tokens per prompt with a static cache; stops when every row hit EOS.
-    The first `warmup_steps` decode steps (compilation, CUDA-graph recording) are not timed."""
+    """Up to max_new_tokens per prompt with a static cache; the first warmup_steps are not timed."""
     check_generation_args(prompts, max_new_tokens, batch_size=cache.batch_size, max_seq_len=cache.max_seq_len)
     cache.reset()
     result = generation_loop(
@@ -378,9 +332,7 @@ def check_generation_args(prompts: list[list[int]], max_new_tokens: int, *, batc
 
 
 def check_finite(logits: torch.Tensor, where: str) -> torch.Tensor:
-    """Stop with an error naming the cause when the model's logits hold NaN or Inf: sampling from
-    them would emit arbitrary tokens (argmax of NaN is 0). The loop already syncs with the host
-    every step (its EOS check), so this one reduction over [B, V] adds no sync of its own."""
+    """Refuse NaN or Inf logits (argmax of NaN is 0); the loop syncs every step anyway (its EOS check)."""
     if not bool(torch.isfinite(logits).all()):
         rows = (~torch.isfinite(logits)).any(dim=-1).nonzero().flatten().tolist()
         raise FloatingPointError(
@@ -402,9 +354,7 @@ def generation_loop(
     warmup_steps: int = 0,
     seed: Optional[int] = None,
 ) -> GenerationResult:
-    """The token loop shared by `generate` and exported programs (kivi run-exported):
-    prefill_fn(input_ids [B, n] right-padded, counts [B]) and step_fn(tokens [B], positions [B])
-    both return the logits [B, V] of each row's last token."""
+    """The token loop of `generate` and of exported programs: prefill_fn and step_fn give logits [B, V]."""
     device = torch.device(device)
     if seed is not None:
         torch.manual_seed(seed)

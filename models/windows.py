@@ -1,11 +1,6 @@
-"""Which layers attend over a sliding window, and how wide: what decides each cache layer's kind.
-
-transformers decides it per family, and the KIVI attention and the cache follow the same rule:
-- a family whose attention modules carry `sliding_window` (Qwen2, Qwen3, Gemma 3: set from
-  `config.layer_types`, None on full-attention layers) uses it per layer;
-- the others (Mistral, Phi-3) apply `config.sliding_window` to every layer when it is set.
-The mask transformers builds for a window W lets a query at position p see keys at p - W < t <= p.
-"""
+"""Which layers attend over a sliding window, and how wide (each cache layer's kind), by
+transformers' rule: a family whose attention modules carry `sliding_window` (Qwen2/3, Gemma 3) uses
+it per layer; the others (Mistral, Phi-3) apply `config.sliding_window` to every layer."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""kivi_ops.dispatch: the support matrix of its docstring, its errors, and the rule that only the
+"""kivi_ops.dispatch: the support matrix (docs/design.md's, rendered by dispatch.support_matrix), its errors, and the rule that only the
 cache modules name cache buffers."""
 
 import itertools
@@ -15,14 +15,14 @@ from kivi_ops.layout import LayerTensors
 
 # ---------------------------------------------------------------- the support matrix
 
-# kivi_ops/dispatch.py's matrix, written out: (device, mode) -> (append, attend q_len == 1,
+# docs/design.md's matrix, written out with its footnotes: (device, mode) -> (append, attend q_len == 1,
 # attend q_len > 1), each (implementation, runs inside the kivi op).
 OP, INLINE = True, False
 REFERENCE_OP = (("reference", OP),) * 3
 PORTABLE = (("decomposed", INLINE), ("decomposed_materialized", INLINE), ("decomposed_materialized", INLINE))
 TRITON = (("triton", OP), ("triton_decode", OP), ("triton_split", OP))
 MATRIX = {
-    # q_len > 1 appends and cpu_kernels="reference": footnote [4] (expected_choice)
+    # q_len > 1 appends and cpu_kernels="reference": footnote 5 (expected_choice)
     ("cpu", "eager"): (("decomposed_cond", INLINE), ("decomposed_fused", INLINE), ("reference", OP)),
     ("cpu", "export"): REFERENCE_OP,
     ("cpu", "compile"): (("decomposed_cond", INLINE), ("decomposed_fused", INLINE), ("decomposed_materialized", INLINE)),
@@ -48,13 +48,13 @@ def expected_choice(op, device, mode, q_len, options, head_dim, cpu_kernels="com
     impl, in_op = append if op == "append" else decode if q_len == 1 else longer
     if mode == "portable":
         return impl, in_op, False
-    if (device, mode) == ("cpu", "eager") and (q_len > 1 or cpu_kernels == "reference"):  # [4]
+    if (device, mode) == ("cpu", "eager") and (q_len > 1 or cpu_kernels == "reference"):  # footnote 5
         return "reference", OP, False
-    compiled = (device, mode) == ("cpu", "eager")  # [4]
+    compiled = (device, mode) == ("cpu", "eager")  # footnote 5
     kvquant = {"nuq", "sparse", "pre_rope"} & options
-    if impl == "decomposed_fused" and kvquant:  # [1]
+    if impl == "decomposed_fused" and kvquant:  # footnote 1
         impl = "decomposed_materialized"
-    if impl == "triton_decode" and head_dim & (head_dim - 1):  # [2]
+    if impl == "triton_decode" and head_dim & (head_dim - 1):  # footnote 3
         impl = "triton_split"
     return impl, in_op, compiled
 
@@ -110,6 +110,24 @@ def recording(ran, name, fn):
         ran.append(name)
         return fn(*args, **kwargs)
     return run
+
+
+DESIGN = pathlib.Path(__file__).resolve().parent.parent / "docs" / "design.md"
+
+
+def test_the_design_docs_matrix_is_the_rendering_of_choose():
+    lines = DESIGN.read_text().splitlines()
+    start = lines.index("| device | mode | append | attend, q_len = 1 | attend, q_len > 1 |")
+    table = "\n".join(itertools.takewhile(lambda line: line.startswith("|"), lines[start:])) + "\n"
+    without_footnotes = re.sub(r" \([¹²³⁴⁵⁶⁷⁸⁹ ]+\)", "", table)
+    assert without_footnotes == dispatch.support_matrix()
+    # and the rendering is choose's: the written-out matrix above agrees with it cell by cell
+    for row in dispatch.support_matrix().splitlines()[2:]:
+        device, modes, *cells = [cell.strip() for cell in row.strip("|").split("|")]
+        for mode in modes.split(", "):
+            for d in ("cpu", "cuda") if device == "any" else (device,):
+                want = [f"{impl}{' (op)' if in_op else ''}" for impl, in_op in MATRIX[d, mode]]
+                assert cells == want, (d, mode)
 
 
 def test_the_layer_chooses_once_and_the_op_runs_its_choice(monkeypatch):
