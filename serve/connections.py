@@ -124,9 +124,10 @@ class BoundedH11Protocol(H11Protocol):
 
     def read_timed_out(self) -> None:
         """The request's headers or body did not arrive in time. A request read whole (its response
-        may stream for minutes) is left alone."""
+        may take minutes) is left alone: h11 says DONE, or MUST_CLOSE for a client that sent
+        `Connection: close` (urllib), so anything past IDLE (headers) and SEND_BODY (body)."""
         self.read_deadline = None
-        if self.transport.is_closing() or self.conn.their_state is h11.DONE:
+        if self.transport.is_closing() or self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
             return
         if self.cycle is None or not self.cycle.response_started:
             self.transport.write(raw_response(
