@@ -22,7 +22,8 @@ import pytest
 
 from kivi_serve.app import build_app
 from kivi_serve.connections import ConnectionLimits, uvicorn_config
-from serve_fixtures import NAME, PROMPTS, free_port, make_engine, tiny, uvicorn_in_thread, wait_idle  # noqa: F401
+from kivi_serve.request import Request
+from serve_fixtures import NAME, PROMPTS, alone, free_port, make_engine, tiny, uvicorn_in_thread, wait_idle  # noqa: F401
 
 
 @contextlib.contextmanager
@@ -98,3 +99,269 @@ def test_requests_that_arrived_whole_are_never_timed_out_queued_preempted_or_lon
         assert stats["preemptions"] >= 1 and seen["swapped"] >= 1 and seen["waiting"] >= 1, (stats, seen)
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------- item 2: a signal during start-up
+
+# `kivi serve` over the tiny model (load_model replaced), its warm-up held in a step that takes
+# 120 s, as a compile of a large model may: argv[1] is the port.
+SERVE_WARMING_UP = """
+import sys, time
+from transformers import AutoTokenizer
+import kivi_cli.serve as cli_serve
+import kivi_serve.runner as runner
+from kivi_cli.main import main
+from kivi_models import patch_model
+from kivi_models.loading import default_model_dir
+from tiny_models import tiny_llama
+
+tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
+model = tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=256)
+cli_serve.load_model = lambda *args, **kwargs: (model, tokenizer)
+runner.decode_step = lambda *args, **kwargs: time.sleep(120)
+sys.exit(main(["serve", "--port", sys.argv[1], "--paged", "--method", "kivi", "--max-seq-len", "128"]))
+"""
+
+
+def start_serve(tmp_path, argv: list[str]):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).parent)
+    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), tests]))  # one given first (old code)
+    log = (tmp_path / "serve.log").open("w")
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=tests, env={**os.environ, "PYTHONPATH": path})
+
+
+def wait_not_ready(proc, url: str, log_path, timeout: float = 180) -> None:
+    """Until /health answers 503 not_ready (the server listens, its engine warms up)."""
+    end = time.time() + timeout
+    while time.time() < end:
+        assert proc.poll() is None, log_path.read_text()
+        with contextlib.suppress(httpx.HTTPError):
+            r = httpx.get(f"{url}/health", timeout=2)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready", r.text
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the server never answered: {log_path.read_text()}")
+
+
+@pytest.mark.slow  # a server process (about 10 s)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_during_warm_up_ends_the_process_at_once_with_status_0(tmp_path, sig):
+    # At 1adfb4f the process waited 30 s for the engine thread ("did not stop within 30 s of
+    # close()"), then exited; with torch's C++ on that thread's stack, it aborted (SIGABRT, -6).
+    import signal
+    import sys
+
+    port = free_port()
+    proc = start_serve(tmp_path, [sys.executable, "-c", SERVE_WARMING_UP, str(port)])
+    try:
+        wait_not_ready(proc, f"http://127.0.0.1:{port}", tmp_path / "serve.log")
+        start = time.perf_counter()
+        proc.send_signal(getattr(signal, sig))
+        status = proc.wait(timeout=60)
+        took = time.perf_counter() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "serve.log").read_text()
+    assert status == 0 and took < 5, (status, took, log)
+    assert "Traceback" not in log and "terminate called" not in log, log
+
+
+@pytest.mark.slow  # the embedded model's `kivi serve` (loading, then SIGTERM mid-compile: about 20 s)
+def test_kivi_serve_sigterm_while_compiling_its_warm_up_exits_0_promptly(tmp_path):
+    """The issue's case: the real CLI with the embedded model, SIGTERM while /health says not_ready."""
+    import signal
+    import sys
+    from pathlib import Path
+
+    port = free_port()
+    kivi = str(Path(sys.executable).parent / "kivi")
+    proc = start_serve(tmp_path, [kivi, "serve", "--port", str(port), "--paged", "--method", "kivi", "--max-seq-len",
+                                  "1024"])
+    try:
+        wait_not_ready(proc, f"http://127.0.0.1:{port}", tmp_path / "serve.log")
+        start = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(timeout=60)
+        took = time.perf_counter() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "serve.log").read_text()
+    assert status == 0 and took < 15, (status, took, log)
+    assert "terminate called" not in log and "Traceback" not in log, log
+
+
+# ---------------------------------------------------------------- item 3: a stuck step is visible
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(f"{name} "))
+
+
+def test_a_hung_step_turns_health_503_and_waiting_requests_still_get_their_504_on_time(tiny):
+    # At 1adfb4f /health said ok throughout a hung step, and --request-timeout waited for the step.
+    engine = make_engine(tiny, "fp", num_pages=64, slots=2, stall_timeout=0.3, request_timeout=1.0)
+    real, release = engine.step_fn, threading.Event()
+
+    def hung(*args, **kwargs):
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+    try:
+        with serving(engine, ConnectionLimits(16)) as url:
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+            assert metric(url, "kivi_engine_stalled") == 0
+            engine.step_fn = hung
+            answers = {}
+
+            def send(name, stream):
+                start = time.perf_counter()
+                r = httpx.post(f"{url}/v1/completions", json={**body, "stream": stream}, timeout=30)
+                answers[name] = (r, time.perf_counter() - start)
+
+            threads = [threading.Thread(target=send, args=(n, n == "stream")) for n in ("stream", "whole", "queued")]
+            for t in threads:
+                t.start()
+                time.sleep(0.05)
+            end = time.perf_counter() + 10
+            while (h := httpx.get(f"{url}/health", timeout=10)).status_code == 200:
+                assert time.perf_counter() < end, "health never turned 503"
+                time.sleep(0.05)
+            err = h.json()["error"]
+            assert h.status_code == 503 and err["code"] == "engine_stalled" and "--stall-timeout" in err["message"]
+            assert metric(url, "kivi_engine_stalled") == 1
+            for t in threads:
+                t.join(timeout=10)
+            # each got its 504 about 1 s after it came, while the step still hangs
+            assert not release.is_set() and set(answers) == {"stream", "whole", "queued"}
+            for name, (r, took) in answers.items():
+                assert took < 2.5, (name, took)
+                if name == "stream":
+                    events = [line for line in r.text.splitlines() if line]
+                    assert '"code":"timeout"' in events[-2] and events[-1] == "data: [DONE]", events
+                else:
+                    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
+            release.set()
+            wait_idle(engine)
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+            assert metric(url, "kivi_engine_stalled") == 0
+            engine.step_fn, engine.request_timeout = real, None  # a loaded machine may take 1 s for 8 tokens
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+            engine.check()
+    finally:
+        release.set()
+        engine.close()
+
+
+@pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf")])
+def test_the_stall_timeout_must_be_a_finite_positive_number(tiny, seconds):
+    with pytest.raises(ValueError, match=r"stall_timeout \(--stall-timeout\) must be a finite number"):
+        make_engine(tiny, "fp", num_pages=8, stall_timeout=seconds)
+
+
+# ---------------------------------------------------------------- item 4: a fault names its step
+
+
+def test_a_swap_in_that_fails_is_reported_as_such_and_ends_that_request_alone(tiny):
+    # At 1adfb4f a failing swap-in was "the decode step failed" and ended every running request.
+    ids = tiny[1](PROMPTS[0])["input_ids"]
+    want = alone(tiny, "fp", PROMPTS[0], 30)
+    engine = make_engine(tiny, "fp", num_pages=10, page_size=4, slots=2)  # a pool for one: one is preempted
+
+    def load(*args):
+        raise MemoryError("injected: the host copy is unreadable")
+
+    engine.runner.load = load
+    try:
+        events = [[], []]
+        reqs = [Request(prompt_ids=ids, max_tokens=30, temperature=0, emit=lambda k, p, i=i: events[i].append((k, p)))
+                for i in range(2)]
+        for r in reqs:
+            engine.submit(r)
+        s = wait_idle(engine)
+    finally:
+        engine.close()
+    assert s["preemptions"] >= 1
+    last = sorted((e[-1][0], i) for i, e in enumerate(events))
+    assert [kind for kind, _ in last] == ["done", "error"], events
+    message = events[last[1][1]][-1][1].message
+    assert "swapping it back in from host memory failed: MemoryError" in message and "decode" not in message
+    assert reqs[last[0][1]].tokens == want
+    assert engine.runner.saved == {} and s["pages_used"] == 0 and s["swapped"] == 0
+    engine.check()
+
+
+def test_a_failure_no_request_owns_names_the_step_that_failed(tiny):
+    engine = make_engine(tiny, "fp", num_pages=64, slots=2)
+
+    def write_table(*args):
+        raise RuntimeError("injected table fault")
+
+    engine.runner.write_table = write_table
+    try:
+        events = []
+        engine.submit(Request(prompt_ids=[1, 2, 3], max_tokens=4, emit=lambda *e: events.append(e)))
+        wait_idle(engine)
+    finally:
+        engine.close()
+    assert events[-1][0] == "error", events
+    assert events[-1][1].message == "writing the block table failed: RuntimeError: injected table fault"
+
+
+# ---------------------------------------------------------------- item 10: malformed and oversized bodies
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    engine = make_engine(tiny, "fp", num_pages=64, slots=2)
+    with serving(engine, ConnectionLimits(16, timeout_keep_alive=5, read_timeout=5)) as url:
+        yield url
+    engine.close()
+
+
+def raw_exchange(url: str, data: bytes, timeout: float = 10) -> bytes:
+    """Send `data` on a new connection; what the server sends until it closes the connection."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(data)
+        received = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                received += chunk
+    return received
+
+
+@pytest.mark.parametrize("length", [b"1e23", b"-1", b"12abc"])
+def test_a_malformed_content_length_gets_the_json_error_shape(server, length):
+    # At 1adfb4f: h11's "Invalid HTTP request received." in text/plain.
+    data = raw_exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                                b"Content-Length: " + length + b"\r\n\r\n{}")
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower(), data
+    assert json.loads(body)["error"]["code"] == "invalid_http_request"
+
+
+def test_a_30_mb_body_lets_urllib_read_its_413(server):
+    # At 1adfb4f the 413 was sent before the body was read and the connection closed under urllib's
+    # sendall (ConnectionResetError / BrokenPipeError instead of an answer).
+    body = {"model": NAME, "prompt": "x" * (30 << 20), "max_tokens": 1}
+    status, answer = urllib_post(server, body)
+    assert status == 413 and answer["error"]["code"] == "request_too_large", answer
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+
+def test_an_oversize_body_behind_expect_100_continue_is_refused_without_waiting_for_it(server):
+    start = time.perf_counter()
+    data = raw_exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                                b"Expect: 100-continue\r\nContent-Length: 31457280\r\n\r\n")
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 ") and json.loads(body)["error"]["code"] == "request_too_large", data
+    assert time.perf_counter() - start < 3  # not the 5-s read timeout
