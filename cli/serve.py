@@ -38,7 +38,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="--paged: requests that start with the same tokens share the pages of that prefix, which is "
                         "prefilled once (vLLM's automatic prefix caching); prompts are then prefilled in chunks of "
-                        "--prefix-chunk tokens (docs/serve.md); default: on with --paged")
+                        "--prefix-chunk tokens, so greedy outputs of prompts of R (--residual-length) tokens or more can differ "
+                        "from `kivi generate`'s (--no-prefix-caching: they equal them; docs/serve.md); default: on with "
+                        "--paged")
     s.add_argument("--prefix-chunk", type=positive_int, default=None,
                    help="--prefix-caching: the prefill chunk and the granularity of sharing, a multiple of the page "
                         f"size (default: {PREFIX_CHUNK} rounded up to a multiple of the page size)")

@@ -254,8 +254,8 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
 
     @app.get("/health")
     async def health():
-        # 503 while it warms up (until the decode step has run over each bucket), or once it cannot
-        # serve: a tensor-parallel rank died, or the engine thread failed (every request was ended)
+        # 503 while it warms up (until the decode step has run over each bucket), while no step completes
+        # (the watchdog), or once it cannot serve: a tensor-parallel rank died, or the engine thread failed
         if (unhealthy := engine.health_error()) is not None:
             return error(unhealthy.status, str(unhealthy), code=unhealthy.code)
         return {"status": "ok"}

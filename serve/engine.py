@@ -19,11 +19,12 @@ nano-vllm's step does:
    cancelled request frees its row and pages at once (`EngineCore._end`).
 
 Per-row lengths and statistics keep rows independent: a greedy completion equals `kivi generate`
-of the same prompt alone, whatever else shares the batch. Failures are isolated the same way: a
+of the same prompt alone, whatever else shares the batch (with --prefix-caching, prompts of R
+tokens or more equal the chunked prefill's instead: docs/serve.md). Failures are isolated the same way: a
 prompt whose prefill fails, a row whose logits are not finite, or a sampler or tokenizer error ends
 that request alone (an "error" event naming the cause, logged with the request id) and the other
-rows go on; only an error in the batched decode step itself, which no single row owns, ends them
-all. A fault outside the step (a bug in the plan or the bookkeeping) ends every request with a
+rows go on; only an error in what no single row owns (the batched decode step, row moves, the
+block table), named in its message, ends them all. A fault outside the step (a bug in the plan or the bookkeeping) ends every request with a
 503 and the engine refuses new ones (`failure`, /health), rather than leaving them to time out.
 Handlers talk to the engine through `submit` and the request's event queue (thread-safe
 callbacks).

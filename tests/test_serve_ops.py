@@ -365,3 +365,46 @@ def test_an_oversize_body_behind_expect_100_continue_is_refused_without_waiting_
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413 ") and json.loads(body)["error"]["code"] == "request_too_large", data
     assert time.perf_counter() - start < 3  # not the 5-s read timeout
+
+
+# ---------------------------------------------------------------- item 5: the equality rule
+
+
+@pytest.mark.slow  # the paged KIVI kernels' warm-up and three prompts of 30+ tokens (about 20 s here)
+def test_without_prefix_caching_prompts_longer_than_r_equal_kivi_generate(tiny):
+    # The flag docs/serve.md gives to restore the equality: paged, prompts of 2R-5R tokens, one-shot prefills.
+    from kivi_models import generate, make_cache
+    from serve_fixtures import CONFIG, complete_all
+
+    model, tokenizer = tiny
+    prompts = [" ".join(PROMPTS[i:] + PROMPTS[:i]) for i in range(3)]
+    lengths = [12, 9, 14]
+    engine = make_engine(tiny, "kivi", num_pages=96, page_size=4, slots=3)  # prefix_chunk None: --no-prefix-caching
+    try:
+        got = complete_all(engine, prompts, lengths, steps_apart=2)
+    finally:
+        engine.close()
+    for prompt, n, tokens in zip(prompts, lengths, got):
+        ids = tokenizer(prompt)["input_ids"]
+        assert len(ids) > 2 * CONFIG.residual_length
+        cache = make_cache(model, method="kivi", batch_size=1, max_seq_len=len(ids) + n, kivi_config=CONFIG)
+        assert tokens == generate(model, [ids], max_new_tokens=n, cache=cache).tokens[0]
+
+
+def test_the_docs_and_the_help_state_when_a_completion_equals_kivi_generate():
+    import re
+    from pathlib import Path
+
+    from kivi_cli.main import build_parser
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "serve.md").read_text()
+    rule = doc[doc.index("## What continuous batching does"):doc.index("### No compile after ready")]
+    assert re.search(r"equals `kivi generate`[^.]*prompt alone when prompts are prefilled in one shot: with\s+"
+                     r"`--no-prefix-caching`", rule), rule
+    assert "a prompt of R tokens or more" in rule and "shorter than R tokens" in rule
+    operations = doc[doc.index("## Operations"):doc.index("## Measured")]
+    for section in ("### Health, the watchdog and fail-fast", "### Restart", "### What a completion equals"):
+        assert section in operations
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    (flag,) = [a for a in serve._actions if "--prefix-caching" in a.option_strings]
+    assert "--no-prefix-caching: they equal them" in flag.help
