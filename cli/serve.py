@@ -240,6 +240,14 @@ def check_paging_flags(args, parser) -> None:
 
 
 def cmd_serve(args, parser) -> int:
+    try:
+        return serve(args, parser)
+    except KeyboardInterrupt:  # Ctrl-C before the server's own handler is in place (loading the model)
+        log("kivi serve: interrupted while starting")
+        return 130
+
+
+def serve(args, parser) -> int:
     import functools
 
     from kivi_models.generate import make_paged_cache

@@ -408,3 +408,29 @@ def test_the_docs_and_the_help_state_when_a_completion_equals_kivi_generate():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     (flag,) = [a for a in serve._actions if "--prefix-caching" in a.option_strings]
     assert "--no-prefix-caching: they equal them" in flag.help
+
+
+SERVE_LOADING = SERVE_WARMING_UP.replace(
+    "cli_serve.load_model = lambda *args, **kwargs: (model, tokenizer)",
+    "cli_serve.load_model = lambda *args, **kwargs: (print('loading', flush=True), time.sleep(120))")
+
+
+@pytest.mark.slow  # a process that imports torch and the tokenizer (about 5 s)
+def test_ctrl_c_while_the_model_loads_is_one_line_and_status_130(tmp_path):
+    import signal
+    import sys
+
+    proc = start_serve(tmp_path, [sys.executable, "-c", SERVE_LOADING, str(free_port())])
+    log_path = tmp_path / "serve.log"
+    try:
+        end = time.time() + 120
+        while "loading" not in log_path.read_text():
+            assert proc.poll() is None and time.time() < end, log_path.read_text()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        status = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = log_path.read_text()
+    assert status == 130 and "Traceback" not in log and "interrupted while starting" in log, (status, log)
