@@ -15,6 +15,7 @@ from kivi_models.loading import DEFAULT_MODEL, DEFAULT_NAME, load_model, log
 from kivi_serve.app import LOOPBACK_HOSTS, MAX_REQUEST_BYTES, Server, build_app
 from kivi_serve.connections import (READ_TIMEOUT, TIMEOUT_KEEP_ALIVE, ConnectionLimits, check_connection_limits,
                                     uvicorn_config)
+from kivi_serve.watchdog import STALL_TIMEOUT
 
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching over the cache)")
@@ -37,7 +38,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="--paged: requests that start with the same tokens share the pages of that prefix, which is "
                         "prefilled once (vLLM's automatic prefix caching); prompts are then prefilled in chunks of "
-                        "--prefix-chunk tokens (docs/serve.md); default: on with --paged")
+                        "--prefix-chunk tokens, so greedy outputs of prompts of R (--residual-length) tokens or more can differ "
+                        "from `kivi generate`'s (--no-prefix-caching: they equal them; docs/serve.md); default: on with "
+                        "--paged")
     s.add_argument("--prefix-chunk", type=positive_int, default=None,
                    help="--prefix-caching: the prefill chunk and the granularity of sharing, a multiple of the page "
                         f"size (default: {PREFIX_CHUNK} rounded up to a multiple of the page size)")
@@ -66,6 +69,10 @@ def add_serve_parser(sub) -> None:
                    help="requests queued for a slot at most; more are refused with 503 + Retry-After (default 64)")
     s.add_argument("--request-timeout", type=positive_float, default=None,
                    help="seconds a request may take from arrival, queue included; then it ends with 504 (default: none)")
+    s.add_argument("--stall-timeout", type=positive_float, default=STALL_TIMEOUT,
+                   help="seconds the engine may go without completing a step (a decode step, or one prompt's prefill) "
+                        "while requests are open; then /health answers 503 engine_stalled and /metrics "
+                        f"kivi_engine_stalled 1 until it moves (default {STALL_TIMEOUT:g}; docs/serve.md, Operations)")
     s.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds running requests get to finish before they end with an error; "
                         "a second signal ends them at once (default 30)")
@@ -233,6 +240,14 @@ def check_paging_flags(args, parser) -> None:
 
 
 def cmd_serve(args, parser) -> int:
+    try:
+        return serve(args, parser)
+    except KeyboardInterrupt:  # Ctrl-C before the server's own handler is in place (loading the model)
+        log("kivi serve: interrupted while starting")
+        return 130
+
+
+def serve(args, parser) -> int:
     import functools
 
     from kivi_models.generate import make_paged_cache
@@ -293,31 +308,59 @@ def cmd_serve(args, parser) -> int:
         make_runner = functools.partial(serve_tp.LeaderRunner, channel=channel, timeout_s=args.tp_timeout)
     with usage_errors(parser):
         engine = Engine(model, tokenizer, **runner_args, max_waiting=args.max_waiting,
-                        request_timeout=args.request_timeout, make_runner=make_runner)
-    share = f" per rank ({world_size()} ranks, each its own KV heads)" if channel is not None else ""
-    name = args.served_model_name or (DEFAULT_NAME if args.model == DEFAULT_MODEL else args.model.rstrip("/").split("/")[-1])
-    if paging is None:
-        log(f"{slots} slots x {args.max_seq_len} tokens, {nbytes / 2**20:.1f} MiB of {args.method} cache{share} "
-            f"(an fp16 cache would hold {fp16_slots} slots in the same bytes)")
-    else:
-        chat = min(CHAT_TOKENS, args.max_seq_len)
-        held = min(slots, paging.num_pages // max(engine.cache.pages_needed(chat), 1))
-        log(f"paged: {slots} rows, a pool of {paging.num_pages} pages of {engine.cache.page_size} tokens, "
-            f"{nbytes / 2**20:.1f} MiB of {args.method} cache{share}: {held} sequences of {chat} tokens (chat length) "
-            f"at once, where an fp16 paged cache would hold {fp16_paged_sequences(model, nbytes, chat)} in the same "
-            f"bytes; a request holds at most {args.max_seq_len} tokens"
-            + (f"; prefix caching in chunks of {paging.prefix_chunk} tokens, {engine.placement.max_prefixes} prefixes "
-               f"kept at most" if paging.prefix_chunk else "")
-            + f"; decode steps over {', '.join(map(str, engine.placement.buckets))} rows")
-    log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API; /health, /metrics)")
-    app = build_app(engine, name, max_request_bytes=args.max_request_bytes, api_key=api_key, docs=args.docs,
-                    allowed_hosts=allowed_hosts)
-    server = Server(uvicorn_config(app, host=args.host, port=args.port, limits=limits), engine,
-                    shutdown_timeout=args.shutdown_timeout)
-    try:
+                        request_timeout=args.request_timeout, make_runner=make_runner,
+                        stall_timeout=args.stall_timeout)
+    try:  # from here the engine thread runs (its warm-up first): however serving ends, it stops
+        share = f" per rank ({world_size()} ranks, each its own KV heads)" if channel is not None else ""
+        name = args.served_model_name or (DEFAULT_NAME if args.model == DEFAULT_MODEL
+                                          else args.model.rstrip("/").split("/")[-1])
+        if paging is None:
+            log(f"{slots} slots x {args.max_seq_len} tokens, {nbytes / 2**20:.1f} MiB of {args.method} cache{share} "
+                f"(an fp16 cache would hold {fp16_slots} slots in the same bytes)")
+        else:
+            chat = min(CHAT_TOKENS, args.max_seq_len)
+            held = min(slots, paging.num_pages // max(engine.cache.pages_needed(chat), 1))
+            log(f"paged: {slots} rows, a pool of {paging.num_pages} pages of {engine.cache.page_size} tokens, "
+                f"{nbytes / 2**20:.1f} MiB of {args.method} cache{share}: {held} sequences of {chat} tokens (chat length) "
+                f"at once, where an fp16 paged cache would hold {fp16_paged_sequences(model, nbytes, chat)} in the same "
+                f"bytes; a request holds at most {args.max_seq_len} tokens"
+                + (f"; prefix caching in chunks of {paging.prefix_chunk} tokens, {engine.placement.max_prefixes} prefixes "
+                   f"kept at most" if paging.prefix_chunk else "")
+                + f"; decode steps over {', '.join(map(str, engine.placement.buckets))} rows")
+        log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API; /health, /metrics)")
+        app = build_app(engine, name, max_request_bytes=args.max_request_bytes, api_key=api_key, docs=args.docs,
+                        allowed_hosts=allowed_hosts)
+        server = Server(uvicorn_config(app, host=args.host, port=args.port, limits=limits), engine,
+                        shutdown_timeout=args.shutdown_timeout)
         server.run()
     finally:
-        engine.close()
+        stop_engine(engine)
     return 0
+
+
+# Seconds the server waits, once its connections are closed, for the engine thread to finish the
+# step it is in; during warm-up (a compile may take minutes, and no request ran) it does not wait.
+ENGINE_STOP_WAIT_S = 10.0
+
+
+def stop_engine(engine) -> None:
+    """Stop the engine thread, or, if it is still in a compile or a step that does not end, leave
+    the process at once (os._exit, with the exit status the process was heading for): letting the
+    interpreter finalize with that thread inside torch's C++ aborts it (`terminate called without
+    an active exception`, SIGABRT). Nothing is half-written: what the engine holds is in memory,
+    and Inductor writes its cache files whole (renamed into place)."""
+    import logging
+    import sys
+
+    if engine.close(timeout=ENGINE_STOP_WAIT_S if engine.ready.is_set() else 0.5):
+        return
+    exc = sys.exc_info()[1]
+    status = (0 if exc is None else exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int)
+              else 130 if isinstance(exc, KeyboardInterrupt) else 1)
+    log("the engine thread is still running (a compile or a hung step): exiting without waiting for it")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 

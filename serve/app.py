@@ -135,6 +135,9 @@ def failed(failure: Failure, request_id: str) -> JSONResponse:
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 MAX_REQUEST_BYTES = 1 << 20  # 1 MiB of JSON: far more text than a 2048-token context holds
+# An announced oversize body is read and dropped up to this many bytes before its 413 is sent:
+# a client that sends its whole body before reading (urllib) would otherwise get a reset connection.
+DISCARD_BYTES = 64 << 20
 
 
 class Guard:
@@ -146,8 +149,9 @@ class Guard:
     - api_key: every path but /health (/v1/*, /metrics, /docs and /openapi.json with --docs) needs
       `Authorization: Bearer <key>` (compared in constant time), else 401; /health stays open for probes.
     - a Content-Length over max_request_bytes gets OpenAI's 413 here, since FastAPI's limiter
-      answers an announced oversize body in plain text. Bodies without a length are counted by
-      FastAPI's max_body_size, whose 413 the app's handler shapes."""
+      answers an announced oversize body in plain text. The body is read and dropped first, up to
+      DISCARD_BYTES (unless the client waits for `100 Continue`), so that the client reads the 413.
+      Bodies without a length are counted by FastAPI's max_body_size, whose 413 the app's handler shapes."""
 
     def __init__(self, app: FastAPI, *, max_request_bytes: int, api_key: Optional[str] = None,
                  allowed_hosts: Optional[tuple[str, ...]] = None):
@@ -156,6 +160,9 @@ class Guard:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and (refused := self.refusal(scope)) is not None:
+            waits = "100-continue" in Headers(scope=scope).get("expect", "").lower()  # it sends nothing yet
+            if refused.status_code == 413 and (waits or not await discard_body(receive, DISCARD_BYTES)):
+                refused.headers["connection"] = "close"  # the rest of the body is never read
             return await refused(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -175,6 +182,17 @@ class Guard:
         if length.isdigit() and int(length) > self.max_request_bytes:
             return too_large(self.max_request_bytes)
         return None
+
+
+async def discard_body(receive, limit: int) -> bool:
+    """Read a refused request's body and drop it, up to `limit` bytes: whether it was read whole."""
+    read = 0
+    while read <= limit:
+        message = await receive()
+        read += len(message.get("body", b""))
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return True
+    return False
 
 
 def _hostname(host: str) -> Optional[str]:
@@ -236,8 +254,8 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
 
     @app.get("/health")
     async def health():
-        # 503 while it warms up (until the decode step has run over each bucket), or once it cannot
-        # serve: a tensor-parallel rank died, or the engine thread failed (every request was ended)
+        # 503 while it warms up (until the decode step has run over each bucket), while no step completes
+        # (the watchdog), or once it cannot serve: a tensor-parallel rank died, or the engine thread failed
         if (unhealthy := engine.health_error()) is not None:
             return error(unhealthy.status, str(unhealthy), code=unhealthy.code)
         return {"status": "ok"}
@@ -259,6 +277,8 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
              "holding the running requests)", s["decode_rows"]),
             ("kivi_cache_bytes", "gauge", "bytes held by the cache (every rank's together)", s["cache_bytes"]),
             ("kivi_tp_size", "gauge", "tensor-parallel ranks (torchrun processes) serving the model", s["tp_size"]),
+            ("kivi_engine_stalled", "gauge", "1 while the engine has completed no step for --stall-timeout seconds with "
+             "requests open (/health answers 503 engine_stalled), else 0", s["stalled"]),
             ("kivi_generated_tokens_total", "counter", "tokens generated since start", s["generated_tokens"]),
             ("kivi_tokens_per_second", "gauge", "generated tokens per second since start", s["tokens_per_s"]),
             *((("kivi_cache_pages_used", "gauge", "pages of the pool held by sequences or cached prefixes (--paged)",

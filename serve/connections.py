@@ -7,7 +7,10 @@ protocol class and a loop factory):
 - its keep-alive timer starts only after a first response, so a connection that never sends a
   byte stays open for ever: here the same timer also runs from the moment a connection opens;
 - nothing bounds how long a request's headers or body may take: here a request must arrive whole
-  within `read_timeout` seconds of its first byte, else 408 and the connection closes;
+  within `read_timeout` seconds of its first byte, else 408 and the connection closes (once it has
+  arrived, its answer may take as long as it takes);
+- a request h11 cannot parse gets uvicorn's text/plain 400: here OpenAI's error object, as every
+  other error;
 - it accepts connections until the process runs out of descriptors. asyncio's accept loop then
   logs EMFILE once per pending connection of the backlog, every second (97 MB in 6 s). Here at
   most `max_connections` are open, a number kept below RLIMIT_NOFILE less the descriptors the
@@ -124,15 +127,24 @@ class BoundedH11Protocol(H11Protocol):
 
     def read_timed_out(self) -> None:
         """The request's headers or body did not arrive in time. A request read whole (its response
-        may stream for minutes) is left alone."""
+        may take minutes) is left alone: h11 says DONE, or MUST_CLOSE for a client that sent
+        `Connection: close` (urllib), so anything past IDLE (headers) and SEND_BODY (body)."""
         self.read_deadline = None
-        if self.transport.is_closing() or self.conn.their_state is h11.DONE:
+        if self.transport.is_closing() or self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
             return
         if self.cycle is None or not self.cycle.response_started:
             self.transport.write(raw_response(
                 408, "Request Timeout", f"the request did not arrive whole within {self.limits.read_timeout:g} s "
                 "(--read-timeout)", "request_timeout"))
         self.transport.close()  # a request cycle waiting for its body sees a disconnect
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a malformed request line or header, `Content-Length: 1e23`
+        or `-1`): OpenAI's error object, as every other error, not uvicorn's text/plain."""
+        self.transport.write(raw_response(
+            400, "Bad Request", "the request is not valid HTTP/1.1: its request line or a header (Content-Length, "
+            "...) is malformed", "invalid_http_request"))
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         if self.read_deadline is not None:  # the next request on this connection gets its own deadline

@@ -19,11 +19,12 @@ nano-vllm's step does:
    cancelled request frees its row and pages at once (`EngineCore._end`).
 
 Per-row lengths and statistics keep rows independent: a greedy completion equals `kivi generate`
-of the same prompt alone, whatever else shares the batch. Failures are isolated the same way: a
+of the same prompt alone, whatever else shares the batch (with --prefix-caching, prompts of R
+tokens or more equal the chunked prefill's instead: docs/serve.md). Failures are isolated the same way: a
 prompt whose prefill fails, a row whose logits are not finite, or a sampler or tokenizer error ends
 that request alone (an "error" event naming the cause, logged with the request id) and the other
-rows go on; only an error in the batched decode step itself, which no single row owns, ends them
-all. A fault outside the step (a bug in the plan or the bookkeeping) ends every request with a
+rows go on; only an error in what no single row owns (the batched decode step, row moves, the
+block table), named in its message, ends them all. A fault outside the step (a bug in the plan or the bookkeeping) ends every request with a
 503 and the engine refuses new ones (`failure`, /health), rather than leaving them to time out.
 Handlers talk to the engine through `submit` and the request's event queue (thread-safe
 callbacks).
@@ -35,8 +36,9 @@ prefixes before it preempts).
 
 Work is bounded: `max_waiting` caps the queue beyond the free slots (submit refuses with 503), a
 cancelled request (its client went away) leaves its row at the next step, `request_timeout` ends
-requests older than it (504), and `drain` / `abort` end what is left at shutdown with an error
-event each (503), so that every handler answers or closes its stream. Before it is `ready`, one
+requests older than it (504, sent by the watchdog, watchdog.py, on time even while a step runs
+long; it also tells /health when no step completes), and `drain` / `abort` end what is left at
+shutdown with an error event each (503), so that every handler answers or closes its stream. Before it is `ready`, one
 step with no request runs per decode bucket, so that what requests run is compiled first (the
 compiled step with --compile, else the per-op CPU kernels) and no client, and no running stream,
 ever waits on a compile (`EngineCore._warm_up`).
@@ -68,6 +70,7 @@ from .paged_options import PagedServing, engine_buckets, prefix_caching
 from .placement import Placement
 from .request import Failure, Request, RequestError
 from .runner import Runner
+from .watchdog import STALL_TIMEOUT, Watchdog, check_stall_timeout
 
 log = logging.getLogger("kivi.serve")
 
@@ -76,14 +79,17 @@ class Engine:
     def __init__(self, model, tokenizer, *, method: str, kivi_config, slots: int, max_seq_len: int,
                  compile: bool = False, max_waiting: Optional[int] = None, request_timeout: Optional[float] = None,
                  paging: Optional[PagedServing] = None, make_runner: Callable[..., Runner] = Runner,
-                 eos_token_ids: Optional[set[int]] = None):
+                 eos_token_ids: Optional[set[int]] = None, stall_timeout: float = STALL_TIMEOUT):
         """max_waiting: the most requests queued for a slot (None: no bound); beyond it submit()
         refuses with 503. request_timeout: seconds from submit() after which a request, waiting or
         running, ends with a 504 error (None: none). paging: a paged cache (a pool of pages shared
         by `slots` rows, block_manager.py) instead of static rows of max_seq_len tokens.
         make_runner: builds what carries out the engine's decisions on the model and the cache
         (runner.Runner; tensor parallelism: tp.LeaderRunner). eos_token_ids: the tokens that end a
-        completion (None: the tokenizer's; an empty set runs every request to max_tokens)."""
+        completion (None: the tokenizer's; an empty set runs every request to max_tokens).
+        stall_timeout: seconds without progress, requests open, before /health says the engine is
+        stalled (watchdog.py, which also sends request_timeout's 504s)."""
+        check_stall_timeout(stall_timeout)  # before the threads start
         self.tokenizer, self.device = tokenizer, model.device
         self.max_waiting, self.request_timeout = max_waiting, request_timeout
         self.slots, self.max_seq_len = slots, max_seq_len
@@ -98,6 +104,7 @@ class Engine:
                                  eos_token_set(tokenizer, eos_token_ids))
         self.drain_timer: Optional[threading.Timer] = None
         self.core = EngineCore(self.runner, self.placement, self.executor, self.lock, compile=compile)
+        self.watchdog = Watchdog(self.core, self.placement, self.lock, stall_timeout)
         self.ready, self.thread = self.core.ready, self.core.thread
 
     @property
@@ -156,11 +163,17 @@ class Engine:
                             code="tensor_parallel_failure" if self.runner.failure else "engine_failure")
 
     def health_error(self) -> Optional[RequestError]:
-        """Why /health answers 503 (failure_error, or still warming up), else None."""
-        if (refused := self.failure_error()) is not None or self.ready.is_set():
+        """Why /health answers 503 (failure_error, still warming up, or stalled: the watchdog), else None."""
+        if (refused := self.failure_error()) is not None:
             return refused
-        return RequestError(self.core.warmup_error or "starting: the decode step is being compiled for each decode "
-                            "bucket", status=503, code="not_ready")
+        if not self.ready.is_set():
+            return RequestError(self.core.warmup_error or "starting: the decode step is being compiled for each "
+                                "decode bucket", status=503, code="not_ready")
+        if (stall := self.watchdog.stall_s()) is not None:
+            return RequestError(f"the engine has completed no step for {stall:.0f} s with requests open "
+                                f"(--stall-timeout {self.watchdog.stall_timeout:g}): a step may be hung; restart the "
+                                "server if this lasts", status=503, code="engine_stalled")
+        return None
 
     def cancel(self, request: Request) -> None:
         """The client went away: the engine frees its row (or drops it from the queue) next."""
@@ -175,7 +188,8 @@ class Engine:
             running, by_rank = len(self.placement.running()), self.runner.cache_bytes_by_rank()
             return dict(running=running, waiting=len(self.placement.waiting), slots_used=running,
                         slots_free=self.slots - running, cache_bytes=sum(by_rank), cache_bytes_by_rank=by_rank,
-                        tp_size=len(by_rank), **self.executor.counters(), **self.placement.page_stats())
+                        tp_size=len(by_rank), stalled=int(self.watchdog.stall_s() is not None),
+                        **self.executor.counters(), **self.placement.page_stats())
 
     def snapshot(self) -> dict:
         """Where each request sits, the queue's included (Placement.snapshot)."""
@@ -202,14 +216,16 @@ class Engine:
         answer or close their streams cleanly) and refuse new ones (EngineCore.abort)."""
         self.core.abort(message, code)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> bool:
         """Stop the engine thread. New requests are refused, and every request still open ends
         with one 503 error event (an abort() before keeps its message: the server's shutdown
-        aborts first), so no handler or stream waits forever on a closed engine."""
+        aborts first), so no handler or stream waits forever on a closed engine. Waits up to
+        `timeout` seconds for the thread; False if it is still running (a compile, a hung step)."""
         with self.lock:
             if self.drain_timer is not None:
                 self.drain_timer.cancel()
-        self.core.stop()
+        self.watchdog.stop()
+        return self.core.stop(timeout)
 
 # ---------------------------------------------------------------- the engine thread
 
@@ -230,6 +246,8 @@ class EngineCore:
         self.draining = self.stopping = self.stopped = False
         self.pending_abort: Optional[Failure] = None
         self.failure: Optional[str] = None  # why this thread died (a bug): the engine refuses every request
+        # When this thread last completed a round or a prefill; None while idle (no request open): the watchdog's clock.
+        self.progress_s: Optional[float] = None
         self.thread = threading.Thread(target=self._loop, name="kivi-engine", daemon=True)
         self.thread.start()
 
@@ -246,15 +264,18 @@ class EngineCore:
                 self._end_aborted()
             self.lock.notify()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float) -> bool:
         """Stop this thread; every request still open ends with one 503 error event (an abort
-        before keeps its message)."""
+        before keeps its message). False if the thread still runs after `timeout` seconds."""
         with self.lock:  # a reentrant lock: abort() takes it again
             self.stopping = True
             self.abort("the engine was closed", "server_shutting_down")
-        self.thread.join(timeout=30)
-        if self.thread.is_alive():  # a step that does not end (a hung runner): say so, the caller goes on
-            log.warning("the engine thread did not stop within 30 s of close()")
+        self.thread.join(timeout=timeout)
+        if self.thread.is_alive():  # a compile or a step that does not end (a hung runner): say so, the caller goes on
+            log.warning("the engine thread did not stop within %g s of close() (%s)", timeout,
+                        "a step is still running" if self.ready.is_set() else "still warming up")
+            return False
+        return True
 
     def _loop(self) -> None:
         try:
@@ -276,7 +297,8 @@ class EngineCore:
         reference ops, a few ms slower, instead of stalling every running stream for the seconds
         of a compile (issue 43 measured 20.8 s)."""
         try:
-            self.executor.warm_up()
+            if not self.executor.warm_up(lambda: self.stopping):
+                return  # close() came first: _round stops
         except Exception as e:
             what = "the compiled decode step" if self.compile else "the decode step's CPU kernels"
             log.exception("%s failed to build", what)
@@ -291,30 +313,37 @@ class EngineCore:
             return False
         with self.lock:
             while not self.stopping and self.pending_abort is None and self.placement.idle():
+                self.progress_s = None  # idle: nothing is late
                 if not self.lock.wait(self.runner.heartbeat_s):
                     break  # idle for heartbeat_s: the runner's flush() below tells the other ranks
+            if self.progress_s is None:
+                self.progress_s = time.perf_counter()
             self._end_aborted()  # no step is running now: the rows, pages and host copies are ours
             if self.stopping:
                 self.runner.close()
                 return False
-            self._end_cancelled_and_overdue()
+            self._end_cancelled()
             plan = self.placement.plan()
         try:
             with torch.inference_mode():
+                self.executor.doing = "swapping preempted requests out"
                 self._end_all(self.executor.place(plan))
                 for slot in plan.admitted:
                     if (r := self._still_admitted(slot)) is not None:
                         self._end_all(self.executor.prefill(slot, r))
+                        self.progress_s = time.perf_counter()
                 self.executor.drop_evicted()
                 if self.placement.running():
                     self._end_all(self.executor.decode())
+                self.executor.doing = "the end of the round (the runner's flush)"
                 self.runner.flush()
         except Exception as e:  # the batched step failed: no single row owns it, so every row ends
             if self.runner.failure is None:  # else every request ends with a 503 (_stop_serving)
-                running = [r for _, r in self.placement.running()]
-                log.exception("the decode step failed; ending the %d running request(s)", len(running))
-                failure = Failure(500, f"the decode step failed: {type(e).__name__}: {e}")
+                running, doing = [r for _, r in self.placement.running()], self.executor.doing
+                log.exception("%s failed; ending the %d running request(s)", doing, len(running))
+                failure = Failure(500, f"{doing} failed: {type(e).__name__}: {e}")
                 self._end_all([(r, failure) for r in running])
+        self.progress_s = time.perf_counter()
         return True
 
     def _still_admitted(self, slot: int) -> Optional[Request]:
@@ -350,16 +379,12 @@ class EngineCore:
         for r in ended:
             self._end(r)
 
-    def _end_cancelled_and_overdue(self) -> None:
-        """Under the lock: cancelled requests leave; those past their deadline (the engine's
-        request_timeout when submitted), waiting, swapped out or running, end with a 504."""
-        now = time.perf_counter()
+    def _end_cancelled(self) -> None:
+        """Under the lock: cancelled requests leave (their client went away, or the watchdog sent
+        their 504: the deadline is kept off this thread, which may be inside a long step)."""
         for r in self.placement.requests():
             if r.cancelled:
                 self._end(r)
-            elif r.deadline_s is not None and now > r.deadline_s:
-                self._end(r, Failure(504, f"the request ran longer than {r.deadline_s - r.submitted_s:g} s "
-                                          "(--request-timeout)", "timeout"))
 
     def _end_all(self, ended: Ended) -> None:
         with self.lock:

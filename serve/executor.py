@@ -35,6 +35,7 @@ class Executor:
         self.tokenizer, self.eos = tokenizer, eos
         self.generated_tokens = self.prefix_hits = self.prefix_hit_tokens = 0
         self.decode_rows = 0  # the rows the last decode step ran over (its bucket)
+        self.doing = "the round"  # what this round is doing now: a failure no request owns is reported by it
         self.started_s = time.perf_counter()
 
     def counters(self) -> dict:
@@ -47,14 +48,18 @@ class Executor:
                             prefix_hit_tokens=self.prefix_hit_tokens)
         return counters
 
-    def warm_up(self) -> None:
+    def warm_up(self, stopping) -> bool:
         """One decode step per bucket with no request (every count 0: nothing is stored), which
         builds what serving runs (the compiled step, or the per-op CPU kernels of those shapes);
-        then this thread compiles nothing more (Runner.stop_compiling)."""
+        then this thread compiles nothing more (Runner.stop_compiling). False if `stopping()`
+        said so between two buckets (the server is shutting down)."""
         with torch.inference_mode():
             for rows in self.placement.buckets:
+                if stopping():
+                    return False
                 self.runner.decode([-1] * rows)
         self.runner.stop_compiling()  # every rank's, under tensor parallelism
+        return True
 
     def place(self, plan: StepPlan) -> Ended:
         """A plan's swaps: the preempted requests' pages are saved before anything writes them; the
@@ -66,9 +71,26 @@ class Executor:
                 ended.append((r, failure))
         for slot in plan.resumed:
             r = self.placement.rows[slot]
-            self.runner.load(slot, self.placement.saved_pages(r), r.key)
-            r.saved = None
+            if (failure := self._swap_in(slot, r)) is not None:
+                ended.append((r, failure))
         return ended
+
+    def _swap_in(self, slot: int, r: Request) -> Optional[Failure]:
+        """Copy a swapped-out request back into row `slot` and its new pages. If that fails, that
+        request alone ends (the copy writes only its row and pages)."""
+        self.doing = f"swapping request {r.id} back in"
+        try:
+            self.runner.load(slot, self.placement.saved_pages(r), r.key)
+        except Exception as e:
+            if self.runner.failure is not None:
+                raise  # not this request's fault: every request ends
+            log.exception("request %s: swapping it back in failed", r.id)
+            self.runner.drop(r.key)
+            return Failure(500, f"the request was preempted and swapping it back in from host memory failed: "
+                                f"{type(e).__name__}: {e}")
+        finally:
+            r.saved = None
+        return None
 
     def _swap_out(self, slot: int, r: Request, pages: list[int]) -> Optional[Failure]:
         """Save a preempted request's pages and row state to host memory. If that fails (host
@@ -124,6 +146,7 @@ class Executor:
     def drop_evicted(self) -> None:
         """Forget the tails of the prefixes evicted this round (after its prefills: a request
         admitted this round may have started from one)."""
+        self.doing = "dropping the host copies of evicted prefixes"
         for key in self.placement.take_evicted():
             self.runner.drop(key)
 
@@ -131,14 +154,17 @@ class Executor:
         """One step over the smallest bucket that holds the requests, moved into the lowest rows."""
         with self.lock:
             moves = self.placement.compaction()
+        self.doing = "moving requests into the lowest rows"
         for src, dst in moves:
             self.runner.move(src, dst)
         with self.lock:
             table = self.placement.table_update()
             active, rows = self.placement.decode_batch()
             tokens = [r.tokens[-1] if r is not None else -1 for r in self.placement.rows[:rows]]
+        self.doing = "writing the block table"
         if table is not None:
             self.runner.write_table(table)
+        self.doing = "the decode step"
         logits = self.runner.decode(tokens)
         self.decode_rows = rows
         return self._advance(logits[active], active, "a decode step")
