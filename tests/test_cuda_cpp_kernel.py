@@ -438,6 +438,8 @@ def test_default_splits_fill_the_gpu_from_static_shapes():
     assert default_num_splits(rows=1 * 8, max_tokens=32768, sms=132) == 33
     assert default_num_splits(rows=1, max_tokens=300, sms=132) == 2  # never under 128 tokens a split
     assert default_num_splits(rows=1, max_tokens=10**6, sms=132) == 64
+    # a build for 4 blocks per SM (KIVI_DECODE_BLOCKS_PER_SM=4): batch 8 x 32 kv heads at 32K takes 3
+    assert default_num_splits(rows=8 * 32, max_tokens=32768, sms=132, blocks_per_sm=4) == 3
 
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal where there is no CUDA")
@@ -545,6 +547,9 @@ def test_prebuilt_library_builds_and_loads_without_a_gpu(tmp_path):
     lib = Library(path)
     params = DecodeParams(batch=1, kv_heads=1, qg=1, head_dim=64, num_splits=1)
     assert lib.lib.kivi_decode_attend_launch(ctypes.byref(params), None) != 0
+    assert lib.variant() == (1, 0, 2)  # unset macros: the measured kernel
+    defines = ("KIVI_DECODE_STAGES=4", "KIVI_DECODE_RESIDUAL_IN_LOOP=1", "KIVI_DECODE_BLOCKS_PER_SM=4")
+    assert Library(build(tmp_path / "variant.so", defines=defines)).variant() == (4, 1, 4)
 
 
 # ------------------------------------------------- the compile-time variants (decode_attend.cu)
