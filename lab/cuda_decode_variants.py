@@ -8,7 +8,7 @@ the loop, the mixed chunk loop (warp instructions and busiest-pipe cycles per 32
 launch is the model's (decode_time_model: round trips, instructions, occupancy, the schedule) with
 the variant's own counts; what the model still assumes is in ASSUMES.
 
-    .venv/bin/python -m lab cuda_decode_variants [--json out.json] [--md out.md] [--library-dir .gpu]
+    .venv/bin/python -m lab cuda_decode_variants [--json out.json] [--md out.md] [--libraries .gpu/variants.tar.xz]
 """
 
 from __future__ import annotations
@@ -48,7 +48,13 @@ VARIANTS = {
     "residual-stages4": ("KIVI_DECODE_STAGES=4", "KIVI_DECODE_RESIDUAL_IN_LOOP=1"),
     "residual-stages4-blocks4": ("KIVI_DECODE_STAGES=4", "KIVI_DECODE_RESIDUAL_IN_LOOP=1",
                                  "KIVI_DECODE_BLOCKS_PER_SM=4"),
+    "fold16": ("KIVI_DECODE_FOLD16=1",),
+    "fold16-residual-stages4-blocks4": ("KIVI_DECODE_FOLD16=1", "KIVI_DECODE_STAGES=4", "KIVI_DECODE_RESIDUAL_IN_LOOP=1",
+                                        "KIVI_DECODE_BLOCKS_PER_SM=4"),
 }
+# the libraries the GPU suite times (--libraries): 6 x ~30 s of its 10 minutes; the rest are priced only
+GPU_VARIANTS = ("default", "stages4", "residual", "residual-stages4-blocks4", "fold16",
+                "fold16-residual-stages4-blocks4")
 # (batch, query heads, kv heads, tokens): the suite's sweep (batch 8) and batch 1
 SHAPES = [(8, 32, 32, 1024), (8, 32, 32, 32768), (8, 32, 8, 1024), (8, 32, 8, 32768), (1, 32, 32, 1024),
           (1, 32, 32, 32768)]
@@ -75,7 +81,7 @@ def stages_built(stages: int, D: int = 128, KB: int = 2, VB: int = 2, limit: int
 def macros(defines: tuple[str, ...]) -> dict:
     d = dict(d.split("=") for d in defines)
     return dict(stages=int(d.get("KIVI_DECODE_STAGES", 1)), residual_in_loop=d.get("KIVI_DECODE_RESIDUAL_IN_LOOP") == "1",
-                blocks_per_sm=int(d.get("KIVI_DECODE_BLOCKS_PER_SM", 2)))
+                blocks_per_sm=int(d.get("KIVI_DECODE_BLOCKS_PER_SM", 2)), fold16=d.get("KIVI_DECODE_FOLD16") == "1")
 
 
 def compile_sass(defines: tuple[str, ...], arch: str = "sm_90a") -> tuple[str, str]:
@@ -96,9 +102,9 @@ def count(report: str, sass: str, defines: tuple[str, ...]) -> dict:
     """The sweep kernel's resources and loops in one variant's compile."""
     name, res = next((n, r) for n, r in ptxas_resources(report).items() if KERNEL in n)
     loops = sass_loops(functions(sass)[name])
-    mmas = [loop for loop in loops if any(op.startswith("HMMA") for op in loop)]
-    per_chunk = min(sum(op.startswith("HMMA") for op in loop) for loop in mmas)  # 32: one chunk's MMAs
-    chunk_loops = sorted((loop for loop in mmas if sum(op.startswith("HMMA") for op in loop) == per_chunk), key=len)
+    # the shortest loop with MMAs is the quantized chunk's; the next, with the residual in the loop, the
+    # mixed chunk's (the longer ones are the loops around both)
+    chunk_loops = sorted((loop for loop in loops if any(op.startswith("HMMA") for op in loop)), key=len)
     m = macros(defines)
     stages = stages_built(m["stages"])
     row = dict(defines=list(defines), **m, stages_built=stages, registers=res["registers"],
@@ -237,18 +243,25 @@ def main(argv=None) -> None:
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--json", default=None, help=f"write the rows here (committed: {OUT_JSON.relative_to(ROOT)})")
     parser.add_argument("--md", default=None, help="write the table here")
-    parser.add_argument("--library-dir", default=None,
-                        help="also build each variant's prebuilt library here (libkivi_cuda_decode_<variant>.so), for "
-                             "the GPU suite's variants stage")
+    parser.add_argument("--libraries", default=None,
+                        help="also build each variant's prebuilt library (variants/libkivi_cuda_decode_<variant>.so) "
+                             "into this .tar.xz, for the GPU suite's variants stage (xz: ~0.2-0.8 MB a library instead "
+                             "of 2-5 MB, so they travel within the call's 64 MiB; ~2-3 minutes a library on 2 cores)")
     args = parser.parse_args(argv)
     result = measure(args.arch)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     if args.md:
         Path(args.md).write_text(markdown(result))
-    if args.library_dir:
+    if args.libraries:
+        import tarfile
+
         from kivi_ops.cuda.prebuilt import build
 
-        Path(args.library_dir).mkdir(parents=True, exist_ok=True)
-        for name, defines in VARIANTS.items():
-            print(f"built {build(Path(args.library_dir) / f'libkivi_cuda_decode_{name}.so', args.arch, defines)}")
+        with tempfile.TemporaryDirectory() as tmp, tarfile.open(args.libraries, "w:xz") as tar:
+            for name in GPU_VARIANTS:
+                defines = VARIANTS[name]
+                lib = build(Path(tmp) / f"libkivi_cuda_decode_{name}.so", args.arch, defines)
+                tar.add(lib, arcname=f"variants/{lib.name}")
+                print(f"built {lib.name}", flush=True)
+        print(f"wrote {args.libraries}")

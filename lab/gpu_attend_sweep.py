@@ -75,17 +75,17 @@ def main(argv=None):
     parser.add_argument("configs", nargs="?", default="default")
     parser.add_argument("heads", nargs="?", default="32/32")
     parser.add_argument("--head-dim", type=int, default=128, help="head_dim (256: Gemma's)")
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", default="8", help="batch sizes, comma-separated (default 8)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON at the end")
     args = parser.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
     configs = [None] if args.configs == "default" else [parse_config(c) for c in args.configs.split(",")]
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
-    B, D, bits = args.batch, args.head_dim, 2
+    D, bits = args.head_dim, 2
     bw = copy_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
     rows = []
-    for (Hq, H), n in ((h, n) for h in heads for n in contexts):
+    for B, (Hq, H), n in ((b, h, n) for b in map(int, args.batch.split(",")) for h in heads for n in contexts):
         k = torch.randn(B, H, n, D, device="cuda", dtype=torch.float16)
         v = torch.randn_like(k)
         q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.float16)

@@ -10,16 +10,17 @@
 #   python -m lab gpu_wheels --check          # exactly the wheels the GPU image lacks, into .whl/
 #   python -m lab gguf_truncate --blocks 0-1,28-29   # the real-weight test model, .gpu/model.gguf (38.8 MiB)
 #   python -m lab cuda_decode_model --library .gpu/libkivi_cuda_decode.so   # the default kernel (no nvcc there)
-#   python -m lab cuda_decode_variants --library-dir .gpu/variants   # one library per compile-time variant
+#   python -m lab cuda_decode_variants --libraries .gpu/variants.tar.xz   # one library per variant (~25 min)
 # and on the device: KIVI_GIT_SHA=$(git rev-parse HEAD) bash lab/gpu_suite.sh   (the device's copy of
 # .git can be stale, so the measured sha travels in KIVI_GIT_SHA).
 #
 # Each stage's limit, and what the runs so far say it needs (H200, -n 16 workers for tests):
 #   setup   ~15 s  wheels into /tmp/site, the project in editable mode, versions, an import check
-#   variants 150 s each CUDA C++ variant library in .gpu/variants (lab/cuda_decode_variants.py, predicted in
+#   variants 180 s each CUDA C++ variant library in .gpu/variants.tar.xz (lab/cuda_decode_variants.py, predicted in
 #                  benchmarks/results/cuda_decode_variants_sm90.json): its GPU correctness tests (static and
 #                  paged against the reference, ~8 s), then its sweep at batch 8 and 1, 1K and 32K, MHA and
-#                  GQA 4:1 (~6 s); ~16 s a variant, 8 variants. Never run yet.
+#                  GQA 4:1 (~15 s with its start); 6 variants (cuda_decode_variants.GPU_VARIANTS), each cut
+#                  at 30 s. Never run yet.
 #   tests   230 s  every CUDA test file. 2026-11-27: 8 of these files in 128 s wall (897 s of test
 #                  time, 3 files failing early); 2026-11-26: 6 files in 184 s. All 11: about 250 s
 #                  expected, so the last ones may be cut: -v logs each outcome as it lands, and
@@ -100,10 +101,7 @@ rows() { grep '^\[{' "$RESULTS/$1.log" >"$RESULTS/$2" || true; save; }
 variant() {
   KIVI_CUDA_DECODE_LIB=$1 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 -x --tb=line \
     tests/test_cuda_cpp_kernel.py -k "cuda_kernel_matches_the_reference or cuda_paged_kernel_matches" || return 1
-  for batch in 8 1; do
-    KIVI_CUDA_DECODE_LIB=$1 python3 -m lab gpu_attend_sweep 1024,32768 cuda/0:0:0:0 32/32,32/8 --batch $batch --json \
-      || return 1
-  done
+  KIVI_CUDA_DECODE_LIB=$1 python3 -m lab gpu_attend_sweep 1024,32768 cuda/0:0:0:0 32/32,32/8 --batch 8,1 --json
 }
 export -f variant
 for stage in $stages; do
@@ -123,10 +121,11 @@ for stage in $stages; do
              32/32,32/8 --json
            rows sweep gpu_attend_sweep.json ;;
     # every compiled variant of the CUDA C++ kernel, side by side (a failing variant stops only itself)
-    variants) for lib in .gpu/variants/libkivi_cuda_decode_*.so; do
-                [ -f "$lib" ] || { echo "=== variants: no libraries in .gpu/variants"; break; }
+    variants) [ -f .gpu/variants.tar.xz ] && tar xJf .gpu/variants.tar.xz -C /tmp
+              for lib in /tmp/variants/libkivi_cuda_decode_*.so; do
+                [ -f "$lib" ] || { echo "=== variants: no libraries (.gpu/variants.tar.xz)"; break; }
                 name=$(basename "$lib" .so); name=${name#libkivi_cuda_decode_}
-                TAIL=6 run "variant_$name" 30 bash -c 'variant "$0"' "$PWD/$lib"
+                TAIL=6 run "variant_$name" 30 bash -c 'variant "$0"' "$lib"
                 rows "variant_$name" "gpu_attend_sweep_variant_$name.json"
               done ;;
     # what this machine's Triton built for the sweep: cubins, recounted loops, the model recalibrated

@@ -171,9 +171,11 @@ class Rows:
 
 
 class Variant(NamedTuple):
-    """decode_attend.cu's compile-time variant: KIVI_DECODE_STAGES and KIVI_DECODE_RESIDUAL_IN_LOOP."""
+    """decode_attend.cu's compile-time variant: KIVI_DECODE_STAGES, KIVI_DECODE_RESIDUAL_IN_LOOP and
+    KIVI_DECODE_FOLD16."""
     stages: int = 1
     residual_in_loop: bool = False
+    fold16: bool = False
 
 
 RING_LIMIT = 64 * 1024  # kRingLimit
@@ -290,7 +292,7 @@ def value_words(row, g, VBPT):
     return [word(row, g * VBPT + 4 * i, min(VBPT, 4)) for i in range(max(VBPT // 4, 1))]
 
 
-def quantized_chunk(q_s, src, ngv, D, G, KB, VB, st, num):
+def quantized_chunk(q_s, src, ngv, D, G, KB, VB, st, num, fold16=False):
     """quantized_chunk: one fully quantized chunk from `src` (global_source or stage_source)."""
     KROW, VROW, KS, MT = D * KB // 8, D * VB // 8, D // 16, D // 16
     KWPT, VBPT, Gv = KROW // 16, VROW // 8, min(G, D)
@@ -307,6 +309,23 @@ def quantized_chunk(q_s, src, ngv, D, G, KB, VB, st, num):
     zdot = [zdot[lane] + zdot[lane ^ 1] for lane in range(32)]
     zdot = [zdot[lane] + zdot[lane ^ 2] for lane in range(32)]
     bias = [(zdot[8 * (lane % 4)], zdot[8 * (lane % 4) + 4]) for lane in range(32)]
+    if fold16:  # q16 * s by one fma2 (+ -0), q16 . z by one MMA per k-step with z as every row of A
+        zsc = [[0.0] * 4 for _ in range(32)]
+        for s in range(KS):
+            qf, zf = [], []
+            for lane in range(32):
+                g, tig = lane // 4, lane % 4
+                ch = k_channel(D, KB, s, tig, 0)
+                qv = q_s[g, ch:ch + 4]
+                q01, q23 = pack(qv[0], qv[1], num), pack(qv[2], qv[3], num)
+                sb, zb = src["ks"][ch:ch + 4], src["kz"][ch:ch + 4]
+                sx, sy = int(sb[0]) | int(sb[1]) << 16, int(sb[2]) | int(sb[3]) << 16
+                zx, zy = int(zb[0]) | int(zb[1]) << 16, int(zb[2]) | int(zb[3]) << 16
+                qk[lane][s] = (hfma2(q01, sx, 0x80008000, num), hfma2(q23, sy, 0x80008000, num))
+                qf.append((q01, q23))
+                zf.append((zx, zx, zy, zy))
+            mma(zsc, zf, qf, num)
+        bias = [(zsc[lane][0], zsc[lane][1]) for lane in range(32)]
     sc = [[[0.0] * 4 for _ in range(32)] for _ in range(2)]
     for mt in range(2):
         words = []
@@ -447,7 +466,7 @@ def warp_chunks(q_s, flat, rows, kres, vres, chunks, c_quant, rc, D, G, KB, VB, 
             ring[slot] = issue_stage(src, D, KB, VB, ngv)
         else:
             quantized_chunk(q_s, src if slot is None else stage_source(ring[slot], D, KB, VB, ngv), ngv, D, G, KB, VB,
-                            st, num)
+                            st, num, variant.fold16)
     if variant.residual_in_loop:
         for c in chunks:
             if c >= c_quant:

@@ -99,10 +99,11 @@ def to_paged(layer, params, page_size, seed=0, extra_pages=3):
     return layer._replace(**pools), Paging(table, page_size)
 
 
-def bound(query, layer, params, scale, ref, residual_in_loop=False):
+def bound(query, layer, params, scale, ref, residual_in_loop=False, fold16=False):
     """The tolerance of the module doc, from the data (per output element). residual_in_loop: the
     partly quantized chunks' keys are rounded to 16 bits and meet the 16-bit query (no fold), a score
-    off by at most 2 u sum_c |q_c k_c| (plus u^2): taken with |k_c| <= the largest key."""
+    off by at most 2 u sum_c |q_c k_c| (plus u^2): taken with |k_c| <= the largest key. fold16: q' is
+    rounded twice (q, then q * k_scale: 2 u) and the zero dot takes the rounded q (u sum_c |q_c z_c|)."""
     k_scale, v_res = layer.k_scale.float(), layer.v_res.float()
     U = UNIT_ROUNDOFF[layer.k_res.dtype]
     B, Hq, _, D = query.shape
@@ -110,6 +111,9 @@ def bound(query, layer, params, scale, ref, residual_in_loop=False):
     q = query.float().reshape(B, H, Hq // H, D) * scale * 1.4426950408889634
     kmax, vmax_code = 2**params.k_bits - 1, 2**params.v_bits - 1  # the largest codes
     du = kmax * U * (q.abs()[:, :, :, None, :] * k_scale.abs()[:, :, None]).sum(-1).amax()  # over groups, heads
+    if fold16:
+        zdot = (q.abs()[:, :, :, None, :] * layer.k_zero.float().abs()[:, :, None]).sum(-1).amax()
+        du = 2.01 * du + U * zdot
     if residual_in_loop:
         largest_key = max(layer.k_res.float().abs().max(), (kmax * k_scale.abs() + layer.k_zero.float().abs()).max())
         du = max(du, 2.01 * U * q.abs().sum(-1).amax() * largest_key)
@@ -131,18 +135,19 @@ def loaded_variant() -> Variant:
         return Variant()
     from kivi_ops.cuda.loader import load
 
-    stages, residual, _ = load().variant()
-    return Variant(stages, bool(residual))
+    stages, residual, _, fold16 = load().variant()
+    return Variant(stages, bool(residual), bool(fold16))
 
 
-def matched_reference(query, layer, counts, params, scale, residual_in_loop=False):
+def matched_reference(query, layer, counts, params, scale, residual_in_loop=False, fold16=False):
     """The attention computed in float64 with the kernel's own fp16 roundings (q * k_scale and the
     dequantized values of the quantized chunks), but exact p and sums: what is left between it and
     the kernel is p's fp16 rounding and fp32 accumulation, so `matched_bound` is tight and a
     misplaced channel or token shows (the reference bound alone is loose by design).
     residual_in_loop (KIVI_DECODE_RESIDUAL_IN_LOOP): the tokens past the fully quantized chunks are
     scored as 16-bit query . 16-bit key (a quantized key dequantized with one rounding) and their
-    quantized values rounded as the chunks' are.
+    quantized values rounded as the chunks' are. fold16 (KIVI_DECODE_FOLD16): q' = 16-bit(16-bit(q) *
+    k_scale), the zero dot over 16-bit q.
     Returns (out [B, Hq, 1, D] float64, per-element tolerance)."""
     kc, ks, kz, kr, vc, vs, vz, vr, lengths = ((t.double() if t.is_floating_point() else t).numpy()
                                                for t in layer.kivi)
@@ -172,9 +177,10 @@ def matched_reference(query, layer, counts, params, scale, residual_in_loop=Fals
             k_code = unpack_codes(kc[b, h, :L], params.k_bits, D)
             v_code = unpack_codes(vc[b, h, :L], params.v_bits, D)
             s, z = ks[b, h, t // G].astype(np.float64), kz[b, h, t // G].astype(np.float64)
-            q_prime = f16((q[:, None, :] * s[None]).astype(np.float32).astype(np.float64))  # [qg, L, D]
-            terms = np.abs(q_prime * k_code).sum(-1) + np.abs(q[:, None, :] * z[None]).sum(-1)
-            score_fast = (q_prime * k_code).sum(-1) + (q[:, None, :] * z[None]).sum(-1)
+            qz = f16(q) if fold16 else q  # the query the zero dot and q' start from
+            q_prime = f16((qz[:, None, :] * s[None]).astype(np.float32).astype(np.float64))  # [qg, L, D]
+            terms = np.abs(q_prime * k_code).sum(-1) + np.abs(qz[:, None, :] * z[None]).sum(-1)
+            score_fast = (q_prime * k_code).sum(-1) + (qz[:, None, :] * z[None]).sum(-1)
             keys = np.where((t < nqk)[:, None], k_code * s + z, kr[b, h, t % W].astype(np.float64))
             vsc, vze = vs[b, h, t][:, ch // Gv].astype(np.float64), vz[b, h, t][:, ch // Gv].astype(np.float64)
             exact = np.where((t < nqv)[:, None], v_code * vsc + vze, vr[b, h, t % W].astype(np.float64))
@@ -195,16 +201,16 @@ def matched_reference(query, layer, counts, params, scale, residual_in_loop=Fals
     return torch.from_numpy(out), torch.from_numpy(tol)
 
 
-def check(out, query, layer, counts, params, scale, where="", residual_in_loop=None):
+def check(out, query, layer, counts, params, scale, where="", variant=None):
     """out within the reference's bound and within the rounding-matched reference's tight one, for
-    the kernel built with or without the residual in the loop (None: as the loaded library is)."""
-    if residual_in_loop is None:
-        residual_in_loop = loaded_variant().residual_in_loop
+    the kernel built as `variant` (None: as the loaded library is)."""
+    variant = loaded_variant() if variant is None else variant
+    residual_in_loop, fold16 = variant.residual_in_loop, variant.fold16
     ref = attend_reference(query, layer, counts, params, scale)
     err = (out.float() - ref.float()).abs()
-    assert (err <= bound(query, layer, params, scale, ref, residual_in_loop)).all(), (
+    assert (err <= bound(query, layer, params, scale, ref, residual_in_loop, fold16)).all(), (
         f"{where}: max error vs reference {err.max()}")
-    matched, tol = matched_reference(query, layer, counts, params, scale, residual_in_loop)
+    matched, tol = matched_reference(query, layer, counts, params, scale, residual_in_loop, fold16)
     err = (out.double() - matched).abs()
     assert (err <= tol).all(), f"{where}: max error vs the rounding-matched reference {err.max()} (tol {tol.min()})"
 
@@ -547,15 +553,17 @@ def test_prebuilt_library_builds_and_loads_without_a_gpu(tmp_path):
     lib = Library(path)
     params = DecodeParams(batch=1, kv_heads=1, qg=1, head_dim=64, num_splits=1)
     assert lib.lib.kivi_decode_attend_launch(ctypes.byref(params), None) != 0
-    assert lib.variant() == (1, 0, 2)  # unset macros: the measured kernel
-    defines = ("KIVI_DECODE_STAGES=4", "KIVI_DECODE_RESIDUAL_IN_LOOP=1", "KIVI_DECODE_BLOCKS_PER_SM=4")
-    assert Library(build(tmp_path / "variant.so", defines=defines)).variant() == (4, 1, 4)
+    assert lib.variant() == (1, 0, 2, 0)  # unset macros: the measured kernel
+    defines = ("KIVI_DECODE_STAGES=4", "KIVI_DECODE_RESIDUAL_IN_LOOP=1", "KIVI_DECODE_BLOCKS_PER_SM=4",
+               "KIVI_DECODE_FOLD16=1")
+    assert Library(build(tmp_path / "variant.so", defines=defines)).variant() == (4, 1, 4, 1)
 
 
 # ------------------------------------------------- the compile-time variants (decode_attend.cu)
 
 VARIANTS = {"stages2": Variant(2), "stages4": Variant(4), "residual": Variant(1, True),
-            "residual-stages4": Variant(4, True)}
+            "residual-stages4": Variant(4, True), "fold16": Variant(1, False, True),
+            "fold16-residual-stages4": Variant(4, True, True)}
 # B2 H1 Hq4 D64 S384 R64: rows of 300 (9 full chunks, 44 more tokens: G, R and chunk boundaries
 # inside the rest) and 77 (2 quantized chunks); 3 splits cut the chunks unevenly
 VARIANT_CASE = (2, 1, 4, 64, 384, 64, [300, 77])
@@ -575,13 +583,13 @@ def test_emulated_variant_matches_the_reference(name):
     variant = VARIANTS[name]
     layer, params, query, scale = _variant_case()
     out = emulate_decode(query, layer, None, params, scale, 3, variant=variant)
-    check(out, query, layer, None, params, scale, name, residual_in_loop=variant.residual_in_loop)
+    check(out, query, layer, None, params, scale, name, variant=variant)
 
 
 def test_emulated_stage_ring_is_bit_equal_to_direct_loads():
     """The ring changes where a chunk's bytes are read, not the arithmetic: 2 and 4 stages give the
     direct loads' bits, with and without the residual in the loop (2 stages: the slow matrix)."""
-    layer, params, query, scale = _variant_case((1, 1, 4, 64, 384, 64, [300]))
+    layer, params, query, scale = _variant_case((1, 1, 4, 64, 256, 64, [230]))
     for residual in (False, True):
         direct = emulate_decode(query, layer, None, params, scale, 2, variant=Variant(1, residual))
         for stages in (4,):
@@ -597,6 +605,16 @@ def test_emulated_residual_in_loop_runs_its_own_path():
     assert not torch.equal(mixed, emulate_decode(query, layer, None, params, scale, 3))
     matched, tol = matched_reference(query, layer, None, params, scale, residual_in_loop=True)
     assert ((mixed.double() - matched).abs() <= tol).all()
+
+
+def test_emulated_fold16_runs_its_own_path():
+    """The 16-bit fold rounds q before q * k_scale and takes the zero dot from the MMA: other bits than
+    the fp32 fold's, within its own rounding-matched reference."""
+    layer, params, query, scale = _variant_case()
+    folded = emulate_decode(query, layer, None, params, scale, 2, variant=Variant(1, False, True))
+    assert not torch.equal(folded, emulate_decode(query, layer, None, params, scale, 2))
+    matched, tol = matched_reference(query, layer, None, params, scale, fold16=True)
+    assert ((folded.double() - matched).abs() <= tol).all()
 
 
 def test_emulator_detects_a_wrong_stage_slot(monkeypatch):
@@ -615,7 +633,7 @@ def test_emulator_detects_a_wrong_stage_slot(monkeypatch):
     layer, params, query, scale = _variant_case()
     out = emu.emulate_decode(query, layer, None, params, scale, 1, variant=Variant(2))
     with pytest.raises(AssertionError, match="max error"):
-        check(out, query, layer, None, params, scale, residual_in_loop=False)
+        check(out, query, layer, None, params, scale, variant=Variant(2))
 
 
 def test_emulator_detects_residual_tokens_read_as_codes(monkeypatch):
@@ -626,7 +644,7 @@ def test_emulator_detects_residual_tokens_read_as_codes(monkeypatch):
     layer, params, query, scale = _variant_case()
     out = emu.emulate_decode(query, layer, None, params, scale, 2, variant=Variant(1, True))
     with pytest.raises(AssertionError, match="max error"):
-        check(out, query, layer, None, params, scale, residual_in_loop=True)
+        check(out, query, layer, None, params, scale, variant=Variant(1, True))
 
 
 def test_stage_ring_fits_and_halves_where_it_would_not():
@@ -666,7 +684,7 @@ def test_emulated_variant_matrix(name, bits, dtype, case, page_size):
         paged, pages = to_paged(layer, params, page_size)
         out = emulate_decode(query, paged, None, params, scale, 3, pages, variant=variant)
         assert torch.equal(out, emulate_decode(query, layer, None, params, scale, 3, variant=variant))
-    check(out, query, layer, None, params, scale, name, residual_in_loop=variant.residual_in_loop)
+    check(out, query, layer, None, params, scale, name, variant=variant)
 
 
 # ---------------------------------------------------------------- on a GPU

@@ -63,6 +63,10 @@ constexpr int kPStride = 36; // p transpose buffer row stride (floats): conflict
 //   KIVI_DECODE_RESIDUAL_IN_LOOP = 1: the chunk loop walks the rest of the row too (the residual
 //     window and the partly quantized chunks as 16-bit MMA chunks, spread over the splits); no tail block.
 //   KIVI_DECODE_BLOCKS_PER_SM: the split count attend.py sizes the grid for (kivi_decode_variant).
+//   KIVI_DECODE_FOLD16 = 1: the key fold in 16 bits: q' = q16 * k_scale by one fma2 per channel pair
+//     (q rounded to 16 bits first: two roundings), and the zero dot q16 . z by one MMA per k-step
+//     with the zeros as every token row of A (the bias lands in each lane's own accumulator: no
+//     conversions, no shuffles).
 #ifndef KIVI_DECODE_STAGES
 #define KIVI_DECODE_STAGES 1
 #endif
@@ -72,10 +76,14 @@ constexpr int kPStride = 36; // p transpose buffer row stride (floats): conflict
 #ifndef KIVI_DECODE_BLOCKS_PER_SM
 #define KIVI_DECODE_BLOCKS_PER_SM 2
 #endif
+#ifndef KIVI_DECODE_FOLD16
+#define KIVI_DECODE_FOLD16 0
+#endif
 static_assert(KIVI_DECODE_STAGES == 1 || KIVI_DECODE_STAGES == 2 || KIVI_DECODE_STAGES == 4,
               "KIVI_DECODE_STAGES must be 1, 2 or 4");
 constexpr int kStages = KIVI_DECODE_STAGES;
 constexpr bool kResidualInLoop = KIVI_DECODE_RESIDUAL_IN_LOOP != 0;
+constexpr bool kFold16 = KIVI_DECODE_FOLD16 != 0;
 constexpr int kTailSplits = kResidualInLoop ? 0 : 1;  // grid columns after the quantized splits
 constexpr int kRingLimit = 64 * 1024;                 // the most shared memory a block's ring takes
 
@@ -500,24 +508,41 @@ __device__ __forceinline__ void quantized_chunk(const float (*q_s)[D], float (*p
   const int lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
   // q' = q * k_scale of head g over this lane's channels, and the zero dot q . z (partial).
   uint32_t qk[KS][2];
-  float zdot = 0.f;
+  float bias0, bias1;
+  if constexpr (kFold16) {
+    float zsc[4] = {0.f, 0.f, 0.f, 0.f};  // rows g, g + 8 (equal) x heads 2 tig, 2 tig + 1
 #pragma unroll
-  for (int s = 0; s < KS; ++s) {
-    const int ch = k_channel<D, KB>(s, tig, 0);
-    const float4 qv = *reinterpret_cast<const float4*>(&q_s[g][ch]);
-    const uint2 sv = *reinterpret_cast<const uint2*>(src.k_scale + ch);  // 4 channels' scales and zeros
-    const uint2 zv = *reinterpret_cast<const uint2*>(src.k_zero + ch);
-    const T* s4 = reinterpret_cast<const T*>(&sv);
-    const T* z4 = reinterpret_cast<const T*>(&zv);
-    qk[s][0] = N::pack(qv.x * N::to_float(s4[0]), qv.y * N::to_float(s4[1]));
-    qk[s][1] = N::pack(qv.z * N::to_float(s4[2]), qv.w * N::to_float(s4[3]));
-    zdot += qv.x * N::to_float(z4[0]) + qv.y * N::to_float(z4[1]) + qv.z * N::to_float(z4[2]) +
-            qv.w * N::to_float(z4[3]);
+    for (int s = 0; s < KS; ++s) {
+      const int ch = k_channel<D, KB>(s, tig, 0);
+      const float4 qv = *reinterpret_cast<const float4*>(&q_s[g][ch]);
+      const uint2 sv = *reinterpret_cast<const uint2*>(src.k_scale + ch), zv = *reinterpret_cast<const uint2*>(src.k_zero + ch);
+      const uint32_t q01 = N::pack(qv.x, qv.y), q23 = N::pack(qv.z, qv.w);
+      qk[s][0] = N::fma2(q01, sv.x, 0x80008000u);  // + (-0): the product, rounded once
+      qk[s][1] = N::fma2(q23, sv.y, 0x80008000u);
+      N::mma(zsc, zv.x, zv.x, zv.y, zv.y, q01, q23);
+    }
+    bias0 = zsc[0];
+    bias1 = zsc[1];
+  } else {
+    float zdot = 0.f;
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+      const int ch = k_channel<D, KB>(s, tig, 0);
+      const float4 qv = *reinterpret_cast<const float4*>(&q_s[g][ch]);
+      const uint2 sv = *reinterpret_cast<const uint2*>(src.k_scale + ch);  // 4 channels' scales and zeros
+      const uint2 zv = *reinterpret_cast<const uint2*>(src.k_zero + ch);
+      const T* s4 = reinterpret_cast<const T*>(&sv);
+      const T* z4 = reinterpret_cast<const T*>(&zv);
+      qk[s][0] = N::pack(qv.x * N::to_float(s4[0]), qv.y * N::to_float(s4[1]));
+      qk[s][1] = N::pack(qv.z * N::to_float(s4[2]), qv.w * N::to_float(s4[3]));
+      zdot += qv.x * N::to_float(z4[0]) + qv.y * N::to_float(z4[1]) + qv.z * N::to_float(z4[2]) +
+              qv.w * N::to_float(z4[3]);
+    }
+    zdot += __shfl_xor_sync(0xffffffffu, zdot, 1);
+    zdot += __shfl_xor_sync(0xffffffffu, zdot, 2);
+    bias0 = __shfl_sync(0xffffffffu, zdot, 8 * tig);      // head 2 tig lives in group 2 tig
+    bias1 = __shfl_sync(0xffffffffu, zdot, 8 * tig + 4);  // head 2 tig + 1
   }
-  zdot += __shfl_xor_sync(0xffffffffu, zdot, 1);
-  zdot += __shfl_xor_sync(0xffffffffu, zdot, 2);
-  const float bias0 = __shfl_sync(0xffffffffu, zdot, 8 * tig);      // head 2 tig lives in group 2 tig
-  const float bias1 = __shfl_sync(0xffffffffu, zdot, 8 * tig + 4);  // head 2 tig + 1
 
   // Scores of the chunk's 32 tokens: m-tile mt holds tokens t0 + 16 mt + {g, g + 8}.
   float sc[2][4];
@@ -957,8 +982,9 @@ extern "C" int kivi_decode_attend_launch(const kivi_cuda::DecodeParams* p, cudaS
 }
 
 // The variant this library was built as: (stages asked, residual in the loop, blocks per SM the
-// splits are sized for); prebuilt.py reads it.
-extern "C" void kivi_decode_variant(int* stages, int* residual_in_loop, int* blocks_per_sm) {
+// splits are sized for, the 16-bit fold); prebuilt.py reads it.
+extern "C" void kivi_decode_variant(int* stages, int* residual_in_loop, int* blocks_per_sm, int* fold16) {
+  *fold16 = KIVI_DECODE_FOLD16;
   *stages = KIVI_DECODE_STAGES;
   *residual_in_loop = KIVI_DECODE_RESIDUAL_IN_LOOP;
   *blocks_per_sm = KIVI_DECODE_BLOCKS_PER_SM;

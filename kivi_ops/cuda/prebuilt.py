@@ -65,9 +65,9 @@ class Library:
         self.lib.kivi_decode_attend_launch.restype = ctypes.c_int
         self.path = path
 
-    def variant(self) -> tuple[int, int, int]:
-        """(stages, residual in the loop, blocks per SM) the library was built as (decode_attend.cu)."""
-        out = [ctypes.c_int() for _ in range(3)]
+    def variant(self) -> tuple[int, int, int, int]:
+        """(stages, residual in the loop, blocks per SM, 16-bit fold) the library was built as (decode_attend.cu)."""
+        out = [ctypes.c_int() for _ in range(4)]
         self.lib.kivi_decode_variant(*(ctypes.byref(x) for x in out))
         return tuple(x.value for x in out)
 
