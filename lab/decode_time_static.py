@@ -130,7 +130,8 @@ def collect(cubin_dir: Path | None = None, cuda_cpp_from: Path | None = None) ->
             raise
         taken = __import__("json").loads(Path(cuda_cpp_from).read_text())
         nvcc, cuda_cpp = taken["meta"]["nvcc"], taken["cuda_cpp"]
-        cuda_note = f"no nvcc here: taken from {cuda_cpp_from} (the prebuilt library's compiler)"
+        cuda_note = (f"no nvcc here: the committed facts of {cuda_cpp_from} (the CUDA C++ libraries were "
+                     "compiled off this machine)")
     meta = dict(**environment(command="python -m lab decode_time_model --static"), arch="sm_90a", nvcc=nvcc,
                 cuda_sources_sha256=cuda_sources_sha256(), cuda_cpp_source=cuda_note,
                 note="KIVI-2, G=32, R=128, head_dim 128, fp16; loop bodies counted in SASS, per warp per iteration "
