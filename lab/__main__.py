@@ -16,6 +16,7 @@ STUDIES = {
     "ptxas_usage": "registers, spills and occupancy of every Triton kernel for sm_90, compiled without a GPU",
     "issue_model": "instructions per token of the decode kernels' loops for sm_90, and the bandwidth ceiling they set",
     "cuda_decode_model": "the CUDA C++ decode kernel for sm_90a: ptxas registers/spills and its issue-model ceiling",
+    "cuda_decode_variants": "the CUDA C++ kernel's compile-time variants: SASS counts and predicted H200 times",
     "decode_time_model": "decode-attention times on the H200 from static sm_90 facts, calibrated on two runs; predictions",
     "three_bit_packing": "3-bit packings: bytes, CPU (Inductor) unpack cost, Triton decode instructions per token",
     "byte_model": "bytes each decode-path kernel must read against the bytes it loads (Triton interpreter)",

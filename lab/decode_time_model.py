@@ -325,14 +325,22 @@ def main(argv=None) -> None:
     parser.add_argument("--static", action="store_true",
                         help=f"recompile the kernels for sm_90 and rewrite {STATIC_JSON.name} (needs the cuda-build "
                              "extra's nvcc and Triton's ptxas; minutes)")
+    parser.add_argument("--static-out", default=None,
+                        help="with --static: write the recompiled facts here instead of the committed file, and the "
+                             "Triton cubins beside it (cubins/): the GPU suite's recount of what the GPU's Triton built")
+    parser.add_argument("--static-json", default=None, help="price with these static facts (default: the committed ones)")
     parser.add_argument("--calibration", default=None, help="write the fit and the per-point error table here")
     parser.add_argument("--predictions", default=None, help="write the candidate designs' predicted times here")
     args = parser.parse_args(argv)
+    static_json = Path(args.static_json or STATIC_JSON)
     if args.static:
         from .decode_time_static import collect
 
-        STATIC_JSON.write_text(json.dumps(collect(), indent=1) + "\n")
-    static, measured = load(STATIC_JSON), load(MEASURED_JSON)
+        out = Path(args.static_out) if args.static_out else STATIC_JSON
+        cubins = out.parent / "cubins" if args.static_out else None
+        out.write_text(json.dumps(collect(cubins, cuda_cpp_from=STATIC_JSON), indent=1) + "\n")
+        static_json = out
+    static, measured = load(static_json), load(MEASURED_JSON)
     result = calibrate(static, measured)
     print(f"{MODEL_VERSION}; fitted on {FIT_SET!r}: {result['params']}")
     print_table(result["rows"])

@@ -46,7 +46,8 @@ def cuda_cpp_static(arch: str = "sm_90a") -> dict:
                               *NVCC_FLAGS, "-cubin", "-o", str(cubin), str(SOURCE)], capture_output=True, text=True,
                              env=compile_env(root), check=True)
         sass = subprocess.run([str(nvdisasm()), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    name, res = next((n, r) for n, r in ptxas_resources(run.stderr).items() if "split_kernelILi128" in n)
+    name, res = next((n, r) for n, r in ptxas_resources(run.stderr).items()
+                     if "split_kernelILi128ELi2ELi2ELb0E6__half" in n or n.endswith("split_kernelILi128EEEvNS_12DecodeParamsE"))
     lines = functions(sass)[name]
     loops = sass_loops(lines)
     chunks = [loop for loop in loops if any(op.startswith("HMMA") for op in loop)]  # the shortest: one chunk
@@ -64,7 +65,7 @@ def cuda_cpp_static(arch: str = "sm_90a") -> dict:
                 tail_per_head_instructions=round(per_head, 1))
 
 
-def triton_decode_static(arch: int = 90) -> dict:
+def triton_decode_static(arch: int = 90, cubin_dir: Path | None = None) -> dict:
     from kivi_ops.kernels.triton_decode import attend_decode
 
     from .decode_time_model import loop_of
@@ -79,6 +80,9 @@ def triton_decode_static(arch: int = 90) -> dict:
             with compile_instead_of_launch(arch) as compiled:
                 attend_decode(q, t, None, p, 0.088, num_splits=8, num_warps=warps, block_n=block_n)
             kernel = compiled[0][1]
+            if cubin_dir is not None:  # what this machine's Triton and ptxas built, for a recount elsewhere
+                (cubin_dir / f"triton_decode_{q_heads}x{kv_heads}_w{warps}_n{block_n}.cubin").write_bytes(
+                    kernel.asm["cubin"])
             loops = sass_loops(sass_of(kernel, arch).splitlines())
             report = ptxas_report(kernel.asm["ptx"], arch)
             out[f"{q_heads}/{kv_heads} w{warps} n{block_n}"] = dict(
@@ -111,9 +115,25 @@ def cuda_sources_sha256(read=None) -> str:
     return digest.hexdigest()
 
 
-def collect() -> dict:
-    meta = dict(**environment(command="python -m lab decode_time_model --static"), arch="sm_90a", nvcc=nvcc_version(),
-                cuda_sources_sha256=cuda_sources_sha256(),
+def collect(cubin_dir: Path | None = None, cuda_cpp_from: Path | None = None) -> dict:
+    """The static facts compiled on this machine. cubin_dir: also write the Triton cubins there.
+    cuda_cpp_from: a static JSON whose CUDA C++ facts are taken where this machine has no nvcc (a GPU
+    image running the library prebuilt elsewhere runs exactly the code counted there)."""
+    from kivi_ops.cuda.toolkit import CudaKernelUnavailable
+
+    if cubin_dir is not None:
+        cubin_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        nvcc, cuda_cpp, cuda_note = nvcc_version(), cuda_cpp_static(), "compiled here"
+    except (CudaKernelUnavailable, FileNotFoundError, subprocess.CalledProcessError):
+        if cuda_cpp_from is None:
+            raise
+        taken = __import__("json").loads(Path(cuda_cpp_from).read_text())
+        nvcc, cuda_cpp = taken["meta"]["nvcc"], taken["cuda_cpp"]
+        cuda_note = (f"no nvcc here: the committed facts of {cuda_cpp_from} (the CUDA C++ libraries were "
+                     "compiled off this machine)")
+    meta = dict(**environment(command="python -m lab decode_time_model --static"), arch="sm_90a", nvcc=nvcc,
+                cuda_sources_sha256=cuda_sources_sha256(), cuda_cpp_source=cuda_note,
                 note="KIVI-2, G=32, R=128, head_dim 128, fp16; loop bodies counted in SASS, per warp per iteration "
                      "(Triton: one BLOCK_N-token tile; CUDA C++: one 32-token chunk, one tail token)")
-    return dict(meta=meta, triton_decode=triton_decode_static(), cuda_cpp=cuda_cpp_static())
+    return dict(meta=meta, triton_decode=triton_decode_static(cubin_dir=cubin_dir), cuda_cpp=cuda_cpp)

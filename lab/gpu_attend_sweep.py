@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -74,16 +75,17 @@ def main(argv=None):
     parser.add_argument("configs", nargs="?", default="default")
     parser.add_argument("heads", nargs="?", default="32/32")
     parser.add_argument("--head-dim", type=int, default=128, help="head_dim (256: Gemma's)")
+    parser.add_argument("--batch", default="8", help="batch sizes, comma-separated (default 8)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON at the end")
     args = parser.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
     configs = [None] if args.configs == "default" else [parse_config(c) for c in args.configs.split(",")]
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
-    B, D, bits = 8, args.head_dim, 2
+    D, bits = args.head_dim, 2
     bw = copy_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
     rows = []
-    for (Hq, H), n in ((h, n) for h in heads for n in contexts):
+    for B, (Hq, H), n in ((b, h, n) for b in map(int, args.batch.split(",")) for h in heads for n in contexts):
         k = torch.randn(B, H, n, D, device="cuda", dtype=torch.float16)
         v = torch.randn_like(k)
         q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.float16)
@@ -106,8 +108,12 @@ def main(argv=None):
             first = first if cfg is not configs[0] else got  # every config must compute the same function
             diff = (got - first).abs().max().item()
             us = graph_us(fn)
-            row = dict(heads=f"{Hq}/{H}", tokens=n, config=cfg or "default", us=us, sdpa_us=sdpa, speedup=sdpa / us,
+            row = dict(heads=f"{Hq}/{H}", tokens=n, batch=B, config=cfg or "default", us=us, sdpa_us=sdpa, speedup=sdpa / us,
                        bandwidth_share=floor_us / us, rel_err_vs_fp=err, max_diff_vs_first_config=diff)
+            if kernel == "cuda":  # which build of the CUDA C++ kernel ran (lab/cuda_decode_variants.py)
+                from kivi_ops.cuda.loader import load
+
+                row.update(cuda_variant=list(load().variant()), cuda_library=os.environ.get("KIVI_CUDA_DECODE_LIB"))
             rows.append(row)
             print(f"{Hq}/{H} n={n:>6} cfg={str(cfg or 'default'):>40}  {us:8.1f} us  SDPA {sdpa:8.1f} us  "
                   f"{sdpa / us:5.2f}x  bw share {floor_us / us:5.1%}  floor {floor_us:7.1f} us  err {err:.3f} "

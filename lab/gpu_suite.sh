@@ -4,22 +4,34 @@
 # others, and the results tarred into $OUT/results.tgz after every stage (a call killed at its limit
 # still returns what the finished stages wrote).
 #
-# Usage: lab/gpu_suite.sh [stage ...]   (default: tests sweep tune decode budget serve)
+# Usage: lab/gpu_suite.sh [stage ...]   (default: variants tests sweep recount tune decode budget serve)
 #
 # Prepare on a CPU machine, then carry .whl and .gpu (README.md, "The GPU run"):
 #   python -m lab gpu_wheels --check          # exactly the wheels the GPU image lacks, into .whl/
 #   python -m lab gguf_truncate --blocks 0-1,28-29   # the real-weight test model, .gpu/model.gguf (38.8 MiB)
+#   python -m lab cuda_decode_model --library .gpu/libkivi_cuda_decode.so   # the default kernel (no nvcc there)
+#   python -m lab cuda_decode_variants --libraries .gpu/variants.tar.xz   # one library per variant (~25 min)
 # and on the device: KIVI_GIT_SHA=$(git rev-parse HEAD) bash lab/gpu_suite.sh   (the device's copy of
 # .git can be stale, so the measured sha travels in KIVI_GIT_SHA).
 #
 # Each stage's limit, and what the runs so far say it needs (H200, -n 16 workers for tests):
 #   setup   ~15 s  wheels into /tmp/site, the project in editable mode, versions, an import check
+#   variants 180 s each CUDA C++ variant library in .gpu/variants.tar.xz (lab/cuda_decode_variants.py, predicted in
+#                  benchmarks/results/cuda_decode_variants_sm90.json): its GPU correctness tests (static and
+#                  paged against the reference, ~8 s), then its sweep at batch 8 and 1, 1K and 32K, MHA and
+#                  GQA 4:1 (~15 s with its start); 6 variants (cuda_decode_variants.GPU_VARIANTS), each cut
+#                  at 30 s. Never run yet.
 #   tests   230 s  every CUDA test file. 2026-11-27: 8 of these files in 128 s wall (897 s of test
 #                  time, 3 files failing early); 2026-11-26: 6 files in 184 s. All 11: about 250 s
 #                  expected, so the last ones may be cut: -v logs each outcome as it lands, and
 #                  SIGINT at the limit still writes tests.xml.
 #   sweep    35 s  the decode kernels at batch 8, 1K and 32K, MHA and GQA 4:1 (4 configs: about 30 s
 #                  by the 2026-11-27 sweepcuda stage, which ran 4 configs in its 120 s limit)
+#   recount  40 s  the Triton decode kernels recompiled by this machine's Triton and ptxas (what the
+#                  sweep ran), their cubins dumped, the loops recounted, and the time model recalibrated on
+#                  them (decode_kernels_sm90_gpu.json, cubins/, decode_time_model_calibration_gpu.json);
+#                  the CUDA C++ facts come from the committed ones where the image has no nvcc (the
+#                  prebuilt libraries were compiled by that nvcc). Never run yet.
 #   tune     45 s  the dispatcher's tuning table (python -m lab gpu_tune --out $RESULTS); never run yet
 #   decode   75 s  kivi bench decode, 7B shape, batch 1, 1K and 32K (2026-11-27: completed within
 #                  its 200 s limit; its duration was not logged)
@@ -33,12 +45,12 @@ set -u -o pipefail
 export PYTHONUNBUFFERED=1
 RESULTS=${RESULTS:-/tmp/gpu_results}
 mkdir -p "$RESULTS"
-stages=${*:-tests sweep tune decode budget serve}
+stages=${*:-variants tests sweep recount tune decode budget serve}
 for stage in $stages; do  # a misspelt stage stops the call before it spends device time
-  case " tests sweep tune decode budget serve sweepcuda sweep256 attention profile layers " in
+  case " variants tests sweep recount tune decode budget serve sweepcuda sweep256 attention profile layers " in
     *" $stage "*) ;;
-    *) echo "lab/gpu_suite.sh: unknown stage '$stage'; stages: tests, sweep, tune, decode, budget, serve" \
-            "(default, in this order) and sweepcuda, sweep256, attention, profile, layers" >&2
+    *) echo "lab/gpu_suite.sh: unknown stage '$stage'; stages: variants, tests, sweep, recount, tune, decode," \
+            "budget, serve (default, in this order) and sweepcuda, sweep256, attention, profile, layers" >&2
        exit 2 ;;
   esac
 done
@@ -85,6 +97,13 @@ run() {  # run STAGE SECONDS COMMAND...: its log in $RESULTS/STAGE.log, its last
 }
 # the sweep rows (printed as one JSON line by --json) as a file of their own
 rows() { grep '^\[{' "$RESULTS/$1.log" >"$RESULTS/$2" || true; save; }
+# one variant library: its GPU correctness tests, then its sweep points (batch 8 and 1)
+variant() {
+  KIVI_CUDA_DECODE_LIB=$1 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 -x --tb=line \
+    tests/test_cuda_cpp_kernel.py -k "cuda_kernel_matches_the_reference or cuda_paged_kernel_matches" || return 1
+  KIVI_CUDA_DECODE_LIB=$1 python3 -m lab gpu_attend_sweep 1024,32768 cuda/0:0:0:0 32/32,32/8 --batch 8,1 --json
+}
+export -f variant
 for stage in $stages; do
   case $stage in
     # every CUDA kernel and path against the CPU reference, in parallel processes (compiles dominate).
@@ -101,6 +120,18 @@ for stage in $stages; do
     sweep) TAIL=30 run sweep 35 python3 -m lab gpu_attend_sweep 1024,32768 0:32:1:2,0:32:4:2,cuda/0:0:0:0,mma/0:32:2:2 \
              32/32,32/8 --json
            rows sweep gpu_attend_sweep.json ;;
+    # every compiled variant of the CUDA C++ kernel, side by side (a failing variant stops only itself)
+    variants) [ -f .gpu/variants.tar.xz ] && tar xJf .gpu/variants.tar.xz -C /tmp
+              for lib in /tmp/variants/libkivi_cuda_decode_*.so; do
+                [ -f "$lib" ] || { echo "=== variants: no libraries (.gpu/variants.tar.xz)"; break; }
+                name=$(basename "$lib" .so); name=${name#libkivi_cuda_decode_}
+                TAIL=6 run "variant_$name" 30 bash -c 'variant "$0"' "$lib"
+                rows "variant_$name" "gpu_attend_sweep_variant_$name.json"
+              done ;;
+    # what this machine's Triton built for the sweep: cubins, recounted loops, the model recalibrated
+    recount) TAIL=25 run recount 40 python3 -m lab decode_time_model --static \
+               --static-out "$RESULTS/decode_kernels_sm90_gpu.json" \
+               --calibration "$RESULTS/decode_time_model_calibration_gpu.json" ;;
     # the dispatcher's tuning table for this device (kivi_ops/tuning.py reads it)
     tune) TAIL=20 run tune 45 python3 -m lab gpu_tune --out "$RESULTS" ;;
     decode) run decode 75 python3 -m kivi_cli bench decode --device cuda --model llama2-7b-shape --contexts 1024,32768 \

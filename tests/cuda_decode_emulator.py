@@ -17,6 +17,7 @@ and the bf16 MMA; each rounding is one round-to-nearest-even to the type (`Fmt.r
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -169,100 +170,318 @@ class Rows:
         return ph * PS + in_page, ph * (PS // self.G) + in_page // self.G
 
 
-def quantized_chunks(q_s, kc, ks, kz, vc, vs, vz, rows, chunks, D, G, num=FP16):
-    """One warp over `chunks` (kernel: quantized_chunks); the buffers are flat [rows, ...] and
-    `rows` (Rows) addresses them. Returns (m, l, acc) per head in fp32."""
-    Gv = min(G, D)
-    KB, VB = kc.shape[-1] * 8 // D, vc.shape[-1] * 8 // D
-    KROW, VROW, KS, MT = D * KB // 8, D * VB // 8, D // 16, D // 16
-    KWPT, VBPT = KROW // 16, VROW // 8
-    acc = [[[0.0] * 4 for _ in range(MT)] for _ in range(32)]
-    m = [[-math.inf, -math.inf] for _ in range(32)]
-    l_ = [[0.0, 0.0] for _ in range(32)]
-    for c in chunks:
-        t0 = c * CHUNK
-        r0, kg = rows(t0)  # the chunk's rows are r0 + 0..31 (one page)
-        qk, zdot = [[None] * KS for _ in range(32)], [0.0] * 32
+class Variant(NamedTuple):
+    """decode_attend.cu's compile-time variant: KIVI_DECODE_STAGES, KIVI_DECODE_RESIDUAL_IN_LOOP and
+    KIVI_DECODE_FOLD16."""
+    stages: int = 1
+    residual_in_loop: bool = False
+    fold16: bool = False
+
+
+RING_LIMIT = 64 * 1024  # kRingLimit
+
+
+def stage_layout(D, KB, VB):
+    """Stage<D, KB, VB>: (offsets of key codes, value codes, key scales, key zeros, value scales, value
+    zeros, total bytes)."""
+    keys, values, kscales, vscales = CHUNK * D * KB // 8, CHUNK * D * VB // 8, 2 * D, CHUNK * 2 * (D // 32)
+    offsets = np.cumsum([0, keys, values, kscales, kscales, vscales, vscales])
+    return tuple(int(o) for o in offsets)
+
+
+def stages_built(stages, D, KB, VB):
+    """Stage::kStagesBuilt: the asked stages, halved while the block's ring would pass 64 KB."""
+    total = stage_layout(D, KB, VB)[-1]
+    return 4 if stages == 4 and 4 * WARPS * total <= RING_LIMIT else 2 if stages >= 2 and 2 * WARPS * total <= RING_LIMIT else 1
+
+
+def global_source(flat, rows, t0, ngv, num):
+    """A chunk's data as global_source addresses it: 32 code rows from the chunk's first row, its key
+    group's scale and zero rows, 32 x ngv value scales and zeros (16-bit bits for the scales)."""
+    kc, ks, kz, vc, vs, vz = flat
+    r0, kg = rows(t0)
+    return dict(kc=kc[r0:r0 + CHUNK], vc=vc[r0:r0 + CHUNK], ks=num.round_bits(ks[kg]), kz=num.round_bits(kz[kg]),
+                vs=num.round_bits(vs[r0:r0 + CHUNK]).reshape(-1), vz=num.round_bits(vz[r0:r0 + CHUNK]).reshape(-1))
+
+
+def issue_stage(src, D, KB, VB, ngv):
+    """The stage bytes issue_stage leaves in shared memory: each part copied by the warp in 16-byte
+    pieces (lane's piece 16 lane + 512 k, the value scales only up to 64 ngv bytes)."""
+    o = stage_layout(D, KB, VB)
+    stage = np.full(o[-1], 0xEE, dtype=np.uint8)  # never-written bytes show as garbage
+    parts = [src["kc"].reshape(-1), src["vc"].reshape(-1), src["ks"].view(np.uint8), src["kz"].view(np.uint8),
+             src["vs"].view(np.uint8), src["vz"].view(np.uint8)]
+    for j, part in enumerate(parts):
+        size, copied = o[j + 1] - o[j], (CHUNK * 2 * ngv if j >= 4 else None)
         for lane in range(32):
-            g, tig = lane // 4, lane % 4
-            for s in range(KS):
+            for k in range(-(-size // 512)):
+                i = 16 * lane + 512 * k
+                if i < (size if copied is None else copied):
+                    stage[o[j] + i:o[j] + i + 16] = part[i:i + 16]
+    return stage
+
+
+def stage_source(stage, D, KB, VB, ngv):
+    o = stage_layout(D, KB, VB)
+    return dict(kc=stage[o[0]:o[1]].reshape(CHUNK, -1), vc=stage[o[1]:o[2]].reshape(CHUNK, -1),
+                ks=stage[o[2]:o[3]].view(np.uint16), kz=stage[o[3]:o[4]].view(np.uint16),
+                vs=stage[o[4]:o[5]].view(np.uint16)[:CHUNK * ngv], vz=stage[o[5]:o[6]].view(np.uint16)[:CHUNK * ngv])
+
+
+def ring_schedule(chunks, stages):
+    """The order warp_chunks' ring runs: ('issue', chunk, slot) and ('compute', chunk, slot) events."""
+    if stages == 1:
+        return [("compute", c, None) for c in chunks]
+    events = [("issue", chunks[i], i) for i in range(stages - 1) if i < len(chunks)]
+    for i, c in enumerate(chunks):
+        if i + stages - 1 < len(chunks):
+            events.append(("issue", chunks[i + stages - 1], (i + stages - 1) % stages))
+        events.append(("compute", c, i % stages))
+    return events
+
+
+class WarpState:
+    def __init__(self, MT):
+        self.acc = [[[0.0] * 4 for _ in range(MT)] for _ in range(32)]
+        self.m = [[-math.inf, -math.inf] for _ in range(32)]
+        self.l = [[0.0, 0.0] for _ in range(32)]
+
+
+def online_softmax(sc, bias, st, MT):
+    """online_softmax: p per lane into the transpose buffer, m, l and acc rescaled."""
+    mx = [[max(sc[0][lane][j], sc[0][lane][j + 2], sc[1][lane][j], sc[1][lane][j + 2]) + bias[lane][j]
+           for j in range(2)] for lane in range(32)]
+    for off in (4, 8, 16):
+        mx = [[max(mx[lane][j], mx[lane ^ off][j]) for j in range(2)] for lane in range(32)]
+    p_s = np.zeros((HEADS, 36))
+    for lane in range(32):
+        g, tig = lane // 4, lane % 4
+        n = [max(st.m[lane][j], mx[lane][j]) for j in range(2)]
+        al = [2.0 ** (st.m[lane][j] - n[j]) if st.m[lane][j] != -math.inf else 0.0 for j in range(2)]
+        st.m[lane] = n
+        st.l[lane] = [st.l[lane][j] * al[j] for j in range(2)]
+        for mt in range(2):
+            p = [2.0 ** (sc[mt][lane][k] + bias[lane][k % 2] - n[k % 2]) for k in range(4)]
+            st.l[lane][0] += p[0] + p[2]
+            st.l[lane][1] += p[1] + p[3]
+            p_s[2 * tig, 16 * mt + g], p_s[2 * tig + 1, 16 * mt + g] = p[0], p[1]
+            p_s[2 * tig, 16 * mt + g + 8], p_s[2 * tig + 1, 16 * mt + g + 8] = p[2], p[3]
+        for mt in range(MT):
+            st.acc[lane][mt] = [st.acc[lane][mt][k] * al[k % 2] for k in range(4)]
+    return p_s
+
+
+def value_fragments(w, S01, S23, Z01, Z23, D, VB, num):
+    """value_fragments: a[mt] (4 registers) of one lane from its 4 tokens' words and scale pairs."""
+    VBPT, MT = D * VB // 64, D // 16
+    a = [None] * MT
+    for j in range(VBPT):
+        sel = (j % 4) | ((4 + j % 4) << 8)
+        x01, x23 = prmt(w[0][j // 4], w[1][j // 4], sel), prmt(w[2][j // 4], w[3][j // 4], sel)
+        # VB = 2: m-tiles 2j, 2j + 1 hold codes (0, 1), (2, 3) of byte j; VB = 4: m-tile j its nibbles
+        tiles = 2 if VB == 2 else 1
+        for half in range(tiles):
+            i0, i1 = 2 * half, 2 * half + 1
+            a[tiles * j + half] = [
+                hfma2(codes_at(x01, VB, i0, num), S01, Z01, num), hfma2(codes_at(x01, VB, i1, num), S01, Z01, num),
+                hfma2(codes_at(x23, VB, i0, num), S23, Z23, num), hfma2(codes_at(x23, VB, i1, num), S23, Z23, num)]
+    return a
+
+
+def value_words(row, g, VBPT):
+    return [word(row, g * VBPT + 4 * i, min(VBPT, 4)) for i in range(max(VBPT // 4, 1))]
+
+
+def quantized_chunk(q_s, src, ngv, D, G, KB, VB, st, num, fold16=False):
+    """quantized_chunk: one fully quantized chunk from `src` (global_source or stage_source)."""
+    KROW, VROW, KS, MT = D * KB // 8, D * VB // 8, D // 16, D // 16
+    KWPT, VBPT, Gv = KROW // 16, VROW // 8, min(G, D)
+    ks, kz = num.decode(src["ks"]), num.decode(src["kz"])
+    qk, zdot = [[None] * KS for _ in range(32)], [0.0] * 32
+    for lane in range(32):
+        g, tig = lane // 4, lane % 4
+        for s in range(KS):
+            ch = k_channel(D, KB, s, tig, 0)
+            qv = q_s[g, ch:ch + 4]
+            sv, zv = ks[ch:ch + 4], kz[ch:ch + 4]
+            qk[lane][s] = (pack(qv[0] * sv[0], qv[1] * sv[1], num), pack(qv[2] * sv[2], qv[3] * sv[3], num))
+            zdot[lane] = float(np.float32(zdot[lane] + np.float32((qv * zv).sum())))
+    zdot = [zdot[lane] + zdot[lane ^ 1] for lane in range(32)]
+    zdot = [zdot[lane] + zdot[lane ^ 2] for lane in range(32)]
+    bias = [(zdot[8 * (lane % 4)], zdot[8 * (lane % 4) + 4]) for lane in range(32)]
+    if fold16:  # q16 * s by one fma2 (+ -0), q16 . z by one MMA per k-step with z as every row of A
+        zsc = [[0.0] * 4 for _ in range(32)]
+        for s in range(KS):
+            qf, zf = [], []
+            for lane in range(32):
+                g, tig = lane // 4, lane % 4
                 ch = k_channel(D, KB, s, tig, 0)
                 qv = q_s[g, ch:ch + 4]
-                sv, zv = ks[kg, ch:ch + 4].astype(np.float64), kz[kg, ch:ch + 4].astype(np.float64)
-                qk[lane][s] = (pack(qv[0] * sv[0], qv[1] * sv[1], num), pack(qv[2] * sv[2], qv[3] * sv[3], num))
-                zdot[lane] = float(np.float32(zdot[lane] + np.float32((qv * zv).sum())))
-        zdot = [zdot[lane] + zdot[lane ^ 1] for lane in range(32)]
-        zdot = [zdot[lane] + zdot[lane ^ 2] for lane in range(32)]
-        bias = [(zdot[8 * (lane % 4)], zdot[8 * (lane % 4) + 4]) for lane in range(32)]
-        sc = [[[0.0] * 4 for _ in range(32)] for _ in range(2)]
-        for mt in range(2):
-            words = []
-            for lane in range(32):
-                g, tig = lane // 4, lane % 4
-                words.append([[word(kc[r0 + 16 * mt + g + 8 * r], 4 * KWPT * tig + 4 * i, 4) for i in range(KWPT)]
-                              for r in range(2)])
-            for s in range(KS):
-                i = s // 4 if KB == 2 else s // 2  # the word of k-step s
-                a = [k_fragment(words[lane][0][i], words[lane][1][i], s, KB, num) for lane in range(32)]
-                mma(sc[mt], a, [qk[lane][s] for lane in range(32)], num)
-        # online softmax, heads 2 tig (c0, c2) and 2 tig + 1 (c1, c3)
-        mx = [[max(sc[0][lane][j], sc[0][lane][j + 2], sc[1][lane][j], sc[1][lane][j + 2]) + bias[lane][j]
-               for j in range(2)] for lane in range(32)]
-        for off in (4, 8, 16):
-            mx = [[max(mx[lane][j], mx[lane ^ off][j]) for j in range(2)] for lane in range(32)]
-        p_s = np.zeros((HEADS, 36))
+                q01, q23 = pack(qv[0], qv[1], num), pack(qv[2], qv[3], num)
+                sb, zb = src["ks"][ch:ch + 4], src["kz"][ch:ch + 4]
+                sx, sy = int(sb[0]) | int(sb[1]) << 16, int(sb[2]) | int(sb[3]) << 16
+                zx, zy = int(zb[0]) | int(zb[1]) << 16, int(zb[2]) | int(zb[3]) << 16
+                qk[lane][s] = (hfma2(q01, sx, 0x80008000, num), hfma2(q23, sy, 0x80008000, num))
+                qf.append((q01, q23))
+                zf.append((zx, zx, zy, zy))
+            mma(zsc, zf, qf, num)
+        bias = [(zsc[lane][0], zsc[lane][1]) for lane in range(32)]
+    sc = [[[0.0] * 4 for _ in range(32)] for _ in range(2)]
+    for mt in range(2):
+        words = []
         for lane in range(32):
             g, tig = lane // 4, lane % 4
-            n = [max(m[lane][j], mx[lane][j]) for j in range(2)]
-            al = [2.0 ** (m[lane][j] - n[j]) if m[lane][j] != -math.inf else 0.0 for j in range(2)]
-            m[lane] = n
-            l_[lane] = [l_[lane][j] * al[j] for j in range(2)]
-            for mt in range(2):
-                p = [2.0 ** (sc[mt][lane][k] + bias[lane][k % 2] - n[k % 2]) for k in range(4)]
-                l_[lane][0] += p[0] + p[2]
-                l_[lane][1] += p[1] + p[3]
-                p_s[2 * tig, 16 * mt + g], p_s[2 * tig + 1, 16 * mt + g] = p[0], p[1]
-                p_s[2 * tig, 16 * mt + g + 8], p_s[2 * tig + 1, 16 * mt + g + 8] = p[2], p[3]
+            words.append([[word(src["kc"][16 * mt + g + 8 * r], 4 * KWPT * tig + 4 * i, 4) for i in range(KWPT)]
+                          for r in range(2)])
+        for s in range(KS):
+            i = s // 4 if KB == 2 else s // 2  # the word of k-step s
+            a = [k_fragment(words[lane][0][i], words[lane][1][i], s, KB, num) for lane in range(32)]
+            mma(sc[mt], a, [qk[lane][s] for lane in range(32)], num)
+    p_s = online_softmax(sc, bias, st, MT)
+    for kstep in range(2):
+        a_regs, b = [], []
+        for lane in range(32):
+            g, tig = lane // 4, lane % 4
+            pv = p_s[g, 16 * kstep + 4 * tig:16 * kstep + 4 * tig + 4]
+            b.append((pack(pv[0], pv[1], num), pack(pv[2], pv[3], num)))
+            t = 16 * kstep + 4 * tig  # a row of the chunk
+            w = [value_words(src["vc"][t + e], g, VBPT) for e in range(4)]
+            vg = g * (D // 8) // Gv
+            sh = [int(src["vs"][(t + e) * ngv + vg]) for e in range(4)]
+            zh = [int(src["vz"][(t + e) * ngv + vg]) for e in range(4)]
+            a_regs.append(value_fragments(w, sh[0] | sh[1] << 16, sh[2] | sh[3] << 16, zh[0] | zh[1] << 16,
+                                          zh[2] | zh[3] << 16, D, VB, num))
+        for mt in range(MT):
+            cm = [st.acc[lane][mt] for lane in range(32)]
+            mma(cm, [a_regs[lane][mt] for lane in range(32)], b, num)
+    # (the kernel's __syncwarp()s order the p_s writes and reads; sequential here)
+
+
+def token_source(t, quantized, length):
+    """Where mixed_chunk reads token t's key (quantized = nqk) or value (nqv): 'codes', 'residual' or None."""
+    return "codes" if t < quantized else "residual" if t < length else None
+
+
+def half_bits(x, num):
+    """A row of 16-bit values (float64) as their bits."""
+    return [int(v) for v in num.round_bits(x)]
+
+
+def mixed_chunk(q_s, flat, rows, kres, vres, t0, rc, ngv, D, G, KB, VB, st, num):
+    """mixed_chunk: tokens [t0, t0 + 32), keys and values each quantized, residual or none."""
+    L, nqk, nqv = rc
+    KROW, VROW, KS, MT = D * KB // 8, D * VB // 8, D // 16, D // 16
+    KWPT, VBPT, Gv, W = KROW // 16, VROW // 8, min(G, D), kres.shape[0]
+    src = global_source(flat, rows, t0, ngv, num)  # the kernel's too: only what a token's source is, is used
+    r0 = rows(t0)[0]
+    kc, vc = flat[0], flat[3]
+    ks, kz = src["ks"], src["kz"]
+    kres_b, vres_b = num.round_bits(kres), num.round_bits(vres)
+    pick = lambda a, b, sel: prmt(a, b, sel)  # noqa: E731
+    sc = [[[0.0] * 4 for _ in range(32)] for _ in range(2)]
+    for mt in range(2):
+        frags, qf = [[] for _ in range(KS)], [[] for _ in range(KS)]
+        for lane in range(32):
+            g, tig = lane // 4, lane % 4
+            toks = [t0 + 16 * mt + g + 8 * r for r in range(2)]
+            quant = [token_source(t, nqk, L) == "codes" for t in toks]
+            w = [[word(kc[r0 + 16 * mt + g + 8 * r], 4 * KWPT * tig + 4 * i, 4) if quant[r] else 0 for i in range(KWPT)]
+                 for r in range(2)]
+            for s in range(KS):
+                ch = k_channel(D, KB, s, tig, 0)
+                i = s // 4 if KB == 2 else s // 2
+                a = list(k_fragment(w[0][i], w[1][i], s, KB, num))
+                sx, sy = int(ks[ch]) | int(ks[ch + 1]) << 16, int(ks[ch + 2]) | int(ks[ch + 3]) << 16
+                zx, zy = int(kz[ch]) | int(kz[ch + 1]) << 16, int(kz[ch + 2]) | int(kz[ch + 3]) << 16
+                res = []
+                for r, t in enumerate(toks):
+                    if token_source(t, nqk, L) == "residual":
+                        row = kres_b[t % W]
+                        res.append((int(row[ch]) | int(row[ch + 1]) << 16, int(row[ch + 2]) | int(row[ch + 3]) << 16))
+                    else:
+                        res.append((0, 0))
+                a[0] = hfma2(a[0], sx, zx, num) if quant[0] else res[0][0]
+                a[2] = hfma2(a[2], sy, zy, num) if quant[0] else res[0][1]
+                a[1] = hfma2(a[1], sx, zx, num) if quant[1] else res[1][0]
+                a[3] = hfma2(a[3], sy, zy, num) if quant[1] else res[1][1]
+                frags[s].append(tuple(a))
+                qv = q_s[g, ch:ch + 4]
+                qf[s].append((pack(qv[0], qv[1], num), pack(qv[2], qv[3], num)))
+        for s in range(KS):
+            mma(sc[mt], frags[s], qf[s], num)
+        for lane in range(32):
+            g = lane // 4
+            if t0 + 16 * mt + g >= L:
+                sc[mt][lane][0] = sc[mt][lane][1] = -math.inf
+            if t0 + 16 * mt + g + 8 >= L:
+                sc[mt][lane][2] = sc[mt][lane][3] = -math.inf
+    p_s = online_softmax(sc, [(0.0, 0.0)] * 32, st, MT)
+    for kstep in range(2):
+        a_regs, b = [], []
+        for lane in range(32):
+            g, tig = lane // 4, lane % 4
+            pv = p_s[g, 16 * kstep + 4 * tig:16 * kstep + 4 * tig + 4]
+            b.append((pack(pv[0], pv[1], num), pack(pv[2], pv[3], num)))
+            t = 16 * kstep + 4 * tig
+            vg = g * (D // 8) // Gv
+            w, sh, zh, rv, resid = [], [], [], [], []
+            for e in range(4):
+                tok = t0 + t + e
+                quant = token_source(tok, nqv, L) == "codes"
+                resid.append(token_source(tok, nqv, L) == "residual")
+                row = r0 + t + e
+                w.append(value_words(vc[row], g, VBPT) if quant else [0] * max(VBPT // 4, 1))
+                sh.append(half_bits(flat[4][row, vg:vg + 1], num)[0] if quant else 0)
+                zh.append(half_bits(flat[5][row, vg:vg + 1], num)[0] if quant else 0)
+                rv.append([int(x) for x in vres_b[tok % W, g * (D // 8):(g + 1) * (D // 8)]] if resid[-1]
+                          else [0] * (D // 8))
+            a = value_fragments(w, sh[0] | sh[1] << 16, sh[2] | sh[3] << 16, zh[0] | zh[1] << 16, zh[2] | zh[3] << 16,
+                                D, VB, num)
+            pick01 = (0x0054 if resid[0] else 0x0010) | (0x7600 if resid[1] else 0x3200)
+            pick23 = (0x0054 if resid[2] else 0x0010) | (0x7600 if resid[3] else 0x3200)
             for mt in range(MT):
-                acc[lane][mt] = [acc[lane][mt][k] * al[k % 2] for k in range(4)]
-        for kstep in range(2):
-            a_regs = [[None] * MT for _ in range(32)]
-            b = []
-            for lane in range(32):
-                g, tig = lane // 4, lane % 4
-                pv = p_s[g, 16 * kstep + 4 * tig:16 * kstep + 4 * tig + 4]
-                b.append((pack(pv[0], pv[1], num), pack(pv[2], pv[3], num)))
-                t = r0 + 16 * kstep + 4 * tig  # a row of the flat buffers
-                w = [[word(vc[t + e], g * VBPT + 4 * i, min(VBPT, 4)) for i in range(max(VBPT // 4, 1))]
-                     for e in range(4)]
-                vg = g * (D // 8) // Gv
-                S01, S23 = pack(vs[t, vg], vs[t + 1, vg], num), pack(vs[t + 2, vg], vs[t + 3, vg], num)
-                Z01, Z23 = pack(vz[t, vg], vz[t + 1, vg], num), pack(vz[t + 2, vg], vz[t + 3, vg], num)
-                for j in range(VBPT):
-                    sel = (j % 4) | ((4 + j % 4) << 8)
-                    x01, x23 = prmt(w[0][j // 4], w[1][j // 4], sel), prmt(w[2][j // 4], w[3][j // 4], sel)
-                    # VB = 2: m-tiles 2j, 2j + 1 hold codes (0, 1), (2, 3) of byte j; VB = 4: m-tile j its nibbles
-                    tiles = 2 if VB == 2 else 1
-                    for half in range(tiles):
-                        i0, i1 = 2 * half, 2 * half + 1
-                        a_regs[lane][tiles * j + half] = (
-                            hfma2(codes_at(x01, VB, i0, num), S01, Z01, num), hfma2(codes_at(x01, VB, i1, num), S01, Z01, num),
-                            hfma2(codes_at(x23, VB, i0, num), S23, Z23, num), hfma2(codes_at(x23, VB, i1, num), S23, Z23, num))
-            for mt in range(MT):
-                cm = [acc[lane][mt] for lane in range(32)]
-                mma(cm, [a_regs[lane][mt] for lane in range(32)], b, num)
-        # (the kernel's __syncwarp()s order the p_s writes and reads; sequential here)
+                for r in range(4):
+                    c = v_channel(D, VB, mt, 0, r & 1)  # the channel within the lane group's D / 8
+                    e0 = 2 * (r >> 1)
+                    words = [rv[e][c // 2 * 2] | rv[e][c // 2 * 2 + 1] << 16 for e in (e0, e0 + 1)]
+                    pair = prmt(words[0], words[1], 0x7632 if c % 2 else 0x5410)
+                    a[mt][r] = pick(a[mt][r], pair, pick23 if r >> 1 else pick01)
+            a_regs.append(a)
+        for mt in range(MT):
+            cm = [st.acc[lane][mt] for lane in range(32)]
+            mma(cm, [a_regs[lane][mt] for lane in range(32)], b, num)
+
+
+def warp_chunks(q_s, flat, rows, kres, vres, chunks, c_quant, rc, D, G, KB, VB, num, variant):
+    """warp_chunks: one warp's chunks (its arithmetic progression), the quantized ones through the
+    stage ring when the variant has one, then the mixed ones. Returns (m, l, acc) per head in fp32."""
+    MT, ngv = D // 16, D // min(G, D)
+    st = WarpState(MT)
+    quantized = [c for c in chunks if c < c_quant]
+    S = stages_built(variant.stages, D, KB, VB)
+    ring = [np.full(stage_layout(D, KB, VB)[-1], 0xEE, dtype=np.uint8)] * S  # shared memory never written: garbage
+    for event, c, slot in ring_schedule(quantized, S):
+        src = global_source(flat, rows, c * CHUNK, ngv, num)
+        if event == "issue":
+            ring[slot] = issue_stage(src, D, KB, VB, ngv)
+        else:
+            quantized_chunk(q_s, src if slot is None else stage_source(ring[slot], D, KB, VB, ngv), ngv, D, G, KB, VB,
+                            st, num, variant.fold16)
+    if variant.residual_in_loop:
+        for c in chunks:
+            if c >= c_quant:
+                mixed_chunk(q_s, flat, rows, kres, vres, c * CHUNK, rc, ngv, D, G, KB, VB, st, num)
     for off in (4, 8, 16):
-        l_ = [[l_[lane][j] + l_[lane ^ off][j] for j in range(2)] for lane in range(32)]
+        st.l = [[st.l[lane][j] + st.l[lane ^ off][j] for j in range(2)] for lane in range(32)]
     out_m, out_l, out_acc = np.full(HEADS, -math.inf), np.zeros(HEADS), np.zeros((HEADS, D))
     for lane in range(32):
         g, tig = lane // 4, lane % 4
         for mt in range(MT):
             ch = v_channel(D, VB, mt, g, 0)
-            out_acc[2 * tig, ch], out_acc[2 * tig + 1, ch] = acc[lane][mt][0], acc[lane][mt][1]
-            out_acc[2 * tig, ch + 1], out_acc[2 * tig + 1, ch + 1] = acc[lane][mt][2], acc[lane][mt][3]
+            out_acc[2 * tig, ch], out_acc[2 * tig + 1, ch] = st.acc[lane][mt][0], st.acc[lane][mt][1]
+            out_acc[2 * tig, ch + 1], out_acc[2 * tig + 1, ch + 1] = st.acc[lane][mt][2], st.acc[lane][mt][3]
         if g == 0:
-            out_m[2 * tig:2 * tig + 2], out_l[2 * tig:2 * tig + 2] = m[lane], l_[lane]
+            out_m[2 * tig:2 * tig + 2], out_l[2 * tig:2 * tig + 2] = st.m[lane], st.l[lane]
     return out_m, out_l, out_acc
 
 
@@ -302,15 +521,17 @@ def merge(states):
     return M, (f * np.stack([s[1] for s in states])).sum(0), (f[..., None] * np.stack([s[2] for s in states])).sum(0)
 
 
-def emulate_decode(query, layer, counts, params, scale, num_splits, pages=None):
+def emulate_decode(query, layer, counts, params, scale, num_splits, pages=None, variant=Variant()):
     """decode_attend.cu's output for query [B, Hq, 1, D] over a 2/4-bit fp16 or bf16 layer on CPU (in
-    the layer's dtype); pages (a paged_layout.Paging): the layer is paged, read through its block table."""
+    the layer's dtype), as built with `variant`; pages (a paged_layout.Paging): the layer is paged,
+    read through its block table."""
     num = fmt_of(layer.k_res.dtype)
     # numpy has no bf16: its values as float64 (exact)
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = (
         (t.double() if t.dtype == torch.bfloat16 else t).numpy() for t in layer.kivi)
     B, Hq, _, D = query.shape
     H = k_codes.shape[1]
+    KB, VB = k_codes.shape[-1] * 8 // D, v_codes.shape[-1] * 8 // D
     if pages is None:
         S, paging = k_codes.shape[2], {}
     else:
@@ -325,7 +546,8 @@ def emulate_decode(query, layer, counts, params, scale, num_splits, pages=None):
             nqk = nqv = max(L - R, 0) // G * G
         else:
             nqk, nqv = L // R * R, max(L - R, 0)
-        chunks = min(nqk, nqv) // CHUNK
+        c_quant = min(nqk, nqv) // CHUNK
+        chunks = -(-L // CHUNK) if variant.residual_in_loop else c_quant  # what the splits share
         per = -(-chunks // num_splits)
         for h, head0 in ((h, head0) for h in range(H) for head0 in range(0, qg, HEADS)):  # the blocks' tiles
             heads = min(HEADS, qg - head0)
@@ -335,14 +557,16 @@ def emulate_decode(query, layer, counts, params, scale, num_splits, pages=None):
             q_s = q_s.astype(np.float32).astype(np.float64)
             splits = []
             rows = Rows(b, h, H, S, G, **paging)
-            kc, ks, kz, vc, vs, vz = flat
             for split in range(num_splits):
                 begin, end = split * per, min(split * per + per, chunks)
-                splits.append(merge([quantized_chunks(q_s, kc, ks, kz, vc, vs, vz, rows, range(begin + w, end, WARPS),
-                                                      D, G, num) for w in range(WARPS)]))
-            splits.append(merge([tail_tokens(q_s, kc, ks, kz, k_res[b, h], vc, vs, vz, v_res[b, h], rows,
-                                             range(chunks * CHUNK + w, L, WARPS), nqk, nqv, heads, D, G)
-                                 for w in range(WARPS)]))
+                splits.append(merge([warp_chunks(q_s, flat, rows, k_res[b, h], v_res[b, h], range(begin + w, end, WARPS),
+                                                 c_quant, (L, nqk, nqv), D, G, KB, VB, num, variant)
+                                     for w in range(WARPS)]))
+            if not variant.residual_in_loop:
+                kc, ks, kz, vc, vs, vz = flat
+                splits.append(merge([tail_tokens(q_s, kc, ks, kz, k_res[b, h], vc, vs, vz, v_res[b, h], rows,
+                                                 range(c_quant * CHUNK + w, L, WARPS), nqk, nqv, heads, D, G)
+                                     for w in range(WARPS)]))
             M, l_, acc = merge(splits)
             o = np.where(l_[:, None] > 0, acc / np.where(l_ > 0, l_, 1)[:, None], 0.0)
             out[b, first:first + heads] = np.clip(o[:heads], -65504, 65504) if num is FP16 else o[:heads]

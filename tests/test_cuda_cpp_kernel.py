@@ -42,7 +42,7 @@ from kivi_ops.packing import packed_bytes
 from kivi_ops.paged_layout import PAGED_TENSORS, Paging, pages_needed
 from kivi_ops.schedule import KIVI, OTT
 
-from tests.cuda_decode_emulator import emulate_decode
+from tests.cuda_decode_emulator import Variant, emulate_decode
 
 CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -99,8 +99,11 @@ def to_paged(layer, params, page_size, seed=0, extra_pages=3):
     return layer._replace(**pools), Paging(table, page_size)
 
 
-def bound(query, layer, params, scale, ref):
-    """The tolerance of the module doc, from the data (per output element)."""
+def bound(query, layer, params, scale, ref, residual_in_loop=False, fold16=False):
+    """The tolerance of the module doc, from the data (per output element). residual_in_loop: the
+    partly quantized chunks' keys are rounded to 16 bits and meet the 16-bit query (no fold), a score
+    off by at most 2 u sum_c |q_c k_c| (plus u^2): taken with |k_c| <= the largest key. fold16: q' is
+    rounded twice (q, then q * k_scale: 2 u) and the zero dot takes the rounded q (u sum_c |q_c z_c|)."""
     k_scale, v_res = layer.k_scale.float(), layer.v_res.float()
     U = UNIT_ROUNDOFF[layer.k_res.dtype]
     B, Hq, _, D = query.shape
@@ -108,6 +111,12 @@ def bound(query, layer, params, scale, ref):
     q = query.float().reshape(B, H, Hq // H, D) * scale * 1.4426950408889634
     kmax, vmax_code = 2**params.k_bits - 1, 2**params.v_bits - 1  # the largest codes
     du = kmax * U * (q.abs()[:, :, :, None, :] * k_scale.abs()[:, :, None]).sum(-1).amax()  # over groups, heads
+    if fold16:
+        zdot = (q.abs()[:, :, :, None, :] * layer.k_zero.float().abs()[:, :, None]).sum(-1).amax()
+        du = 2.01 * du + U * zdot
+    if residual_in_loop:
+        largest_key = max(layer.k_res.float().abs().max(), (kmax * k_scale.abs() + layer.k_zero.float().abs()).max())
+        du = max(du, 2.01 * U * q.abs().sum(-1).amax() * largest_key)
     vmax = max(layer.v_res.float().abs().max(),
                (vmax_code * layer.v_scale.float().abs() + layer.v_zero.float().abs()).max(), v_res.abs().max())
     return float((2 ** (2 * du) - 1 + 3 * U) * vmax) + U * ref.float().abs() + 1e-6
@@ -119,11 +128,26 @@ def unpack_codes(rows, bits, D):
     return ((rows[:, ch * bits // 8] >> (bits * (ch % (8 // bits)))) & (2**bits - 1)).astype(np.float64)
 
 
-def matched_reference(query, layer, counts, params, scale):
+@functools.cache
+def loaded_variant() -> Variant:
+    """The variant of the CUDA kernel this process runs (the default without a GPU)."""
+    if not CUDA:
+        return Variant()
+    from kivi_ops.cuda.loader import load
+
+    stages, residual, _, fold16 = load().variant()
+    return Variant(stages, bool(residual), bool(fold16))
+
+
+def matched_reference(query, layer, counts, params, scale, residual_in_loop=False, fold16=False):
     """The attention computed in float64 with the kernel's own fp16 roundings (q * k_scale and the
     dequantized values of the quantized chunks), but exact p and sums: what is left between it and
     the kernel is p's fp16 rounding and fp32 accumulation, so `matched_bound` is tight and a
     misplaced channel or token shows (the reference bound alone is loose by design).
+    residual_in_loop (KIVI_DECODE_RESIDUAL_IN_LOOP): the tokens past the fully quantized chunks are
+    scored as 16-bit query . 16-bit key (a quantized key dequantized with one rounding) and their
+    quantized values rounded as the chunks' are. fold16 (KIVI_DECODE_FOLD16): q' = 16-bit(16-bit(q) *
+    k_scale), the zero dot over 16-bit q.
     Returns (out [B, Hq, 1, D] float64, per-element tolerance)."""
     kc, ks, kz, kr, vc, vs, vz, vr, lengths = ((t.double() if t.is_floating_point() else t).numpy()
                                                for t in layer.kivi)
@@ -153,14 +177,21 @@ def matched_reference(query, layer, counts, params, scale):
             k_code = unpack_codes(kc[b, h, :L], params.k_bits, D)
             v_code = unpack_codes(vc[b, h, :L], params.v_bits, D)
             s, z = ks[b, h, t // G].astype(np.float64), kz[b, h, t // G].astype(np.float64)
-            q_prime = f16((q[:, None, :] * s[None]).astype(np.float32).astype(np.float64))  # [qg, L, D]
-            terms = np.abs(q_prime * k_code).sum(-1) + np.abs(q[:, None, :] * z[None]).sum(-1)
-            score_fast = (q_prime * k_code).sum(-1) + (q[:, None, :] * z[None]).sum(-1)
+            qz = f16(q) if fold16 else q  # the query the zero dot and q' start from
+            q_prime = f16((qz[:, None, :] * s[None]).astype(np.float32).astype(np.float64))  # [qg, L, D]
+            terms = np.abs(q_prime * k_code).sum(-1) + np.abs(qz[:, None, :] * z[None]).sum(-1)
+            score_fast = (q_prime * k_code).sum(-1) + (qz[:, None, :] * z[None]).sum(-1)
             keys = np.where((t < nqk)[:, None], k_code * s + z, kr[b, h, t % W].astype(np.float64))
-            score = np.where(fast[:, 0][None], score_fast, q @ keys.T)
             vsc, vze = vs[b, h, t][:, ch // Gv].astype(np.float64), vz[b, h, t][:, ch // Gv].astype(np.float64)
             exact = np.where((t < nqv)[:, None], v_code * vsc + vze, vr[b, h, t % W].astype(np.float64))
-            values = np.where(fast, f16(v_code * vsc + vze), exact)
+            if residual_in_loop:  # the rest of the row in 16-bit MMA chunks
+                q16, k16 = f16(q), np.where((t < nqk)[:, None], f16(k_code * s + z), keys)
+                score = np.where(fast[:, 0][None], score_fast, q16 @ k16.T)
+                terms = np.where(fast[:, 0][None], terms, np.abs(q16) @ np.abs(k16).T)
+                values = np.where(fast | (t < nqv)[:, None], f16(v_code * vsc + vze), exact)
+            else:
+                score = np.where(fast[:, 0][None], score_fast, q @ keys.T)
+                values = np.where(fast, f16(v_code * vsc + vze), exact)
             p = np.exp2(score - score.max(-1, keepdims=True))
             o = (p @ values) / p.sum(-1, keepdims=True)
             du = 2 * (D + 8) * 2.0**-24 * terms.max()  # fp32 (and tensor-core) accumulation of a score
@@ -170,12 +201,16 @@ def matched_reference(query, layer, counts, params, scale):
     return torch.from_numpy(out), torch.from_numpy(tol)
 
 
-def check(out, query, layer, counts, params, scale, where=""):
-    """out within the reference's bound and within the rounding-matched reference's tight one."""
+def check(out, query, layer, counts, params, scale, where="", variant=None):
+    """out within the reference's bound and within the rounding-matched reference's tight one, for
+    the kernel built as `variant` (None: as the loaded library is)."""
+    variant = loaded_variant() if variant is None else variant
+    residual_in_loop, fold16 = variant.residual_in_loop, variant.fold16
     ref = attend_reference(query, layer, counts, params, scale)
     err = (out.float() - ref.float()).abs()
-    assert (err <= bound(query, layer, params, scale, ref)).all(), f"{where}: max error vs reference {err.max()}"
-    matched, tol = matched_reference(query, layer, counts, params, scale)
+    assert (err <= bound(query, layer, params, scale, ref, residual_in_loop, fold16)).all(), (
+        f"{where}: max error vs reference {err.max()}")
+    matched, tol = matched_reference(query, layer, counts, params, scale, residual_in_loop, fold16)
     err = (out.double() - matched).abs()
     assert (err <= tol).all(), f"{where}: max error vs the rounding-matched reference {err.max()} (tol {tol.min()})"
 
@@ -409,6 +444,8 @@ def test_default_splits_fill_the_gpu_from_static_shapes():
     assert default_num_splits(rows=1 * 8, max_tokens=32768, sms=132) == 33
     assert default_num_splits(rows=1, max_tokens=300, sms=132) == 2  # never under 128 tokens a split
     assert default_num_splits(rows=1, max_tokens=10**6, sms=132) == 64
+    # a build for 4 blocks per SM (KIVI_DECODE_BLOCKS_PER_SM=4): batch 8 x 32 kv heads at 32K takes 3
+    assert default_num_splits(rows=8 * 32, max_tokens=32768, sms=132, blocks_per_sm=4) == 3
 
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal where there is no CUDA")
@@ -516,6 +553,138 @@ def test_prebuilt_library_builds_and_loads_without_a_gpu(tmp_path):
     lib = Library(path)
     params = DecodeParams(batch=1, kv_heads=1, qg=1, head_dim=64, num_splits=1)
     assert lib.lib.kivi_decode_attend_launch(ctypes.byref(params), None) != 0
+    assert lib.variant() == (1, 0, 2, 0)  # unset macros: the measured kernel
+    defines = ("KIVI_DECODE_STAGES=4", "KIVI_DECODE_RESIDUAL_IN_LOOP=1", "KIVI_DECODE_BLOCKS_PER_SM=4",
+               "KIVI_DECODE_FOLD16=1")
+    assert Library(build(tmp_path / "variant.so", defines=defines)).variant() == (4, 1, 4, 1)
+
+
+# ------------------------------------------------- the compile-time variants (decode_attend.cu)
+
+VARIANTS = {"stages2": Variant(2), "stages4": Variant(4), "residual": Variant(1, True),
+            "residual-stages4": Variant(4, True), "fold16": Variant(1, False, True),
+            "fold16-residual-stages4": Variant(4, True, True)}
+# B2 H1 Hq4 D64 S384 R64: rows of 300 (9 full chunks, 44 more tokens: G, R and chunk boundaries
+# inside the rest) and 77 (2 quantized chunks); 3 splits cut the chunks unevenly
+VARIANT_CASE = (2, 1, 4, 64, 384, 64, [300, 77])
+
+
+def _variant_case(case=VARIANT_CASE, bits=(2, 2), dtype=torch.float16, seed=21):
+    B, H, Hq, D, S, R, lengths = case
+    layer, params = make_layer(B, H, S, D, R, 32, lengths, bits=bits, dtype=dtype)
+    query = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return layer, params, query, D**-0.5
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_emulated_variant_matches_the_reference(name):
+    """Each variant's own code path (the stage ring's copies and slots; the mixed chunks' per-token
+    sources, masks and 16-bit keys) within the reference's bound and the variant's rounding-matched one."""
+    variant = VARIANTS[name]
+    layer, params, query, scale = _variant_case()
+    out = emulate_decode(query, layer, None, params, scale, 3, variant=variant)
+    check(out, query, layer, None, params, scale, name, variant=variant)
+
+
+def test_emulated_stage_ring_is_bit_equal_to_direct_loads():
+    """The ring changes where a chunk's bytes are read, not the arithmetic: 2 and 4 stages give the
+    direct loads' bits, with and without the residual in the loop (2 stages: the slow matrix)."""
+    layer, params, query, scale = _variant_case((1, 1, 4, 64, 256, 64, [230]))
+    for residual in (False, True):
+        direct = emulate_decode(query, layer, None, params, scale, 2, variant=Variant(1, residual))
+        for stages in (4,):
+            assert torch.equal(emulate_decode(query, layer, None, params, scale, 2, variant=Variant(stages, residual)),
+                               direct), (stages, residual)
+
+
+def test_emulated_residual_in_loop_runs_its_own_path():
+    """The mixed chunks are not the tail: the rows' last tokens are scored in 16 bits, not fp32 (the
+    outputs differ), and the fp32 tail's rounding-matched reference does not hold for them."""
+    layer, params, query, scale = _variant_case()
+    mixed = emulate_decode(query, layer, None, params, scale, 3, variant=Variant(1, True))
+    assert not torch.equal(mixed, emulate_decode(query, layer, None, params, scale, 3))
+    matched, tol = matched_reference(query, layer, None, params, scale, residual_in_loop=True)
+    assert ((mixed.double() - matched).abs() <= tol).all()
+
+
+def test_emulated_fold16_runs_its_own_path():
+    """The 16-bit fold rounds q before q * k_scale and takes the zero dot from the MMA: other bits than
+    the fp32 fold's, within its own rounding-matched reference."""
+    layer, params, query, scale = _variant_case()
+    folded = emulate_decode(query, layer, None, params, scale, 2, variant=Variant(1, False, True))
+    assert not torch.equal(folded, emulate_decode(query, layer, None, params, scale, 2))
+    matched, tol = matched_reference(query, layer, None, params, scale, fold16=True)
+    assert ((folded.double() - matched).abs() <= tol).all()
+
+
+def test_emulator_detects_a_wrong_stage_slot(monkeypatch):
+    """The ring comparison can fail: the chunk ahead issued into the slot about to be computed."""
+    from tests import cuda_decode_emulator as emu
+
+    def same_slot(chunks, stages):
+        events = [("issue", chunks[i], i) for i in range(stages - 1) if i < len(chunks)]
+        for i, c in enumerate(chunks):
+            if i + stages - 1 < len(chunks):
+                events.append(("issue", chunks[i + stages - 1], i % stages))
+            events.append(("compute", c, i % stages))
+        return events
+
+    monkeypatch.setattr(emu, "ring_schedule", same_slot)
+    layer, params, query, scale = _variant_case()
+    out = emu.emulate_decode(query, layer, None, params, scale, 1, variant=Variant(2))
+    with pytest.raises(AssertionError, match="max error"):
+        check(out, query, layer, None, params, scale, variant=Variant(2))
+
+
+def test_emulator_detects_residual_tokens_read_as_codes(monkeypatch):
+    """The mixed-chunk comparison can fail: residual tokens read from the (empty) code rows."""
+    from tests import cuda_decode_emulator as emu
+
+    monkeypatch.setattr(emu, "token_source", lambda t, quantized, length: "codes" if t < length else None)
+    layer, params, query, scale = _variant_case()
+    out = emu.emulate_decode(query, layer, None, params, scale, 2, variant=Variant(1, True))
+    with pytest.raises(AssertionError, match="max error"):
+        check(out, query, layer, None, params, scale, variant=Variant(1, True))
+
+
+def test_stage_ring_fits_and_halves_where_it_would_not():
+    from tests.cuda_decode_emulator import stage_layout, stages_built
+
+    assert stage_layout(128, 2, 2)[-1] == 3072  # 1 KB of key codes, 1 KB of value codes, 4 x 256 B of scales
+    assert [stages_built(4, D, 2, 2) for D in (64, 128, 256)] == [4, 4, 2]
+    assert stages_built(4, 256, 4, 4) == 1 and stages_built(2, 256, 4, 4) == 1  # 10 KB a stage: direct loads
+
+
+# (bits, dtype, case, paged page size or None): the wide matrix, every variant on each
+VARIANT_MATRIX = [
+    ((2, 2), torch.float16, (1, 2, 8, 128, 384, 128, [383]), None),
+    ((4, 4), torch.float16, (1, 1, 4, 64, 320, 64, [290]), None),
+    ((2, 4), torch.bfloat16, (1, 1, 2, 128, 256, 64, [250]), None),
+    ((4, 2), torch.bfloat16, (1, 1, 4, 64, 256, 64, [230]), None),
+    ((2, 2), torch.float16, (1, 1, 16, 64, 256, 64, [200]), None),  # GQA 16:1: two query-head tiles
+    ((2, 2), torch.float16, (1, 1, 2, 256, 256, 64, [200]), None),
+    ((4, 4), torch.float16, (1, 1, 2, 256, 192, 64, [170]), None),  # a ring that does not fit: direct loads
+    ((2, 2), torch.float16, (1, 2, 4, 64, 384, 64, [330]), 64),
+    ((4, 2), torch.bfloat16, (1, 1, 8, 128, 256, 64, [230]), 32),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("bits, dtype, case, page_size", VARIANT_MATRIX,
+                         ids=lambda v: v if isinstance(v, (str, int)) else None)
+def test_emulated_variant_matrix(name, bits, dtype, case, page_size):
+    """D 64/128/256, GQA up to 16:1, fp16 and bf16, 2- and 4-bit keys and values, static and paged,
+    rows crossing G, R, the splits and a page, for every variant."""
+    variant = VARIANTS[name]
+    layer, params, query, scale = _variant_case(case, bits, dtype)
+    if page_size is None:
+        out = emulate_decode(query, layer, None, params, scale, 3, variant=variant)
+    else:
+        paged, pages = to_paged(layer, params, page_size)
+        out = emulate_decode(query, paged, None, params, scale, 3, pages, variant=variant)
+        assert torch.equal(out, emulate_decode(query, layer, None, params, scale, 3, variant=variant))
+    check(out, query, layer, None, params, scale, name, variant=variant)
 
 
 # ---------------------------------------------------------------- on a GPU

@@ -64,10 +64,11 @@ def unsupported(layer: LayerTensors, params: QuantParams, q_len: int, query_head
     return None
 
 
-def default_num_splits(rows: int, max_tokens: int, sms: int) -> int:
-    """Splits of the quantized tokens from static shapes only (CUDA-graph safe): about two blocks
-    per SM over the rows * kv heads, never a split of fewer than SPLIT_MIN_TOKENS tokens."""
-    wanted = -(-2 * sms // max(rows, 1))
+def default_num_splits(rows: int, max_tokens: int, sms: int, blocks_per_sm: int = 2) -> int:
+    """Splits of the quantized tokens from static shapes only (CUDA-graph safe): about blocks_per_sm
+    blocks per SM over the rows * kv heads (the kernel's build says how many: KIVI_DECODE_BLOCKS_PER_SM),
+    never a split of fewer than SPLIT_MIN_TOKENS tokens."""
+    wanted = -(-blocks_per_sm * sms // max(rows, 1))
     return max(1, min(wanted, max_tokens // SPLIT_MIN_TOKENS, MAX_SPLITS))
 
 
@@ -101,7 +102,7 @@ def _launch(query, t: LayerTensors, counts, p: QuantParams, scale: float, pages:
     if num_splits is None:
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count
         tiles = -(-query.shape[1] // (H * 8))  # blocks per kv row (8 query heads each)
-        num_splits = default_num_splits(B * H * tiles, S, sms)
+        num_splits = default_num_splits(B * H * tiles, S, sms, ext.variant()[2])
     out = ext.decode_attend(query.to(k_res.dtype).contiguous(), k_codes, k_scale, k_zero, k_res, v_codes, v_scale,
                             v_zero, v_res, lengths, None if counts is None else counts.to(torch.int64).contiguous(),
                             p.group_size, p.residual_length, int(p.flush_policy == OTT), float(scale),

@@ -104,4 +104,9 @@ torch::Tensor decode_attend(torch::Tensor query, torch::Tensor k_codes, torch::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attend", &decode_attend, "KIVI decode attention on tensor cores (decode_attend.cu)");
+  m.def("variant", [] {
+    int stages, residual_in_loop, blocks_per_sm, fold16;
+    kivi_decode_variant(&stages, &residual_in_loop, &blocks_per_sm, &fold16);
+    return std::make_tuple(stages, residual_in_loop, blocks_per_sm, fold16);
+  }, "(stages, residual in the loop, blocks per SM, 16-bit fold) the kernel was compiled as (decode_attend.cu's variants)");
 }

@@ -56,6 +56,37 @@ constexpr int kChunk = 32;   // tokens per warp step (two 16-token MMA tiles)
 constexpr int kHeads = 8;    // query heads per kv head: the MMA's N
 constexpr int kPStride = 36; // p transpose buffer row stride (floats): conflict-free stores, 16-byte rows
 
+// Compile-time variants (lab/cuda_decode_variants.py builds, counts and prices each; the GPU suite
+// times them side by side). Unset: the kernel as it has been measured.
+//   KIVI_DECODE_STAGES = 1, 2, 4: quantized chunks a warp keeps in flight through a cp.async ring
+//     in shared memory (1: direct register loads).
+//   KIVI_DECODE_RESIDUAL_IN_LOOP = 1: the chunk loop walks the rest of the row too (the residual
+//     window and the partly quantized chunks as 16-bit MMA chunks, spread over the splits); no tail block.
+//   KIVI_DECODE_BLOCKS_PER_SM: the split count attend.py sizes the grid for (kivi_decode_variant).
+//   KIVI_DECODE_FOLD16 = 1: the key fold in 16 bits: q' = q16 * k_scale by one fma2 per channel pair
+//     (q rounded to 16 bits first: two roundings), and the zero dot q16 . z by one MMA per k-step
+//     with the zeros as every token row of A (the bias lands in each lane's own accumulator: no
+//     conversions, no shuffles).
+#ifndef KIVI_DECODE_STAGES
+#define KIVI_DECODE_STAGES 1
+#endif
+#ifndef KIVI_DECODE_RESIDUAL_IN_LOOP
+#define KIVI_DECODE_RESIDUAL_IN_LOOP 0
+#endif
+#ifndef KIVI_DECODE_BLOCKS_PER_SM
+#define KIVI_DECODE_BLOCKS_PER_SM 2
+#endif
+#ifndef KIVI_DECODE_FOLD16
+#define KIVI_DECODE_FOLD16 0
+#endif
+static_assert(KIVI_DECODE_STAGES == 1 || KIVI_DECODE_STAGES == 2 || KIVI_DECODE_STAGES == 4,
+              "KIVI_DECODE_STAGES must be 1, 2 or 4");
+constexpr int kStages = KIVI_DECODE_STAGES;
+constexpr bool kResidualInLoop = KIVI_DECODE_RESIDUAL_IN_LOOP != 0;
+constexpr bool kFold16 = KIVI_DECODE_FOLD16 != 0;
+constexpr int kTailSplits = kResidualInLoop ? 0 : 1;  // grid columns after the quantized splits
+constexpr int kRingLimit = 64 * 1024;                 // the most shared memory a block's ring takes
+
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
@@ -194,21 +225,31 @@ __device__ __forceinline__ int v_channel(int mt, int g, int row8) {
 
 // N consecutive 32-bit words of a code row (N = 1, 2, 4: one vector load; 8: two, 4-bit keys at
 // D = 256), or its first 16 bits (N = 0: a 2-byte share, 2-bit values at D = 64).
-template <int N>
+template <typename V, bool GLOBAL>
+__device__ __forceinline__ V load(const V* p) {
+  if constexpr (GLOBAL) {
+    return __ldg(p);
+  } else {
+    return *p;
+  }
+}
+
+template <int N, bool GLOBAL = true>
 __device__ __forceinline__ void load_words(const uint8_t* row, uint32_t (&w)[N > 0 ? N : 1]) {
   if constexpr (N == 8) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4*>(row)), v = __ldg(reinterpret_cast<const uint4*>(row) + 1);
+    const uint4 u = load<uint4, GLOBAL>(reinterpret_cast<const uint4*>(row));
+    const uint4 v = load<uint4, GLOBAL>(reinterpret_cast<const uint4*>(row) + 1);
     w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w, w[4] = v.x, w[5] = v.y, w[6] = v.z, w[7] = v.w;
   } else if constexpr (N == 4) {
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(row));
+    const uint4 v = load<uint4, GLOBAL>(reinterpret_cast<const uint4*>(row));
     w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
   } else if constexpr (N == 2) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(row));
+    const uint2 v = load<uint2, GLOBAL>(reinterpret_cast<const uint2*>(row));
     w[0] = v.x, w[1] = v.y;
   } else if constexpr (N == 1) {
-    w[0] = __ldg(reinterpret_cast<const uint32_t*>(row));
+    w[0] = load<uint32_t, GLOBAL>(reinterpret_cast<const uint32_t*>(row));
   } else {
-    w[0] = __ldg(reinterpret_cast<const uint16_t*>(row));
+    w[0] = load<uint16_t, GLOBAL>(reinterpret_cast<const uint16_t*>(row));
   }
 }
 
@@ -258,43 +299,238 @@ struct Merge {
   float m[kWarps][kHeads], l[kWarps][kHeads];
 };
 
-// One warp's quantized chunks [c, c_end) step kWarps. Writes its (m, l, acc) into `merge`.
+// One stage of the cp.async ring (a warp's chunk in shared memory): the chunk's key and value code
+// rows, its key group's scales and zeros, its tokens' value scales and zeros (at most D / 32 value
+// groups per token: Gv >= 32). Every part is a multiple of 16 bytes, every offset 16-aligned.
+template <int D, int KB, int VB>
+struct Stage {
+  static constexpr int kKeys = kChunk * D * KB / 8, kValues = kChunk * D * VB / 8;
+  static constexpr int kKeyScales = 2 * D, kValueScales = kChunk * 2 * (D / 32);
+  static constexpr int kV = kKeys, kKS = kV + kValues, kKZ = kKS + kKeyScales, kVS = kKZ + kKeyScales;
+  static constexpr int kVZ = kVS + kValueScales, kBytes = kVZ + kValueScales;
+  // the stages built: KIVI_DECODE_STAGES, halved while the block's ring would pass 64 KB (D = 256 at
+  // 4-bit codes: one stage, the direct loads)
+  static constexpr int kStagesBuilt = kStages == 4 && 4 * kWarps * kBytes <= kRingLimit   ? 4
+                                      : kStages >= 2 && 2 * kWarps * kBytes <= kRingLimit ? 2
+                                                                                          : 1;
+  static constexpr int kRing = kStagesBuilt > 1 ? kStagesBuilt * kWarps * kBytes : 0;  // dynamic shared bytes per block
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+// The warp copies BYTES (a multiple of 16) from global to shared memory, or only the first `bytes`
+// where given: lane copies the 16-byte pieces lane, lane + 32, ...
+template <int BYTES>
+__device__ __forceinline__ void warp_copy(uint8_t* dst, const void* src, int lane, int bytes = -1) {
+#pragma unroll
+  for (int k = 0; k < (BYTES + 511) / 512; ++k) {
+    const int i = 16 * lane + 512 * k;
+    if ((BYTES % 512 == 0 && bytes < 0) || i < (bytes < 0 ? BYTES : bytes)) {
+      cp_async16(dst + i, static_cast<const uint8_t*>(src) + i);
+    }
+  }
+}
+
+// Where a quantized chunk's data is read: global memory (GLOBAL: __ldg) or a stage.
+template <typename T>
+struct ChunkSource {
+  const uint8_t *k_codes, *v_codes;  // row 0 of the chunk
+  const T *k_scale, *k_zero;         // the chunk's key group
+  const T *v_scale, *v_zero;         // row 0 of the chunk, ngv per row
+};
+
+// A warp's softmax state: heads 2 tig and 2 tig + 1 (m, l), and its output fragment.
+template <int D>
+struct WarpState {
+  float acc[D / 16][4];
+  float m0, m1, l0, l1;
+};
+
 template <int D, int KB, int VB, bool PAGED, typename T>
-__device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], float (*p_s)[kPStride], Merge<D>& merge,
-                                 int b, int h, int c, int c_end) {
+__device__ __forceinline__ ChunkSource<T> global_source(const DecodeParams& p, int b, int h, int t0, int ngv) {
+  size_t r0, kr;
+  token_rows<PAGED>(p, b, h, t0, r0, kr);
+  return {p.k_codes + r0 * (D * KB / 8), p.v_codes + r0 * (D * VB / 8),
+          reinterpret_cast<const T*>(p.k_scale) + kr * D, reinterpret_cast<const T*>(p.k_zero) + kr * D,
+          reinterpret_cast<const T*>(p.v_scale) + r0 * ngv, reinterpret_cast<const T*>(p.v_zero) + r0 * ngv};
+}
+
+// Issue the cp.async copies of a chunk's data into `stage` (one commit group is the caller's).
+template <int D, int KB, int VB, typename T>
+__device__ __forceinline__ void issue_stage(uint8_t* stage, const ChunkSource<T>& g, int ngv, int lane) {
+  using S = Stage<D, KB, VB>;
+  warp_copy<S::kKeys>(stage, g.k_codes, lane);
+  warp_copy<S::kValues>(stage + S::kV, g.v_codes, lane);
+  warp_copy<S::kKeyScales>(stage + S::kKS, g.k_scale, lane);
+  warp_copy<S::kKeyScales>(stage + S::kKZ, g.k_zero, lane);
+  warp_copy<S::kValueScales>(stage + S::kVS, g.v_scale, lane, kChunk * 2 * ngv);
+  warp_copy<S::kValueScales>(stage + S::kVZ, g.v_zero, lane, kChunk * 2 * ngv);
+}
+
+template <int D, int KB, int VB, typename T>
+__device__ __forceinline__ ChunkSource<T> stage_source(const uint8_t* stage) {
+  using S = Stage<D, KB, VB>;
+  return {stage, stage + S::kV, reinterpret_cast<const T*>(stage + S::kKS), reinterpret_cast<const T*>(stage + S::kKZ),
+          reinterpret_cast<const T*>(stage + S::kVS), reinterpret_cast<const T*>(stage + S::kVZ)};
+}
+
+// The key A fragment (a0..a3) of k-step s: the exact codes as 16-bit pairs, from a lane's words of
+// rows g (w0) and g + 8 (w1).
+template <int KB, typename T>
+__device__ __forceinline__ void key_codes(uint32_t w0, uint32_t w1, int s, uint32_t& a0, uint32_t& a1, uint32_t& a2,
+                                          uint32_t& a3) {
+  using N = Num<T>;
+  if constexpr (KB == 2 && N::kShiftHigh) {
+    // bf16: codes 0 and 1 of byte s % 4 as below; codes 2 and 3 from the word shifted by 4, where
+    // they sit at codes 0 and 1's bits (128 + 4 * 3 at most: no carry into the exponent).
+    const uint32_t sel = (s % 4) * 0x0101u;
+    const uint32_t x0 = prmt(w0, 0, sel), x1 = prmt(w1, 0, sel);
+    const uint32_t y0 = prmt(w0 >> 4, 0, sel), y1 = prmt(w1 >> 4, 0, sel);
+    a0 = N::fma2(magic<0x000C0003u, 0x43004300u>(x0), 0x3E803F80u, 0xC200C300u);
+    a1 = N::fma2(magic<0x000C0003u, 0x43004300u>(x1), 0x3E803F80u, 0xC200C300u);
+    a2 = N::fma2(magic<0x000C0003u, 0x43004300u>(y0), 0x3E803F80u, 0xC200C300u);
+    a3 = N::fma2(magic<0x000C0003u, 0x43004300u>(y1), 0x3E803F80u, 0xC200C300u);
+  } else if constexpr (N::kShiftHigh) {
+    // bf16, 4-bit: byte b of the word into byte 0, byte b of the word shifted by 4 (its high
+    // nibble low) into byte 2; one mask takes both nibbles as 128 + c.
+    const int lo = 2 * (s % 2), hi = lo + 1;
+    const uint32_t x0 = prmt(w0, w0 >> 4, lo | (4 + lo) << 8), x1 = prmt(w1, w1 >> 4, lo | (4 + lo) << 8);
+    const uint32_t y0 = prmt(w0, w0 >> 4, hi | (4 + hi) << 8), y1 = prmt(w1, w1 >> 4, hi | (4 + hi) << 8);
+    a0 = N::fma2(magic<0x000F000Fu, 0x43004300u>(x0), 0x3F803F80u, 0xC300C300u);
+    a1 = N::fma2(magic<0x000F000Fu, 0x43004300u>(x1), 0x3F803F80u, 0xC300C300u);
+    a2 = N::fma2(magic<0x000F000Fu, 0x43004300u>(y0), 0x3F803F80u, 0xC300C300u);
+    a3 = N::fma2(magic<0x000F000Fu, 0x43004300u>(y1), 0x3F803F80u, 0xC300C300u);
+  } else if constexpr (KB == 2) {
+    const uint32_t sel = (s % 4) * 0x0101u;  // byte s % 4 into bytes 0 and 2 (1 and 3: masked off)
+    const uint32_t x0 = prmt(w0, 0, sel), x1 = prmt(w1, 0, sel);
+    // k index 2 tig + {0, 1}: codes 0 and 1 of the byte; 2 tig + 8 + {0, 1}: codes 2 and 3.
+    a0 = N::fma2(magic<0x000C0003u, 0x64006400u>(x0), 0x34003C00u, 0xDC00E400u);
+    a1 = N::fma2(magic<0x000C0003u, 0x64006400u>(x1), 0x34003C00u, 0xDC00E400u);
+    a2 = N::fma2(magic<0x00C00030u, 0x64006400u>(x0), 0x24002C00u, 0xCC00D400u);
+    a3 = N::fma2(magic<0x00C00030u, 0x64006400u>(x1), 0x24002C00u, 0xCC00D400u);
+  } else {
+    // k index 2 tig + {0, 1}: the two nibbles of byte 2 (s % 2); 2 tig + 8 + {0, 1}: of the next byte.
+    const uint32_t lo = 2 * (s % 2) * 0x0101u, hi = lo + 0x0101u;
+    const uint32_t x0 = prmt(w0, 0, lo), x1 = prmt(w1, 0, lo);
+    const uint32_t y0 = prmt(w0, 0, hi), y1 = prmt(w1, 0, hi);
+    a0 = N::fma2(magic<0x00F0000Fu, 0x64006400u>(x0), 0x2C003C00u, 0xD400E400u);
+    a1 = N::fma2(magic<0x00F0000Fu, 0x64006400u>(x1), 0x2C003C00u, 0xD400E400u);
+    a2 = N::fma2(magic<0x00F0000Fu, 0x64006400u>(y0), 0x2C003C00u, 0xD400E400u);
+    a3 = N::fma2(magic<0x00F0000Fu, 0x64006400u>(y1), 0x2C003C00u, 0xD400E400u);
+  }
+}
+
+// The value A fragments of k-step half ks (tokens 16 ks + 4 tig + {0..3} of the chunk) for every
+// m-tile: v = v_scale * code + v_zero in 16 bits, tokens (0, 1) / (2, 3) in the low / high halves of
+// registers 0, 1 / 2, 3 (rows g / g + 8). w: the 4 tokens' words, S01 .. Z23 their scales and zeros.
+template <int D, int VB, typename T>
+__device__ __forceinline__ void value_fragments(const uint32_t (&w)[4][(D * VB / 64) / 4 > 0 ? (D * VB / 64) / 4 : 1],
+                                                uint32_t S01, uint32_t S23, uint32_t Z01, uint32_t Z23,
+                                                uint32_t (&a)[D / 16][4]) {
+  using N = Num<T>;
+  constexpr int VBPT = D * VB / 64;
+#pragma unroll
+  for (int j = 0; j < VBPT; ++j) {
+    const uint32_t sel = (j % 4) | ((4 + j % 4) << 8);  // byte j of tokens (0, 1) / (2, 3) into bytes 0 and 2
+    const uint32_t x01 = prmt(w[0][j / 4], w[1][j / 4], sel), x23 = prmt(w[2][j / 4], w[3][j / 4], sel);
+    if constexpr (VB == 2) {
+      // m-tile 2j: rows g / g + 8 are codes 0 / 1 of byte j; m-tile 2j + 1: codes 2 / 3.
+      a[2 * j][0] = N::fma2(codes_at<T, 2, 0>(x01), S01, Z01), a[2 * j][1] = N::fma2(codes_at<T, 2, 1>(x01), S01, Z01);
+      a[2 * j][2] = N::fma2(codes_at<T, 2, 0>(x23), S23, Z23), a[2 * j][3] = N::fma2(codes_at<T, 2, 1>(x23), S23, Z23);
+      a[2 * j + 1][0] = N::fma2(codes_at<T, 2, 2>(x01), S01, Z01);
+      a[2 * j + 1][1] = N::fma2(codes_at<T, 2, 3>(x01), S01, Z01);
+      a[2 * j + 1][2] = N::fma2(codes_at<T, 2, 2>(x23), S23, Z23);
+      a[2 * j + 1][3] = N::fma2(codes_at<T, 2, 3>(x23), S23, Z23);
+    } else {
+      // m-tile j: rows g / g + 8 are the low / high nibble of byte j.
+      a[j][0] = N::fma2(codes_at<T, 4, 0>(x01), S01, Z01), a[j][1] = N::fma2(codes_at<T, 4, 1>(x01), S01, Z01);
+      a[j][2] = N::fma2(codes_at<T, 4, 0>(x23), S23, Z23), a[j][3] = N::fma2(codes_at<T, 4, 1>(x23), S23, Z23);
+    }
+  }
+}
+
+// Online softmax (base 2) per head over the chunk's scores (heads 2 tig: c0, c2; 2 tig + 1: c1, c3),
+// p into the warp's transpose buffer, the output rescaled.
+template <int D>
+__device__ __forceinline__ void online_softmax(const float (&sc)[2][4], float bias0, float bias1, float (*p_s)[kPStride],
+                                               WarpState<D>& st, int g, int tig) {
+  float mx0 = fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2])) + bias0;
+  float mx1 = fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3])) + bias1;
+#pragma unroll
+  for (int off = 4; off < 32; off *= 2) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+  }
+  const float n0 = fmaxf(st.m0, mx0), n1 = fmaxf(st.m1, mx1);
+  const float al0 = fast_exp2(st.m0 - n0), al1 = fast_exp2(st.m1 - n1);
+  st.m0 = n0;
+  st.m1 = n1;
+  st.l0 *= al0;
+  st.l1 *= al1;
+  __syncwarp();  // the previous chunk's p reads are done
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    const float p00 = fast_exp2(sc[mt][0] + bias0 - n0), p01 = fast_exp2(sc[mt][1] + bias1 - n1);
+    const float p10 = fast_exp2(sc[mt][2] + bias0 - n0), p11 = fast_exp2(sc[mt][3] + bias1 - n1);
+    st.l0 += p00 + p10;
+    st.l1 += p01 + p11;
+    p_s[2 * tig][16 * mt + g] = p00;
+    p_s[2 * tig + 1][16 * mt + g] = p01;
+    p_s[2 * tig][16 * mt + g + 8] = p10;
+    p_s[2 * tig + 1][16 * mt + g + 8] = p11;
+  }
+#pragma unroll
+  for (int mt = 0; mt < D / 16; ++mt) {
+    st.acc[mt][0] *= al0;
+    st.acc[mt][1] *= al1;
+    st.acc[mt][2] *= al0;
+    st.acc[mt][3] *= al1;
+  }
+  __syncwarp();
+}
+
+// One fully quantized chunk (32 tokens of one key group) from `src`: global memory (GLOBAL) or a stage.
+template <int D, int KB, int VB, typename T, bool GLOBAL>
+__device__ __forceinline__ void quantized_chunk(const float (*q_s)[D], float (*p_s)[kPStride], const ChunkSource<T>& src,
+                                                int ngv, int vgroup, WarpState<D>& st) {
   using N = Num<T>;
   constexpr int KS = D / 16, MT = D / 16;
   constexpr int KROW = D * KB / 8, VROW = D * VB / 8;  // bytes of a token's key / value codes
   constexpr int KWPT = KROW / 16, VBPT = VROW / 8, VW = VBPT / 4;  // words per lane, bytes per lane group
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
-  const int Gv = min(p.group, D), ngv = D / Gv;
-  const int vgroup = g * (D / 8) / Gv;  // this lane group's value group (its D / 8 channels lie in one)
-
-  float acc[MT][4];
+  const int lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
+  // q' = q * k_scale of head g over this lane's channels, and the zero dot q . z (partial).
+  uint32_t qk[KS][2];
+  float bias0, bias1;
+  if constexpr (kFold16) {
+    float zsc[4] = {0.f, 0.f, 0.f, 0.f};  // rows g, g + 8 (equal) x heads 2 tig, 2 tig + 1
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // heads 2 tig and 2 tig + 1
-
-  for (; c < c_end; c += kWarps) {
-    const int t0 = c * kChunk;
-    // The chunk's rows (consecutive: one page holds the chunk) and its key group's row.
-    size_t r0, kr;
-    token_rows<PAGED>(p, b, h, t0, r0, kr);
-    const uint8_t* k_codes = p.k_codes + r0 * KROW;
-    const uint8_t* v_codes = p.v_codes + r0 * VROW;
-    const T* v_scale = reinterpret_cast<const T*>(p.v_scale) + r0 * ngv;
-    const T* v_zero = reinterpret_cast<const T*>(p.v_zero) + r0 * ngv;
-    const T* k_scale = reinterpret_cast<const T*>(p.k_scale) + kr * D;
-    const T* k_zero = reinterpret_cast<const T*>(p.k_zero) + kr * D;
-    // q' = q * k_scale of head g over this lane's channels, and the zero dot q . z (partial).
-    uint32_t qk[KS][2];
+    for (int s = 0; s < KS; ++s) {
+      const int ch = k_channel<D, KB>(s, tig, 0);
+      const float4 qv = *reinterpret_cast<const float4*>(&q_s[g][ch]);
+      const uint2 sv = *reinterpret_cast<const uint2*>(src.k_scale + ch), zv = *reinterpret_cast<const uint2*>(src.k_zero + ch);
+      const uint32_t q01 = N::pack(qv.x, qv.y), q23 = N::pack(qv.z, qv.w);
+      qk[s][0] = N::fma2(q01, sv.x, 0x80008000u);  // + (-0): the product, rounded once
+      qk[s][1] = N::fma2(q23, sv.y, 0x80008000u);
+      N::mma(zsc, zv.x, zv.x, zv.y, zv.y, q01, q23);
+    }
+    bias0 = zsc[0];
+    bias1 = zsc[1];
+  } else {
     float zdot = 0.f;
 #pragma unroll
     for (int s = 0; s < KS; ++s) {
       const int ch = k_channel<D, KB>(s, tig, 0);
       const float4 qv = *reinterpret_cast<const float4*>(&q_s[g][ch]);
-      const uint2 sv = *reinterpret_cast<const uint2*>(k_scale + ch);  // 4 channels' scales and zeros
-      const uint2 zv = *reinterpret_cast<const uint2*>(k_zero + ch);
+      const uint2 sv = *reinterpret_cast<const uint2*>(src.k_scale + ch);  // 4 channels' scales and zeros
+      const uint2 zv = *reinterpret_cast<const uint2*>(src.k_zero + ch);
       const T* s4 = reinterpret_cast<const T*>(&sv);
       const T* z4 = reinterpret_cast<const T*>(&zv);
       qk[s][0] = N::pack(qv.x * N::to_float(s4[0]), qv.y * N::to_float(s4[1]));
@@ -304,155 +540,232 @@ __device__ void quantized_chunks(const DecodeParams& p, const float (*q_s)[D], f
     }
     zdot += __shfl_xor_sync(0xffffffffu, zdot, 1);
     zdot += __shfl_xor_sync(0xffffffffu, zdot, 2);
-    const float bias0 = __shfl_sync(0xffffffffu, zdot, 8 * tig);      // head 2 tig lives in group 2 tig
-    const float bias1 = __shfl_sync(0xffffffffu, zdot, 8 * tig + 4);  // head 2 tig + 1
+    bias0 = __shfl_sync(0xffffffffu, zdot, 8 * tig);      // head 2 tig lives in group 2 tig
+    bias1 = __shfl_sync(0xffffffffu, zdot, 8 * tig + 4);  // head 2 tig + 1
+  }
 
-    // Scores of the chunk's 32 tokens: m-tile mt holds tokens t0 + 16 mt + {g, g + 8}.
-    float sc[2][4];
+  // Scores of the chunk's 32 tokens: m-tile mt holds tokens t0 + 16 mt + {g, g + 8}.
+  float sc[2][4];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      uint32_t w[2][KWPT];  // rows g and g + 8
+  for (int mt = 0; mt < 2; ++mt) {
+    uint32_t w[2][KWPT];  // rows g and g + 8
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        load_words<KWPT>(k_codes + static_cast<size_t>(16 * mt + g + 8 * r) * KROW + 4 * KWPT * tig, w[r]);
+    for (int r = 0; r < 2; ++r) {
+      load_words<KWPT, GLOBAL>(src.k_codes + static_cast<size_t>(16 * mt + g + 8 * r) * KROW + 4 * KWPT * tig, w[r]);
+    }
+    sc[mt][0] = sc[mt][1] = sc[mt][2] = sc[mt][3] = 0.f;
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+      uint32_t a0, a1, a2, a3;
+      key_codes<KB, T>(w[0][KB == 2 ? s / 4 : s / 2], w[1][KB == 2 ? s / 4 : s / 2], s, a0, a1, a2, a3);
+      N::mma(sc[mt], a0, a1, a2, a3, qk[s][0], qk[s][1]);
+    }
+  }
+  online_softmax(sc, bias0, bias1, p_s, st, g, tig);
+
+  // PV: k-step ks covers tokens t0 + 16 ks + 4 tig + {0..3} (k index 2 tig + e <-> token 4 tig + e,
+  // 2 tig + 8 + e <-> token 4 tig + 2 + e), head g.
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+    const float4 pv = *reinterpret_cast<const float4*>(&p_s[g][16 * ks + 4 * tig]);
+    const uint32_t b0 = N::pack(pv.x, pv.y), b1 = N::pack(pv.z, pv.w);
+    const int t = 16 * ks + 4 * tig;  // relative to the chunk's first row
+    uint32_t w[4][VW > 0 ? VW : 1];
+    T sc_h[4], zr_h[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      load_words<VW, GLOBAL>(src.v_codes + static_cast<size_t>(t + e) * VROW + g * VBPT, w[e]);
+      sc_h[e] = src.v_scale[static_cast<size_t>(t + e) * ngv + vgroup];
+      zr_h[e] = src.v_zero[static_cast<size_t>(t + e) * ngv + vgroup];
+    }
+    const uint32_t S01 = bits_of(sc_h[0]) | bits_of(sc_h[1]) << 16, S23 = bits_of(sc_h[2]) | bits_of(sc_h[3]) << 16;
+    const uint32_t Z01 = bits_of(zr_h[0]) | bits_of(zr_h[1]) << 16, Z23 = bits_of(zr_h[2]) | bits_of(zr_h[3]) << 16;
+    uint32_t a[MT][4];
+    value_fragments<D, VB, T>(w, S01, S23, Z01, Z23, a);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) N::mma(st.acc[mt], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
+  }
+}
+
+// A chunk that is not fully quantized (residual in the loop): tokens [t0, t0 + 32) of the row, each
+// key a quantized one (t < nqk), a residual one (t < L) or none (masked), each value likewise with
+// nqv. The keys are dequantized in 16 bits (v_scale * code + v_zero, one rounding) and meet the
+// unscaled 16-bit query in the MMA (no fold: the chunk's rows mix sources); values as the quantized
+// chunk's, the residual tokens' own 16 bits in their halves.
+template <int D, int KB, int VB, bool PAGED, typename T>
+__device__ __forceinline__ void mixed_chunk(const DecodeParams& p, const float (*q_s)[D], float (*p_s)[kPStride], int b,
+                                            int h, int t0, const RowCounts& rc, int ngv, int vgroup, WarpState<D>& st) {
+  using N = Num<T>;
+  constexpr int KS = D / 16, MT = D / 16;
+  constexpr int KROW = D * KB / 8, VROW = D * VB / 8;
+  constexpr int KWPT = KROW / 16, VBPT = VROW / 8, VW = VBPT / 4;
+  constexpr int RW = D / 16;  // words of a lane group's D / 8 residual values
+  const int lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
+  const ChunkSource<T> src = global_source<D, KB, VB, PAGED, T>(p, b, h, t0, ngv);
+  const size_t bh = static_cast<size_t>(b) * p.kv_heads + h;
+  const T *k_res = reinterpret_cast<const T*>(p.k_res), *v_res = reinterpret_cast<const T*>(p.v_res);
+
+  float sc[2][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    uint32_t w[2][KWPT];
+    bool quant[2];
+    const T* res[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int t = t0 + 16 * mt + g + 8 * r;
+      quant[r] = t < rc.nqk;
+      res[r] = t < rc.length ? k_res + (bh * p.slots + t % p.slots) * D : nullptr;
+      if (quant[r]) {
+        load_words<KWPT, true>(src.k_codes + static_cast<size_t>(16 * mt + g + 8 * r) * KROW + 4 * KWPT * tig, w[r]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < KWPT; ++i) w[r][i] = 0;
       }
-      sc[mt][0] = sc[mt][1] = sc[mt][2] = sc[mt][3] = 0.f;
+    }
+    sc[mt][0] = sc[mt][1] = sc[mt][2] = sc[mt][3] = 0.f;
 #pragma unroll
-      for (int s = 0; s < KS; ++s) {
-        uint32_t a0, a1, a2, a3;
-        if constexpr (KB == 2 && N::kShiftHigh) {
-          // bf16: codes 0 and 1 of byte s % 4 as below; codes 2 and 3 from the word shifted by 4, where
-          // they sit at codes 0 and 1's bits (128 + 4 * 3 at most: no carry into the exponent).
-          const uint32_t sel = (s % 4) * 0x0101u;
-          const uint32_t x0 = prmt(w[0][s / 4], 0, sel), x1 = prmt(w[1][s / 4], 0, sel);
-          const uint32_t y0 = prmt(w[0][s / 4] >> 4, 0, sel), y1 = prmt(w[1][s / 4] >> 4, 0, sel);
-          a0 = N::fma2(magic<0x000C0003u, 0x43004300u>(x0), 0x3E803F80u, 0xC200C300u);
-          a1 = N::fma2(magic<0x000C0003u, 0x43004300u>(x1), 0x3E803F80u, 0xC200C300u);
-          a2 = N::fma2(magic<0x000C0003u, 0x43004300u>(y0), 0x3E803F80u, 0xC200C300u);
-          a3 = N::fma2(magic<0x000C0003u, 0x43004300u>(y1), 0x3E803F80u, 0xC200C300u);
-        } else if constexpr (N::kShiftHigh) {
-          // bf16, 4-bit: byte b of the word into byte 0, byte b of the word shifted by 4 (its high
-          // nibble low) into byte 2; one mask takes both nibbles as 128 + c.
-          const int lo = 2 * (s % 2), hi = lo + 1;
-          const uint32_t wa = w[0][s / 2], wb = w[1][s / 2];
-          const uint32_t x0 = prmt(wa, wa >> 4, lo | (4 + lo) << 8), x1 = prmt(wb, wb >> 4, lo | (4 + lo) << 8);
-          const uint32_t y0 = prmt(wa, wa >> 4, hi | (4 + hi) << 8), y1 = prmt(wb, wb >> 4, hi | (4 + hi) << 8);
-          a0 = N::fma2(magic<0x000F000Fu, 0x43004300u>(x0), 0x3F803F80u, 0xC300C300u);
-          a1 = N::fma2(magic<0x000F000Fu, 0x43004300u>(x1), 0x3F803F80u, 0xC300C300u);
-          a2 = N::fma2(magic<0x000F000Fu, 0x43004300u>(y0), 0x3F803F80u, 0xC300C300u);
-          a3 = N::fma2(magic<0x000F000Fu, 0x43004300u>(y1), 0x3F803F80u, 0xC300C300u);
-        } else if constexpr (KB == 2) {
-          const uint32_t sel = (s % 4) * 0x0101u;  // byte s % 4 into bytes 0 and 2 (1 and 3: masked off)
-          const uint32_t x0 = prmt(w[0][s / 4], 0, sel), x1 = prmt(w[1][s / 4], 0, sel);
-          // k index 2 tig + {0, 1}: codes 0 and 1 of the byte; 2 tig + 8 + {0, 1}: codes 2 and 3.
-          a0 = N::fma2(magic<0x000C0003u, 0x64006400u>(x0), 0x34003C00u, 0xDC00E400u);
-          a1 = N::fma2(magic<0x000C0003u, 0x64006400u>(x1), 0x34003C00u, 0xDC00E400u);
-          a2 = N::fma2(magic<0x00C00030u, 0x64006400u>(x0), 0x24002C00u, 0xCC00D400u);
-          a3 = N::fma2(magic<0x00C00030u, 0x64006400u>(x1), 0x24002C00u, 0xCC00D400u);
-        } else {
-          // k index 2 tig + {0, 1}: the two nibbles of byte 2 (s % 2); 2 tig + 8 + {0, 1}: of the next byte.
-          const uint32_t lo = 2 * (s % 2) * 0x0101u, hi = lo + 0x0101u;
-          const uint32_t x0 = prmt(w[0][s / 2], 0, lo), x1 = prmt(w[1][s / 2], 0, lo);
-          const uint32_t y0 = prmt(w[0][s / 2], 0, hi), y1 = prmt(w[1][s / 2], 0, hi);
-          a0 = N::fma2(magic<0x00F0000Fu, 0x64006400u>(x0), 0x2C003C00u, 0xD400E400u);
-          a1 = N::fma2(magic<0x00F0000Fu, 0x64006400u>(x1), 0x2C003C00u, 0xD400E400u);
-          a2 = N::fma2(magic<0x00F0000Fu, 0x64006400u>(y0), 0x2C003C00u, 0xD400E400u);
-          a3 = N::fma2(magic<0x00F0000Fu, 0x64006400u>(y1), 0x2C003C00u, 0xD400E400u);
+    for (int s = 0; s < KS; ++s) {
+      const int ch = k_channel<D, KB>(s, tig, 0);
+      const float4 qv = *reinterpret_cast<const float4*>(&q_s[g][ch]);
+      const uint2 sv = *reinterpret_cast<const uint2*>(src.k_scale + ch), zv = *reinterpret_cast<const uint2*>(src.k_zero + ch);
+      uint32_t a0, a1, a2, a3;
+      key_codes<KB, T>(w[0][KB == 2 ? s / 4 : s / 2], w[1][KB == 2 ? s / 4 : s / 2], s, a0, a1, a2, a3);
+      // rows g (a0: channels ch, ch + 1; a2: ch + 2, ch + 3) and g + 8 (a1, a3)
+      uint2 r0 = make_uint2(0, 0), r1 = make_uint2(0, 0);
+      if (!quant[0] && res[0] != nullptr) r0 = *reinterpret_cast<const uint2*>(res[0] + ch);
+      if (!quant[1] && res[1] != nullptr) r1 = *reinterpret_cast<const uint2*>(res[1] + ch);
+      a0 = quant[0] ? N::fma2(a0, sv.x, zv.x) : r0.x;
+      a2 = quant[0] ? N::fma2(a2, sv.y, zv.y) : r0.y;
+      a1 = quant[1] ? N::fma2(a1, sv.x, zv.x) : r1.x;
+      a3 = quant[1] ? N::fma2(a3, sv.y, zv.y) : r1.y;
+      N::mma(sc[mt], a0, a1, a2, a3, N::pack(qv.x, qv.y), N::pack(qv.z, qv.w));
+    }
+    if (t0 + 16 * mt + g >= rc.length) sc[mt][0] = sc[mt][1] = -INFINITY;
+    if (t0 + 16 * mt + g + 8 >= rc.length) sc[mt][2] = sc[mt][3] = -INFINITY;
+  }
+  online_softmax(sc, 0.f, 0.f, p_s, st, g, tig);
+
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+    const float4 pv = *reinterpret_cast<const float4*>(&p_s[g][16 * ks + 4 * tig]);
+    const uint32_t b0 = N::pack(pv.x, pv.y), b1 = N::pack(pv.z, pv.w);
+    const int t = 16 * ks + 4 * tig;
+    uint32_t w[4][VW > 0 ? VW : 1], rv[4][RW];
+    uint16_t sc_h[4], zr_h[4];
+    bool resid[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = t0 + t + e;
+      const bool quant = tok < rc.nqv;
+      resid[e] = !quant && tok < rc.length;
+#pragma unroll
+      for (int i = 0; i < (VW > 0 ? VW : 1); ++i) w[e][i] = 0;
+      sc_h[e] = zr_h[e] = 0;  // a token that is neither: codes, scale and zero 0, so v = 0
+      if (quant) {
+        load_words<VW, true>(src.v_codes + static_cast<size_t>(t + e) * VROW + g * VBPT, w[e]);
+        sc_h[e] = bits_of(src.v_scale[static_cast<size_t>(t + e) * ngv + vgroup]);
+        zr_h[e] = bits_of(src.v_zero[static_cast<size_t>(t + e) * ngv + vgroup]);
+      }
+#pragma unroll
+      for (int i = 0; i < RW; ++i) rv[e][i] = 0;
+      if (resid[e]) {
+        const uint4* row = reinterpret_cast<const uint4*>(v_res + (bh * p.slots + tok % p.slots) * D + g * (D / 8));
+#pragma unroll
+        for (int i = 0; i < RW / 4; ++i) {
+          const uint4 x = row[i];
+          rv[e][4 * i] = x.x, rv[e][4 * i + 1] = x.y, rv[e][4 * i + 2] = x.z, rv[e][4 * i + 3] = x.w;
         }
-        N::mma(sc[mt], a0, a1, a2, a3, qk[s][0], qk[s][1]);
       }
     }
-
-    // Online softmax (base 2) per head over the chunk: heads 2 tig (c0, c2) and 2 tig + 1 (c1, c3).
-    float mx0 = fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2])) + bias0;
-    float mx1 = fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3])) + bias1;
-#pragma unroll
-    for (int off = 4; off < 32; off *= 2) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-    }
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    const float al0 = fast_exp2(m0 - n0), al1 = fast_exp2(m1 - n1);
-    m0 = n0;
-    m1 = n1;
-    l0 *= al0;
-    l1 *= al1;
-    __syncwarp();  // the previous chunk's p reads are done
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      const float p00 = fast_exp2(sc[mt][0] + bias0 - n0), p01 = fast_exp2(sc[mt][1] + bias1 - n1);
-      const float p10 = fast_exp2(sc[mt][2] + bias0 - n0), p11 = fast_exp2(sc[mt][3] + bias1 - n1);
-      l0 += p00 + p10;
-      l1 += p01 + p11;
-      p_s[2 * tig][16 * mt + g] = p00;
-      p_s[2 * tig + 1][16 * mt + g] = p01;
-      p_s[2 * tig][16 * mt + g + 8] = p10;
-      p_s[2 * tig + 1][16 * mt + g + 8] = p11;
-    }
+    const uint32_t S01 = sc_h[0] | uint32_t(sc_h[1]) << 16, S23 = sc_h[2] | uint32_t(sc_h[3]) << 16;
+    const uint32_t Z01 = zr_h[0] | uint32_t(zr_h[1]) << 16, Z23 = zr_h[2] | uint32_t(zr_h[3]) << 16;
+    uint32_t a[MT][4];
+    value_fragments<D, VB, T>(w, S01, S23, Z01, Z23, a);
+    // a token pair's halves: the dequantized value (prmt bytes 0-3) or the residual one (4-7)
+    const uint32_t pick01 = (resid[0] ? 0x0054u : 0x0010u) | (resid[1] ? 0x7600u : 0x3200u);
+    const uint32_t pick23 = (resid[2] ? 0x0054u : 0x0010u) | (resid[3] ? 0x7600u : 0x3200u);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      acc[mt][0] *= al0;
-      acc[mt][1] *= al1;
-      acc[mt][2] *= al0;
-      acc[mt][3] *= al1;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int c = v_channel<D, VB>(mt, 0, r & 1);  // the channel within the lane group's D / 8
+        const int e0 = 2 * (r >> 1);
+        const uint32_t pair = prmt(rv[e0][c / 2], rv[e0 + 1][c / 2], c % 2 ? 0x7632u : 0x5410u);
+        a[mt][r] = prmt(a[mt][r], pair, r >> 1 ? pick23 : pick01);
+      }
+      N::mma(st.acc[mt], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
     }
-    __syncwarp();
+  }
+}
 
-    // PV: k-step ks covers tokens t0 + 16 ks + 4 tig + {0..3} (k index 2 tig + e <-> token 4 tig + e,
-    // 2 tig + 8 + e <-> token 4 tig + 2 + e), head g.
+// One warp's chunks [c, c_end) step kWarps: the fully quantized ones (c < c_quant) through the
+// stage ring when the build has one, then (KIVI_DECODE_RESIDUAL_IN_LOOP) the mixed ones. Writes
+// its (m, l, acc) into `merge`.
+template <int D, int KB, int VB, bool PAGED, typename T>
+__device__ void warp_chunks(const DecodeParams& p, const float (*q_s)[D], float (*p_s)[kPStride], Merge<D>& merge,
+                            uint8_t* ring, int b, int h, int c, int c_quant, int c_end, const RowCounts& rc) {
+  constexpr int MT = D / 16, S = Stage<D, KB, VB>::kStagesBuilt;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
+  const int Gv = min(p.group, D), ngv = D / Gv;
+  const int vgroup = g * (D / 8) / Gv;  // this lane group's value group (its D / 8 channels lie in one)
+  WarpState<D> st;
 #pragma unroll
-    for (int ks = 0; ks < 2; ++ks) {
-      const float4 pv = *reinterpret_cast<const float4*>(&p_s[g][16 * ks + 4 * tig]);
-      const uint32_t b0 = N::pack(pv.x, pv.y), b1 = N::pack(pv.z, pv.w);
-      const int t = 16 * ks + 4 * tig;  // relative to the chunk's first row
-      uint32_t w[4][VW > 0 ? VW : 1];
-      T sc_h[4], zr_h[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        load_words<VW>(v_codes + static_cast<size_t>(t + e) * VROW + g * VBPT, w[e]);
-        sc_h[e] = v_scale[static_cast<size_t>(t + e) * ngv + vgroup];
-        zr_h[e] = v_zero[static_cast<size_t>(t + e) * ngv + vgroup];
-      }
-      const uint32_t S01 = bits_of(sc_h[0]) | bits_of(sc_h[1]) << 16, S23 = bits_of(sc_h[2]) | bits_of(sc_h[3]) << 16;
-      const uint32_t Z01 = bits_of(zr_h[0]) | bits_of(zr_h[1]) << 16, Z23 = bits_of(zr_h[2]) | bits_of(zr_h[3]) << 16;
-#pragma unroll
-      for (int j = 0; j < VBPT; ++j) {
-        const uint32_t sel = (j % 4) | ((4 + j % 4) << 8);  // byte j of tokens (0, 1) / (2, 3) into bytes 0 and 2
-        const uint32_t x01 = prmt(w[0][j / 4], w[1][j / 4], sel), x23 = prmt(w[2][j / 4], w[3][j / 4], sel);
-        if constexpr (VB == 2) {
-          // m-tile 2j: rows g / g + 8 are codes 0 / 1 of byte j; m-tile 2j + 1: codes 2 / 3.
-          N::mma(acc[2 * j], N::fma2(codes_at<T, 2, 0>(x01), S01, Z01), N::fma2(codes_at<T, 2, 1>(x01), S01, Z01),
-                 N::fma2(codes_at<T, 2, 0>(x23), S23, Z23), N::fma2(codes_at<T, 2, 1>(x23), S23, Z23), b0, b1);
-          N::mma(acc[2 * j + 1], N::fma2(codes_at<T, 2, 2>(x01), S01, Z01), N::fma2(codes_at<T, 2, 3>(x01), S01, Z01),
-                 N::fma2(codes_at<T, 2, 2>(x23), S23, Z23), N::fma2(codes_at<T, 2, 3>(x23), S23, Z23), b0, b1);
-        } else {
-          // m-tile j: rows g / g + 8 are the low / high nibble of byte j.
-          N::mma(acc[j], N::fma2(codes_at<T, 4, 0>(x01), S01, Z01), N::fma2(codes_at<T, 4, 1>(x01), S01, Z01),
-                 N::fma2(codes_at<T, 4, 0>(x23), S23, Z23), N::fma2(codes_at<T, 4, 1>(x23), S23, Z23), b0, b1);
-        }
-      }
+  for (int mt = 0; mt < MT; ++mt) st.acc[mt][0] = st.acc[mt][1] = st.acc[mt][2] = st.acc[mt][3] = 0.f;
+  st.m0 = st.m1 = -INFINITY;
+  st.l0 = st.l1 = 0.f;
+
+  if constexpr (S == 1) {
+    for (; c < c_quant; c += kWarps) {
+      quantized_chunk<D, KB, VB, T, true>(q_s, p_s, global_source<D, KB, VB, PAGED, T>(p, b, h, c * kChunk, ngv), ngv,
+                                          vgroup, st);
     }
+  } else {
+    // chunk i of this warp (c + i kWarps) lands in stage i % S; S - 1 chunks are in flight ahead of the one computed
+    using St = Stage<D, KB, VB>;
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) {
+      const int ci = c + i * kWarps;
+      if (ci < c_quant) issue_stage<D, KB, VB, T>(ring + i * St::kBytes, global_source<D, KB, VB, PAGED, T>(p, b, h, ci * kChunk, ngv), ngv, lane);
+      cp_async_commit();
+    }
+    for (int i = 0; c < c_quant; c += kWarps, ++i) {
+      __syncwarp();  // the stage written next was read by the previous iteration
+      const int ahead = c + (S - 1) * kWarps;
+      if (ahead < c_quant) {
+        issue_stage<D, KB, VB, T>(ring + ((i + S - 1) % S) * St::kBytes,
+                                  global_source<D, KB, VB, PAGED, T>(p, b, h, ahead * kChunk, ngv), ngv, lane);
+      }
+      cp_async_commit();
+      cp_async_wait<S - 1>();  // this lane's copies of chunk i have landed
+      __syncwarp();            // and every lane's
+      quantized_chunk<D, KB, VB, T, false>(q_s, p_s, stage_source<D, KB, VB, T>(ring + (i % S) * St::kBytes), ngv,
+                                           vgroup, st);
+    }
+  }
+  if constexpr (kResidualInLoop) {
+    for (; c < c_end; c += kWarps) mixed_chunk<D, KB, VB, PAGED, T>(p, q_s, p_s, b, h, c * kChunk, rc, ngv, vgroup, st);
   }
 
   // Row sums over the 8 lane groups, then the warp's state in head-major layout.
 #pragma unroll
   for (int off = 4; off < 32; off *= 2) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+    st.l0 += __shfl_xor_sync(0xffffffffu, st.l0, off);
+    st.l1 += __shfl_xor_sync(0xffffffffu, st.l1, off);
   }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const int ch = v_channel<D, VB>(mt, g, 0);
-    merge.acc[warp][2 * tig][ch] = acc[mt][0];
-    merge.acc[warp][2 * tig + 1][ch] = acc[mt][1];
-    merge.acc[warp][2 * tig][ch + 1] = acc[mt][2];
-    merge.acc[warp][2 * tig + 1][ch + 1] = acc[mt][3];
+    merge.acc[warp][2 * tig][ch] = st.acc[mt][0];
+    merge.acc[warp][2 * tig + 1][ch] = st.acc[mt][1];
+    merge.acc[warp][2 * tig][ch + 1] = st.acc[mt][2];
+    merge.acc[warp][2 * tig + 1][ch + 1] = st.acc[mt][3];
   }
   if (g == 0) {
-    merge.m[warp][2 * tig] = m0;
-    merge.m[warp][2 * tig + 1] = m1;
-    merge.l[warp][2 * tig] = l0;
-    merge.l[warp][2 * tig + 1] = l1;
+    merge.m[warp][2 * tig] = st.m0;
+    merge.m[warp][2 * tig + 1] = st.m1;
+    merge.l[warp][2 * tig] = st.l0;
+    merge.l[warp][2 * tig + 1] = st.l1;
   }
 }
 
@@ -536,6 +849,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : 3) decode_split_ke
   __shared__ __align__(16) float q_s[kHeads][D];
   __shared__ __align__(16) float p_s[kWarps][kHeads][kPStride];
   __shared__ Merge<D> merge;  // with q_s and p_s: 45 KB at D = 256, under the 48 KB of static shared memory
+  extern __shared__ __align__(16) uint8_t ring[];  // Stage<D, KB, VB>::kRing bytes (0: no ring)
   // Query-head tiles: more than 8 query heads per kv head (the MMA's N) take ceil(qg / 8) blocks,
   // each its 8 heads [head0, head0 + heads); the tiles of a kv row are adjacent in x, so they read
   // the same codes at about the same time (the second read mostly from L2).
@@ -551,9 +865,14 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : 3) decode_split_ke
   __syncthreads();
   const RowCounts rc = row_counts(p, b);
   if (split < p.num_splits) {
-    const int per = (rc.chunks + p.num_splits - 1) / p.num_splits;
-    const int begin = split * per, end = min(begin + per, rc.chunks);
-    quantized_chunks<D, KB, VB, PAGED, T>(p, q_s, p_s[warp], merge, b, h, begin + warp, end);
+    // the chunks the splits share: the fully quantized ones, and with the residual in the loop every
+    // chunk the row touches
+    const int chunks = kResidualInLoop ? (rc.length + kChunk - 1) / kChunk : rc.chunks;
+    const int per = (chunks + p.num_splits - 1) / p.num_splits;
+    const int begin = split * per, end = min(begin + per, chunks);
+    uint8_t* warp_ring = ring + warp * Stage<D, KB, VB>::kStagesBuilt * Stage<D, KB, VB>::kBytes;
+    warp_chunks<D, KB, VB, PAGED, T>(p, q_s, p_s[warp], merge, warp_ring, b, h, begin + warp, min(end, rc.chunks), end,
+                                     rc);
   } else {
     tail_tokens<D, KB, VB, PAGED, T>(p, q_s, merge, b, h, rc.chunks * kChunk + warp, rc, heads);
   }
@@ -587,15 +906,15 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : 3) decode_split_ke
 template <typename T>
 __global__ void decode_merge_kernel(const DecodeParams p) {
   const size_t row = blockIdx.x;
-  const int ch = threadIdx.x, splits = p.num_splits + 1;
-  const float* ml = p.part_ml + row * splits * 2;
+  const int ch = threadIdx.x, splits = p.num_splits + kTailSplits, stride = p.num_splits + 1;
+  const float* ml = p.part_ml + row * stride * 2;
   float M = -INFINITY;
   for (int s = 0; s < splits; ++s) M = fmaxf(M, ml[2 * s]);
   float a = 0.f, l = 0.f;
   if (M != -INFINITY) {
     for (int s = 0; s < splits; ++s) {
       const float f = fast_exp2(ml[2 * s] - M);
-      a += f * p.part_acc[(row * splits + s) * p.head_dim + ch];
+      a += f * p.part_acc[(row * stride + s) * p.head_dim + ch];
       l += f * ml[2 * s + 1];
     }
   }
@@ -604,28 +923,44 @@ __global__ void decode_merge_kernel(const DecodeParams p) {
 }
 
 
-// The split kernel for (head_dim, key bits, value bits, paged, element type); nullptr for what is not built.
+// The split kernel for (head_dim, key bits, value bits, paged, element type) and its dynamic shared
+// memory; kernel nullptr for what is not built.
+struct SplitKernel {
+  void (*kernel)(DecodeParams);
+  int ring_bytes;
+};
+
+template <int D, int KB, int VB, typename T>
+SplitKernel split_kernel_of(bool paged) {
+  return {paged ? decode_split_kernel<D, KB, VB, true, T> : decode_split_kernel<D, KB, VB, false, T>,
+          Stage<D, KB, VB>::kRing};
+}
+
 template <int D, typename T>
-auto split_kernel(const DecodeParams& p) -> void (*)(DecodeParams) {
+SplitKernel split_kernel(const DecodeParams& p) {
   const bool paged = p.block_table != nullptr;
   switch (p.k_bits * 10 + p.v_bits) {
-    case 22: return paged ? decode_split_kernel<D, 2, 2, true, T> : decode_split_kernel<D, 2, 2, false, T>;
-    case 24: return paged ? decode_split_kernel<D, 2, 4, true, T> : decode_split_kernel<D, 2, 4, false, T>;
-    case 42: return paged ? decode_split_kernel<D, 4, 2, true, T> : decode_split_kernel<D, 4, 2, false, T>;
-    case 44: return paged ? decode_split_kernel<D, 4, 4, true, T> : decode_split_kernel<D, 4, 4, false, T>;
-    default: return nullptr;
+    case 22: return split_kernel_of<D, 2, 2, T>(paged);
+    case 24: return split_kernel_of<D, 2, 4, T>(paged);
+    case 42: return split_kernel_of<D, 4, 2, T>(paged);
+    case 44: return split_kernel_of<D, 4, 4, T>(paged);
+    default: return {nullptr, 0};
   }
 }
 
 template <typename T>
 cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
-  const dim3 grid(p.batch * p.kv_heads * ((p.qg + kHeads - 1) / kHeads), p.num_splits + 1);
-  void (*kernel)(DecodeParams) = p.head_dim == 128   ? split_kernel<128, T>(p)
-                                 : p.head_dim == 64  ? split_kernel<64, T>(p)
-                                 : p.head_dim == 256 ? split_kernel<256, T>(p)
-                                                     : nullptr;
-  if (kernel == nullptr) return cudaErrorInvalidValue;
-  kernel<<<grid, kWarps * 32, 0, stream>>>(p);
+  const dim3 grid(p.batch * p.kv_heads * ((p.qg + kHeads - 1) / kHeads), p.num_splits + kTailSplits);
+  const SplitKernel k = p.head_dim == 128   ? split_kernel<128, T>(p)
+                        : p.head_dim == 64  ? split_kernel<64, T>(p)
+                        : p.head_dim == 256 ? split_kernel<256, T>(p)
+                                            : SplitKernel{nullptr, 0};
+  if (k.kernel == nullptr) return cudaErrorInvalidValue;
+  if (k.ring_bytes > 0) {  // a ring past 48 KB of dynamic shared memory needs the opt-in
+    cudaError_t err = cudaFuncSetAttribute(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, k.ring_bytes);
+    if (err != cudaSuccess) return err;
+  }
+  k.kernel<<<grid, kWarps * 32, k.ring_bytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   decode_merge_kernel<T><<<p.batch * p.kv_heads * p.qg, p.head_dim, 0, stream>>>(p);
@@ -644,4 +979,13 @@ cudaError_t launch_decode_attend(const DecodeParams& p, cudaStream_t stream) {
 // header and no compiler on the GPU machine); returns the cudaError_t as an int.
 extern "C" int kivi_decode_attend_launch(const kivi_cuda::DecodeParams* p, cudaStream_t stream) {
   return static_cast<int>(kivi_cuda::launch_decode_attend(*p, stream));
+}
+
+// The variant this library was built as: (stages asked, residual in the loop, blocks per SM the
+// splits are sized for, the 16-bit fold); prebuilt.py reads it.
+extern "C" void kivi_decode_variant(int* stages, int* residual_in_loop, int* blocks_per_sm, int* fold16) {
+  *fold16 = KIVI_DECODE_FOLD16;
+  *stages = KIVI_DECODE_STAGES;
+  *residual_in_loop = KIVI_DECODE_RESIDUAL_IN_LOOP;
+  *blocks_per_sm = KIVI_DECODE_BLOCKS_PER_SM;
 }

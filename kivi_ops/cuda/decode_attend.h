@@ -43,3 +43,7 @@ struct DecodeParams {
 cudaError_t launch_decode_attend(const DecodeParams& p, cudaStream_t stream);
 
 }  // namespace kivi_cuda
+
+// The compile-time variant the kernel was built as (decode_attend.cu: KIVI_DECODE_STAGES,
+// KIVI_DECODE_RESIDUAL_IN_LOOP, KIVI_DECODE_BLOCKS_PER_SM, KIVI_DECODE_FOLD16).
+extern "C" void kivi_decode_variant(int* stages, int* residual_in_loop, int* blocks_per_sm, int* fold16);

@@ -33,12 +33,14 @@ class DecodeParams(ctypes.Structure):
                                                                                     ("bf16", ctypes.c_int)]
 
 
-def build(path: Path, arch: str = "sm_90a") -> Path:
-    """Compile the shared library (no GPU needed). Returns its path."""
+def build(path: Path, arch: str = "sm_90a", defines: tuple[str, ...] = ()) -> Path:
+    """Compile the shared library (no GPU needed), as the variant `defines` names (decode_attend.cu's
+    KIVI_DECODE_* macros, e.g. ("KIVI_DECODE_STAGES=4",)). Returns its path."""
     root = toolkit_root()
     compute = arch.replace("sm_", "compute_")
     run = subprocess.run([str(tool(root, "nvcc")), f"-gencode=arch={compute},code={arch}", "-O3", "-std=c++17",
-                          "-shared", "-Xcompiler", "-fPIC", "--cudart", "static", "-o", str(path), str(SOURCE)],
+                          *(f"-D{d}" for d in defines), "-shared", "-Xcompiler", "-fPIC", "--cudart", "static", "-o",
+                          str(path), str(SOURCE)],
                          capture_output=True, text=True, env=compile_env(root))
     if run.returncode:
         raise CudaKernelUnavailable(f"nvcc failed to build {path}:\n{run.stderr}")
@@ -62,6 +64,12 @@ class Library:
         self.lib.kivi_decode_attend_launch.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_void_p]
         self.lib.kivi_decode_attend_launch.restype = ctypes.c_int
         self.path = path
+
+    def variant(self) -> tuple[int, int, int, int]:
+        """(stages, residual in the loop, blocks per SM, 16-bit fold) the library was built as (decode_attend.cu)."""
+        out = [ctypes.c_int() for _ in range(4)]
+        self.lib.kivi_decode_variant(*(ctypes.byref(x) for x in out))
+        return tuple(x.value for x in out)
 
     def decode_attend(self, query, k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths, counts,
                       group_size, residual_length, ott_policy, scale, num_splits, block_table=None):
