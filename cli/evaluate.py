@@ -8,7 +8,7 @@ from pathlib import Path
 from kivi_benchmarks import DEFAULT_OUT
 
 from .args import (add_model_arguments, check_weight_quant_modes, device_and_dtype, dumps_json, int_list,
-                   kivi_config_from, positive_int, usage_errors)
+                   kivi_config_from, positive_int, seed_int, usage_errors)
 
 
 def add_eval_parser(sub) -> None:
@@ -39,7 +39,7 @@ def add_eval_parser(sub) -> None:
     pk = evsub.add_parser("passkey", help="passkey retrieval accuracy per prompt length")
     pk.add_argument("--lengths", type=int_list, default=[1024, 2048, 4096, 8000])
     pk.add_argument("--trials", type=positive_int, default=5)
-    pk.add_argument("--seed", type=int, default=0)
+    pk.add_argument("--seed", type=seed_int, default=0)
     add_model_arguments(pk)
     pk.add_argument("--json", action="store_true")
     pk.set_defaults(func=cmd_passkey, parser=pk)

@@ -40,7 +40,15 @@ def log(message: str) -> None:
 
 
 def model_cache_dir() -> Path:
-    return Path(os.environ.get("KIVI_MODEL_CACHE", Path.home() / ".cache" / "kivi"))
+    """The model cache directory, refused (ModelLoadError naming KIVI_MODEL_CACHE) before anything is
+    converted when it, or the first of its ancestors that exists, is not a directory."""
+    cache = Path(os.environ.get("KIVI_MODEL_CACHE", Path.home() / ".cache" / "kivi"))
+    existing = next((p for p in (cache, *cache.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "" if existing == cache else f" ({existing} is a file)"
+        raise ModelLoadError(f"the model cache {cache} (KIVI_MODEL_CACHE, default ~/.cache/kivi) is not a "
+                             f"directory{where}; point KIVI_MODEL_CACHE at a directory or unset it")
+    return cache
 
 
 def default_gguf_path() -> Path:

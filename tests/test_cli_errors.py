@@ -74,6 +74,38 @@ def test_prompt_files(tmp_path, capsys):
         assert code == 2 and message in err, (argv, err)
 
 
+def test_a_byte_order_mark_is_not_part_of_the_prompt(tmp_path):
+    # Windows editors start UTF-8 files with U+FEFF: read as utf-8-sig, it changes no prompt.
+    import argparse
+
+    prompt_file, batch_file = tmp_path / "prompt.txt", tmp_path / "batch.txt"
+    prompt_file.write_bytes(b"\xef\xbb\xbfThe capital of France is\n")
+    batch_file.write_bytes(b"\xef\xbb\xbffirst prompt\r\nsecond prompt\r\n")
+    parser = argparse.ArgumentParser()
+    read = lambda **files: cli_args.read_prompts(argparse.Namespace(**{"prompt": None, "prompt_file": None,  # noqa: E731
+                                                                        "batch_file": None, **files}), parser)
+    assert read(prompt_file=str(prompt_file)) == ["The capital of France is"]
+    assert read(batch_file=str(batch_file)) == ["first prompt", "second prompt"]
+
+
+@pytest.mark.parametrize("flag", ["--seed", "--rotation-seed"])
+def test_a_seed_torch_cannot_take_is_refused_before_loading(flag, capsys):
+    for bad in (str(2**70), str(2**64), str(-(2**63) - 1)):
+        code, _, err = run(["generate", *PROMPT, flag, bad], capsys)
+        assert code == 2 and f"argument {flag}: must be an integer in [-2**63, 2**64)" in err and "Loading" not in err, err
+    assert cli_args.seed_int(str(2**64 - 1)) == 2**64 - 1 and cli_args.seed_int(str(-(2**63))) == -(2**63)
+
+
+def test_a_model_cache_that_is_a_file_is_refused_before_converting(tmp_path, monkeypatch, capsys):
+    taken = tmp_path / "not-a-dir"
+    taken.write_text("mine")
+    for cache in (taken, taken / "sub"):
+        monkeypatch.setenv("KIVI_MODEL_CACHE", str(cache))
+        code, _, err = run(["generate", *PROMPT], capsys)
+        assert code == 1 and "KIVI_MODEL_CACHE" in err and "is not a directory" in err and "Converting" not in err, err
+    assert taken.read_text() == "mine"
+
+
 @pytest.mark.parametrize("content, message", [
     ("[1, 2, 3]", "not a `kivi calibrate` file"),
     ('{"format": "kivi-nuq-levels/1"}', "is missing"),
