@@ -193,12 +193,13 @@ def _nuq_levels(args, parser) -> dict:
     """{"key_levels": ..., "value_levels": ...} for KIVIConfig from --nuq, checked against the model."""
     from kivi_ops.nuq import config_levels
 
-    from kivi_models.loading import resolve_model_path
+    from kivi_models.loading import head_dim_of, model_identity, resolve_model_path
 
     with usage_errors(parser, ValueError, OSError):
-        num_layers = json.loads((resolve_model_path(args.model) / "config.json").read_text())["num_hidden_layers"]
-        return config_levels(args.nuq, k_bits=args.k_bits, v_bits=args.v_bits, num_layers=num_layers,
-                             group_size=args.group_size, pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers)
+        config = json.loads((resolve_model_path(args.model) / "config.json").read_text())
+        return config_levels(args.nuq, k_bits=args.k_bits, v_bits=args.v_bits, num_layers=config["num_hidden_layers"],
+                             group_size=args.group_size, pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers,
+                             model=model_identity(args.model), head_dim=head_dim_of(config))
 
 
 # CLI spelling of the KIVIConfig fields in error messages.

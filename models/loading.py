@@ -199,6 +199,18 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0]
 
 
+def model_identity(model: str) -> str:
+    """What a --model names, as files made for one model record it (`kivi calibrate`'s `model`): a
+    built-in name as it is, a path made absolute (the same directory from anywhere)."""
+    return model if model in (DEFAULT_MODEL, GEMMA3_MODEL) else os.path.abspath(model)
+
+
+def head_dim_of(config) -> int:
+    """The attention head size of a model config (a transformers config or its config.json dict)."""
+    get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
+    return get("head_dim") or get("hidden_size") // get("num_attention_heads")
+
+
 def resolve_model_path(model: str) -> Path:
     if model == DEFAULT_MODEL:
         return default_model_dir()

@@ -135,6 +135,44 @@ def test_nuq_file_with_string_levels_or_wrong_layer_count(tmp_path, capsys):
                         pre_rope=good.get("pre_rope", False), sparse_outliers=good.get("sparse_outliers", 0.0))
 
 
+def nuq_file(path, tiny_dir, **edits):
+    """A `kivi calibrate` file for tiny_dir (2 layers, head_dim 16) at G=32, 2 bits, with edits."""
+    from kivi_models.loading import model_identity
+    from kivi_ops.nuq import FORMAT
+
+    good = [0.1, 1.1, 1.9, 2.9]
+    data = dict(format=FORMAT, model=model_identity(str(tiny_dir)), num_layers=2, head_dim=16, group_size=32,
+                bits={"2": {"k": [good, good], "v": [good, good]}})
+    path.write_text(json.dumps({**data, **edits}))
+    return path
+
+
+@pytest.mark.parametrize("levels, message", [
+    ([0.5, 0.5, 0.5, 0.5], "bits 2 'k' layer 1: the levels must be 4 finite floats in ascending order, strictly "
+                           "increasing, within [0, 3]"),
+    ([-1e30, 0.0, 1.0, 1e30], "within [0, 3]"),
+    ([0.0, 1.0, 2.0, 1e300 * 10], "strictly increasing"),  # inf: json.dumps writes Infinity
+    ([0.0, 1.0, 2.0], "4 finite floats"),
+])
+def test_degenerate_nuq_levels_are_refused_naming_the_file(levels, message, tiny_dir, tmp_path, capsys):
+    good = [0.1, 1.1, 1.9, 2.9]
+    path = nuq_file(tmp_path / "levels.json", tiny_dir, bits={"2": {"k": [good, levels], "v": [good, good]}})
+    code, _, err = run(["generate", *PROMPT, "--model", str(tiny_dir), "--nuq", str(path)], capsys)
+    assert code == 2 and f"--nuq {path}: " in err and message in err and "Loading" not in err, err
+
+
+def test_a_nuq_file_for_another_model_is_refused_naming_the_field(tiny_dir, tmp_path, capsys):
+    path = tmp_path / "levels.json"
+    for edits, field in ((dict(model="default"), "model"), (dict(head_dim=64), "head_dim")):
+        nuq_file(path, tiny_dir, **edits)
+        code, _, err = run(["generate", *PROMPT, "--model", str(tiny_dir), "--nuq", str(path)], capsys)
+        assert code == 2 and f"--nuq {path}: calibrated for {field} " in err and "Loading" not in err, err
+    nuq_file(path, tiny_dir)  # the matching file is used
+    code, out, err = run(["generate", *PROMPT, "--model", str(tiny_dir), "--nuq", str(path), "--max-new-tokens", "2",
+                          "--json"], capsys)
+    assert code == 0 and json.loads(out)["new_tokens"] == 2, err
+
+
 def test_broken_model_directories_exit_1(tmp_path, tiny_dir, capsys):
     import shutil
 
