@@ -289,6 +289,8 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
             *((("kivi_cache_pages_cached", "gauge", "pages held by cached prefixes (--prefix-caching; reclaimable "
                 "unless a sequence holds them too)", s["pages_cached"]),
                ("kivi_prefixes_cached", "gauge", "cached prefixes (--prefix-caching)", s["prefixes_cached"]),
+               ("kivi_prefix_cache_bytes", "gauge", "host bytes the cached prefixes' tails hold (--prefix-caching; "
+                "at most --prefix-cache-gib)", s["prefix_bytes"]),
                ("kivi_prefix_hits_total", "counter", "requests that started from a cached prefix (--prefix-caching)",
                 s["prefix_hits"]),
                ("kivi_prefix_hit_tokens_total", "counter", "prompt tokens taken from cached prefixes, not prefilled "

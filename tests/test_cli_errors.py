@@ -299,3 +299,15 @@ def test_serve_usage_errors(tiny_dir, capsys):
                            "--prefix-chunk must be a positive multiple of the page size (16 tokens")):
         code, _, err = run(["serve", "--model", str(tiny_dir), *argv], capsys)
         assert code == 2 and message in err, (argv, err)
+
+
+def test_prefix_cache_gib_is_checked(tiny_dir, capsys):
+    for argv, message in ((["--prefix-cache-gib", "0"], "argument --prefix-cache-gib: must be a finite number > 0"),
+                          (["--prefix-cache-gib", "nan"], "argument --prefix-cache-gib: must be a finite number > 0"),
+                          (["--no-paged", "--prefix-cache-gib", "1"], "--prefix-cache-gib applies only with --paged"),
+                          (["--paged", "--no-prefix-caching", "--prefix-cache-gib", "1"],
+                           "--prefix-cache-gib applies only with --prefix-caching"),
+                          (["--paged", "--max-seq-len", "64", "--prefix-cache-gib", "1e-9"],
+                           "holds no cached prefix of the longest prompts")):
+        code, _, err = run(["serve", "--model", str(tiny_dir), *argv], capsys)
+        assert code == 2 and message in err, (argv, err)
