@@ -136,12 +136,12 @@ def test_nuq_file_with_string_levels_or_wrong_layer_count(tmp_path, capsys):
 
 
 def nuq_file(path, tiny_dir, **edits):
-    """A `kivi calibrate` file for tiny_dir (2 layers, head_dim 16) at G=32, 2 bits, with edits."""
-    from kivi_models.loading import model_identity
+    """A `kivi calibrate` file for tiny_dir (2 layers, head_dim 16; an absolute path, as the file
+    records it) at G=32, 2 bits, with edits."""
     from kivi_ops.nuq import FORMAT
 
     good = [0.1, 1.1, 1.9, 2.9]
-    data = dict(format=FORMAT, model=model_identity(str(tiny_dir)), num_layers=2, head_dim=16, group_size=32,
+    data = dict(format=FORMAT, model=str(tiny_dir), num_layers=2, head_dim=16, group_size=32,
                 bits={"2": {"k": [good, good], "v": [good, good]}})
     path.write_text(json.dumps({**data, **edits}))
     return path

@@ -9,11 +9,11 @@ import json
 import httpx
 import pytest
 
-from kivi_serve.app import CHAT_ROLES
 from test_serve_robust import NAME, client, make_engine, serving
 from serve_fixtures import tiny  # noqa: F401 (a fixture)
 
 CHAT = {"model": NAME, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0}
+CHAT_ROLES = ("system", "user", "assistant")
 COMPLETION = {"model": NAME, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
 
 
