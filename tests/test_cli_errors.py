@@ -81,9 +81,10 @@ def test_a_byte_order_mark_is_not_part_of_the_prompt(tmp_path):
     prompt_file, batch_file = tmp_path / "prompt.txt", tmp_path / "batch.txt"
     prompt_file.write_bytes(b"\xef\xbb\xbfThe capital of France is\n")
     batch_file.write_bytes(b"\xef\xbb\xbffirst prompt\r\nsecond prompt\r\n")
-    parser = argparse.ArgumentParser()
-    read = lambda **files: cli_args.read_prompts(argparse.Namespace(**{"prompt": None, "prompt_file": None,  # noqa: E731
-                                                                        "batch_file": None, **files}), parser)
+    def read(**files):
+        args = argparse.Namespace(**{"prompt": None, "prompt_file": None, "batch_file": None, **files})
+        return cli_args.read_prompts(args, argparse.ArgumentParser())
+
     assert read(prompt_file=str(prompt_file)) == ["The capital of France is"]
     assert read(batch_file=str(batch_file)) == ["first prompt", "second prompt"]
 

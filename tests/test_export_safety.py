@@ -201,9 +201,10 @@ def crafted_metadata_listing_a_user_tokenizer_file(pt2_export, out):
     """As above, with a user's file under tokenizer/ listed in tokenizer_files: only the names a
     tokenizer writes (tokenizer.json, ...) are an export's."""
     shutil.copytree(pt2_export, out)
-    (out / TOKENIZER_DIR / "mynotes.txt").write_text("my notes\n")
-    raw = json.loads((out / METADATA_FILE).read_text())
-    rewrite(out, sign=True, tokenizer_files={**raw["tokenizer_files"], "mynotes.txt": sha256_of(out / TOKENIZER_DIR / "mynotes.txt")})
+    notes = out / TOKENIZER_DIR / "mynotes.txt"
+    notes.write_text("my notes\n")
+    listed = json.loads((out / METADATA_FILE).read_text())["tokenizer_files"]
+    rewrite(out, sign=True, tokenizer_files={**listed, "mynotes.txt": sha256_of(notes)})
     return [f"{TOKENIZER_DIR}/mynotes.txt"]
 
 
@@ -225,8 +226,8 @@ def metadata_that_does_not_verify(raw):
     metadata_that_does_not_verify({"schema_version": 0, "format": "none"}),
     metadata_that_does_not_verify({"schema_version": 2, "format": "pt2"}),  # an older schema
     metadata_that_does_not_verify("not json"),
-], ids=["copied-metadata-project", "user-files-in-export", "symlink-in-export", "crafted-metadata", "crafted-tokenizer-files",
-        "schema-0-format-none",
+], ids=["copied-metadata-project", "user-files-in-export", "symlink-in-export", "crafted-metadata",
+        "crafted-tokenizer-files", "schema-0-format-none",
         "old-schema", "bad-json"])
 def test_overwrite_never_deletes_what_an_export_did_not_write(layout, tiny, pt2_export, tmp_path):
     out = tmp_path / "out"
