@@ -113,6 +113,21 @@ def fraction_arg(text: str) -> float:
     return value
 
 
+SEED_RANGE = (-(2**63), 2**64)  # what torch.manual_seed takes (the low end inclusive)
+
+
+def seed_int(text: str) -> int:
+    low, high = SEED_RANGE
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not low <= value < high:
+        raise argparse.ArgumentTypeError(f"must be an integer in [-2**63, 2**64) (what torch.manual_seed takes), "
+                                         f"got {text!r}")
+    return value
+
+
 def int_list(text: str) -> list[int]:
     """Comma-separated token counts, each >= 16 (context lengths)."""
     try:
@@ -165,7 +180,7 @@ def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
                        help=f"store {what} rotated by an orthogonal matrix of the head dimension before "
                             "quantization (attention is unchanged): hadamard (Walsh-Hadamard; a seeded random "
                             "matrix if head_dim is not a power of two) or random (seeded random orthogonal)")
-    p.add_argument("--rotation-seed", type=int, default=0, action=_Explicit, help="seed of the random rotation")
+    p.add_argument("--rotation-seed", type=seed_int, default=0, action=_Explicit, help="seed of the random rotation")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, float16 on cuda")
     from kivi_models.weight_quant import WEIGHT_QUANT_MODES
@@ -178,12 +193,13 @@ def _nuq_levels(args, parser) -> dict:
     """{"key_levels": ..., "value_levels": ...} for KIVIConfig from --nuq, checked against the model."""
     from kivi_ops.nuq import config_levels
 
-    from kivi_models.loading import resolve_model_path
+    from kivi_models.loading import head_dim_of, model_identity, resolve_model_path
 
     with usage_errors(parser, ValueError, OSError):
-        num_layers = json.loads((resolve_model_path(args.model) / "config.json").read_text())["num_hidden_layers"]
-        return config_levels(args.nuq, k_bits=args.k_bits, v_bits=args.v_bits, num_layers=num_layers,
-                             group_size=args.group_size, pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers)
+        config = json.loads((resolve_model_path(args.model) / "config.json").read_text())
+        return config_levels(args.nuq, k_bits=args.k_bits, v_bits=args.v_bits, num_layers=config["num_hidden_layers"],
+                             group_size=args.group_size, pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers,
+                             model=model_identity(args.model), head_dim=head_dim_of(config))
 
 
 # CLI spelling of the KIVIConfig fields in error messages.
@@ -269,7 +285,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=seed_int, default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -283,7 +299,7 @@ def read_prompts(args, parser) -> list[str]:
         return [args.prompt]
     flag, path = ("--prompt-file", args.prompt_file) if args.prompt_file is not None else ("--batch-file", args.batch_file)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")  # a byte-order mark is not part of the prompt
     except UnicodeDecodeError:
         parser.error(f"{flag} {path} is not UTF-8 text")
     except OSError as e:

@@ -42,7 +42,7 @@ def cmd_calibrate(args, parser) -> int:
 
     from kivi_models.calibrate import run_calibration
     from kivi_models.corpus import load_text
-    from kivi_models.loading import load_model
+    from kivi_models.loading import load_model, model_identity
 
     with usage_errors(parser, ValueError, OSError):
         check_group_size("--group-size", args.group_size)
@@ -52,7 +52,7 @@ def cmd_calibrate(args, parser) -> int:
     model, tokenizer = load_model(args.model, dtype=torch.float32, device="cpu")
     with usage_errors(parser):
         result = run_calibration(model, tokenizer, text, bits_list=args.bits, group_size=args.group_size,
-                                 window=args.window, windows=args.windows, model_name=args.model,
+                                 window=args.window, windows=args.windows, model_name=model_identity(args.model),
                                  pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers)
     write_levels_file(args.out, result)
     for bits, entry in result["bits"].items():

@@ -8,7 +8,7 @@ from pathlib import Path
 from kivi_benchmarks import DEFAULT_OUT
 
 from .args import (add_model_arguments, check_weight_quant_modes, device_and_dtype, dumps_json, int_list,
-                   kivi_config_from, positive_int, usage_errors)
+                   kivi_config_from, positive_int, seed_int, usage_errors)
 
 
 def add_eval_parser(sub) -> None:
@@ -39,7 +39,7 @@ def add_eval_parser(sub) -> None:
     pk = evsub.add_parser("passkey", help="passkey retrieval accuracy per prompt length")
     pk.add_argument("--lengths", type=int_list, default=[1024, 2048, 4096, 8000])
     pk.add_argument("--trials", type=positive_int, default=5)
-    pk.add_argument("--seed", type=int, default=0)
+    pk.add_argument("--seed", type=seed_int, default=0)
     add_model_arguments(pk)
     pk.add_argument("--json", action="store_true")
     pk.set_defaults(func=cmd_passkey, parser=pk)
@@ -115,7 +115,7 @@ def cmd_ppl(args, parser) -> int:
             spec = FakeQuantConfig(args.k_bits, args.v_bits, args.group_size, args.k_axis, args.v_axis,
                                    args.rotate_keys, args.rotate_values, args.rotation_seed, args.fake_format)
         model, tokenizer = _load(args, parser, patched=False, plain=True)
-        nuq = _nuq_tables(args, parser, model.config.num_hidden_layers) if args.nuq else None
+        nuq = _nuq_tables(args, parser, model.config) if args.nuq else None
         windows = _windows(tokenizer, text, args, parser)
         result = fake_quant_perplexity(model, windows, spec, batch_size=args.batch_size, nuq=nuq,
                                        sparse_outliers=args.sparse_outliers, pre_rope=args.pre_rope)
@@ -140,17 +140,21 @@ def cmd_ppl(args, parser) -> int:
     return 0
 
 
-def _nuq_tables(args, parser, num_layers: int) -> dict:
-    """{"k": key levels per layer at --k-bits, "v": value levels per layer at --v-bits}."""
+def _nuq_tables(args, parser, config) -> dict:
+    """{"k": key levels per layer at --k-bits, "v": value levels per layer at --v-bits}, checked
+    against the model (its config)."""
     from kivi_ops.nuq import KEY_AXIS, VALUE_AXIS, load_kv_levels
+
+    from kivi_models.loading import head_dim_of, model_identity
 
     if (args.k_axis, args.v_axis) != (KEY_AXIS, VALUE_AXIS):
         parser.error(f"--nuq levels are calibrated for --k-axis {KEY_AXIS} --v-axis {VALUE_AXIS}, "
                      f"got --k-axis {args.k_axis} --v-axis {args.v_axis}")
     with usage_errors(parser):
-        keys, values = load_kv_levels(args.nuq, k_bits=args.k_bits, v_bits=args.v_bits, num_layers=num_layers,
-                                      group_size=args.group_size, pre_rope=args.pre_rope,
-                                      sparse_outliers=args.sparse_outliers)
+        keys, values = load_kv_levels(args.nuq, k_bits=args.k_bits, v_bits=args.v_bits,
+                                      num_layers=config.num_hidden_layers, group_size=args.group_size,
+                                      pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers,
+                                      model=model_identity(args.model), head_dim=head_dim_of(config))
     return dict(k=keys, v=values)
 
 

@@ -35,10 +35,7 @@ def add_export_parsers(sub) -> None:
 
 
 def cmd_export(args, parser) -> int:
-    from kivi_models.loading import load_model
-    from kivi_models.weight_quant import apply_weight_quant, check_weight_quant
-
-    from kivi_export.exporter import check_target, export_decoder
+    from kivi_export.exporter import check_target
 
     kivi_config = kivi_config_from(args, parser)
     device, dtype = device_and_dtype(args, parser)
@@ -50,20 +47,32 @@ def cmd_export(args, parser) -> int:
                      "fixed (docs/deploy.md)")
     with usage_errors(parser, FileExistsError, ValueError):
         check_target(Path(args.out), args.overwrite)  # before the minutes of loading and tracing (checked again under the lock)
-    with usage_errors(parser, FileNotFoundError, ValueError):
-        check_weight_quant(args.weight_quant, device)
-        model, tokenizer = load_model(args.model, dtype=dtype, device=device)
-    from kivi_models.attention import patch_model
-
-    apply_weight_quant(model, args.weight_quant)
-    patch_model(model)
-    with usage_errors(parser, FileExistsError, ValueError):
-        meta = export_decoder(model, tokenizer, Path(args.out), fmt=args.format, model_name=args.model,
-                              method=args.method, kivi_config=kivi_config, batch_size=args.batch_size,
-                              max_seq_len=args.max_seq_len, weight_quant=args.weight_quant, overwrite=args.overwrite)
+    try:
+        meta = _load_and_export(args, parser, kivi_config, device, dtype)
+    except KeyboardInterrupt:  # the export is staged beside --out: nothing there changed
+        print(f"{parser.prog}: interrupted; --out {args.out} was left as it was", file=sys.stderr)
+        return 130
     print(dumps_json({"out": str(args.out), "format": meta.format, "program": meta.program,
                       "sha256": meta.sha256, "digest": meta.digest, "config": meta.config_summary()}))
     return 0
+
+
+def _load_and_export(args, parser, kivi_config, device, dtype):
+    from kivi_models.attention import patch_model
+    from kivi_models.loading import load_model
+    from kivi_models.weight_quant import apply_weight_quant, check_weight_quant
+
+    from kivi_export.exporter import export_decoder
+
+    with usage_errors(parser, FileNotFoundError, ValueError):
+        check_weight_quant(args.weight_quant, device)
+        model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    apply_weight_quant(model, args.weight_quant)
+    patch_model(model)
+    with usage_errors(parser, FileExistsError, ValueError):
+        return export_decoder(model, tokenizer, Path(args.out), fmt=args.format, model_name=args.model,
+                              method=args.method, kivi_config=kivi_config, batch_size=args.batch_size,
+                              max_seq_len=args.max_seq_len, weight_quant=args.weight_quant, overwrite=args.overwrite)
 
 
 def cmd_run_exported(args, parser) -> int:

@@ -48,6 +48,10 @@ def add_serve_parser(sub) -> None:
                    help="--prefix-caching: cached prefixes kept at most (each keeps a host copy of its tail: the row "
                         "state and unfinished pages), least recently used dropped first (default: as many as 4 GiB "
                         "of host memory holds, at most 256)")
+    s.add_argument("--prefix-cache-gib", type=positive_float, default=None,
+                   help="--prefix-caching: host memory the cached prefixes' tails may hold at most, least recently "
+                        "used dropped first (default: as much as the cache itself, so the tails never outweigh it; "
+                        "/metrics: kivi_prefix_cache_bytes)")
     s.add_argument("--decode-buckets", type=positive_ints, default=None,
                    help="--paged: the row counts a decode step may run over, each compiled once (e.g. 8,16,32); "
                         "requests are kept in the lowest rows and a step runs over the smallest bucket holding them, "
@@ -225,7 +229,7 @@ def check_paging_flags(args, parser) -> None:
     if args.paged:
         if args.num_pages is not None and args.cache_budget_gib is not None:
             parser.error("--num-pages and --cache-budget-gib exclude each other: both size the pool")
-        for flag in ("prefix_chunk", "prefix_cache_size"):
+        for flag in ("prefix_chunk", "prefix_cache_size", "prefix_cache_gib"):
             if not args.prefix_caching and getattr(args, flag) is not None:
                 parser.error(f"--{flag.replace('_', '-')} applies only with --prefix-caching")
         return
@@ -234,7 +238,7 @@ def check_paging_flags(args, parser) -> None:
     if args.max_batch is not None and args.cache_budget_gib is not None:
         parser.error("argument --cache-budget-gib: not allowed with argument --max-batch (without --paged the "
                      "budget decides the rows)")
-    for flag in ("num_pages", "page_size", "prefix_chunk", "prefix_cache_size", "decode_buckets"):
+    for flag in ("num_pages", "page_size", "prefix_chunk", "prefix_cache_size", "prefix_cache_gib", "decode_buckets"):
         if getattr(args, flag) is not None:
             parser.error(f"--{flag.replace('_', '-')} applies only with --paged")
 
@@ -294,7 +298,9 @@ def serve(args, parser) -> int:
             page = args.page_size or make_paged_cache(model, method=args.method, batch_size=1, max_seq_len=1,
                                                       num_pages=1, kivi_config=kivi_config, device="meta").page_size
             chunk = args.prefix_chunk or page * -(-PREFIX_CHUNK // page)
-            paging = PagedServing(pages, args.page_size, chunk, args.prefix_cache_size, args.decode_buckets)
+            tail_bytes = None if args.prefix_cache_gib is None else max(1, int(args.prefix_cache_gib * 2**30))
+            paging = PagedServing(pages, args.page_size, chunk, args.prefix_cache_size, args.decode_buckets,
+                                  tail_bytes)
             with usage_errors(parser):  # before the ranks of torchrun start waiting on each other
                 check_prefix_caching(paging, page)
         check_memory(nbytes, device, what=f"the paged cache ({pages} pages, {slots} rows)")
@@ -325,7 +331,8 @@ def serve(args, parser) -> int:
                 f"at once, where an fp16 paged cache would hold {fp16_paged_sequences(model, nbytes, chat)} in the same "
                 f"bytes; a request holds at most {args.max_seq_len} tokens"
                 + (f"; prefix caching in chunks of {paging.prefix_chunk} tokens, {engine.placement.max_prefixes} prefixes "
-                   f"kept at most" if paging.prefix_chunk else "")
+                   f"kept at most, their tails in {engine.placement.max_prefix_bytes / 2**20:.1f} MiB of host memory at "
+                   f"most" if paging.prefix_chunk else "")
                 + f"; decode steps over {', '.join(map(str, engine.placement.buckets))} rows")
         log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API; /health, /metrics)")
         app = build_app(engine, name, max_request_bytes=args.max_request_bytes, api_key=api_key, docs=args.docs,

@@ -45,6 +45,14 @@ WEIGHT_QUANT_MODES = ("none", "int8", "int4")
 # The exporter traces the program with a 2-token prompt (a dynamic dim must not be traced at size
 # 0 or 1), so a program holds at least 2 tokens.
 MIN_MAX_SEQ_LEN = 2
+# The names transformers' tokenizer.save_pretrained writes (its config, special-token and added-token
+# files, chat templates, and the vocabulary files of the tokenizer classes): the only files under
+# tokenizer/ that `--overwrite` takes as an export's, whatever tokenizer_files lists (written_files).
+TOKENIZER_FILE_NAMES = frozenset((
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
+    "spiece.model", "sentencepiece.bpe.model", "sentencepiece.model", "spm.model"))
+CHAT_TEMPLATE_DIR = "additional_chat_templates"  # <name>.jinja: a tokenizer's named chat templates
 # Fields the exporter fills in when it writes the files (write_metadata).
 FILE_FIELDS = ("program", "sha256", "extra_sha256", "tokenizer_files", "digest")
 
@@ -297,13 +305,22 @@ def signed_fields(path: Path) -> dict:
 def written_files(raw: dict) -> set[str]:
     """The paths (relative, POSIX) an export wrote, as its signed metadata lists them, kept to the
     names an export writes: the metadata itself, the program file of its format and that file's
-    external data (ONNX, PROGRAM_DATA_SUFFIX), and the files under the tokenizer directory. The
-    digest is an unkeyed sha256 that anyone can recompute, so a listed name outside these is not
-    taken as the export's: `--overwrite` then refuses, naming it, instead of deleting it."""
+    external data (ONNX, PROGRAM_DATA_SUFFIX), and the tokenizer files a tokenizer writes
+    (is_tokenizer_file). The digest is an unkeyed sha256 that anyone can recompute, so a listed name
+    outside these is not taken as the export's: `--overwrite` then refuses, naming it, instead of
+    deleting it."""
     program = PROGRAM_FILES[raw["format"]]
     data = f"{program}{PROGRAM_DATA_SUFFIX}"
     return {METADATA_FILE, program, *({data} & set(raw["extra_files"])),
-            *(f"{TOKENIZER_DIR}/{name}" for name in raw["tokenizer_files"])}
+            *(f"{TOKENIZER_DIR}/{name}" for name in raw["tokenizer_files"] if is_tokenizer_file(name))}
+
+
+def is_tokenizer_file(name: str) -> bool:
+    """Whether `name` (a path under tokenizer/) is one transformers' save_pretrained writes."""
+    folder, _, file = name.rpartition("/")
+    if folder == CHAT_TEMPLATE_DIR:
+        return file.endswith(".jinja") and _is_safe_name(file)
+    return not folder and file in TOKENIZER_FILE_NAMES
 
 
 def read_metadata(path: Path, *, verify: bool = True) -> ExportMetadata:

@@ -11,8 +11,8 @@ the same target fail at once instead of interleaving files.
 holds an intact KIVI export (its kivi_export.json checks, digest included) and nothing else: the
 signed metadata lists every file the export wrote, and any other file or directory there (a user's
 notes, results, a project) makes the export refuse, naming it. Only the names an export writes
-count as listed (the metadata, the program file, its external data, the tokenizer directory:
-artifact.written_files), whatever else a recomputed digest vouches for. A directory whose
+count as listed (the metadata, the program file, its external data, the files a tokenizer writes
+under tokenizer/: artifact.written_files), whatever else a recomputed digest vouches for. A directory whose
 metadata does not verify is never touched. After the swap only the listed files of the old export
 are removed.
 """
@@ -227,39 +227,37 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _no_interrupts() -> Iterator[None]:
-    """Defer Ctrl-C (SIGINT) for the few renames that put an export in place, so they finish together."""
+def _no_interrupts() -> Iterator[list]:
+    """Hold Ctrl-C (SIGINT) off while the export is put in place, so that its renames and the removal
+    of the old export finish together; yields the list of signals that came meanwhile."""
+    caught: list = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield caught
         return
-    caught = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
     try:
-        yield
+        yield caught
     finally:
         signal.signal(signal.SIGINT, previous)
-        if caught:
-            raise KeyboardInterrupt
 
 
 def swap_in(staging: Path, out: Path) -> Optional[Path]:
     """Put the complete export `staging` at `out`. Returns the path now holding what `out` held (to
     delete), or None if `out` did not exist."""
-    with _no_interrupts():
-        if not os.path.lexists(out):
-            os.rename(staging, out)  # atomic; refuses (OSError) a non-empty directory created meanwhile
-            return None
-        if _exchange(staging, out):
-            return staging  # the old contents now live at the staging path
-        # No atomic exchange: move the old export aside, the new one in; undo on failure.
-        old = out.with_name(f".{out.name}.kivi-old-{os.getpid()}-{time.monotonic_ns()}")
-        os.rename(out, old)
-        try:
-            os.rename(staging, out)
-        except BaseException:
-            os.rename(old, out)
-            raise
-        return old
+    if not os.path.lexists(out):
+        os.rename(staging, out)  # atomic; refuses (OSError) a non-empty directory created meanwhile
+        return None
+    if _exchange(staging, out):
+        return staging  # the old contents now live at the staging path
+    # No atomic exchange: move the old export aside, the new one in; undo on failure.
+    old = out.with_name(f".{out.name}.kivi-old-{os.getpid()}-{time.monotonic_ns()}")
+    os.rename(out, old)
+    try:
+        os.rename(staging, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    return old
 
 
 def _remove_stale_staging(out: Path) -> None:
@@ -340,13 +338,22 @@ def export_decoder(
         try:
             _write_export(model, decoder, tokenizer, staging, fmt, weight_quant, meta)
             _fsync_tree(staging)
-            old = swap_in(staging, out)  # after an exchange, `old` is the staging path
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        _fsync_dir(out.parent)
-        if old is not None:
-            remove_written(old, replaced, out)
+        # From the swap on the export completes: a Ctrl-C then waits for it (raised after an
+        # exchange, it would have removed the staging path, which then holds the old export).
+        with _no_interrupts() as interrupted:
+            try:
+                old = swap_in(staging, out)  # after an exchange, `old` is the staging path
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            _fsync_dir(out.parent)
+            if old is not None:
+                remove_written(old, replaced, out)
+    if interrupted:
+        log("Ctrl-C came while the export was being put in place; the export was completed first")
     log(f"Exported to {out}")
     return meta
 

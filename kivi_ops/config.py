@@ -37,16 +37,31 @@ def check_word_groups(name: str, bits: int, group_size: int) -> None:
                          f"got group_size={group_size}")
 
 
+# A calibrated level is a mean of normalized values, which lie in [0, 2^B - 1] up to float rounding.
+LEVEL_RANGE_SLACK = 1e-3
+
+
+def levels_ok(levels, bits: int) -> bool:
+    """Whether `levels` (floats) are nuq levels for bits-bit codes: 2^bits finite values, strictly
+    increasing (two equal levels waste a code), within the normalized range [0, 2^bits - 1] that a
+    group's min and max map to (a level far outside it dequantizes far outside the group)."""
+    top = 2**bits - 1
+    return (len(levels) == 2**bits and all(math.isfinite(v) for v in levels)
+            and all(b > a for a, b in zip(levels, levels[1:]))
+            and -LEVEL_RANGE_SLACK <= levels[0] and levels[-1] <= top + LEVEL_RANGE_SLACK)
+
+
+def levels_rule(bits: int) -> str:
+    return f"{2**bits} finite floats in ascending order, strictly increasing, within [0, {2**bits - 1}]"
+
+
 def _check_level_tables(name: str, tables, bits: int) -> None:
-    """nuq levels: a tuple (one entry per layer) of 2^bits finite, ascending floats."""
+    """nuq levels: a tuple (one entry per layer) of levels_ok floats."""
     if not isinstance(tables, tuple):
         raise ValueError(f"{name} must be a tuple of per-layer level tuples, got {type(tables).__name__}")
     for i, levels in enumerate(tables):
-        ok = isinstance(levels, tuple) and len(levels) == 2**bits and all(
-            isinstance(v, float) and math.isfinite(v) for v in levels)
-        if not ok or any(b < a for a, b in zip(levels, levels[1:])):
-            raise ValueError(f"{name}[{i}] must be {2**bits} finite floats in ascending order "
-                             f"(for {bits}-bit codes), got {levels!r}")
+        if not (isinstance(levels, tuple) and all(isinstance(v, float) for v in levels) and levels_ok(levels, bits)):
+            raise ValueError(f"{name}[{i}] must be {levels_rule(bits)} (for {bits}-bit codes), got {levels!r}")
 
 
 def check_axis(axis: str) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .config import check_axis, check_bits, check_group_size
+from .config import check_axis, check_bits, check_group_size, levels_ok, levels_rule
 from .dense_sparse import outlier_mask
 from .packing import nearest_level, token_group_size
 
@@ -42,8 +42,8 @@ def check_levels(name: str, levels: torch.Tensor, bits: int) -> None:
     if not isinstance(levels, torch.Tensor) or levels.shape != (2**bits,) or not levels.is_floating_point():
         raise ValueError(f"{name} must be a float tensor of {2**bits} levels for {bits}-bit codes, "
                          f"got {getattr(levels, 'shape', levels)}")
-    if not bool(torch.isfinite(levels).all()) or bool((levels[1:] < levels[:-1]).any()):
-        raise ValueError(f"{name} must be finite and sorted ascending, got {levels.tolist()}")
+    if not levels_ok(levels.tolist(), bits):
+        raise ValueError(f"{name} must be {levels_rule(bits)} (sorted, for {bits}-bit codes), got {levels.tolist()}")
 
 
 def _grouped(x: torch.Tensor, group_size: int, axis: str) -> torch.Tensor:
@@ -169,12 +169,12 @@ def calibrate_tables(activations: list[dict], *, bits_list, group_size: int, spa
     return tables
 
 
-def levels_file(tables: dict, *, model: str, num_layers: int, group_size: int, pre_rope: bool = False,
-                sparse_outliers: float = 0.0, calibration: dict | None = None) -> dict:
+def levels_file(tables: dict, *, model: str, num_layers: int, group_size: int, head_dim: int | None = None,
+                pre_rope: bool = False, sparse_outliers: float = 0.0, calibration: dict | None = None) -> dict:
     """The `kivi calibrate` file (FORMAT) as a dict: calibrate_tables' levels and the settings they
     were calibrated for, which load_tables checks; calibration: how they were derived (reported)."""
-    return dict(format=FORMAT, model=model, num_layers=num_layers, group_size=group_size, key_axis=KEY_AXIS,
-                value_axis=VALUE_AXIS, pre_rope=pre_rope, sparse_outliers=sparse_outliers,
+    return dict(format=FORMAT, model=model, num_layers=num_layers, head_dim=head_dim, group_size=group_size,
+                key_axis=KEY_AXIS, value_axis=VALUE_AXIS, pre_rope=pre_rope, sparse_outliers=sparse_outliers,
                 calibration=calibration or {}, bits=tables)
 
 
@@ -185,10 +185,11 @@ def write_levels_file(path, data: dict) -> None:
 
 
 def load_tables(path, *, bits: int, num_layers: int | None, group_size: int, pre_rope: bool = False,
-                sparse_outliers: float = 0.0) -> dict:
+                sparse_outliers: float = 0.0, model: str | None = None, head_dim: int | None = None) -> dict:
     """{"k": [levels tensor per layer], "v": [...]} from a `kivi calibrate` file, checked against
-    the model (num_layers; None: checked later by the cache) and the quantization settings that
-    will use it."""
+    the model (num_layers; None: checked later by the cache; model, its identity as `kivi calibrate`
+    records it, and head_dim: None or absent from the file, not checked) and the quantization
+    settings that will use it. Every level list must be levels_ok."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -204,6 +205,11 @@ def load_tables(path, *, bits: int, num_layers: int | None, group_size: int, pre
             raise ValueError(f"--nuq {path}: {name!r} must be {kind.__name__}, got {data[name]!r}")
         return data[name]
 
+    for name, want in (("model", model), ("head_dim", head_dim)):
+        if want is not None and data.get(name) is not None and data[name] != want:
+            raise ValueError(f"--nuq {path}: calibrated for {name} {data[name]!r}, but this run uses {name} {want!r}; "
+                             f"the levels hold for the model they were calibrated on: calibrate for this one "
+                             f"(kivi calibrate --model ...)")
     if num_layers is not None and field("num_layers", int) != num_layers:
         raise ValueError(f"--nuq {path}: calibrated for {data['num_layers']} layers, the model has {num_layers}")
     if field("group_size", int) != group_size:
@@ -228,14 +234,20 @@ def load_tables(path, *, bits: int, num_layers: int | None, group_size: int, pre
             tables[part] = [torch.tensor(levels, dtype=torch.float32) for levels in layers]
         except (TypeError, ValueError) as e:
             raise ValueError(f"--nuq {path}: bits {bits} {part!r} levels must be lists of numbers ({e})")
+        for i, levels in enumerate(tables[part]):
+            if levels.dim() != 1 or not levels_ok(levels.tolist(), bits):
+                raise ValueError(f"--nuq {path}: bits {bits} {part!r} layer {i}: the levels must be "
+                                 f"{levels_rule(bits)}, got {layers[i]!r}")
     return tables
 
 
 def load_kv_levels(path, *, k_bits: int, v_bits: int, num_layers: int | None, group_size: int,
-                   pre_rope: bool = False, sparse_outliers: float = 0.0) -> tuple[list, list]:
+                   pre_rope: bool = False, sparse_outliers: float = 0.0, model: str | None = None,
+                   head_dim: int | None = None) -> tuple[list, list]:
     """(key levels per layer at k_bits, value levels per layer at v_bits) from a `kivi calibrate`
     file, checked against the settings that will use them (load_tables)."""
-    settings = dict(num_layers=num_layers, group_size=group_size, pre_rope=pre_rope, sparse_outliers=sparse_outliers)
+    settings = dict(num_layers=num_layers, group_size=group_size, pre_rope=pre_rope, sparse_outliers=sparse_outliers,
+                    model=model, head_dim=head_dim)
     return load_tables(path, bits=k_bits, **settings)["k"], load_tables(path, bits=v_bits, **settings)["v"]
 
 

@@ -15,6 +15,8 @@ from transformers.masking_utils import sdpa_mask
 from kivi_ops.nuq import calibrate_tables, levels_file
 from kivi_ops.rope import model_rope_tables, undo_rope
 
+from .loading import head_dim_of
+
 CALIB_ATTN = "kivi_calibrate"
 
 
@@ -88,7 +90,8 @@ def run_calibration(model, tokenizer, text: str, *, bits_list, group_size: int, 
     activations = collect_kv_fisher(model, win, batch_size=batch_size, pre_rope=pre_rope)
     tables = calibrate_tables(activations, bits_list=bits_list, group_size=group_size, sparse_outliers=sparse_outliers,
                               progress=lambda items, desc: tqdm(items, desc=desc, leave=False))
-    return levels_file(tables, model=model_name, num_layers=len(activations), group_size=group_size,
+    return levels_file(tables, model=model_name, num_layers=len(activations), head_dim=head_dim_of(model.config),
+                       group_size=group_size,
                        pre_rope=pre_rope, sparse_outliers=sparse_outliers,
                        calibration=dict(corpus_part="last tokens", window=window, windows=windows,
                                         tokens=int(win.numel()), weighting="Fisher (squared loss gradient) x scale^2",

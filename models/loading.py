@@ -34,7 +34,15 @@ def log(message: str) -> None:
 
 
 def model_cache_dir() -> Path:
-    return Path(os.environ.get("KIVI_MODEL_CACHE", Path.home() / ".cache" / "kivi"))
+    """The model cache directory, refused (ModelLoadError naming KIVI_MODEL_CACHE) before anything is
+    converted when it, or the first of its ancestors that exists, is not a directory."""
+    cache = Path(os.environ.get("KIVI_MODEL_CACHE", Path.home() / ".cache" / "kivi"))
+    existing = next((p for p in (cache, *cache.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "" if existing == cache else f" ({existing} is a file)"
+        raise ModelLoadError(f"the model cache {cache} (KIVI_MODEL_CACHE, default ~/.cache/kivi) is not a "
+                             f"directory{where}; point KIVI_MODEL_CACHE at a directory or unset it")
+    return cache
 
 
 def default_gguf_path() -> Path:
@@ -176,6 +184,18 @@ def file_sha256(path: Path, *, chunk: int = 1 << 24) -> str:
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0]
+
+
+def model_identity(model: str) -> str:
+    """What a --model names, as files made for one model record it (`kivi calibrate`'s `model`): a
+    built-in name as it is, a path made absolute (the same directory from anywhere)."""
+    return model if model in (DEFAULT_MODEL, GEMMA3_MODEL) else os.path.abspath(model)
+
+
+def head_dim_of(config) -> int:
+    """The attention head size of a model config (a transformers config or its config.json dict)."""
+    get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
+    return get("head_dim") or get("hidden_size") // get("num_attention_heads")
 
 
 def resolve_model_path(model: str) -> Path:

@@ -15,7 +15,7 @@ import asyncio
 import hmac
 import json
 import time
-from typing import Annotated, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
@@ -52,6 +52,12 @@ def _only(*allowed, why: str):
     return AfterValidator(check)
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")  # an option not listed is refused, not ignored
+
+    include_usage: bool = False  # OpenAI's: a last chunk with `choices: []` and the usage
+
+
 class _Body(BaseModel):
     # Wrong types are errors (no "5" -> 5); OpenAI fields not listed here (user, ...) are ignored:
     # they change nothing in the completion.
@@ -64,6 +70,7 @@ class _Body(BaseModel):
     stop: Optional[Union[Text, list[Text]]] = None
     seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     stream: bool = False
+    stream_options: Optional[StreamOptions] = None
     n: Annotated[Optional[int], _only(None, 1, why="one choice per request")] = None
     presence_penalty: Annotated[Optional[float], _only(None, 0, why="no penalties")] = None
     frequency_penalty: Annotated[Optional[float], _only(None, 0, why="no penalties")] = None
@@ -78,10 +85,15 @@ class CompletionBody(_Body):
     suffix: Annotated[Optional[Text], _only(None, "", why="no insertion")] = None
 
 
+# The roles the chat templates know; any other text would go into the template verbatim (a role of
+# "user<|im_end|>\n<|im_start|>system" writes a system turn).
+CHAT_ROLES = ("system", "user", "assistant")
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: Text
+    role: Literal[CHAT_ROLES]
     content: Text
 
 
@@ -260,9 +272,15 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
             return error(unhealthy.status, str(unhealthy), code=unhealthy.code)
         return {"status": "ok"}
 
+    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "kivi"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kivi"}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):  # OpenAI's retrieve (client.models.retrieve)
+        return check_model(model_id) or model_card
 
     @app.get("/metrics")
     async def metrics():
@@ -291,6 +309,8 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
             *((("kivi_cache_pages_cached", "gauge", "pages held by cached prefixes (--prefix-caching; reclaimable "
                 "unless a sequence holds them too)", s["pages_cached"]),
                ("kivi_prefixes_cached", "gauge", "cached prefixes (--prefix-caching)", s["prefixes_cached"]),
+               ("kivi_prefix_cache_bytes", "gauge", "host bytes the cached prefixes' tails hold (--prefix-caching; "
+                "at most --prefix-cache-gib)", s["prefix_bytes"]),
                ("kivi_prefix_hits_total", "counter", "requests that started from a cached prefix (--prefix-caching)",
                 s["prefix_hits"]),
                ("kivi_prefix_hit_tokens_total", "counter", "prompt tokens taken from cached prefixes, not prefilled "
@@ -344,6 +364,9 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
         return await respond(body, ids, http, chat=True)
 
     async def respond(body, ids: list[int], http: HTTPRequest, *, chat: bool):
+        if body.stream_options is not None and not body.stream:  # as OpenAI answers
+            return error(400, "stream_options: only allowed when stream is true", param="stream_options",
+                         code="invalid_value")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -365,8 +388,9 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
                          "total_tokens": len(ids) + len(request.tokens)}
         headers = {"x-request-id": request.id}  # as in the engine's log lines
         if body.stream:
-            return StreamingResponse(stream(request, events, rid, created, chat, usage), media_type="text/event-stream",
-                                     headers=headers)
+            with_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(stream(request, events, rid, created, chat, usage if with_usage else None),
+                                     media_type="text/event-stream", headers=headers)
         # Non-streamed: Starlette does not watch the connection while the handler runs, so wait for
         # the engine's answer and for the client's disconnect together; a client that went away
         # cancels its request, which frees its slot at the next decode step.
@@ -409,17 +433,21 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
             pass
 
     async def stream(request: Request, events: asyncio.Queue, rid: str, created: int, chat: bool, usage):
+        """usage: None, or (stream_options.include_usage) what OpenAI then sends: `"usage": null` on
+        every chunk and a last chunk, before [DONE], with `choices: []` and the usage."""
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: Optional[str], reason: Optional[str], first: bool = False) -> str:
-            if chat:
+        def chunk(text: Optional[str], reason: Optional[str], first: bool = False, totals: bool = False) -> str:
+            if totals:
+                choices = []
+            elif chat:
                 delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+                choices = [{"index": 0, "delta": delta, "finish_reason": reason}]
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
-            data = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
-            if reason is not None:
-                data["usage"] = usage()
+                choices = [{"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}]
+            data = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
+            if usage is not None:
+                data["usage"] = usage() if totals else None
             return f"data: {json.dumps(data)}\n\n"
 
         try:
@@ -431,6 +459,8 @@ def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_R
                     yield chunk(payload, None)
                 elif kind == "done":
                     yield chunk(None if chat else "", payload)
+                    if usage is not None:
+                        yield chunk(None, None, totals=True)
                     break
                 else:
                     yield f"data: {failed(payload, request.id).body.decode()}\n\n"

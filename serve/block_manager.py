@@ -59,27 +59,33 @@ class CachedPrefix:
     num_tokens: int
     pages: list[int]
     payload: object = None
+    nbytes: int = 0  # the host memory the payload holds (what max_prefix_bytes bounds)
 
 
 class BlockManager:
     """Page ids 0..num_pages-1, a free queue (FIFO), reference counts, and per sequence its page
     list. pages_needed(num_tokens) -> pages a sequence of num_tokens tokens occupies;
     max_pages_per_seq: the block table's width. max_prefixes: the most cached prefixes kept (0:
-    prefix caching off); beyond it the least recently used one is dropped."""
+    prefix caching off), max_prefix_bytes: the most bytes their payloads hold together (None: no
+    bound); beyond either the least recently used ones are dropped."""
 
     def __init__(self, num_pages: int, max_pages_per_seq: int, pages_needed: Callable[[int], int],
-                 max_prefixes: int = 0):
+                 max_prefixes: int = 0, max_prefix_bytes: Optional[int] = None):
         for name, value in (("num_pages", num_pages), ("max_pages_per_seq", max_pages_per_seq)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if isinstance(max_prefixes, bool) or not isinstance(max_prefixes, int) or max_prefixes < 0:
             raise ValueError(f"max_prefixes must be an int >= 0, got {max_prefixes!r}")
+        if max_prefix_bytes is not None and (isinstance(max_prefix_bytes, bool) or not isinstance(max_prefix_bytes, int)
+                                             or max_prefix_bytes < 0):
+            raise ValueError(f"max_prefix_bytes must be an int >= 0 or None, got {max_prefix_bytes!r}")
         self.num_pages, self.max_pages_per_seq, self.pages_needed = num_pages, max_pages_per_seq, pages_needed
         self.free_queue: collections.deque[int] = collections.deque(range(num_pages))
         self.refs = [0] * num_pages  # every holder: sequences and cached prefixes
         self.cache_refs = [0] * num_pages  # cached prefixes only
         self.tables: dict[Hashable, list[int]] = {}
-        self.max_prefixes = max_prefixes
+        self.max_prefixes, self.max_prefix_bytes = max_prefixes, max_prefix_bytes
+        self.prefix_bytes = 0  # what the cached prefixes' payloads hold
         self.prefixes: collections.OrderedDict[bytes, CachedPrefix] = collections.OrderedDict()  # LRU first
         self.evictions = 0
         # Called with each evicted prefix (the engine frees its payload's host copy).
@@ -181,9 +187,11 @@ class BlockManager:
 
     def cache_prefix(self, key: bytes, prefix: CachedPrefix) -> bool:
         """Keep prefix under key (its pages gain a reference each); the least recently used prefix
-        goes when more than max_prefixes would be kept. False (nothing changes) when key is
-        already cached or caching is off."""
-        if self.max_prefixes == 0 or key in self.prefixes:
+        goes while more than max_prefixes, or more than max_prefix_bytes, would be kept. False
+        (nothing changes) when key is already cached, caching is off, or the prefix alone exceeds
+        max_prefix_bytes."""
+        too_big = self.max_prefix_bytes is not None and prefix.nbytes > self.max_prefix_bytes
+        if self.max_prefixes == 0 or key in self.prefixes or too_big:
             return False
         if not all(0 <= p < self.num_pages and self.refs[p] > 0 for p in prefix.pages):
             raise ValueError(f"cache_prefix: pages {prefix.pages} must be held by a sequence already")
@@ -191,9 +199,13 @@ class BlockManager:
             self.refs[page] += 1
             self.cache_refs[page] += 1
         self.prefixes[key] = prefix
-        while len(self.prefixes) > self.max_prefixes:
+        self.prefix_bytes += prefix.nbytes
+        while len(self.prefixes) > self.max_prefixes or self._over_bytes():
             self._evict_one()
         return True
+
+    def _over_bytes(self) -> bool:
+        return self.max_prefix_bytes is not None and self.prefix_bytes > self.max_prefix_bytes
 
     def _evict_one(self, key: Optional[bytes] = None) -> None:
         """Evict the prefix under key (None: the least recently used one)."""
@@ -201,6 +213,7 @@ class BlockManager:
         for page in prefix.pages:
             self.cache_refs[page] -= 1
         self._drop(prefix.pages)
+        self.prefix_bytes -= prefix.nbytes
         self.evictions += 1
         if self.on_evict is not None:
             self.on_evict(prefix)
@@ -239,13 +252,16 @@ class BlockManager:
 
     def check(self) -> None:
         """Invariants (tests): reference counts equal the tables' and the cached prefixes' holdings;
-        free pages are exactly those no one holds, each once; at most max_prefixes are cached."""
+        free pages are exactly those no one holds, each once; at most max_prefixes are cached,
+        holding at most max_prefix_bytes."""
         counted = collections.Counter(p for pages in self.tables.values() for p in pages)
         cached = collections.Counter(p for prefix in self.prefixes.values() for p in prefix.pages)
         assert all(self.cache_refs[p] == cached.get(p, 0) for p in range(self.num_pages)), (self.cache_refs, cached)
         assert all(self.refs[p] == counted.get(p, 0) + cached.get(p, 0)
                    for p in range(self.num_pages)), (self.refs, counted, cached)
         assert len(self.prefixes) <= self.max_prefixes, len(self.prefixes)
+        assert self.prefix_bytes == sum(p.nbytes for p in self.prefixes.values()) and not self._over_bytes(), (
+            self.prefix_bytes, self.max_prefix_bytes)
         assert sorted(self.free_queue) == [p for p in range(self.num_pages) if self.refs[p] == 0], self.free_queue
 
 

@@ -96,9 +96,9 @@ class Engine:
         self.runner = make_runner(model, method=method, kivi_config=kivi_config, slots=slots, max_seq_len=max_seq_len,
                                   paging=paging, compile=compile)
         self.cache = self.runner.cache  # read here for sizes only; the runner changes it
-        prefix_chunk, max_prefixes = prefix_caching(paging, self.cache, max_seq_len)
+        prefix_chunk, max_prefixes, max_prefix_bytes = prefix_caching(paging, self.cache, max_seq_len)
         self.placement = Placement(self.runner.layout, slots, engine_buckets(paging, slots), prefix_chunk, max_prefixes,
-                                   report_pages=self.runner.paged)
+                                   report_pages=self.runner.paged, max_prefix_bytes=max_prefix_bytes)
         self.lock = threading.Condition()
         self.executor = Executor(self.runner, self.placement, self.lock, tokenizer,
                                  eos_token_set(tokenizer, eos_token_ids))

@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from kivi_ops.paged_io import sequence_bytes
+
 from .output import advance
 from .placement import Placement, StepPlan
 from .request import HOST_KEYS, Failure, Request
@@ -137,9 +139,11 @@ class Executor:
         keys = [next(HOST_KEYS) for _ in new]
         logits = self.runner.prefill_chunked(slot, r.prompt_ids, self.placement.prompt_pages(r),
                                              self.placement.prefix_chunk, start, shared, tail_key, new, keys)
+        cache = self.runner.cache
         with self.lock:
             for b, key in zip(new, keys):  # r holds these pages: they are final, in the pool now
-                if not self.placement.cache_prefix(r, b, key, self.runner.cache.pages_final(b)):
+                tail = sequence_bytes(cache, cache.pages_needed(b) - cache.pages_final(b))  # what save_tail kept
+                if not self.placement.cache_prefix(r, b, key, cache.pages_final(b), tail):
                     self.runner.drop(key)
         return logits
 

@@ -10,14 +10,17 @@ from kivi_models.generate import MAX_COMPILED_SHAPES
 from kivi_ops.paged_io import sequence_bytes
 
 def check_prefix_caching(paging: "PagedServing", page_size: int) -> None:
-    """Refuse a prefix chunk that is not a positive multiple of the page size, or a negative
-    prefix cache size (the CLI asks before tensor parallelism's ranks start waiting on each other)."""
-    chunk, kept = paging.prefix_chunk, paging.max_prefixes
+    """Refuse a prefix chunk that is not a positive multiple of the page size, a negative prefix
+    cache size, or a byte bound that is not a positive int (the CLI asks before tensor
+    parallelism's ranks start waiting on each other)."""
+    chunk, kept, nbytes = paging.prefix_chunk, paging.max_prefixes, paging.max_prefix_bytes
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0 or chunk % page_size:
         raise ValueError(f"--prefix-chunk must be a positive multiple of the page size ({page_size} tokens, "
                          f"--page-size), got {chunk!r}")
     if kept is not None and (isinstance(kept, bool) or not isinstance(kept, int) or kept < 0):
         raise ValueError(f"--prefix-cache-size must be an int >= 0, got {kept!r}")
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0):
+        raise ValueError(f"--prefix-cache-gib must be a positive number of bytes, got {nbytes!r}")
 
 
 # --prefix-cache-size's default: as many cached prefixes as this much host memory holds (each keeps
@@ -27,13 +30,33 @@ PREFIX_HOST_BYTES = 4 * 2**30
 DEFAULT_MAX_PREFIXES = 256
 
 
-def default_max_prefixes(cache, chunk: int, max_seq_len: int) -> int:
-    """How many cached prefixes PREFIX_HOST_BYTES holds at the largest tail a prefix of this paged
-    cache can have (at any chunk boundary up to max_seq_len), between 1 and DEFAULT_MAX_PREFIXES.
-    Under tensor parallelism each rank holds its own heads' tails: the budget is per rank."""
+def largest_tail_bytes(cache, chunk: int, max_seq_len: int) -> int:
+    """The host bytes of the largest tail a prefix of this paged cache can have (at any chunk
+    boundary up to max_seq_len)."""
     tail_pages = max((cache.pages_needed(b) - cache.pages_final(b) for b in range(chunk, max_seq_len + 1, chunk)),
                      default=0)  # a chunk longer than any sequence: no prefix is ever cached
-    return max(1, min(DEFAULT_MAX_PREFIXES, PREFIX_HOST_BYTES // sequence_bytes(cache, tail_pages)))
+    return sequence_bytes(cache, tail_pages)
+
+
+def default_max_prefixes(cache, chunk: int, max_seq_len: int) -> int:
+    """How many cached prefixes PREFIX_HOST_BYTES holds at the largest tail, between 1 and
+    DEFAULT_MAX_PREFIXES. Under tensor parallelism each rank holds its own heads' tails: the budget
+    is per rank."""
+    return max(1, min(DEFAULT_MAX_PREFIXES, PREFIX_HOST_BYTES // largest_tail_bytes(cache, chunk, max_seq_len)))
+
+
+def prefix_bytes(paging: "PagedServing", cache, max_seq_len: int) -> int:
+    """--prefix-cache-gib in bytes, checked to hold the largest tail (a smaller bound would keep
+    some prefixes never, silently); by default as many bytes as the cache itself holds (the tails
+    then never take more memory than the cache they serve), and at least the largest tail."""
+    largest = largest_tail_bytes(cache, paging.prefix_chunk, max_seq_len)
+    if paging.max_prefix_bytes is None:
+        return max(cache.nbytes(), largest)
+    if paging.max_prefix_bytes < largest:
+        raise ValueError(f"--prefix-cache-gib {paging.max_prefix_bytes / 2**30:.6g} holds no cached prefix of the "
+                         f"longest prompts: one keeps a host copy of up to {largest / 2**20:.2f} MiB "
+                         f"({largest / 2**30:.6g} GiB) here; give at least that")
+    return paging.max_prefix_bytes
 
 
 
@@ -45,13 +68,15 @@ class PagedServing:
     page size) and the prefixes at chunk boundaries are cached and shared (prefix_cache.py); at
     most max_prefixes of them are kept (each holds a host copy of its tail; None: as many as
     PREFIX_HOST_BYTES holds, default_max_prefixes; 0: the same chunked prefill without any
-    sharing, what sharing is tested against). prefix_chunk None: off."""
+    sharing, what sharing is tested against), whose tails hold max_prefix_bytes at most (None: as
+    many as the cache, prefix_bytes). prefix_chunk None: off."""
 
     num_pages: int
     page_size: Optional[int] = None
     prefix_chunk: Optional[int] = None
     max_prefixes: Optional[int] = None
     decode_buckets: Optional[tuple[int, ...]] = None  # row counts a decode step may run over (decode_buckets())
+    max_prefix_bytes: Optional[int] = None
 
 
 SMALLEST_BUCKET = 8
@@ -85,11 +110,13 @@ def engine_buckets(paging: Optional[PagedServing], slots: int) -> tuple[int, ...
     return (slots,) if paging is None else decode_buckets(slots, paging.decode_buckets)
 
 
-def prefix_caching(paging: Optional[PagedServing], cache, max_seq_len: int) -> tuple[Optional[int], int]:
-    """(the prefix chunk, how many prefixes are kept) of an engine: (None, 0) without
-    --prefix-caching; else the checked options, max_prefixes None resolved (default_max_prefixes)."""
+def prefix_caching(paging: Optional[PagedServing], cache, max_seq_len: int) -> tuple[Optional[int], int, Optional[int]]:
+    """(the prefix chunk, how many prefixes are kept, the bytes their tails may hold) of an engine:
+    (None, 0, None) without --prefix-caching; else the checked options, defaults resolved
+    (default_max_prefixes, prefix_bytes)."""
     if paging is None or paging.prefix_chunk is None:
-        return None, 0
+        return None, 0, None
     check_prefix_caching(paging, cache.page_size)
     kept = paging.max_prefixes
-    return paging.prefix_chunk, default_max_prefixes(cache, paging.prefix_chunk, max_seq_len) if kept is None else kept
+    kept = default_max_prefixes(cache, paging.prefix_chunk, max_seq_len) if kept is None else kept
+    return paging.prefix_chunk, kept, prefix_bytes(paging, cache, max_seq_len)

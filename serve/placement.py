@@ -40,16 +40,17 @@ class StepPlan:
 class Placement:
     """layout: the pages the cache offers (a paged cache, or runner.RowPages); slots: its rows;
     buckets: the row counts a decode step may run over (ascending, the last is slots);
-    prefix_chunk / max_prefixes: --prefix-caching's chunk (None: off) and how many prefixes it keeps;
+    prefix_chunk / max_prefixes / max_prefix_bytes: --prefix-caching's chunk (None: off), how many
+    prefixes it keeps and the host bytes their tails may hold (None: no bound);
     report_pages: page_stats() reports the pool (a static cache's pages are its rows: the engine's
     slot counts say it, and /metrics shows no page counts for it)."""
 
     def __init__(self, layout, slots: int, buckets: tuple[int, ...], prefix_chunk: Optional[int] = None,
-                 max_prefixes: int = 0, report_pages: bool = True):
+                 max_prefixes: int = 0, report_pages: bool = True, max_prefix_bytes: Optional[int] = None):
         self.layout, self.buckets, self.prefix_chunk = layout, buckets, prefix_chunk
         self.report_pages = report_pages
         self.blocks = BlockManager(layout.num_pages, layout.max_pages_per_seq, layout.pages_needed,
-                                   max_prefixes=max_prefixes)
+                                   max_prefixes=max_prefixes, max_prefix_bytes=max_prefix_bytes)
         # An evicted prefix's tail (a host copy the runner keeps under the prefix's key) is dropped
         # after the round's prefills (take_evicted): a request admitted this round may still start from it.
         self.evicted: list[int] = []
@@ -76,6 +77,10 @@ class Placement:
     @property
     def max_prefixes(self) -> int:
         return self.blocks.max_prefixes
+
+    @property
+    def max_prefix_bytes(self) -> Optional[int]:
+        return self.blocks.max_prefix_bytes
 
     def free_rows(self) -> int:
         return sum(r is None for r in self.rows)
@@ -121,7 +126,8 @@ class Placement:
                     swapped=len(self.scheduler.swapped))
 
     def prefix_stats(self) -> dict:
-        return dict(pages_cached=self.blocks.num_cached, prefixes_cached=len(self.blocks.prefixes))
+        return dict(pages_cached=self.blocks.num_cached, prefixes_cached=len(self.blocks.prefixes),
+                    prefix_bytes=self.blocks.prefix_bytes)
 
     def snapshot(self) -> dict:
         """Who sits where, for tests and debugging: each row's request id (None: free), the
@@ -226,10 +232,10 @@ class Placement:
         return [b for b in range(start + chunk, len(r.prompt_ids) + 1, chunk)
                 if self.blocks.max_prefixes and r.prefix_keys[b // chunk - 1] not in self.blocks.prefixes]
 
-    def cache_prefix(self, r: Request, boundary: int, key: int, pages_final: int) -> bool:
+    def cache_prefix(self, r: Request, boundary: int, key: int, pages_final: int, nbytes: int) -> bool:
         """Cache r's prefix of `boundary` tokens: the first pages_final pages r holds, and the tail
-        the runner keeps under `key`. False: not kept (the caller drops the tail)."""
-        prefix = CachedPrefix(boundary, self.blocks.table(r)[:pages_final], key)
+        of nbytes bytes the runner keeps under `key`. False: not kept (the caller drops the tail)."""
+        prefix = CachedPrefix(boundary, self.blocks.table(r)[:pages_final], key, nbytes)
         return self.blocks.cache_prefix(r.prefix_keys[boundary // self.prefix_chunk - 1], prefix)
 
     def take_evicted(self) -> list[int]:

@@ -90,9 +90,10 @@ def tiny():
 
 
 def make_engine(tiny, method, num_pages, page_size=None, slots=4, prefix_chunk=None, prefix_cache_size=256,
-                **options) -> Engine:
+                prefix_cache_bytes=None, **options) -> Engine:
     model, tokenizer = tiny
-    paging = PagedServing(num_pages, page_size, prefix_chunk, prefix_cache_size, options.pop("decode_buckets", None))
+    paging = PagedServing(num_pages, page_size, prefix_chunk, prefix_cache_size, options.pop("decode_buckets", None),
+                          prefix_cache_bytes)
     engine = Engine(model, tokenizer, method=method, kivi_config=CONFIG, slots=slots, max_seq_len=MAX_SEQ_LEN,
                     paging=paging, eos_token_ids=set(), **options)
     return engine

@@ -227,6 +227,24 @@ def test_the_least_recently_used_prefix_goes_beyond_max_prefixes():
         BlockManager(8, 6, pages, max_prefixes=-1)
 
 
+def test_the_least_recently_used_prefixes_go_beyond_max_prefix_bytes():
+    b = BlockManager(8, 6, pages, max_prefixes=100, max_prefix_bytes=100)
+    b.allocate("a", 12)
+    for key, n in ((b"1", 1), (b"2", 2), (b"3", 3)):
+        assert b.cache_prefix(key, CachedPrefix(4 * n, b.table("a")[:n], nbytes=40))
+        b.check()
+    assert list(b.prefixes) == [b"2", b"3"] and b.prefix_bytes == 80 and b.evictions == 1
+    assert b.cache_prefix(b"4", CachedPrefix(4, b.table("a")[:1], nbytes=60))  # 140 bytes: 2 goes
+    assert list(b.prefixes) == [b"3", b"4"] and b.prefix_bytes == 100
+    assert not b.cache_prefix(b"5", CachedPrefix(4, b.table("a")[:1], nbytes=101))  # alone over the bound
+    assert list(b.prefixes) == [b"3", b"4"] and b.prefix_bytes == 100
+    b.clear_prefixes()
+    assert b.prefix_bytes == 0
+    b.check()
+    with pytest.raises(ValueError, match="max_prefix_bytes must be an int >= 0 or None"):
+        BlockManager(8, 6, pages, max_prefixes=2, max_prefix_bytes=-1)
+
+
 def test_pages_only_the_cache_holds_are_evicted_before_a_running_request_is_preempted():
     blocks = BlockManager(6, 6, pages, max_prefixes=4)
     sched = Scheduler(blocks, 4)

@@ -74,6 +74,39 @@ def test_prompt_files(tmp_path, capsys):
         assert code == 2 and message in err, (argv, err)
 
 
+def test_a_byte_order_mark_is_not_part_of_the_prompt(tmp_path):
+    # Windows editors start UTF-8 files with U+FEFF: read as utf-8-sig, it changes no prompt.
+    import argparse
+
+    prompt_file, batch_file = tmp_path / "prompt.txt", tmp_path / "batch.txt"
+    prompt_file.write_bytes(b"\xef\xbb\xbfThe capital of France is\n")
+    batch_file.write_bytes(b"\xef\xbb\xbffirst prompt\r\nsecond prompt\r\n")
+    def read(**files):
+        args = argparse.Namespace(**{"prompt": None, "prompt_file": None, "batch_file": None, **files})
+        return cli_args.read_prompts(args, argparse.ArgumentParser())
+
+    assert read(prompt_file=str(prompt_file)) == ["The capital of France is"]
+    assert read(batch_file=str(batch_file)) == ["first prompt", "second prompt"]
+
+
+@pytest.mark.parametrize("flag", ["--seed", "--rotation-seed"])
+def test_a_seed_torch_cannot_take_is_refused_before_loading(flag, capsys):
+    for bad in (str(2**70), str(2**64), str(-(2**63) - 1)):
+        code, _, err = run(["generate", *PROMPT, flag, bad], capsys)
+        assert code == 2 and f"argument {flag}: must be an integer in [-2**63, 2**64)" in err and "Loading" not in err, err
+    assert cli_args.seed_int(str(2**64 - 1)) == 2**64 - 1 and cli_args.seed_int(str(-(2**63))) == -(2**63)
+
+
+def test_a_model_cache_that_is_a_file_is_refused_before_converting(tmp_path, monkeypatch, capsys):
+    taken = tmp_path / "not-a-dir"
+    taken.write_text("mine")
+    for cache in (taken, taken / "sub"):
+        monkeypatch.setenv("KIVI_MODEL_CACHE", str(cache))
+        code, _, err = run(["generate", *PROMPT], capsys)
+        assert code == 1 and "KIVI_MODEL_CACHE" in err and "is not a directory" in err and "Converting" not in err, err
+    assert taken.read_text() == "mine"
+
+
 @pytest.mark.parametrize("content, message", [
     ("[1, 2, 3]", "not a `kivi calibrate` file"),
     ('{"format": "kivi-nuq-levels/1"}', "is missing"),
@@ -101,6 +134,44 @@ def test_nuq_file_with_string_levels_or_wrong_layer_count(tmp_path, capsys):
         with pytest.raises(ValueError, match=message):
             load_tables(path, bits=int(bits), num_layers=good["num_layers"], group_size=good["group_size"],
                         pre_rope=good.get("pre_rope", False), sparse_outliers=good.get("sparse_outliers", 0.0))
+
+
+def nuq_file(path, tiny_dir, **edits):
+    """A `kivi calibrate` file for tiny_dir (2 layers, head_dim 16; an absolute path, as the file
+    records it) at G=32, 2 bits, with edits."""
+    from kivi_ops.nuq import FORMAT
+
+    good = [0.1, 1.1, 1.9, 2.9]
+    data = dict(format=FORMAT, model=str(tiny_dir), num_layers=2, head_dim=16, group_size=32,
+                bits={"2": {"k": [good, good], "v": [good, good]}})
+    path.write_text(json.dumps({**data, **edits}))
+    return path
+
+
+@pytest.mark.parametrize("levels, message", [
+    ([0.5, 0.5, 0.5, 0.5], "bits 2 'k' layer 1: the levels must be 4 finite floats in ascending order, strictly "
+                           "increasing, within [0, 3]"),
+    ([-1e30, 0.0, 1.0, 1e30], "within [0, 3]"),
+    ([0.0, 1.0, 2.0, 1e300 * 10], "strictly increasing"),  # inf: json.dumps writes Infinity
+    ([0.0, 1.0, 2.0], "4 finite floats"),
+])
+def test_degenerate_nuq_levels_are_refused_naming_the_file(levels, message, tiny_dir, tmp_path, capsys):
+    good = [0.1, 1.1, 1.9, 2.9]
+    path = nuq_file(tmp_path / "levels.json", tiny_dir, bits={"2": {"k": [good, levels], "v": [good, good]}})
+    code, _, err = run(["generate", *PROMPT, "--model", str(tiny_dir), "--nuq", str(path)], capsys)
+    assert code == 2 and f"--nuq {path}: " in err and message in err and "Loading" not in err, err
+
+
+def test_a_nuq_file_for_another_model_is_refused_naming_the_field(tiny_dir, tmp_path, capsys):
+    path = tmp_path / "levels.json"
+    for edits, field in ((dict(model="default"), "model"), (dict(head_dim=64), "head_dim")):
+        nuq_file(path, tiny_dir, **edits)
+        code, _, err = run(["generate", *PROMPT, "--model", str(tiny_dir), "--nuq", str(path)], capsys)
+        assert code == 2 and f"--nuq {path}: calibrated for {field} " in err and "Loading" not in err, err
+    nuq_file(path, tiny_dir)  # the matching file is used
+    code, out, err = run(["generate", *PROMPT, "--model", str(tiny_dir), "--nuq", str(path), "--max-new-tokens", "2",
+                          "--json"], capsys)
+    assert code == 0 and json.loads(out)["new_tokens"] == 2, err
 
 
 def test_broken_model_directories_exit_1(tmp_path, tiny_dir, capsys):
@@ -227,5 +298,17 @@ def test_serve_usage_errors(tiny_dir, capsys):
                           (["--paged", "--method", "fp", "--num-pages", "8", "--max-seq-len", "32",
                             "--prefix-caching", "--prefix-chunk", "24"],
                            "--prefix-chunk must be a positive multiple of the page size (16 tokens")):
+        code, _, err = run(["serve", "--model", str(tiny_dir), *argv], capsys)
+        assert code == 2 and message in err, (argv, err)
+
+
+def test_prefix_cache_gib_is_checked(tiny_dir, capsys):
+    for argv, message in ((["--prefix-cache-gib", "0"], "argument --prefix-cache-gib: must be a finite number > 0"),
+                          (["--prefix-cache-gib", "nan"], "argument --prefix-cache-gib: must be a finite number > 0"),
+                          (["--no-paged", "--prefix-cache-gib", "1"], "--prefix-cache-gib applies only with --paged"),
+                          (["--paged", "--no-prefix-caching", "--prefix-cache-gib", "1"],
+                           "--prefix-cache-gib applies only with --prefix-caching"),
+                          (["--paged", "--max-seq-len", "64", "--prefix-cache-gib", "1e-9"],
+                           "holds no cached prefix of the longest prompts")):
         code, _, err = run(["serve", "--model", str(tiny_dir), *argv], capsys)
         assert code == 2 and message in err, (argv, err)

@@ -96,6 +96,48 @@ def test_interrupted_overwrite_keeps_the_previous_export(failure, tiny, copy, mo
     assert leftovers(copy) == []
 
 
+def test_ctrl_c_during_a_cli_overwrite_is_one_line(copy, monkeypatch, capsys):
+    from transformers import AutoTokenizer
+
+    from kivi_cli.main import main
+    from kivi_models import loading
+    from kivi_models.loading import default_model_dir
+    from tiny_models import tiny_llama
+
+    before = file_hashes(copy)
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
+    monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: (tiny_llama(), tokenizer))
+
+    def interrupted(ep, file):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(exporter, "save_pt2", interrupted)
+    code = main(["export", "--format", "pt2", "--out", str(copy), "--overwrite", "--group-size", "4",
+                 "--residual-length", "4", "--max-seq-len", "32"])
+    err = capsys.readouterr().err
+    assert code == 130 and "Traceback" not in err and f"kivi export: interrupted; --out {copy} was left as it was" in err
+    assert file_hashes(copy) == before and leftovers(copy) == []
+
+
+def test_ctrl_c_while_the_export_is_put_in_place_waits_for_it(tiny, copy, monkeypatch):
+    # SIGINT between the exchange of the two directories and the removal of the old export: both
+    # finish, and the new export is whole (a KeyboardInterrupt raised there removed the staging
+    # path, which held the old export then, and reported a failed export that had been put in place).
+    import os
+    import signal
+
+    exchange = exporter._exchange
+
+    def exchange_then_ctrl_c(a, b):
+        done = exchange(a, b)
+        os.kill(os.getpid(), signal.SIGINT)
+        return done
+
+    monkeypatch.setattr(exporter, "_exchange", exchange_then_ctrl_c)
+    export(tiny, copy, max_seq_len=32, overwrite=True)
+    assert read_metadata(copy).max_seq_len == 32 and leftovers(copy) == []
+
+
 def test_overwrite_replaces_only_a_kivi_export(tiny, tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -155,6 +197,17 @@ def crafted_metadata_listing_a_user_file(pt2_export, out):
     return names
 
 
+def crafted_metadata_listing_a_user_tokenizer_file(pt2_export, out):
+    """As above, with a user's file under tokenizer/ listed in tokenizer_files: only the names a
+    tokenizer writes (tokenizer.json, ...) are an export's."""
+    shutil.copytree(pt2_export, out)
+    notes = out / TOKENIZER_DIR / "mynotes.txt"
+    notes.write_text("my notes\n")
+    listed = json.loads((out / METADATA_FILE).read_text())["tokenizer_files"]
+    rewrite(out, sign=True, tokenizer_files={**listed, "mynotes.txt": sha256_of(notes)})
+    return [f"{TOKENIZER_DIR}/mynotes.txt"]
+
+
 def metadata_that_does_not_verify(raw):
     def layout(pt2_export, out):
         out.mkdir()
@@ -169,10 +222,12 @@ def metadata_that_does_not_verify(raw):
     export_with_user_files,
     export_with_a_link,
     crafted_metadata_listing_a_user_file,
+    crafted_metadata_listing_a_user_tokenizer_file,
     metadata_that_does_not_verify({"schema_version": 0, "format": "none"}),
     metadata_that_does_not_verify({"schema_version": 2, "format": "pt2"}),  # an older schema
     metadata_that_does_not_verify("not json"),
-], ids=["copied-metadata-project", "user-files-in-export", "symlink-in-export", "crafted-metadata", "schema-0-format-none",
+], ids=["copied-metadata-project", "user-files-in-export", "symlink-in-export", "crafted-metadata",
+        "crafted-tokenizer-files", "schema-0-format-none",
         "old-schema", "bad-json"])
 def test_overwrite_never_deletes_what_an_export_did_not_write(layout, tiny, pt2_export, tmp_path):
     out = tmp_path / "out"

@@ -203,6 +203,45 @@ def test_the_compiled_decode_step_never_writes_a_shared_page(tiny):
     assert_same_logits(logits, unshared)
 
 
+def tail_copies_bytes(engine) -> int:
+    """The bytes of the host copies the runner keeps for cached prefixes (every saved entry is one
+    when nothing is swapped out)."""
+    assert engine.stats()["swapped"] == 0
+    return sum(t.nbytes for tail in engine.runner.saved.values() for t in tail.saved.values())
+
+
+def test_the_prefix_cache_is_bounded_by_the_bytes_of_its_tails(tiny):
+    # 4 distinct 24-token prompts, chunk 8: 3 tails each. A bound of 5 tails keeps 5; the bytes
+    # /metrics reports are the bytes of the host copies the runner holds. The default bound is the
+    # cache's own bytes.
+    prompts = [[1000 + 50 * i + j for j in range(24)] for i in range(4)]
+    from kivi_serve.paged_options import PagedServing, largest_tail_bytes, prefix_bytes
+
+    cache = make_paged_cache(tiny[0], method="kivi", batch_size=4, max_seq_len=MAX_SEQ_LEN, page_size=PAGE,
+                             num_pages=200, kivi_config=CONFIG)  # the engine's
+    tail = largest_tail_bytes(cache, 2 * PAGE, MAX_SEQ_LEN)
+    assert prefix_bytes(PagedServing(200, PAGE, 2 * PAGE), cache, MAX_SEQ_LEN) == max(cache.nbytes(), tail)
+    engine = make_engine(tiny, "kivi", num_pages=200, page_size=PAGE, prefix_chunk=2 * PAGE, prefix_cache_bytes=5 * tail)
+    try:
+        with serving(engine) as url:
+            for ids in prompts:  # one after the other: the least recently used tails go
+                done = threading.Event()
+                engine.submit(Request(prompt_ids=ids, max_tokens=2, temperature=0,
+                                      emit=lambda kind, payload: kind != "text" and done.set()))
+                assert done.wait(60)
+            stats = wait_idle(engine)
+            held = tail_copies_bytes(engine)
+            m = metrics(url)
+    finally:
+        engine.close()
+    assert stats["prefixes_cached"] == 5 and engine.snapshot()["evictions"] == 3 * 4 - 5, stats
+    assert m["kivi_prefix_cache_bytes"] == stats["prefix_bytes"] == held <= 5 * tail
+    assert len(engine.runner.saved) == 5  # the evicted tails were dropped, not only uncounted
+    assert engine.placement.max_prefix_bytes == 5 * tail
+    with pytest.raises(ValueError, match=r"--prefix-cache-gib .* holds no cached prefix .* give at least"):
+        make_engine(tiny, "kivi", num_pages=200, page_size=PAGE, prefix_chunk=2 * PAGE, prefix_cache_bytes=tail - 1)
+
+
 def test_bad_prefix_settings_are_refused_naming_the_flag(tiny):
     with pytest.raises(ValueError, match=r"--prefix-chunk must be a positive multiple of the page size \(4 tokens"):
         make_engine(tiny, "kivi", num_pages=20, page_size=4, prefix_chunk=6)
