@@ -86,6 +86,7 @@ class KIVIMetadataBuilder(CPUAttentionMetadataBuilder):
         if self.kivi is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
         m = common_attn_metadata
+        SLOTS.record(m.num_reqs, m.query_start_loc, m.seq_lens)
         return KIVIMetadata(num_actual_tokens=m.num_actual_tokens, query_start_loc=m.query_start_loc,
                             seq_lens=m.seq_lens, block_table=m.block_table_tensor, slot_mapping=m.slot_mapping,
                             rows=SLOTS.rows(m.num_reqs))

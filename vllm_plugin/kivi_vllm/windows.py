@@ -17,6 +17,9 @@ class WindowSlots:
         self.capacity = 0
         self.slot_of: dict[str, int] = {}
         self.runner = None
+        # Tests: a list to which every step appends [(prompt token ids, tokens before, tokens now)]
+        # per request, the schedule the library's replay follows (tests/library_reference.py).
+        self.trace = None
 
     def reserve(self, capacity: int) -> None:
         self.capacity = max(self.capacity, capacity)
@@ -41,6 +44,14 @@ class WindowSlots:
                                        "--max-num-seqs)")
                 self.slot_of[r] = slot
         return torch.tensor([self.slot_of[r] for r in req_ids], dtype=torch.long)
+
+    def record(self, num_reqs: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        if self.trace is None:
+            return
+        qsl, sl = query_start_loc.tolist(), seq_lens.tolist()
+        reqs = self.runner.requests
+        self.trace.append([(tuple(reqs[r].prompt_token_ids), sl[b] - (qsl[b + 1] - qsl[b]), qsl[b + 1] - qsl[b])
+                           for b, r in enumerate(self.runner.input_batch.req_ids[:num_reqs])])
 
 
 SLOTS = WindowSlots()
