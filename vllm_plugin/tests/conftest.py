@@ -60,7 +60,7 @@ def make_llm(model_dir, kivi=None, **options):
     settings = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=512, block_size=32,
                     max_num_seqs=8, enable_prefix_caching=False)
     settings.update(options)
-    return LLM(model_dir, additional_config={"kivi": kivi} if kivi else None, **settings)
+    return LLM(model_dir, additional_config={"kivi": kivi} if kivi else {}, **settings)
 
 
 def close(llm):
