@@ -42,6 +42,9 @@ def greedy(model, prompt: list[int], max_new_tokens: int, method: str, config: O
     return out
 
 
+MARGINS: dict = {}  # position -> the library's top-1 minus top-2 logit at the last replay (failure messages)
+
+
 @torch.no_grad()
 def replay(model, tokens: list[int], prompt_len: int, schedule: list[tuple[int, int]], config: KIVIConfig) -> dict:
     """Run the library over the chunks vLLM scheduled for one request ((tokens before, tokens now)
@@ -68,7 +71,9 @@ def _replay(model, tokens, prompt_len, schedule, config):
             hidden = forward(model, cache, ids, ctx + torch.arange(n)[None], Step())
             logits = lm_logits(model, hidden[:, -1])
         if ctx + n >= prompt_len and ctx + n < len(tokens):
-            predicted[ctx + n] = int(logits[0].argmax())
+            top = logits[0].float().topk(2)
+            predicted[ctx + n] = int(top.indices[0])
+            MARGINS[ctx + n] = float(top.values[0] - top.values[1])
     return predicted
 
 

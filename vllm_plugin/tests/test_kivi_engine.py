@@ -7,7 +7,7 @@ import pytest
 from conftest import close, greedy_outputs, make_llm
 from kivi_ops import KIVIConfig
 from kivi_vllm.windows import SLOTS
-from library_reference import load_patched, replay, schedules
+from library_reference import MARGINS, load_patched, replay, schedules
 
 KIVI2 = {"k_bits": 2, "v_bits": 2, "group_size": 32, "residual_length": 32}
 
@@ -30,8 +30,9 @@ def run_and_replay(model_dir, kivi, ps, max_tokens, **options):
         tokens = p + out
         predicted = replay(model, tokens, len(p), sched[tuple(p)], config)
         assert set(predicted) == set(range(len(p), len(tokens))), "the schedule does not produce every output"
-        wrong = {pos: (tok, tokens[pos]) for pos, tok in predicted.items() if tok != tokens[pos]}
-        assert not wrong, f"prompt of {len(p)}: library vs vLLM at positions {wrong}"
+        wrong = {pos: (tok, tokens[pos], f"top-2 margin {MARGINS[pos]:.3g}") for pos, tok in predicted.items()
+                 if tok != tokens[pos]}
+        assert not wrong, f"prompt of {len(p)}: (library, vLLM) tokens differ at positions {wrong}"
     return trace, sched
 
 
