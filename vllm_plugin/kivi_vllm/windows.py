@@ -22,10 +22,12 @@ class WindowSlots:
         self.trace = None
 
     def reserve(self, capacity: int) -> None:
-        self.capacity = max(self.capacity, capacity)
+        self.capacity = capacity
 
     def on_update(self, runner, scheduler_output) -> None:
-        self.runner = runner
+        if runner is not self.runner:  # a new engine in this process: the old one's requests are gone
+            self.slot_of.clear()
+            self.runner = runner
         for req_id in scheduler_output.finished_req_ids:
             self.slot_of.pop(req_id, None)
 
