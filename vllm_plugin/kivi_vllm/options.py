@@ -1,0 +1,64 @@
+"""`--additional-config '{"kivi": {...}}'`: the KIVI settings of a vLLM engine, checked once, with
+messages that name what is refused. None when the key is absent: vLLM runs unchanged."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from kivi_ops import KIVIConfig
+from kivi_ops.paged_layout import check_page_size
+
+KEY = "kivi"
+# The paged KIVI cache's settings (kivi_ops/paged.py refuses the static cache's extras).
+ALLOWED = ("k_bits", "v_bits", "group_size", "residual_length")
+BITS = (2, 4)
+
+
+def kivi_options(vllm_config) -> Optional[KIVIConfig]:
+    """The KIVIConfig of vllm_config's additional_config["kivi"], or None."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if KEY not in extra:
+        return None
+    raw = extra[KEY]
+    if not isinstance(raw, dict):
+        raise ValueError(f'--additional-config "kivi" must be an object such as {{"k_bits": 2, "v_bits": 2, '
+                         f'"group_size": 32, "residual_length": 128}}, got {raw!r}')
+    unknown = sorted(set(raw) - set(ALLOWED))
+    if unknown:
+        raise ValueError(f'--additional-config "kivi": unknown or unsupported keys {unknown}; allowed: {list(ALLOWED)}')
+    for name in ("k_bits", "v_bits"):
+        if name in raw and raw[name] not in BITS:
+            raise ValueError(f'--additional-config "kivi": {name} must be one of {BITS} (KIVI-2, KIVI-4), '
+                             f"got {raw[name]!r}")
+    try:
+        return KIVIConfig(**raw)
+    except ValueError as e:
+        raise ValueError(f'--additional-config "kivi": {e}') from None
+
+
+def check_engine(vllm_config, config: KIVIConfig) -> list[str]:
+    """Refuse what the KIVI backend cannot serve (ValueError naming it). Returns the notes of what
+    it changes: prefix caching is turned off (the shared blocks would lack the fp window)."""
+    cache = vllm_config.cache_config
+    if cache.cache_dtype != "auto":
+        raise ValueError(f"--kv-cache-dtype {cache.cache_dtype} cannot be combined with the KIVI cache "
+                         '(--additional-config "kivi"): use --kv-cache-dtype auto, KIVI sets the cache format')
+    model = vllm_config.model_config
+    if model is not None and getattr(model, "use_mla", False):
+        raise ValueError("the KIVI cache does not support MLA models (latent KV cache)")
+    if cache.block_size is not None:
+        try:
+            check_page_size(cache.block_size, config.group_size)
+        except ValueError:
+            raise ValueError(f"--block-size {cache.block_size} must be a multiple of the KIVI group_size="
+                             f"{config.group_size} (a block holds whole key groups)") from None
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError("the KIVI cache does not support --pipeline-parallel-size > 1 (not tested)")
+    if vllm_config.speculative_config is not None:
+        raise ValueError("the KIVI cache does not support speculative decoding (--speculative-config)")
+    notes = []
+    if cache.enable_prefix_caching:
+        cache.enable_prefix_caching = False
+        notes.append("prefix caching turned off: a shared KIVI block would not carry the full-precision window "
+                     "of the request that wrote it")
+    return notes

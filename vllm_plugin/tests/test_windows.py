@@ -1,0 +1,39 @@
+"""Window slots follow the model runner's requests: finished ones are freed, a new engine in the
+same process starts from an empty map (its predecessor's last finished ids never arrive)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from kivi_vllm.windows import WindowSlots
+
+
+def _runner(*req_ids):
+    return SimpleNamespace(input_batch=SimpleNamespace(req_ids=list(req_ids)))
+
+
+def _out(*finished):
+    return SimpleNamespace(finished_req_ids=set(finished))
+
+
+def test_slots_are_freed_and_reused():
+    slots = WindowSlots()
+    slots.reserve(2)
+    runner = _runner("a", "b")
+    slots.on_update(runner, _out())
+    assert slots.rows(2).tolist() == [0, 1]
+    runner.input_batch.req_ids = ["b", "c"]
+    with pytest.raises(RuntimeError, match="no free KIVI window slot for request c"):
+        slots.rows(2)
+    slots.on_update(runner, _out("a"))
+    assert slots.rows(2).tolist() == [1, 0]
+
+
+def test_a_new_engine_starts_empty():
+    slots = WindowSlots()
+    slots.reserve(2)
+    slots.on_update(_runner("a", "b"), _out())
+    slots.rows(2)
+    slots.reserve(2)
+    slots.on_update(_runner("c", "d"), _out())
+    assert slots.rows(2).tolist() == [0, 1]
