@@ -16,6 +16,7 @@ from kivi_ops.calibrated_rotation import (CalibratedRotations, candidate_matrice
                                           model_identity, quantization_error, rotations_section)
 from kivi_ops.rotation import random_orthogonal, rotate, unrotate
 from paged_helpers import append_both, make_pair
+from serve_fixtures import tiny  # noqa: F401
 from test_rotation import ATOL, ORTHO_ATOL, RTOL
 
 L, B, H, HQ, D = 2, 2, 2, 4, 64
@@ -227,3 +228,120 @@ def test_compiled_and_exported_steps_equal_eager():
     module = program.module()
     for x, out in zip(inputs, want):
         torch.testing.assert_close(module(*x), out, atol=ATOL, rtol=RTOL)
+
+
+# ---------------------------------------------------------------- paged serving, the CLI, TP, export
+
+
+@pytest.mark.slow  # 5-15 s: a paged engine and five static runs
+def test_paged_engine_with_preemptions_equals_static_generate(tiny):
+    from kivi_models import generate, make_cache
+    from kivi_serve.engine import Engine
+    from kivi_serve.paged_options import PagedServing
+    from serve_fixtures import LENGTHS, MAX_SEQ_LEN, PROMPTS, complete_all
+
+    model, tokenizer = tiny  # 2 layers, 2 KV heads, head_dim 8
+    config = KIVIConfig(group_size=4, residual_length=8, **CALIBRATED, rotations=_rotations(dim=8, seed=9))
+    engine = Engine(model, tokenizer, method="kivi", kivi_config=config, slots=4, max_seq_len=MAX_SEQ_LEN,
+                    paging=PagedServing(8, 4, None, 256, None), eos_token_ids=set())
+    try:
+        got = complete_all(engine, PROMPTS, LENGTHS)
+        assert engine.stats()["preemptions"] > 0
+    finally:
+        engine.close()
+    for prompt, n, tokens in zip(PROMPTS, LENGTHS, got):
+        ids = tokenizer(prompt)["input_ids"]
+        cache = make_cache(model, method="kivi", batch_size=1, max_seq_len=len(ids) + n, kivi_config=config)
+        assert tokens == generate(model, [ids], max_new_tokens=n, cache=cache).tokens[0], prompt
+
+
+@pytest.fixture(scope="module")
+def calibrated_tiny(tmp_path_factory):
+    """tests/test_parallel.py's tiny Llamas (2 and 4 KV heads, head_dim 16) and a `kivi calibrate`
+    file for the first, fitted on a few windows of pydoc."""
+    from kivi_cli.main import main
+    from test_parallel import write_tiny_dirs
+
+    dirs = write_tiny_dirs(tmp_path_factory)
+    out = tmp_path_factory.mktemp("calib") / "calib.json"
+    assert main(["calibrate", "--model", str(dirs[2]), "--out", str(out), "--bits", "2", "--group-size", "8",
+                 "--window", "64", "--windows", "2"]) == 0
+    return dirs, out
+
+
+def _generate_args(model, calib, *extra):
+    return ["generate", "--model", str(model), "--prompt", "The capital of France is", "--max-new-tokens", "20",
+            "--method", "kivi", "--group-size", "8", "--residual-length", "8", "--rotate-keys", "calibrated",
+            "--rotate-values", "calibrated", "--rotations", str(calib), *extra]
+
+
+@pytest.mark.slow  # `kivi calibrate` and two `kivi generate` runs on tiny models: 10-30 s
+def test_cli_calibrates_then_generates_and_refuses_another_model(calibrated_tiny, capsys):
+    from kivi_cli.main import main
+
+    dirs, calib = calibrated_tiny
+    section = json.loads(calib.read_text())["rotations"]
+    assert section["model"]["num_kv_heads"] == 2 and section["model"]["head_dim"] == 16
+    assert len(section["layers"]) == 2 and {h["kind"] for layer in section["layers"] for h in layer["k"] + layer["v"]} \
+        <= {"identity", "hadamard", "pca", "pca_hadamard"}
+    capsys.readouterr()
+    assert main(_generate_args(dirs[2], calib, "--json")) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    kivi = report["config"]["kivi"]
+    assert kivi["rotate_keys"] == "calibrated" and kivi["rotations"]["file"] == str(calib)
+    with pytest.raises(SystemExit) as e:
+        main(_generate_args(dirs[4], calib))
+    assert e.value.code == 2
+    assert f"--rotations {calib}: rotations.model.num_kv_heads is 2" in capsys.readouterr().err
+
+
+def test_cli_refuses_calibrated_without_a_file_and_a_file_without_calibrated(capsys):
+    from kivi_cli.main import main
+
+    for args, message in ((["--rotate-keys", "calibrated"], "need --rotations PATH"),
+                          (["--rotations", "x.json"], "--rotations is used only with"),
+                          (["--method", "fp", "--rotate-values", "calibrated", "--rotations", "x.json"],
+                           "options of the KIVI cache (--method kivi), not of --method fp")):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", "--prompt", "x", *args])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a compile of the tiny model's decode step
+def test_cli_compiled_equals_eager(calibrated_tiny, capsys):
+    from kivi_cli.main import main
+
+    dirs, calib = calibrated_tiny
+    runs = []
+    for extra in ((), ("--compile",)):
+        capsys.readouterr()
+        assert main(_generate_args(dirs[2], calib, "--json", *extra)) == 0
+        runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.slow  # torchrun, 20-30 s
+def test_tp2_equals_one_process(calibrated_tiny):
+    from test_parallel import kivi
+
+    dirs, calib = calibrated_tiny
+    args = _generate_args(dirs[2], calib)
+    one, two = kivi(args), kivi(args, nproc=2)  # each rank rotates its own KV head with that head's matrices
+    assert two["tokens"] == one["tokens"] and two["tp_size"] == 2
+
+
+@pytest.mark.slow
+def test_pt2_export_equals_generate(tmp_path, capsys):
+    from gguf_files import write_tiny_llama_gguf
+    from kivi_cli.main import main
+    from test_export_options import exported_kivi_config
+
+    gguf = tmp_path / "tiny-llama.gguf"
+    write_tiny_llama_gguf(gguf)
+    calib = tmp_path / "calib.json"
+    assert main(["calibrate", "--model", str(gguf), "--out", str(calib), "--bits", "2", "--group-size", "8",
+                 "--window", "64", "--windows", "2"]) == 0
+    options = ["--model", str(gguf), "--method", "kivi", "--group-size", "8", "--residual-length", "8",
+               "--rotate-keys", "calibrated", "--rotate-values", "calibrated", "--rotations", str(calib)]
+    kivi = exported_kivi_config("pt2", options, tmp_path / "p", capsys)
+    assert kivi["rotate_keys"] == "calibrated" and kivi["rotations"]["file"] == str(calib)
