@@ -20,6 +20,7 @@ from .quantized import fake_quantize
 from .rotation import rotation_matrix
 
 CANDIDATES = ("identity", "hadamard", "pca", "pca_hadamard")
+FIXED = {"identity": lambda D: torch.eye(D), "hadamard": lambda D: rotation_matrix("hadamard", D)}
 FORMAT = "kivi-rotations-v1"
 # config.json fields that fix a model's attention shapes and weights' layout: the fingerprint
 IDENTITY_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -45,8 +46,8 @@ def candidate_matrices(x: torch.Tensor) -> dict[str, torch.Tensor]:
     cov = torch.cov(flat.T)
     _, vectors = torch.linalg.eigh(cov)  # ascending eigenvalues; columns are the eigenbasis
     pca = vectors.flip(-1).float()
-    hadamard = rotation_matrix("hadamard", D)
-    return dict(identity=torch.eye(D), hadamard=hadamard, pca=pca, pca_hadamard=pca @ hadamard)
+    hadamard = FIXED["hadamard"](D)
+    return dict(identity=FIXED["identity"](D), hadamard=hadamard, pca=pca, pca_hadamard=pca @ hadamard)
 
 
 def quantization_error(x: torch.Tensor, fisher: torch.Tensor, m: torch.Tensor, *, bits: int, group_size: int,
@@ -86,9 +87,12 @@ def _encode(m: torch.Tensor) -> str:
 
 def rotations_section(chosen: dict, identity: dict) -> dict:
     """The calibration file's "rotations" field (JSON): the model's identity and per layer, per head,
-    the chosen kind, its error against the others and the matrix (base64 little-endian fp32)."""
-    layers = [{part: [dict(kind=h["kind"], error_vs_identity=h["error_vs_identity"], matrix=_encode(h["matrix"]))
-                      for h in layer[part]] for part in ("k", "v")} for layer in chosen["layers"]]
+    the chosen kind, its error against the others and the fitted matrix (base64 little-endian fp32)."""
+    def head(h):  # identity and Hadamard are rebuilt on load (FIXED); the fitted ones are stored
+        entry = dict(kind=h["kind"], error_vs_identity=h["error_vs_identity"])
+        return entry if h["kind"] in FIXED else dict(entry, matrix=_encode(h["matrix"]))
+
+    layers = [{part: [head(h) for h in layer[part]] for part in ("k", "v")} for layer in chosen["layers"]]
     return dict(format=FORMAT, model=identity, bits=chosen["bits"], group_size=chosen["group_size"],
                 objective="Fisher-weighted squared error of KIVI quantization", candidates=list(CANDIDATES),
                 layers=layers)
@@ -165,6 +169,9 @@ def load_rotations(path, identity: dict | None, *, flag: str = "--rotations") ->
                 raise ValueError(f"{flag} {path}: rotations.layers[{i}].{part} must list {H} heads")
             for j, head in enumerate(heads):
                 where = f"rotations.layers[{i}].{part}[{j}].matrix"
+                if isinstance(head, dict) and "matrix" not in head and head.get("kind") in FIXED:
+                    parts[part].append(FIXED[head["kind"]](D))
+                    continue
                 try:
                     raw = base64.b64decode(head["matrix"], validate=True)
                     m = torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(D, D)

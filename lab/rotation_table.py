@@ -30,6 +30,9 @@ ROWS = [
     ("kivi2_rotk", "KIVI-2 + rotated K (G=32, R=128)", "rotation"),
     ("kivi2_rotv", "KIVI-2 + rotated V (G=32, R=128)", "rotation"),
     ("kivi2_rotkv", "KIVI-2 + rotated K+V (G=32, R=128)", "rotation"),
+    ("kivi2_calk", "KIVI-2 + calibrated rotation K (G=32, R=128)", "calibrated rotation"),
+    ("kivi2_calv", "KIVI-2 + calibrated rotation V (G=32, R=128)", "calibrated rotation"),
+    ("kivi2_calkv", "KIVI-2 + calibrated rotation K+V (G=32, R=128)", "calibrated rotation"),
     ("kvquant2_sink", "KVQuant-2 + sink 1 (G=32, R=128)", "kvquant"),
     ("kvquant2_sink_rotv", "KVQuant-2 + sink 1 + rotated V (G=32, R=128)", "rotation"),
     ("kivi2_sparse_sink_rotkv", "KIVI-2 + 1% sparse + sink 1 + rotated K+V (G=32, R=128)", "rotation"),
@@ -82,6 +85,11 @@ def _row_config(method: str, config: dict):
     if method == "fp":
         return None, None
     fields = {k: v for k, v in config.items() if k != "nuq"}
+    if config.get("rotations"):  # calibrated rotations, recorded as their file (kivi_ops/calibrated_rotation.py)
+        from kivi_ops.calibrated_rotation import load_rotations
+
+        file = Path(config["rotations"]["file"])
+        fields["rotations"] = load_rotations(file if file.exists() else RESULTS / file.name, None)
     if config.get("nuq"):
         from kivi_ops.nuq import config_levels
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kivi_ops import KIVICache, KIVIConfig, Step
 from kivi_ops.calibrated_rotation import (CalibratedRotations, candidate_matrices, choose_rotations, load_rotations,
                                           model_identity, quantization_error, rotations_section)
-from kivi_ops.rotation import random_orthogonal, rotate, unrotate
+from kivi_ops.rotation import random_orthogonal, rotate, rotation_matrix, unrotate
 from paged_helpers import append_both, make_pair
 from serve_fixtures import tiny  # noqa: F401
 from test_rotation import ATOL, ORTHO_ATOL, RTOL
@@ -113,6 +113,11 @@ def test_file_round_trip_and_refusals_name_the_file_and_field(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"rotations.layers\[1\].v\[0\].matrix is not an orthogonal matrix"):
         load_rotations(tmp_path / "bad.json", None)
+    data = json.loads(path.read_text())  # identity and Hadamard are stored by name, rebuilt on load
+    data["rotations"]["layers"][0]["k"][1] = dict(kind="hadamard", error_vs_identity={})
+    (tmp_path / "named.json").write_text(json.dumps(data))
+    named = load_rotations(tmp_path / "named.json", None)
+    assert torch.equal(named.keys[0, 1], rotation_matrix("hadamard", D)) and torch.equal(named.keys[1], rotations.keys[1])
     (tmp_path / "levels.json").write_text(json.dumps(dict(format="kivi-nuq-v1")))
     with pytest.raises(ValueError, match="the field 'rotations' .* is missing"):
         load_rotations(tmp_path / "levels.json", None)
