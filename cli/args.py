@@ -208,7 +208,8 @@ def _calibrated_rotations(args, parser, method: str):
 
     with usage_errors(parser, ValueError, OSError):
         hf_config = json.loads((resolve_model_path(args.model) / "config.json").read_text())
-        return load_rotations(args.rotations, model_identity(hf_config, args.model))
+        return load_rotations(args.rotations, model_identity(hf_config, args.model),
+                              keys=args.rotate_keys == "calibrated")
 
 
 # CLI spelling of the KIVIConfig fields in error messages.

@@ -60,7 +60,7 @@ def quantization_error(x: torch.Tensor, fisher: torch.Tensor, m: torch.Tensor, *
 
 
 def choose_rotations(activations: list[dict], *, bits: int, group_size: int) -> dict:
-    """Per layer {"k": [per head {"kind", "error"}], "v": [...]} plus the chosen matrices, from each
+    """Per layer {"k": [per head {"kind", "matrix", "error_vs_identity"}], "v": [...]}, from each
     layer's activations {"k", "v", "k_fisher", "v_fisher"} [N, H, T, D] (calibrate.collect_kv_fisher)."""
     layers = []
     for act in activations:
@@ -85,7 +85,7 @@ def _encode(m: torch.Tensor) -> str:
     return base64.b64encode(m.contiguous().to(torch.float32).numpy().astype("<f4").tobytes()).decode()
 
 
-def rotations_section(chosen: dict, identity: dict) -> dict:
+def rotations_section(chosen: dict, identity: dict, *, keys_pre_rope: bool = False) -> dict:
     """The calibration file's "rotations" field (JSON): the model's identity and per layer, per head,
     the chosen kind, its error against the others and the fitted matrix (base64 little-endian fp32)."""
     def head(h):  # identity and Hadamard are rebuilt on load (FIXED); the fitted ones are stored
@@ -94,6 +94,7 @@ def rotations_section(chosen: dict, identity: dict) -> dict:
 
     layers = [{part: [head(h) for h in layer[part]] for part in ("k", "v")} for layer in chosen["layers"]]
     return dict(format=FORMAT, model=identity, bits=chosen["bits"], group_size=chosen["group_size"],
+                keys_pre_rope=keys_pre_rope,
                 objective="Fisher-weighted squared error of KIVI quantization", candidates=list(CANDIDATES),
                 layers=layers)
 
@@ -137,9 +138,10 @@ class CalibratedRotations:
         return f"CalibratedRotations({self.source!r}, shape={self.shape}, sha256={self.digest})"
 
 
-def load_rotations(path, identity: dict | None, *, flag: str = "--rotations") -> CalibratedRotations:
+def load_rotations(path, identity: dict | None, *, keys: bool = True, flag: str = "--rotations") -> CalibratedRotations:
     """The rotations of a `kivi calibrate` file, refused (ValueError naming the file and the field)
-    when its model identity differs from `identity` (model_identity; None skips the check)."""
+    when its model identity differs from `identity` (model_identity; None skips the check), or when
+    `keys` are wanted and were fitted before RoPE (the cache rotates post-RoPE keys)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -157,6 +159,9 @@ def load_rotations(path, identity: dict | None, *, flag: str = "--rotations") ->
                 raise ValueError(f"{flag} {path}: rotations.model.{key} is {stored.get(key)!r} (calibrated for model "
                                  f"{stored.get('name')!r}), but the model {identity['name']!r} has {identity[key]!r}; "
                                  "calibrate this model with `kivi calibrate`")
+    if keys and section.get("keys_pre_rope"):
+        raise ValueError(f"{flag} {path}: rotations.keys_pre_rope is true (calibrated with --pre-rope): its key "
+                         "rotations fit pre-RoPE keys, the cache rotates post-RoPE ones; calibrate without --pre-rope")
     D, L, H = stored.get("head_dim"), stored.get("num_layers"), stored.get("num_kv_heads")
     layers = section.get("layers")
     if not isinstance(layers, list) or len(layers) != L:

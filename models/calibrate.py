@@ -102,6 +102,6 @@ def run_calibration(model, tokenizer, text: str, *, bits_list, group_size: int, 
         if identity is None:
             raise ValueError("rotation_bits needs the model's identity (calibrated_rotation.model_identity)")
         chosen = choose_rotations(activations, bits=rotation_bits, group_size=group_size)
-        data["rotations"] = rotations_section(chosen, identity)
+        data["rotations"] = rotations_section(chosen, identity, keys_pre_rope=pre_rope)
         data["calibration"]["seconds"] = round(time.perf_counter() - start, 1)
     return data

@@ -118,6 +118,11 @@ def test_file_round_trip_and_refusals_name_the_file_and_field(tmp_path):
     (tmp_path / "named.json").write_text(json.dumps(data))
     named = load_rotations(tmp_path / "named.json", None)
     assert torch.equal(named.keys[0, 1], rotation_matrix("hadamard", D)) and torch.equal(named.keys[1], rotations.keys[1])
+    data["rotations"]["keys_pre_rope"] = True  # `kivi calibrate --pre-rope`: keys fitted before RoPE
+    (tmp_path / "pre.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="rotations.keys_pre_rope is true"):
+        load_rotations(tmp_path / "pre.json", None)
+    load_rotations(tmp_path / "pre.json", None, keys=False)  # its value rotations still apply
     (tmp_path / "levels.json").write_text(json.dumps(dict(format="kivi-nuq-v1")))
     with pytest.raises(ValueError, match="the field 'rotations' .* is missing"):
         load_rotations(tmp_path / "levels.json", None)
