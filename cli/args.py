@@ -20,7 +20,7 @@ import torch
 
 from kivi_ops import KIVIConfig
 from kivi_ops.config import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
-from kivi_ops.rotation import ROTATIONS
+from kivi_ops.rotation import CACHE_ROTATIONS
 from kivi_ops.schedule import POLICIES
 
 from kivi_models.generate import METHODS
@@ -176,11 +176,15 @@ def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
                    help="KVQuant dense-and-sparse: keep this fraction of each key channel (per R-token window) and "
                         "of each value token exact, e.g. 0.01")
     for part, what in (("keys", "keys (after RoPE)"), ("values", "values")):
-        p.add_argument(f"--rotate-{part}", choices=ROTATIONS, default="none", action=_Explicit,
+        p.add_argument(f"--rotate-{part}", choices=CACHE_ROTATIONS, default="none", action=_Explicit,
                        help=f"store {what} rotated by an orthogonal matrix of the head dimension before "
                             "quantization (attention is unchanged): hadamard (Walsh-Hadamard; a seeded random "
-                            "matrix if head_dim is not a power of two) or random (seeded random orthogonal)")
+                            "matrix if head_dim is not a power of two), random (seeded random orthogonal) or "
+                            "calibrated (per layer and KV head, from --rotations; the KIVI cache only)")
     p.add_argument("--rotation-seed", type=seed_int, default=0, action=_Explicit, help="seed of the random rotation")
+    p.add_argument("--rotations", default=None, metavar="PATH",
+                   help="a `kivi calibrate` file whose fitted rotations --rotate-keys/--rotate-values calibrated use "
+                        "(refused for another model or head_dim)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, float16 on cuda")
     from kivi_models.weight_quant import WEIGHT_QUANT_MODES
@@ -200,6 +204,29 @@ def _nuq_levels(args, parser) -> dict:
         return config_levels(args.nuq, k_bits=args.k_bits, v_bits=args.v_bits, num_layers=config["num_hidden_layers"],
                              group_size=args.group_size, pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers,
                              model=model_identity(args.model), head_dim=head_dim_of(config))
+
+
+def _calibrated_rotations(args, parser, method: str):
+    """KIVIConfig.rotations from --rotations when a rotation is "calibrated", checked against the model."""
+    calibrated = "calibrated" in (args.rotate_keys, args.rotate_values)
+    if not calibrated:
+        if args.rotations:
+            parser.error("--rotations is used only with --rotate-keys calibrated or --rotate-values calibrated")
+        return None
+    if method != "kivi":
+        parser.error(f"--rotate-keys/--rotate-values calibrated are options of the KIVI cache (--method kivi), "
+                     f"not of --method {method}")
+    if not args.rotations:
+        parser.error("--rotate-keys/--rotate-values calibrated need --rotations PATH (a `kivi calibrate` file)")
+    from kivi_ops.calibrated_rotation import load_rotations, model_identity
+
+    from kivi_models.loading import model_identity as loaded_model_identity
+    from kivi_models.loading import resolve_model_path
+
+    with usage_errors(parser, ValueError, OSError):
+        hf_config = json.loads((resolve_model_path(args.model) / "config.json").read_text())
+        return load_rotations(args.rotations, model_identity(hf_config, loaded_model_identity(args.model)),
+                              keys=args.rotate_keys == "calibrated")
 
 
 # CLI spelling of the KIVIConfig fields in error messages.
@@ -231,13 +258,15 @@ def kivi_config_from(args, parser) -> KIVIConfig:
     kvquant = dict(pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers)
     if method == "kivi" and args.nuq:
         kvquant.update(_nuq_levels(args, parser))
+    rotations = _calibrated_rotations(args, parser, method)
     try:
         config = KIVIConfig(k_bits=args.k_bits, v_bits=args.v_bits, group_size=args.group_size,
                             residual_length=args.residual_length, sink_tokens=args.sink_tokens,
                             outlier_tokens=args.outlier_tokens, outlier_spill=args.outlier_spill,
                             outlier_skip_layers=args.outlier_skip_layers, flush_policy=args.flush_policy,
                             rotate_keys=args.rotate_keys, rotate_values=args.rotate_values,
-                            rotation_seed=args.rotation_seed, **(kvquant if method == "kivi" else {}))
+                            rotation_seed=args.rotation_seed, rotations=rotations,
+                            **(kvquant if method == "kivi" else {}))
     except ValueError as e:
         parser.error(flag_spelling(str(e)))
     if method == "fp" and getattr(args, "explicit", set()) & set(_KIVI_ONLY_FLAGS):

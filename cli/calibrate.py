@@ -1,9 +1,11 @@
-"""`kivi calibrate`: derive per-layer nuqX levels offline (kivi_models.calibrate) and write them
-to a levels file (kivi_ops.nuq)."""
+"""`kivi calibrate`: derive per-layer nuqX levels and per layer and KV head rotations offline
+(kivi_models.calibrate) and write them to a calibration file (kivi_ops.nuq, kivi_ops.calibrated_rotation)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -23,6 +25,10 @@ def add_calibrate_parser(sub) -> None:
     c.add_argument("--pre-rope", action="store_true", help="levels for keys quantized before RoPE (KVQuant)")
     c.add_argument("--sparse-outliers", type=fraction_arg, default=0.0, metavar="FRACTION",
                    help="levels for the dense part when this fraction of each vector is kept exact (e.g. 0.01)")
+    c.add_argument("--rotation-bits", type=int, choices=(2, 3, 4), default=2,
+                   help="also fit per layer and KV head rotations (--rotate-keys/--rotate-values calibrated) "
+                        "for this bit width (default 2)")
+    c.add_argument("--no-rotations", action="store_true", help="fit the nuq levels only")
     c.set_defaults(func=cmd_calibrate, parser=c)
 
 
@@ -37,12 +43,13 @@ def _bits_list(text: str) -> list[int]:
 
 
 def cmd_calibrate(args, parser) -> int:
+    from kivi_ops.calibrated_rotation import model_identity as rotation_identity
     from kivi_ops.config import check_group_size
     from kivi_ops.nuq import write_levels_file
 
     from kivi_models.calibrate import run_calibration
     from kivi_models.corpus import load_text
-    from kivi_models.loading import load_model, model_identity
+    from kivi_models.loading import load_model, model_identity, resolve_model_path
 
     with usage_errors(parser, ValueError, OSError):
         check_group_size("--group-size", args.group_size)
@@ -50,11 +57,18 @@ def cmd_calibrate(args, parser) -> int:
     if args.window % args.group_size:
         parser.error(f"--window must be a multiple of --group-size={args.group_size}")
     model, tokenizer = load_model(args.model, dtype=torch.float32, device="cpu")
+    name = model_identity(args.model)
+    identity = rotation_identity(json.loads((resolve_model_path(args.model) / "config.json").read_text()), name)
     with usage_errors(parser):
         result = run_calibration(model, tokenizer, text, bits_list=args.bits, group_size=args.group_size,
-                                 window=args.window, windows=args.windows, model_name=model_identity(args.model),
-                                 pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers)
+                                 window=args.window, windows=args.windows, model_name=name,
+                                 pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers,
+                                 rotation_bits=None if args.no_rotations else args.rotation_bits, identity=identity)
     write_levels_file(args.out, result)
+    if "rotations" in result:
+        for part, name in (("k", "keys"), ("v", "values")):
+            kinds = Counter(h["kind"] for layer in result["rotations"]["layers"] for h in layer[part])
+            print(f"rotations, {name} ({args.rotation_bits}-bit): " + ", ".join(f"{k} {n}" for k, n in kinds.most_common()))
     for bits, entry in result["bits"].items():
         k, v = entry["k_error_vs_uniform"], entry["v_error_vs_uniform"]
         print(f"nuq{bits}: Fisher-weighted error vs the uniform grid, mean over {len(k)} layers: "

@@ -159,7 +159,7 @@ def _check_kivi(kivi) -> Optional[str]:
     want = {f.name for f in fields(KIVIConfig)}
     # Artifacts written before flush_policy or the rotations existed ran their defaults (KIVI's
     # policy, no rotation).
-    later = {"flush_policy", "rotate_keys", "rotate_values", "rotation_seed"}
+    later = {"flush_policy", "rotate_keys", "rotate_values", "rotation_seed", "rotations"}
     if not want - later <= set(kivi) <= want:
         return f"an object with exactly the KIVIConfig fields {sorted(want)}"
     values = dict(kivi)
@@ -168,6 +168,16 @@ def _check_kivi(kivi) -> Optional[str]:
         if not isinstance(tables, list) or not all(isinstance(t, list) for t in tables):
             return f"a KIVIConfig ({name} must be a list of per-layer level lists)"
         values[name] = tuple(tuple(t) for t in tables)
+    # calibrated rotations are recorded as their file and digest (the program embeds the matrices)
+    rotations = values.pop("rotations", None)
+    if rotations is not None and not (isinstance(rotations, dict) and set(rotations) == {"file", "sha256"}
+                                      and all(isinstance(v, str) for v in rotations.values())):
+        return "a KIVIConfig (rotations must be null or {\"file\": str, \"sha256\": str})"
+    if (rotations is not None) != ("calibrated" in (values.get("rotate_keys"), values.get("rotate_values"))):
+        return "a KIVIConfig (rotations are recorded exactly when a rotation is 'calibrated')"
+    for name in ("rotate_keys", "rotate_values"):
+        if values.get(name) == "calibrated":
+            values[name] = "none"
     try:
         KIVIConfig(**values)
     except (TypeError, ValueError) as e:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Optional
 
-from .rotation import check_rotation
+from .calibrated_rotation import CalibratedRotations
+from .rotation import CACHE_ROTATIONS, check_rotation
 from .schedule import POLICIES, key_flush_unit, policy_id, residual_slots
 
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -110,11 +112,13 @@ class KIVIConfig:
     Rotation (QuaRot / RotateKV / TurboQuant), off ("none") by default; keys and values choose
     independently (rotation.py):
     rotate_keys / rotate_values: "none", "hadamard" (normalized Walsh–Hadamard for a power-of-two
-        head_dim, else the seeded random matrix) or "random" (a seeded random orthogonal matrix).
+        head_dim, else the seeded random matrix), "random" (a seeded random orthogonal matrix) or
+        "calibrated" (per layer and KV head, `rotations`, from `kivi calibrate`).
         Keys (post-RoPE) and values are stored times M, the query is rotated by M once per call and
         the attention output rotated back by Mᵀ: attention is unchanged before quantization, and
         the cache's bytes are unchanged (M is a per-layer constant).
     rotation_seed: the seed of the random matrix.
+    rotations: the calibrated matrices (calibrated_rotation.load_rotations), with a "calibrated" kind only.
     """
 
     k_bits: int = 2
@@ -133,6 +137,7 @@ class KIVIConfig:
     rotate_keys: str = "none"
     rotate_values: str = "none"
     rotation_seed: int = 0
+    rotations: Optional[CalibratedRotations] = None
 
     def __post_init__(self) -> None:
         check_bits("k_bits", self.k_bits)
@@ -180,8 +185,15 @@ class KIVIConfig:
         if self.flush_policy == "ott" and self.sparse_outliers:
             raise ValueError("sparse_outliers is not supported with flush_policy='ott' (its key store is laid "
                              "out per R-token window of the kivi policy); use flush_policy='kivi'")
-        check_rotation("rotate_keys", self.rotate_keys)
-        check_rotation("rotate_values", self.rotate_values)
+        check_rotation("rotate_keys", self.rotate_keys, CACHE_ROTATIONS)
+        check_rotation("rotate_values", self.rotate_values, CACHE_ROTATIONS)
+        calibrated = "calibrated" in (self.rotate_keys, self.rotate_values)
+        if calibrated and not isinstance(self.rotations, CalibratedRotations):
+            raise ValueError(f"rotate_keys/rotate_values='calibrated' needs rotations, a calibration file's matrices "
+                             f"(kivi_ops.calibrated_rotation.load_rotations; CLI: --rotations PATH), got {self.rotations!r}")
+        if not calibrated and self.rotations is not None:
+            raise ValueError("rotations are used only with rotate_keys or rotate_values='calibrated', got "
+                             f"rotate_keys={self.rotate_keys!r}, rotate_values={self.rotate_values!r}")
         if isinstance(self.rotation_seed, bool) or not isinstance(self.rotation_seed, int):
             raise ValueError(f"rotation_seed must be an int, got {self.rotation_seed!r}")
         if self.pre_rope and self.rotate_keys != "none":
@@ -242,7 +254,8 @@ class KIVIConfig:
             )
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as JSON values; calibrated rotations as their file and digest (not the matrices)."""
+        return dict(asdict(self), rotations=self.rotations.record() if self.rotations is not None else None)
 
     def to_record(self, nuq_source=None) -> dict:
         """to_dict for reports: the nuq levels named by their source (e.g. the calibration file)

@@ -230,13 +230,25 @@ def option_constants(layer) -> list[torch.Tensor]:
     return levels + rope + rotation_constants(layer)
 
 
+def _calibrated(rotations, part: str, layer: CacheLayer, layer_idx: int) -> torch.Tensor:
+    L, H, D, _ = rotations.shape
+    if (H, D) != (layer.num_kv_heads, layer.head_dim) or layer_idx >= L:
+        raise ValueError(f"rotations ({rotations.source}) are [layers={L}, kv_heads={H}, head_dim={D}], but layer "
+                         f"{layer_idx} caches kv_heads={layer.num_kv_heads}, head_dim={layer.head_dim}: calibrate "
+                         "this model with `kivi calibrate`")
+    return getattr(rotations, part)[layer_idx]
+
+
 def init_constants(layer: CacheLayer, config: KIVIConfig, layer_idx: int, rope, device) -> None:
     """What a KIVI layer (static or paged) holds beside its buffers: the nuq `levels` (None when
     off), with pre-RoPE keys the model's RoPE frequencies `rope_inv_freq` (else None) and
-    `rope_scaling`, and the rotation matrices `rot_k` / `rot_v` [D, D] fp32 (None when off)."""
+    `rope_scaling`, and the rotation matrices `rot_k` / `rot_v` [D, D] fp32 ([H, D, D] calibrated; None when off)."""
     D = layer.head_dim
-    for name, kind in (("rot_k", config.rotate_keys), ("rot_v", config.rotate_values)):
-        m = rotation_matrix(kind, D, config.rotation_seed)
+    for name, kind, part in (("rot_k", config.rotate_keys, "keys"), ("rot_v", config.rotate_values, "values")):
+        if kind == "calibrated":  # [H, D, D]: this layer's matrix per KV head
+            m = _calibrated(config.rotations, part, layer, layer_idx)
+        else:
+            m = rotation_matrix(kind, D, config.rotation_seed)
         if m is None:
             setattr(layer, name, None)
         else:

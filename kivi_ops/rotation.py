@@ -8,7 +8,7 @@ so the kernels see rotated vectors and need no change. The rotation spreads a ch
 over all channels, which helps per-token quantization (values, and the per-token baselines) and
 may hurt KIVI's per-channel keys, whose groups exploit those outliers: docs/quality.md measures it.
 
-Kinds: "none"; "hadamard", the normalized Walsh–Hadamard matrix (entries ±1/sqrt(D)) when head_dim
+Kinds: "none"; "calibrated" (the cache only: per layer and KV head, calibrated_rotation.py); "hadamard", the normalized Walsh–Hadamard matrix (entries ±1/sqrt(D)) when head_dim
 is a power of two, else the seeded random matrix; "random", a seeded random orthogonal matrix (QR
 of a seeded Gaussian, signs fixed so it is Haar-distributed). The matrix is built once, in fp32,
 with `fwht` (the fast transform, O(D log D) per vector) applied to the identity, and applied as
@@ -22,11 +22,13 @@ from typing import Optional
 import torch
 
 ROTATIONS = ("none", "hadamard", "random")
+# the cache's kinds: also "calibrated", per layer and KV head from a calibration file (calibrated_rotation.py)
+CACHE_ROTATIONS = ROTATIONS + ("calibrated",)
 
 
-def check_rotation(name: str, value) -> None:
-    if not isinstance(value, str) or value not in ROTATIONS:
-        raise ValueError(f"{name} must be one of {ROTATIONS}, got {value!r}")
+def check_rotation(name: str, value, kinds=ROTATIONS) -> None:
+    if not isinstance(value, str) or value not in kinds:
+        raise ValueError(f"{name} must be one of {kinds}, got {value!r}")
 
 
 def is_power_of_two(n: int) -> bool:
@@ -68,15 +70,27 @@ def rotation_matrix(kind: str, head_dim: int, seed: int = 0) -> Optional[torch.T
     return random_orthogonal(head_dim, seed)
 
 
+def _times(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x [..., D] @ m [D, D], or per head: x [..., heads, T, D] @ m [H, D, D] where head i uses
+    matrix i // (heads / H) (a query head uses its KV head's matrix, GQA's grouping)."""
+    if m.dim() == 2:
+        return torch.matmul(x.float(), m)
+    *lead, heads, T, D = x.shape
+    H = m.shape[0]
+    y = torch.matmul(x.float().reshape(*lead, H, heads // H, T, D), m[:, None])
+    return y.reshape(*lead, heads, T, D)
+
+
 def rotate(x: torch.Tensor, m: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [..., D] times M, computed in fp32 and returned in x's dtype (x itself when M is None)."""
+    """x [..., D] times M ([D, D], or [H, D, D] per KV head: _times), computed in fp32 and returned
+    in x's dtype (x itself when M is None)."""
     if m is None:
         return x
-    return torch.matmul(x.float(), m).to(x.dtype)
+    return _times(x, m).to(x.dtype)
 
 
 def unrotate(x: torch.Tensor, m: Optional[torch.Tensor]) -> torch.Tensor:
     """x [..., D] times Mᵀ (the inverse of rotate), in fp32, returned in x's dtype."""
     if m is None:
         return x
-    return torch.matmul(x.float(), m.t()).to(x.dtype)
+    return _times(x, m.transpose(-1, -2)).to(x.dtype)

@@ -30,6 +30,9 @@ ROWS = [
     ("kivi2_rotk", "KIVI-2 + rotated K (G=32, R=128)", "rotation"),
     ("kivi2_rotv", "KIVI-2 + rotated V (G=32, R=128)", "rotation"),
     ("kivi2_rotkv", "KIVI-2 + rotated K+V (G=32, R=128)", "rotation"),
+    ("kivi2_calk", "KIVI-2 + calibrated rotation K (G=32, R=128)", "calibrated rotation"),
+    ("kivi2_calv", "KIVI-2 + calibrated rotation V (G=32, R=128)", "calibrated rotation"),
+    ("kivi2_calkv", "KIVI-2 + calibrated rotation K+V (G=32, R=128)", "calibrated rotation"),
     ("kvquant2_sink", "KVQuant-2 + sink 1 (G=32, R=128)", "kvquant"),
     ("kvquant2_sink_rotv", "KVQuant-2 + sink 1 + rotated V (G=32, R=128)", "rotation"),
     ("kivi2_sparse_sink_rotkv", "KIVI-2 + 1% sparse + sink 1 + rotated K+V (G=32, R=128)", "rotation"),
@@ -52,8 +55,8 @@ RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 COMMITTED = ("quality_rotation.json", "quality.json", "quality_kvquant.json")
 
 
-def _committed(name: str):
-    for file in COMMITTED:
+def _committed(name: str, files=COMMITTED):
+    for file in files:
         data = json.loads((RESULTS / file).read_text())
         for r in data["perplexity"]:
             # measured there, or carried there with its first source named
@@ -64,6 +67,12 @@ def _committed(name: str):
                     return r, command
                 return r, f"{command} (committed {file}, git {env['git_sha'][:10]}, {env['threads']} threads)"
     return None, None
+
+
+def _committed_passkey(name: str, files=COMMITTED):
+    """A passkey row of the committed table this one extends (the first file), kept as it was."""
+    data = json.loads((RESULTS / files[0]).read_text())
+    return next((r for r in data.get("passkey", []) if r["name"] == name), None)
 
 
 def _last_json(path: Path) -> dict:
@@ -82,6 +91,11 @@ def _row_config(method: str, config: dict):
     if method == "fp":
         return None, None
     fields = {k: v for k, v in config.items() if k != "nuq"}
+    if config.get("rotations"):  # calibrated rotations, recorded as their file (kivi_ops/calibrated_rotation.py)
+        from kivi_ops.calibrated_rotation import load_rotations
+
+        file = Path(config["rotations"]["file"])
+        fields["rotations"] = load_rotations(file if file.exists() else RESULTS / file.name, None)
     if config.get("nuq"):
         from kivi_ops.nuq import config_levels
 
@@ -102,7 +116,11 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="default", help="as for `kivi eval` (bits per element depend on its head_dim)")
     p.add_argument("--no-committed", action="store_true",
                    help="rows not run here stay out (default: taken from the committed SmolLM2 tables)")
+    p.add_argument("--carry", default=None, metavar="FILE",
+                   help="carry rows not run here from this committed table in benchmarks/results "
+                        "(default: the SmolLM2 tables)")
     args = p.parse_args(argv)
+    committed = (args.carry,) if args.carry else COMMITTED
 
     from kivi_benchmarks.environment import environment
     from kivi_benchmarks.quality_table import Row, bits_per_element, plot_bits
@@ -122,8 +140,10 @@ def main(argv=None) -> int:
             passkey.append(dict(name=name, accuracy=run["accuracy"], trials=run["trials"], seconds=run["seconds"],
                                 config=run["config"], command=started[f"pk_{stem}"][1],
                                 started=started[f"pk_{stem}"][0], ended=ended[f"pk_{stem}"]))
+        elif not args.no_committed and _committed_passkey(name, committed) is not None:
+            passkey.append(_committed_passkey(name, committed))
         if stem not in ended or not path.exists() or not path.read_text().strip():
-            old, source = (None, None) if args.no_committed else _committed(name)
+            old, source = (None, None) if args.no_committed else _committed(name, committed)
             if old is None:
                 missing.append(name)
                 continue

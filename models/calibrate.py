@@ -1,5 +1,6 @@
 """KVQuant's offline calibration of per-layer nuqX levels (`kivi calibrate`): a k-means on each
-layer's keys and values weighted by their squared loss gradients (KVQuant Appendices D, E)."""
+layer's keys and values weighted by their squared loss gradients (KVQuant Appendices D, E); and,
+from the same activations, the per layer and KV head rotations (kivi_ops/calibrated_rotation.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from kivi_ops.calibrated_rotation import choose_rotations, rotations_section
 from kivi_ops.nuq import calibrate_tables, levels_file
 from kivi_ops.rope import model_rope_tables, undo_rope
 
@@ -83,16 +85,26 @@ def collect_kv_fisher(model, windows: torch.Tensor, *, batch_size: int = 2, pre_
 
 def run_calibration(model, tokenizer, text: str, *, bits_list, group_size: int, window: int, windows: int,
                     model_name: str, batch_size: int = 2, pre_rope: bool = False,
-                    sparse_outliers: float = 0.0) -> dict:
-    """The levels file (nuq.levels_file) for `model`, from the last `windows` windows of `text`."""
+                    sparse_outliers: float = 0.0, rotation_bits: int | None = None,
+                    identity: dict | None = None) -> dict:
+    """The levels file (nuq.levels_file) for `model`, from the last `windows` windows of `text`;
+    rotation_bits: also the rotations chosen for that bit width ("rotations", with the model's
+    `identity`, calibrated_rotation.model_identity)."""
     start = time.perf_counter()
     win = calibration_windows(tokenizer, text, window=window, windows=windows)
     activations = collect_kv_fisher(model, win, batch_size=batch_size, pre_rope=pre_rope)
     tables = calibrate_tables(activations, bits_list=bits_list, group_size=group_size, sparse_outliers=sparse_outliers,
                               progress=lambda items, desc: tqdm(items, desc=desc, leave=False))
-    return levels_file(tables, model=model_name, num_layers=len(activations), head_dim=head_dim_of(model.config),
+    data = levels_file(tables, model=model_name, num_layers=len(activations), head_dim=head_dim_of(model.config),
                        group_size=group_size,
                        pre_rope=pre_rope, sparse_outliers=sparse_outliers,
                        calibration=dict(corpus_part="last tokens", window=window, windows=windows,
                                         tokens=int(win.numel()), weighting="Fisher (squared loss gradient) x scale^2",
                                         seconds=round(time.perf_counter() - start, 1)))
+    if rotation_bits is not None:
+        if identity is None:
+            raise ValueError("rotation_bits needs the model's identity (calibrated_rotation.model_identity)")
+        chosen = choose_rotations(activations, bits=rotation_bits, group_size=group_size)
+        data["rotations"] = rotations_section(chosen, identity, keys_pre_rope=pre_rope)
+        data["calibration"]["seconds"] = round(time.perf_counter() - start, 1)
+    return data

@@ -4,6 +4,7 @@ compiled step never sees a per-token Python int (no recompiles, CUDA-graph frien
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -17,10 +18,19 @@ from kivi_ops import FPCache, KIVICache, KIVIConfig, StaticCacheBase, Step
 from kivi_ops.compile_budget import compile_own_code, signature
 from kivi_ops.rope import model_rope_frequencies
 
-from .parallel import local_kv_heads
+from .parallel import local_kv_heads, rank
 from .windows import layer_windows
 
 METHODS = ("fp", "kivi")
+
+
+def local_kivi_config(model, kivi_config: KIVIConfig) -> KIVIConfig:
+    """kivi_config with its calibrated rotations cut to this rank's KV heads (tensor parallelism:
+    rank r holds heads [r * local, (r + 1) * local)); unchanged outside it."""
+    rotations, local = kivi_config.rotations, local_kv_heads(model)
+    if rotations is None or rotations.shape[1] == local:
+        return kivi_config
+    return dataclasses.replace(kivi_config, rotations=rotations.heads(rank() * local, local))
 
 
 def make_cache(model, *, method: str, batch_size: int, max_seq_len: int,
@@ -36,7 +46,7 @@ def make_cache(model, *, method: str, batch_size: int, max_seq_len: int,
                 num_kv_heads=local_kv_heads(model), head_dim=head_dim, dtype=dtype or model.dtype, device=device or model.device,
                 windows=layer_windows(model))
     if method == "kivi":
-        kivi_config = kivi_config or KIVIConfig()
+        kivi_config = local_kivi_config(model, kivi_config or KIVIConfig())
         rope = {}
         if kivi_config.pre_rope:
             inv_freq, scaling = model_rope_frequencies(model)
@@ -73,7 +83,7 @@ def make_paged_cache(model, *, method: str, batch_size: int, max_seq_len: int, n
     else:
         from kivi_ops.paged import PagedKIVICache
 
-        kivi_config = kivi_config or KIVIConfig()
+        kivi_config = local_kivi_config(model, kivi_config or KIVIConfig())
         page_size = page_size or kivi_config.group_size  # a page holds whole quantization groups
         rope = {}
         if kivi_config.pre_rope:

@@ -41,6 +41,10 @@ def kivi(args: list[str], nproc: int = 1, timeout: int = 600) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
+    return write_tiny_dirs(tmp_path_factory)
+
+
+def write_tiny_dirs(tmp_path_factory) -> dict:
     """Tiny random Llama models (2 layers) with 2 and 4 KV heads, and the default tokenizer."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 

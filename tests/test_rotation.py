@@ -61,7 +61,7 @@ def test_random_rotation_is_seeded():
 
 @pytest.mark.parametrize("field", ["rotate_keys", "rotate_values"])
 def test_bad_rotation_is_refused_naming_the_parameter(field):
-    with pytest.raises(ValueError, match=rf"{field} must be one of \('none', 'hadamard', 'random'\), got 'fast'"):
+    with pytest.raises(ValueError, match=rf"{field} must be one of \('none', 'hadamard', 'random', 'calibrated'\), got 'fast'"):
         KIVIConfig(**{field: "fast"})
     with pytest.raises(ValueError, match="rotation_seed must be an int"):
         KIVIConfig(rotation_seed=1.5)
@@ -79,7 +79,7 @@ def test_cli_names_the_flag(capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--prompt", "x", "--rotate-keys", "fast"])
     assert e.value.code == 2
-    assert "--rotate-keys: invalid choice: 'fast' (choose from 'none', 'hadamard', 'random')" in capsys.readouterr().err
+    assert "--rotate-keys: invalid choice: 'fast' (choose from 'none', 'hadamard', 'random', 'calibrated')" in capsys.readouterr().err
 
 
 def _cache(T_max=256, **options):
