@@ -6,8 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from .calibrated_rotation import CalibratedRotations
-from .rotation import CACHE_ROTATIONS, check_rotation
+from .rotation import CACHE_ROTATIONS, CalibratedRotations, check_rotation
 from .schedule import POLICIES, key_flush_unit, policy_id, residual_slots
 
 SUPPORTED_BITS = (2, 3, 4, 8)

@@ -17,6 +17,7 @@ one small matmul: at D <= 256 one GEMM per call costs less than log2(D) eager bu
 
 from __future__ import annotations
 
+import hashlib
 from typing import Optional
 
 import torch
@@ -94,3 +95,42 @@ def unrotate(x: torch.Tensor, m: Optional[torch.Tensor]) -> torch.Tensor:
     if m is None:
         return x
     return _times(x, m.transpose(-1, -2)).to(x.dtype)
+
+
+class CalibratedRotations:
+    """Immutable [L, H, D, D] fp32 key and value rotations from a calibration file; configs holding
+    the same matrices compare equal (by digest), and copying one shares it."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, source: str):
+        if keys.shape != values.shape or keys.dim() != 4 or keys.shape[-1] != keys.shape[-2]:
+            raise ValueError(f"rotations must be key and value tensors [layers, kv_heads, head_dim, head_dim] of one "
+                             f"shape, got {tuple(keys.shape)} and {tuple(values.shape)}")
+        self.keys, self.values, self.source = keys.float().contiguous(), values.float().contiguous(), str(source)
+        h = hashlib.sha256()
+        for t in (self.keys, self.values):
+            h.update(t.numpy().tobytes())
+        self.digest = h.hexdigest()[:16]
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.keys.shape)
+
+    def heads(self, start: int, count: int) -> "CalibratedRotations":
+        """The rotations of KV heads [start, start + count) (one tensor-parallel rank's heads)."""
+        return CalibratedRotations(self.keys[:, start:start + count], self.values[:, start:start + count],
+                                   f"{self.source}[heads {start}:{start + count}]")
+
+    def record(self) -> dict:
+        return dict(file=self.source, sha256=self.digest)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, CalibratedRotations) and other.digest == self.digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        return f"CalibratedRotations({self.source!r}, shape={self.shape}, sha256={self.digest})"

@@ -65,7 +65,9 @@ def _committed(name: str, files=COMMITTED):
                 command = r.get("command") or env["command"]
                 if "(committed " in command:  # carried over once already: keep its first source
                     return r, command
-                return r, f"{command} (committed {file}, git {env['git_sha'][:10]}, {env['threads']} threads)"
+                sha = env["git_sha"]  # a dirty tree's sha keeps its +uncommitted
+                sha = sha[:10] + ("+uncommitted" if sha.endswith("+uncommitted") else "")
+                return r, f"{command} (committed {file}, git {sha}, {env['threads']} threads)"
     return None, None
 
 
