@@ -32,7 +32,7 @@ def run_and_replay(model_dir, kivi, ps, max_tokens, checked=None, **options):
         predicted = replay(model, tokens, len(p), sched[tuple(p)], config)
         assert set(predicted) == set(range(len(p), len(tokens))), "the schedule does not produce every output"
         wrong = {pos: (tok, tokens[pos], f"top-2 margin {MARGINS[pos]:.3g}") for pos, tok in predicted.items()
-                 if tok != tokens[pos] and pos < len(p) + (checked or max_tokens)}
+                 if tok != tokens[pos] and pos < len(p) + (max_tokens if checked is None else checked)}
         assert not wrong, f"prompt of {len(p)}: (library, vLLM) tokens differ at positions {wrong}"
     return trace, sched
 
