@@ -359,11 +359,18 @@ def stop_engine(engine) -> None:
     import logging
     import sys
 
-    if engine.close(timeout=ENGINE_STOP_WAIT_S if engine.ready.is_set() else 0.5):
-        return
     exc = sys.exc_info()[1]
+    try:
+        if engine.close(timeout=ENGINE_STOP_WAIT_S if engine.ready.is_set() else 0.5):
+            return
+    except KeyboardInterrupt:  # Ctrl-C while waiting: uvicorn's handlers are gone once it has stopped
+        exc = exc or KeyboardInterrupt()
     status = (0 if exc is None else exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int)
               else 130 if isinstance(exc, KeyboardInterrupt) else 1)
+    if exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+        import traceback  # what ended serving would otherwise never be printed: os._exit skips main's handler
+
+        traceback.print_exception(exc)
     log("the engine thread is still running (a compile or a hung step): exiting without waiting for it")
     logging.shutdown()
     sys.stdout.flush()

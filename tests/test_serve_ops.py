@@ -434,3 +434,47 @@ def test_ctrl_c_while_the_model_loads_is_one_line_and_status_130(tmp_path):
             proc.kill()
     log = log_path.read_text()
     assert status == 130 and "Traceback" not in log and "interrupted while starting" in log, (status, log)
+
+
+class _StuckEngine:
+    """An engine whose thread never stops (a compile or a hung step): close() times out, or is
+    interrupted by a Ctrl-C while it waits."""
+
+    def __init__(self, interrupt: bool = False):
+        self.ready, self.interrupt = threading.Event(), interrupt
+
+    def close(self, timeout):
+        if self.interrupt:
+            raise KeyboardInterrupt
+        return False
+
+
+class _Exited(Exception):
+    pass
+
+
+@pytest.fixture
+def exits(monkeypatch):
+    import kivi_cli.serve as cli_serve
+
+    def exit_(status):
+        raise _Exited(status)
+
+    monkeypatch.setattr(cli_serve.os, "_exit", exit_)
+    return cli_serve.stop_engine
+
+
+def test_an_error_that_ends_serving_is_printed_before_the_process_leaves_a_stuck_engine(exits, capsys):
+    with pytest.raises(_Exited) as left:
+        try:
+            raise OSError("address already in use")
+        except OSError:
+            exits(_StuckEngine())
+    assert left.value.args == (1,)
+    assert "OSError: address already in use" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_waiting_for_a_stuck_engine_leaves_with_status_130(exits):
+    with pytest.raises(_Exited) as left:
+        exits(_StuckEngine(interrupt=True))
+    assert left.value.args == (130,)
