@@ -54,6 +54,9 @@ def check_engine(vllm_config, config: KIVIConfig) -> list[str]:
                              f"{config.group_size} (a block holds whole key groups)") from None
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("the KIVI cache does not support --pipeline-parallel-size > 1 (not tested)")
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        raise ValueError("the KIVI cache does not support KV connectors (--kv-transfer-config): a request they "
+                         "resume mid-sequence would have no full-precision window")
     if vllm_config.speculative_config is not None:
         raise ValueError("the KIVI cache does not support speculative decoding (--speculative-config)")
     notes = []

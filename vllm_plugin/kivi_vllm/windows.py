@@ -28,7 +28,9 @@ class WindowSlots:
         if runner is not self.runner:  # a new engine in this process: the old one's requests are gone
             self.slot_of.clear()
             self.runner = runner
-        for req_id in scheduler_output.finished_req_ids:
+        # A preempted request waits in vLLM's queue (not counted by --max-num-seqs) and restarts at
+        # token 0, which rewrites a window: its slot is free until it runs again.
+        for req_id in (*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ())):
             self.slot_of.pop(req_id, None)
 
     def rows(self, num_reqs: int) -> torch.Tensor:

@@ -46,3 +46,12 @@ def test_sliding_window_model_is_refused(tiny_gemma3):
     with pytest.raises(Exception) as info:
         make_llm(tiny_gemma3, KIVI2)
     assert "the KIVI cache does not support sliding-window attention" in str(info.value)
+
+
+def test_kv_connectors_are_refused(tiny_llama):
+    from kivi_vllm.options import check_engine, kivi_options
+
+    config = _config(tiny_llama, KIVI2)
+    config.kv_transfer_config = object()  # any connector: a request could resume mid-sequence
+    with pytest.raises(ValueError, match="does not support KV connectors"):
+        check_engine(config, kivi_options(config))

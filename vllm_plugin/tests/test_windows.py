@@ -1,5 +1,5 @@
-"""Window slots follow the model runner's requests: finished ones are freed, a new engine in the
-same process starts from an empty map (its predecessor's last finished ids never arrive)."""
+"""Window slots follow the model runner's requests: finished and preempted ones are freed, a new
+engine in the same process starts from an empty map (its predecessor's last finished ids never arrive)."""
 
 from types import SimpleNamespace
 
@@ -12,8 +12,8 @@ def _runner(*req_ids):
     return SimpleNamespace(input_batch=SimpleNamespace(req_ids=list(req_ids)))
 
 
-def _out(*finished):
-    return SimpleNamespace(finished_req_ids=set(finished))
+def _out(*finished, preempted=None):
+    return SimpleNamespace(finished_req_ids=set(finished), preempted_req_ids=preempted)
 
 
 def test_slots_are_freed_and_reused():
@@ -36,4 +36,16 @@ def test_a_new_engine_starts_empty():
     slots.rows(2)
     slots.reserve(2)
     slots.on_update(_runner("c", "d"), _out())
+    assert slots.rows(2).tolist() == [0, 1]
+
+
+def test_a_preempted_request_frees_its_slot_while_it_waits():
+    # vLLM bounds running requests by --max-num-seqs, not preempted ones waiting in its queue
+    slots = WindowSlots()
+    slots.reserve(2)
+    runner = _runner("a", "b")
+    slots.on_update(runner, _out())
+    assert slots.rows(2).tolist() == [0, 1]
+    runner.input_batch.req_ids = ["a", "c"]
+    slots.on_update(runner, _out(preempted={"b"}))
     assert slots.rows(2).tolist() == [0, 1]
