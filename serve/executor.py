@@ -22,6 +22,7 @@ import torch
 from kivi_ops.paged_io import sequence_bytes
 
 from .output import advance
+from .paged_options import tail_pages
 from .placement import Placement, StepPlan
 from .request import HOST_KEYS, Failure, Request
 from .runner import Runner
@@ -142,7 +143,7 @@ class Executor:
         cache = self.runner.cache
         with self.lock:
             for b, key in zip(new, keys):  # r holds these pages: they are final, in the pool now
-                tail = sequence_bytes(cache, cache.pages_needed(b) - cache.pages_final(b))  # what save_tail kept
+                tail = sequence_bytes(cache, tail_pages(cache, b))  # what save_tail kept
                 if not self.placement.cache_prefix(r, b, key, cache.pages_final(b), tail):
                     self.runner.drop(key)
         return logits

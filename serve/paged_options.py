@@ -30,12 +30,17 @@ PREFIX_HOST_BYTES = 4 * 2**30
 DEFAULT_MAX_PREFIXES = 256
 
 
+def tail_pages(cache, num_tokens: int) -> int:
+    """The pages of a prefix of num_tokens tokens that are not final, whose host copy its cached tail keeps."""
+    return cache.pages_needed(num_tokens) - cache.pages_final(num_tokens)
+
+
 def largest_tail_bytes(cache, chunk: int, max_seq_len: int) -> int:
     """The host bytes of the largest tail a prefix of this paged cache can have (at any chunk
     boundary up to max_seq_len)."""
-    tail_pages = max((cache.pages_needed(b) - cache.pages_final(b) for b in range(chunk, max_seq_len + 1, chunk)),
-                     default=0)  # a chunk longer than any sequence: no prefix is ever cached
-    return sequence_bytes(cache, tail_pages)
+    largest = max((tail_pages(cache, b) for b in range(chunk, max_seq_len + 1, chunk)),
+                  default=0)  # a chunk longer than any sequence: no prefix is ever cached
+    return sequence_bytes(cache, largest)
 
 
 def default_max_prefixes(cache, chunk: int, max_seq_len: int) -> int:

@@ -135,6 +135,20 @@ def start_serve(tmp_path, argv: list[str]):
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=tests, env={**os.environ, "PYTHONPATH": path})
 
 
+def signal_while_not_ready(proc, port: int, tmp_path, sig) -> tuple[int, float, str]:
+    """Send `sig` once /health says not_ready: the exit status, the seconds it took, the log."""
+    try:
+        wait_not_ready(proc, f"http://127.0.0.1:{port}", tmp_path / "serve.log")
+        start = time.perf_counter()
+        proc.send_signal(sig)
+        status = proc.wait(timeout=60)
+        took = time.perf_counter() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return status, took, (tmp_path / "serve.log").read_text()
+
+
 def wait_not_ready(proc, url: str, log_path, timeout: float = 180) -> None:
     """Until /health answers 503 not_ready (the server listens, its engine warms up)."""
     end = time.time() + timeout
@@ -158,16 +172,7 @@ def test_a_signal_during_warm_up_ends_the_process_at_once_with_status_0(tmp_path
 
     port = free_port()
     proc = start_serve(tmp_path, [sys.executable, "-c", SERVE_WARMING_UP, str(port)])
-    try:
-        wait_not_ready(proc, f"http://127.0.0.1:{port}", tmp_path / "serve.log")
-        start = time.perf_counter()
-        proc.send_signal(getattr(signal, sig))
-        status = proc.wait(timeout=60)
-        took = time.perf_counter() - start
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    log = (tmp_path / "serve.log").read_text()
+    status, took, log = signal_while_not_ready(proc, port, tmp_path, getattr(signal, sig))
     assert status == 0 and took < 5, (status, took, log)
     assert "Traceback" not in log and "terminate called" not in log, log
 
@@ -183,16 +188,7 @@ def test_kivi_serve_sigterm_while_compiling_its_warm_up_exits_0_promptly(tmp_pat
     kivi = str(Path(sys.executable).parent / "kivi")
     proc = start_serve(tmp_path, [kivi, "serve", "--port", str(port), "--paged", "--method", "kivi", "--max-seq-len",
                                   "1024"])
-    try:
-        wait_not_ready(proc, f"http://127.0.0.1:{port}", tmp_path / "serve.log")
-        start = time.perf_counter()
-        proc.send_signal(signal.SIGTERM)
-        status = proc.wait(timeout=60)
-        took = time.perf_counter() - start
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    log = (tmp_path / "serve.log").read_text()
+    status, took, log = signal_while_not_ready(proc, port, tmp_path, signal.SIGTERM)
     assert status == 0 and took < 15, (status, took, log)
     assert "terminate called" not in log and "Traceback" not in log, log
 
