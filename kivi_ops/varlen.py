@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import dispatch
 from .layer import run_append, run_attend
 from .layout import LayerTensors, QuantParams
 from .paged_layout import Paging
@@ -59,6 +60,20 @@ def varlen_append_attend(query: Tensor, key: Tensor, value: Tensor, pools: Layer
     return out
 
 
+def _attend_bucketed(q, layer: LayerTensors, table: Tensor, params: QuantParams, scale: float, batch: int,
+                     page_size: int) -> Tensor:
+    """A decode batch's attention with the batch padded to `batch` rows and the table to a power of
+    two pages: a compiled CPU attention (cpu_compiled.py) meets a few shapes, not one per length and
+    batch. Padding rows have no tokens and no pages (their outputs are dropped)."""
+    Bg, M = table.shape
+    pad, width = batch - Bg, 1 << (M - 1).bit_length()
+    grow = lambda t: torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    table = torch.cat([table, table.new_zeros(Bg, width - M)], dim=1)
+    padded = layer._replace(k_res=grow(layer.k_res), v_res=grow(layer.v_res), lengths=grow(layer.lengths))
+    o = run_attend(grow(q).contiguous(), padded, None, params, scale, pages=Paging(grow(table), page_size))
+    return o[:Bg]
+
+
 def _run(group, n, exact, query, key, value, out, pools, k_window, v_window, rows, block_table, qsl, sl, params,
          scale):
     idx = torch.tensor(group, dtype=torch.long)
@@ -77,9 +92,14 @@ def _run(group, n, exact, query, key, value, out, pools, k_window, v_window, row
     shape = lambda t: t[tokens].view(len(group), n, t.shape[1], t.shape[2]).transpose(1, 2)  # [Bg, heads, n, D]
     q, k, v = shape(query), shape(key).contiguous(), shape(value).contiguous()
     pages = Paging(table, pools.k_codes.shape[2])
-    run_append(layer, k, v, None, params, pages=pages)
+    # The reference append writes only the pages a request owns; the compiled one writes the pool's
+    # last page as scratch (paged_layout.py), which is one of the engine's blocks here.
+    with dispatch.cpu_kernels("reference"):
+        run_append(layer, k, v, None, params, pages=pages)
     if exact:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    elif n == 1:
+        o = _attend_bucketed(q, layer, table, params, scale, k_window.shape[0], pools.k_codes.shape[2])
     else:
         o = run_attend(q.contiguous(), layer, None, params, scale, pages=pages)
     k_window.index_copy_(0, slots, layer.k_res)

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kivi_ops import KIVIConfig, KIVILayer, Step, dispatch
+from kivi_ops import KIVIConfig, KIVILayer, Step, dispatch, implementations
 from kivi_ops.byte_pages import page_bytes, pool_views
+from kivi_ops.kernels import cpu_compiled
 from kivi_ops.layout import LayerTensors, QuantParams
 from kivi_ops.varlen import varlen_append_attend
 
@@ -77,3 +78,46 @@ def test_slot_mapping_must_match_the_block_table():
 def test_pool_views_refuse_a_buffer_of_another_size():
     with pytest.raises(ValueError, match="buffer must hold"):
         pool_views(torch.zeros(2, 100, dtype=torch.uint8), CONFIG, H, PS, D, torch.float32)
+
+
+@pytest.mark.slow  # an Inductor compile: 20-90 s on the shared 2-core machine
+def test_compiled_decode_attention_pads_to_buckets_and_matches_the_reference():
+    """Decode rows under the compiled CPU kernels (the batch padded to the window pool's slots, the
+    table to a power of two pages): the reference's outputs within the compiled attention's
+    tolerance (summation order, tests/test_cpu_compiled.py), the same bytes written (appends are
+    the reference in both), and nothing written outside the rows' pages."""
+    torch.manual_seed(1)
+    lengths, slots, pages = [33, 64, 95], 4, 4
+    params = QuantParams(CONFIG.k_bits, CONFIG.v_bits, CONFIG.group_size, CONFIG.residual_length)
+
+    def state():
+        buffer = torch.zeros(1 + 3 * pages, page_bytes(CONFIG, H, PS, D, torch.float32), dtype=torch.uint8)
+        pools = pool_views(buffer, CONFIG, H, PS, D, torch.float32)
+        kw, vw = torch.zeros(slots, H, 32, D), torch.zeros(slots, H, 32, D)
+        return buffer, kw, vw, LayerTensors(pools["k_codes"], pools["k_scale"], pools["k_zero"], kw, pools["v_codes"],
+                                            pools["v_scale"], pools["v_zero"], vw, torch.zeros(3, dtype=torch.long))
+
+    table = torch.tensor([[1 + r * pages + j for j in range(pages)] for r in range(3)])
+    runs = {}
+    for kernels in ("reference", "compiled"):
+        buffer, kw, vw, tensors = state()
+        g = torch.Generator().manual_seed(0)
+        outs = []
+        with dispatch.cpu_kernels(kernels):
+            for step, n in enumerate([lengths, [1, 1, 1], [1, 1, 1]]):
+                before = [0, 0, 0] if step == 0 else [sum(x) for x in zip(lengths, [step - 1] * 3)]
+                q, k, v = (torch.randn(sum(n), h, D, generator=g) for h in (HQ, H, H))
+                qsl = torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()])
+                seq = torch.tensor([b + c for b, c in zip(before, n)])
+                pos = torch.cat([torch.arange(b, b + c) for b, c in zip(before, n)])
+                owner = torch.cat([torch.full((c,), i) for i, c in enumerate(n)])
+                outs.append(varlen_append_attend(q, k, v, tensors, kw, vw, torch.tensor([2, 0, 3]), table, qsl, seq,
+                                                 table[owner, pos // PS] * PS + pos % PS, params, 1 / math.sqrt(D)))
+        runs[kernels] = buffer, kw, vw, outs
+    (buf_r, kw_r, vw_r, out_r), (buf_c, kw_c, vw_c, out_c) = runs["reference"], runs["compiled"]
+    assert torch.equal(buf_r, buf_c) and torch.equal(kw_r, kw_c) and torch.equal(vw_r, vw_c)
+    assert buf_c[0].count_nonzero() == 0
+    compiled = cpu_compiled._signatures[implementations.form("attend", "decomposed_fused", paged=True)]
+    assert {sig for sig in compiled if f"{(slots, HQ, 1, D)}" in str(sig)}, "the padded batch never ran compiled"
+    for got, want in zip(out_c[1:], out_r[1:]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -359,7 +359,11 @@ def paged_append_reference(layer: LayerTensors, key, value, counts, params: Quan
     R, PS = params.residual_length, pages.page_size
     check_capacity(layer.lengths, counts, n, pages.capacity)
     counts_list = [n] * B if counts is None else counts.tolist()
-    for b, c in enumerate(counts_list):
+    looped = range(B)
+    if n == 1 and params.flush_policy != OTT and params.pool_args(layer) is None and not layer.extras.active:
+        looped = _append_tokens_in_windows(layer, key, value, counts_list, params, pages)
+    for b in looped:
+        c = counts_list[b]
         if c == 0:
             continue
         L = int(layer.lengths[b])
@@ -376,6 +380,35 @@ def paged_append_reference(layer: LayerTensors, key, value, counts, params: Quan
             per_page = pool.shape[2]
             written = rows[0, :, first * per_page:stop * per_page]  # [H, pages * per_page, ...]
             pool[ids] = written.reshape(pool.shape[1], len(ids), per_page, *pool.shape[3:]).transpose(0, 1)
+
+
+def _append_tokens_in_windows(layer: LayerTensors, key, value, counts_list, params: QuantParams,
+                              pages: Paging) -> list[int]:
+    """One token per row of a plain layer, for every row whose keys do not flush (all but one step
+    in R), as one batch: the key goes to its residual slot, the value leaving the window is
+    quantized into its page, the new value takes its slot. The same ops on the same elements as
+    append_reference row by row, so the same bits. Returns the rows left to the loop (flushes)."""
+    R, G, PS = params.residual_length, params.group_size, pages.page_size
+    lengths = layer.lengths.tolist()
+    flush = [b for b, c in enumerate(counts_list) if c and (lengths[b] + 1) % R == 0]
+    rows = [b for b, c in enumerate(counts_list) if c and (lengths[b] + 1) % R]
+    if not rows:
+        return flush
+    b = torch.tensor(rows, device=key.device)
+    L = layer.lengths[b]
+    slot = L % R  # keys: L - L // R * R; values: the ring slot of token L, and of L - R leaving it
+    layer.k_res[b, :, slot] = key[b, :, 0]
+    leaving = (L >= R).nonzero()[:, 0]
+    if len(leaving):
+        lb, u = b[leaving], L[leaving] - R
+        codes, scale, zero = quantize_pack_reference(layer.v_res[lb, :, slot[leaving]][:, :, None], params.v_bits, G,
+                                                     "token")
+        page, at = pages.block_table[lb, u // PS].long(), u % PS
+        layer.v_codes[page, :, at], layer.v_scale[page, :, at], layer.v_zero[page, :, at] = (
+            codes[:, :, 0], scale[:, :, 0], zero[:, :, 0])
+    layer.v_res[b, :, slot] = value[b, :, 0]
+    layer.lengths[b] += 1
+    return flush
 
 
 def paged_attend_reference(query, layer: LayerTensors, counts, params: QuantParams, scale: float,

@@ -26,6 +26,7 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CPU_ATTN, "kivi_vllm.backend.KIVIAttentionBackend")
     _hook_config_check(type(current_platform))
     _hook_runner()
+    _hook_kv_memory()
 
 
 def _hook_config_check(platform_cls) -> None:
@@ -57,3 +58,28 @@ def _hook_runner() -> None:
         return result
 
     GPUModelRunner._update_states = _update_states
+
+
+def _hook_kv_memory() -> None:
+    """The window pools live outside vLLM's blocks: their bytes come out of the KV memory the worker
+    reports (VLLM_CPU_KVCACHE_SPACE holds blocks and windows together)."""
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    original = CPUWorker.determine_available_memory
+
+    def determine_available_memory(self):
+        from .options import kivi_options, window_pool_bytes
+
+        available = original(self)
+        config = kivi_options(self.vllm_config)
+        if config is None:
+            return available
+        windows = window_pool_bytes(self.vllm_config, config)
+        if windows >= available:
+            raise ValueError(f"the KIVI window pools need {windows / 2**20:.1f} MiB (--max-num-seqs x layers x KV "
+                             f"heads x residual_length x head_dim x 2) of the {available / 2**20:.1f} MiB KV memory: "
+                             "raise VLLM_CPU_KVCACHE_SPACE or lower --max-num-seqs / residual_length")
+        log.info("KIVI: %.1f MiB of the KV memory hold the full-precision windows", windows / 2**20)
+        return available - windows
+
+    CPUWorker.determine_available_memory = determine_available_memory

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from kivi_ops import KIVIConfig, dispatch
+from kivi_ops import KIVIConfig
 from kivi_ops.byte_pages import page_bytes, pool_views
 from kivi_ops.layout import LayerTensors, QuantParams
 from kivi_ops.varlen import varlen_append_attend
@@ -137,13 +137,10 @@ class KIVIAttentionImpl(CPUAttentionBackendImpl):
         k_window, v_window = self._windows()
         tensors = LayerTensors(pools["k_codes"], pools["k_scale"], pools["k_zero"], k_window, pools["v_codes"],
                                pools["v_scale"], pools["v_zero"], v_window, m.seq_lens)
-        # The reference forms: they write only the pages a request owns (the compiled decode append
-        # writes a scratch page, the pool's last, which here is one of vLLM's blocks).
-        with dispatch.cpu_kernels("reference"):
-            out = varlen_append_attend(
-                query[:n].view(n, self.num_heads, self.head_size), key[:n].view(n, self.num_kv_heads, self.head_size),
-                value[:n].view(n, self.num_kv_heads, self.head_size), tensors, k_window, v_window, m.rows,
-                m.block_table, m.query_start_loc, m.seq_lens, m.slot_mapping, self.params, self.scale)
+        out = varlen_append_attend(
+            query[:n].view(n, self.num_heads, self.head_size), key[:n].view(n, self.num_kv_heads, self.head_size),
+            value[:n].view(n, self.num_kv_heads, self.head_size), tensors, k_window, v_window, m.rows,
+            m.block_table, m.query_start_loc, m.seq_lens, m.slot_mapping, self.params, self.scale)
         output[:n].view(n, self.num_heads, self.head_size).copy_(out)
         return output
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from kivi_ops import KIVIConfig
 from kivi_ops.paged_layout import check_page_size
 
@@ -65,3 +67,13 @@ def check_engine(vllm_config, config: KIVIConfig) -> list[str]:
         notes.append("prefix caching turned off: a shared KIVI block would not carry the full-precision window "
                      "of the request that wrote it")
     return notes
+
+
+def window_pool_bytes(vllm_config, config: KIVIConfig) -> int:
+    """Bytes of this worker's full-precision window pools (windows.py): per attention layer, keys and
+    values of R tokens for each of --max-num-seqs slots and each KV head this worker holds."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    layers = model.get_num_layers_by_block_type(parallel, "attention")
+    per_slot = model.get_num_kv_heads(parallel) * config.residual_length * model.get_head_size()
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * layers * vllm_config.scheduler_config.max_num_seqs * per_slot * itemsize
