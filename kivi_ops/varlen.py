@@ -61,15 +61,17 @@ def varlen_append_attend(query: Tensor, key: Tensor, value: Tensor, pools: Layer
 
 
 def _attend_bucketed(q, layer: LayerTensors, table: Tensor, params: QuantParams, scale: float, batch: int,
-                     page_size: int) -> Tensor:
+                     page_size: int, whole=None) -> Tensor:
     """A decode batch's attention with the batch padded to `batch` rows and the table to a power of
     two pages: a compiled CPU attention (cpu_compiled.py) meets a few shapes, not one per length and
-    batch. Padding rows have no tokens and no pages (their outputs are dropped)."""
+    batch. Padding rows have no tokens and no pages (their outputs are dropped). whole: the window
+    pools when the batch's windows are their first rows (the padding rows read the rest, unseen)."""
     Bg, M = table.shape
     pad, width = batch - Bg, 1 << (M - 1).bit_length()
     grow = lambda t: torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
     table = torch.cat([table, table.new_zeros(Bg, width - M)], dim=1)
-    padded = layer._replace(k_res=grow(layer.k_res), v_res=grow(layer.v_res), lengths=grow(layer.lengths))
+    k_res, v_res = whole if whole is not None else (grow(layer.k_res), grow(layer.v_res))
+    padded = layer._replace(k_res=k_res, v_res=v_res, lengths=grow(layer.lengths))
     o = run_attend(grow(q).contiguous(), padded, None, params, scale, pages=Paging(grow(table), page_size))
     return o[:Bg]
 
@@ -86,8 +88,11 @@ def _run(group, n, exact, query, key, value, out, pools, k_window, v_window, row
     if table.shape[1] < M:
         table = torch.cat([table, table.new_zeros(len(group), M - table.shape[1])], dim=1)
     lengths = torch.tensor([sl[b] - n for b in group], dtype=torch.long)
-    layer = pools._replace(k_res=k_window.index_select(0, slots), v_res=v_window.index_select(0, slots),
-                           lengths=lengths)
+    first = int(slots[0])
+    # Slots in a run (the usual case: requests take slots in batch order) are a view, written in place.
+    in_place = torch.equal(slots, torch.arange(first, first + len(group)))
+    window = (lambda w: w[first:first + len(group)]) if in_place else (lambda w: w.index_select(0, slots))
+    layer = pools._replace(k_res=window(k_window), v_res=window(v_window), lengths=lengths)
     tokens = torch.cat([torch.arange(qsl[b], qsl[b] + n) for b in group])
     shape = lambda t: t[tokens].view(len(group), n, t.shape[1], t.shape[2]).transpose(1, 2)  # [Bg, heads, n, D]
     q, k, v = shape(query), shape(key).contiguous(), shape(value).contiguous()
@@ -99,9 +104,11 @@ def _run(group, n, exact, query, key, value, out, pools, k_window, v_window, row
     if exact:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     elif n == 1:
-        o = _attend_bucketed(q, layer, table, params, scale, k_window.shape[0], pools.k_codes.shape[2])
+        whole = (k_window, v_window) if in_place and first == 0 else None
+        o = _attend_bucketed(q, layer, table, params, scale, k_window.shape[0], pools.k_codes.shape[2], whole)
     else:
         o = run_attend(q.contiguous(), layer, None, params, scale, pages=pages)
-    k_window.index_copy_(0, slots, layer.k_res)
-    v_window.index_copy_(0, slots, layer.v_res)
+    if not in_place:
+        k_window.index_copy_(0, slots, layer.k_res)
+        v_window.index_copy_(0, slots, layer.v_res)
     out[tokens] = o.transpose(1, 2).reshape(len(group) * n, o.shape[1], o.shape[3]).to(out.dtype)

@@ -81,7 +81,8 @@ def test_pool_views_refuse_a_buffer_of_another_size():
 
 
 @pytest.mark.slow  # an Inductor compile: 20-90 s on the shared 2-core machine
-def test_compiled_decode_attention_pads_to_buckets_and_matches_the_reference():
+@pytest.mark.parametrize("rows", [[2, 0, 3], [0, 1, 2]])  # windows gathered; the pools' first rows, in place
+def test_compiled_decode_attention_pads_to_buckets_and_matches_the_reference(rows):
     """Decode rows under the compiled CPU kernels (the batch padded to the window pool's slots, the
     table to a power of two pages): the reference's outputs within the compiled attention's
     tolerance (summation order, tests/test_cpu_compiled.py), the same bytes written (appends are
@@ -111,7 +112,7 @@ def test_compiled_decode_attention_pads_to_buckets_and_matches_the_reference():
                 seq = torch.tensor([b + c for b, c in zip(before, n)])
                 pos = torch.cat([torch.arange(b, b + c) for b, c in zip(before, n)])
                 owner = torch.cat([torch.full((c,), i) for i, c in enumerate(n)])
-                outs.append(varlen_append_attend(q, k, v, tensors, kw, vw, torch.tensor([2, 0, 3]), table, qsl, seq,
+                outs.append(varlen_append_attend(q, k, v, tensors, kw, vw, torch.tensor(rows), table, qsl, seq,
                                                  table[owner, pos // PS] * PS + pos % PS, params, 1 / math.sqrt(D)))
         runs[kernels] = buffer, kw, vw, outs
     (buf_r, kw_r, vw_r, out_r), (buf_c, kw_c, vw_c, out_c) = runs["reference"], runs["compiled"]

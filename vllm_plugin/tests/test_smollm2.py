@@ -43,4 +43,6 @@ def test_smollm2_kivi2_equals_library(smollm2):
         for name, (q, k, v, out) in layers.items():
             assert q.shape[0] == len(p) + 23
             expected = library_layer_out(q, k, v, sched[tuple(p)], KIVIConfig(**KIVI2), D ** -0.5)
-            torch.testing.assert_close(out, expected, rtol=0, atol=1e-5, msg=lambda m: f"{name}, prompt {len(p)}: {m}")
+            # The compiled and reference attentions sum in other orders: tests/test_cpu_compiled.py's bound.
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{name}, prompt {len(p)}: {m}")
