@@ -51,10 +51,15 @@ VARIANTS = {
     "fold16": ("KIVI_DECODE_FOLD16=1",),
     "fold16-residual-stages4-blocks4": ("KIVI_DECODE_FOLD16=1", "KIVI_DECODE_STAGES=4", "KIVI_DECODE_RESIDUAL_IN_LOOP=1",
                                         "KIVI_DECODE_BLOCKS_PER_SM=4"),
+    # FOLD16=2: the key codes in magic form (lop3 only), the magic offset and the zero in the scores' start
+    "magic": ("KIVI_DECODE_FOLD16=2",),
+    "magic-residual-stages4-blocks4": ("KIVI_DECODE_FOLD16=2", "KIVI_DECODE_STAGES=4", "KIVI_DECODE_RESIDUAL_IN_LOOP=1",
+                                       "KIVI_DECODE_BLOCKS_PER_SM=4"),
 }
-# the libraries the GPU suite times (--libraries): 6 x ~30 s of its 10 minutes; the rest are priced only
-GPU_VARIANTS = ("default", "stages4", "residual", "residual-stages4-blocks4", "fold16",
-                "fold16-residual-stages4-blocks4")
+# the libraries the GPU suite times (--libraries): 7 x ~30 s of its 10 minutes; the rest are priced only
+# (fold16 alone: its fold is timed inside fold16-residual-stages4-blocks4)
+GPU_VARIANTS = ("default", "stages4", "residual", "residual-stages4-blocks4", "fold16-residual-stages4-blocks4",
+                "magic", "magic-residual-stages4-blocks4")
 # (batch, query heads, kv heads, tokens): the suite's sweep (batch 8) and batch 1
 SHAPES = [(8, 32, 32, 1024), (8, 32, 32, 32768), (8, 32, 8, 1024), (8, 32, 8, 32768), (1, 32, 32, 1024),
           (1, 32, 32, 32768)]
@@ -81,7 +86,7 @@ def stages_built(stages: int, D: int = 128, KB: int = 2, VB: int = 2, limit: int
 def macros(defines: tuple[str, ...]) -> dict:
     d = dict(d.split("=") for d in defines)
     return dict(stages=int(d.get("KIVI_DECODE_STAGES", 1)), residual_in_loop=d.get("KIVI_DECODE_RESIDUAL_IN_LOOP") == "1",
-                blocks_per_sm=int(d.get("KIVI_DECODE_BLOCKS_PER_SM", 2)), fold16=d.get("KIVI_DECODE_FOLD16") == "1")
+                blocks_per_sm=int(d.get("KIVI_DECODE_BLOCKS_PER_SM", 2)), fold16=int(d.get("KIVI_DECODE_FOLD16", 0)))
 
 
 def compile_sass(defines: tuple[str, ...], arch: str = "sm_90a") -> tuple[str, str]:

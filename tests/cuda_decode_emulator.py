@@ -336,6 +336,38 @@ def value_words(row, g, VBPT):
     return [word(row, g * VBPT + 4 * i, min(VBPT, 4)) for i in range(max(VBPT // 4, 1))]
 
 
+def q16_slot(ch: int) -> int:
+    """decode_attend.cu's q16_slot: in each 8 channels of the 16-bit query copy the pairs 01 45 23 67."""
+    return (ch & ~6) | (ch & 2) << 1 | (ch & 4) >> 1
+
+
+def magic_bias(q_s, src, qk, D, KB, num):
+    """quantized_chunk's bias under KIVI_DECODE_FOLD16 = 2, per lane (rows g, g + 8 x heads): per two
+    k-steps the zeros z01 z23 z45 z67 as A against (q01, q45) into acc (row g kept) and (q23, q67) into
+    acc8 (row g + 8 kept), then - q' . M for both k-steps into acc; the bias is acc + acc8 in fp32."""
+    q16 = np.zeros((HEADS, D), dtype=np.uint16)
+    for ch in range(D):
+        q16[:, q16_slot(ch)] = num.round_bits(q_s[:, ch])
+    mx, my = key_magic(KB, False, num) | 0x80008000, key_magic(KB, True, num) | 0x80008000
+    acc, acc8 = [[0.0] * 4 for _ in range(32)], [[0.0] * 4 for _ in range(32)]
+    for s in range(0, D // 16, 2):
+        z, q = [], []
+        for lane in range(32):
+            c0 = k_channel(D, KB, s, lane % 4, 0)
+            zb, qb = src["kz"][c0:c0 + 8], q16[lane // 4, c0:c0 + 8]
+            z.append(tuple(int(zb[2 * i]) | int(zb[2 * i + 1]) << 16 for i in range(4)))
+            q.append(tuple(int(qb[2 * i]) | int(qb[2 * i + 1]) << 16 for i in range(4)))  # q01 q45 q23 q67
+        mma(acc, z, [(x[0], x[1]) for x in q], num)
+        mma(acc8, z, [(x[2], x[3]) for x in q], num)
+        for k in (s, s + 1):
+            mma(acc, [(mx, mx, my, my)] * 32, [qk[lane][k] for lane in range(32)], num)
+    out = []
+    for lane in range(32):
+        b0, b1 = float(np.float32(acc[lane][0] + acc8[lane][2])), float(np.float32(acc[lane][1] + acc8[lane][3]))
+        out.append([b0, b1, b0, b1])
+    return out
+
+
 def quantized_chunk(q_s, src, ngv, D, G, KB, VB, st, num, fold16=False, magic_codes=False):
     """quantized_chunk: one fully quantized chunk from `src` (global_source or stage_source).
     magic_codes (KIVI_DECODE_FOLD16 = 2): the 16-bit fold with the key codes in magic form and the
@@ -357,7 +389,7 @@ def quantized_chunk(q_s, src, ngv, D, G, KB, VB, st, num, fold16=False, magic_co
     bias = [(zdot[8 * (lane % 4)], zdot[8 * (lane % 4) + 4]) for lane in range(32)]
     sc0 = [[0.0] * 4 for _ in range(32)]  # the scores' start
     if fold16:  # q16 * s by one fma2 (+ -0), q16 . z by one MMA per k-step with z as every row of A
-        zsc, steps = [[0.0] * 4 for _ in range(32)], []
+        zsc = [[0.0] * 4 for _ in range(32)]
         for s in range(KS):
             qf, zf = [], []
             for lane in range(32):
@@ -372,14 +404,9 @@ def quantized_chunk(q_s, src, ngv, D, G, KB, VB, st, num, fold16=False, magic_co
                 qf.append((q01, q23))
                 zf.append((zx, zx, zy, zy))
             mma(zsc, zf, qf, num)
-            steps.append((zf, qf))
         bias = [(zsc[lane][0], zsc[lane][1]) for lane in range(32)]
-        if magic_codes:  # the scores start at the bias: per k-step the zero MMA, then - q' . M
-            mx, my = key_magic(KB, False, num) | 0x80008000, key_magic(KB, True, num) | 0x80008000
-            for s, (zf, qf) in enumerate(steps):
-                mma(sc0, zf, qf, num)
-                mma(sc0, [(mx, mx, my, my)] * 32, [qk[lane][s] for lane in range(32)], num)
-            bias = [(0.0, 0.0)] * 32
+        if magic_codes:
+            sc0, bias = magic_bias(q_s, src, qk, D, KB, num), [(0.0, 0.0)] * 32
     sc = [[list(sc0[lane]) for lane in range(32)] for _ in range(2)]
     for mt in range(2):
         words = []

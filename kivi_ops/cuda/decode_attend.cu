@@ -40,6 +40,9 @@
 // (2^KB - 1) * 2^-11 * sum_c |q'_c|), V is dequantized to fp16 (2^-11 |v|), p is rounded to fp16 for the
 // PV product (2^-11), accumulations are fp32; tail tokens are fp32 throughout. bf16: the same three
 // roundings at bf16's 2^-8 (8 significant bits) in place of 2^-11; the codes stay exact.
+// KIVI_DECODE_FOLD16 = 2 adds the fp32 cancellation of the magic offsets: each MMA of a score's chain
+// (the bias' and the key MMAs) holds at most (2 M + 2^KB - 1) sum_c |q'_c| (M = 1024, bf16 128), so a
+// score is off by at most a further (2 D / 16 + 2) 2^-23 of that (tests' magic_score_error).
 #include "decode_attend.h"
 
 #include <cstddef>
