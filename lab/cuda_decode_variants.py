@@ -116,6 +116,7 @@ def count(report: str, sass: str, defines: tuple[str, ...]) -> dict:
                spill_store_bytes=res["spill_store_bytes"], stack_bytes=res["stack_bytes"],
                static_shared_bytes=res["shared_bytes"],
                ring_bytes=stages * CUDA_WARPS * stage_bytes() if stages > 1 else 0,
+               query_copy_bytes=8 * 128 * 2 if m["fold16"] == 2 else 0,  # kQ16Bytes: dynamic, after the ring
                chunk=vars(loop_of(chunk_loops[0])), chunk_ldgsts=sum(op.startswith("LDGSTS") for op in chunk_loops[0]))
     if m["residual_in_loop"]:
         row["mixed_chunk"] = vars(loop_of(chunk_loops[1]))
@@ -145,7 +146,7 @@ def variant_launches(v: dict, tail_cfg: dict, B: int, Hq: int, H: int, L: int) -
     if tail_tokens:
         programs += [[(PROLOGUE_ROUND_TRIPS, None, 0), (1, tail_loop(tail_cfg, Hq // H), -(-tail_tokens // CUDA_WARPS))]] * (
             B * H * tiles)
-    res = resident(v["registers"], CUDA_WARPS, v["static_shared_bytes"] + v["ring_bytes"])
+    res = resident(v["registers"], CUDA_WARPS, v["static_shared_bytes"] + v["ring_bytes"] + v["query_copy_bytes"])
     return [dict(programs=programs, warps=CUDA_WARPS, resident=res, bytes=must_read_bytes(B, Hq, H, L)),
             reduce_launch(B * Hq)]
 

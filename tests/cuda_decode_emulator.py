@@ -360,7 +360,7 @@ def magic_bias(q_s, src, qk, D, KB, num):
         mma(acc, z, [(x[0], x[1]) for x in q], num)
         mma(acc8, z, [(x[2], x[3]) for x in q], num)
         for k in (s, s + 1):
-            mma(acc, [(mx, mx, my, my)] * 32, [qk[lane][k] for lane in range(32)], num)
+            mma(acc, [(mx, 0, my, 1)] * 32, [qk[lane][k] for lane in range(32)], num)  # rows g + 8: 0 and 1, unused
     out = []
     for lane in range(32):
         b0, b1 = float(np.float32(acc[lane][0] + acc8[lane][2])), float(np.float32(acc[lane][1] + acc8[lane][3]))

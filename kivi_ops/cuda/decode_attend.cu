@@ -382,6 +382,7 @@ template <int D>
 struct WarpState {
   float acc[D / 16][4];
   float m0, m1, l0, l1;
+  uint32_t magic[4];  // kMagicKeys: the magic MMA's A (-M of rows g; rows g + 8 unused: 0 and 1)
 };
 
 template <int D, int KB, int VB, bool PAGED, typename T>
@@ -582,7 +583,7 @@ __device__ __forceinline__ void quantized_chunk(const float (*q_s)[D], const uin
     // k-steps (8 channels from c0: 01 23 45 67 in pairs) A is the zeros as loaded, z01 z23 z45 z67, and
     // B (q01, q45) gives z01 q01 + z45 q45 in row g of acc, B (q23, q67) z23 q23 + z67 q67 in row g + 8
     // of acc8 (q16's copy is stored in that pair order: no register moves).
-    constexpr uint32_t mx = key_magic<KB, T>(false) | 0x80008000u, my = key_magic<KB, T>(true) | 0x80008000u;
+    const uint32_t(&mq)[4] = st.magic;
     float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc8[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int s = 0; s < KS; s += 2) {
@@ -595,8 +596,8 @@ __device__ __forceinline__ void quantized_chunk(const float (*q_s)[D], const uin
       qk[s + 1][1] = N::fma2(qv.w, sv.w, 0x80008000u);
       N::mma(acc, zv.x, zv.y, zv.z, zv.w, qv.x, qv.y);  // + q16 . z
       N::mma(acc8, zv.x, zv.y, zv.z, zv.w, qv.z, qv.w);
-      N::mma(acc, mx, mx, my, my, qk[s][0], qk[s][1]);  // - q' . M
-      N::mma(acc, mx, mx, my, my, qk[s + 1][0], qk[s + 1][1]);
+      N::mma(acc, mq[0], mq[1], mq[2], mq[3], qk[s][0], qk[s][1]);  // - q' . M
+      N::mma(acc, mq[0], mq[1], mq[2], mq[3], qk[s + 1][0], qk[s + 1][1]);
     }
     sc0[0] = sc0[2] = acc[0] + acc8[2];
     sc0[1] = sc0[3] = acc[1] + acc8[3];
@@ -807,6 +808,13 @@ __device__ void warp_chunks(const DecodeParams& p, const float (*q_s)[D], const 
   for (int mt = 0; mt < MT; ++mt) st.acc[mt][0] = st.acc[mt][1] = st.acc[mt][2] = st.acc[mt][3] = 0.f;
   st.m0 = st.m1 = -INFINITY;
   st.l0 = st.l1 = 0.f;
+  if constexpr (kMagicKeys) {
+    // through a shuffle: registers that ptxas keeps for the whole loop instead of rebuilding the
+    // quad from immediates before every magic MMA (4 moves each)
+    const uint32_t a[4] = {key_magic<KB, T>(false) | 0x80008000u, 0u, key_magic<KB, T>(true) | 0x80008000u, 1u};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) st.magic[i] = __shfl_sync(0xffffffffu, a[i], 0);
+  }
 
   if constexpr (S == 1) {
     for (; c < c_quant; c += kWarps) {
