@@ -51,10 +51,15 @@ VARIANTS = {
     "fold16": ("KIVI_DECODE_FOLD16=1",),
     "fold16-residual-stages4-blocks4": ("KIVI_DECODE_FOLD16=1", "KIVI_DECODE_STAGES=4", "KIVI_DECODE_RESIDUAL_IN_LOOP=1",
                                         "KIVI_DECODE_BLOCKS_PER_SM=4"),
+    # FOLD16=2: the key codes in magic form (lop3 only), the magic offset and the zero in the scores' start
+    "magic": ("KIVI_DECODE_FOLD16=2",),
+    "magic-residual-stages4-blocks4": ("KIVI_DECODE_FOLD16=2", "KIVI_DECODE_STAGES=4", "KIVI_DECODE_RESIDUAL_IN_LOOP=1",
+                                       "KIVI_DECODE_BLOCKS_PER_SM=4"),
 }
-# the libraries the GPU suite times (--libraries): 6 x ~30 s of its 10 minutes; the rest are priced only
-GPU_VARIANTS = ("default", "stages4", "residual", "residual-stages4-blocks4", "fold16",
-                "fold16-residual-stages4-blocks4")
+# the libraries the GPU suite times (--libraries): 7 x ~30 s of its 10 minutes; the rest are priced only
+# (fold16 alone: its fold is timed inside fold16-residual-stages4-blocks4)
+GPU_VARIANTS = ("default", "stages4", "residual", "residual-stages4-blocks4", "fold16-residual-stages4-blocks4",
+                "magic", "magic-residual-stages4-blocks4")
 # (batch, query heads, kv heads, tokens): the suite's sweep (batch 8) and batch 1
 SHAPES = [(8, 32, 32, 1024), (8, 32, 32, 32768), (8, 32, 8, 1024), (8, 32, 8, 32768), (1, 32, 32, 1024),
           (1, 32, 32, 32768)]
@@ -81,7 +86,7 @@ def stages_built(stages: int, D: int = 128, KB: int = 2, VB: int = 2, limit: int
 def macros(defines: tuple[str, ...]) -> dict:
     d = dict(d.split("=") for d in defines)
     return dict(stages=int(d.get("KIVI_DECODE_STAGES", 1)), residual_in_loop=d.get("KIVI_DECODE_RESIDUAL_IN_LOOP") == "1",
-                blocks_per_sm=int(d.get("KIVI_DECODE_BLOCKS_PER_SM", 2)), fold16=d.get("KIVI_DECODE_FOLD16") == "1")
+                blocks_per_sm=int(d.get("KIVI_DECODE_BLOCKS_PER_SM", 2)), fold16=int(d.get("KIVI_DECODE_FOLD16", 0)))
 
 
 def compile_sass(defines: tuple[str, ...], arch: str = "sm_90a") -> tuple[str, str]:
@@ -111,6 +116,7 @@ def count(report: str, sass: str, defines: tuple[str, ...]) -> dict:
                spill_store_bytes=res["spill_store_bytes"], stack_bytes=res["stack_bytes"],
                static_shared_bytes=res["shared_bytes"],
                ring_bytes=stages * CUDA_WARPS * stage_bytes() if stages > 1 else 0,
+               query_copy_bytes=8 * 128 * 2 if m["fold16"] == 2 else 0,  # kQ16Bytes: dynamic, after the ring
                chunk=vars(loop_of(chunk_loops[0])), chunk_ldgsts=sum(op.startswith("LDGSTS") for op in chunk_loops[0]))
     if m["residual_in_loop"]:
         row["mixed_chunk"] = vars(loop_of(chunk_loops[1]))
@@ -140,7 +146,7 @@ def variant_launches(v: dict, tail_cfg: dict, B: int, Hq: int, H: int, L: int) -
     if tail_tokens:
         programs += [[(PROLOGUE_ROUND_TRIPS, None, 0), (1, tail_loop(tail_cfg, Hq // H), -(-tail_tokens // CUDA_WARPS))]] * (
             B * H * tiles)
-    res = resident(v["registers"], CUDA_WARPS, v["static_shared_bytes"] + v["ring_bytes"])
+    res = resident(v["registers"], CUDA_WARPS, v["static_shared_bytes"] + v["ring_bytes"] + v["query_copy_bytes"])
     return [dict(programs=programs, warps=CUDA_WARPS, resident=res, bytes=must_read_bytes(B, Hq, H, L)),
             reduce_launch(B * Hq)]
 

@@ -16,10 +16,10 @@
 #
 # Each stage's limit, and what the runs so far say it needs (H200, -n 16 workers for tests):
 #   setup   ~15 s  wheels into /tmp/site, the project in editable mode, versions, an import check
-#   variants 180 s each CUDA C++ variant library in .gpu/variants.tar.xz (lab/cuda_decode_variants.py, predicted in
+#   variants 210 s each CUDA C++ variant library in .gpu/variants.tar.xz (lab/cuda_decode_variants.py, predicted in
 #                  benchmarks/results/cuda_decode_variants_sm90.json): its GPU correctness tests (static and
 #                  paged against the reference, ~8 s), then its sweep at batch 8 and 1, 1K and 32K, MHA and
-#                  GQA 4:1 (~15 s with its start); 6 variants (cuda_decode_variants.GPU_VARIANTS), each cut
+#                  GQA 4:1 (~15 s with its start); 7 variants (cuda_decode_variants.GPU_VARIANTS), each cut
 #                  at 30 s. Never run yet.
 #   tests   230 s  every CUDA test file. 2026-11-27: 8 of these files in 128 s wall (897 s of test
 #                  time, 3 files failing early); 2026-11-26: 6 files in 184 s. All 11: about 250 s

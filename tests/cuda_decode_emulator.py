@@ -28,9 +28,14 @@ WARPS, CHUNK, HEADS = 4, 32, 8
 class Fmt:
     """A 16-bit float type as the kernel's Num<T> uses it."""
 
-    def __init__(self, name, magic, shift_high, code_mul, code_add):
+    def __init__(self, name, magic, shift_high, code_mul, code_add, mantissa, bias):
         self.name, self.magic, self.shift_high = name, magic, shift_high
         self.code_mul, self.code_add = code_mul, code_add
+        self.mantissa, self.bias = mantissa, bias
+
+    def magic_at(self, k: int) -> int:
+        """Num<T>::magic_at: two 2^(mantissa - k), under which a code at bit k of a half reads 2^(mantissa - k) + c."""
+        return ((self.bias + self.mantissa - k) << self.mantissa) * 0x00010001
 
     def decode(self, bits16: np.ndarray) -> np.ndarray:
         bits16 = np.asarray(bits16, dtype=np.uint16)
@@ -50,9 +55,9 @@ class Fmt:
 
 
 FP16 = Fmt("fp16", 0x64006400, False, (0x3C003C00, 0x34003400, 0x2C002C00, 0x24002400),
-           (0xE400E400, 0xDC00DC00, 0xD400D400, 0xCC00CC00))
+           (0xE400E400, 0xDC00DC00, 0xD400D400, 0xCC00CC00), 10, 15)
 # bf16 128.0; 128 + 4^i c -> c for i < 2 (a byte's high nibble is shifted down first)
-BF16 = Fmt("bf16", 0x43004300, True, (0x3F803F80, 0x3E803E80), (0xC300C300, 0xC200C200))
+BF16 = Fmt("bf16", 0x43004300, True, (0x3F803F80, 0x3E803E80), (0xC300C300, 0xC200C200), 7, 127)
 
 
 def fmt_of(dtype: torch.dtype) -> Fmt:
@@ -85,13 +90,51 @@ def hfma2(a: int, b: int, c: int, num: Fmt = FP16) -> int:
     return int(bits[0]) | int(bits[1]) << 16
 
 
-def codes_at(x: int, bits: int, i: int, num: Fmt = FP16) -> int:
+def sub2(a: int, b: int, num: Fmt = FP16) -> int:
+    """Num<T>::sub2: a - b per half, one rounding (fp16 sub.rn.f16x2; bf16 a * 1 - b by fma.rn.bf16x2)."""
+    bits = num.round_bits(h2(a, num) - h2(b, num))
+    return int(bits[0]) | int(bits[1]) << 16
+
+
+def codes_at(x: int, bits: int, i: int, num: Fmt = FP16, magic_codes: bool = False) -> int:
     """The position-i codes of bytes 0 and 2 (kernel: codes_at<T, B, I>); bf16 takes a byte's high
-    nibble (bits * i >= 4) from x >> 4."""
+    nibble (bits * i >= 4) from x >> 4. magic_codes (KIVI_DECODE_FOLD16 = 2): the position's own
+    magic, then one subtraction of it."""
     if num.shift_high and bits * i >= 4:
         x, i = x >> 4, i - 4 // bits
     mask = ((1 << bits) - 1) * 0x00010001 << (bits * i)
+    if magic_codes:
+        m = num.magic_at(bits * i)
+        return sub2((x & mask) | m, m, num)
     return hfma2(magic(x, mask, num), num.code_mul[bits * i // 2], num.code_add[bits * i // 2], num)
+
+
+def key_magic(KB: int, y: bool, num: Fmt) -> int:
+    """key_magic<KB, T>(y): the halves' magic of a0, a1 (y: a2, a3) in magic form."""
+    lo = 0 if num.shift_high or KB == 4 or not y else 4
+    hi = (2 if KB == 2 else 0) if num.shift_high else 4 if KB == 4 else lo + 2
+    return (num.magic_at(lo) & 0xFFFF) | (num.magic_at(hi) & 0xFFFF0000)
+
+
+def k_fragment_magic(w0: int, w1: int, s: int, KB: int, num: Fmt) -> tuple:
+    """key_codes<KB, T, true>: the fragment as k_fragment's lop3 inputs OR-ed with key_magic, no fma2."""
+    if KB == 2:
+        sel = (s % 4) * 0x0101
+        x0, x1 = prmt(w0, 0, sel), prmt(w1, 0, sel)
+        if num.shift_high:
+            y0, y1, mask_y = prmt(w0 >> 4, 0, sel), prmt(w1 >> 4, 0, sel), 0x000C0003
+        else:
+            y0, y1, mask_y = x0, x1, 0x00C00030
+        mx, my = key_magic(KB, False, num), key_magic(KB, True, num)
+        return ((x0 & 0x000C0003) | mx, (x1 & 0x000C0003) | mx, (y0 & mask_y) | my, (y1 & mask_y) | my)
+    lo, hi = 2 * (s % 2), 2 * (s % 2) + 1
+    if num.shift_high:
+        xs, mask = [prmt(w, w >> 4, b | (4 + b) << 8) for b in (lo, hi) for w in (w0, w1)], 0x000F000F
+    else:
+        xs, mask = (prmt(w0, 0, lo * 0x0101), prmt(w1, 0, lo * 0x0101), prmt(w0, 0, hi * 0x0101),
+                    prmt(w1, 0, hi * 0x0101)), 0x00F0000F
+    m = key_magic(KB, False, num)
+    return tuple((x & mask) | m for x in xs)
 
 
 def k_fragment(w0: int, w1: int, s: int, KB: int, num: Fmt) -> tuple:
@@ -172,10 +215,11 @@ class Rows:
 
 class Variant(NamedTuple):
     """decode_attend.cu's compile-time variant: KIVI_DECODE_STAGES, KIVI_DECODE_RESIDUAL_IN_LOOP and
-    KIVI_DECODE_FOLD16."""
+    KIVI_DECODE_FOLD16 (fold16: 1 or 2; magic: 2, the codes in magic form)."""
     stages: int = 1
     residual_in_loop: bool = False
     fold16: bool = False
+    magic: bool = False
 
 
 RING_LIMIT = 64 * 1024  # kRingLimit
@@ -271,7 +315,7 @@ def online_softmax(sc, bias, st, MT):
     return p_s
 
 
-def value_fragments(w, S01, S23, Z01, Z23, D, VB, num):
+def value_fragments(w, S01, S23, Z01, Z23, D, VB, num, magic_codes=False):
     """value_fragments: a[mt] (4 registers) of one lane from its 4 tokens' words and scale pairs."""
     VBPT, MT = D * VB // 64, D // 16
     a = [None] * MT
@@ -282,9 +326,9 @@ def value_fragments(w, S01, S23, Z01, Z23, D, VB, num):
         tiles = 2 if VB == 2 else 1
         for half in range(tiles):
             i0, i1 = 2 * half, 2 * half + 1
-            a[tiles * j + half] = [
-                hfma2(codes_at(x01, VB, i0, num), S01, Z01, num), hfma2(codes_at(x01, VB, i1, num), S01, Z01, num),
-                hfma2(codes_at(x23, VB, i0, num), S23, Z23, num), hfma2(codes_at(x23, VB, i1, num), S23, Z23, num)]
+            c = [codes_at(x, VB, i, num, magic_codes) for x, i in ((x01, i0), (x01, i1), (x23, i0), (x23, i1))]
+            a[tiles * j + half] = [hfma2(c[0], S01, Z01, num), hfma2(c[1], S01, Z01, num),
+                                   hfma2(c[2], S23, Z23, num), hfma2(c[3], S23, Z23, num)]
     return a
 
 
@@ -292,8 +336,42 @@ def value_words(row, g, VBPT):
     return [word(row, g * VBPT + 4 * i, min(VBPT, 4)) for i in range(max(VBPT // 4, 1))]
 
 
-def quantized_chunk(q_s, src, ngv, D, G, KB, VB, st, num, fold16=False):
-    """quantized_chunk: one fully quantized chunk from `src` (global_source or stage_source)."""
+def q16_slot(ch: int) -> int:
+    """decode_attend.cu's q16_slot: in each 8 channels of the 16-bit query copy the pairs 01 45 23 67."""
+    return (ch & ~6) | (ch & 2) << 1 | (ch & 4) >> 1
+
+
+def magic_bias(q_s, src, qk, D, KB, num):
+    """quantized_chunk's bias under KIVI_DECODE_FOLD16 = 2, per lane (rows g, g + 8 x heads): per two
+    k-steps the zeros z01 z23 z45 z67 as A against (q01, q45) into acc (row g kept) and (q23, q67) into
+    acc8 (row g + 8 kept), then - q' . M for both k-steps into acc; the bias is acc + acc8 in fp32."""
+    q16 = np.zeros((HEADS, D), dtype=np.uint16)
+    for ch in range(D):
+        q16[:, q16_slot(ch)] = num.round_bits(q_s[:, ch])
+    mx, my = key_magic(KB, False, num) | 0x80008000, key_magic(KB, True, num) | 0x80008000
+    acc, acc8 = [[0.0] * 4 for _ in range(32)], [[0.0] * 4 for _ in range(32)]
+    for s in range(0, D // 16, 2):
+        z, q = [], []
+        for lane in range(32):
+            c0 = k_channel(D, KB, s, lane % 4, 0)
+            zb, qb = src["kz"][c0:c0 + 8], q16[lane // 4, c0:c0 + 8]
+            z.append(tuple(int(zb[2 * i]) | int(zb[2 * i + 1]) << 16 for i in range(4)))
+            q.append(tuple(int(qb[2 * i]) | int(qb[2 * i + 1]) << 16 for i in range(4)))  # q01 q45 q23 q67
+        mma(acc, z, [(x[0], x[1]) for x in q], num)
+        mma(acc8, z, [(x[2], x[3]) for x in q], num)
+        for k in (s, s + 1):
+            mma(acc, [(mx, 0, my, 1)] * 32, [qk[lane][k] for lane in range(32)], num)  # rows g + 8: 0 and 1, unused
+    out = []
+    for lane in range(32):
+        b0, b1 = float(np.float32(acc[lane][0] + acc8[lane][2])), float(np.float32(acc[lane][1] + acc8[lane][3]))
+        out.append([b0, b1, b0, b1])
+    return out
+
+
+def quantized_chunk(q_s, src, ngv, D, G, KB, VB, st, num, fold16=False, magic_codes=False):
+    """quantized_chunk: one fully quantized chunk from `src` (global_source or stage_source).
+    magic_codes (KIVI_DECODE_FOLD16 = 2): the 16-bit fold with the key codes in magic form and the
+    scores starting at the group's bias (q16 . z, then - q' . M, per k-step)."""
     KROW, VROW, KS, MT = D * KB // 8, D * VB // 8, D // 16, D // 16
     KWPT, VBPT, Gv = KROW // 16, VROW // 8, min(G, D)
     ks, kz = num.decode(src["ks"]), num.decode(src["kz"])
@@ -309,6 +387,7 @@ def quantized_chunk(q_s, src, ngv, D, G, KB, VB, st, num, fold16=False):
     zdot = [zdot[lane] + zdot[lane ^ 1] for lane in range(32)]
     zdot = [zdot[lane] + zdot[lane ^ 2] for lane in range(32)]
     bias = [(zdot[8 * (lane % 4)], zdot[8 * (lane % 4) + 4]) for lane in range(32)]
+    sc0 = [[0.0] * 4 for _ in range(32)]  # the scores' start
     if fold16:  # q16 * s by one fma2 (+ -0), q16 . z by one MMA per k-step with z as every row of A
         zsc = [[0.0] * 4 for _ in range(32)]
         for s in range(KS):
@@ -326,7 +405,9 @@ def quantized_chunk(q_s, src, ngv, D, G, KB, VB, st, num, fold16=False):
                 zf.append((zx, zx, zy, zy))
             mma(zsc, zf, qf, num)
         bias = [(zsc[lane][0], zsc[lane][1]) for lane in range(32)]
-    sc = [[[0.0] * 4 for _ in range(32)] for _ in range(2)]
+        if magic_codes:
+            sc0, bias = magic_bias(q_s, src, qk, D, KB, num), [(0.0, 0.0)] * 32
+    sc = [[list(sc0[lane]) for lane in range(32)] for _ in range(2)]
     for mt in range(2):
         words = []
         for lane in range(32):
@@ -335,7 +416,8 @@ def quantized_chunk(q_s, src, ngv, D, G, KB, VB, st, num, fold16=False):
                           for r in range(2)])
         for s in range(KS):
             i = s // 4 if KB == 2 else s // 2  # the word of k-step s
-            a = [k_fragment(words[lane][0][i], words[lane][1][i], s, KB, num) for lane in range(32)]
+            frag = k_fragment_magic if magic_codes else k_fragment
+            a = [frag(words[lane][0][i], words[lane][1][i], s, KB, num) for lane in range(32)]
             mma(sc[mt], a, [qk[lane][s] for lane in range(32)], num)
     p_s = online_softmax(sc, bias, st, MT)
     for kstep in range(2):
@@ -350,7 +432,7 @@ def quantized_chunk(q_s, src, ngv, D, G, KB, VB, st, num, fold16=False):
             sh = [int(src["vs"][(t + e) * ngv + vg]) for e in range(4)]
             zh = [int(src["vz"][(t + e) * ngv + vg]) for e in range(4)]
             a_regs.append(value_fragments(w, sh[0] | sh[1] << 16, sh[2] | sh[3] << 16, zh[0] | zh[1] << 16,
-                                          zh[2] | zh[3] << 16, D, VB, num))
+                                          zh[2] | zh[3] << 16, D, VB, num, magic_codes))
         for mt in range(MT):
             cm = [st.acc[lane][mt] for lane in range(32)]
             mma(cm, [a_regs[lane][mt] for lane in range(32)], b, num)
@@ -367,7 +449,7 @@ def half_bits(x, num):
     return [int(v) for v in num.round_bits(x)]
 
 
-def mixed_chunk(q_s, flat, rows, kres, vres, t0, rc, ngv, D, G, KB, VB, st, num):
+def mixed_chunk(q_s, flat, rows, kres, vres, t0, rc, ngv, D, G, KB, VB, st, num, magic_codes=False):
     """mixed_chunk: tokens [t0, t0 + 32), keys and values each quantized, residual or none."""
     L, nqk, nqv = rc
     KROW, VROW, KS, MT = D * KB // 8, D * VB // 8, D // 16, D // 16
@@ -436,7 +518,7 @@ def mixed_chunk(q_s, flat, rows, kres, vres, t0, rc, ngv, D, G, KB, VB, st, num)
                 rv.append([int(x) for x in vres_b[tok % W, g * (D // 8):(g + 1) * (D // 8)]] if resid[-1]
                           else [0] * (D // 8))
             a = value_fragments(w, sh[0] | sh[1] << 16, sh[2] | sh[3] << 16, zh[0] | zh[1] << 16, zh[2] | zh[3] << 16,
-                                D, VB, num)
+                                D, VB, num, magic_codes)
             pick01 = (0x0054 if resid[0] else 0x0010) | (0x7600 if resid[1] else 0x3200)
             pick23 = (0x0054 if resid[2] else 0x0010) | (0x7600 if resid[3] else 0x3200)
             for mt in range(MT):
@@ -466,11 +548,11 @@ def warp_chunks(q_s, flat, rows, kres, vres, chunks, c_quant, rc, D, G, KB, VB, 
             ring[slot] = issue_stage(src, D, KB, VB, ngv)
         else:
             quantized_chunk(q_s, src if slot is None else stage_source(ring[slot], D, KB, VB, ngv), ngv, D, G, KB, VB,
-                            st, num, variant.fold16)
+                            st, num, variant.fold16, variant.magic)
     if variant.residual_in_loop:
         for c in chunks:
             if c >= c_quant:
-                mixed_chunk(q_s, flat, rows, kres, vres, c * CHUNK, rc, ngv, D, G, KB, VB, st, num)
+                mixed_chunk(q_s, flat, rows, kres, vres, c * CHUNK, rc, ngv, D, G, KB, VB, st, num, variant.magic)
     for off in (4, 8, 16):
         st.l = [[st.l[lane][j] + st.l[lane ^ off][j] for j in range(2)] for lane in range(32)]
     out_m, out_l, out_acc = np.full(HEADS, -math.inf), np.zeros(HEADS), np.zeros((HEADS, D))

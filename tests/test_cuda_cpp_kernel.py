@@ -99,7 +99,18 @@ def to_paged(layer, params, page_size, seed=0, extra_pages=3):
     return layer._replace(**pools), Paging(table, page_size)
 
 
-def bound(query, layer, params, scale, ref, residual_in_loop=False, fold16=False):
+def magic_score_error(q_prime_sum, zero_sum, D, dtype, k_bits):
+    """KIVI_DECODE_FOLD16 = 2: a score starts at its bias q16 . z - q' . M (M up to 1024, bf16 128) and
+    the key MMAs add q' (M + c) k-step by k-step, so every partial sum of the chain is within
+    (M + 2^KB - 1) sum_c |q'_c| + sum_c |q16_c z_c| (zero_sum). Per MMA that
+    holds such a value (KS key MMAs, KS magic MMAs, KS / 2 zero MMAs after the first magic one) at most
+    2^-23 of it (a truncating fp32 accumulator)."""
+    M = 1024 if dtype == torch.float16 else 128
+    KS = D // 16
+    return (5 * KS // 2 + 1) * 2.0**-23 * ((M + 2**k_bits - 1) * q_prime_sum + zero_sum)
+
+
+def bound(query, layer, params, scale, ref, residual_in_loop=False, fold16=False, magic=False):
     """The tolerance of the module doc, from the data (per output element). residual_in_loop: the
     partly quantized chunks' keys are rounded to 16 bits and meet the 16-bit query (no fold), a score
     off by at most 2 u sum_c |q_c k_c| (plus u^2): taken with |k_c| <= the largest key. fold16: q' is
@@ -110,10 +121,13 @@ def bound(query, layer, params, scale, ref, residual_in_loop=False, fold16=False
     H = k_scale.shape[1]
     q = query.float().reshape(B, H, Hq // H, D) * scale * 1.4426950408889634
     kmax, vmax_code = 2**params.k_bits - 1, 2**params.v_bits - 1  # the largest codes
-    du = kmax * U * (q.abs()[:, :, :, None, :] * k_scale.abs()[:, :, None]).sum(-1).amax()  # over groups, heads
+    du = du_base = kmax * U * (q.abs()[:, :, :, None, :] * k_scale.abs()[:, :, None]).sum(-1).amax()  # over groups, heads
     if fold16:
         zdot = (q.abs()[:, :, :, None, :] * layer.k_zero.float().abs()[:, :, None]).sum(-1).amax()
         du = 2.01 * du + U * zdot
+    if magic:
+        du = du + magic_score_error(float(du_base) / (kmax * U) * (1 + 2 * U), float(zdot), D, layer.k_res.dtype,
+                                    params.k_bits)
     if residual_in_loop:
         largest_key = max(layer.k_res.float().abs().max(), (kmax * k_scale.abs() + layer.k_zero.float().abs()).max())
         du = max(du, 2.01 * U * q.abs().sum(-1).amax() * largest_key)
@@ -136,10 +150,10 @@ def loaded_variant() -> Variant:
     from kivi_ops.cuda.loader import load
 
     stages, residual, _, fold16 = load().variant()
-    return Variant(stages, bool(residual), bool(fold16))
+    return Variant(stages, bool(residual), bool(fold16), fold16 == 2)
 
 
-def matched_reference(query, layer, counts, params, scale, residual_in_loop=False, fold16=False):
+def matched_reference(query, layer, counts, params, scale, residual_in_loop=False, fold16=False, magic=False):
     """The attention computed in float64 with the kernel's own fp16 roundings (q * k_scale and the
     dequantized values of the quantized chunks), but exact p and sums: what is left between it and
     the kernel is p's fp16 rounding and fp32 accumulation, so `matched_bound` is tight and a
@@ -147,7 +161,7 @@ def matched_reference(query, layer, counts, params, scale, residual_in_loop=Fals
     residual_in_loop (KIVI_DECODE_RESIDUAL_IN_LOOP): the tokens past the fully quantized chunks are
     scored as 16-bit query . 16-bit key (a quantized key dequantized with one rounding) and their
     quantized values rounded as the chunks' are. fold16 (KIVI_DECODE_FOLD16): q' = 16-bit(16-bit(q) *
-    k_scale), the zero dot over 16-bit q.
+    k_scale), the zero dot over 16-bit q. magic (KIVI_DECODE_FOLD16 = 2): plus magic_score_error.
     Returns (out [B, Hq, 1, D] float64, per-element tolerance)."""
     kc, ks, kz, kr, vc, vs, vz, vr, lengths = ((t.double() if t.is_floating_point() else t).numpy()
                                                for t in layer.kivi)
@@ -195,6 +209,9 @@ def matched_reference(query, layer, counts, params, scale, residual_in_loop=Fals
             p = np.exp2(score - score.max(-1, keepdims=True))
             o = (p @ values) / p.sum(-1, keepdims=True)
             du = 2 * (D + 8) * 2.0**-24 * terms.max()  # fp32 (and tensor-core) accumulation of a score
+            if magic:
+                du += magic_score_error(np.abs(q_prime).sum(-1), np.abs(qz[:, None, :] * z[None]).sum(-1), D,
+                                        layer.k_res.dtype, params.k_bits).max()
             out[b, h * qg:(h + 1) * qg, 0] = o
             tol[b, h * qg:(h + 1) * qg, 0] = ((2 ** (2 * du) - 1 + U + 2.0**-20) * np.abs(values).max()
                                               + U * np.abs(o) + 1e-6)
@@ -205,12 +222,12 @@ def check(out, query, layer, counts, params, scale, where="", variant=None):
     """out within the reference's bound and within the rounding-matched reference's tight one, for
     the kernel built as `variant` (None: as the loaded library is)."""
     variant = loaded_variant() if variant is None else variant
-    residual_in_loop, fold16 = variant.residual_in_loop, variant.fold16
+    residual_in_loop, fold16, magic = variant.residual_in_loop, variant.fold16, variant.magic
     ref = attend_reference(query, layer, counts, params, scale)
     err = (out.float() - ref.float()).abs()
-    assert (err <= bound(query, layer, params, scale, ref, residual_in_loop, fold16)).all(), (
+    assert (err <= bound(query, layer, params, scale, ref, residual_in_loop, fold16, magic)).all(), (
         f"{where}: max error vs reference {err.max()}")
-    matched, tol = matched_reference(query, layer, counts, params, scale, residual_in_loop, fold16)
+    matched, tol = matched_reference(query, layer, counts, params, scale, residual_in_loop, fold16, magic)
     err = (out.double() - matched).abs()
     assert (err <= tol).all(), f"{where}: max error vs the rounding-matched reference {err.max()} (tol {tol.min()})"
 
@@ -563,7 +580,8 @@ def test_prebuilt_library_builds_and_loads_without_a_gpu(tmp_path):
 
 VARIANTS = {"stages2": Variant(2), "stages4": Variant(4), "residual": Variant(1, True),
             "residual-stages4": Variant(4, True), "fold16": Variant(1, False, True),
-            "fold16-residual-stages4": Variant(4, True, True)}
+            "fold16-residual-stages4": Variant(4, True, True), "magic": Variant(1, False, True, True),
+            "magic-residual-stages4": Variant(4, True, True, True)}
 # B2 H1 Hq4 D64 S384 R64: rows of 300 (9 full chunks, 44 more tokens: G, R and chunk boundaries
 # inside the rest) and 77 (2 quantized chunks); 3 splits cut the chunks unevenly
 VARIANT_CASE = (2, 1, 4, 64, 384, 64, [300, 77])
@@ -615,6 +633,25 @@ def test_emulated_fold16_runs_its_own_path():
     assert not torch.equal(folded, emulate_decode(query, layer, None, params, scale, 2))
     matched, tol = matched_reference(query, layer, None, params, scale, fold16=True)
     assert ((folded.double() - matched).abs() <= tol).all()
+
+
+def test_emulator_detects_a_wrong_magic(monkeypatch):
+    """The magic-form comparison can fail: codes 2 and 3 of a byte OR-ed into codes 0 and 1's magic
+    (the wrong exponent for their bits), or the bias MMAs pairing the query copy's slots wrongly."""
+    from tests import cuda_decode_emulator as emu
+
+    layer, params, query, scale = _variant_case()
+    variant = VARIANTS["magic"]
+    right = emu.key_magic
+    monkeypatch.setattr(emu, "key_magic", lambda KB, y, num: right(KB, False, num))
+    with pytest.raises(AssertionError, match="max error"):
+        check(emu.emulate_decode(query, layer, None, params, scale, 2, variant=variant), query, layer, None, params,
+              scale, variant=variant)
+    monkeypatch.setattr(emu, "key_magic", right)
+    monkeypatch.setattr(emu, "q16_slot", lambda ch: ch)
+    with pytest.raises(AssertionError, match="max error"):
+        check(emu.emulate_decode(query, layer, None, params, scale, 2, variant=variant), query, layer, None, params,
+              scale, variant=variant)
 
 
 def test_emulator_detects_a_wrong_stage_slot(monkeypatch):

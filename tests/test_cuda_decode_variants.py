@@ -41,3 +41,14 @@ def test_variants_change_the_launch_as_built(committed):
     assert len(default["programs"]) == 3 * B * H and len(residual["programs"]) == 2 * B * H
     assert rows["stages4"]["ring_bytes"] == 4 * 4 * 3072 and rows["stages2"]["ring_bytes"] == 2 * 4 * 3072
     assert rows["stages4"]["chunk_ldgsts"] > 0 and rows["default"]["chunk_ldgsts"] == 0
+
+
+def test_magic_codes_shorten_the_chunk_loop(committed):
+    """KIVI_DECODE_FOLD16=2 drops the key codes' fma2 (and their constants) for two MMAs' worth of bias:
+    the counted loop is shorter than the 16-bit fold's by more than the 64 fma2 it removes, alone and
+    in the best design, and its query copy is priced as shared memory."""
+    rows = {r["variant"]: r for r in committed["rows"]}
+    for magic, fold in (("magic", "fold16"), ("magic-residual-stages4-blocks4", "fold16-residual-stages4-blocks4")):
+        assert rows[fold]["chunk"]["instructions"] - rows[magic]["chunk"]["instructions"] > 64, magic
+        assert rows[magic]["query_copy_bytes"] == 2048 and rows[fold]["query_copy_bytes"] == 0
+        assert rows[magic]["spill_store_bytes"] == 0

@@ -40,6 +40,9 @@
 // (2^KB - 1) * 2^-11 * sum_c |q'_c|), V is dequantized to fp16 (2^-11 |v|), p is rounded to fp16 for the
 // PV product (2^-11), accumulations are fp32; tail tokens are fp32 throughout. bf16: the same three
 // roundings at bf16's 2^-8 (8 significant bits) in place of 2^-11; the codes stay exact.
+// KIVI_DECODE_FOLD16 = 2 adds the fp32 cancellation of the magic offsets: each MMA of a score's chain
+// (the bias' and the key MMAs) holds at most (2 M + 2^KB - 1) sum_c |q'_c| (M = 1024, bf16 128), so a
+// score is off by at most a further (2 D / 16 + 2) 2^-23 of that (tests' magic_score_error).
 #include "decode_attend.h"
 
 #include <cstddef>
@@ -67,6 +70,12 @@ constexpr int kPStride = 36; // p transpose buffer row stride (floats): conflict
 //     (q rounded to 16 bits first: two roundings), and the zero dot q16 . z by one MMA per k-step
 //     with the zeros as every token row of A (the bias lands in each lane's own accumulator: no
 //     conversions, no shuffles).
+//   KIVI_DECODE_FOLD16 = 2: that fold, and the key codes enter the MMA in magic form: code c at bit k
+//     of a 16-bit half is OR-ed into the mantissa of M = 2^(mantissa bits - k) (one lop3: M + c
+//     exactly, no fma2), so q'.(M + c) = q'.c + q'.M and the accumulator starts at the group's bias
+//     q16 . z - q' . M (a second MMA per k-step, A the constant -M per k index). q16 comes from a
+//     16-bit copy of the query made once per block (no per-chunk converts). Numerics: as 1, but each
+//     key MMA sums terms up to q' (M + c), M <= 1024 (bf16: 128), and cancels them in fp32.
 #ifndef KIVI_DECODE_STAGES
 #define KIVI_DECODE_STAGES 1
 #endif
@@ -83,9 +92,15 @@ static_assert(KIVI_DECODE_STAGES == 1 || KIVI_DECODE_STAGES == 2 || KIVI_DECODE_
               "KIVI_DECODE_STAGES must be 1, 2 or 4");
 constexpr int kStages = KIVI_DECODE_STAGES;
 constexpr bool kResidualInLoop = KIVI_DECODE_RESIDUAL_IN_LOOP != 0;
+static_assert(KIVI_DECODE_FOLD16 >= 0 && KIVI_DECODE_FOLD16 <= 2, "KIVI_DECODE_FOLD16 must be 0, 1 or 2");
 constexpr bool kFold16 = KIVI_DECODE_FOLD16 != 0;
+constexpr bool kMagicKeys = KIVI_DECODE_FOLD16 == 2;
 constexpr int kTailSplits = kResidualInLoop ? 0 : 1;  // grid columns after the quantized splits
 constexpr int kRingLimit = 64 * 1024;                 // the most shared memory a block's ring takes
+template <int D>
+constexpr int kQ16Bytes = kMagicKeys ? kHeads * D * 2 : 0;  // the 16-bit query copy, after the ring
+// where channel ch sits in that copy: in each 8 channels the pairs in the order 01 45 23 67
+__host__ __device__ constexpr int q16_slot(int ch) { return (ch & ~6) | (ch & 2) << 1 | (ch & 4) >> 1; }
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
@@ -128,6 +143,13 @@ struct Num<__half> {
   static constexpr uint32_t kMagic = 0x64006400u;  // two fp16 1024.0
   static constexpr bool kShiftHigh = false;
   static constexpr float kMax = 65504.f;  // outputs saturate here
+  // two 2^(10 - k): a code at bit k of each half reads 2^(10 - k) + c
+  __host__ __device__ static constexpr uint32_t magic_at(int k) { return ((25u - k) << 10) * 0x00010001u; }
+  __device__ static uint32_t sub2(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+  }
   __device__ static float to_float(__half x) { return __half2float(x); }
   __device__ static __half from_float(float x) { return __float2half_rn(x); }
   __device__ static uint32_t pack(float lo, float hi) {
@@ -160,6 +182,9 @@ struct Num<__nv_bfloat16> {
   static constexpr uint32_t kMagic = 0x43004300u;  // two bf16 128.0
   static constexpr bool kShiftHigh = true;
   static constexpr float kMax = 3.3895314e38f;  // bf16's largest finite value
+  __host__ __device__ static constexpr uint32_t magic_at(int k) { return ((134u - k) << 7) * 0x00010001u; }  // two 2^(7 - k)
+  // a - b as a * 1 - b (sub.bf16x2 needs sm_90; this builds for sm_80 too)
+  __device__ static uint32_t sub2(uint32_t a, uint32_t b) { return fma2(a, 0x3F803F80u, b ^ 0x80008000u); }
   __device__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
   __device__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
   __device__ static uint32_t pack(float lo, float hi) {
@@ -185,12 +210,17 @@ struct Num<__nv_bfloat16> {
 
 // The position-I B-bit codes of bytes 0 and 2 (B = 2: I < 4; B = 4: I < 2). A 4-bit code at
 // position I sits where a 2-bit one at 2 I would: magic + 16^I c = magic + 4^(2I) c. bf16 takes
-// the high nibble's positions (B I >= 4) from x >> 4.
+// the high nibble's positions (B I >= 4) from x >> 4. kMagicKeys: the magic is the position's own,
+// 2^(m - B J) with m the mantissa bits (M + c), and one subtraction of M (one constant) gives c.
 template <typename T, int B, int I>
 __device__ __forceinline__ uint32_t codes_at(uint32_t x) {
   constexpr bool high = Num<T>::kShiftHigh && B * I >= 4;
   constexpr int J = high ? I - 4 / B : I;
   constexpr uint32_t mask = ((1u << B) - 1) * 0x00010001u << (B * J);
+  if constexpr (kMagicKeys) {
+    constexpr uint32_t M = Num<T>::magic_at(B * J);
+    return Num<T>::sub2(magic<mask, M>(high ? x >> 4 : x), M);
+  }
   return Num<T>::fma2(magic<mask, Num<T>::kMagic>(high ? x >> 4 : x), Num<T>::code_mul(B * J / 2),
                       Num<T>::code_add(B * J / 2));
 }
@@ -352,6 +382,7 @@ template <int D>
 struct WarpState {
   float acc[D / 16][4];
   float m0, m1, l0, l1;
+  uint32_t magic[4];  // kMagicKeys: the magic MMA's A (-M of rows g; rows g + 8 unused: 0 and 1)
 };
 
 template <int D, int KB, int VB, bool PAGED, typename T>
@@ -383,8 +414,18 @@ __device__ __forceinline__ ChunkSource<T> stage_source(const uint8_t* stage) {
 }
 
 // The key A fragment (a0..a3) of k-step s: the exact codes as 16-bit pairs, from a lane's words of
-// rows g (w0) and g + 8 (w1).
+// rows g (w0) and g + 8 (w1). MAGIC (KIVI_DECODE_FOLD16 = 2): M + c instead, without the fma2.
+// key_magic: the two halves' M for a0, a1 (and a2, a3: y), where a code at bit k of a half reads
+// 2^(10 - k) + c (bf16: 2^(7 - k) + c).
 template <int KB, typename T>
+__host__ __device__ constexpr uint32_t key_magic(bool y) {
+  // the low half's code at bit lo, the high half's at bit hi
+  const int lo = Num<T>::kShiftHigh || KB == 4 || !y ? 0 : 4;
+  const int hi = Num<T>::kShiftHigh ? (KB == 2 ? 2 : 0) : KB == 4 ? 4 : lo + 2;
+  return (Num<T>::magic_at(lo) & 0xFFFFu) | (Num<T>::magic_at(hi) & 0xFFFF0000u);
+}
+
+template <int KB, typename T, bool MAGIC = false>
 __device__ __forceinline__ void key_codes(uint32_t w0, uint32_t w1, int s, uint32_t& a0, uint32_t& a1, uint32_t& a2,
                                           uint32_t& a3) {
   using N = Num<T>;
@@ -394,6 +435,12 @@ __device__ __forceinline__ void key_codes(uint32_t w0, uint32_t w1, int s, uint3
     const uint32_t sel = (s % 4) * 0x0101u;
     const uint32_t x0 = prmt(w0, 0, sel), x1 = prmt(w1, 0, sel);
     const uint32_t y0 = prmt(w0 >> 4, 0, sel), y1 = prmt(w1 >> 4, 0, sel);
+    if constexpr (MAGIC) {
+      constexpr uint32_t M = key_magic<KB, T>(false);
+      a0 = magic<0x000C0003u, M>(x0), a1 = magic<0x000C0003u, M>(x1);
+      a2 = magic<0x000C0003u, M>(y0), a3 = magic<0x000C0003u, M>(y1);
+      return;
+    }
     a0 = N::fma2(magic<0x000C0003u, 0x43004300u>(x0), 0x3E803F80u, 0xC200C300u);
     a1 = N::fma2(magic<0x000C0003u, 0x43004300u>(x1), 0x3E803F80u, 0xC200C300u);
     a2 = N::fma2(magic<0x000C0003u, 0x43004300u>(y0), 0x3E803F80u, 0xC200C300u);
@@ -404,6 +451,11 @@ __device__ __forceinline__ void key_codes(uint32_t w0, uint32_t w1, int s, uint3
     const int lo = 2 * (s % 2), hi = lo + 1;
     const uint32_t x0 = prmt(w0, w0 >> 4, lo | (4 + lo) << 8), x1 = prmt(w1, w1 >> 4, lo | (4 + lo) << 8);
     const uint32_t y0 = prmt(w0, w0 >> 4, hi | (4 + hi) << 8), y1 = prmt(w1, w1 >> 4, hi | (4 + hi) << 8);
+    if constexpr (MAGIC) {
+      a0 = magic<0x000F000Fu, 0x43004300u>(x0), a1 = magic<0x000F000Fu, 0x43004300u>(x1);
+      a2 = magic<0x000F000Fu, 0x43004300u>(y0), a3 = magic<0x000F000Fu, 0x43004300u>(y1);
+      return;
+    }
     a0 = N::fma2(magic<0x000F000Fu, 0x43004300u>(x0), 0x3F803F80u, 0xC300C300u);
     a1 = N::fma2(magic<0x000F000Fu, 0x43004300u>(x1), 0x3F803F80u, 0xC300C300u);
     a2 = N::fma2(magic<0x000F000Fu, 0x43004300u>(y0), 0x3F803F80u, 0xC300C300u);
@@ -412,6 +464,11 @@ __device__ __forceinline__ void key_codes(uint32_t w0, uint32_t w1, int s, uint3
     const uint32_t sel = (s % 4) * 0x0101u;  // byte s % 4 into bytes 0 and 2 (1 and 3: masked off)
     const uint32_t x0 = prmt(w0, 0, sel), x1 = prmt(w1, 0, sel);
     // k index 2 tig + {0, 1}: codes 0 and 1 of the byte; 2 tig + 8 + {0, 1}: codes 2 and 3.
+    if constexpr (MAGIC) {
+      a0 = magic<0x000C0003u, key_magic<KB, T>(false)>(x0), a1 = magic<0x000C0003u, key_magic<KB, T>(false)>(x1);
+      a2 = magic<0x00C00030u, key_magic<KB, T>(true)>(x0), a3 = magic<0x00C00030u, key_magic<KB, T>(true)>(x1);
+      return;
+    }
     a0 = N::fma2(magic<0x000C0003u, 0x64006400u>(x0), 0x34003C00u, 0xDC00E400u);
     a1 = N::fma2(magic<0x000C0003u, 0x64006400u>(x1), 0x34003C00u, 0xDC00E400u);
     a2 = N::fma2(magic<0x00C00030u, 0x64006400u>(x0), 0x24002C00u, 0xCC00D400u);
@@ -421,6 +478,12 @@ __device__ __forceinline__ void key_codes(uint32_t w0, uint32_t w1, int s, uint3
     const uint32_t lo = 2 * (s % 2) * 0x0101u, hi = lo + 0x0101u;
     const uint32_t x0 = prmt(w0, 0, lo), x1 = prmt(w1, 0, lo);
     const uint32_t y0 = prmt(w0, 0, hi), y1 = prmt(w1, 0, hi);
+    if constexpr (MAGIC) {
+      constexpr uint32_t M = key_magic<KB, T>(false);
+      a0 = magic<0x00F0000Fu, M>(x0), a1 = magic<0x00F0000Fu, M>(x1);
+      a2 = magic<0x00F0000Fu, M>(y0), a3 = magic<0x00F0000Fu, M>(y1);
+      return;
+    }
     a0 = N::fma2(magic<0x00F0000Fu, 0x64006400u>(x0), 0x2C003C00u, 0xD400E400u);
     a1 = N::fma2(magic<0x00F0000Fu, 0x64006400u>(x1), 0x2C003C00u, 0xD400E400u);
     a2 = N::fma2(magic<0x00F0000Fu, 0x64006400u>(y0), 0x2C003C00u, 0xD400E400u);
@@ -458,12 +521,15 @@ __device__ __forceinline__ void value_fragments(const uint32_t (&w)[4][(D * VB /
 }
 
 // Online softmax (base 2) per head over the chunk's scores (heads 2 tig: c0, c2; 2 tig + 1: c1, c3),
-// p into the warp's transpose buffer, the output rescaled.
-template <int D>
+// p into the warp's transpose buffer, the output rescaled. BIAS false: the scores hold their bias
+// already (no additions).
+template <int D, bool BIAS = true>
 __device__ __forceinline__ void online_softmax(const float (&sc)[2][4], float bias0, float bias1, float (*p_s)[kPStride],
                                                WarpState<D>& st, int g, int tig) {
-  float mx0 = fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2])) + bias0;
-  float mx1 = fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3])) + bias1;
+  if constexpr (!BIAS) bias0 = bias1 = 0.f;
+  float mx0 = fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2]));
+  float mx1 = fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3]));
+  if constexpr (BIAS) mx0 += bias0, mx1 += bias1;
 #pragma unroll
   for (int off = 4; off < 32; off *= 2) {
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
@@ -478,8 +544,10 @@ __device__ __forceinline__ void online_softmax(const float (&sc)[2][4], float bi
   __syncwarp();  // the previous chunk's p reads are done
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
-    const float p00 = fast_exp2(sc[mt][0] + bias0 - n0), p01 = fast_exp2(sc[mt][1] + bias1 - n1);
-    const float p10 = fast_exp2(sc[mt][2] + bias0 - n0), p11 = fast_exp2(sc[mt][3] + bias1 - n1);
+    const float s00 = BIAS ? sc[mt][0] + bias0 : sc[mt][0], s01 = BIAS ? sc[mt][1] + bias1 : sc[mt][1];
+    const float s10 = BIAS ? sc[mt][2] + bias0 : sc[mt][2], s11 = BIAS ? sc[mt][3] + bias1 : sc[mt][3];
+    const float p00 = fast_exp2(s00 - n0), p01 = fast_exp2(s01 - n1);
+    const float p10 = fast_exp2(s10 - n0), p11 = fast_exp2(s11 - n1);
     st.l0 += p00 + p10;
     st.l1 += p01 + p11;
     p_s[2 * tig][16 * mt + g] = p00;
@@ -499,8 +567,8 @@ __device__ __forceinline__ void online_softmax(const float (&sc)[2][4], float bi
 
 // One fully quantized chunk (32 tokens of one key group) from `src`: global memory (GLOBAL) or a stage.
 template <int D, int KB, int VB, typename T, bool GLOBAL>
-__device__ __forceinline__ void quantized_chunk(const float (*q_s)[D], float (*p_s)[kPStride], const ChunkSource<T>& src,
-                                                int ngv, int vgroup, WarpState<D>& st) {
+__device__ __forceinline__ void quantized_chunk(const float (*q_s)[D], const uint16_t (*q16)[D], float (*p_s)[kPStride],
+                                                const ChunkSource<T>& src, int ngv, int vgroup, WarpState<D>& st) {
   using N = Num<T>;
   constexpr int KS = D / 16, MT = D / 16;
   constexpr int KROW = D * KB / 8, VROW = D * VB / 8;  // bytes of a token's key / value codes
@@ -508,8 +576,32 @@ __device__ __forceinline__ void quantized_chunk(const float (*q_s)[D], float (*p
   const int lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
   // q' = q * k_scale of head g over this lane's channels, and the zero dot q . z (partial).
   uint32_t qk[KS][2];
-  float bias0, bias1;
-  if constexpr (kFold16) {
+  float bias0 = 0.f, bias1 = 0.f;
+  float sc0[4] = {0.f, 0.f, 0.f, 0.f};  // the scores' start: rows g, g + 8 x heads 2 tig, 2 tig + 1
+  if constexpr (kMagicKeys) {
+    // The bias is the same for every token row, so an MMA's row g + 8 may hold other products: per two
+    // k-steps (8 channels from c0: 01 23 45 67 in pairs) A is the zeros as loaded, z01 z23 z45 z67, and
+    // B (q01, q45) gives z01 q01 + z45 q45 in row g of acc, B (q23, q67) z23 q23 + z67 q67 in row g + 8
+    // of acc8 (q16's copy is stored in that pair order: no register moves).
+    const uint32_t(&mq)[4] = st.magic;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc8[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int s = 0; s < KS; s += 2) {
+      const int c0 = k_channel<D, KB>(s, tig, 0);  // k-steps s and s + 1: channels c0 .. c0 + 7
+      const uint4 qv = *reinterpret_cast<const uint4*>(&q16[g][c0]);  // q01 q45 q23 q67
+      const uint4 sv = *reinterpret_cast<const uint4*>(src.k_scale + c0), zv = *reinterpret_cast<const uint4*>(src.k_zero + c0);
+      qk[s][0] = N::fma2(qv.x, sv.x, 0x80008000u);
+      qk[s][1] = N::fma2(qv.z, sv.y, 0x80008000u);
+      qk[s + 1][0] = N::fma2(qv.y, sv.z, 0x80008000u);
+      qk[s + 1][1] = N::fma2(qv.w, sv.w, 0x80008000u);
+      N::mma(acc, zv.x, zv.y, zv.z, zv.w, qv.x, qv.y);  // + q16 . z
+      N::mma(acc8, zv.x, zv.y, zv.z, zv.w, qv.z, qv.w);
+      N::mma(acc, mq[0], mq[1], mq[2], mq[3], qk[s][0], qk[s][1]);  // - q' . M
+      N::mma(acc, mq[0], mq[1], mq[2], mq[3], qk[s + 1][0], qk[s + 1][1]);
+    }
+    sc0[0] = sc0[2] = acc[0] + acc8[2];
+    sc0[1] = sc0[3] = acc[1] + acc8[3];
+  } else if constexpr (kFold16) {
     float zsc[4] = {0.f, 0.f, 0.f, 0.f};  // rows g, g + 8 (equal) x heads 2 tig, 2 tig + 1
 #pragma unroll
     for (int s = 0; s < KS; ++s) {
@@ -553,15 +645,16 @@ __device__ __forceinline__ void quantized_chunk(const float (*q_s)[D], float (*p
     for (int r = 0; r < 2; ++r) {
       load_words<KWPT, GLOBAL>(src.k_codes + static_cast<size_t>(16 * mt + g + 8 * r) * KROW + 4 * KWPT * tig, w[r]);
     }
-    sc[mt][0] = sc[mt][1] = sc[mt][2] = sc[mt][3] = 0.f;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) sc[mt][r] = sc0[r];
 #pragma unroll
     for (int s = 0; s < KS; ++s) {
       uint32_t a0, a1, a2, a3;
-      key_codes<KB, T>(w[0][KB == 2 ? s / 4 : s / 2], w[1][KB == 2 ? s / 4 : s / 2], s, a0, a1, a2, a3);
+      key_codes<KB, T, kMagicKeys>(w[0][KB == 2 ? s / 4 : s / 2], w[1][KB == 2 ? s / 4 : s / 2], s, a0, a1, a2, a3);
       N::mma(sc[mt], a0, a1, a2, a3, qk[s][0], qk[s][1]);
     }
   }
-  online_softmax(sc, bias0, bias1, p_s, st, g, tig);
+  online_softmax<D, !kMagicKeys>(sc, bias0, bias1, p_s, st, g, tig);
 
   // PV: k-step ks covers tokens t0 + 16 ks + 4 tig + {0..3} (k index 2 tig + e <-> token 4 tig + e,
   // 2 tig + 8 + e <-> token 4 tig + 2 + e), head g.
@@ -703,7 +796,8 @@ __device__ __forceinline__ void mixed_chunk(const DecodeParams& p, const float (
 // stage ring when the build has one, then (KIVI_DECODE_RESIDUAL_IN_LOOP) the mixed ones. Writes
 // its (m, l, acc) into `merge`.
 template <int D, int KB, int VB, bool PAGED, typename T>
-__device__ void warp_chunks(const DecodeParams& p, const float (*q_s)[D], float (*p_s)[kPStride], Merge<D>& merge,
+__device__ void warp_chunks(const DecodeParams& p, const float (*q_s)[D], const uint16_t (*q16)[D], float (*p_s)[kPStride],
+                            Merge<D>& merge,
                             uint8_t* ring, int b, int h, int c, int c_quant, int c_end, const RowCounts& rc) {
   constexpr int MT = D / 16, S = Stage<D, KB, VB>::kStagesBuilt;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
@@ -714,10 +808,17 @@ __device__ void warp_chunks(const DecodeParams& p, const float (*q_s)[D], float 
   for (int mt = 0; mt < MT; ++mt) st.acc[mt][0] = st.acc[mt][1] = st.acc[mt][2] = st.acc[mt][3] = 0.f;
   st.m0 = st.m1 = -INFINITY;
   st.l0 = st.l1 = 0.f;
+  if constexpr (kMagicKeys) {
+    // through a shuffle: registers that ptxas keeps for the whole loop instead of rebuilding the
+    // quad from immediates before every magic MMA (4 moves each)
+    const uint32_t a[4] = {key_magic<KB, T>(false) | 0x80008000u, 0u, key_magic<KB, T>(true) | 0x80008000u, 1u};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) st.magic[i] = __shfl_sync(0xffffffffu, a[i], 0);
+  }
 
   if constexpr (S == 1) {
     for (; c < c_quant; c += kWarps) {
-      quantized_chunk<D, KB, VB, T, true>(q_s, p_s, global_source<D, KB, VB, PAGED, T>(p, b, h, c * kChunk, ngv), ngv,
+      quantized_chunk<D, KB, VB, T, true>(q_s, q16, p_s, global_source<D, KB, VB, PAGED, T>(p, b, h, c * kChunk, ngv), ngv,
                                           vgroup, st);
     }
   } else {
@@ -739,7 +840,7 @@ __device__ void warp_chunks(const DecodeParams& p, const float (*q_s)[D], float 
       cp_async_commit();
       cp_async_wait<S - 1>();  // this lane's copies of chunk i have landed
       __syncwarp();            // and every lane's
-      quantized_chunk<D, KB, VB, T, false>(q_s, p_s, stage_source<D, KB, VB, T>(ring + (i % S) * St::kBytes), ngv,
+      quantized_chunk<D, KB, VB, T, false>(q_s, q16, p_s, stage_source<D, KB, VB, T>(ring + (i % S) * St::kBytes), ngv,
                                            vgroup, st);
     }
   }
@@ -849,7 +950,8 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : 3) decode_split_ke
   __shared__ __align__(16) float q_s[kHeads][D];
   __shared__ __align__(16) float p_s[kWarps][kHeads][kPStride];
   __shared__ Merge<D> merge;  // with q_s and p_s: 45 KB at D = 256, under the 48 KB of static shared memory
-  extern __shared__ __align__(16) uint8_t ring[];  // Stage<D, KB, VB>::kRing bytes (0: no ring)
+  extern __shared__ __align__(16) uint8_t ring[];  // Stage<D, KB, VB>::kRing bytes (0: no ring), then kQ16Bytes
+  uint16_t(*q16)[D] = reinterpret_cast<uint16_t(*)[D]>(ring + Stage<D, KB, VB>::kRing);  // kMagicKeys: q in 16 bits
   // Query-head tiles: more than 8 query heads per kv head (the MMA's N) take ceil(qg / 8) blocks,
   // each its 8 heads [head0, head0 + heads); the tiles of a kv row are adjacent in x, so they read
   // the same codes at about the same time (the second read mostly from L2).
@@ -860,7 +962,9 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : 3) decode_split_ke
   for (int i = threadIdx.x; i < kHeads * D; i += blockDim.x) {  // heads past the tile's: zero queries, never written
     const int n = i / D, ch = i % D;
     const size_t row = (static_cast<size_t>(b) * p.kv_heads + h) * p.qg + head0 + n;
-    q_s[n][ch] = n < heads ? Num<T>::to_float(reinterpret_cast<const T*>(p.q)[row * D + ch]) * p.qscale : 0.f;
+    const float q = n < heads ? Num<T>::to_float(reinterpret_cast<const T*>(p.q)[row * D + ch]) * p.qscale : 0.f;
+    q_s[n][ch] = q;
+    if constexpr (kMagicKeys) q16[n][q16_slot(ch)] = bits_of(Num<T>::from_float(q));
   }
   __syncthreads();
   const RowCounts rc = row_counts(p, b);
@@ -871,7 +975,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : 3) decode_split_ke
     const int per = (chunks + p.num_splits - 1) / p.num_splits;
     const int begin = split * per, end = min(begin + per, chunks);
     uint8_t* warp_ring = ring + warp * Stage<D, KB, VB>::kStagesBuilt * Stage<D, KB, VB>::kBytes;
-    warp_chunks<D, KB, VB, PAGED, T>(p, q_s, p_s[warp], merge, warp_ring, b, h, begin + warp, min(end, rc.chunks), end,
+    warp_chunks<D, KB, VB, PAGED, T>(p, q_s, q16, p_s[warp], merge, warp_ring, b, h, begin + warp, min(end, rc.chunks), end,
                                      rc);
   } else {
     tail_tokens<D, KB, VB, PAGED, T>(p, q_s, merge, b, h, rc.chunks * kChunk + warp, rc, heads);
@@ -933,7 +1037,7 @@ struct SplitKernel {
 template <int D, int KB, int VB, typename T>
 SplitKernel split_kernel_of(bool paged) {
   return {paged ? decode_split_kernel<D, KB, VB, true, T> : decode_split_kernel<D, KB, VB, false, T>,
-          Stage<D, KB, VB>::kRing};
+          Stage<D, KB, VB>::kRing + kQ16Bytes<D>};
 }
 
 template <int D, typename T>
