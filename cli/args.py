@@ -236,7 +236,7 @@ _FLAG_NAMES = (("sink_tokens", "--sink-tokens"), ("outlier_tokens", "--outlier-t
                ("group_size", "--group-size"), ("k_bits", "--k-bits"), ("v_bits", "--v-bits"),
                ("flush_policy", "--flush-policy"), ("rotate_keys", "--rotate-keys"),
                ("rotate_values", "--rotate-values"), ("rotation_seed", "--rotation-seed"),
-               ("temperature", "--temperature"), ("top_p", "--top-p"), ("top_k", "--top-k"))
+               ("bits_budget", "--bits-budget"), ("temperature", "--temperature"), ("top_p", "--top-p"), ("top_k", "--top-k"))
 # Flags that only configure the KIVI cache; given explicitly with --method fp they are refused
 # (their defaults are not, so that `--method fp` alone works).
 _KIVI_ONLY_FLAGS = ("k_bits", "v_bits", "group_size", "residual_length", "flush_policy", "rotate_keys",
