@@ -57,7 +57,7 @@ def test_config_refuses_bad_widths_naming_them():
 
 
 def test_each_layer_is_the_uniform_layer_of_its_widths_bit_for_bit_and_bytes_add_up():
-    k, v, q = _kv(100)
+    k, v, q = _kv(72)
     mixed = _cache(KIVIConfig(group_size=32, residual_length=32, layer_bits=WIDTHS))
     total = 0
     for i, (kb, vb) in enumerate(WIDTHS):
@@ -65,8 +65,8 @@ def test_each_layer_is_the_uniform_layer_of_its_widths_bit_for_bit_and_bytes_add
         layer = mixed.layers[i]
         assert layer.params[:2] == (kb, vb)
         for lay in (layer, uniform):
-            lay.append(k[:, :, :70], v[:, :, :70], Step(prefill=True))
-            for t in range(70, 100):
+            lay.append(k[:, :, :60], v[:, :, :60], Step(prefill=True))
+            for t in range(60, 72):  # keys flush at 64
                 lay.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
         assert torch.equal(layer.attend(q), uniform.attend(q))
         for a, b in zip(layer.dequantized(), uniform.dequantized()):
@@ -88,8 +88,8 @@ def test_paged_equals_static_with_per_layer_widths():
     assert [layer.page_nbytes() for layer in paged.layers] == [
         PagedKIVICache(KIVIConfig(k, v, 8, 16), num_layers=1, batch_size=B, num_pages=1, page_size=PS,
                        max_pages_per_seq=S // PS, num_kv_heads=H, head_dim=D).page_nbytes() for k, v in WIDTHS]
-    k, v, q = _kv(40, seed=1)
-    for start, stop in ((0, 20), *((t, t + 1) for t in range(20, 40))):
+    k, v, q = _kv(26, seed=1)
+    for start, stop in ((0, 12), *((t, t + 1) for t in range(12, 26))):  # keys flush at 16
         manager.reserve([stop - start] * B)
         for cache in (static, paged):
             for layer in cache.layers:
