@@ -311,22 +311,32 @@ def test_tp2_equals_one_process(budget_tiny):
     assert two["tokens"] == one["tokens"] and two["tp_size"] == 2
 
 
-@pytest.mark.slow  # 5-15 s: a paged engine and five static runs
-def test_paged_engine_with_preemptions_equals_static_generate(tiny):
+@pytest.mark.slow  # 5-15 s: a paged engine leading a TP worker, and five static runs
+def test_paged_tp_engine_with_preemptions_equals_static_generate_and_its_worker(tiny):
+    import functools
+
     from kivi_models import generate, make_cache
     from kivi_serve.engine import Engine
     from kivi_serve.paged_options import PagedServing
+    from kivi_serve.runner import Runner
+    from kivi_serve.tp import LeaderRunner
     from serve_fixtures import LENGTHS, MAX_SEQ_LEN, PROMPTS, complete_all
+    from test_serve_tp import Loopback, assert_same_cache
 
     model, tokenizer = tiny  # 2 layers, 2 KV heads, head_dim 8
     config = KIVIConfig(group_size=4, residual_length=8, layer_bits=((2, 4), (4, 2)))
-    engine = Engine(model, tokenizer, method="kivi", kivi_config=config, slots=4, max_seq_len=MAX_SEQ_LEN,
-                    paging=PagedServing(8, 4, None, 256, None), eos_token_ids=set())
+    args = dict(method="kivi", kivi_config=config, slots=4, max_seq_len=MAX_SEQ_LEN, paging=PagedServing(8, 4))
+    channel = Loopback(Runner(model, **args))  # rank 1, replaying rank 0's plans (tests/test_serve_tp.py)
+    engine = Engine(model, tokenizer, **args, eos_token_ids=set(),
+                    make_runner=functools.partial(LeaderRunner, channel=channel, timeout_s=60.0))
     try:
-        got = complete_all(engine, PROMPTS, LENGTHS)
+        got = complete_all(engine, PROMPTS, LENGTHS, steps_apart=1)
         assert engine.stats()["preemptions"] > 0
     finally:
         engine.close()
+    assert_same_cache(engine.runner, channel.runner)
+    pages = [layer.page_nbytes() for layer in engine.runner.cache.layers]
+    assert pages[0] == pages[1] and engine.runner.cache.layers[0].params[:2] == (2, 4)
     for prompt, n, tokens in zip(PROMPTS, LENGTHS, got):
         ids = tokenizer(prompt)["input_ids"]
         cache = make_cache(model, method="kivi", batch_size=1, max_seq_len=len(ids) + n, kivi_config=config)
