@@ -185,6 +185,13 @@ def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
     p.add_argument("--rotations", default=None, metavar="PATH",
                    help="a `kivi calibrate` file whose fitted rotations --rotate-keys/--rotate-values calibrated use "
                         "(refused for another model or head_dim)")
+    p.add_argument("--layer-bits", default=None, metavar="PATH",
+                   help="per-layer key and value widths from a `kivi calibrate --bits-budget` file (same "
+                        "--group-size as calibrated; refused for another model), in place of --k-bits/--v-bits")
+    p.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                   help="; ".join(f"{name}: {what}" for name, what in PRESETS.items())
+                        + ". Refused with the flags it sets (--k-bits, --v-bits, --group-size, --residual-length, "
+                          "--rotate-keys, --rotate-values, --rotation-seed, --rotations, --layer-bits, --nuq)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, float16 on cuda")
     from kivi_models.weight_quant import WEIGHT_QUANT_MODES
@@ -206,6 +213,74 @@ def _nuq_levels(args, parser) -> dict:
                              model=model_identity(args.model), head_dim=head_dim_of(config))
 
 
+# --preset: what each sets, from the model's shipped calibration (SHIPPED_CALIBRATION).
+PRESETS = {"quality-2bit": "the model's shipped calibration at <= 3 bits per element (4K tokens, scales and the fp "
+                           "window counted): calibrated rotations of keys and values and per-layer widths, with its "
+                           "--group-size and --residual-length"}
+# Per built-in model, its shipped `kivi calibrate --bits-budget` file (in kivi_benchmarks.RESULTS_DIR).
+SHIPPED_CALIBRATION = {DEFAULT_MODEL: "calibration_smollm2_bits3.json"}
+# The flags a preset sets: given with it, they are refused.
+_PRESET_FLAGS = ("k_bits", "v_bits", "group_size", "residual_length", "rotate_keys", "rotate_values", "rotation_seed")
+_PRESET_PATHS = ("rotations", "layer_bits", "nuq")
+
+
+def _apply_preset(args, parser, method: str) -> None:
+    """Sets the flags --preset stands for (PRESETS) on args."""
+    given = sorted(f"--{name.replace('_', '-')}" for name in _PRESET_FLAGS if name in getattr(args, "explicit", set()))
+    given += [f"--{name.replace('_', '-')}" for name in _PRESET_PATHS if getattr(args, name)]
+    if given:
+        parser.error(f"--preset {args.preset} sets {' / '.join(given)} itself; leave them out (or leave out --preset)")
+    if method != "kivi":
+        parser.error(f"--preset is an option of the KIVI cache (--method kivi), not of --method {method}")
+    from kivi_benchmarks import RESULTS_DIR
+
+    from kivi_ops.layer_bits import load_layer_bits
+
+    name = SHIPPED_CALIBRATION.get(args.model)
+    if name is None:
+        parser.error(f"--preset {args.preset}: no shipped calibration for --model {args.model} (shipped for: "
+                     f"{', '.join(SHIPPED_CALIBRATION)}); calibrate it with `kivi calibrate --bits-budget 3 "
+                     "--group-size G --residual-length R` and pass --layer-bits FILE --rotations FILE "
+                     "--rotate-keys calibrated --rotate-values calibrated")
+    path = str(RESULTS_DIR / name)
+    with usage_errors(parser, ValueError, OSError):
+        _, section = load_layer_bits(path, _calibration_identity(args), flag=f"--preset {args.preset}")
+    args.group_size, args.residual_length = section["group_size"], section["residual_length"]
+    args.rotate_keys = args.rotate_values = "calibrated"
+    args.rotations = args.layer_bits = path
+
+
+def _calibration_identity(args) -> dict:
+    """The loaded model's identity as calibration files record it (calibrated_rotation.model_identity)."""
+    from kivi_ops.calibrated_rotation import model_identity
+
+    from kivi_models.loading import model_identity as loaded_model_identity
+    from kivi_models.loading import resolve_model_path
+
+    hf_config = json.loads((resolve_model_path(args.model) / "config.json").read_text())
+    return model_identity(hf_config, loaded_model_identity(args.model))
+
+
+def _layer_bits(args, parser, method: str) -> tuple:
+    """KIVIConfig.layer_bits from --layer-bits, checked against the model and --group-size."""
+    if not args.layer_bits:
+        return ()
+    if method != "kivi":
+        parser.error(f"--layer-bits is an option of the KIVI cache (--method kivi), not of --method {method}")
+    given = getattr(args, "explicit", set()) & {"k_bits", "v_bits"}
+    if given:
+        parser.error(f"--layer-bits sets each layer's widths; leave out "
+                     f"{' / '.join(sorted('--' + g.replace('_', '-') for g in given))}")
+    from kivi_ops.layer_bits import load_layer_bits
+
+    with usage_errors(parser, ValueError, OSError):
+        widths, section = load_layer_bits(args.layer_bits, _calibration_identity(args))
+    if section["group_size"] != args.group_size:
+        parser.error(f"--layer-bits {args.layer_bits}: its widths were chosen at --group-size {section['group_size']} "
+                     f"(layer_bits.group_size), got --group-size {args.group_size}")
+    return widths
+
+
 def _calibrated_rotations(args, parser, method: str):
     """KIVIConfig.rotations from --rotations when a rotation is "calibrated", checked against the model."""
     calibrated = "calibrated" in (args.rotate_keys, args.rotate_values)
@@ -218,15 +293,10 @@ def _calibrated_rotations(args, parser, method: str):
                      f"not of --method {method}")
     if not args.rotations:
         parser.error("--rotate-keys/--rotate-values calibrated need --rotations PATH (a `kivi calibrate` file)")
-    from kivi_ops.calibrated_rotation import load_rotations, model_identity
-
-    from kivi_models.loading import model_identity as loaded_model_identity
-    from kivi_models.loading import resolve_model_path
+    from kivi_ops.calibrated_rotation import load_rotations
 
     with usage_errors(parser, ValueError, OSError):
-        hf_config = json.loads((resolve_model_path(args.model) / "config.json").read_text())
-        return load_rotations(args.rotations, model_identity(hf_config, loaded_model_identity(args.model)),
-                              keys=args.rotate_keys == "calibrated")
+        return load_rotations(args.rotations, _calibration_identity(args), keys=args.rotate_keys == "calibrated")
 
 
 # CLI spelling of the KIVIConfig fields in error messages.
@@ -236,7 +306,7 @@ _FLAG_NAMES = (("sink_tokens", "--sink-tokens"), ("outlier_tokens", "--outlier-t
                ("group_size", "--group-size"), ("k_bits", "--k-bits"), ("v_bits", "--v-bits"),
                ("flush_policy", "--flush-policy"), ("rotate_keys", "--rotate-keys"),
                ("rotate_values", "--rotate-values"), ("rotation_seed", "--rotation-seed"),
-               ("temperature", "--temperature"), ("top_p", "--top-p"), ("top_k", "--top-k"))
+               ("bits_budget", "--bits-budget"), ("temperature", "--temperature"), ("top_p", "--top-p"), ("top_k", "--top-k"))
 # Flags that only configure the KIVI cache; given explicitly with --method fp they are refused
 # (their defaults are not, so that `--method fp` alone works).
 _KIVI_ONLY_FLAGS = ("k_bits", "v_bits", "group_size", "residual_length", "flush_policy", "rotate_keys",
@@ -255,6 +325,8 @@ def kivi_config_from(args, parser) -> KIVIConfig:
     """The KIVIConfig the flags describe. KVQuant's flags (--pre-rope, --nuq, --sparse-outliers)
     configure the cache for --method kivi; --method fake applies them itself (eval ppl)."""
     method = getattr(args, "method", "kivi")
+    if args.preset:
+        _apply_preset(args, parser, method)
     kvquant = dict(pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers)
     if method == "kivi" and args.nuq:
         kvquant.update(_nuq_levels(args, parser))
@@ -266,7 +338,7 @@ def kivi_config_from(args, parser) -> KIVIConfig:
                             outlier_skip_layers=args.outlier_skip_layers, flush_policy=args.flush_policy,
                             rotate_keys=args.rotate_keys, rotate_values=args.rotate_values,
                             rotation_seed=args.rotation_seed, rotations=rotations,
-                            **(kvquant if method == "kivi" else {}))
+                            layer_bits=_layer_bits(args, parser, method), **(kvquant if method == "kivi" else {}))
     except ValueError as e:
         parser.error(flag_spelling(str(e)))
     if method == "fp" and getattr(args, "explicit", set()) & set(_KIVI_ONLY_FLAGS):
@@ -280,6 +352,17 @@ def kivi_config_from(args, parser) -> KIVIConfig:
         parser.error("--pre-rope / --nuq / --sparse-outliers are options of the KIVI cache (--method kivi) "
                      "or of fake quantization (--method fake), not of --method fp")
     return config
+
+
+def bits_report(patched_model, method: str, kivi_config, tokens: int) -> dict:
+    """--json's bits_per_element: stored bits per cached key/value element of one sequence of
+    `tokens` (the evaluated length) in the full-attention layers, fp16 scales, zeros and the fp
+    window counted (kivi_benchmarks.perplexity.cache_bits_per_element)."""
+    from kivi_benchmarks.perplexity import cache_bits_per_element
+
+    return dict(bits_per_element=cache_bits_per_element(patched_model, method, kivi_config if method == "kivi" else None,
+                                                        tokens),
+                bits_per_element_tokens=tokens)
 
 
 def device_and_dtype(args, parser) -> tuple[str, torch.dtype]:

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import torch
 
-from .args import fraction_arg, positive_int, usage_errors
+from .args import fraction_arg, positive_float, positive_int, usage_errors
 
 
 def add_calibrate_parser(sub) -> None:
-    c = sub.add_parser("calibrate", help="derive per-layer nuqX levels offline (KVQuant), Fisher-weighted k-means")
+    c = sub.add_parser("calibrate", help="derive per-layer nuqX levels (KVQuant), rotations and, under a "
+                                          "budget, per-layer bit widths offline")
     c.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     c.add_argument("--model", default="default")
     c.add_argument("--text", default=None, help="a text file (default: the pydoc corpus)")
@@ -29,6 +30,13 @@ def add_calibrate_parser(sub) -> None:
                    help="also fit per layer and KV head rotations (--rotate-keys/--rotate-values calibrated) "
                         "for this bit width (default 2)")
     c.add_argument("--no-rotations", action="store_true", help="fit the nuq levels only")
+    c.add_argument("--bits-budget", type=positive_float, default=None, metavar="BITS",
+                   help="also choose 2/3/4-bit widths per layer, keys and values apart, by their Fisher-weighted "
+                        "error (in the fitted rotations' basis), within BITS stored bits per key/value element "
+                        "(scales, zeros and the fp window counted, at --budget-tokens with --group-size and "
+                        "--residual-length); the cache takes them with --layer-bits FILE")
+    c.add_argument("--residual-length", type=positive_int, default=128, help="the fp window the budget counts")
+    c.add_argument("--budget-tokens", type=positive_int, default=4096, help="the sequence length the budget counts")
     c.set_defaults(func=cmd_calibrate, parser=c)
 
 
@@ -63,12 +71,19 @@ def cmd_calibrate(args, parser) -> int:
         result = run_calibration(model, tokenizer, text, bits_list=args.bits, group_size=args.group_size,
                                  window=args.window, windows=args.windows, model_name=name,
                                  pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers,
-                                 rotation_bits=None if args.no_rotations else args.rotation_bits, identity=identity)
+                                 rotation_bits=None if args.no_rotations else args.rotation_bits, identity=identity,
+                                 bits_budget=args.bits_budget, residual_length=args.residual_length,
+                                 budget_tokens=args.budget_tokens)
     write_levels_file(args.out, result)
     if "rotations" in result:
         for part, name in (("k", "keys"), ("v", "values")):
             kinds = Counter(h["kind"] for layer in result["rotations"]["layers"] for h in layer[part])
             print(f"rotations, {name} ({args.rotation_bits}-bit): " + ", ".join(f"{k} {n}" for k, n in kinds.most_common()))
+    if "layer_bits" in result:
+        section = result["layer_bits"]
+        kinds = Counter(f"K{k}V{v}" for (k, v), full in zip(section["layers"], section["full_attention"]) if full)
+        print(f"layer widths within {args.bits_budget} bits per element: {section['bits_per_element']} "
+              f"({', '.join(f'{k} {n}' for k, n in kinds.most_common())})")
     for bits, entry in result["bits"].items():
         k, v = entry["k_error_vs_uniform"], entry["v_error_vs_uniform"]
         print(f"nuq{bits}: Fisher-weighted error vs the uniform grid, mean over {len(k)} layers: "

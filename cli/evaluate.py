@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kivi_benchmarks import DEFAULT_OUT
 
-from .args import (add_model_arguments, check_weight_quant_modes, device_and_dtype, dumps_json, int_list,
+from .args import (add_model_arguments, bits_report, check_weight_quant_modes, device_and_dtype, dumps_json, int_list,
                    kivi_config_from, positive_int, seed_int, usage_errors)
 
 
@@ -97,7 +97,7 @@ def _load(args, parser, *, patched: bool, plain: bool):
 def cmd_ppl(args, parser) -> int:
     from kivi_models.corpus import load_text
 
-    from kivi_benchmarks.perplexity import FakeQuantConfig, cache_bits_per_element, cache_perplexity, fake_quant_perplexity
+    from kivi_benchmarks.perplexity import FakeQuantConfig, cache_perplexity, fake_quant_perplexity
 
     kivi_config = kivi_config_from(args, parser)
     try:
@@ -121,17 +121,17 @@ def cmd_ppl(args, parser) -> int:
                                        sparse_outliers=args.sparse_outliers, pre_rope=args.pre_rope)
         config = dict(spec.to_dict(), nuq=args.nuq, sparse_outliers=args.sparse_outliers, pre_rope=args.pre_rope)
         head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-        bits = spec.bits_per_element(head_dim)
+        bits = dict(bits_per_element=spec.bits_per_element(head_dim), bits_per_element_tokens=None)
     else:
         model, tokenizer = _load(args, parser, patched=True, plain=False)
         windows = _windows(tokenizer, text, args, parser)
         result = cache_perplexity(model, windows, method=args.method, kivi_config=kivi_config, chunk=args.chunk,
                                   batch_size=args.batch_size)
         config = kivi_config.to_record(args.nuq) if args.method == "kivi" else {}
-        bits = cache_bits_per_element(model, args.method, kivi_config if args.method == "kivi" else None)
+        bits = bits_report(model, args.method, kivi_config, args.window)
     report = dict(ppl=result.ppl, tokens=result.tokens, method=args.method, config=config, window=args.window,
                   windows=int(windows.shape[0]), chunk=args.chunk if args.method != "fake" else None,
-                  bits_per_element=bits, seconds=result.seconds)
+                  **bits, seconds=result.seconds)
     if args.json:
         print(dumps_json(report))
     else:
@@ -173,8 +173,10 @@ def cmd_passkey(args, parser) -> int:
     res = passkey_accuracy(model, tokenizer, lengths=args.lengths, trials=args.trials, method=args.method,
                            kivi_config=kivi_config, seed=args.seed)
     if args.json:
+        longest = max(args.lengths)
         print(dumps_json(dict(accuracy=res["accuracy"], method=args.method,
                               config=kivi_config.to_record(args.nuq) if args.method == "kivi" else {},
+                              **bits_report(model, args.method, kivi_config, longest),
                               trials=args.trials, details=res["details"], seconds=res["seconds"])))
     else:
         for length, acc in res["accuracy"].items():

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from .args import (add_model_arguments, add_prompt_arguments, add_sampling_arguments, check_memory,
+from .args import (add_model_arguments, add_prompt_arguments, add_sampling_arguments, bits_report, check_memory,
                    check_weight_quant_modes, device_and_dtype, dumps_json, encode, generation_report, kivi_config_from,
                    print_generations, read_prompts, usage_errors, warn_unused_sampling)
 from kivi_models.generate import SamplingConfig, compile_decode_step, decode_step, generate, make_cache
@@ -74,6 +74,7 @@ def cmd_generate(args, parser) -> int:
         "compile_s": result.compile_s,
         "cache_bytes": result.cache_bytes,
         "cache_bytes_by_kind": cache.nbytes_by_kind(),  # full-attention and sliding-window layers
+        **bits_report(model, args.method, kivi_config, max_seq_len),
         "fp16_cache_bytes": result.fp16_cache_bytes,
         "model_bytes": model_bytes,
         "tp_size": tp_size(model),  # cache_bytes and model_bytes are this rank's share
@@ -99,7 +100,9 @@ def cmd_generate(args, parser) -> int:
                       f" sparse={kivi_config.sparse_outliers:g}" if kivi_config.sparse_outliers else "",
                       f" rotate-keys={kivi_config.rotate_keys}" if kivi_config.rotate_keys != "none" else "",
                       f" rotate-values={kivi_config.rotate_values}" if kivi_config.rotate_values != "none" else ""])
-    label = (f"KIVI-{kivi_config.k_bits}/{kivi_config.v_bits} G={kivi_config.group_size} "
+    widths = ("per-layer widths " + ",".join(f"{k}/{v}" for k, v in kivi_config.layer_bits) if kivi_config.layer_bits
+              else f"KIVI-{kivi_config.k_bits}/{kivi_config.v_bits}")
+    label = (f"{widths} G={kivi_config.group_size} "
              f"R={kivi_config.residual_length}{extras}, {config['dtype']} scales and residual" if args.method == "kivi"
              else f"fp ({config['dtype']})")
     print(f"cache:   {result.cache_bytes / 2**20:.2f} MiB {label} vs {result.fp16_cache_bytes / 2**20:.2f} MiB "

@@ -159,7 +159,7 @@ def _check_kivi(kivi) -> Optional[str]:
     want = {f.name for f in fields(KIVIConfig)}
     # Artifacts written before flush_policy or the rotations existed ran their defaults (KIVI's
     # policy, no rotation).
-    later = {"flush_policy", "rotate_keys", "rotate_values", "rotation_seed", "rotations"}
+    later = {"flush_policy", "rotate_keys", "rotate_values", "rotation_seed", "rotations", "layer_bits"}
     if not want - later <= set(kivi) <= want:
         return f"an object with exactly the KIVIConfig fields {sorted(want)}"
     values = dict(kivi)
@@ -168,6 +168,10 @@ def _check_kivi(kivi) -> Optional[str]:
         if not isinstance(tables, list) or not all(isinstance(t, list) for t in tables):
             return f"a KIVIConfig ({name} must be a list of per-layer level lists)"
         values[name] = tuple(tuple(t) for t in tables)
+    widths = values.get("layer_bits", [])
+    if not isinstance(widths, list) or not all(isinstance(p, list) for p in widths):
+        return "a KIVIConfig (layer_bits must be a list of [k_bits, v_bits] pairs)"
+    values["layer_bits"] = tuple(tuple(p) for p in widths)
     # calibrated rotations are recorded as their file and digest (the program embeds the matrices)
     rotations = values.pop("rotations", None)
     if rotations is not None and not (isinstance(rotations, dict) and set(rotations) == {"file", "sha256"}

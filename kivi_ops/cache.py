@@ -212,9 +212,7 @@ class KIVICache(StaticCacheBase):
                 f"outlier_tokens={config.outlier_tokens} would apply to no layer: outlier_skip_layers="
                 f"{config.outlier_skip_layers} skips all {num_layers} (lower it or set outlier_tokens=0)"
             )
-        if config.has_nuq and (len(config.key_levels) != num_layers or len(config.value_levels) != num_layers):
-            raise ValueError(f"key_levels/value_levels must have one entry per layer ({num_layers}), "
-                             f"got {len(config.key_levels)} and {len(config.value_levels)}")
+        config.check_num_layers(num_layers)
         rope = None if rope_inv_freq is None else (rope_inv_freq, rope_scaling)
         dims = dict(batch_size=batch_size, max_seq_len=max_seq_len, num_kv_heads=num_kv_heads, head_dim=head_dim,
                     dtype=dtype, device=device)

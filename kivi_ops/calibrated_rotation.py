@@ -39,6 +39,29 @@ def model_identity(hf_config: dict, name: str) -> dict:
                 num_kv_heads=int(hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]))
 
 
+def read_section(path, field: str, fmt: str, identity: dict | None, *, flag: str, hint: str) -> dict:
+    """The calibration file's section `field` (format `fmt`), refused (ValueError naming the file
+    and the field) when it is missing or its model identity differs from `identity`
+    (model_identity; None skips the check)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{flag} {path}: cannot read a calibration file ({e})") from None
+    section = data.get(field) if isinstance(data, dict) else None
+    if not isinstance(section, dict) or section.get("format") != fmt:
+        raise ValueError(f"{flag} {path}: the field '{field}' (format {fmt!r}) is missing; re-create the file {hint}")
+    stored = section.get("model")
+    if not isinstance(stored, dict):
+        raise ValueError(f"{flag} {path}: the field '{field}.model' (the model's identity) is missing")
+    if identity is not None:
+        for key in ("head_dim", "num_layers", "num_kv_heads", "fingerprint"):
+            if stored.get(key) != identity[key]:
+                raise ValueError(f"{flag} {path}: {field}.model.{key} is {stored.get(key)!r} (calibrated for model "
+                                 f"{stored.get('name')!r}), but the model {identity['name']!r} has {identity[key]!r}; "
+                                 "calibrate this model with `kivi calibrate`")
+    return section
+
+
 def candidate_matrices(x: torch.Tensor) -> dict[str, torch.Tensor]:
     """The CANDIDATES for one head's calibration vectors x [..., D] (fp32 [D, D] each)."""
     D = x.shape[-1]
@@ -103,23 +126,9 @@ def load_rotations(path, identity: dict | None, *, keys: bool = True, flag: str 
     """The rotations of a `kivi calibrate` file, refused (ValueError naming the file and the field)
     when its model identity differs from `identity` (model_identity; None skips the check), or when
     `keys` are wanted and were fitted before RoPE (the cache rotates post-RoPE keys)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{flag} {path}: cannot read a calibration file ({e})") from None
-    section = data.get("rotations") if isinstance(data, dict) else None
-    if not isinstance(section, dict) or section.get("format") != FORMAT:
-        raise ValueError(f"{flag} {path}: the field 'rotations' (format {FORMAT!r}) is missing; re-create the file "
-                         "with `kivi calibrate` (which fits the rotations unless --no-rotations)")
-    stored = section.get("model")
-    if not isinstance(stored, dict):
-        raise ValueError(f"{flag} {path}: the field 'rotations.model' (the model's identity) is missing")
-    if identity is not None:
-        for key in ("head_dim", "num_layers", "num_kv_heads", "fingerprint"):
-            if stored.get(key) != identity[key]:
-                raise ValueError(f"{flag} {path}: rotations.model.{key} is {stored.get(key)!r} (calibrated for model "
-                                 f"{stored.get('name')!r}), but the model {identity['name']!r} has {identity[key]!r}; "
-                                 "calibrate this model with `kivi calibrate`")
+    section = read_section(path, "rotations", FORMAT, identity, flag=flag,
+                           hint="with `kivi calibrate` (which fits the rotations unless --no-rotations)")
+    stored = section["model"]
     if keys and section.get("keys_pre_rope"):
         raise ValueError(f"{flag} {path}: rotations.keys_pre_rope is true (calibrated with --pre-rope): its key "
                          "rotations fit pre-RoPE keys, the cache rotates post-RoPE ones; calibrate without --pre-rope")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from .rotation import CACHE_ROTATIONS, CalibratedRotations, check_rotation
@@ -65,6 +65,16 @@ def _check_level_tables(name: str, tables, bits: int) -> None:
             raise ValueError(f"{name}[{i}] must be {levels_rule(bits)} (for {bits}-bit codes), got {levels!r}")
 
 
+def _check_layer_bits(layer_bits, group_size: int) -> None:
+    if not isinstance(layer_bits, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in layer_bits):
+        raise ValueError(f"layer_bits must be a tuple of (k_bits, v_bits) pairs, one per layer (or () for "
+                         f"k_bits / v_bits everywhere), got {layer_bits!r}")
+    for i, (k, v) in enumerate(layer_bits):
+        for part, bits in (("k_bits", k), ("v_bits", v)):
+            check_bits(f"layer_bits[{i}] {part}", bits)
+            check_word_groups(f"layer_bits[{i}] {part}", bits, group_size)
+
+
 def check_axis(axis: str) -> None:
     if axis not in SUPPORTED_AXES:
         raise ValueError(f"axis must be one of {SUPPORTED_AXES}, got {axis!r}")
@@ -118,6 +128,11 @@ class KIVIConfig:
         the cache's bytes are unchanged (M is a per-layer constant).
     rotation_seed: the seed of the random matrix.
     rotations: the calibrated matrices (calibrated_rotation.load_rotations), with a "calibrated" kind only.
+
+    Per-layer widths (KVTuner), off by default:
+    layer_bits: one (k_bits, v_bits) pair per model layer (`kivi calibrate --bits-budget`), which
+        then replaces k_bits / v_bits layer by layer (for_layer); () keeps k_bits / v_bits everywhere.
+        Not with nuq levels (their tables are per bit width).
     """
 
     k_bits: int = 2
@@ -137,6 +152,7 @@ class KIVIConfig:
     rotate_values: str = "none"
     rotation_seed: int = 0
     rotations: Optional[CalibratedRotations] = None
+    layer_bits: tuple = ()
 
     def __post_init__(self) -> None:
         check_bits("k_bits", self.k_bits)
@@ -184,6 +200,10 @@ class KIVIConfig:
         if self.flush_policy == "ott" and self.sparse_outliers:
             raise ValueError("sparse_outliers is not supported with flush_policy='ott' (its key store is laid "
                              "out per R-token window of the kivi policy); use flush_policy='kivi'")
+        _check_layer_bits(self.layer_bits, self.group_size)
+        if self.layer_bits and self.has_nuq:
+            raise ValueError("layer_bits (per-layer widths) cannot be combined with nuq levels (key_levels / "
+                             "value_levels are calibrated per bit width): give one or the other")
         check_rotation("rotate_keys", self.rotate_keys, CACHE_ROTATIONS)
         check_rotation("rotate_values", self.rotate_values, CACHE_ROTATIONS)
         calibrated = "calibrated" in (self.rotate_keys, self.rotate_values)
@@ -199,6 +219,25 @@ class KIVIConfig:
             raise ValueError(f"rotate_keys={self.rotate_keys!r} is not supported with pre_rope=True: the attention "
                              "op applies RoPE to the dequantized keys, which does not commute with the rotation; "
                              "use rotate_keys='none' with pre_rope (rotate_values works with it)")
+
+    def for_layer(self, layer_idx: int) -> "KIVIConfig":
+        """The config one layer is built with: k_bits / v_bits from layer_bits[layer_idx] when
+        per-layer widths are given, else this config."""
+        if not self.layer_bits:
+            return self
+        if not 0 <= layer_idx < len(self.layer_bits):
+            raise ValueError(f"layer_bits holds {len(self.layer_bits)} layers, no layer {layer_idx}")
+        k, v = self.layer_bits[layer_idx]
+        return replace(self, k_bits=k, v_bits=v, layer_bits=())
+
+    def check_num_layers(self, num_layers: int) -> None:
+        """Per-layer settings (nuq levels, layer_bits) must have one entry per layer."""
+        if self.has_nuq and (len(self.key_levels) != num_layers or len(self.value_levels) != num_layers):
+            raise ValueError(f"key_levels/value_levels must have one entry per layer ({num_layers}), "
+                             f"got {len(self.key_levels)} and {len(self.value_levels)}")
+        if self.layer_bits and len(self.layer_bits) != num_layers:
+            raise ValueError(f"layer_bits must have one (k_bits, v_bits) pair per layer ({num_layers}), "
+                             f"got {len(self.layer_bits)}")
 
     @property
     def policy_id(self) -> int:

@@ -353,6 +353,7 @@ class KIVILayer(CacheLayer):
         device = resolve_device(device)
         super().__init__(batch_size=batch_size, max_seq_len=max_seq_len, num_kv_heads=num_kv_heads,
                          head_dim=head_dim, dtype=dtype, device=device)
+        config = config.for_layer(layer_idx)
         config.check_head_dim(head_dim)
         B, H, S, D = batch_size, num_kv_heads, max_seq_len, head_dim
         R, G = config.residual_length, config.group_size

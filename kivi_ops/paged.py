@@ -81,6 +81,7 @@ class PagedKIVILayer(CacheLayer):
                  device="cpu", block_table: Optional[torch.Tensor] = None,
                  rope: Optional[tuple[torch.Tensor, float]] = None, portable: bool = False):
         check_paged_config(config)
+        config = config.for_layer(layer_idx)
         for name, value in (("num_pages", num_pages), ("max_pages_per_seq", max_pages_per_seq)):
             _positive_int(name, value)
         _positive_int("page_size", page_size)
@@ -229,9 +230,7 @@ class PagedKIVICache(StaticCacheBase):
                  rope_scaling: float = 1.0, portable: bool = False):
         check_paged_config(config)
         _check_num_layers(num_layers)
-        if config.has_nuq and (len(config.key_levels) != num_layers or len(config.value_levels) != num_layers):
-            raise ValueError(f"key_levels/value_levels must have one entry per layer ({num_layers}), "
-                             f"got {len(config.key_levels)} and {len(config.value_levels)}")
+        config.check_num_layers(num_layers)
         _positive_int("batch_size", batch_size)
         _positive_int("max_pages_per_seq", max_pages_per_seq)
         device = resolve_device(device)

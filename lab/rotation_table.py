@@ -45,6 +45,9 @@ ROWS = [
     ("fake_kivi2_rotk", "fake 2-bit K per-channel, V per-token, rotated K", "per-token / fp8"),
     ("fake_kivi2_rotv", "fake 2-bit K per-channel, V per-token, rotated V", "per-token / fp8"),
     ("fake_kivi2_rotkv", "fake 2-bit K per-channel, V per-token, rotated K+V", "per-token / fp8"),
+    ("kivi2_g64r64", "KIVI-2 (G=64, R=64)", "per-layer widths"),
+    ("kivi2_g64r64_calrot", "KIVI-2 + calibrated rotation K+V (G=64, R=64)", "per-layer widths"),
+    ("preset_quality2bit", "--preset quality-2bit: calibrated K+V, per-layer 2/3-bit (G=64, R=64)", "per-layer widths"),
 ]
 
 
@@ -93,6 +96,7 @@ def _row_config(method: str, config: dict):
     if method == "fp":
         return None, None
     fields = {k: v for k, v in config.items() if k != "nuq"}
+    fields["layer_bits"] = tuple(tuple(p) for p in config.get("layer_bits", ()))  # JSON lists
     if config.get("rotations"):  # calibrated rotations, recorded as their file (kivi_ops/calibrated_rotation.py)
         from kivi_ops.calibrated_rotation import load_rotations
 
@@ -121,6 +125,8 @@ def main(argv=None) -> int:
     p.add_argument("--carry", default=None, metavar="FILE",
                    help="carry rows not run here from this committed table in benchmarks/results "
                         "(default: the SmolLM2 tables)")
+    p.add_argument("--only", type=lambda text: set(text.split(",")), default=None, metavar="STEM,...",
+                   help="only these rows (file stems) and the 16-bit baseline")
     args = p.parse_args(argv)
     committed = (args.carry,) if args.carry else COMMITTED
 
@@ -136,6 +142,8 @@ def main(argv=None) -> int:
     model = patch_model(load_model(args.model)[0])
     rows, missing, passkey = [], [], []
     for stem, name, group in ROWS:
+        if args.only is not None and stem not in args.only | {"fp"}:
+            continue
         path, pk = args.runs / f"{stem}.json", args.runs / f"pk_{stem}.json"
         if f"pk_{stem}" in ended and pk.exists():
             run = _last_json(pk)

@@ -14,10 +14,13 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from kivi_ops.calibrated_rotation import choose_rotations, rotations_section
+from kivi_ops.config import KIVIConfig
+from kivi_ops.layer_bits import check_budget, choose_widths, layer_bits_section, sensitivities
 from kivi_ops.nuq import calibrate_tables, levels_file
 from kivi_ops.rope import model_rope_tables, undo_rope
 
 from .loading import head_dim_of
+from .windows import layer_windows
 
 CALIB_ATTN = "kivi_calibrate"
 
@@ -86,10 +89,20 @@ def collect_kv_fisher(model, windows: torch.Tensor, *, batch_size: int = 2, pre_
 def run_calibration(model, tokenizer, text: str, *, bits_list, group_size: int, window: int, windows: int,
                     model_name: str, batch_size: int = 2, pre_rope: bool = False,
                     sparse_outliers: float = 0.0, rotation_bits: int | None = None,
-                    identity: dict | None = None) -> dict:
+                    identity: dict | None = None, bits_budget: float | None = None,
+                    residual_length: int = 128, budget_tokens: int = 4096) -> dict:
     """The levels file (nuq.levels_file) for `model`, from the last `windows` windows of `text`;
     rotation_bits: also the rotations chosen for that bit width ("rotations", with the model's
-    `identity`, calibrated_rotation.model_identity)."""
+    `identity`, calibrated_rotation.model_identity); bits_budget: also per-layer widths within that
+    many bits per element at budget_tokens with group_size and residual_length ("layer_bits",
+    kivi_ops/layer_bits.py), measured in the rotations' basis when they are fitted."""
+    if (rotation_bits is not None or bits_budget is not None) and identity is None:
+        raise ValueError("rotation_bits and bits_budget need the model's identity (calibrated_rotation.model_identity)")
+    budget_config = None
+    if bits_budget is not None:  # refused before the slow part
+        budget_config = KIVIConfig(group_size=group_size, residual_length=residual_length)
+        check_budget(budget_config, budget=bits_budget, tokens=budget_tokens, head_dim=head_dim_of(model.config),
+                     num_kv_heads=model.config.num_key_value_heads)
     start = time.perf_counter()
     win = calibration_windows(tokenizer, text, window=window, windows=windows)
     activations = collect_kv_fisher(model, win, batch_size=batch_size, pre_rope=pre_rope)
@@ -101,10 +114,17 @@ def run_calibration(model, tokenizer, text: str, *, bits_list, group_size: int, 
                        calibration=dict(corpus_part="last tokens", window=window, windows=windows,
                                         tokens=int(win.numel()), weighting="Fisher (squared loss gradient) x scale^2",
                                         seconds=round(time.perf_counter() - start, 1)))
+    chosen = None
     if rotation_bits is not None:
-        if identity is None:
-            raise ValueError("rotation_bits needs the model's identity (calibrated_rotation.model_identity)")
         chosen = choose_rotations(activations, bits=rotation_bits, group_size=group_size)
         data["rotations"] = rotations_section(chosen, identity, keys_pre_rope=pre_rope)
-        data["calibration"]["seconds"] = round(time.perf_counter() - start, 1)
+    if bits_budget is not None:
+        full = [w is None for w in layer_windows(model)]
+        sensitivity = sensitivities(activations, group_size=group_size, rotations=chosen)
+        dims = dict(tokens=budget_tokens, num_kv_heads=activations[0]["k"].shape[1], head_dim=head_dim_of(model.config))
+        widths, bits = choose_widths(sensitivity, full, budget_config, budget=bits_budget, **dims)
+        data["layer_bits"] = layer_bits_section(widths, sensitivity, identity, budget=bits_budget, bits_per_element=bits,
+                                                tokens=budget_tokens, config=budget_config, rotated=chosen is not None,
+                                                full=full)
+    data["calibration"]["seconds"] = round(time.perf_counter() - start, 1)
     return data
