@@ -31,6 +31,7 @@ STUDIES = {
     "gpu_profile_step": "GPU: the graph-replayed 7B-shape decode step's kernels, fp vs KIVI-2 (torch.profiler)",
     "gguf_truncate": "a GGUF model cut to its first N layers (a real-weight test model small enough to carry)",
     "rotation_table": "per-row `kivi eval ppl --json` runs (rotations, per-token / FP8 baselines) into one table + plot",
+    "serve_round_shape": "serve/ lines one paged request's rounds execute, and the files on its path (issue 51)",
     "prose_ratio": "docstring and comment lines as a share of a package's non-blank lines (kivi_ops, serve, models)",
     "gpu_wheels": "the wheels the GPU image lacks for lab/gpu_suite.sh (dependency closure minus the image's list)",
 }

@@ -266,46 +266,59 @@ class BlockManager:
 
 
 @dataclass
-class SchedulePlan:
-    """One scheduling round's decisions, to carry out in this order: save each preempted
-    sequence's pages (listed here, already returned to the pool) and row state to host memory;
-    load each resumed sequence into its new pages; prefill each admitted one into its pages.
-    Every sequence in `running` afterwards holds the pages for its next decode step."""
+class Decisions:
+    """One scheduling round's decisions (the engine's Plan is made of them, placement.py): the
+    preempted sequences with the pages they held (already back in the pool), the resumed and the
+    admitted ones, the row each of those takes or left, and the admitted ones that share a cached
+    prefix. Every running sequence holds the pages for its next decode step afterwards."""
 
     preempted: list[tuple[Hashable, list[int]]] = field(default_factory=list)
     resumed: list[Hashable] = field(default_factory=list)
     admitted: list[Hashable] = field(default_factory=list)
-    hits: dict[Hashable, CachedPrefix] = field(default_factory=dict)  # admitted sequences that share a cached prefix
+    hits: dict[Hashable, CachedPrefix] = field(default_factory=dict)
+    rows: dict[Hashable, int] = field(default_factory=dict)
 
 
 class Scheduler:
-    """running: admitted sequences in admission order (the last is the first to be preempted);
-    swapped: preempted ones, in admission order (the first comes back first). rows: how many
-    sequences may run at once (the cache's batch size)."""
+    """Who runs and who is swapped out, each stored once: rows[i] is the sequence row i serves (None:
+    free); running is derived from it in admission order (the last is the first to be preempted);
+    swapped holds the preempted ones in admission order (the first comes back first). rows: how
+    many sequences may run at once (the cache's batch size)."""
 
     def __init__(self, blocks: BlockManager, rows: int):
-        self.blocks, self.rows = blocks, rows
-        self.running: list[Hashable] = []
+        self.blocks = blocks
+        self.rows: list[Optional[Hashable]] = [None] * rows
         self.swapped: list[Hashable] = []
         self.order: dict[Hashable, int] = {}  # admission number
         self.admissions = 0
         self.preemptions = 0
 
+    @property
+    def running(self) -> list[Hashable]:
+        return sorted((s for s in self.rows if s is not None), key=lambda s: self.order.get(s, -1))
+
+    def _seat(self, seq: Hashable, plan: Decisions) -> None:
+        plan.rows[seq] = row = self.rows.index(None)
+        self.rows[row] = seq
+
     def schedule(self, waiting: collections.deque, tokens: Callable[[Hashable], int],
-                 prefix_keys: Optional[Callable[[Hashable], Sequence[bytes]]] = None) -> SchedulePlan:
+                 prefix_keys: Optional[Callable[[Hashable], Sequence[bytes]]] = None) -> Decisions:
         """Decide this round. tokens(seq): the tokens seq must hold after the next decode step (for
         a waiting request: its prompt plus the first decoded token). Admitted requests are popped
         from the left of `waiting` (FCFS). prefix_keys(seq) (prefix caching): the keys of the
         prefixes a waiting sequence may take from the cache; an admitted one that finds one shares
         its pages (plan.hits). Pages only cached prefixes hold are evicted (least recently used
         first) before anything is preempted or refused."""
-        plan, blocks = SchedulePlan(), self.blocks
+        plan, blocks = Decisions(), self.blocks
+        running = self.running
         # 1. Running sequences grow, oldest first; the most recent ones make room.
-        for seq in list(self.running):
-            if seq not in self.running:
+        for seq in list(running):
+            if seq not in running:
                 continue  # preempted for an older one this round
             while not blocks.reclaim(blocks.shortfall(seq, tokens(seq))):
-                victim = self.running.pop()
+                victim = running.pop()
+                plan.rows[victim] = row = self.rows.index(victim)
+                self.rows[row] = None
                 plan.preempted.append((victim, blocks.free(victim)))
                 self.swapped.append(victim)
                 self.preemptions += 1
@@ -317,13 +330,13 @@ class Scheduler:
         if plan.preempted:
             return plan  # the pool is short right now: bring nothing in this round
         # 2. Swapped sequences come back first (FCFS), 3. then new ones (FCFS), while rows and pages last.
-        while (self.swapped and len(self.running) < self.rows
+        while (self.swapped and None in self.rows
                and blocks.reclaim(blocks.shortfall(self.swapped[0], tokens(self.swapped[0])))):
             seq = self.swapped.pop(0)
             blocks.allocate(seq, tokens(seq))
-            self.running.append(seq)
+            self._seat(seq, plan)
             plan.resumed.append(seq)
-        while not self.swapped and waiting and len(self.running) < self.rows:
+        while not self.swapped and waiting and None in self.rows:
             seq = waiting[0]
             hit = blocks.lookup(prefix_keys(seq)) if prefix_keys is not None else None
             if hit is not None:
@@ -337,15 +350,14 @@ class Scheduler:
             blocks.allocate(seq, tokens(seq))
             self.order[seq] = self.admissions
             self.admissions += 1
-            self.running.append(seq)
+            self._seat(seq, plan)
             plan.admitted.append(seq)
-        self.running.sort(key=self.order.__getitem__)
         return plan
 
     def finish(self, seq: Hashable) -> None:
-        """seq ended (done, failed, cancelled), running or swapped: its pages go back at once."""
-        if seq in self.running:
-            self.running.remove(seq)
+        """seq ended (done, failed, cancelled), running or swapped: its row and pages go back at once."""
+        if seq in self.rows:
+            self.rows[self.rows.index(seq)] = None
         if seq in self.swapped:
             self.swapped.remove(seq)
         self.blocks.free(seq)

@@ -3,20 +3,21 @@
 Each row of the cache is a slot. One engine thread owns the model and the cache and loops, as
 nano-vllm's step does:
 
-1. schedule: the placement (placement.py: the queue, the rows, the block manager's scheduler)
-   plans the round, for both layouts: a paged cache's pages, or a static cache seen as one page
-   of max_seq_len tokens per row (runner.RowPages: admit while a row is free, never preempt).
-   Preempted requests are swapped out, swapped-out ones come back, waiting ones are admitted
-   (FIFO) into free rows;
-2. run (executor.py): each new prompt is prefilled alone in a batch-1 staging cache (exactly
-   `kivi generate`'s prefill: exact attention, then quantization) and copied into the request's
-   row and pages, so an admission costs the prompt alone, not a forward over every row; then one
-   decode step over the smallest decode bucket that holds the running rows, counts 1 for rows
-   with a request and 0 for free rows (nothing is stored for those), compiled once per bucket
-   with static shapes, so requests coming and going never recompile it;
-3. output (output.advance): each request samples its own token (its own temperature, top-p and
-   seeded generator), checks EOS, stop strings and max_tokens; a finished, stopped, failed or
-   cancelled request frees its row and pages at once (`EngineCore._end`).
+1. plan: the scheduler (placement.py: the queue, the rows, the block manager's scheduler) makes
+   the round's one frozen Plan (plan.py), for both layouts: a paged cache's pages, or a static
+   cache seen as one page of max_seq_len tokens per row (runner.RowPages: admit while a row is
+   free, never preempt). Preempted requests are swapped out, swapped-out ones come back, waiting
+   ones are admitted (FIFO) into free rows;
+2. execute (executor.py, runner.py): each new prompt is prefilled alone in a batch-1 staging
+   cache (exactly `kivi generate`'s prefill: exact attention, then quantization) and copied into
+   the request's row and pages, so an admission costs the prompt alone, not a forward over every
+   row; then one decode step over the smallest decode bucket that holds the rows, counts 1 for
+   rows with a token and 0 for the others (free rows, and rows prefilled this round: they decode
+   from the next one), compiled once per bucket with static shapes, so requests coming and going
+   never recompile it;
+3. update (Executor.update, output.advance): each request samples its own token (its own
+   temperature, top-p and seeded generator), checks EOS, stop strings and max_tokens; a finished,
+   stopped, failed or cancelled request frees its row and pages at once (`EngineCore._end`).
 
 Per-row lengths and statistics keep rows independent: a greedy completion equals `kivi generate`
 of the same prompt alone, whatever else shares the batch (with --prefix-caching, prompts of R
@@ -50,7 +51,7 @@ while it runs: mid-round it uses them outside the lock, so an abort from another
 recorded (`pending_abort`) and carried out there at the next safe point (`_end_aborted`).
 
 The engine decides; its runner (runner.py) is the only thing that touches the model and the
-cache. Under torchrun that runner also sends each action to the other ranks (tp.py); if they
+cache. Under torchrun that runner also sends each plan to the other ranks (tp.py); if they
 fail, the runner says so (`runner.failure`) and the engine ends every request with a 503 and
 refuses new ones.
 """
@@ -68,6 +69,7 @@ from .executor import Ended, Executor
 from .output import eos_token_set
 from .paged_options import PagedServing, engine_buckets, prefix_caching
 from .placement import Placement
+from .plan import Plan
 from .request import Failure, Request, RequestError
 from .runner import Runner
 from .watchdog import STALL_TIMEOUT, Watchdog, check_stall_timeout
@@ -100,8 +102,7 @@ class Engine:
         self.placement = Placement(self.runner.layout, slots, engine_buckets(paging, slots), prefix_chunk, max_prefixes,
                                    report_pages=self.runner.paged, max_prefix_bytes=max_prefix_bytes)
         self.lock = threading.Condition()
-        self.executor = Executor(self.runner, self.placement, self.lock, tokenizer,
-                                 eos_token_set(tokenizer, eos_token_ids))
+        self.executor = Executor(self.runner, self.placement, tokenizer, eos_token_set(tokenizer, eos_token_ids))
         self.drain_timer: Optional[threading.Timer] = None
         self.core = EngineCore(self.runner, self.placement, self.executor, self.lock, compile=compile)
         self.watchdog = Watchdog(self.core, self.placement, self.lock, stall_timeout)
@@ -307,7 +308,7 @@ class EngineCore:
         self.ready.set()
 
     def _round(self) -> bool:
-        """One round: schedule -> run -> output. False once the engine stops."""
+        """One round: plan -> execute -> update. False once the engine stops."""
         if self.runner.failure is not None:  # tensor parallelism: a rank died or fell out of step
             self._stop_serving(self.runner.failure, "tensor_parallel_failure")
             return False
@@ -320,45 +321,42 @@ class EngineCore:
                 self.progress_s = time.perf_counter()
             self._end_aborted()  # no step is running now: the rows, pages and host copies are ours
             if self.stopping:
+                self._drop(self.placement.take_dropped())
                 self.runner.close()
                 return False
             self._end_cancelled()
             plan = self.placement.plan()
         try:
             with torch.inference_mode():
-                self.executor.doing = "swapping preempted requests out"
-                self._end_all(self.executor.place(plan))
-                for slot in plan.admitted:
-                    if (r := self._still_admitted(slot)) is not None:
-                        self._end_all(self.executor.prefill(slot, r))
-                        self.progress_s = time.perf_counter()
-                self.executor.drop_evicted()
-                if self.placement.running():
-                    self._end_all(self.executor.decode())
-                self.executor.doing = "the end of the round (the runner's flush)"
-                self.runner.flush()
+                out = self.executor.execute(plan, self._go, self._progress)
+            with self.lock:
+                self._end_all(self.executor.update(plan, out))
+                self._drop(self.placement.take_dropped())  # the round's prefills are done: no one needs them
+            self.runner.doing = "the end of the round (the runner's flush)"
+            self.runner.flush()
         except Exception as e:  # the batched step failed: no single row owns it, so every row ends
             if self.runner.failure is None:  # else every request ends with a 503 (_stop_serving)
-                running, doing = [r for _, r in self.placement.running()], self.executor.doing
+                running, doing = [r for _, r in self.placement.running()], self.runner.doing
                 log.exception("%s failed; ending the %d running request(s)", doing, len(running))
                 failure = Failure(500, f"{doing} failed: {type(e).__name__}: {e}")
                 self._end_all([(r, failure) for r in running])
         self.progress_s = time.perf_counter()
         return True
 
-    def _still_admitted(self, slot: int) -> Optional[Request]:
-        """The request to prefill into `slot`, or None. A round may admit many prompts (seconds each
-        on a CPU), so between two prefills the engine heeds what came meanwhile: a pending abort
-        ends every request now, and a request cancelled (or every one, once close() was called)
-        leaves its row unprefilled; else close() would wait out the whole round and give up,
-        leaving this thread running torch code at interpreter exit."""
-        with self.lock:  # one look at the abort, close() and cancel: close() sets its abort and stopping together
-            self._end_aborted()  # between two runner calls: the rows and pages are ours
-            r = self.placement.rows[slot]
-            if r is not None and (r.cancelled or self.stopping):
-                self._end(r)
-                return None
-            return r
+    def _progress(self) -> None:
+        self.progress_s = time.perf_counter()
+
+    def _go(self, key: Optional[int]) -> bool:
+        """Whether to run the next prefill (of the request whose host key is `key`; None: the rest of
+        the round). A round may admit many prompts (seconds each on a CPU), so between two
+        prefills the engine heeds what came meanwhile: a pending abort or close() skips the rest
+        of the round, a cancelled request's prefill is skipped; else close() would wait out the
+        whole round and give up, leaving this thread running torch code at interpreter exit."""
+        with self.lock:
+            if self.stopping or self.pending_abort is not None:
+                return False
+            r = None if key is None else self.placement.find(key)
+            return key is None or (r is not None and not r.cancelled)
 
     def _stop_serving(self, failure: str, code: str) -> None:
         """The engine cannot serve any more: end every request with a 503 and refuse new ones
@@ -398,5 +396,10 @@ class EngineCore:
             r.emit("error", failure)
         self.placement.leave(r)
         if r.saved is not None:
-            self.runner.drop(r.key)
+            self._drop([r.key])
             r.saved = None
+
+    def _drop(self, keys: list[int]) -> None:
+        """Under the lock, on this thread: the runner forgets these host copies."""
+        if keys:
+            self.runner.execute(Plan(drops=tuple(keys)))

@@ -1,15 +1,12 @@
-"""Where each request of `kivi serve` sits: the one owner of placement.
+"""The scheduler of `kivi serve`: where each request sits, and each round's plan.
 
-A `Placement` holds the queue of waiting requests, the rows of the cache (which request each row
-serves), the block manager and its page scheduler (block_manager.py: pages, preemption, cached
-prefixes), the block table the runner reads, and the decode buckets. Each engine round asks it for a `StepPlan` (which rows lose
-their request to a preemption, which rows take a resumed or admitted one), then for the moves
-that keep the requests in the lowest rows, the block-table rows that changed, and the bucket the
-decode step runs over. It decides only: the runner (runner.py) moves the bytes.
-
-Both layouts are placed the same way: a paged cache's pages, or a static cache seen as one page
-of max_seq_len tokens per row (runner.RowPages: a request holds one page while it runs, so it is
-admitted while a row is free and never preempted; its block table is ignored by the runner).
+A `Placement` holds the queue of waiting requests and the block manager's page scheduler
+(block_manager.py: the rows, who is swapped out, pages, preemption, cached prefixes). Each engine
+round it makes one frozen `Plan` (plan.py): swaps, prefills, the moves that keep the requests in
+the lowest rows, the block-table rows that changed, and the decode step over the smallest bucket;
+the executor's update (executor.py) tells it what became of them. It decides only: the runner
+(runner.py) moves the bytes. A static cache is placed as one page of max_seq_len tokens per row
+(runner.RowPages: admitted while a row is free, never preempted).
 
 Not thread-safe: the engine calls it under its own lock.
 """
@@ -17,24 +14,11 @@ Not thread-safe: the engine calls it under its own lock.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-
 from .block_manager import BlockManager, CachedPrefix, Scheduler, prefix_keys
-from .request import Request, RequestError, context_error, prompt_count
-
-
-@dataclass
-class StepPlan:
-    """One round's placement, to carry out in this order: save each preempted request's row
-    state and pages (already back in the pool) under its key; load each resumed request into its
-    row; prefill each admitted one into its row."""
-
-    preempted: list[tuple[int, Request, list[int]]] = field(default_factory=list)  # (row, request, pages it held)
-    resumed: list[int] = field(default_factory=list)  # rows
-    admitted: list[int] = field(default_factory=list)  # rows
+from .plan import Plan, Prefill, Swap
+from .request import HOST_KEYS, Request, RequestError, context_error, prompt_count
 
 
 class Placement:
@@ -51,15 +35,18 @@ class Placement:
         self.report_pages = report_pages
         self.blocks = BlockManager(layout.num_pages, layout.max_pages_per_seq, layout.pages_needed,
                                    max_prefixes=max_prefixes, max_prefix_bytes=max_prefix_bytes)
-        # An evicted prefix's tail (a host copy the runner keeps under the prefix's key) is dropped
-        # after the round's prefills (take_evicted): a request admitted this round may still start from it.
-        self.evicted: list[int] = []
-        self.blocks.on_evict = lambda prefix: self.evicted.append(prefix.payload)
+        # Host keys to drop once no prefill of the round needs them (take_dropped): the tails of evicted
+        # prefixes (a request admitted this round may still start from one) and tails not kept.
+        self.dropped: list[int] = []
+        self.blocks.on_evict = lambda prefix: self.dropped.append(prefix.payload)
         self.scheduler = Scheduler(self.blocks, slots)
         self.waiting: collections.deque[Request] = collections.deque()  # FIFO, admitted by plan()
-        self.rows: list[Optional[Request]] = [None] * slots
-        self.table = torch.full((slots, layout.max_pages_per_seq), layout.num_pages, dtype=torch.int32)
-        self.table_rows: list[tuple[Optional[Request], int]] = [(None, 0)] * slots  # what table[row] holds
+        self.table_rows: list[tuple[Optional[Request], int]] = [(None, 0)] * slots  # what the runner's table[row] holds
+
+    @property
+    def rows(self) -> list[Optional[Request]]:
+        """The request each row serves (None: free): the scheduler's, stored once."""
+        return self.scheduler.rows
 
     # ---------------------------------------------------------------- what is where
 
@@ -88,6 +75,10 @@ class Placement:
     def idle(self) -> bool:
         """Nothing waits, runs or is swapped out."""
         return not self.waiting and not any(self.rows) and not self.scheduler.swapped
+
+    def find(self, key: int) -> Optional[Request]:
+        """The open request whose host key is `key`, else None (it ended)."""
+        return next((r for r in self.requests() if r.key == key), None)
 
     def queued_beyond_free_rows(self) -> int:
         """Waiting requests beyond the free rows they will take (what --max-waiting bounds)."""
@@ -141,35 +132,42 @@ class Placement:
 
     # ---------------------------------------------------------------- decisions
 
-    def plan(self) -> StepPlan:
-        """This round (block_manager.Scheduler): preempted requests leave their rows, resumed and
-        admitted ones (from the front of the queue) take free rows."""
+    def plan(self) -> Plan:
+        """This round: preempted requests leave their rows, resumed and admitted ones (from the front
+        of the queue) take the lowest free rows (block_manager.Scheduler); the requests are moved into
+        the lowest rows of the bucket their number needs; the running ones that have a token decode."""
         lookup = None
         if self.prefix_chunk is not None:  # a cached prefix must leave a token to prefill (its logits)
             lookup = lambda r: r.prefix_keys[:(len(r.prompt_ids) - 1) // self.prefix_chunk]  # noqa: E731
-        pages = self.scheduler.schedule(self.waiting, tokens_after_step, lookup)
-        for r, hit in pages.hits.items():
-            r.prefix_hit = hit
-        plan = StepPlan()
-        for r, held in pages.preempted:
-            slot = self.rows.index(r)
-            self._vacate(slot)
+        d = self.scheduler.schedule(self.waiting, tokens_after_step, lookup)
+        swap_out = []
+        for r, held in d.preempted:
+            self.table_rows[d.rows[r]] = (None, -1)  # it may come back here with other pages, as many
             r.preemptions += 1
-            plan.preempted.append((slot, r, held))
-        plan.resumed = [self._seat(r) for r in pages.resumed]
-        plan.admitted = [self._seat(r) for r in pages.admitted]
-        return plan
+            r.saved = len(held)
+            swap_out.append(Swap(d.rows[r], r.key, tuple(held)))
+        swap_in = [Swap(d.rows[r], r.key, tuple(self.saved_pages(r))) for r in d.resumed]
+        for r in d.resumed:
+            r.saved = None
+        prefills = tuple(self._prefill(d.rows[r], r, d.hits.get(r)) for r in d.admitted)
+        moves = self.compaction()
+        table = tuple(self.table_update()) if self.report_pages else ()
+        decode = ()
+        if any(r is not None and r.tokens for r in self.rows):
+            _, rows = self.decode_batch()
+            decode = tuple(r.tokens[-1] if r is not None and r.tokens else -1 for r in self.rows[:rows])
+        return Plan(tuple(swap_out), tuple(swap_in), prefills, tuple(self.take_dropped()), tuple(moves), table, decode)
 
-    def _seat(self, r: Request) -> int:
-        """r takes the lowest free row; returns it."""
-        slot = self.rows.index(None)
-        self.rows[slot] = r
-        return slot
-
-    def _vacate(self, slot: int) -> None:
-        """A preempted request leaves row `slot` (its pages are back in the pool already)."""
-        self.rows[slot] = None
-        self.table_rows[slot] = (None, -1)  # it may come back here with other pages, as many
+    def _prefill(self, row: int, r: Request, hit: Optional[CachedPrefix]) -> Prefill:
+        """r's prefill (--prefix-caching: from its cached prefix, keeping a tail at each chunk
+        boundary not cached yet, under new host keys)."""
+        pages = tuple(self.prompt_pages(r))
+        if self.prefix_chunk is None:
+            return Prefill(row, r.key, tuple(r.prompt_ids), pages)
+        start, shared, tail_key = (0, 0, -1) if hit is None else (hit.num_tokens, len(hit.pages), hit.payload)
+        boundaries = tuple(self.new_boundaries(r, start))
+        return Prefill(row, r.key, tuple(r.prompt_ids), pages, self.prefix_chunk, start, shared, tail_key, boundaries,
+                       tuple(next(HOST_KEYS) for _ in boundaries))
 
     def leave(self, r: Request) -> None:
         """r ends (finished, failed, cancelled), wherever it is: it leaves the queue, or its row and
@@ -178,9 +176,7 @@ class Placement:
             self.waiting.remove(r)
             return
         if r in self.rows:
-            slot = self.rows.index(r)
-            self.rows[slot] = None
-            self.table_rows[slot] = (None, -1)  # rewrite this table row before the next step
+            self.table_rows[self.rows.index(r)] = (None, -1)  # rewrite this table row before the next step
         self.scheduler.finish(r)
 
     def compaction(self) -> list[tuple[int, int]]:
@@ -196,19 +192,17 @@ class Placement:
             self.table_rows[src] = self.table_rows[dst] = (None, -1)
         return moves
 
-    def table_update(self) -> Optional[torch.Tensor]:
-        """The block table if a row's pages changed since the last call, else None. A request's
-        pages only grow while it holds its row, so (request, page count) names a row's content;
-        leaving a row (release, preemption, a move) marks it for a rewrite."""
-        changed = False
+    def table_update(self) -> list[tuple[int, tuple[int, ...]]]:
+        """The block-table rows whose pages changed since the last call: (row, its pages). A
+        request's pages only grow while it holds its row, so (request, page count) names a row's
+        content; leaving a row (release, preemption, a move) marks it for a rewrite."""
+        changed = []
         for slot, r in enumerate(self.rows):
             pages = self.blocks.tables.get(r, []) if r is not None else []
             if self.table_rows[slot] != (r, len(pages)):
-                self.table[slot].fill_(self.layout.num_pages)
-                self.table[slot, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
                 self.table_rows[slot] = (r, len(pages))
-                changed = True
-        return self.table if changed else None
+                changed.append((slot, tuple(pages)))
+        return changed
 
     def decode_batch(self) -> tuple[list[int], int]:
         """(the rows that hold a request, the bucket the decode step runs over)."""
@@ -238,17 +232,17 @@ class Placement:
         prefix = CachedPrefix(boundary, self.blocks.table(r)[:pages_final], key, nbytes)
         return self.blocks.cache_prefix(r.prefix_keys[boundary // self.prefix_chunk - 1], prefix)
 
-    def take_evicted(self) -> list[int]:
-        """The keys of the tails of the prefixes evicted since the last call."""
-        evicted, self.evicted = self.evicted, []
-        return evicted
+    def take_dropped(self) -> list[int]:
+        """The host keys to drop since the last call (evicted prefixes' tails, tails not kept)."""
+        dropped, self.dropped = self.dropped, []
+        return dropped
 
     def check(self) -> None:
         """Invariants (tests): the block manager's, and every running request holding one row."""
         self.blocks.check()
         running = [r for _, r in self.running()]
         assert len(running) == len(set(map(id, running))), "a request holds two rows"
-        assert set(map(id, running)) == set(map(id, self.scheduler.running)), (running, self.scheduler.running)
+        assert not set(map(id, running)) & set(map(id, self.scheduler.swapped)), "a request runs and is swapped out"
 
 
 def tokens_after_step(r: Request) -> int:

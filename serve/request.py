@@ -16,8 +16,6 @@ from typing import Callable, Optional
 
 import torch
 
-from .block_manager import CachedPrefix
-
 # Keys under which the runner keeps host copies (a swapped-out request's, a cached prefix's tail):
 # unique per process, and the same on every rank since only rank 0 draws them.
 HOST_KEYS = itertools.count()
@@ -84,5 +82,4 @@ class Request:
     preemptions: int = 0
     key: int = field(default_factory=lambda: next(HOST_KEYS))  # names its host copy to the runner (every rank)
     prefix_keys: list = field(default_factory=list)  # --prefix-caching: keys of its prompt's chunk boundaries
-    prefix_hit: Optional[CachedPrefix] = None  # --prefix-caching: the cached prefix it starts from (until prefilled)
 

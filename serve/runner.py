@@ -1,13 +1,6 @@
-"""The serve engine's hands: every action of `kivi serve` that touches the model or the cache.
-
-The engine (engine.py) decides (admissions, pages, preemptions, sampling); a Runner carries
-the decisions out on the cache. Keeping the model- and cache-touching actions behind this one
-narrow interface is what lets tensor parallelism replay them: under torchrun, rank 0's runner
-(tp.LeaderRunner) also sends each action to the other ranks, whose plain Runner repeats it
-on their own shard (tp.Worker). Every argument is therefore a plain int or a list of ints.
-
-A new cache action (as prefix caching's chunked prefill) is a new method here, called by the
-engine, plus one entry in tp.OPS so that workers repeat it.
+"""The serve engine's hands: the only thing of `kivi serve` that touches the model or the cache. It
+carries out one plan (plan.py) at a time, `execute`, through the primitive actions below; tensor
+parallelism sends each plan to the other ranks first, whose plain Runner executes it too (tp.py).
 """
 
 from __future__ import annotations
@@ -22,6 +15,7 @@ from kivi_ops.paged_io import copy_sequence, load_sequence, move_row, save_seque
 from kivi_ops.row_view import leading_rows
 
 from kivi_models.generate import compile_decode_step, decode_step, make_cache, make_paged_cache, prefill, prefill_chunked
+from .plan import Output, Plan
 from .prefix_cache import restore_prefix, save_tail
 
 
@@ -73,6 +67,54 @@ class Runner:
         self.step_fn = compile_decode_step(self.device) if compile else decode_step
         self.saved: dict[int, object] = {}  # key -> a swapped-out sequence's host copy or a cached prefix's tail (paged)
         self.views = {slots: self.cache}  # rows -> the paged cache's first rows (decode buckets), made once each
+        self.table = torch.full((slots, self.layout.max_pages_per_seq), self.layout.num_pages, dtype=torch.int32)
+        self.doing = "the round"  # what execute() is doing now: a failure no request owns is named by it
+
+    def execute(self, plan: Plan) -> Output:
+        """Carry out one plan in its order. A swap's or a prefill's failure is that request's
+        (Output.failures, its host copies dropped); any other raises."""
+        out = Output()
+        for s in plan.swap_out:
+            self.doing = "swapping preempted requests out"
+            self._isolated(out, s.key, self.save, s.row, list(s.pages), s.key)
+        for s in plan.swap_in:
+            self.doing = "swapping a request back in"
+            self._isolated(out, s.key, self.load, s.row, list(s.pages), s.key)
+        for p in plan.prefills:
+            self.doing = "a prefill"
+            if p.chunk:
+                logits = self._isolated(out, p.key, self.prefill_chunked, p.row, list(p.tokens), list(p.pages), p.chunk,
+                                        p.start, p.shared, p.tail_key, list(p.boundaries), list(p.tail_keys))
+            else:
+                logits = self._isolated(out, p.key, self.prefill, p.row, list(p.tokens), list(p.pages))
+            if logits is not None:
+                out.prefill_logits[p.row] = logits
+        self.doing = "dropping host copies"
+        for key in plan.drops:
+            self.drop(key)
+        self.doing = "moving requests into the lowest rows"
+        for src, dst in plan.moves:
+            self.move(src, dst)
+        self.doing = "writing the block table"
+        for row, pages in plan.table:
+            self.table[row].fill_(self.layout.num_pages)
+            self.table[row, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        if plan.table:
+            self.write_table(self.table)
+        if plan.decode:
+            self.doing = "the decode step"
+            out.decode_logits = self.decode(list(plan.decode))
+        if plan.stop_compiling:
+            self.stop_compiling()
+        return out
+
+    def _isolated(self, out: Output, key: int, action, *args):
+        try:
+            return action(*args)
+        except Exception as e:
+            self.drop(key)  # a swap's copy, half made or half read, is of no use
+            out.failures[key] = e
+            return None
 
     def prefill(self, slot: int, prompt_ids: list[int], pages: list[int]) -> torch.Tensor:
         """Prefill one prompt alone (exact attention, then quantization, as `kivi generate` does) and
@@ -161,7 +203,7 @@ class Runner:
         cpu_compiled.stop_compiling_on_this_thread()
 
     def flush(self) -> None:
-        """The end of an engine round (tensor parallelism: send what is queued, or a heartbeat)."""
+        """The end of an engine round (tensor parallelism: a heartbeat when due)."""
 
     def close(self) -> None:
         """The engine stops (tensor parallelism: stop the other ranks)."""

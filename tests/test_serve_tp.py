@@ -1,5 +1,5 @@
 """Tensor-parallel `kivi serve` in one process (the fast suite): the plan's encoding, and a worker
-replaying rank 0's plans. The leader's channel here is a loopback to an in-process Worker over its
+executing rank 0's plans. The leader's channel here is a loopback to an in-process Worker over its
 own Runner (the same tiny model, its own caches): after the engine has served requests (static
 rows; paged with preemptions), the worker's cache must equal rank 0's bit for bit, which is what
 makes the real ranks' shards line up. A channel that fails stands for a dead rank. The torchrun
@@ -18,68 +18,58 @@ from kivi_serve.engine import Engine
 from kivi_serve.paged_options import PagedServing
 from kivi_serve.request import Request, RequestError
 from kivi_serve.runner import Runner
-from kivi_serve.tp import (HEADER, OPS, PLAN, STOP, LeaderRunner, OutOfStep, StepBroadcast, Worker, decode_plan,
-                           encode_plan, signature)
+from kivi_serve.plan import Plan, Prefill, Swap
+from kivi_serve.tp import HEADER, PLAN, STOP, LeaderRunner, OutOfStep, Sent, Worker, decode_plan, encode_plan, signature
 from serve_fixtures import CONFIG, LENGTHS, MAX_SEQ_LEN, PROMPTS, complete_all, tiny  # noqa: F401 (fixture)
 
 
 # ---------------------------------------------------------------- the plan's encoding
 
 
-def test_a_plan_survives_encoding_and_a_decode_step_is_one_fixed_size_header():
-    records = (("save", (2, [7, 3, 9], 41)), ("load", (0, [1], 40)), ("drop", (39,)), ("table_row", (1, [5, 6])),
-               ("table_row", (3, [])), ("prefill", (1, [101, 5, 17, 2], [4, 8])),
-               ("prefill_chunked", (2, [101, 5, 17, 2, 9], [4, 8, 3], 4, 4, 1, 38, [], [])),
-               ("prefill_chunked", (0, [7] * 9, [2, 5, 6], 4, 0, 0, -1, [4, 8], [42, 43])), ("move", (3, 0)),
-               ("stop_compiling", ()))
-    assert {name for name, _ in records} == {op.name for op in OPS}  # every op
-    plan = StepBroadcast(PLAN, 12, records, tokens=(5, -1, 9, -1))
-    header, payload = encode_plan(plan, rows=4)
-    assert header.dtype == payload.dtype == torch.long and header.shape == (HEADER + 4,)
-    assert decode_plan(header, payload) == plan
-    # A pure decode step: the tokens ride in the header, the payload is empty (no second broadcast).
-    header, payload = encode_plan(StepBroadcast(PLAN, 13, tokens=(5, -1, 9, -1)), rows=4)
-    assert payload.numel() == 0 and header[HEADER:].tolist() == [5, -1, 9, -1]
-    assert decode_plan(header, payload) == StepBroadcast(PLAN, 13, (), (5, -1, 9, -1))
-    # A step over the first rows only (a decode bucket): the header keeps its size.
-    header, payload = encode_plan(StepBroadcast(PLAN, 13, tokens=(5, -1)), rows=4)
-    assert header.shape == (HEADER + 4,) and decode_plan(header, payload) == StepBroadcast(PLAN, 13, (), (5, -1))
-    stop = decode_plan(*encode_plan(StepBroadcast(STOP, 14), rows=4))
-    assert stop.kind == STOP and stop.tokens is None and stop.records == ()
+def test_a_plan_survives_encoding_and_a_decode_step_is_one_header_and_a_short_payload():
+    plan = Plan(swap_out=(Swap(2, 41, (7, 3, 9)),), swap_in=(Swap(0, 40, (1,)),),
+                prefills=(Prefill(1, 44, (101, 5, 17, 2), (4, 8)), Prefill(2, 45, (101, 5, 17, 2, 9), (4, 8, 3), 4, 4, 1, 38),
+                          Prefill(0, 46, (7,) * 9, (2, 5, 6), 4, 0, 0, -1, (4, 8), (42, 43))),
+                drops=(39,), moves=((3, 0),), table=((1, (5, 6)), (3, ())), decode=(5, -1, 9, -1), stop_compiling=True)
+    assert all(getattr(plan, f) for f in plan.__dataclass_fields__)  # every field
+    header, payload = encode_plan(Sent(PLAN, 12, plan))
+    assert header.dtype == payload.dtype == torch.long and header.shape == (HEADER,)
+    assert decode_plan(header, payload) == Sent(PLAN, 12, plan)
+    # A pure decode step: six counts, the tokens, the flag.
+    header, payload = encode_plan(Sent(PLAN, 13, Plan(decode=(5, -1, 9, -1))))
+    assert payload.tolist() == [0] * 6 + [4, 5, -1, 9, -1, 0]
+    assert decode_plan(header, payload) == Sent(PLAN, 13, Plan(decode=(5, -1, 9, -1)))
+    stop = decode_plan(*encode_plan(Sent(STOP, 14)))
+    assert stop.kind == STOP and stop.plan == Plan()
 
 
 def test_a_plan_that_is_not_one_is_refused():
-    header, payload = encode_plan(StepBroadcast(PLAN, 0, (("save", (0, [1, 2], 3)),)), rows=2)
+    header, payload = encode_plan(Sent(PLAN, 0, Plan(swap_out=(Swap(0, 3, (1, 2)),))))
     with pytest.raises(OutOfStep, match="not a plan header"):
         decode_plan(torch.zeros_like(header), payload)
-    with pytest.raises(OutOfStep, match="announces 6 payload ints, got 5"):
+    with pytest.raises(OutOfStep, match=f"announces {payload.numel()} payload ints, got {payload.numel() - 1}"):
         decode_plan(header, payload[:-1])
     bad = payload.clone()
-    bad[2] = 99  # the page list claims 99 ids
+    bad[3] = 99  # the page list claims 99 ids
     with pytest.raises(OutOfStep, match="runs past the end"):
         decode_plan(header, bad)
-    bad[0] = 77
-    with pytest.raises(OutOfStep, match="unknown op code 77"):
-        decode_plan(header, bad)
-    with pytest.raises(ValueError, match="one token per row it runs over \\(1 to 2\\), got 3"):
-        encode_plan(StepBroadcast(PLAN, 0, tokens=(1, 2, 3)), rows=2)
-    bad = header.clone()
-    bad[4] = 3  # a decode step over more rows than the header holds
-    with pytest.raises(OutOfStep, match="decode step over 3 rows, of 2"):
-        decode_plan(bad, payload)
+    longer, more = torch.cat([payload, torch.tensor([7])]), header.clone()
+    more[3] += 1
+    with pytest.raises(OutOfStep, match="1 payload ints past the plan's end"):
+        decode_plan(more, longer)
 
 
 # ---------------------------------------------------------------- a worker replaying rank 0's plans
 
 
 class Loopback:
-    """Rank 0's channel to one in-process worker: each plan is decoded and replayed at once, in the
+    """Rank 0's channel to one in-process worker: each plan is decoded and executed at once, in the
     sending thread (a model without tensor parallelism has no collectives to line up).
     fail_after: sending that many plans, the next raises as a dead peer's connection does."""
 
     def __init__(self, runner: Runner, fail_after=None):
         self.runner, self.worker, self.fail_after = runner, Worker(runner), fail_after
-        self.plans: list[StepBroadcast] = []
+        self.plans: list[Sent] = []
 
     def gather(self, row: torch.Tensor) -> torch.Tensor:
         return torch.stack([row, signature(self.runner)])
@@ -142,22 +132,23 @@ def test_a_worker_replaying_the_plans_holds_rank_0s_cache_bit_for_bit(tiny, meth
     assert engine.runner.saved == channel.runner.saved == {}
     assert stats["tp_size"] == 2 and stats["cache_bytes_by_rank"] == [engine.cache.nbytes()] * 2
     ops = collections_of(channel.plans)
-    assert ops["prefill"] == len(PROMPTS)
-    steps = [p for p in channel.plans if p.tokens is not None]
+    assert ops["prefills"] == len(PROMPTS)
+    steps = [s.plan for s in channel.plans if s.plan.decode]
     assert len(steps) >= max(LENGTHS) - 1
-    if paging is None:  # a decode step is one header, no payload (its tokens ride in the header)
-        assert not any(p.records for p in steps)
-    else:  # the records before a step are the pages' bookkeeping (a prefill is a plan of its own)
-        assert {name for p in steps for name, _ in p.records} <= {"save", "load", "drop", "table_row", "move"}
+    # a prefill is a plan of its own (the engine may stop between two); what rides with a step is
+    # the pages' bookkeeping
+    assert not any(p.prefills for p in steps)
+    if paging is None:  # a static cache has no block table
+        assert ops["table"] == 0
     if paging is not None:  # the small pools preempt: swaps and block table rows reached the worker
-        assert stats["preemptions"] > 0 and ops["save"] == ops["load"] == stats["preemptions"]
-        assert ops["table_row"] > 0
+        assert stats["preemptions"] > 0 and ops["swap_out"] == ops["swap_in"] == stats["preemptions"]
+        assert ops["table"] > 0
     if paging is not None and paging.decode_buckets:  # steps over the first 2 rows as well as all 4
-        assert {len(p.tokens) for p in steps} == {2, 4}, ops
+        assert {len(p.decode) for p in steps} == {2, 4}, ops
 
 
 def test_a_row_moved_down_and_a_step_over_the_first_rows_replay_on_the_worker(tiny):
-    """Runner.move (the engine keeps requests in the lowest rows) and a decode step over a bucket
+    """A row move (the engine keeps requests in the lowest rows) and a decode step over a bucket
     of rows reach the worker: both ranks' caches stay the same bit for bit."""
     pytest.importorskip("kivi_ops.paged")
     model, tokenizer = tiny
@@ -165,19 +156,14 @@ def test_a_row_moved_down_and_a_step_over_the_first_rows_replay_on_the_worker(ti
     channel = Loopback(Runner(model, **args))
     leader = LeaderRunner(model, channel=channel, timeout_s=60.0, **args)
     ids = tokenizer(" ".join(PROMPTS[:3]))["input_ids"]  # past the window: it holds pages
-    pages = list(range(leader.cache.pages_needed(len(ids) + 1)))
+    pages = tuple(range(leader.cache.pages_needed(len(ids) + 1)))
     assert pages
-    table = torch.full_like(leader.cache.block_table, leader.cache.num_pages, device="cpu")
-    table[3, :len(pages)] = torch.tensor(pages)
     with torch.inference_mode():
-        leader.write_table(table)
-        token = int(leader.prefill(3, ids, pages[:leader.cache.pages_needed(len(ids))]).argmax())
-        leader.move(3, 0)
-        table[0], table[3] = table[3].clone(), leader.cache.num_pages
-        leader.write_table(table)
-        leader.decode([token, -1])
-    assert [name for p in channel.plans for name, _ in p.records][-3:] == ["move", "table_row", "table_row"]
-    assert channel.plans[-1].tokens == (token, -1)
+        out = leader.execute(Plan(prefills=(Prefill(3, 0, tuple(ids), pages[:leader.cache.pages_needed(len(ids))]),),
+                                  table=((3, pages),)))
+        token = int(out.prefill_logits[3].argmax())
+        leader.execute(Plan(moves=((3, 0),), table=((0, pages), (3, ())), decode=(token, -1)))
+    assert channel.plans[-1].plan.moves == ((3, 0),) and channel.plans[-1].plan.decode == (token, -1)
     assert int(leader.cache.lengths()[0]) == len(ids) + 1
     assert_same_cache(leader, channel.runner)
 
@@ -197,7 +183,7 @@ def test_prefix_caching_replays_on_a_worker_with_its_own_tails(tiny):
     assert got == want
     assert stats["prefix_hits"] > 0 and engine.snapshot()["evictions"] > 0, stats
     ops = collections_of(channel.plans)
-    assert ops["prefill_chunked"] == len(prompts) and ops["prefill"] == 0
+    assert ops["prefills"] == ops["chunked"] == len(prompts)
     assert_same_cache(engine.runner, channel.runner)
     tails = {prefix.payload for prefix in engine.placement.blocks.prefixes.values()}
     assert engine.runner.saved.keys() == channel.runner.saved.keys() == tails  # evicted ones dropped on both
@@ -207,21 +193,23 @@ def test_prefix_caching_replays_on_a_worker_with_its_own_tails(tiny):
         assert all(torch.equal(ours.saved[k], theirs.saved[k]) for k in ours.saved)
 
 
-def collections_of(plans) -> dict:
-    counts = {op.name: 0 for op in OPS}
-    for plan in plans:
-        for name, _ in plan.records:
-            counts[name] += 1
+def collections_of(sent) -> dict:
+    """How many items of each Plan field the plans carried (chunked: the prefills in chunks)."""
+    counts = {name: 0 for name in ("swap_out", "swap_in", "prefills", "drops", "moves", "table")}
+    for s in sent:
+        for name in counts:
+            counts[name] += len(getattr(s.plan, name))
+    counts["chunked"] = sum(p.chunk > 0 for s in sent for p in s.plan.prefills)
     return counts
 
 
 def test_a_worker_refuses_a_plan_out_of_order(tiny):
     model, _ = tiny
     worker = Worker(Runner(model, method="fp", kivi_config=None, slots=2, max_seq_len=32))
-    assert worker.apply(StepBroadcast(PLAN, 0)) is True
+    assert worker.apply(Sent(PLAN, 0)) is True
     with pytest.raises(OutOfStep, match="expected plan 1, got plan 2"):
-        worker.apply(StepBroadcast(PLAN, 2))
-    assert worker.apply(StepBroadcast(STOP, 1)) is False
+        worker.apply(Sent(PLAN, 2))
+    assert worker.apply(Sent(STOP, 1)) is False
 
 
 def test_ranks_that_built_different_caches_are_refused_at_start(tiny):
@@ -237,20 +225,20 @@ def test_an_idle_leader_sends_heartbeats(tiny):
     engine, channel = tp_engine(tiny, "fp", slots=2, timeout_s=0.4)  # a heartbeat every 0.1 s
     try:
         deadline = start + 30
-        while sum(p.tokens is None for p in channel.plans) < 4 and time.monotonic() < deadline:
+        while sum(not s.plan.decode for s in channel.plans) < 5 and time.monotonic() < deadline:
             time.sleep(0.01)
         elapsed = time.monotonic() - start
         plans = list(channel.plans)
     finally:
         engine.close()
     # First the warm-up, one decode step per bucket; its end tells every rank to stop compiling, in the
-    # first plan after it (sent at once: something is queued); then heartbeats alone.
-    steps = [p for p in plans if p.tokens is not None]
+    # plan after it; then heartbeats alone.
+    steps = [s for s in plans if s.plan.decode]
     assert len(steps) == len(engine.placement.buckets) and plans[:len(steps)] == steps
     first, *beats = plans[len(steps):]
-    assert [name for name, _ in first.records] == ["stop_compiling"]
+    assert first.plan == Plan(stop_compiling=True)
     assert 3 <= len(beats) <= elapsed / 0.1 + 1, (len(beats), elapsed)  # not more often than every 0.1 s
-    assert all(p.kind == PLAN and p.tokens is None and not p.records for p in beats)
+    assert all(s.kind == PLAN and s.plan == Plan() for s in beats)
 
 
 def test_a_dead_rank_ends_open_requests_with_503_and_refuses_new_ones(tiny):
