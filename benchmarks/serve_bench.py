@@ -229,7 +229,7 @@ def window_metrics(requests: list, samples: list, phases: list, t0: float, t1: f
 
 def _time_phases(engine: Engine, phases: list) -> None:
     """Record (kind, start, end, n) for each of the engine's prefills (n: 1 prompt) and decode steps
-    (n: rows decoded), wrapping its executor's methods on this instance."""
+    (n: rows decoded), wrapping its runner's methods on this instance."""
     import functools
 
     def timed(kind, fn, count):
@@ -243,9 +243,10 @@ def _time_phases(engine: Engine, phases: list) -> None:
                 phases.append((kind, start, time.perf_counter(), n))
         return run
 
-    executor = engine.executor
-    executor.prefill = timed("prefill", executor.prefill, lambda slot, request: 1)
-    executor.decode = timed("decode", executor.decode, lambda: len(engine.placement.running()))
+    runner = engine.runner  # what a round's plan calls (serve/runner.py, Runner.execute)
+    runner.prefill = timed("prefill", runner.prefill, lambda *args: 1)
+    runner.prefill_chunked = timed("prefill", runner.prefill_chunked, lambda *args: 1)
+    runner.decode = timed("decode", runner.decode, lambda tokens: sum(t >= 0 for t in tokens))
 
 
 def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, requests: list, clients: int,

@@ -293,7 +293,8 @@ class KIVIConfig:
 
     def to_dict(self) -> dict:
         """The fields as JSON values; calibrated rotations as their file and digest (not the matrices)."""
-        return dict(asdict(self), rotations=self.rotations.record() if self.rotations is not None else None)
+        return dict(asdict(self), rotations=self.rotations.record() if self.rotations is not None else None,
+                    layer_bits=[list(p) for p in self.layer_bits])
 
     def to_record(self, nuq_source=None) -> dict:
         """to_dict for reports: the nuq levels named by their source (e.g. the calibration file)
