@@ -69,7 +69,7 @@ def _attend_bucketed(q, layer: LayerTensors, table: Tensor, params: QuantParams,
     Bg, M = table.shape
     pad, width = batch - Bg, 1 << (M - 1).bit_length()
     grow = lambda t: torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
-    table = torch.cat([table, table.new_zeros(Bg, width - M)], dim=1)
+    table = F.pad(table, (0, width - M))
     k_res, v_res = whole if whole is not None else (grow(layer.k_res), grow(layer.v_res))
     padded = layer._replace(k_res=k_res, v_res=v_res, lengths=grow(layer.lengths))
     o = run_attend(grow(q).contiguous(), padded, None, params, scale, pages=Paging(grow(table), page_size))
@@ -85,8 +85,7 @@ def _run(group, n, exact, query, key, value, out, pools, k_window, v_window, row
     # capacity S must not drop under R (the window's slot t % min(R, S) would move).
     M = max(-(-max(sl[b] for b in group) // pools.k_codes.shape[2]), -(-W // pools.k_codes.shape[2]))
     table = block_table[idx, :M]
-    if table.shape[1] < M:
-        table = torch.cat([table, table.new_zeros(len(group), M - table.shape[1])], dim=1)
+    table = F.pad(table, (0, M - table.shape[1]))
     lengths = torch.tensor([sl[b] - n for b in group], dtype=torch.long)
     first = int(slots[0])
     # Slots in a run (the usual case: requests take slots in batch order) are a view, written in place.

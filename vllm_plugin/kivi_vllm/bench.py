@@ -43,12 +43,14 @@ def _close(llm):
     gc.collect()
 
 
-def _block_bytes(llm, kivi) -> int:
+def _window_bytes(llm, kivi) -> int:
+    return 0 if kivi is None else window_pool_bytes(llm.llm_engine.vllm_config, KIVIConfig(**kivi))
+
+
+def _block_bytes(llm, windows: int) -> int:
     """Bytes of one block (all layers): the KV memory less the KIVI window pools, over the blocks."""
-    config = llm.llm_engine.vllm_config
     space = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30
-    windows = 0 if kivi is None else window_pool_bytes(config, KIVIConfig(**kivi))
-    return (space - windows) // config.cache_config.num_gpu_blocks
+    return (space - windows) // llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
 
 
 def _git_sha() -> str:
@@ -123,17 +125,14 @@ def main(argv=None):
     for name, kivi in caches.items():
         llm = _llm(model, kivi, max_model_len=4096, max_num_seqs=args.requests)
         blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
-        row = {"kv_tokens_at_space": blocks * 32, "bytes_per_block": _block_bytes(llm, kivi)}
+        window = _window_bytes(llm, kivi)
+        row = {"kv_tokens_at_space": blocks * 32, "bytes_per_block": _block_bytes(llm, window)}
         try:  # every request fits: the decode step at equal batch, memory not the limit
             warm_up(llm, prompts, args.output_tokens)
             row["unbounded"] = stream(llm, prompts, args.output_tokens)
-        except BaseException:
+        finally:
             _close(llm)
-            raise
-        block_bytes = row["bytes_per_block"]
-        window = 0 if kivi is None else window_pool_bytes(llm.llm_engine.vllm_config, KIVIConfig(**kivi))
-        _close(llm)
-        budget_blocks = ((args.budget_mib << 20) - window) // block_bytes
+        budget_blocks = ((args.budget_mib << 20) - window) // row["bytes_per_block"]
         if budget_blocks <= 0:
             raise SystemExit(f"--budget-mib {args.budget_mib} does not hold {name}'s window pools "
                              f"({window / 2**20:.1f} MiB): raise it")
