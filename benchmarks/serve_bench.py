@@ -47,6 +47,7 @@ import threading
 import time
 
 from kivi_models.generate import cache_bytes_per_sequence, make_paged_cache, paged_bytes
+from kivi_serve.config import ServeConfig
 from kivi_serve.engine import Engine
 from kivi_serve.paged_options import PagedServing
 from kivi_serve.request import Request
@@ -259,9 +260,10 @@ def run_stream(model, tokenizer, setup: dict, *, kivi_config, max_seq_len: int, 
         import torch
 
         torch._dynamo.reset()
-    engine = Engine(model, tokenizer, method=setup["method"], kivi_config=kivi_config, slots=setup["slots"],
-                    max_seq_len=max_seq_len, compile=compile, paging=setup["paging"], max_waiting=None,
-                    eos_token_ids=set())  # every request generates its drawn length
+    config = ServeConfig(method=setup["method"], kivi_config=kivi_config, slots=setup["slots"], max_seq_len=max_seq_len,
+                         compile=compile, paging=setup["paging"], max_waiting=None,
+                         eos_token_ids=set())  # every request generates its drawn length
+    engine = Engine(model, tokenizer, config)
     phases = []
     _time_phases(engine, phases)
     decoded_rows = []  # (time, rows) of each decode step (paged: the rows of its bucket)

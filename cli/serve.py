@@ -12,7 +12,8 @@ from .args import (add_model_arguments, check_memory, check_weight_quant_modes, 
                    kivi_config_from, non_negative_float, non_negative_int, positive_float, positive_int, positive_ints,
                    usage_errors)
 from kivi_models.loading import DEFAULT_MODEL, DEFAULT_NAME, load_model, log
-from kivi_serve.app import LOOPBACK_HOSTS, MAX_REQUEST_BYTES, Server, build_app
+from kivi_serve.app import LOOPBACK_HOSTS, Server, build_app
+from kivi_serve.config import MAX_REQUEST_BYTES, ServeConfig
 from kivi_serve.connections import (READ_TIMEOUT, TIMEOUT_KEEP_ALIVE, ConnectionLimits, check_connection_limits,
                                     uvicorn_config)
 from kivi_serve.watchdog import STALL_TIMEOUT
@@ -304,22 +305,24 @@ def serve(args, parser) -> int:
             with usage_errors(parser):  # before the ranks of torchrun start waiting on each other
                 check_prefix_caching(paging, page)
         check_memory(nbytes, device, what=f"the paged cache ({pages} pages, {slots} rows)")
-    runner_args = dict(method=args.method, kivi_config=kivi_config, slots=slots, max_seq_len=args.max_seq_len,
-                       paging=paging, compile=args.compile)
+    name = args.served_model_name or (DEFAULT_NAME if args.model == DEFAULT_MODEL
+                                      else args.model.rstrip("/").split("/")[-1])
+    with usage_errors(parser):
+        config = ServeConfig(method=args.method, kivi_config=kivi_config, slots=slots, max_seq_len=args.max_seq_len,
+                             paging=paging, compile=args.compile, max_waiting=args.max_waiting,
+                             request_timeout=args.request_timeout, stall_timeout=args.stall_timeout,
+                             served_model_name=name, max_request_bytes=args.max_request_bytes, api_key=api_key,
+                             allowed_hosts=allowed_hosts, docs=args.docs)
     if channel is not None:
         if not is_main_process():
             with usage_errors(parser):
-                runner = Runner(model, **runner_args)
+                runner = Runner(model, **config.runner_options())
             return serve_tp.run_worker(runner, channel)
         make_runner = functools.partial(serve_tp.LeaderRunner, channel=channel, timeout_s=args.tp_timeout)
     with usage_errors(parser):
-        engine = Engine(model, tokenizer, **runner_args, max_waiting=args.max_waiting,
-                        request_timeout=args.request_timeout, make_runner=make_runner,
-                        stall_timeout=args.stall_timeout)
+        engine = Engine(model, tokenizer, config, make_runner=make_runner)
     try:  # from here the engine thread runs (its warm-up first): however serving ends, it stops
         share = f" per rank ({world_size()} ranks, each its own KV heads)" if channel is not None else ""
-        name = args.served_model_name or (DEFAULT_NAME if args.model == DEFAULT_MODEL
-                                          else args.model.rstrip("/").split("/")[-1])
         if paging is None:
             log(f"{slots} slots x {args.max_seq_len} tokens, {nbytes / 2**20:.1f} MiB of {args.method} cache{share} "
                 f"(an fp16 cache would hold {fp16_slots} slots in the same bytes)")
@@ -335,9 +338,7 @@ def serve(args, parser) -> int:
                    f"most" if paging.prefix_chunk else "")
                 + f"; decode steps over {', '.join(map(str, engine.placement.buckets))} rows")
         log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API; /health, /metrics)")
-        app = build_app(engine, name, max_request_bytes=args.max_request_bytes, api_key=api_key, docs=args.docs,
-                        allowed_hosts=allowed_hosts)
-        server = Server(uvicorn_config(app, host=args.host, port=args.port, limits=limits), engine,
+        server = Server(uvicorn_config(build_app(engine), host=args.host, port=args.port, limits=limits), engine,
                         shutdown_timeout=args.shutdown_timeout)
         server.run()
     finally:

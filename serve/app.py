@@ -15,10 +15,11 @@ import asyncio
 import hmac
 import json
 import time
-from typing import Annotated, Literal, Optional, Union
+from dataclasses import dataclass
+from typing import Annotated, Callable, Literal, Optional, Union
 
 import uvicorn
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import APIRouter, FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -26,6 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .config import ServeConfig
 from .engine import Engine, log
 from .request import Failure, Request, RequestError
 
@@ -146,7 +148,6 @@ def failed(failure: Failure, request_id: str) -> JSONResponse:
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-MAX_REQUEST_BYTES = 1 << 20  # 1 MiB of JSON: far more text than a 2048-token context holds
 # An announced oversize body is read and dropped up to this many bytes before its 413 is sent:
 # a client that sends its whole body before reading (urllib) would otherwise get a reset connection.
 DISCARD_BYTES = 64 << 20
@@ -229,247 +230,287 @@ def too_large(limit: int) -> JSONResponse:
     return error(413, f"the request body exceeds {limit} bytes (--max-request-bytes)", code="request_too_large")
 
 
-def build_app(engine: Engine, model_name: str, *, max_request_bytes: int = MAX_REQUEST_BYTES,
-              api_key: Optional[str] = None, allowed_hosts: Optional[tuple[str, ...]] = None,
-              docs: bool = False) -> Guard:
-    """The ASGI app over `engine`: a Guard (host, key, body size) around the FastAPI app. A body
-    over max_request_bytes is refused with 413 before or while it is read. docs: serve /docs and
-    /openapi.json (off: they describe the server to anyone who asks)."""
-    app = FastAPI(title="kivi serve", max_body_size=max_request_bytes, docs_url="/docs" if docs else None,
-                  redoc_url=None, openapi_url="/openapi.json" if docs else None)
-    tokenizer = engine.tokenizer
+def longest_token_bytes(tokenizer) -> int:
+    """The UTF-8 bytes of the tokenizer's longest vocabulary entry. No token spells more (byte-level
+    BPE and SentencePiece entries are at least as long as the text they stand for), so a text of b
+    bytes is at least b / longest tokens: a prompt that long is refused before it is tokenized."""
+    return max(len(token.encode("utf-8", "replace")) for token in tokenizer.get_vocab())
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: HTTPRequest, exc: RequestValidationError):
-        # The deepest error: for a union field (prompt: a string or a list) the branch that got furthest.
-        first = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
-        if first.get("type") == "json_invalid":
-            return error(400, "the request body is not valid JSON", code="invalid_json")
-        where = ".".join(str(p) for p in first.get("loc", ())[1:] if _field_or_index(p)) or None
-        message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-        return error(400, f"{where}: {message}" if where else message, param=where, code="invalid_value")
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: HTTPRequest, exc: StarletteHTTPException):  # 404 route, 405 method, ...
-        if exc.status_code == 413:
-            return too_large(max_request_bytes)
-        if exc.status_code == 400:  # FastAPI's body parser failed: not UTF-8, or JSON nested too deep to parse
-            return error(400, "the request body is not valid JSON (UTF-8 text, not nested too deeply)",
-                         code="invalid_json")
-        return error(exc.status_code, str(exc.detail), headers=exc.headers,
-                     code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
+def build_app(engine: Engine, config: Optional[ServeConfig] = None) -> Guard:
+    """The ASGI app over `engine`: a Guard (host, key, body size) around a FastAPI app serving the
+    router, with the engine, the config and the tokenizer on app.state. config: the app's settings
+    (served_model_name, max_request_bytes, api_key, allowed_hosts, docs); the engine's own unless
+    given. docs off: /docs and /openapi.json would describe the server to anyone who asks."""
+    config = engine.config if config is None else config
+    app = FastAPI(title="kivi serve", max_body_size=config.max_request_bytes,
+                  docs_url="/docs" if config.docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if config.docs else None)
+    app.state.engine, app.state.config, app.state.tokenizer = engine, config, engine.tokenizer
+    app.state.longest_token = longest_token_bytes(engine.tokenizer)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, crashed)
+    app.include_router(router)
+    return Guard(app, max_request_bytes=config.max_request_bytes, api_key=config.api_key,
+                 allowed_hosts=config.allowed_hosts)
 
-    @app.exception_handler(Exception)
-    async def crashed(request: HTTPRequest, exc: Exception):  # a bug: still OpenAI's shape, and logged
-        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return error(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
-    @app.get("/health")
-    async def health():
-        # 503 while it warms up (until the decode step has run over each bucket), while no step completes
-        # (the watchdog), or once it cannot serve: a tensor-parallel rank died, or the engine thread failed
-        if (unhealthy := engine.health_error()) is not None:
-            return error(unhealthy.status, str(unhealthy), code=unhealthy.code)
-        return {"status": "ok"}
+async def invalid(request: HTTPRequest, exc: RequestValidationError):
+    # The deepest error: for a union field (prompt: a string or a list) the branch that got furthest.
+    first = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
+    if first.get("type") == "json_invalid":
+        return error(400, "the request body is not valid JSON", code="invalid_json")
+    where = ".".join(str(p) for p in first.get("loc", ())[1:] if _field_or_index(p)) or None
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return error(400, f"{where}: {message}" if where else message, param=where, code="invalid_value")
 
-    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "kivi"}
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card]}
+async def http_error(request: HTTPRequest, exc: StarletteHTTPException):  # 404 route, 405 method, ...
+    if exc.status_code == 413:
+        return too_large(request.app.state.config.max_request_bytes)
+    if exc.status_code == 400:  # FastAPI's body parser failed: not UTF-8, or JSON nested too deep to parse
+        return error(400, "the request body is not valid JSON (UTF-8 text, not nested too deeply)",
+                     code="invalid_json")
+    return error(exc.status_code, str(exc.detail), headers=exc.headers,
+                 code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
 
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):  # OpenAI's retrieve (client.models.retrieve)
-        return check_model(model_id) or model_card
 
-    @app.get("/metrics")
-    async def metrics():
-        s = engine.stats()
-        lines = []
-        for name, kind, help_text, value in (
-            ("kivi_requests_running", "gauge", "requests holding a cache slot", s["running"]),
-            ("kivi_requests_waiting", "gauge", "requests queued for a slot (FIFO)", s["waiting"]),
-            ("kivi_cache_slots_used", "gauge", "cache rows in use", s["slots_used"]),
-            ("kivi_cache_slots_free", "gauge", "cache rows free", s["slots_free"]),
-            ("kivi_decode_rows", "gauge", "rows the last decode step ran over (--paged: the smallest decode bucket "
-             "holding the running requests)", s["decode_rows"]),
-            ("kivi_cache_bytes", "gauge", "bytes held by the cache (every rank's together)", s["cache_bytes"]),
-            ("kivi_tp_size", "gauge", "tensor-parallel ranks (torchrun processes) serving the model", s["tp_size"]),
-            ("kivi_engine_stalled", "gauge", "1 while the engine has completed no step for --stall-timeout seconds with "
-             "requests open (/health answers 503 engine_stalled), else 0", s["stalled"]),
-            ("kivi_generated_tokens_total", "counter", "tokens generated since start", s["generated_tokens"]),
-            ("kivi_tokens_per_second", "gauge", "generated tokens per second since start", s["tokens_per_s"]),
-            *((("kivi_cache_pages_used", "gauge", "pages of the pool held by sequences or cached prefixes (--paged)",
-                s["pages_used"]),
-               ("kivi_cache_pages_free", "gauge", "pages of the pool free (--paged)", s["pages_free"]),
-               ("kivi_cache_pages_shared", "gauge", "pages held by more than one sequence (--paged)", s["pages_shared"]),
-               ("kivi_requests_swapped", "gauge", "preempted requests waiting in host memory (--paged)", s["swapped"]),
-               ("kivi_preemptions_total", "counter", "requests preempted (swapped out) since start (--paged)",
-                s["preemptions"])) if "pages_used" in s else ()),
-            *((("kivi_cache_pages_cached", "gauge", "pages held by cached prefixes (--prefix-caching; reclaimable "
-                "unless a sequence holds them too)", s["pages_cached"]),
-               ("kivi_prefixes_cached", "gauge", "cached prefixes (--prefix-caching)", s["prefixes_cached"]),
-               ("kivi_prefix_cache_bytes", "gauge", "host bytes the cached prefixes' tails hold (--prefix-caching; "
-                "at most --prefix-cache-gib)", s["prefix_bytes"]),
-               ("kivi_prefix_hits_total", "counter", "requests that started from a cached prefix (--prefix-caching)",
-                s["prefix_hits"]),
-               ("kivi_prefix_hit_tokens_total", "counter", "prompt tokens taken from cached prefixes, not prefilled "
-                "(--prefix-caching)", s["prefix_hit_tokens"])) if "pages_cached" in s else ()),
-        ):
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
-        lines += ["# HELP kivi_cache_rank_bytes bytes of the cache each rank holds (its KV heads)",
-                  "# TYPE kivi_cache_rank_bytes gauge",
-                  *(f'kivi_cache_rank_bytes{{rank="{rank}"}} {b}' for rank, b in enumerate(s["cache_bytes_by_rank"]))]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+async def crashed(request: HTTPRequest, exc: Exception):  # a bug: still OpenAI's shape, and logged
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
-    def check_model(name: str) -> Optional[JSONResponse]:
-        if name != model_name:
-            return error(404, f"the model {shortened(name)} does not exist; this server serves {model_name!r}",
-                         param="model", code="model_not_found")
-        return None
 
-    # No token of this tokenizer spells more UTF-8 bytes than its longest vocabulary entry (byte-level
-    # BPE and SentencePiece entries are at least as long as the text they stand for), so a text of
-    # b bytes is at least b / longest tokens: a prompt that long is refused before it is tokenized.
-    longest_token = max(len(token.encode("utf-8", "replace")) for token in tokenizer.get_vocab())
+router = APIRouter()
 
-    def refused_early(texts: list[str], body) -> Optional[JSONResponse]:
-        """The refusals known before tokenizing: the server is full or stopping, or the text is too
-        long for a slot whatever its tokens."""
-        at_least = -(-sum(len(t.encode("utf-8")) for t in texts) // longest_token)
-        refused = engine.admission_error() or engine.capacity_error(at_least, body.max_tokens, at_least=True)
-        return refused and refusal(refused, chat=isinstance(body, ChatBody))
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody, http: HTTPRequest):
-        if (bad := check_model(body.model)) is not None:
-            return bad
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        if len(prompts) != 1:
-            return error(400, "prompt: give one prompt per request", param="prompt", code="invalid_value")
-        if (bad := refused_early(prompts, body)) is not None:
-            return bad
-        ids = await run_in_threadpool(lambda: tokenizer(prompts[0])["input_ids"])  # off the event loop
-        return await respond(body, ids, http, chat=False)
+@router.get("/health")
+async def health(http: HTTPRequest):
+    # 503 while it warms up (until the decode step has run over each bucket), while no step completes
+    # (the watchdog), or once it cannot serve: a tensor-parallel rank died, or the engine thread failed
+    if (unhealthy := http.app.state.engine.health_error()) is not None:
+        return error(unhealthy.status, str(unhealthy), code=unhealthy.code)
+    return {"status": "ok"}
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody, http: HTTPRequest):
-        if (bad := check_model(body.model)) is not None:
-            return bad
-        messages = [m.model_dump() for m in body.messages]
-        if (bad := refused_early([m["content"] for m in messages], body)) is not None:
-            return bad
-        ids = await run_in_threadpool(lambda: tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False))
-        return await respond(body, ids, http, chat=True)
 
-    async def respond(body, ids: list[int], http: HTTPRequest, *, chat: bool):
-        if body.stream_options is not None and not body.stream:  # as OpenAI answers
-            return error(400, "stream_options: only allowed when stream is true", param="stream_options",
-                         code="invalid_value")
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        def emit(kind, payload):  # called from the engine thread
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
-            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-                pass
+def model_card(config: ServeConfig) -> dict:
+    return {"id": config.served_model_name, "object": "model", "created": 0, "owned_by": "kivi"}
 
-        request = Request(prompt_ids=ids, max_tokens=body.max_tokens, temperature=body.temperature,
-                          top_p=body.top_p, seed=body.seed, stop=[s for s in stop if s], emit=emit)
+
+@router.get("/v1/models")
+async def models(http: HTTPRequest):
+    return {"object": "list", "data": [model_card(http.app.state.config)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, http: HTTPRequest):  # OpenAI's retrieve (client.models.retrieve)
+    config = http.app.state.config
+    return check_model(model_id, config) or model_card(config)
+
+
+@router.get("/metrics")
+async def metrics(http: HTTPRequest):
+    s = http.app.state.engine.stats()
+    lines = []
+    for name, kind, help_text, value in (
+        ("kivi_requests_running", "gauge", "requests holding a cache slot", s["running"]),
+        ("kivi_requests_waiting", "gauge", "requests queued for a slot (FIFO)", s["waiting"]),
+        ("kivi_cache_slots_used", "gauge", "cache rows in use", s["slots_used"]),
+        ("kivi_cache_slots_free", "gauge", "cache rows free", s["slots_free"]),
+        ("kivi_decode_rows", "gauge", "rows the last decode step ran over (--paged: the smallest decode bucket "
+         "holding the running requests)", s["decode_rows"]),
+        ("kivi_cache_bytes", "gauge", "bytes held by the cache (every rank's together)", s["cache_bytes"]),
+        ("kivi_tp_size", "gauge", "tensor-parallel ranks (torchrun processes) serving the model", s["tp_size"]),
+        ("kivi_engine_stalled", "gauge", "1 while the engine has completed no step for --stall-timeout seconds with "
+         "requests open (/health answers 503 engine_stalled), else 0", s["stalled"]),
+        ("kivi_generated_tokens_total", "counter", "tokens generated since start", s["generated_tokens"]),
+        ("kivi_tokens_per_second", "gauge", "generated tokens per second since start", s["tokens_per_s"]),
+        *((("kivi_cache_pages_used", "gauge", "pages of the pool held by sequences or cached prefixes (--paged)",
+            s["pages_used"]),
+           ("kivi_cache_pages_free", "gauge", "pages of the pool free (--paged)", s["pages_free"]),
+           ("kivi_cache_pages_shared", "gauge", "pages held by more than one sequence (--paged)", s["pages_shared"]),
+           ("kivi_requests_swapped", "gauge", "preempted requests waiting in host memory (--paged)", s["swapped"]),
+           ("kivi_preemptions_total", "counter", "requests preempted (swapped out) since start (--paged)",
+            s["preemptions"])) if "pages_used" in s else ()),
+        *((("kivi_cache_pages_cached", "gauge", "pages held by cached prefixes (--prefix-caching; reclaimable "
+            "unless a sequence holds them too)", s["pages_cached"]),
+           ("kivi_prefixes_cached", "gauge", "cached prefixes (--prefix-caching)", s["prefixes_cached"]),
+           ("kivi_prefix_cache_bytes", "gauge", "host bytes the cached prefixes' tails hold (--prefix-caching; "
+            "at most --prefix-cache-gib)", s["prefix_bytes"]),
+           ("kivi_prefix_hits_total", "counter", "requests that started from a cached prefix (--prefix-caching)",
+            s["prefix_hits"]),
+           ("kivi_prefix_hit_tokens_total", "counter", "prompt tokens taken from cached prefixes, not prefilled "
+            "(--prefix-caching)", s["prefix_hit_tokens"])) if "pages_cached" in s else ()),
+    ):
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    lines += ["# HELP kivi_cache_rank_bytes bytes of the cache each rank holds (its KV heads)",
+              "# TYPE kivi_cache_rank_bytes gauge",
+              *(f'kivi_cache_rank_bytes{{rank="{rank}"}} {b}' for rank, b in enumerate(s["cache_bytes_by_rank"]))]
+    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+def check_model(name: str, config: ServeConfig) -> Optional[JSONResponse]:
+    if name != config.served_model_name:
+        return error(404, f"the model {shortened(name)} does not exist; this server serves "
+                          f"{config.served_model_name!r}", param="model", code="model_not_found")
+    return None
+
+
+def refused_early(texts: list[str], body, http: HTTPRequest) -> Optional[JSONResponse]:
+    """The refusals known before tokenizing: the server is full or stopping, or the text is too
+    long for a slot whatever its tokens (longest_token_bytes)."""
+    engine, state = http.app.state.engine, http.app.state
+    at_least = -(-sum(len(t.encode("utf-8")) for t in texts) // state.longest_token)
+    refused = engine.admission_error() or engine.capacity_error(at_least, body.max_tokens, at_least=True)
+    return refused and refusal(refused, chat=isinstance(body, ChatBody))
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionBody, http: HTTPRequest):
+    if (bad := check_model(body.model, http.app.state.config)) is not None:
+        return bad
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if len(prompts) != 1:
+        return error(400, "prompt: give one prompt per request", param="prompt", code="invalid_value")
+    if (bad := refused_early(prompts, body, http)) is not None:
+        return bad
+    tokenizer = http.app.state.tokenizer
+    ids = await run_in_threadpool(lambda: tokenizer(prompts[0])["input_ids"])  # off the event loop
+    return await respond(body, ids, http, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatBody, http: HTTPRequest):
+    if (bad := check_model(body.model, http.app.state.config)) is not None:
+        return bad
+    messages = [m.model_dump() for m in body.messages]
+    if (bad := refused_early([m["content"] for m in messages], body, http)) is not None:
+        return bad
+    tokenizer = http.app.state.tokenizer
+    ids = await run_in_threadpool(lambda: tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return await respond(body, ids, http, chat=True)
+
+
+async def respond(body, ids: list[int], http: HTTPRequest, *, chat: bool):
+    if body.stream_options is not None and not body.stream:  # as OpenAI answers
+        return error(400, "stream_options: only allowed when stream is true", param="stream_options",
+                     code="invalid_value")
+    engine, model_name = http.app.state.engine, http.app.state.config.served_model_name
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    def emit(kind, payload):  # called from the engine thread
         try:
-            engine.submit(request)
-        except RequestError as e:
-            return refusal(e, chat)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.id}"
-        created = int(time.time())
-        usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(request.tokens),  # noqa: E731
-                         "total_tokens": len(ids) + len(request.tokens)}
-        headers = {"x-request-id": request.id}  # as in the engine's log lines
-        if body.stream:
-            with_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(stream(request, events, rid, created, chat, usage if with_usage else None),
-                                     media_type="text/event-stream", headers=headers)
-        # Non-streamed: Starlette does not watch the connection while the handler runs, so wait for
-        # the engine's answer and for the client's disconnect together; a client that went away
-        # cancels its request, which frees its slot at the next decode step.
-        answer = asyncio.ensure_future(collect(events))
-        gone = asyncio.ensure_future(disconnected(http))
-        try:
-            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            abandoned = not answer.done()
-            if abandoned:
-                answer.cancel()
-                engine.cancel(request)
+            loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
+
+    request = Request(prompt_ids=ids, max_tokens=body.max_tokens, temperature=body.temperature,
+                      top_p=body.top_p, seed=body.seed, stop=[s for s in stop if s], emit=emit)
+    try:
+        engine.submit(request)
+    except RequestError as e:
+        return refusal(e, chat)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.id}"
+    created = int(time.time())
+    usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(request.tokens),  # noqa: E731
+                     "total_tokens": len(ids) + len(request.tokens)}
+    headers = {"x-request-id": request.id}  # as in the engine's log lines
+    if body.stream:
+        with_usage = body.stream_options is not None and body.stream_options.include_usage
+        chunks = stream(engine, request, events, Chunks(rid, created, model_name, chat, usage if with_usage else None))
+        return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+    # Non-streamed: Starlette does not watch the connection while the handler runs, so wait for
+    # the engine's answer and for the client's disconnect together; a client that went away
+    # cancels its request, which frees its slot at the next decode step.
+    answer = asyncio.ensure_future(collect(events))
+    gone = asyncio.ensure_future(disconnected(http))
+    try:
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        abandoned = not answer.done()
         if abandoned:
-            return Response(status_code=499)  # nobody reads it
-        text, reason = answer.result()
-        if isinstance(reason, Failure):
-            return failed(reason, request.id)
-        content = "".join(text)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason}
-                  if chat else {"index": 0, "text": content, "finish_reason": reason, "logprobs": None})
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": created, "model": model_name, "choices": [choice], "usage": usage()},
-                            headers=headers)
+            answer.cancel()
+            engine.cancel(request)
+    if abandoned:
+        return Response(status_code=499)  # nobody reads it
+    text, reason = answer.result()
+    if isinstance(reason, Failure):
+        return failed(reason, request.id)
+    content = "".join(text)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason}
+              if chat else {"index": 0, "text": content, "finish_reason": reason, "logprobs": None})
+    return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                         "created": created, "model": model_name, "choices": [choice], "usage": usage()},
+                        headers=headers)
 
-    async def collect(events: asyncio.Queue) -> tuple[list[str], Union[str, Failure]]:
-        """A request's text pieces and its finish reason, or the Failure that ended it."""
-        text = []
+
+async def collect(events: asyncio.Queue) -> tuple[list[str], Union[str, Failure]]:
+    """A request's text pieces and its finish reason, or the Failure that ended it."""
+    text = []
+    while True:
+        kind, payload = await events.get()
+        if kind == "text":
+            text.append(payload)
+        else:
+            return text, payload
+
+
+async def disconnected(http: HTTPRequest) -> None:
+    """Returns when the client closes the connection (the body has been read: only
+    http.disconnect is left to receive)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """One stream's server-sent events. usage: None, or (stream_options.include_usage) what OpenAI
+    then sends: `"usage": null` on every chunk and a last chunk, before [DONE], with `choices: []`
+    and the usage."""
+
+    rid: str
+    created: int
+    model_name: str
+    chat: bool
+    usage: Optional[Callable[[], dict]]
+
+    def chunk(self, text: Optional[str], reason: Optional[str], first: bool = False, totals: bool = False) -> str:
+        if totals:
+            choices = []
+        elif self.chat:
+            delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
+            choices = [{"index": 0, "delta": delta, "finish_reason": reason}]
+        else:
+            choices = [{"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}]
+        data = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model_name, "choices": choices}
+        if self.usage is not None:
+            data["usage"] = self.usage() if totals else None
+        return f"data: {json.dumps(data)}\n\n"
+
+
+async def stream(engine: Engine, request: Request, events: asyncio.Queue, chunks: Chunks):
+    try:
+        if chunks.chat:
+            yield chunks.chunk(None, None, first=True)
         while True:
             kind, payload = await events.get()
             if kind == "text":
-                text.append(payload)
+                yield chunks.chunk(payload, None)
+            elif kind == "done":
+                yield chunks.chunk(None if chunks.chat else "", payload)
+                if chunks.usage is not None:
+                    yield chunks.chunk(None, None, totals=True)
+                break
             else:
-                return text, payload
-
-    async def disconnected(http: HTTPRequest) -> None:
-        """Returns when the client closes the connection (the body has been read: only
-        http.disconnect is left to receive)."""
-        while (await http.receive())["type"] != "http.disconnect":
-            pass
-
-    async def stream(request: Request, events: asyncio.Queue, rid: str, created: int, chat: bool, usage):
-        """usage: None, or (stream_options.include_usage) what OpenAI then sends: `"usage": null` on
-        every chunk and a last chunk, before [DONE], with `choices: []` and the usage."""
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(text: Optional[str], reason: Optional[str], first: bool = False, totals: bool = False) -> str:
-            if totals:
-                choices = []
-            elif chat:
-                delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
-                choices = [{"index": 0, "delta": delta, "finish_reason": reason}]
-            else:
-                choices = [{"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}]
-            data = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
-            if usage is not None:
-                data["usage"] = usage() if totals else None
-            return f"data: {json.dumps(data)}\n\n"
-
-        try:
-            if chat:
-                yield chunk(None, None, first=True)
-            while True:
-                kind, payload = await events.get()
-                if kind == "text":
-                    yield chunk(payload, None)
-                elif kind == "done":
-                    yield chunk(None if chat else "", payload)
-                    if usage is not None:
-                        yield chunk(None, None, totals=True)
-                    break
-                else:
-                    yield f"data: {failed(payload, request.id).body.decode()}\n\n"
-                    break
-            yield "data: [DONE]\n\n"
-        finally:  # finished, or the client disconnected mid-stream: free the slot either way
-            engine.cancel(request)
-
-    return Guard(app, max_request_bytes=max_request_bytes, api_key=api_key, allowed_hosts=allowed_hosts)
+                yield f"data: {failed(payload, request.id).body.decode()}\n\n"
+                break
+        yield "data: [DONE]\n\n"
+    finally:  # finished, or the client disconnected mid-stream: free the slot either way
+        engine.cancel(request)
 
 
 class Server(uvicorn.Server):

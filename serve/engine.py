@@ -65,47 +65,39 @@ from typing import Callable, Optional
 
 import torch
 
+from .config import ServeConfig
 from .executor import Ended, Executor
 from .output import eos_token_set
-from .paged_options import PagedServing, engine_buckets, prefix_caching
+from .paged_options import engine_buckets, prefix_caching
 from .placement import Placement
 from .plan import Plan
 from .request import Failure, Request, RequestError
 from .runner import Runner
-from .watchdog import STALL_TIMEOUT, Watchdog, check_stall_timeout
+from .watchdog import Watchdog
 
 log = logging.getLogger("kivi.serve")
 
 
 class Engine:
-    def __init__(self, model, tokenizer, *, method: str, kivi_config, slots: int, max_seq_len: int,
-                 compile: bool = False, max_waiting: Optional[int] = None, request_timeout: Optional[float] = None,
-                 paging: Optional[PagedServing] = None, make_runner: Callable[..., Runner] = Runner,
-                 eos_token_ids: Optional[set[int]] = None, stall_timeout: float = STALL_TIMEOUT):
-        """max_waiting: the most requests queued for a slot (None: no bound); beyond it submit()
-        refuses with 503. request_timeout: seconds from submit() after which a request, waiting or
-        running, ends with a 504 error (None: none). paging: a paged cache (a pool of pages shared
-        by `slots` rows, block_manager.py) instead of static rows of max_seq_len tokens.
-        make_runner: builds what carries out the engine's decisions on the model and the cache
-        (runner.Runner; tensor parallelism: tp.LeaderRunner). eos_token_ids: the tokens that end a
-        completion (None: the tokenizer's; an empty set runs every request to max_tokens).
-        stall_timeout: seconds without progress, requests open, before /health says the engine is
-        stalled (watchdog.py, which also sends request_timeout's 504s)."""
-        check_stall_timeout(stall_timeout)  # before the threads start
-        self.tokenizer, self.device = tokenizer, model.device
-        self.max_waiting, self.request_timeout = max_waiting, request_timeout
-        self.slots, self.max_seq_len = slots, max_seq_len
-        self.runner = make_runner(model, method=method, kivi_config=kivi_config, slots=slots, max_seq_len=max_seq_len,
-                                  paging=paging, compile=compile)
+    def __init__(self, model, tokenizer, config: ServeConfig, *, make_runner: Callable[..., Runner] = Runner):
+        """config: the cache, queue and timeouts (ServeConfig). make_runner: builds what carries out
+        the engine's decisions on the model and the cache (runner.Runner; tensor parallelism:
+        tp.LeaderRunner)."""
+        self.config, self.tokenizer, self.device = config, tokenizer, model.device
+        # Read at each submit(), so that they can change on a running engine (tests do).
+        self.max_waiting, self.request_timeout = config.max_waiting, config.request_timeout
+        self.slots, self.max_seq_len = config.slots, config.max_seq_len
+        self.runner = make_runner(model, **config.runner_options())
         self.cache = self.runner.cache  # read here for sizes only; the runner changes it
-        prefix_chunk, max_prefixes, max_prefix_bytes = prefix_caching(paging, self.cache, max_seq_len)
-        self.placement = Placement(self.runner.layout, slots, engine_buckets(paging, slots), prefix_chunk, max_prefixes,
-                                   report_pages=self.runner.paged, max_prefix_bytes=max_prefix_bytes)
+        prefix_chunk, max_prefixes, max_prefix_bytes = prefix_caching(config.paging, self.cache, config.max_seq_len)
+        self.placement = Placement(self.runner.layout, config.slots, engine_buckets(config.paging, config.slots),
+                                   prefix_chunk, max_prefixes, report_pages=self.runner.paged,
+                                   max_prefix_bytes=max_prefix_bytes)
         self.lock = threading.Condition()
-        self.executor = Executor(self.runner, self.placement, tokenizer, eos_token_set(tokenizer, eos_token_ids))
+        self.executor = Executor(self.runner, self.placement, tokenizer, eos_token_set(tokenizer, config.eos_token_ids))
         self.drain_timer: Optional[threading.Timer] = None
-        self.core = EngineCore(self.runner, self.placement, self.executor, self.lock, compile=compile)
-        self.watchdog = Watchdog(self.core, self.placement, self.lock, stall_timeout)
+        self.core = EngineCore(self.runner, self.placement, self.executor, self.lock, compile=config.compile)
+        self.watchdog = Watchdog(self.core, self.placement, self.lock, config.stall_timeout)
         self.ready, self.thread = self.core.ready, self.core.thread
 
     @property

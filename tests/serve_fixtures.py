@@ -25,6 +25,7 @@ import pytest
 from kivi_models import generate, make_cache, patch_model
 from kivi_ops import KIVIConfig
 from kivi_serve.app import build_app
+from kivi_serve.config import ServeConfig
 from kivi_serve.engine import Engine
 from kivi_serve.paged_options import PagedServing
 from kivi_serve.request import Request
@@ -94,9 +95,9 @@ def make_engine(tiny, method, num_pages, page_size=None, slots=4, prefix_chunk=N
     model, tokenizer = tiny
     paging = PagedServing(num_pages, page_size, prefix_chunk, prefix_cache_size, options.pop("decode_buckets", None),
                           prefix_cache_bytes)
-    engine = Engine(model, tokenizer, method=method, kivi_config=CONFIG, slots=slots, max_seq_len=MAX_SEQ_LEN,
-                    paging=paging, eos_token_ids=set(), **options)
-    return engine
+    config = ServeConfig(method=method, kivi_config=CONFIG, slots=slots, max_seq_len=MAX_SEQ_LEN, paging=paging,
+                         eos_token_ids=set(), served_model_name=NAME, **options)
+    return Engine(model, tokenizer, config)
 
 
 def complete_all(engine, prompts, lengths, steps_apart=0) -> list[list[int]]:
@@ -161,7 +162,7 @@ def wait_idle(engine, timeout=10.0) -> dict:
 def serving(engine):
     import uvicorn
 
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=free_port(),
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=free_port(),
                                         log_level="warning"))
     with uvicorn_in_thread(srv) as url:
         deadline = time.time() + 300

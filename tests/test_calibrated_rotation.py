@@ -246,14 +246,15 @@ def test_compiled_and_exported_steps_equal_eager():
 @pytest.mark.slow  # 5-15 s: a paged engine and five static runs
 def test_paged_engine_with_preemptions_equals_static_generate(tiny):
     from kivi_models import generate, make_cache
+    from kivi_serve.config import ServeConfig
     from kivi_serve.engine import Engine
     from kivi_serve.paged_options import PagedServing
     from serve_fixtures import LENGTHS, MAX_SEQ_LEN, PROMPTS, complete_all
 
     model, tokenizer = tiny  # 2 layers, 2 KV heads, head_dim 8
     config = KIVIConfig(group_size=4, residual_length=8, **CALIBRATED, rotations=_rotations(dim=8, seed=9))
-    engine = Engine(model, tokenizer, method="kivi", kivi_config=config, slots=4, max_seq_len=MAX_SEQ_LEN,
-                    paging=PagedServing(8, 4, None, 256, None), eos_token_ids=set())
+    engine = Engine(model, tokenizer, ServeConfig(method="kivi", kivi_config=config, slots=4, max_seq_len=MAX_SEQ_LEN,
+                                                  paging=PagedServing(8, 4, None, 256, None), eos_token_ids=set()))
     try:
         got = complete_all(engine, PROMPTS, LENGTHS)
         assert engine.stats()["preemptions"] > 0

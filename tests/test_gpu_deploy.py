@@ -109,15 +109,17 @@ def test_serve_on_cuda_answers_concurrent_requests_like_kivi_generate():
 
     from kivi_models import generate, load_model, make_cache, patch_model
     from kivi_serve.app import build_app
+    from kivi_serve.config import ServeConfig
     from kivi_serve.engine import Engine
     from kivi_ops import KIVIConfig
 
     config = KIVIConfig(group_size=8, residual_length=8)
     model, tokenizer = load_model(MODEL, device=DEVICE)
     patch_model(model)
-    engine = Engine(model, tokenizer, method="kivi", kivi_config=config, slots=3, max_seq_len=96, compile=True)
+    engine = Engine(model, tokenizer, ServeConfig(method="kivi", kivi_config=config, slots=3, max_seq_len=96, compile=True,
+                                                  served_model_name="gpu-test"))
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "gpu-test"), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

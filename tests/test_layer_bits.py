@@ -316,6 +316,7 @@ def test_paged_tp_engine_with_preemptions_equals_static_generate_and_its_worker(
     import functools
 
     from kivi_models import generate, make_cache
+    from kivi_serve.config import ServeConfig
     from kivi_serve.engine import Engine
     from kivi_serve.paged_options import PagedServing
     from kivi_serve.runner import Runner
@@ -327,7 +328,7 @@ def test_paged_tp_engine_with_preemptions_equals_static_generate_and_its_worker(
     config = KIVIConfig(group_size=4, residual_length=8, layer_bits=((2, 4), (4, 2)))
     args = dict(method="kivi", kivi_config=config, slots=4, max_seq_len=MAX_SEQ_LEN, paging=PagedServing(8, 4))
     channel = Loopback(Runner(model, **args))  # rank 1, replaying rank 0's plans (tests/test_serve_tp.py)
-    engine = Engine(model, tokenizer, **args, eos_token_ids=set(),
+    engine = Engine(model, tokenizer, ServeConfig(**args, eos_token_ids=set()),
                     make_runner=functools.partial(LeaderRunner, channel=channel, timeout_s=60.0))
     try:
         got = complete_all(engine, PROMPTS, LENGTHS, steps_apart=1)

@@ -59,7 +59,7 @@ def test_one_request_crosses_at_most_max_files_project_files(tiny, prefix_chunk)
     try:
         engine = make_engine(tiny, "kivi", 24, page_size=4, prefix_chunk=prefix_chunk)
         try:
-            with TestClient(build_app(engine, "tiny")) as client:
+            with TestClient(build_app(engine)) as client:
                 assert engine.ready.wait(120)  # the warm-up steps are not the request's path
                 recording.set()
                 sys.setprofile(hook)

@@ -12,6 +12,7 @@ import torch
 
 from kivi_models import generate, load_model, make_cache, patch_model
 from kivi_serve.app import build_app
+from kivi_serve.config import ServeConfig
 from kivi_serve.engine import Engine
 from kivi_ops import KIVIConfig
 from serve_fixtures import free_port, metrics, uvicorn_in_thread
@@ -31,9 +32,9 @@ def server():
     model, tokenizer = load_model()
     patch_model(model)
     torch._dynamo.utils.counters.clear()
-    engine = Engine(model, tokenizer, method="kivi", kivi_config=CONFIG, slots=SLOTS, max_seq_len=MAX_SEQ_LEN,
-                    compile=True)
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=free_port(), log_level="warning"))
+    engine = Engine(model, tokenizer, ServeConfig(method="kivi", kivi_config=CONFIG, slots=SLOTS, max_seq_len=MAX_SEQ_LEN,
+                                                  compile=True, served_model_name=NAME))
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=free_port(), log_level="warning"))
     with uvicorn_in_thread(srv) as url:
         deadline = time.time() + 600
         while time.time() < deadline:  # uvicorn starts at once; the engine compiles its step meanwhile

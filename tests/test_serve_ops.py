@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -31,7 +32,7 @@ def serving(engine, limits: ConnectionLimits, **app_options):
     """uvicorn as `kivi serve` configures it (its protocol, the limits), once the engine is ready."""
     import uvicorn
 
-    srv = uvicorn.Server(uvicorn_config(build_app(engine, NAME, **app_options), host="127.0.0.1", port=free_port(),
+    srv = uvicorn.Server(uvicorn_config(build_app(engine, replace(engine.config, **app_options)), host="127.0.0.1", port=free_port(),
                                         limits=limits))
     with uvicorn_in_thread(srv) as url:
         assert engine.ready.wait(300), "the engine did not get ready"

@@ -15,6 +15,7 @@ import re
 import socket
 import threading
 import time
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -25,6 +26,7 @@ from kivi_ops import KIVIConfig
 from kivi_serve import output
 from kivi_serve.app import build_app
 from kivi_serve.connections import ConnectionLimits, uvicorn_config
+from kivi_serve.config import ServeConfig
 from kivi_serve.engine import Engine
 from kivi_serve.request import Request
 from serve_fixtures import free_port, tiny, uvicorn_in_thread  # noqa: F401 (tiny: a fixture)
@@ -37,11 +39,11 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "O
 
 @contextlib.contextmanager
 def serving(engine, limits=ConnectionLimits(max_connections=64), **app_options):
-    """uvicorn on 127.0.0.1, as `kivi serve` configures it, serving build_app(engine, NAME,
-    **app_options); yields its URL."""
+    """uvicorn on 127.0.0.1, as `kivi serve` configures it, serving build_app over the engine with
+    app_options in its config; yields its URL."""
     import uvicorn
 
-    srv = uvicorn.Server(uvicorn_config(build_app(engine, NAME, **app_options), host="127.0.0.1", port=free_port(),
+    srv = uvicorn.Server(uvicorn_config(build_app(engine, replace(engine.config, **app_options)), host="127.0.0.1", port=free_port(),
                                         limits=limits))
     with uvicorn_in_thread(srv) as url:
         yield url
@@ -50,8 +52,8 @@ def serving(engine, limits=ConnectionLimits(max_connections=64), **app_options):
 def make_engine(tiny, **options) -> Engine:
     model, tokenizer = tiny
     # a random model: eos_token_ids=set() runs every request to max_tokens
-    return Engine(model, tokenizer, method="kivi", kivi_config=CONFIG, slots=SLOTS, max_seq_len=MAX_SEQ_LEN,
-                  eos_token_ids=set(), **options)
+    return Engine(model, tokenizer, ServeConfig(method="kivi", kivi_config=CONFIG, slots=SLOTS, max_seq_len=MAX_SEQ_LEN,
+                                                eos_token_ids=set(), served_model_name=NAME, **options))
 
 
 @pytest.fixture(scope="module")
@@ -509,7 +511,7 @@ def test_a_signal_drains_for_the_shutdown_timeout_then_ends_streams_with_an_erro
 
     engine = make_engine(tiny)
     port = free_port()
-    server = Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=port, log_level="warning"),
+    server = Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning"),
                     engine, shutdown_timeout=1.0)
     thread = threading.Thread(target=server.run, daemon=True)  # not the main thread: we send the "signals"
     thread.start()
@@ -874,19 +876,20 @@ from kivi_models import patch_model
 from kivi_models.loading import default_model_dir
 from kivi_serve.app import Server, build_app
 from kivi_serve.connections import ConnectionLimits, check_connection_limits, uvicorn_config
+from kivi_serve.config import ServeConfig
 from kivi_serve.engine import Engine
 from kivi_ops import KIVIConfig
 from tiny_models import tiny_llama
 
 tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
 model = patch_model(tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=256))
-engine = Engine(model, tokenizer, method="kivi", kivi_config=KIVIConfig(group_size=4, residual_length=4), slots=3,
-                max_seq_len=128)
+engine = Engine(model, tokenizer, ServeConfig(method="kivi", kivi_config=KIVIConfig(group_size=4, residual_length=4),
+                                              slots=3, max_seq_len=128, served_model_name="tiny"))
 # keep-alive long: connections are closed by the cap here, not by the idle timeout
 limits = ConnectionLimits(check_connection_limits(None, argparse.ArgumentParser()), timeout_keep_alive=60,
                           read_timeout=3)
 print("max_connections", limits.max_connections, flush=True)
-Server(uvicorn_config(build_app(engine, "tiny"), host="127.0.0.1", port=int(sys.argv[1]), limits=limits), engine,
+Server(uvicorn_config(build_app(engine), host="127.0.0.1", port=int(sys.argv[1]), limits=limits), engine,
        shutdown_timeout=1).run()
 """
 

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from kivi_serve.config import ServeConfig
 from kivi_serve.engine import Engine
 from kivi_serve.paged_options import PagedServing
 from kivi_serve.request import Request, RequestError
@@ -87,9 +88,8 @@ def tp_engine(tiny, method, paging=None, slots=4, fail_after=None, timeout_s=60.
     model, tokenizer = tiny
     args = dict(method=method, kivi_config=CONFIG, slots=slots, max_seq_len=MAX_SEQ_LEN, paging=paging)
     channel = Loopback(Runner(model, **args), fail_after)
-    engine = Engine(model, tokenizer, **args, make_runner=functools.partial(LeaderRunner, channel=channel,
-                                                                             timeout_s=timeout_s),
-                    eos_token_ids=set(), **options)
+    engine = Engine(model, tokenizer, ServeConfig(**args, eos_token_ids=set(), served_model_name="tiny", **options),
+                    make_runner=functools.partial(LeaderRunner, channel=channel, timeout_s=timeout_s))
     return engine, channel
 
 
@@ -104,8 +104,8 @@ def serve_alone_and_tp(tiny, method, paging, prompts):
     """The same greedy requests served by a single-process engine and by a leader with one
     in-process worker: (tokens alone, tokens under TP, the TP engine's stats, engine, channel)."""
     model, tokenizer = tiny
-    alone = Engine(model, tokenizer, method=method, kivi_config=CONFIG, slots=4, max_seq_len=MAX_SEQ_LEN, paging=paging,
-                   eos_token_ids=set())
+    alone = Engine(model, tokenizer, ServeConfig(method=method, kivi_config=CONFIG, slots=4, max_seq_len=MAX_SEQ_LEN,
+                                                 paging=paging, eos_token_ids=set()))
     try:
         want = complete_all(alone, prompts, LENGTHS)
     finally:
@@ -265,7 +265,7 @@ def test_a_dead_rank_ends_open_requests_with_503_and_refuses_new_ones(tiny):
         with pytest.raises(RequestError, match="cannot serve") as refused:
             engine.submit(Request(prompt_ids=ids, max_tokens=4, emit=emit))
         assert refused.value.status == 503 and refused.value.code == "tensor_parallel_failure"
-        client = TestClient(build_app(engine, "tiny"))
+        client = TestClient(build_app(engine))
         health = client.get("/health")
         assert health.status_code == 503 and health.json()["error"]["code"] == "tensor_parallel_failure"
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})

@@ -82,7 +82,7 @@ def started(engine):
 
     from kivi_serve.app import build_app
 
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny"), host="127.0.0.1", port=free_port(),
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=free_port(),
                                         log_level="warning"))
     try:
         with uvicorn_in_thread(srv) as url:
