@@ -359,8 +359,8 @@ def check_model(name: str, config: ServeConfig) -> Optional[JSONResponse]:
 def refused_early(texts: list[str], body, http: HTTPRequest) -> Optional[JSONResponse]:
     """The refusals known before tokenizing: the server is full or stopping, or the text is too
     long for a slot whatever its tokens (longest_token_bytes)."""
-    engine, state = http.app.state.engine, http.app.state
-    at_least = -(-sum(len(t.encode("utf-8")) for t in texts) // state.longest_token)
+    engine = http.app.state.engine
+    at_least = -(-sum(len(t.encode("utf-8")) for t in texts) // http.app.state.longest_token)
     refused = engine.admission_error() or engine.capacity_error(at_least, body.max_tokens, at_least=True)
     return refused and refusal(refused, chat=isinstance(body, ChatBody))
 

@@ -86,7 +86,6 @@ class Engine:
         self.config, self.tokenizer, self.device = config, tokenizer, model.device
         # Read at each submit(), so that they can change on a running engine (tests do).
         self.max_waiting, self.request_timeout = config.max_waiting, config.request_timeout
-        self.slots, self.max_seq_len = config.slots, config.max_seq_len
         self.runner = make_runner(model, **config.runner_options())
         self.cache = self.runner.cache  # read here for sizes only; the runner changes it
         prefix_chunk, max_prefixes, max_prefix_bytes = prefix_caching(config.paging, self.cache, config.max_seq_len)
@@ -128,7 +127,8 @@ class Engine:
 
     def capacity_error(self, prompt_tokens: int, max_tokens: int, *, at_least: bool = False) -> Optional[RequestError]:
         """The refusal of a request that could never fit (Placement.capacity_error), else None."""
-        return self.placement.capacity_error(prompt_tokens, max_tokens, self.max_seq_len, at_least=at_least)
+        return self.placement.capacity_error(prompt_tokens, max_tokens, self.config.max_seq_len,
+                                              at_least=at_least)
 
     def admission_error(self) -> Optional[RequestError]:
         """Why a request arriving now would be refused (503: the engine cannot serve, it is shutting
@@ -180,7 +180,7 @@ class Engine:
         with self.lock:
             running, by_rank = len(self.placement.running()), self.runner.cache_bytes_by_rank()
             return dict(running=running, waiting=len(self.placement.waiting), slots_used=running,
-                        slots_free=self.slots - running, cache_bytes=sum(by_rank), cache_bytes_by_rank=by_rank,
+                        slots_free=self.config.slots - running, cache_bytes=sum(by_rank), cache_bytes_by_rank=by_rank,
                         tp_size=len(by_rank), stalled=int(self.watchdog.stall_s() is not None),
                         **self.executor.counters(), **self.placement.page_stats())
 
