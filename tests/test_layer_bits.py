@@ -378,17 +378,10 @@ def test_paged_tp_engine_with_preemptions_equals_static_generate_and_its_worker(
 
 @pytest.mark.slow
 def test_pt2_export_equals_generate(tmp_path, capsys):
-    from gguf_files import write_tiny_llama_gguf
-    from kivi_cli.main import main
-    from test_export_options import exported_kivi_config
+    from test_export_options import exported_calibrated_config
 
-    gguf = tmp_path / "tiny-llama.gguf"
-    write_tiny_llama_gguf(gguf)
-    calib = tmp_path / "calib.json"
-    assert main(["calibrate", "--model", str(gguf), "--out", str(calib), "--bits", "2", "--group-size", "8",
-                 "--window", "64", "--windows", "2", "--no-rotations", "--bits-budget", "6.5",
-                 "--residual-length", "8", "--budget-tokens", "512"]) == 0
-    options = ["--model", str(gguf), "--method", "kivi", "--group-size", "8", "--residual-length", "8",
-               "--layer-bits", str(calib)]
-    kivi = exported_kivi_config("pt2", options, tmp_path / "p", capsys)
+    kivi, calib = exported_calibrated_config(
+        tmp_path, capsys, calibrate_flags=["--no-rotations", "--bits-budget", "6.5", "--residual-length", "8",
+                                           "--budget-tokens", "512"],
+        cache_flags=lambda calib: ["--layer-bits", str(calib)])
     assert kivi["layer_bits"] == json.loads(calib.read_text())["layer_bits"]["layers"]
