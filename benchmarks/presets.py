@@ -51,13 +51,19 @@ def calibration_identity(model: str) -> dict:
     return model_identity(hf_config, loaded_model_identity(model))
 
 
-def preset_settings(preset: str, model: str) -> dict:
-    """The cache flags `preset` sets for --model `model` (as the CLI's argument names), checked
+def _shipped_widths(preset: str, model: str) -> tuple:
+    """(file, identity, widths, its layer_bits section) of `preset` for --model `model`, checked
     against the model's identity (ValueError naming the preset and the field)."""
     from kivi_ops.layer_bits import load_layer_bits
 
-    path = preset_calibration(preset, model)
-    _, section = load_layer_bits(path, calibration_identity(model), flag=f"--preset {preset}")
+    path, identity = preset_calibration(preset, model), calibration_identity(model)
+    widths, section = load_layer_bits(path, identity, flag=f"--preset {preset}")
+    return path, identity, widths, section
+
+
+def preset_settings(preset: str, model: str) -> dict:
+    """The cache flags `preset` sets for --model `model`, as the CLI's argument names."""
+    path, _, _, section = _shipped_widths(preset, model)
     return dict(group_size=section["group_size"], residual_length=section["residual_length"],
                 rotate_keys="calibrated", rotate_values="calibrated", rotations=str(path), layer_bits=str(path))
 
@@ -65,10 +71,8 @@ def preset_settings(preset: str, model: str) -> dict:
 def preset_config(preset: str, model: str) -> KIVIConfig:
     """The KIVIConfig `--preset preset --model model` builds (the other flags at their defaults)."""
     from kivi_ops.calibrated_rotation import load_rotations
-    from kivi_ops.layer_bits import load_layer_bits
 
-    settings, identity = preset_settings(preset, model), calibration_identity(model)
-    widths, _ = load_layer_bits(settings["layer_bits"], identity)
-    return KIVIConfig(group_size=settings["group_size"], residual_length=settings["residual_length"],
+    path, identity, widths, section = _shipped_widths(preset, model)
+    return KIVIConfig(group_size=section["group_size"], residual_length=section["residual_length"],
                       rotate_keys="calibrated", rotate_values="calibrated", layer_bits=widths,
-                      rotations=load_rotations(settings["rotations"], identity, keys=True))
+                      rotations=load_rotations(path, identity, keys=True, flag=f"--preset {preset}"))
