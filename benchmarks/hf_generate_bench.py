@@ -30,6 +30,7 @@ from kivi_models.corpus import load_text
 from kivi_ops import KIVIConfig
 
 from .environment import environment
+from .perf import kivi_bits
 
 CACHES = ("dynamic", "quanto", "kivi_eager", "kivi")
 WARMUP_STEPS = 3  # the first decode steps: the compile of "kivi", allocator warm-up for every cache
@@ -131,7 +132,8 @@ def bench_hf_generate(plain_model, tokenizer, *, contexts, batches, new_tokens: 
 def _measure_row(plain_model, kivi_model, prompts, *, caches, new_tokens, kivi_config, rounds, threads) -> dict:
     """One (batch, context) point at the current thread count: the caches take turns `rounds` times."""
     batch, n = prompts.shape
-    row = dict(batch=batch, context=n, threads=threads, new_tokens=new_tokens)
+    row = dict(batch=batch, context=n, threads=threads, new_tokens=new_tokens,
+               **(kivi_bits(kivi_model, kivi_config, n + new_tokens) if kivi_model is not None else {}))
     runs = {cache: [] for cache in caches}
     for _ in range(rounds):
         for cache in caches:

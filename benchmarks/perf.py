@@ -22,6 +22,7 @@ from kivi_models.generate import cache_bytes_per_sequence
 from kivi_ops import KIVICache, KIVIConfig, dispatch, fp16_cache_nbytes
 
 from .environment import environment
+from .perplexity import cache_bits_per_element, stored_bits_per_element
 
 # Llama-2-7B's attention shape: 32 layers, 32 KV heads, head_dim 128.
 LLAMA2_7B = dict(num_layers=32, num_kv_heads=32, head_dim=128)
@@ -69,7 +70,8 @@ def bench_memory(contexts=(1024, 4096, 16384, 32768, 131072), sink_tokens: int =
                     rows.append(dict(bits=bits, group_size=G, residual_length=R, tokens=n, sink_tokens=sink_tokens,
                                      outlier_tokens=outlier_tokens, sparse_outliers=sparse_outliers,
                                      kivi_bytes=cache.nbytes(), theory_bytes=theoretical_kivi_bytes(cfg, tokens=n, **LLAMA2_7B),
-                                     fp16_bytes=fp16, ratio=fp16 / cache.nbytes()))
+                                     fp16_bytes=fp16, ratio=fp16 / cache.nbytes(),
+                                     bits_per_element=stored_bits_per_element(cache, n)))
     return dict(model_shape=LLAMA2_7B, scale_dtype="float16", rows=rows, environment=environment("cpu"))
 
 
@@ -256,6 +258,13 @@ def measure_decode(model, prompts, *, device: str, method: str, new_tokens: int,
     return out
 
 
+def kivi_bits(model, kivi_config, tokens: int) -> dict:
+    """A result row's KIVI cache bits per element (`kivi eval --json`'s bits_per_element:
+    perplexity.cache_bits_per_element) for one sequence of `tokens`, the length the cache holds."""
+    return dict(kivi_bits_per_element=cache_bits_per_element(model, "kivi", kivi_config, tokens),
+                bits_per_element_tokens=tokens)
+
+
 def bench_decode(model, *, device: str, contexts, batches, new_tokens: int = 32, kivi_config=None) -> dict:
     """Compiled decode tokens/s, fp vs KIVI, same model, same run (CUDA graphs on GPU)."""
     kivi_config = kivi_config or KIVIConfig()
@@ -265,7 +274,8 @@ def bench_decode(model, *, device: str, contexts, batches, new_tokens: int = 32,
     for batch in batches:
         for n in contexts:
             prompts = _random_prompts(model, batch, n, gen)
-            row = dict(batch=batch, context=n, new_tokens=new_tokens)
+            row = dict(batch=batch, context=n, new_tokens=new_tokens,
+                       **kivi_bits(model, kivi_config, n + new_tokens))
             for method in ("fp", "kivi"):
                 torch.compiler.reset()  # one compiled graph per row: no recompile limit, no stale guards
                 m = measure_decode(model, prompts, device=device, method=method, new_tokens=new_tokens,
@@ -354,7 +364,8 @@ def bench_budget(model, *, device: str, contexts, budget_bytes: float, new_token
     kivi_config = kivi_config or KIVIConfig()
     rows = []
     for n in contexts:
-        row = dict(context=n, new_tokens=new_tokens, budget_bytes=budget_bytes)
+        row = dict(context=n, new_tokens=new_tokens, budget_bytes=budget_bytes,
+                   **kivi_bits(model, kivi_config, n + new_tokens))
         for method in ("fp", "kivi"):
             per_seq = cache_bytes_per_sequence(model, method=method, tokens=n + new_tokens, kivi_config=kivi_config)
             batch = max_batch_for_budget(per_seq, budget_bytes)
@@ -426,7 +437,8 @@ def bench_weight_quant(load_model_fn, *, device: str, contexts, batches, weight_
                     m = measure_decode(model, prompts, device=device, method=method, new_tokens=new_tokens,
                                        kivi_config=kivi_config)
                     row = dict(weights=mode, cache=method, batch=batch, context=n, new_tokens=new_tokens,
-                               model_bytes=model_bytes, **m,
+                               bits_per_element=cache_bits_per_element(model, method, kivi_config, n + new_tokens),
+                               bits_per_element_tokens=n + new_tokens, model_bytes=model_bytes, **m,
                                total_bytes=model_bytes + m["cache_bytes"], seconds=time.perf_counter() - start)
                     rows.append(row)
                     print(f"  weights {mode:>4}, {method:>4} cache, batch {batch} context {n}: "

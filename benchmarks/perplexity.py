@@ -149,6 +149,12 @@ def cache_bits_per_element(patched_model, method: str, kivi_config: Optional[KIV
     zeros, the full-precision residual window and every option's store; 16.0 for the fp cache."""
     cache = make_cache(patched_model, method=method, batch_size=1, max_seq_len=tokens, kivi_config=kivi_config,
                        device="meta", dtype=torch.float16)
+    return stored_bits_per_element(cache, tokens)
+
+
+def stored_bits_per_element(cache, tokens: int) -> float:
+    """cache_bits_per_element of a cache already sized for one sequence of `tokens` (fp16, e.g. on
+    the meta device): bits stored per key/value element of its full-attention layers."""
     full = [layer for layer in cache.layers if not layer.is_sliding]
     elements = 2 * len(full) * cache.num_kv_heads * tokens * cache.head_dim
     return 8 * sum(layer.nbytes() for layer in full) / elements

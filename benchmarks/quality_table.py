@@ -28,11 +28,12 @@ from .perplexity import FakeQuantConfig, cache_bits_per_element, cache_perplexit
 class Row:
     name: str
     group: str  # "baseline" | "fake" | "kivi" | "group size" | "residual" | "ott / sink" | "kvquant" | "rotation"
-    #             | "per-token / fp8" (the fake-quantization baselines)
+    #             | "per-token / fp8" (the fake-quantization baselines) | "preset" (--preset NAME)
     method: str  # "fp" | "kivi" | "fake"
     kivi: Optional[KIVIConfig] = None
     fake: Optional[FakeQuantConfig] = None
     levels_file: Optional[str] = None  # where kivi's nuq levels come from (recorded instead of the numbers)
+    preset: Optional[str] = None  # the --preset this row is
 
     def key(self):
         return (self.method, self.kivi, self.fake)
@@ -40,7 +41,8 @@ class Row:
     def config_record(self) -> Optional[dict]:
         if self.kivi is None:
             return self.fake.to_dict() if self.fake else None
-        return self.kivi.to_record(self.levels_file)
+        record = self.kivi.to_record(self.levels_file)
+        return dict(record, preset=self.preset) if self.preset else record
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,9 @@ def fake_rows(quick: bool) -> list[Row]:
     return rows
 
 
-def standard_rows(quick: bool, levels: LevelFiles = LevelFiles()) -> list[Row]:
+def standard_rows(quick: bool, levels: LevelFiles = LevelFiles(), model: str = "default") -> list[Row]:
+    """The perplexity rows; the full table's end with the presets shipped for --model `model`
+    (preset_rows), the quick one (CI's, timed) has none."""
     if quick:
         # 256-token windows: R=32 keeps most of each window quantized.
         return ([Row("16-bit", "baseline", "fp")] + fake_rows(quick)
@@ -95,7 +99,8 @@ def standard_rows(quick: bool, levels: LevelFiles = LevelFiles()) -> list[Row]:
     ]
     rows += [Row(f"KIVI-2 G={g} (R=128)", "group size", "kivi", kivi=KIVIConfig(2, 2, g, 128)) for g in (32, 64, 128)]
     rows += [Row(f"KIVI-2 R={r} (G=32)", "residual", "kivi", kivi=KIVIConfig(2, 2, 32, r)) for r in (32, 64, 96, 128)]
-    return rows + extension_rows() + kvquant_rows(levels) + rotation_rows(levels) + baseline_rows()
+    return (rows + extension_rows() + kvquant_rows(levels) + rotation_rows(levels) + baseline_rows()
+            + preset_rows(model))
 
 
 HAD = "hadamard"
@@ -197,7 +202,20 @@ def extension_rows() -> list[Row]:
     ]
 
 
-def passkey_rows(quick: bool, levels: LevelFiles = LevelFiles()) -> list[Row]:
+def preset_rows(model: str) -> list[Row]:
+    """A row per --preset with a shipped calibration for --model `model` (none for the others):
+    the cache `--preset NAME` builds (kivi_benchmarks.presets.preset_config)."""
+    from .presets import preset_config, presets_for
+
+    rows = []
+    for name in presets_for(model):
+        config = preset_config(name, model)
+        rows.append(Row(f"--preset {name} (G={config.group_size}, R={config.residual_length})", "preset", "kivi",
+                        kivi=config, preset=name))
+    return rows
+
+
+def passkey_rows(quick: bool, levels: LevelFiles = LevelFiles(), model: str = "default") -> list[Row]:
     if quick:
         return [Row("16-bit", "baseline", "fp"), Row("KIVI-2 (G=32, R=32)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 32))]
     return [Row("16-bit", "baseline", "fp"),
@@ -206,7 +224,7 @@ def passkey_rows(quick: bool, levels: LevelFiles = LevelFiles()) -> list[Row]:
             Row("KIVI-2 (G=32, R=128)", "kivi", "kivi", kivi=KIVIConfig(2, 2, 32, 128)),
             *[r for r in extension_rows() if "G=128" not in r.name and "OTT-2 + sink" not in r.name],
             *[r for r in kvquant_rows(levels) if r.name.startswith("KVQuant")],
-            *[r for r in rotation_rows(levels) if "rotated K+V" in r.name]]
+            *[r for r in rotation_rows(levels) if "rotated K+V" in r.name], *preset_rows(model)]
 
 
 def selected(rows: list[Row], only: Optional[list[str]]) -> list[Row]:
@@ -282,7 +300,7 @@ def run_table(plain_model, patched_model, tokenizer, *, quick: bool, out_dir: Pa
     text = load_text(corpus="pydoc")
     wins = token_windows(tokenizer, text, window=window, max_tokens=window * windows)
     ppl_results, done = [], {}
-    for row in filter(runnable, selected(standard_rows(quick, levels), only)):
+    for row in filter(runnable, selected(standard_rows(quick, levels, model), only)):
         if row.key() not in done:
             if row.method == "fake":
                 done[row.key()] = fake_quant_perplexity(plain_model, wins, row.fake, desc=row.name)
@@ -295,16 +313,18 @@ def run_table(plain_model, patched_model, tokenizer, *, quick: bool, out_dir: Pa
                                 config=row.config_record(), bits_per_element=bits_per_element(patched_model, row),
                                 **r.to_dict()))
     passkey_results = []
-    for row in filter(runnable, selected(passkey_rows(quick, levels), only)):
+    for row in filter(runnable, selected(passkey_rows(quick, levels, model), only)):
         res = passkey_accuracy(patched_model, tokenizer, lengths=passkey_lengths, trials=passkey_trials,
                                method=row.method, kivi_config=row.kivi, seed=seed, desc=f"passkey {row.name}")
         print(f"  passkey {row.name:<32} {res['accuracy']}  ({res['seconds']:.0f} s)", file=sys.stderr, flush=True)
         passkey_results.append(dict(name=row.name, method=row.method,
                                     config=row.config_record(), **res))
     bytes_results = [dict(name=row.name, contexts=[cache_bytes(patched_model, row, n) for n in BYTES_CONTEXTS])
-                     for row in filter(runnable, selected(standard_rows(quick, levels), only)) if row.method != "fake"]
+                     for row in filter(runnable, selected(standard_rows(quick, levels, model), only)) if row.method != "fake"]
+    # Per-layer widths and calibrated rotations are the model's own: no row at another model's shape.
     llama_results = [dict(name=row.name, contexts=[llama2_7b_bytes(row, n) for n in BYTES_CONTEXTS])
-                     for row in filter(runnable, selected(standard_rows(quick, levels), only)) if row.method != "fake"]
+                     for row in filter(runnable, selected(standard_rows(quick, levels, model), only))
+                     if row.method != "fake" and not (row.kivi and (row.kivi.layer_bits or row.kivi.rotations))]
     report = dict(
         model=model, quick=quick, corpus="pydoc_data.topics", window=window, windows=int(wins.shape[0]), chunk=chunk,
         passkey_lengths=passkey_lengths, passkey_trials=passkey_trials, seed=seed, rows=only,
@@ -358,7 +378,7 @@ def markdown(report: dict) -> str:
 
 COLORS = {"baseline": "tab:gray", "fake": "tab:orange", "kivi": "tab:blue", "group size": "tab:green",
           "residual": "tab:purple", "ott / sink": "tab:red", "kvquant": "tab:brown", "rotation": "tab:cyan",
-          "per-token / fp8": "tab:olive"}
+          "per-token / fp8": "tab:olive", "preset": "tab:pink"}
 
 
 def plot_bits(report: dict, path: Path, title: str) -> None:

@@ -52,6 +52,7 @@ from kivi_serve.engine import Engine
 from kivi_serve.paged_options import PagedServing
 from kivi_serve.request import Request
 
+from .perf import kivi_bits
 from .traces import SHAREGPT, chat_lengths
 
 CACHES = ("fp", "fp-paged", "kivi", "kivi-paged")
@@ -452,6 +453,7 @@ def bench_serve(model, tokenizer, *, budget_bytes: float, max_seq_len: int, requ
                 duration_s=duration, steady_fill=steady_fill, warmup_turnover=warmup_turnover, trace=SHAREGPT,
                 length_scale=length_scale, shared_prefix=shared_prefix, prefix_chunk=prefix_chunk,
                 drawn_prompt_mean=prompt_mean, drawn_output_mean=output_mean, kivi_config=repr(kivi_config),
+                **(kivi_bits(model, kivi_config, max_seq_len) if any(c.startswith("kivi") for c in caches) else {}),
                 rows=rows, skipped=skipped, ratios=ratios)
 
 

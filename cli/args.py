@@ -26,6 +26,8 @@ from kivi_ops.schedule import POLICIES
 from kivi_models.generate import METHODS
 from kivi_models.loading import DEFAULT_MODEL
 
+from kivi_benchmarks.presets import PRESETS
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -213,52 +215,31 @@ def _nuq_levels(args, parser) -> dict:
                              model=model_identity(args.model), head_dim=head_dim_of(config))
 
 
-# --preset: what each sets, from the model's shipped calibration (SHIPPED_CALIBRATION).
-PRESETS = {"quality-2bit": "the model's shipped calibration at <= 3 bits per element (4K tokens, scales and the fp "
-                           "window counted): calibrated rotations of keys and values and per-layer widths, with its "
-                           "--group-size and --residual-length"}
-# Per built-in model, its shipped `kivi calibrate --bits-budget` file (in kivi_benchmarks.RESULTS_DIR).
-SHIPPED_CALIBRATION = {DEFAULT_MODEL: "calibration_smollm2_bits3.json"}
-# The flags a preset sets: given with it, they are refused.
+# The flags a preset sets (kivi_benchmarks.presets): given with it, they are refused.
 _PRESET_FLAGS = ("k_bits", "v_bits", "group_size", "residual_length", "rotate_keys", "rotate_values", "rotation_seed")
 _PRESET_PATHS = ("rotations", "layer_bits", "nuq")
 
 
 def _apply_preset(args, parser, method: str) -> None:
-    """Sets the flags --preset stands for (PRESETS) on args."""
+    """Sets the flags --preset stands for (kivi_benchmarks.presets.preset_settings) on args."""
     given = sorted(f"--{name.replace('_', '-')}" for name in _PRESET_FLAGS if name in getattr(args, "explicit", set()))
     given += [f"--{name.replace('_', '-')}" for name in _PRESET_PATHS if getattr(args, name)]
     if given:
         parser.error(f"--preset {args.preset} sets {' / '.join(given)} itself; leave them out (or leave out --preset)")
     if method != "kivi":
         parser.error(f"--preset is an option of the KIVI cache (--method kivi), not of --method {method}")
-    from kivi_benchmarks import RESULTS_DIR
+    from kivi_benchmarks.presets import preset_settings
 
-    from kivi_ops.layer_bits import load_layer_bits
-
-    name = SHIPPED_CALIBRATION.get(args.model)
-    if name is None:
-        parser.error(f"--preset {args.preset}: no shipped calibration for --model {args.model} (shipped for: "
-                     f"{', '.join(SHIPPED_CALIBRATION)}); calibrate it with `kivi calibrate --bits-budget 3 "
-                     "--group-size G --residual-length R` and pass --layer-bits FILE --rotations FILE "
-                     "--rotate-keys calibrated --rotate-values calibrated")
-    path = str(RESULTS_DIR / name)
     with usage_errors(parser, ValueError, OSError):
-        _, section = load_layer_bits(path, _calibration_identity(args), flag=f"--preset {args.preset}")
-    args.group_size, args.residual_length = section["group_size"], section["residual_length"]
-    args.rotate_keys = args.rotate_values = "calibrated"
-    args.rotations = args.layer_bits = path
+        settings = preset_settings(args.preset, args.model)
+    for name, value in settings.items():
+        setattr(args, name, value)
 
 
 def _calibration_identity(args) -> dict:
-    """The loaded model's identity as calibration files record it (calibrated_rotation.model_identity)."""
-    from kivi_ops.calibrated_rotation import model_identity
+    from kivi_benchmarks.presets import calibration_identity
 
-    from kivi_models.loading import model_identity as loaded_model_identity
-    from kivi_models.loading import resolve_model_path
-
-    hf_config = json.loads((resolve_model_path(args.model) / "config.json").read_text())
-    return model_identity(hf_config, loaded_model_identity(args.model))
+    return calibration_identity(args.model)
 
 
 def _layer_bits(args, parser, method: str) -> tuple:

@@ -20,6 +20,9 @@ def test_bench_memory_matches_formula_and_paper_ratios(tmp_path, capsys):
     assert rows[(2, 32, 128, 32768)]["ratio"] == pytest.approx(5.22, abs=0.01)
     assert (2, 128, 32, 4096) not in rows  # R must be a multiple of G
     assert (tmp_path / "bench_memory.png").stat().st_size > 0
+    for r in result["rows"]:  # every layer is full attention: the cache's bits over its K and V elements
+        assert r["bits_per_element"] == pytest.approx(8 * r["kivi_bytes"] / (2 * 32 * 32 * r["tokens"] * 128))
+    assert 2 < rows[(2, 32, 128, 32768)]["bits_per_element"] < rows[(2, 32, 128, 4096)]["bits_per_element"] < 4
 
 
 def test_bench_memory_counts_sink_and_outlier_pools(tmp_path, capsys):
@@ -85,6 +88,7 @@ def test_budget_batches_follow_exact_cache_bytes():
 @pytest.mark.slow  # a minute on 2 busy cores: 3 caches x prefill + compiled decode
 def test_bench_budget_runs_each_cache_at_its_largest_batch(monkeypatch):
     from kivi_benchmarks import perf
+    from kivi_ops import KIVIConfig
 
     model = tiny_patched_llama()
     context, new = 256, 6
@@ -97,6 +101,31 @@ def test_bench_budget_runs_each_cache_at_its_largest_batch(monkeypatch):
     assert row["kivi_cache_bytes"] <= budget and row["fp_cache_bytes"] <= budget
     assert row["fp_timed_steps"] == new - 3 and row["kivi_median_step_tokens_per_s"] > 0
     assert row["batch_ratio"] == row["kivi_batch"] / 3
+    assert row["kivi_bits_per_element"] == perf.cache_bits_per_element(model, "kivi", KIVIConfig(), context + new)
+    assert row["bits_per_element_tokens"] == context + new
+
+
+def test_bench_decode_json_reports_the_bits_per_element_kivi_eval_does(tmp_path, monkeypatch, capsys):
+    # `kivi bench decode --json` rows: the KIVI cache's bits per element at the length it holds
+    # (context + new tokens), as `kivi eval ppl --json` reports them at that window. The decode
+    # timing itself (compiled, tens of seconds) is stubbed; the eval runs for real on a tiny GGUF.
+    from gguf_files import write_tiny_llama_gguf
+    from kivi_benchmarks import perf
+
+    monkeypatch.setenv("KIVI_MODEL_CACHE", str(tmp_path / "model-cache"))
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(gguf)
+    monkeypatch.setattr(perf, "measure_decode", lambda *a, **k: dict(tokens_per_s=1.0, median_step_tokens_per_s=1.0,
+                                                                      cache_bytes=1))
+    assert main(["bench", "decode", "--model", str(gguf), "--device", "cpu", "--contexts", "192", "--batches", "1",
+                 "--new-tokens", "32", "--out", str(tmp_path), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["bits_per_element_tokens"] == 224  # the tiny GGUF has 256 positions
+    assert main(["eval", "ppl", "--model", str(gguf), "--corpus", "pydoc", "--window", "224", "--max-tokens", "224",
+                 "--chunk", "224", "--json"]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["bits_per_element_tokens"] == 224 and evaluated["method"] == "kivi"
+    assert row["kivi_bits_per_element"] == evaluated["bits_per_element"] < 16
 
 
 def test_bench_budget_refuses_a_budget_below_one_sequence():
@@ -130,6 +159,7 @@ def test_bench_serve_runs_the_caches_at_one_budget(tmp_path):
     assert {"fp", "fp-paged", "kivi"} <= by.keys() and by.keys() | result["skipped"].keys() == {
         "fp", "fp-paged", "kivi", "kivi-paged"}
     assert by["kivi"]["rows"] > by["fp"]["rows"] >= 1  # the same bytes hold more KIVI rows
+    assert result["bits_per_element_tokens"] == 256 and 2 < result["kivi_bits_per_element"] < 16
     assert by["fp-paged"]["rows"] > by["fp"]["rows"]  # and more paged rows: short requests take few pages
     for r in by.values():
         assert r["cache_bytes"] <= 0.02 * 2**30 and r["generated_tokens"] > 0 and r["peak_held"] <= r["rows"]

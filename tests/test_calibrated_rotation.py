@@ -343,16 +343,10 @@ def test_tp2_equals_one_process(calibrated_tiny):
 
 @pytest.mark.slow
 def test_pt2_export_equals_generate(tmp_path, capsys):
-    from gguf_files import write_tiny_llama_gguf
-    from kivi_cli.main import main
-    from test_export_options import exported_kivi_config
+    from test_export_options import exported_calibrated_config
 
-    gguf = tmp_path / "tiny-llama.gguf"
-    write_tiny_llama_gguf(gguf)
-    calib = tmp_path / "calib.json"
-    assert main(["calibrate", "--model", str(gguf), "--out", str(calib), "--bits", "2", "--group-size", "8",
-                 "--window", "64", "--windows", "2"]) == 0
-    options = ["--model", str(gguf), "--method", "kivi", "--group-size", "8", "--residual-length", "8",
-               "--rotate-keys", "calibrated", "--rotate-values", "calibrated", "--rotations", str(calib)]
-    kivi = exported_kivi_config("pt2", options, tmp_path / "p", capsys)
+    kivi, calib = exported_calibrated_config(
+        tmp_path, capsys, calibrate_flags=[],
+        cache_flags=lambda calib: ["--rotate-keys", "calibrated", "--rotate-values", "calibrated", "--rotations",
+                                   str(calib)])
     assert kivi["rotate_keys"] == "calibrated" and kivi["rotations"]["file"] == str(calib)

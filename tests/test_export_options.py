@@ -32,6 +32,21 @@ def exported_kivi_config(fmt, options, out, capsys) -> dict:
     return report["config"]["kivi"]
 
 
+def exported_calibrated_config(tmp_path, capsys, *, calibrate_flags, cache_flags) -> tuple[dict, object]:
+    """A tiny GGUF Llama calibrated (`kivi calibrate --bits 2 --group-size 8 --window 64 --windows 2`
+    and calibrate_flags), then exported to pt2 with `--method kivi --group-size 8 --residual-length 8`
+    and cache_flags(the calibration file), checked as exported_kivi_config does. Returns the KIVI
+    config the artifact reports and the calibration file."""
+    gguf = tmp_path / "tiny-llama.gguf"
+    write_tiny_llama_gguf(gguf)
+    calib = tmp_path / "calib.json"
+    assert main(["calibrate", "--model", str(gguf), "--out", str(calib), "--bits", "2", "--group-size", "8",
+                 "--window", "64", "--windows", "2", *calibrate_flags]) == 0
+    options = ["--model", str(gguf), "--method", "kivi", "--group-size", "8", "--residual-length", "8",
+               *cache_flags(calib)]
+    return exported_kivi_config("pt2", options, tmp_path / "p", capsys), calib
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["pt2", "onnx"])
 def test_export_with_sink_and_outlier_tokens(fmt, model, tmp_path, capsys):

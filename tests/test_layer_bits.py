@@ -195,18 +195,18 @@ def test_file_round_trip_and_refusals(tmp_path):
 
 
 def test_shipped_file_is_within_three_bits_on_the_default_model():
-    from kivi_benchmarks import RESULTS_DIR
-    from kivi_cli.args import SHIPPED_CALIBRATION
+    from kivi_benchmarks.presets import preset_calibration
     from kivi_models.loading import default_model_dir
 
     hf_config = json.loads((default_model_dir() / "config.json").read_text())
-    widths, section = load_layer_bits(RESULTS_DIR / SHIPPED_CALIBRATION["default"], model_identity(hf_config, "default"))
+    shipped = preset_calibration("quality-2bit", "default")
+    widths, section = load_layer_bits(shipped, model_identity(hf_config, "default"))
     config = KIVIConfig(group_size=section["group_size"], residual_length=section["residual_length"], layer_bits=widths)
     cache = KIVICache(config, num_layers=len(widths), batch_size=1, max_seq_len=4096, num_kv_heads=3, head_dim=64,
                       dtype=torch.float16, device="meta")
     bits = 8 * cache.nbytes() / (2 * len(widths) * 3 * 4096 * 64)
     assert bits == pytest.approx(section["bits_per_element"], abs=1e-4) and bits <= section["budget"] <= 3.0
-    assert section["rotated"] and json.loads((RESULTS_DIR / SHIPPED_CALIBRATION["default"]).read_text())["rotations"]
+    assert section["rotated"] and json.loads(shipped.read_text())["rotations"]
 
 
 # ---------------------------------------------------------------- the CLI
@@ -233,12 +233,45 @@ def test_preset_sets_rotations_and_widths_and_refuses_its_flags(capsys):
                            (["--layer-bits", "x.json"], "sets --layer-bits itself"),
                            (["--method", "fp"], "--preset is an option of the KIVI cache (--method kivi)"),
                            (["--model", "gemma3-270m"], "--preset quality-2bit: no shipped calibration for --model "
-                                                        "gemma3-270m")):
+                                                        "gemma3-270m (shipped for --model default (SmolLM2-135M")):
         args, parser = _args("--preset", "quality-2bit", *flags)
         with pytest.raises(SystemExit) as e:
             kivi_config_from(args, parser)
         assert e.value.code == 2 and message in capsys.readouterr().err
     assert "quality-2bit" in parser.format_help()
+
+
+def test_table_has_a_row_per_shipped_preset_with_the_config_and_bits_eval_reports(tmp_path, monkeypatch, capsys):
+    # `kivi eval table`'s preset rows are the caches `--preset NAME` builds, and their bits per
+    # element (at 4K tokens) are what `kivi eval ppl --preset NAME --json` reports at a 4K window.
+    # The table runs for real on short windows; the eval run's perplexity (a 4K-token forward, 20 s)
+    # is stubbed: only its config and bits are compared.
+    from kivi_benchmarks import perplexity
+    from kivi_benchmarks.quality_table import BYTES_CONTEXTS, preset_rows, run_table
+    from kivi_cli.main import main
+    from kivi_models import load_model, patch_model
+
+    assert preset_rows("gemma3-270m") == [] and preset_rows(str(tmp_path)) == []  # no shipped calibration
+    plain, tokenizer = load_model()
+    patched = patch_model(load_model()[0])
+    report = run_table(plain, patched, tokenizer, quick=False, out_dir=tmp_path, window=64, windows=1, chunk=8,
+                       passkey_lengths=[256], passkey_trials=1, only=["--preset"])
+    assert [r["name"] for r in report["perplexity"]] == ["16-bit", "--preset quality-2bit (G=64, R=64)"]
+    assert [r["name"] for r in report["passkey"]] == ["16-bit", "--preset quality-2bit (G=64, R=64)"]
+    row = report["perplexity"][1]
+    assert row["group"] == "preset" and row["config"]["preset"] == "quality-2bit"
+    assert "| --preset quality-2bit (G=64, R=64) |" in (tmp_path / "quality.md").read_text()
+
+    monkeypatch.setattr(perplexity, "cache_perplexity",
+                        lambda *args, **kwargs: perplexity.PerplexityResult(ppl=1.0, tokens=1, seconds=0.0))
+    tokens = BYTES_CONTEXTS[0]
+    capsys.readouterr()
+    assert main(["eval", "ppl", "--corpus", "pydoc", "--preset", "quality-2bit", "--window", str(tokens),
+                 "--max-tokens", str(tokens), "--json"]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["bits_per_element_tokens"] == tokens
+    assert row["bits_per_element"] == evaluated["bits_per_element"] < 3.0
+    assert dict(row["config"], preset=None) == dict(evaluated["config"], preset=None)
 
 
 def test_layer_bits_flag_refuses_explicit_widths_and_another_group_size(tmp_path, capsys):
@@ -346,17 +379,10 @@ def test_paged_tp_engine_with_preemptions_equals_static_generate_and_its_worker(
 
 @pytest.mark.slow
 def test_pt2_export_equals_generate(tmp_path, capsys):
-    from gguf_files import write_tiny_llama_gguf
-    from kivi_cli.main import main
-    from test_export_options import exported_kivi_config
+    from test_export_options import exported_calibrated_config
 
-    gguf = tmp_path / "tiny-llama.gguf"
-    write_tiny_llama_gguf(gguf)
-    calib = tmp_path / "calib.json"
-    assert main(["calibrate", "--model", str(gguf), "--out", str(calib), "--bits", "2", "--group-size", "8",
-                 "--window", "64", "--windows", "2", "--no-rotations", "--bits-budget", "6.5",
-                 "--residual-length", "8", "--budget-tokens", "512"]) == 0
-    options = ["--model", str(gguf), "--method", "kivi", "--group-size", "8", "--residual-length", "8",
-               "--layer-bits", str(calib)]
-    kivi = exported_kivi_config("pt2", options, tmp_path / "p", capsys)
+    kivi, calib = exported_calibrated_config(
+        tmp_path, capsys, calibrate_flags=["--no-rotations", "--bits-budget", "6.5", "--residual-length", "8",
+                                           "--budget-tokens", "512"],
+        cache_flags=lambda calib: ["--layer-bits", str(calib)])
     assert kivi["layer_bits"] == json.loads(calib.read_text())["layer_bits"]["layers"]
