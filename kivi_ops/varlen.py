@@ -10,9 +10,15 @@ a request that starts at token 0 (a prompt, or the first chunk of one) attends o
 and values, causally, as the library's prefill (Step(prefill=True)); any later chunk or decode token
 attends over the cache (run_attend), as the library's own continuation. One-token decodes run as
 one batch; longer chunks one request at a time (no padding to the longest).
+
+With `chunk` (prefix caching) every chunk, a prompt's first included, attends through the cache and
+is cut at the multiples of `chunk` (the library's prefill_chunked): the cache at such a boundary then
+depends on the tokens before it alone, and `on_boundary(b, tokens)` runs when request b reaches one.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +40,9 @@ def expected_slots(block_table: Tensor, starts: list[int], ends: list[int], page
 
 def varlen_append_attend(query: Tensor, key: Tensor, value: Tensor, pools: LayerTensors, k_window: Tensor,
                          v_window: Tensor, rows: Tensor, block_table: Tensor, query_start_loc: Tensor,
-                         seq_lens: Tensor, slot_mapping: Tensor, params: QuantParams, scale: float) -> Tensor:
+                         seq_lens: Tensor, slot_mapping: Tensor, params: QuantParams, scale: float,
+                         chunk: Optional[int] = None,
+                         on_boundary: Optional[Callable[[int, int], None]] = None) -> Tensor:
     """Append and attend every request of the batch (module doc); returns [T, Hq, D] (rows past
     query_start_loc[-1] are zeros). pools: the layer's page pools (k_res/v_res/lengths unused).
     slot_mapping must agree with block_table (a mismatch means the engine's layout is not ours)."""
@@ -53,10 +61,26 @@ def varlen_append_attend(query: Tensor, key: Tensor, value: Tensor, pools: Layer
     if decode:
         _run(decode, 1, False, query, key, value, out, pools, k_window, v_window, rows, block_table, qsl, sl,
              params, scale)
+        for b in decode:
+            if chunk and on_boundary is not None and sl[b] % chunk == 0:
+                on_boundary(b, sl[b])
     for b in range(B):
-        if qlen[b] > 0 and b not in decode:
+        if qlen[b] == 0 or b in decode:
+            continue
+        if not chunk:
             _run([b], qlen[b], ctx[b] == 0, query, key, value, out, pools, k_window, v_window, rows, block_table,
                  qsl, sl, params, scale)
+            continue
+        begin = ctx[b]
+        while begin < sl[b]:
+            end = min((begin // chunk + 1) * chunk, sl[b])
+            # One sub-chunk of request b: its tokens [begin, end) of the flattened batch.
+            sub_qsl = {b: qsl[b] + begin - ctx[b], b + 1: qsl[b] + end - ctx[b]}
+            _run([b], end - begin, False, query, key, value, out, pools, k_window, v_window, rows, block_table,
+                 sub_qsl, {b: end}, params, scale)
+            if on_boundary is not None and end % chunk == 0:
+                on_boundary(b, end)
+            begin = end
     return out
 
 

@@ -27,6 +27,7 @@ def register() -> None:
     _hook_config_check(type(current_platform))
     _hook_runner()
     _hook_kv_memory()
+    _hook_prefix_hits()
 
 
 def _hook_config_check(platform_cls) -> None:
@@ -83,3 +84,52 @@ def _hook_kv_memory() -> None:
         return available - windows
 
     CPUWorker.determine_available_memory = determine_available_memory
+
+
+def _hook_prefix_hits() -> None:
+    """Prefix caching over KIVI blocks (prefix_tails.py), in the scheduler: vLLM's hit is cut back to
+    the longest prompt boundary whose window copy this process holds (a shared block without its
+    window would change the answer), and prefill chunks end at multiples of prefix_chunk (or at the
+    prefill's end), so the cache at a boundary is a function of the tokens before it, whichever
+    request wrote it. The chunk end uses vLLM's own hook for Mamba's aligned prefill states."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from .options import kivi_options, prefix_settings
+    from .prefix_tails import TAILS
+
+    original = Scheduler.__init__
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        if kivi_options(vllm_config) is None or not vllm_config.cache_config.enable_prefix_caching:
+            return
+        chunk, _ = prefix_settings(vllm_config)
+        manager = self.kv_cache_manager
+        lookup = manager.get_computed_blocks
+        if not TAILS.chunk:
+            log.warning("KIVI: the worker runs in another process than the scheduler: no prefix-cache hits")
+
+        def get_computed_blocks(request):
+            blocks, hit, boundary = lookup(request)
+            # A request resumed after preemption (it has outputs) recomputes from token 0: resumed from
+            # its own cached prefix, its tokens differed from the library's replay (docs/vllm.md).
+            resumed = request.num_output_tokens > 0
+            keep = TAILS.longest_hit(request.all_token_ids, hit) if hit and not resumed else 0
+            if keep == hit:
+                return blocks, hit, boundary
+            return KVCacheBlocks(tuple(list(g[:len(g) * keep // hit]) for g in blocks.blocks)), keep, 0
+
+        def end_chunks_at_boundaries(request, num_new_tokens, num_new_local_computed_tokens=0,
+                                     num_external_computed_tokens=0):
+            start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+            end = start + num_new_tokens
+            if end >= max(request.num_prompt_tokens, request.num_tokens - 1):  # the prefill's last chunk
+                return num_new_tokens
+            return max(end // chunk * chunk - start, 0)  # 0: it waits for a budget that reaches a boundary
+
+        manager.get_computed_blocks = get_computed_blocks
+        self.need_mamba_block_aligned_split = True
+        self._mamba_block_aligned_split = end_chunks_at_boundaries
+
+    Scheduler.__init__ = __init__

@@ -25,7 +25,8 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadataBuilder)
 
-from .options import kivi_options
+from .options import kivi_options, prefix_settings
+from .prefix_tails import TAILS, boundary_keys
 from .windows import SLOTS
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ class KIVIMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     rows: torch.Tensor  # each request's window slot (windows.py)
+    prefix_chunk: int  # 0: prefix caching off (prefix_tails.py)
+    restores: dict  # batch row -> the key of the cached prefix it starts from
+    saves: dict  # (batch row, boundary) -> key: the prompt boundaries this step reaches
 
 
 class KIVIMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -81,15 +85,48 @@ class KIVIMetadataBuilder(CPUAttentionMetadataBuilder):
         # CPU_ATTN's own set-up picks an ISA for its 16-bit kernels, which never run here.
         super(CPUAttentionMetadataBuilder, self).__init__(kv_cache_spec, layer_names, vllm_config, device)
         SLOTS.reserve(vllm_config.scheduler_config.max_num_seqs)
+        self.prefix_chunk, limit = prefix_settings(vllm_config)
+        TAILS.configure(self.prefix_chunk, limit)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         if self.kivi is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
         m = common_attn_metadata
         SLOTS.record(m.num_reqs, m.query_start_loc, m.seq_lens)
+        rows, fresh = SLOTS.rows(m.num_reqs)
+        restores, saves = self._prefix_plan(m, fresh)
         return KIVIMetadata(num_actual_tokens=m.num_actual_tokens, query_start_loc=m.query_start_loc,
                             seq_lens=m.seq_lens, block_table=m.block_table_tensor, slot_mapping=m.slot_mapping,
-                            rows=SLOTS.rows(m.num_reqs))
+                            rows=rows, prefix_chunk=self.prefix_chunk, restores=restores, saves=saves)
+
+    def _prefix_plan(self, m, fresh: list[int]) -> tuple[dict, dict]:
+        """Which rows start from a cached prefix (a new request past token 0) and which prompt
+        boundaries this step reaches (prefix_tails.py)."""
+        N, qsl, sl = self.prefix_chunk, m.query_start_loc.tolist(), m.seq_lens.tolist()
+        restores, saves = {}, {}
+        for b in range(m.num_reqs):
+            ctx = sl[b] - (qsl[b + 1] - qsl[b])
+            starts_cached = b in fresh and ctx > 0
+            if starts_cached and not N:
+                raise RuntimeError(f"a request starts at token {ctx} with no window: the KIVI cache needs "
+                                   "prefix caching on for that (or a KV connector, which it refuses)")
+            if not N:
+                continue
+            tokens, prompt_len = SLOTS.tokens(b)
+            reach = min(sl[b], prompt_len)  # copies are kept at prompt boundaries only
+            if reach < N and not starts_cached:
+                continue
+            keys = boundary_keys(tokens, N, max(reach, ctx))
+            if starts_cached:
+                if ctx % N:
+                    raise RuntimeError(f"a request starts from a cached prefix of {ctx} tokens, not a multiple of "
+                                       f"the KIVI prefix_chunk={N} (the scheduler hook was bypassed)")
+                restores[b] = keys[ctx // N - 1]
+                TAILS.hits += 1
+            for end in range((ctx // N + 1) * N, reach + 1, N):
+                saves[b, end] = keys[end // N - 1]
+        TAILS.evict(keep=set(restores.values()))
+        return restores, saves
 
 
 class KIVIAttentionImpl(CPUAttentionBackendImpl):
@@ -135,12 +172,23 @@ class KIVIAttentionImpl(CPUAttentionBackendImpl):
         m, n = attn_metadata, attn_metadata.num_actual_tokens
         pools = pool_views(kv_cache, self.kivi, self.num_kv_heads, self.block_size, self.head_size, self.dtype)
         k_window, v_window = self._windows()
+        name = layer.layer_name
+        for b, prefix in m.restores.items():
+            k, v = TAILS.load(prefix, name)
+            k_window[m.rows[b]].copy_(k)
+            v_window[m.rows[b]].copy_(v)
+
+        def on_boundary(b, end):
+            prefix = m.saves.get((b, end))
+            if prefix is not None:
+                TAILS.save(prefix, name, k_window[m.rows[b]], v_window[m.rows[b]])
         tensors = LayerTensors(pools["k_codes"], pools["k_scale"], pools["k_zero"], k_window, pools["v_codes"],
                                pools["v_scale"], pools["v_zero"], v_window, m.seq_lens)
         out = varlen_append_attend(
             query[:n].view(n, self.num_heads, self.head_size), key[:n].view(n, self.num_kv_heads, self.head_size),
             value[:n].view(n, self.num_kv_heads, self.head_size), tensors, k_window, v_window, m.rows,
-            m.block_table, m.query_start_loc, m.seq_lens, m.slot_mapping, self.params, self.scale)
+            m.block_table, m.query_start_loc, m.seq_lens, m.slot_mapping, self.params, self.scale,
+            chunk=m.prefix_chunk or None, on_boundary=on_boundary if m.saves else None)
         output[:n].view(n, self.num_heads, self.head_size).copy_(out)
         return output
 

@@ -12,8 +12,13 @@ from kivi_ops.paged_layout import check_page_size
 
 KEY = "kivi"
 # The paged KIVI cache's settings (kivi_ops/paged.py refuses the static cache's extras).
-ALLOWED = ("k_bits", "v_bits", "group_size", "residual_length")
+CACHE_KEYS = ("k_bits", "v_bits", "group_size", "residual_length")
+# Prefix caching (prefix_tails.py): the boundary of sharing, and the host memory of the window copies.
+PREFIX_KEYS = ("prefix_chunk", "prefix_cache_mib")
+ALLOWED = CACHE_KEYS + PREFIX_KEYS
 BITS = (2, 4)
+DEFAULT_PREFIX_CHUNK = 64  # rounded up to a multiple of --block-size
+DEFAULT_PREFIX_CACHE_MIB = 512
 
 
 def kivi_options(vllm_config) -> Optional[KIVIConfig]:
@@ -32,15 +37,18 @@ def kivi_options(vllm_config) -> Optional[KIVIConfig]:
         if name in raw and raw[name] not in BITS:
             raise ValueError(f'--additional-config "kivi": {name} must be one of {BITS} (KIVI-2, KIVI-4), '
                              f"got {raw[name]!r}")
+    for name in PREFIX_KEYS:
+        if name in raw and (isinstance(raw[name], bool) or not isinstance(raw[name], int) or raw[name] <= 0):
+            raise ValueError(f'--additional-config "kivi": {name} must be a positive int, got {raw[name]!r}')
     try:
-        return KIVIConfig(**raw)
+        return KIVIConfig(**{k: v for k, v in raw.items() if k in CACHE_KEYS})
     except ValueError as e:
         raise ValueError(f'--additional-config "kivi": {e}') from None
 
 
 def check_engine(vllm_config, config: KIVIConfig) -> list[str]:
     """Refuse what the KIVI backend cannot serve (ValueError naming it). Returns the notes of what
-    it changes: prefix caching is turned off (the shared blocks would lack the fp window)."""
+    it changes (prefix caching is turned off under tensor parallelism)."""
     cache = vllm_config.cache_config
     if cache.cache_dtype != "auto":
         raise ValueError(f"--kv-cache-dtype {cache.cache_dtype} cannot be combined with the KIVI cache "
@@ -62,11 +70,36 @@ def check_engine(vllm_config, config: KIVIConfig) -> list[str]:
     if vllm_config.speculative_config is not None:
         raise ValueError("the KIVI cache does not support speculative decoding (--speculative-config)")
     notes = []
-    if cache.enable_prefix_caching:
+    chunk = vllm_config.additional_config[KEY].get("prefix_chunk")
+    if chunk is not None and cache.block_size is not None and chunk % cache.block_size:
+        raise ValueError(f'--additional-config "kivi": prefix_chunk={chunk} must be a multiple of --block-size '
+                         f"{cache.block_size} (vLLM shares whole blocks)")
+    if cache.enable_prefix_caching and vllm_config.parallel_config.world_size > 1:
         cache.enable_prefix_caching = False
-        notes.append("prefix caching turned off: a shared KIVI block would not carry the full-precision window "
-                     "of the request that wrote it")
+        notes.append("prefix caching turned off under tensor parallelism: the window copies of a shared prefix "
+                     "live in the worker, which must share the scheduler's process")
+    budget = vllm_config.scheduler_config.max_num_batched_tokens
+    if cache.enable_prefix_caching and cache.block_size is not None and budget is not None:
+        chunk = _prefix_chunk(vllm_config)
+        if chunk > budget:
+            raise ValueError(f"--max-num-batched-tokens {budget} is below the KIVI prefix_chunk ({chunk} tokens): "
+                             'prefill chunks end at its multiples under prefix caching; raise it, lower "prefix_chunk", '
+                             "or pass --no-enable-prefix-caching")
     return notes
+
+
+def prefix_settings(vllm_config) -> tuple[int, int]:
+    """(chunk, limit in bytes) of prefix caching over KIVI blocks; chunk 0 when it is off."""
+    cache = vllm_config.cache_config
+    if not cache.enable_prefix_caching:
+        return 0, 0
+    mib = vllm_config.additional_config[KEY].get("prefix_cache_mib", DEFAULT_PREFIX_CACHE_MIB)
+    return _prefix_chunk(vllm_config), mib * 2**20
+
+
+def _prefix_chunk(vllm_config) -> int:
+    block = vllm_config.cache_config.block_size
+    return vllm_config.additional_config[KEY].get("prefix_chunk", -(-DEFAULT_PREFIX_CHUNK // block) * block)
 
 
 def window_pool_bytes(vllm_config, config: KIVIConfig) -> int:

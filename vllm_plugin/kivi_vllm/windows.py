@@ -33,21 +33,29 @@ class WindowSlots:
         for req_id in (*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ())):
             self.slot_of.pop(req_id, None)
 
-    def rows(self, num_reqs: int) -> torch.Tensor:
-        """Slots of the first num_reqs requests of the runner's input batch (new ones get a free slot)."""
+    def rows(self, num_reqs: int) -> tuple[torch.Tensor, list[int]]:
+        """Slots of the first num_reqs requests of the runner's input batch (new ones get a free slot),
+        and the batch indices of those new ones."""
         if self.runner is None:
             raise RuntimeError("the KIVI backend needs the model runner hook (kivi_vllm.register) to be installed")
         req_ids = self.runner.input_batch.req_ids[:num_reqs]
         used = set(self.slot_of.values())
         free = (s for s in range(self.capacity) if s not in used)
-        for r in req_ids:
+        fresh = []
+        for b, r in enumerate(req_ids):
             if r not in self.slot_of:
+                fresh.append(b)
                 slot = next(free, None)
                 if slot is None:
                     raise RuntimeError(f"no free KIVI window slot for request {r} ({self.capacity} slots, "
                                        "--max-num-seqs)")
                 self.slot_of[r] = slot
-        return torch.tensor([self.slot_of[r] for r in req_ids], dtype=torch.long)
+        return torch.tensor([self.slot_of[r] for r in req_ids], dtype=torch.long), fresh
+
+    def tokens(self, b: int) -> tuple[list[int], int]:
+        """The tokens of batch row b so far (prompt, then outputs) and the prompt's length."""
+        state = self.runner.requests[self.runner.input_batch.req_ids[b]]
+        return state.prompt_token_ids + state.output_token_ids, len(state.prompt_token_ids)
 
     def record(self, num_reqs: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> None:
         if self.trace is None:

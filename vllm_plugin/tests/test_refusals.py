@@ -25,6 +25,10 @@ def _config(model_dir, kivi, **options):
     ({**KIVI2, "residual_length": 100}, {}, "residual_length must be a positive multiple of group_size=32"),
     ({**KIVI2, "group_size": 64}, {}, "--block-size 32 must be a multiple of the KIVI group_size=64"),
     ([2, 2], {}, '"kivi" must be an object'),
+    ({**KIVI2, "prefix_chunk": 48}, {}, "prefix_chunk=48 must be a multiple of --block-size 32"),
+    ({**KIVI2, "prefix_cache_mib": 0}, {}, "prefix_cache_mib must be a positive int, got 0"),
+    ({**KIVI2, "prefix_chunk": 128}, {"max_num_batched_tokens": 96, "enable_prefix_caching": True},
+     "--max-num-batched-tokens 96 is below the KIVI prefix_chunk (128 tokens)"),
 ])
 def test_bad_settings_are_refused(tiny_llama, kivi, options, message):
     with pytest.raises(Exception) as info:
@@ -32,9 +36,9 @@ def test_bad_settings_are_refused(tiny_llama, kivi, options, message):
     assert message in str(info.value)
 
 
-def test_prefix_caching_is_turned_off(tiny_llama):
+def test_prefix_caching_stays_on(tiny_llama):
     config = _config(tiny_llama, KIVI2, enable_prefix_caching=True)
-    assert config.cache_config.enable_prefix_caching is False
+    assert config.cache_config.enable_prefix_caching is True
 
 
 def test_without_kivi_nothing_changes(tiny_llama):

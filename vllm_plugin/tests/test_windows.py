@@ -16,17 +16,23 @@ def _out(*finished, preempted=None):
     return SimpleNamespace(finished_req_ids=set(finished), preempted_req_ids=preempted)
 
 
+def _rows(slots):
+    rows, fresh = slots.rows(2)
+    return rows.tolist(), fresh
+
+
 def test_slots_are_freed_and_reused():
     slots = WindowSlots()
     slots.reserve(2)
     runner = _runner("a", "b")
     slots.on_update(runner, _out())
-    assert slots.rows(2).tolist() == [0, 1]
+    assert _rows(slots) == ([0, 1], [0, 1])  # (slots, the batch rows new to a slot)
+    assert _rows(slots) == ([0, 1], [])
     runner.input_batch.req_ids = ["b", "c"]
     with pytest.raises(RuntimeError, match="no free KIVI window slot for request c"):
         slots.rows(2)
     slots.on_update(runner, _out("a"))
-    assert slots.rows(2).tolist() == [1, 0]
+    assert _rows(slots) == ([1, 0], [1])
 
 
 def test_a_new_engine_starts_empty():
@@ -36,7 +42,7 @@ def test_a_new_engine_starts_empty():
     slots.rows(2)
     slots.reserve(2)
     slots.on_update(_runner("c", "d"), _out())
-    assert slots.rows(2).tolist() == [0, 1]
+    assert _rows(slots) == ([0, 1], [0, 1])
 
 
 def test_a_preempted_request_frees_its_slot_while_it_waits():
@@ -45,7 +51,7 @@ def test_a_preempted_request_frees_its_slot_while_it_waits():
     slots.reserve(2)
     runner = _runner("a", "b")
     slots.on_update(runner, _out())
-    assert slots.rows(2).tolist() == [0, 1]
+    assert _rows(slots) == ([0, 1], [0, 1])
     runner.input_batch.req_ids = ["a", "c"]
     slots.on_update(runner, _out(preempted={"b"}))
-    assert slots.rows(2).tolist() == [0, 1]
+    assert _rows(slots) == ([0, 1], [1])
