@@ -112,10 +112,10 @@ def _hook_prefix_hits() -> None:
 
         def get_computed_blocks(request):
             blocks, hit, boundary = lookup(request)
-            # A request resumed after preemption (it has outputs) recomputes from token 0: resumed from
-            # its own cached prefix, its tokens differed from the library's replay (docs/vllm.md).
-            resumed = request.num_output_tokens > 0
-            keep = TAILS.longest_hit(request.all_token_ids, hit) if hit and not resumed else 0
+            if not hit:
+                return blocks, hit, boundary
+            block = vllm_config.cache_config.block_size
+            keep = TAILS.longest_hit(request.all_token_ids, hit, [b.block_id for b in blocks.blocks[0]], block)
             if keep == hit:
                 return blocks, hit, boundary
             return KVCacheBlocks(tuple(list(g[:len(g) * keep // hit]) for g in blocks.blocks)), keep, 0

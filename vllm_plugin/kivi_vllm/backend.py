@@ -114,9 +114,8 @@ class KIVIMetadataBuilder(CPUAttentionMetadataBuilder):
                 continue
             tokens, prompt_len = SLOTS.tokens(b)
             reach = min(sl[b], prompt_len)  # copies are kept at prompt boundaries only
-            if reach < N and not starts_cached:
-                continue
-            keys = boundary_keys(tokens, N, max(reach, ctx))
+            start, frontier = min(ctx, prompt_len) // N * N, reach // N * N
+            keys = boundary_keys(tokens, N, max(reach, ctx)) if starts_cached or frontier > start else ()
             if starts_cached:
                 if ctx % N:
                     raise RuntimeError(f"a request starts from a cached prefix of {ctx} tokens, not a multiple of "
@@ -125,6 +124,10 @@ class KIVIMetadataBuilder(CPUAttentionMetadataBuilder):
                 TAILS.hits += 1
             for end in range((ctx // N + 1) * N, reach + 1, N):
                 saves[b, end] = keys[end // N - 1]
+            # Chunks end at boundaries or at the prefill's end: the blocks below the last prompt boundary
+            # reached are clean, those of tokens past it are not (prefix_tails.py).
+            TAILS.mark(m.block_table_tensor[b].tolist(), keys, start, frontier, (ctx, sl[b]),
+                       self.kv_cache_spec.block_size)
         TAILS.evict(keep=set(restores.values()))
         return restores, saves
 

@@ -30,10 +30,15 @@ def test_tails_evict_least_recently_used_but_never_the_kept():
     for key in keys:
         tails.save(key, "layer0", window, window)
     assert tails.bytes == 4 * 512  # saving never evicts: the scheduler may have counted on an entry
-    assert tails.longest_hit(tokens, 255) == 192  # the longest stored boundary <= 255 tokens; now most recent
+    blocks = list(range(100, 108))  # blocks of 32 tokens
+    tails.mark(blocks, keys, 0, 192, (0, 200), 32)  # a prefill to 200 tokens: its last 8 past the boundary
+    assert tails.longest_hit(tokens, 255, blocks, 32) == 192  # the longest stored boundary <= 255; now most recent
     tails.evict(keep={keys[0]})
     assert tails.bytes == 1024 and set(tails.entries) == {keys[0], keys[2]}
-    assert tails.longest_hit(tokens, 255) == 192 and tails.longest_hit(tokens, 150) == 64
+    assert tails.longest_hit(tokens, 150, blocks, 32) == 64
+    # A block rewritten past its writer's frontier (another request's prompt ended inside its chunk):
+    tails.mark([100, 101, 102, 103], keys, 64, 64, (64, 110), 32)
+    assert tails.longest_hit(tokens, 255, blocks, 32) == 64
 
 
 def _check(model, config, prompt, out, sched):
@@ -75,7 +80,7 @@ def test_hits_change_nothing_and_equal_the_library(tiny_llama):
 def test_hits_under_chunked_prefill_and_preemption(tiny_llama):
     # An 80-token budget chunks the prompts (their chunks end at the 64-token boundaries) and mixes
     # them with decodes; 9 blocks cannot hold every request, so vLLM preempts, and a recomputed request
-    # restarts from token 0 (not from its own cached prefix), while new requests start from cached ones.
+    # may start again from a cached prefix (its own, or another request's), as new requests do.
     ps = [SHARED[:100 + 20 * i] + [(13 * j + i) % 256 for j in range(10 + 7 * i)] for i in range(5)]
     SLOTS.trace = []
     llm = make_llm(tiny_llama, KIVI2, enable_prefix_caching=True, max_num_batched_tokens=80,
@@ -91,8 +96,8 @@ def test_hits_under_chunked_prefill_and_preemption(tiny_llama):
     prefill_steps = [(c, n, len(p)) for p, s in sched.items() for c, n in s if n > 1]
     assert any(c + n < plen for c, n, plen in prefill_steps), "no prompt was chunked"
     assert all((c + n) % 64 == 0 for c, n, plen in prefill_steps if c + n < plen), "a chunk ended off a boundary"
-    assert restarts == [0] * len(restarts), "a resumed request started from a cached prefix"
-    assert sum(s[0][0] > 0 for s in sched.values()) >= 3, "too few prefix-cache hits"
+    assert sum(s[0][0] > 0 for s in sched.values()) >= 3, "too few new requests started from a cached prefix"
+    assert any(c > 0 for c in restarts), "no resumed request started from a cached prefix"
     model, config, steps = load_patched(tiny_llama), KIVIConfig(**KIVI2), prefix_schedules(trace, 64)
     for prompt, out in zip(ps, outs):
         _check(model, config, prompt, out, steps[tuple(prompt)])
