@@ -3,7 +3,8 @@
 `register` is the `vllm.general_plugins` entry point, run in every vLLM process. It points
 CPU_ATTN at KIVIAttentionBackend (which is vLLM's own CPU backend unless `--additional-config
 '{"kivi": {...}}'` is given), checks the engine's settings when the config is built, and hooks the
-model runner so that the backend knows which request each batch row is."""
+model runner so that the backend knows which request each batch row is, and the scheduler for
+prefix caching (prefix_tails.py)."""
 
 from __future__ import annotations
 
