@@ -106,6 +106,7 @@ def _hook_prefix_hits() -> None:
         if kivi_options(vllm_config) is None or not vllm_config.cache_config.enable_prefix_caching:
             return
         chunk, _ = prefix_settings(vllm_config)
+        block = vllm_config.cache_config.block_size
         manager = self.kv_cache_manager
         lookup = manager.get_computed_blocks
         if not TAILS.chunk:
@@ -115,7 +116,6 @@ def _hook_prefix_hits() -> None:
             blocks, hit, boundary = lookup(request)
             if not hit:
                 return blocks, hit, boundary
-            block = vllm_config.cache_config.block_size
             keep = TAILS.longest_hit(request.all_token_ids, hit, [b.block_id for b in blocks.blocks[0]], block)
             if keep == hit:
                 return blocks, hit, boundary

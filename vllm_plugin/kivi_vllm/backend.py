@@ -112,10 +112,13 @@ class KIVIMetadataBuilder(CPUAttentionMetadataBuilder):
                                    "prefix caching on for that (or a KV connector, which it refuses)")
             if not N:
                 continue
-            tokens, prompt_len = SLOTS.tokens(b)
+            state = SLOTS.request(b)
+            prompt_len = len(state.prompt_token_ids)
             reach = min(sl[b], prompt_len)  # copies are kept at prompt boundaries only
             start, frontier = min(ctx, prompt_len) // N * N, reach // N * N
-            keys = boundary_keys(tokens, N, max(reach, ctx)) if starts_cached or frontier > start else ()
+            keys = ()  # a decode step neither starts from a prefix nor reaches a prompt boundary
+            if starts_cached or frontier > start:
+                keys = boundary_keys(state.prompt_token_ids + state.output_token_ids, N, max(reach, ctx))
             if starts_cached:
                 if ctx % N:
                     raise RuntimeError(f"a request starts from a cached prefix of {ctx} tokens, not a multiple of "
@@ -126,8 +129,8 @@ class KIVIMetadataBuilder(CPUAttentionMetadataBuilder):
                 saves[b, end] = keys[end // N - 1]
             # Chunks end at boundaries or at the prefill's end: the blocks below the last prompt boundary
             # reached are clean, those of tokens past it are not (prefix_tails.py).
-            TAILS.mark(m.block_table_tensor[b].tolist(), keys, start, frontier, (ctx, sl[b]),
-                       self.kv_cache_spec.block_size)
+            PS = self.kv_cache_spec.block_size
+            TAILS.mark(m.block_table_tensor[b, :-(-sl[b] // PS)].tolist(), keys, start, frontier, (ctx, sl[b]), PS)
         TAILS.evict(keep=set(restores.values()))
         return restores, saves
 

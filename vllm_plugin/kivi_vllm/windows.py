@@ -52,10 +52,9 @@ class WindowSlots:
                 self.slot_of[r] = slot
         return torch.tensor([self.slot_of[r] for r in req_ids], dtype=torch.long), fresh
 
-    def tokens(self, b: int) -> tuple[list[int], int]:
-        """The tokens of batch row b so far (prompt, then outputs) and the prompt's length."""
-        state = self.runner.requests[self.runner.input_batch.req_ids[b]]
-        return state.prompt_token_ids + state.output_token_ids, len(state.prompt_token_ids)
+    def request(self, b: int):
+        """The model runner's state of batch row b's request (its prompt_token_ids, output_token_ids)."""
+        return self.runner.requests[self.runner.input_batch.req_ids[b]]
 
     def record(self, num_reqs: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> None:
         if self.trace is None:
