@@ -32,8 +32,7 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, sdpa_attention_forward)
 
 
 class KIVIAttention(nn.Module):
-    """The family's own projections (weights untouched), RoPE, the cache layer and o_proj; the
-    families differ only in how q, k, v come out of the hidden states (`_project`)."""
+    """The family's own projections, RoPE, the cache layer and o_proj; families differ only in `_project`."""
 
     def __init__(self, original: nn.Module, config):
         super().__init__()
@@ -111,13 +110,11 @@ def _window_text(window) -> str:
 
 
 def _gather_tokens(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """t [B, H, n, D] with each row's tokens in order [B, n]."""
     return t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
 
 
 def step_of_call(module, args, kwargs):
-    """The Step of a decoder call that brings none: on an empty cache more than one token is the
-    prompt, its order taken from the left-padded 2-D mask. Eager, with host reads."""
+    """The Step of a call that brings none: a prompt on an empty cache, ordered by the left-padded mask."""
     cache = kwargs.get("past_key_values")
     if "kivi_step" in kwargs or not isinstance(cache, StaticCacheBase):
         return None
@@ -141,7 +138,6 @@ def step_of_call(module, args, kwargs):
 
 
 def patch_model(model: nn.Module) -> nn.Module:
-    """Swap every attention module for KIVIAttention, in place; returns the model."""
     config = model.config
     if config.model_type in UNSUPPORTED_WHY:
         raise ValueError(f"model_type {config.model_type!r} is not supported by the KIVI attention: "

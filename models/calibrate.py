@@ -1,6 +1,4 @@
-"""KVQuant's offline calibration of per-layer nuqX levels (`kivi calibrate`): a k-means on each
-layer's keys and values weighted by their squared loss gradients (KVQuant Appendices D, E); and,
-from the same activations, the per layer and KV head rotations (kivi_ops/calibrated_rotation.py)."""
+"""`kivi calibrate`: KVQuant's gradient-weighted nuqX levels, the calibrated rotations and per-layer widths."""
 
 from __future__ import annotations
 
@@ -40,7 +38,6 @@ AttentionMaskInterface.register(CALIB_ATTN, sdpa_mask)
 
 
 def calibration_windows(tokenizer, text: str, *, window: int, windows: int) -> torch.Tensor:
-    """The last `windows` non-overlapping windows of the text's tokens [windows, window]."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) < window * windows:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than {windows} windows of {window}")
@@ -91,11 +88,8 @@ def run_calibration(model, tokenizer, text: str, *, bits_list, group_size: int, 
                     sparse_outliers: float = 0.0, rotation_bits: int | None = None,
                     identity: dict | None = None, bits_budget: float | None = None,
                     residual_length: int = 128, budget_tokens: int = 4096) -> dict:
-    """The levels file (nuq.levels_file) for `model`, from the last `windows` windows of `text`;
-    rotation_bits: also the rotations chosen for that bit width ("rotations", with the model's
-    `identity`, calibrated_rotation.model_identity); bits_budget: also per-layer widths within that
-    many bits per element at budget_tokens with group_size and residual_length ("layer_bits",
-    kivi_ops/layer_bits.py), measured in the rotations' basis when they are fitted."""
+    """The levels file for `model` from the last `windows` windows of `text`, with the rotations
+    (rotation_bits) and per-layer widths (bits_budget, measured in the rotations' basis) when asked."""
     if (rotation_bits is not None or bits_budget is not None) and identity is None:
         raise ValueError("rotation_bits and bits_budget need the model's identity (calibrated_rotation.model_identity)")
     budget_config = None

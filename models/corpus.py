@@ -1,5 +1,4 @@
-"""Calibration and evaluation text: `pydoc_data.topics` (ships with CPython) or a file. Calibration
-takes its windows from the end, evaluation from the beginning, so the two never overlap."""
+"""Calibration text (windows from the end) and evaluation text (from the beginning): never overlapping."""
 
 from __future__ import annotations
 

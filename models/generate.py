@@ -1,6 +1,5 @@
-"""Static-cache generation, gpt-fast style: one prefill, then a decode step that compiles once.
-Batches are right-padded (row b holds counts[b] prompt tokens) and positions are tensors, so the
-compiled step never sees a per-token Python int (no recompiles, CUDA-graph friendly)."""
+"""Static-cache generation, gpt-fast style: one prefill, then a decode step that compiles once
+(right-padded batches, positions as tensors: no per-token Python int reaches the compiled step)."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ METHODS = ("fp", "kivi")
 
 
 def local_kivi_config(model, kivi_config: KIVIConfig) -> KIVIConfig:
-    """kivi_config with its calibrated rotations cut to this rank's KV heads (tensor parallelism:
-    rank r holds heads [r * local, (r + 1) * local)); unchanged outside it."""
+    """kivi_config with its calibrated rotations cut to this rank's KV heads."""
     rotations, local = kivi_config.rotations, local_kv_heads(model)
     if rotations is None or rotations.shape[1] == local:
         return kivi_config
@@ -36,8 +34,7 @@ def local_kivi_config(model, kivi_config: KIVIConfig) -> KIVIConfig:
 def make_cache(model, *, method: str, batch_size: int, max_seq_len: int,
                kivi_config: Optional[KIVIConfig] = None, device=None, portable: bool = False,
                dtype: Optional[torch.dtype] = None) -> StaticCacheBase:
-    """A static cache for the patched `model`: "kivi" (KIVICache) or "fp" (FPCache), transformers
-    Caches both; sliding-window layers get a WindowLayer. device "meta" sizes one without allocating."""
+    """A static KIVICache or FPCache for the patched `model` (device "meta" sizes one without allocating)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     cfg = model.config
@@ -64,8 +61,7 @@ def make_cache(model, *, method: str, batch_size: int, max_seq_len: int,
 def make_paged_cache(model, *, method: str, batch_size: int, max_seq_len: int, num_pages: int,
                      page_size: Optional[int] = None, kivi_config: Optional[KIVIConfig] = None, device=None,
                      dtype: Optional[torch.dtype] = None):
-    """A paged cache for the patched `model`: "fp" (PagedFPCache) or "kivi" (PagedKIVICache), a pool
-    of num_pages pages per layer (page_size default: 16 for fp, group_size for KIVI). No paged window layer."""
+    """A PagedFPCache or PagedKIVICache of num_pages pages per layer (page_size default: 16, or group_size)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if any(w is not None for w in layer_windows(model)):
@@ -109,7 +105,6 @@ def paged_bytes(model, *, method: str, batch_size: int, max_seq_len: int, page_s
 
 
 def cache_bytes_per_sequence(model, *, method: str, tokens: int, kivi_config: Optional[KIVIConfig] = None) -> int:
-    """Exact bytes one sequence of `tokens` costs in a `method` cache (sized on the meta device)."""
     return make_cache(model, method=method, batch_size=1, max_seq_len=tokens, kivi_config=kivi_config,
                       device="meta").nbytes()
 
@@ -131,8 +126,8 @@ class SamplingConfig:
 
 def sampling_probs(logits: torch.Tensor, temperature: float, *, top_k: Optional[int] = None,
                    top_p: Optional[float] = None) -> torch.Tensor:
-    """The distribution [..., V] logits sample from at temperature > 0, top-k, top-p (the CLI's and
-    the server's). Scaled from the row's maximum in float64, so a tiny temperature tends to greedy, not NaN."""
+    """Sampling probabilities [..., V]; scaled from the row's maximum in float64, so a tiny temperature
+    tends to greedy, not NaN."""
     logits = logits.double()
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # <= 0, the maximum exactly 0
     if top_k is not None:
@@ -149,7 +144,6 @@ def sampling_probs(logits: torch.Tensor, temperature: float, *, top_k: Optional[
 
 
 def sample(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """Next token per row of logits [B, V] -> [B]."""
     if sampling.temperature == 0:
         return logits.argmax(dim=-1)
     probs = sampling_probs(logits, sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
@@ -164,7 +158,6 @@ def run_decoder_layer(layer, hidden_states, cache_layer, position_embeddings, st
 
 def forward(model, cache: StaticCacheBase, input_ids: torch.Tensor, positions: torch.Tensor, step: Step,
             run_layer=run_decoder_layer) -> torch.Tensor:
-    """The model's own decoder forward, each layer handed its cache layer and the step: hidden states [B, n, hidden]."""
     decoder = model.model
     hidden = decoder.embed_tokens(input_ids)  # Gemma 3's embedding scales by sqrt(hidden) itself
     for layer, cache_layer, position_embeddings in zip(decoder.layers, cache.layers,
@@ -174,7 +167,6 @@ def forward(model, cache: StaticCacheBase, input_ids: torch.Tensor, positions: t
 
 
 def layer_position_embeddings(decoder, hidden: torch.Tensor, positions: torch.Tensor) -> list:
-    """Each layer's RoPE (cos, sin) at positions: one table, or one per layer type (Gemma 3)."""
     rotary = decoder.rotary_emb
     if not hasattr(rotary, "layer_types"):
         return [rotary(hidden, positions)] * len(decoder.layers)
@@ -183,7 +175,6 @@ def layer_position_embeddings(decoder, hidden: torch.Tensor, positions: torch.Te
 
 
 def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """The LM head, with the final logit soft-capping of the families that have one (Gemma)."""
     logits = model.lm_head(hidden)
     cap = getattr(model.config, "final_logit_softcapping", None)
     return logits if cap is None else torch.tanh(logits / cap) * cap
@@ -199,8 +190,8 @@ def prefill(model, cache: StaticCacheBase, input_ids: torch.Tensor, counts: torc
 
 def prefill_chunked(model, cache: StaticCacheBase, token_ids, chunk: int, *, start: int = 0,
                     on_boundary=None) -> torch.Tensor:
-    """Prefill row 0 of a batch-1 cache in chunks at fixed boundaries, each attending through the cache,
-    so the cache at a boundary depends on the tokens before it alone (prefix caching); start: cached."""
+    """Prefill in chunks that attend through the cache, so the cache at a boundary depends on the tokens
+    before it alone (prefix caching)."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     if cache.batch_size != 1:
@@ -223,24 +214,22 @@ def prefill_chunked(model, cache: StaticCacheBase, token_ids, chunk: int, *, sta
 
 def decode_step(model, cache: StaticCacheBase, tokens: torch.Tensor, positions: torch.Tensor,
                 counts: Optional[torch.Tensor] = None, *, run_layer=run_decoder_layer) -> torch.Tensor:
-    """tokens [B] at positions [B] -> logits [B, V]; rows with counts 0 take no token. Positions are an
-    input: read from the cache's lengths, Inductor (torch 2.13) ordered them after the append (off by one)."""
+    """tokens [B] at positions [B] -> logits [B, V]. Positions are an input: read from the cache's
+    lengths, Inductor (torch 2.13) ordered them after the append (off by one)."""
     hidden = forward(model, cache, tokens[:, None], positions[:, None], Step(counts=counts), run_layer)
     return lm_logits(model, hidden[:, -1])
 
 
-# Cache shapes one compiled decode step builds graphs for; past them it runs eagerly (a cache sized
-# per prompt would otherwise compile on every call, without bound).
+# Past this many cache shapes a compiled step runs eagerly (a cache sized per prompt would compile forever).
 MAX_COMPILED_SHAPES = 16
 
 
 def compile_decode_step(device: torch.device, *, regional: Optional[bool] = None):
-    """decode_step compiled for `device`: on CUDA the whole step under CUDA graphs; on CPU one decoder
-    layer run for every layer, so a cold compile costs one layer (regional=False: the whole step)."""
+    """decode_step compiled: the whole step under CUDA graphs on CUDA; on CPU one compiled decoder layer
+    run for every layer, so a cold compile costs one layer."""
     device = torch.device(device)
 
     def compiled():
-        # One per cache shape (below): each with its own recompile budget (kivi_ops/compile_budget.py).
         if device.type == "cuda" and not regional:
             return compile_own_code(decode_step, fullgraph=True, dynamic=False, mode="reduce-overhead")
         if regional is False:

@@ -27,8 +27,7 @@ def enable_compiled_generate(model) -> None:
 
 
 def generate_from_a_reset_cache(model, generate):
-    """model.generate, checking a cache passed as past_key_values and emptying it first: our caches
-    keep no ids, so a reused one would continue stale state; the ids are the whole sequence anyway."""
+    """model.generate that empties a passed cache first: our caches keep no ids, so reuse would be stale."""
 
     @functools.wraps(generate)
     def call(*args, **kwargs):
@@ -43,7 +42,6 @@ def generate_from_a_reset_cache(model, generate):
 
 
 def check_cache_fits(model, cache: StaticCacheBase) -> None:
-    """Raise unless the cache has the model's layers, KV heads (this rank's) and head_dim."""
     want = (model.config.num_hidden_layers, local_kv_heads(model), model.model.layers[0].self_attn.head_dim)
     have = (cache.num_layers, cache.num_kv_heads, cache.head_dim)
     if have != want:

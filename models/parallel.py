@@ -1,6 +1,4 @@
-"""Tensor parallelism through transformers' own engine (DistributedConfig): under torchrun each
-rank loads the model with tp_size = world size, whole heads per rank, so its KIVI cache holds its
-own KV heads and attention needs no communication (docs/parallel.md)."""
+"""Tensor parallelism through transformers' DistributedConfig: whole KV heads per rank (docs/parallel.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +12,6 @@ TP_COMMANDS = ("generate", "eval", "serve")
 
 
 def world_size() -> int:
-    """Processes launched together by torchrun (1 outside torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -23,12 +20,10 @@ def rank() -> int:
 
 
 def is_main_process() -> bool:
-    """Rank 0 prints the usual output; the other ranks compute silently."""
     return rank() == 0
 
 
 def distributed_config(device: str):
-    """transformers' DistributedConfig for this launch, or None outside torchrun."""
     n = world_size()
     if n == 1:
         return None
@@ -56,7 +51,6 @@ def local_rows(weight: torch.Tensor) -> int:
 
 
 def local_kv_heads(model) -> int:
-    """KV heads this rank computes (and caches): all of them outside tensor parallelism."""
     attn = model.model.layers[0].self_attn
     k_proj = getattr(attn, "k_proj", None)
     if k_proj is None or not hasattr(k_proj.weight, "to_local"):  # not sharded

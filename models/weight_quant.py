@@ -30,7 +30,6 @@ def check_weight_quant(mode: str, device) -> None:
 
 
 def quantized_linear_names(model) -> list[str]:
-    """The fully qualified names of the Linear layers apply_weight_quant quantizes."""
     out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
     tied = out_emb is not None and in_emb is not None and out_emb.weight is in_emb.weight
     return [name for name, m in model.named_modules()
@@ -73,7 +72,6 @@ def apply_weight_quant(model, mode: str):
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
-    """Real storage bytes of t, summed over a torchao subclass's inner tensors."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     from torch.distributed.tensor import DTensor

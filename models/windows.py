@@ -1,6 +1,5 @@
-"""Which layers attend over a sliding window, and how wide (each cache layer's kind), by
-transformers' rule: a family whose attention modules carry `sliding_window` (Qwen2/3, Gemma 3) uses
-it per layer; the others (Mistral, Phi-3) apply `config.sliding_window` to every layer."""
+"""Which layers attend over a sliding window, and how wide, by transformers' rule: per attention
+module when it carries `sliding_window` (Qwen2/3, Gemma 3), else `config.sliding_window` for all."""
 
 from __future__ import annotations
 
