@@ -3,8 +3,8 @@
 With the config: each block (PS = --block-size tokens) holds the KIVI-quantized pages of its tokens
 (kivi_ops/byte_pages.py: codes and fp scales/zeros, the bytes vLLM's allocator counts through
 customize_spec); each request's full-precision window (KIVI's last R tokens) lives in a per-layer
-window pool outside the blocks (windows.py). Attention runs kivi_ops.varlen.varlen_append_attend,
-which calls the library's paged ops through its one dispatcher. Without the config every method
+window pool outside the blocks (windows.py). Attention runs kivi_ops.varlen (planned once per step
+by the metadata builder, run per layer), which calls the library's paged ops through its one dispatcher. Without the config every method
 is CPU_ATTN's own."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from kivi_ops import KIVIConfig
 from kivi_ops.byte_pages import page_bytes, pool_views
 from kivi_ops.layout import LayerTensors, QuantParams
-from kivi_ops.varlen import varlen_append_attend
+from kivi_ops import varlen
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
@@ -71,6 +71,7 @@ class KIVIMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     rows: torch.Tensor  # each request's window slot (windows.py)
+    plan: varlen.VarlenPlan  # the step's runs, the same for every layer
     prefix_chunk: int  # 0: prefix caching off (prefix_tails.py)
     restores: dict  # batch row -> the key of the cached prefix it starts from
     saves: dict  # (batch row, boundary) -> key: the prompt boundaries this step reaches
@@ -84,7 +85,8 @@ class KIVIMetadataBuilder(CPUAttentionMetadataBuilder):
             return
         # CPU_ATTN's own set-up picks an ISA for its 16-bit kernels, which never run here.
         super(CPUAttentionMetadataBuilder, self).__init__(kv_cache_spec, layer_names, vllm_config, device)
-        SLOTS.reserve(vllm_config.scheduler_config.max_num_seqs)
+        self.window_slots = vllm_config.scheduler_config.max_num_seqs
+        SLOTS.reserve(self.window_slots)
         self.prefix_chunk, limit = prefix_settings(vllm_config)
         TAILS.configure(self.prefix_chunk, limit)
 
@@ -95,9 +97,12 @@ class KIVIMetadataBuilder(CPUAttentionMetadataBuilder):
         SLOTS.record(m.num_reqs, m.query_start_loc, m.seq_lens)
         rows, fresh = SLOTS.rows(m.num_reqs)
         restores, saves = self._prefix_plan(m, fresh)
+        plan = varlen.plan(rows, m.block_table_tensor, m.query_start_loc, m.seq_lens, m.slot_mapping,
+                           self.kv_cache_spec.block_size, self.kivi.residual_length, self.window_slots,
+                           self.prefix_chunk or None)
         return KIVIMetadata(num_actual_tokens=m.num_actual_tokens, query_start_loc=m.query_start_loc,
                             seq_lens=m.seq_lens, block_table=m.block_table_tensor, slot_mapping=m.slot_mapping,
-                            rows=rows, prefix_chunk=self.prefix_chunk, restores=restores, saves=saves)
+                            rows=rows, plan=plan, prefix_chunk=self.prefix_chunk, restores=restores, saves=saves)
 
     def _prefix_plan(self, m, fresh: list[int]) -> tuple[dict, dict]:
         """Which rows start from a cached prefix (a new request past token 0) and which prompt
@@ -190,11 +195,10 @@ class KIVIAttentionImpl(CPUAttentionBackendImpl):
                 TAILS.save(prefix, name, k_window[m.rows[b]], v_window[m.rows[b]])
         tensors = LayerTensors(pools["k_codes"], pools["k_scale"], pools["k_zero"], k_window, pools["v_codes"],
                                pools["v_scale"], pools["v_zero"], v_window, m.seq_lens)
-        out = varlen_append_attend(
-            query[:n].view(n, self.num_heads, self.head_size), key[:n].view(n, self.num_kv_heads, self.head_size),
-            value[:n].view(n, self.num_kv_heads, self.head_size), tensors, k_window, v_window, m.rows,
-            m.block_table, m.query_start_loc, m.seq_lens, m.slot_mapping, self.params, self.scale,
-            chunk=m.prefix_chunk or None, on_boundary=on_boundary if m.saves else None)
+        out = varlen.run(
+            m.plan, query[:n].view(n, self.num_heads, self.head_size), key[:n].view(n, self.num_kv_heads, self.head_size),
+            value[:n].view(n, self.num_kv_heads, self.head_size), tensors, k_window, v_window, self.params, self.scale,
+            on_boundary=on_boundary if m.saves else None)
         output[:n].view(n, self.num_heads, self.head_size).copy_(out)
         return output
 
