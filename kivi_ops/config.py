@@ -77,16 +77,13 @@ def check_axis(axis: str) -> None:
 
 @dataclass(frozen=True)
 class KIVIConfig:
-    """How the KV cache is quantized; every option is described in docs/cache.md, and off (the default)
-    gives exactly KIVI and allocates nothing extra.
+    """How the KV cache is quantized (every option: docs/cache.md; off, the default, is exactly KIVI).
 
     k_bits / v_bits: 2, 3, 4 or 8. group_size (G): keys per channel in G-token groups, values per token
     in min(G, head_dim)-channel groups. residual_length (R): tokens kept exact; a multiple of G under
-    flush_policy "kivi" (Algorithm 1), any positive int under "ott".
-    sink_tokens, outlier_tokens, outlier_spill, outlier_skip_layers: the exact token pool (sink, OTT).
-    pre_rope, sparse_outliers, key_levels / value_levels: KVQuant (per-layer nuq level tuples).
-    rotate_keys / rotate_values, rotation_seed, rotations: rotations of the head dimension.
-    layer_bits: one (k_bits, v_bits) pair per layer (KVTuner), replacing k_bits / v_bits.
+    flush_policy "kivi" (Algorithm 1), any positive int under "ott". sink_tokens, outlier_*: the exact
+    token pool. pre_rope, sparse_outliers, key_levels / value_levels: KVQuant. rotate_*, rotation_seed,
+    rotations: rotations of the head dimension. layer_bits: per-layer (k_bits, v_bits) (KVTuner).
     """
 
     k_bits: int = 2
@@ -175,7 +172,6 @@ class KIVIConfig:
                              "use rotate_keys='none' with pre_rope (rotate_values works with it)")
 
     def for_layer(self, layer_idx: int) -> "KIVIConfig":
-        """This config with layer_bits[layer_idx]'s k_bits / v_bits, when per-layer widths are given."""
         if not self.layer_bits:
             return self
         if not 0 <= layer_idx < len(self.layer_bits):
@@ -197,7 +193,6 @@ class KIVIConfig:
 
     @property
     def key_flush_unit(self) -> int:
-        """Keys quantized together at one flush: R under 'kivi', G under 'ott'."""
         return key_flush_unit(self.policy_id, self.residual_length, self.group_size)
 
     def residual_slots(self) -> int:
@@ -208,7 +203,6 @@ class KIVIConfig:
         return 0 if layer_idx < self.outlier_skip_layers else self.outlier_tokens
 
     def layer_pool_size(self, layer_idx: int) -> int:
-        """Exact pool slots of one layer: sink + outlier + spill (spill only with outliers)."""
         n = self.layer_outlier_tokens(layer_idx)
         return self.sink_tokens + (n + self.outlier_spill if n else 0)
 

@@ -59,7 +59,6 @@ class CacheLayer(nn.Module, CacheLayerMixin):
 
 
     def restart_rows(self, fresh: torch.Tensor) -> None:
-        """Rows where fresh [B] is True start a new sequence (graph-safe; nothing past a length is read)."""
         self.lengths.copy_(torch.where(fresh, torch.zeros_like(self.lengths), self.lengths))
 
     def check_room(self, n: int, counts: Optional[torch.Tensor] = None) -> None:
@@ -90,7 +89,6 @@ class CacheLayer(nn.Module, CacheLayerMixin):
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """transformers' API: append, then return the dequantized keys and values (slow but correct)."""
         self.append(key_states, value_states)
         return self.dequantized()
 
@@ -147,7 +145,6 @@ class CacheLayer(nn.Module, CacheLayerMixin):
 
 
 class TokenPool(nn.Module):
-    """The sink / OTT outlier token pool (pool.py); pos -1 is an empty slot."""
 
     def __init__(self, B: int, H: int, P: int, D: int, dtype, device):
         super().__init__()
@@ -162,7 +159,6 @@ class TokenPool(nn.Module):
 
 
 class SparseStore(nn.Module):
-    """KVQuant's dense-and-sparse outliers (extras.py); index -1 is none."""
 
     def __init__(self, k_shape, v_shape, dtype, device):
         super().__init__()
@@ -214,7 +210,6 @@ def _calibrated(rotations, part: str, layer: CacheLayer, layer_idx: int) -> torc
 
 
 def init_constants(layer: CacheLayer, config: KIVIConfig, layer_idx: int, rope, device) -> None:
-    """Register the nuq levels, the pre-RoPE frequencies and the rotation matrices (None when off)."""
     D = layer.head_dim
     for name, kind, part in (("rot_k", config.rotate_keys, "keys"), ("rot_v", config.rotate_values, "values")):
         if kind == "calibrated":
@@ -244,7 +239,6 @@ def init_constants(layer: CacheLayer, config: KIVIConfig, layer_idx: int, rope, 
 
 
 def dequantized_state(layer: CacheLayer, t: LayerTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """KIVILayer.dequantized of tensors t in the static layout (a paged layer passes its pages gathered)."""
     lengths = layer.lengths
     stop = int(lengths.max())
     keys, values = materialize_block(t, 0, stop, layer.params)
@@ -301,9 +295,8 @@ def run_attend(query, layer: LayerTensors, counts, params: QuantParams, scale: f
 
 
 class KIVILayer(CacheLayer):
-    """One layer of the KIVI cache: the buffers of layout.py and its options' sub-modules (None when off).
-    rope: (inv_freq [head_dim / 2], attention_scaling), required with pre_rope; portable: core ATen forms
-    only, for exporters that cannot carry custom ops."""
+    """One layer of the KIVI cache (layout.py's buffers, options None when off). rope: (inv_freq, attention
+    scaling), required with pre_rope; portable: core ATen forms only (ONNX, ExecuTorch)."""
 
     def __init__(self, config: KIVIConfig, layer_idx: int, *, batch_size: int, max_seq_len: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device="cpu",

@@ -12,7 +12,6 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def codes_per_word(bits: int) -> int:
-    """Codes in one packed word: 8/B for B = 2, 4, 8; 8 for B = 3."""
     return 8 if bits == 3 else 8 // bits
 
 
@@ -25,7 +24,6 @@ def packed_bytes(head_dim: int, bits: int) -> int:
 
 
 def codes_per_byte(bits: int) -> int:
-    """Codes per byte of the one-byte-word widths (2, 4, 8)."""
     if bits == 3:
         raise ValueError("3-bit codes pack 8 per 3 bytes, not a whole number per byte: use "
                          "codes_per_word(3) = 8 and word_bytes(3) = 3 (kivi_ops.packing)")
@@ -83,7 +81,6 @@ def quantize_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bit
 
 
 def code_values(codes: torch.Tensor, levels: torch.Tensor | None) -> torch.Tensor:
-    """fp32 values the codes stand for before scale and zero: the codes, or levels[code]."""
     if levels is None:
         return codes.float()
     return levels.float()[codes.long()]
@@ -139,8 +136,7 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def three_bit_codes_float(packed: torch.Tensor, dim: int) -> torch.Tensor:
-    """fp32 codes of 3-bit rows [..., 3 * NW] stacked at dim (-1: [..., NW, 8]; -2: [..., 8, NW]),
-    in fp32 arithmetic (24-bit words are exact) that vectorizes."""
+    """fp32 codes of 3-bit rows [..., 3 * NW] stacked at dim, in exact fp32 arithmetic that vectorizes."""
     nw = packed.shape[-1] // 3
     b = packed.float()
     w = b[..., :nw] + b[..., nw : 2 * nw] * 256.0 + b[..., 2 * nw :] * 65536.0
@@ -150,7 +146,6 @@ def three_bit_codes_float(packed: torch.Tensor, dim: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _unpack_table(bits: int, device: str) -> torch.Tensor:
-    """[256, 8/B] float32: the codes held by each possible byte."""
     per = codes_per_byte(bits)
     byte = torch.arange(256, dtype=torch.int32)[:, None]
     return ((byte >> (torch.arange(per, dtype=torch.int32) * bits)) & (2**bits - 1)).float().to(device)

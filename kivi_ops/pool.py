@@ -14,7 +14,6 @@ from .rope import rope_at
 
 
 def key_magnitude(k: Tensor) -> Tensor:
-    """OTT outlier score: L1 norm of each key over head_dim, fp32. [..., D] -> [...]."""
     return k.float().abs().sum(-1)
 
 
