@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from . import ops
+from . import ops  # noqa: F401  registers torch.ops.kivi, which the layers' ops call
 from .config import KIVIConfig
 from .fp_layer import FPLayer
 from .layer import CacheLayer, KIVILayer
@@ -42,7 +42,6 @@ def _check_num_layers(num_layers) -> None:
 
 
 def _build_layers(windows: Optional[Sequence[Optional[int]]], num_layers: int, full_layer, **dims) -> list[CacheLayer]:
-    """full_layer(i) per full-attention layer, a WindowLayer where windows[i] is a window in tokens."""
     _check_num_layers(num_layers)
     windows = [None] * num_layers if windows is None else list(windows)
     if len(windows) != num_layers or not all(w is None or (isinstance(w, int) and w > 0) for w in windows):
@@ -139,7 +138,7 @@ class StaticCacheBase(nn.Module, Cache):
         idx = beam_idx.to(self.device, torch.int64)
         for layer in self.layers:
             for t in layer.row_tensors().values():
-                t.copy_(t.index_select(0, idx))
+                t.copy_(t.index_select(0, idx))  # a new tensor: no aliasing between overlapping rows
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise ValueError(self._fixed_batch_why("batch_repeat_interleave"))

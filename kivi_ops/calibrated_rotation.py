@@ -99,7 +99,7 @@ def _encode(m: torch.Tensor) -> str:
 
 def rotations_section(chosen: dict, identity: dict, *, keys_pre_rope: bool = False) -> dict:
     """The file's "rotations" field: per head the kind, its errors and the fitted matrix (base64 fp32)."""
-    def head(h):
+    def head(h):  # identity and Hadamard are rebuilt on load
         entry = dict(kind=h["kind"], error_vs_identity=h["error_vs_identity"])
         return entry if h["kind"] in FIXED else dict(entry, matrix=_encode(h["matrix"]))
 

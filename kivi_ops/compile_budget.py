@@ -26,6 +26,6 @@ def compile_own_code(fn, **options):
     def run(*args, **kwargs):
         return fn(*args, **kwargs)
 
-    run.__code__ = run.__code__.replace()
-    install_avx2_byte_loads()
+    run.__code__ = run.__code__.replace()  # replace() always builds a new code object
+    install_avx2_byte_loads()  # AVX2: the packed codes' loads without a store-forwarding stall
     return torch.compile(run, **options)

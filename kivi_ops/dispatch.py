@@ -156,10 +156,10 @@ def tuned_attend(default: str, query, layer: LayerTensors, counts, params: Quant
 
 class Choice(NamedTuple):
     implementation: str
-    in_op: bool
-    compiled: bool = False
+    in_op: bool  # runs inside the kivi custom op, rather than traced inline
+    compiled: bool = False  # an inline form compiled on its own
     launch: tuple = ()
-    tune: bool = False
+    tune: bool = False  # a CUDA decode call: the op runs the tuner's pick
 
 
 def current_mode(portable: bool) -> str:

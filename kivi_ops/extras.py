@@ -12,7 +12,6 @@ from torch import Tensor
 from .dense_sparse import select_outliers
 
 class Extras(NamedTuple):
-
     k_levels: Optional[Tensor] = None
     v_levels: Optional[Tensor] = None
     k_sparse: Optional[Tensor] = None
@@ -68,7 +67,6 @@ def check_extras(extras: Extras, k_codes: Tensor, k_res: Tensor, k_bits: int, v_
 
 
 def key_outliers_per_window(k_sparse: Tensor, S: int, R: int) -> int:
-    """nk: exact entries per channel per flushed window (0 when no window fits)."""
     return k_sparse.shape[2] // (S // R) if S // R else 0
 
 

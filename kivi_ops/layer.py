@@ -145,7 +145,6 @@ class CacheLayer(nn.Module, CacheLayerMixin):
 
 
 class TokenPool(nn.Module):
-
     def __init__(self, B: int, H: int, P: int, D: int, dtype, device):
         super().__init__()
         self.register_buffer("k", _zeros((B, H, P, D), dtype, device), persistent=False)
@@ -159,7 +158,6 @@ class TokenPool(nn.Module):
 
 
 class SparseStore(nn.Module):
-
     def __init__(self, k_shape, v_shape, dtype, device):
         super().__init__()
         self.register_buffer("k", _zeros(k_shape, dtype, device), persistent=False)
@@ -175,7 +173,6 @@ class SparseStore(nn.Module):
 
 
 class NuqLevels(nn.Module):
-
     def __init__(self, key_levels, value_levels, device):
         super().__init__()
         self.register_buffer("k", torch.tensor(key_levels, dtype=torch.float32, device=device), persistent=False)
@@ -358,7 +355,7 @@ class KIVILayer(CacheLayer):
         before any append, before a sequence's first token); never NaN."""
         self._check_attend(query, step.counts)
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
-        scale *= self.rope_scaling
+        scale *= self.rope_scaling  # pre-RoPE keys: the model's attention_scaling (the op applies RoPE)
         out = run_attend(rotate(query, self.rot_k), self.tensors(), step.counts, self.params, scale,
                          portable=self.portable)
         return unrotate(out, self.rot_v)

@@ -47,7 +47,6 @@ class LayerTensors(NamedTuple):
 
     @property
     def pool(self) -> Optional[tuple[Tensor, Tensor, Tensor]]:
-        """(pool_k, pool_v, pool_pos), or None without a pool or with zero slots."""
         if self.pool_pos is None or self.pool_pos.shape[-1] == 0:
             return None
         return self.pool_k, self.pool_v, self.pool_pos
@@ -64,7 +63,6 @@ APPEND_MUTATES = REQUIRED_TENSORS + ("pool_k", "pool_v", "pool_pos", "k_sparse",
 
 
 class QuantParams(NamedTuple):
-
     k_bits: int
     v_bits: int
     group_size: int
@@ -74,7 +72,6 @@ class QuantParams(NamedTuple):
     flush_policy: int = 0
 
     def pool_args(self, t: LayerTensors):
-        """(pool_k, pool_v, pool_pos, sink, outliers) as the append implementations take it, or None."""
         pool = t.pool
         return None if pool is None else (*pool, self.sink_tokens, self.outlier_tokens)
 

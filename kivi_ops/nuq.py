@@ -30,7 +30,6 @@ def check_levels(name: str, levels: torch.Tensor, bits: int) -> None:
 
 
 def _grouped(x: torch.Tensor, group_size: int, axis: str) -> torch.Tensor:
-    """x [..., T, D] with each quantization group on the last dim."""
     *lead, T, D = x.shape
     if axis == "channel":
         if T % group_size:
@@ -215,7 +214,6 @@ def load_tables(path, *, bits: int, num_layers: int | None, group_size: int, pre
 def load_kv_levels(path, *, k_bits: int, v_bits: int, num_layers: int | None, group_size: int,
                    pre_rope: bool = False, sparse_outliers: float = 0.0, model: str | None = None,
                    head_dim: int | None = None) -> tuple[list, list]:
-    """(key levels at k_bits, value levels at v_bits) per layer, checked as load_tables."""
     settings = dict(num_layers=num_layers, group_size=group_size, pre_rope=pre_rope, sparse_outliers=sparse_outliers,
                     model=model, head_dim=head_dim)
     return load_tables(path, bits=k_bits, **settings)["k"], load_tables(path, bits=v_bits, **settings)["v"]

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from . import paged_ops
+from . import paged_ops  # noqa: F401  registers torch.ops.kivi.paged_*
 from .cache import StaticCacheBase, _check_num_layers
 from .config import KIVIConfig
 from .devices import resolve_device, same_device
@@ -94,7 +94,6 @@ class PagedKIVILayer(CacheLayer):
         return Paging(self.block_table, self.page_size)
 
     def tensors(self) -> LayerTensors:
-        """LayerTensors with the page pools in place of the static quantized buffers."""
         levels = self.levels
         return LayerTensors(
             self.k_codes, self.k_scale, self.k_zero, self.k_res, self.v_codes, self.v_scale, self.v_zero, self.v_res,

@@ -18,7 +18,6 @@ DEFAULT_PAGE_SIZE = 16
 
 
 def pages_needed(num_tokens: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
-    """Pages a sequence of num_tokens tokens occupies (every token is paged)."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
     _check_positive("page_size", page_size)
@@ -31,7 +30,6 @@ def _check_positive(name: str, value) -> None:
 
 
 class PagedFPLayer(CacheLayer):
-
     def __init__(self, *, block_table: torch.Tensor, num_pages: int, page_size: int, batch_size: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32, device="cpu"):
         _check_positive("num_pages", num_pages)

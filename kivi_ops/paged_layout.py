@@ -19,8 +19,6 @@ ROW_TENSORS = ("k_res", "v_res", "lengths")
 
 
 class Paging(NamedTuple):
-    """A paged layer's addressing: block table [B, M] of page ids and page size PS (None: static)."""
-
     block_table: Tensor
     page_size: int
 
@@ -79,7 +77,6 @@ def page_rows_indexed(pool: Tensor, block_table: Tensor) -> Tensor:
 
 
 def indexed_view(layer: LayerTensors, block_table: Tensor) -> LayerTensors:
-    """static_view as page_rows_indexed expressions: what the fused decode attention reads."""
     return layer._replace(**{name: page_rows_indexed(getattr(layer, name), block_table) for name in PAGED_TENSORS})
 
 
@@ -102,7 +99,7 @@ def check_paged_layer(layer: LayerTensors, block_table: Tensor, group_size: int)
     if block_table.device != layer.lengths.device:
         raise ValueError(f"block_table must be on the cache device {layer.lengths.device}, got {block_table.device}")
     page_size = layer.k_codes.shape[2]
-    if isinstance(page_size, int):
+    if isinstance(page_size, int):  # a SymInt (dynamic shapes) is checked by the shapes below
         check_page_size(page_size, group_size)
     pages = layer.k_codes.shape[0]
     for name in PAGED_TENSORS:

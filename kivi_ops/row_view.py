@@ -15,7 +15,7 @@ def leading_rows(cache, rows: int):
     if rows == cache.batch_size:
         return cache
     table = cache.block_table[:rows]
-    view = copy.copy(cache)
+    view = copy.copy(cache)  # shares the dicts of buffers and submodules: new ones below
     _set_table(view, cache, table)
     view._modules = {**cache._modules, "layers": nn.ModuleList([_layer_rows(layer, rows, table)
                                                                  for layer in cache.layers])}

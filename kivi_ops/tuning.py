@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 TABLE_PATH = Path(__file__).with_name("tuning_table.json")
 TABLE_FORMAT = 1
-WARMUP, REPS = 2, 5
+WARMUP, REPS = 2, 5  # the first call may compile (Triton) or load (the C++ kernel)
 
 
 class ShapeClass(NamedTuple):
@@ -32,7 +32,6 @@ class ShapeClass(NamedTuple):
 
 
 class Candidate(NamedTuple):
-    """One kernel with its launcher's keywords, as sorted pairs."""
     implementation: str
     launch: tuple = ()
 
@@ -59,7 +58,6 @@ def entry_choice(entry: dict) -> Candidate:
 
 
 def read_table(path: Path = TABLE_PATH) -> dict[str, dict[ShapeClass, Candidate]]:
-    """{device name: {shape class: candidate}} from a table file ({} if there is none)."""
     if not path.exists():
         return {}
     raw = json.loads(path.read_text())
@@ -110,7 +108,7 @@ class Tuner:
 
     def pick(self, cls: ShapeClass, candidates: list[Candidate], default: Candidate,
              measure: Optional[Callable[[Candidate], object]]) -> Candidate:
-        """measure(c) runs c on the call's inputs (None: cannot run kernels); default runs while nothing can be timed."""
+        """measure(c) runs c on the call's inputs (None: cannot); default runs while nothing can be timed."""
         key = (self.device_name(), cls)
         known = self.chosen.get(key)
         if known in candidates:

@@ -57,7 +57,7 @@ class WindowLayer(CacheLayer):
 
     def _check_attend_window(self, q: int, counts: Optional[torch.Tensor]) -> None:
         """Eagerly refuse several new tokens on a wrapped sequence (their earlier queries' keys are gone)."""
-        if torch.compiler.is_compiling() or q == 1:
+        if torch.compiler.is_compiling() or q == 1:  # traced: no check, and no guard on q
             return
         new = torch.full_like(self.lengths, q) if counts is None else counts
         wrapped = (self.lengths > self.slots) & (new > 1)
