@@ -1,7 +1,5 @@
-"""A paged KIVI layer's six page pools carved out of one byte buffer [N, page_bytes], one page a row:
-what an engine that allocates opaque blocks (vLLM) hands a backend. Per page, in this order:
-k_codes [H, PS, D*kb/8] | k_scale, k_zero [H, PS/G, D] | v_codes [H, PS, D*vb/8] | v_scale, v_zero [H, PS, D/Gv],
-the same shapes as paged_layout.py's pools (so the paged forms read them unchanged, strided by page_bytes)."""
+"""A paged KIVI layer's six page pools carved out of one byte buffer [N, page_bytes] (an engine's
+opaque blocks), in PAGED_TENSORS order with paged_layout.py's shapes, strided by page_bytes."""
 
 from __future__ import annotations
 
@@ -14,7 +12,6 @@ from .paged_layout import PAGED_TENSORS, check_page_size
 
 
 def page_shapes(config: KIVIConfig, num_kv_heads: int, page_size: int, head_dim: int) -> dict[str, tuple]:
-    """Each pool's per-page shape and whether it holds codes (uint8) or the dtype's scales."""
     check_page_size(page_size, config.group_size)
     H, PS, D, G = num_kv_heads, page_size, head_dim, config.group_size
     gv = config.value_group_size(D)
@@ -31,13 +28,13 @@ def _nbytes(name: str, shape: tuple, dtype: torch.dtype) -> int:
 
 
 def page_bytes(config: KIVIConfig, num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one page of one layer (keys and values of page_size tokens, all kv heads)."""
+    """Bytes of one page of one layer (keys and values, all kv heads)."""
     return sum(_nbytes(n, s, dtype) for n, s in page_shapes(config, num_kv_heads, page_size, head_dim).items())
 
 
 def pool_views(buffer: Tensor, config: KIVIConfig, num_kv_heads: int, page_size: int, head_dim: int,
                dtype: torch.dtype) -> dict[str, Tensor]:
-    """The six pools as views of buffer (any dtype, contiguous, N pages of page_bytes each): no copy."""
+    """The six pools as views of a contiguous buffer of N pages: no copy."""
     raw = buffer.view(torch.uint8).reshape(buffer.shape[0], -1)
     want = page_bytes(config, num_kv_heads, page_size, head_dim, dtype)
     if raw.shape[1] != want:

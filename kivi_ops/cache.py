@@ -1,12 +1,6 @@
-"""The static caches: a list of per-layer objects (layer.py), as in transformers' cache_utils.
-
-`KIVICache` (quantized) and `FPCache` (the unquantized baseline) are both an `nn.Module` (their
-layers' buffers are its state: `.to()`, `state()`, torch.export) and a transformers `Cache` (pass
-one to `model.generate(past_key_values=...)` of a patched model). Everything a layer does, it does
-itself: `cache.layers[i].append(key, value, step)` and `.attend(query, step)`. The cache only
-builds the layers and handles what spans them: byte accounting, reset, the state an exported
-program carries, and copying one sequence between caches.
-"""
+"""The static caches, KIVICache and FPCache: an nn.Module and a transformers Cache over a list of
+per-layer objects (layer.py). The cache builds the layers and handles what spans them: bytes,
+reset, exported state, copying a sequence between caches, beam reorder."""
 
 from __future__ import annotations
 
@@ -25,15 +19,12 @@ from .window_layer import WindowLayer
 
 
 def fp16_cache_nbytes(*, num_layers: int, batch_size: int, num_tokens: int, num_kv_heads: int, head_dim: int) -> int:
-    """Bytes of an unquantized fp16 K+V cache holding num_tokens tokens per sequence."""
     return 2 * num_layers * batch_size * num_kv_heads * num_tokens * head_dim * 2
 
 
 def cache_capacity(state_shapes: Mapping[str, Sequence[int]]) -> Optional[tuple[int, int, str]]:
-    """(batch_size, max_seq_len, the buffer read) of a cache from its state buffers' static shapes
-    by state name (StaticCacheBase.state(); what an exported program records), or None when they
-    are not a cache's. KIVI's k_codes is [B, H, S, D / codes per byte], FPLayer's k [B, H, S + 1, D];
-    the first full-attention layer is read (a WindowLayer holds only its window)."""
+    """(batch_size, max_seq_len, buffer read) from a cache's state shapes by name, or None when not a
+    cache's; reads the first full-attention layer (KIVI k_codes [B, H, S, .], FPLayer k [B, H, S + 1, D])."""
     layers = sorted({int(m.group(1)) for m in map(re.compile(r"layers\.(\d+)\.").match, state_shapes) if m})
     for name, spare in ((f"layers.{i}.{buf}", spare) for i in layers for buf, spare in (("k_codes", 0), ("k", 1))):
         shape = state_shapes.get(name)
@@ -51,8 +42,6 @@ def _check_num_layers(num_layers) -> None:
 
 
 def _build_layers(windows: Optional[Sequence[Optional[int]]], num_layers: int, full_layer, **dims) -> list[CacheLayer]:
-    """One layer per model layer: full_layer(i) for full attention, a WindowLayer where windows[i]
-    is a sliding window (tokens). windows None: every layer attends fully."""
     _check_num_layers(num_layers)
     windows = [None] * num_layers if windows is None else list(windows)
     if len(windows) != num_layers or not all(w is None or (isinstance(w, int) and w > 0) for w in windows):
@@ -62,8 +51,7 @@ def _build_layers(windows: Optional[Sequence[Optional[int]]], num_layers: int, f
 
 
 class StaticCacheBase(nn.Module, Cache):
-    """What both caches share. Dimensions are the layers' (all alike; a WindowLayer's max_seq_len
-    is the sequence's, its buffers hold only its window)."""
+    """What both caches share; a WindowLayer's max_seq_len is the sequence's, its buffers only its window."""
 
     def __init__(self, layers: list[CacheLayer]):
         nn.Module.__init__(self)
@@ -102,34 +90,29 @@ class StaticCacheBase(nn.Module, Cache):
         return self.layers[0].device
 
     def lengths(self) -> torch.Tensor:
-        """Tokens stored per sequence (a device tensor, the same in every layer; no sync)."""
+        """Tokens stored per sequence (a device tensor; no sync)."""
         return self.layers[0].lengths
 
     def reset(self) -> None:
-        """Empty every sequence (constants stay)."""
         for layer in self.layers:
             layer.reset()
 
     def restart_rows(self, fresh: torch.Tensor) -> None:
-        """Rows where fresh [B] is True start new sequences (inside a graph: no host sync)."""
         for layer in self.layers:
             layer.restart_rows(fresh)
 
     def constants(self) -> list[torch.Tensor]:
-        """Buffers that hold constants, not sequence state (nuq levels, RoPE frequencies)."""
         return [t for layer in self.layers for t in layer.constants()]
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The sequence state by buffer name: what an exported program without mutable state
-        (ONNX) takes in and gives back each call. Constants stay inside the program."""
+        """The sequence state by buffer name: what an exported program without mutable state (ONNX) takes
+        and gives back each call."""
         constants = {id(t) for t in self.constants()}
         return {name: t for name, t in self.named_buffers() if id(t) not in constants}
 
     def load_row(self, row: int, source: "StaticCacheBase", source_row: int = 0) -> None:
-        """Make sequence `row` a copy of `source`'s sequence `source_row` (a cache of the same kind
-        and settings, any batch size): every state buffer is batch-first. The other rows are
-        untouched. A server prefills a request in a batch-1 cache and loads it into a free row, so
-        an admission costs the prompt alone, not a forward over every row."""
+        """Make sequence `row` a copy of a same-kind cache's `source_row` (any batch size); other rows stay.
+        A server prefills a request in a batch-1 cache and loads it into a free row."""
         mine, theirs = self.state(), source.state()
         if mine.keys() != theirs.keys():
             raise ValueError("load_row needs a cache of the same kind and options")
@@ -139,16 +122,11 @@ class StaticCacheBase(nn.Module, Cache):
                 raise ValueError(f"load_row: {name} has shape {list(src.shape)}, this cache {list(t.shape)}")
             t[row].copy_(src[source_row])
 
-    # ---------------------------------------------------------------- transformers' row API (beam search)
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
-        """Row b becomes a copy of row beam_idx[b], in every layer (transformers' beam search calls
-        this after each step). Every per-row state buffer follows: KIVI's codes, scales, zeros,
-        residuals, lengths, token pools and sparse stores alike (each layer's row_tensors()). The
-        buffers are written in place (copy_), never replaced, so a compiled step or a CUDA graph
-        that holds their addresses reads the reordered rows. A paged cache is refused: its rows
-        own pages through a block table, and two beams sharing a row's pages would write into each
-        other's tokens."""
+        """Row b becomes a copy of row beam_idx[b] in every layer. Written in place (copy_), so a compiled
+        step or CUDA graph holding the addresses reads the reordered rows; paged caches are refused (beams
+        would write into each other's shared pages)."""
         if any(layer.page_tensors() for layer in self.layers):
             raise ValueError(f"{type(self).__name__} cannot reorder rows for beam search (num_beams > 1): its rows "
                              "share a page pool; use num_beams=1, or a static cache (kivi_models.make_cache)")
@@ -160,7 +138,7 @@ class StaticCacheBase(nn.Module, Cache):
         idx = beam_idx.to(self.device, torch.int64)
         for layer in self.layers:
             for t in layer.row_tensors().values():
-                t.copy_(t.index_select(0, idx))  # index_select makes a new tensor: no aliasing on overlap
+                t.copy_(t.index_select(0, idx))  # a new tensor: no aliasing between overlapping rows
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise ValueError(self._fixed_batch_why("batch_repeat_interleave"))
@@ -173,19 +151,16 @@ class StaticCacheBase(nn.Module, Cache):
                 "and cannot grow or shrink; build it with batch_size = prompts x num_beams (or x num_return_sequences)")
 
     def nbytes(self) -> int:
-        """Exact bytes held, all layers (each layer's nbytes())."""
         return sum(layer.nbytes() for layer in self.layers)
 
     def nbytes_by_kind(self) -> dict[str, int]:
-        """Exact bytes held per layer kind: {"full": ..., "window": ...} (layers of that kind summed)."""
         kinds = {"full": 0, "window": 0}
         for layer in self.layers:
             kinds["window" if layer.is_sliding else "full"] += layer.nbytes()
         return kinds
 
     def fp16_nbytes(self, num_tokens: Optional[int] = None) -> int:
-        """Bytes an fp16 K+V cache would need for num_tokens (default max_seq_len) per sequence;
-        a sliding-window layer's needs at most its window."""
+        """Bytes an fp16 K+V cache would need for num_tokens (default max_seq_len), windows capped."""
         tokens = self.max_seq_len if num_tokens is None else num_tokens
         return sum(fp16_cache_nbytes(num_layers=1, batch_size=self.batch_size,
                                      num_tokens=min(tokens, getattr(layer, "window", tokens)),
@@ -193,12 +168,8 @@ class StaticCacheBase(nn.Module, Cache):
 
 
 class KIVICache(StaticCacheBase):
-    """A preallocated, static-shape KV cache stored the KIVI way: one KIVILayer per model layer.
-
-    rope_inv_freq / rope_scaling: the model's RoPE frequencies [head_dim / 2] and
-    attention_scaling (rope.model_rope_frequencies), required when config.pre_rope. portable:
-    for exporters that cannot carry custom ops (ONNX, ExecuTorch; dispatch.py). windows: per
-    layer, None (full attention: a KIVILayer) or a sliding window in tokens (a WindowLayer)."""
+    """A preallocated, static-shape KV cache stored the KIVI way. rope_inv_freq / rope_scaling: required
+    with pre_rope; windows: per layer None (full attention) or a sliding window in tokens."""
 
     def __init__(self, config: KIVIConfig, *, num_layers: int, batch_size: int, max_seq_len: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -222,8 +193,7 @@ class KIVICache(StaticCacheBase):
 
 
 class FPCache(StaticCacheBase):
-    """The unquantized baseline: one FPLayer per model layer (a WindowLayer per sliding-window
-    layer, as in KIVICache)."""
+    """The unquantized baseline: one FPLayer per model layer (WindowLayers as in KIVICache)."""
 
     def __init__(self, *, num_layers: int, batch_size: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",

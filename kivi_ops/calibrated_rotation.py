@@ -1,11 +1,6 @@
-"""Calibrated rotations (rotate_keys / rotate_values = "calibrated"): per layer and KV head, the
-orthogonal matrix of the head dimension that `kivi calibrate` chose offline, among CANDIDATES, by the
-Fisher-weighted error of KIVI's quantization on calibration text. Stored in the calibration file
-("rotations", with the model's identity) and held by KIVIConfig.rotations as [L, H, D, D] fp32.
-
-Candidates (x -> x M): identity; the normalized Hadamard matrix (rotation.py); "pca", the
-eigenbasis of the (centered) covariance of that head's calibration vectors; "pca_hadamard", the
-eigenbasis then Hadamard (OSCAR's covariance rotation composed with Hadamard)."""
+"""Calibrated rotations: per layer and KV head, the CANDIDATES matrix (identity, Hadamard, the PCA
+eigenbasis, PCA then Hadamard) with the least Fisher-weighted KIVI quantization error, chosen by
+`kivi calibrate` and stored in the calibration file."""
 
 from __future__ import annotations
 
@@ -30,8 +25,7 @@ ORTHOGONAL_ATOL = 1e-4
 
 
 def model_identity(hf_config: dict, name: str) -> dict:
-    """What a rotations file is checked against: the model's name, head_dim, layer and KV head
-    counts, and a fingerprint of its config.json's shape fields."""
+    """What a rotations file is checked against: name, head_dim, layer and KV head counts, fingerprint."""
     head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
     shape = {k: hf_config.get(k) for k in IDENTITY_FIELDS}
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
@@ -40,9 +34,7 @@ def model_identity(hf_config: dict, name: str) -> dict:
 
 
 def read_section(path, field: str, fmt: str, identity: dict | None, *, flag: str, hint: str) -> dict:
-    """The calibration file's section `field` (format `fmt`), refused (ValueError naming the file
-    and the field) when it is missing or its model identity differs from `identity`
-    (model_identity; None skips the check)."""
+    """The calibration file's section `field`, refused when missing or calibrated for another model."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -63,11 +55,10 @@ def read_section(path, field: str, fmt: str, identity: dict | None, *, flag: str
 
 
 def candidate_matrices(x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The CANDIDATES for one head's calibration vectors x [..., D] (fp32 [D, D] each)."""
     D = x.shape[-1]
     flat = x.reshape(-1, D).double()
     cov = torch.cov(flat.T)
-    _, vectors = torch.linalg.eigh(cov)  # ascending eigenvalues; columns are the eigenbasis
+    _, vectors = torch.linalg.eigh(cov)
     pca = vectors.flip(-1).float()
     hadamard = FIXED["hadamard"](D)
     return dict(identity=FIXED["identity"](D), hadamard=hadamard, pca=pca, pca_hadamard=pca @ hadamard)
@@ -75,16 +66,14 @@ def candidate_matrices(x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def quantization_error(x: torch.Tensor, fisher: torch.Tensor, m: torch.Tensor, *, bits: int, group_size: int,
                        axis: str) -> float:
-    """sum(fisher * (x - Q(x M) M^T)^2): KIVI's quantization (keys per channel over G tokens, values
-    per token over G channels) in the rotated basis, its error weighted in the model's basis."""
+    """sum(fisher * (x - Q(x M) M^T)^2): KIVI's quantization error in the rotated basis."""
     G = min(group_size, x.shape[-1]) if axis == "token" else group_size
     err = fake_quantize((x @ m).contiguous(), bits, G, axis) @ m.T - x
     return float((fisher * err * err).sum())
 
 
 def choose_rotations(activations: list[dict], *, bits: int, group_size: int) -> dict:
-    """Per layer {"k": [per head {"kind", "matrix", "error_vs_identity"}], "v": [...]}, from each
-    layer's activations {"k", "v", "k_fisher", "v_fisher"} [N, H, T, D] (calibrate.collect_kv_fisher)."""
+    """Per layer {"k": [per head {"kind", "matrix", "error_vs_identity"}], "v": [...]}."""
     layers = []
     for act in activations:
         entry = {}
@@ -109,9 +98,8 @@ def _encode(m: torch.Tensor) -> str:
 
 
 def rotations_section(chosen: dict, identity: dict, *, keys_pre_rope: bool = False) -> dict:
-    """The calibration file's "rotations" field (JSON): the model's identity and per layer, per head,
-    the chosen kind, its error against the others and the fitted matrix (base64 little-endian fp32)."""
-    def head(h):  # identity and Hadamard are rebuilt on load (FIXED); the fitted ones are stored
+    """The file's "rotations" field: per head the kind, its errors and the fitted matrix (base64 fp32)."""
+    def head(h):  # identity and Hadamard are rebuilt on load
         entry = dict(kind=h["kind"], error_vs_identity=h["error_vs_identity"])
         return entry if h["kind"] in FIXED else dict(entry, matrix=_encode(h["matrix"]))
 
@@ -123,9 +111,8 @@ def rotations_section(chosen: dict, identity: dict, *, keys_pre_rope: bool = Fal
 
 
 def load_rotations(path, identity: dict | None, *, keys: bool = True, flag: str = "--rotations") -> CalibratedRotations:
-    """The rotations of a `kivi calibrate` file, refused (ValueError naming the file and the field)
-    when its model identity differs from `identity` (model_identity; None skips the check), or when
-    `keys` are wanted and were fitted before RoPE (the cache rotates post-RoPE keys)."""
+    """The rotations of a `kivi calibrate` file, refused for another model, or for keys fitted before
+    RoPE (the cache rotates post-RoPE keys)."""
     section = read_section(path, "rotations", FORMAT, identity, flag=flag,
                            hint="with `kivi calibrate` (which fits the rotations unless --no-rotations)")
     stored = section["model"]

@@ -11,10 +11,9 @@ from .schedule import POLICIES, key_flush_unit, policy_id, residual_slots
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_AXES = ("channel", "token")
-# Triton block shapes must be powers of two, so group sizes are too.
+# Triton block shapes must be powers of two.
 SUPPORTED_GROUP_SIZES = (4, 8, 16, 32, 64, 128, 256)
-# Attention-sink tokens kept exact: a handful (KVQuant keeps 1, StreamingLLM 4); the pool is
-# scanned by every attention call, so it is bounded.
+# KVQuant keeps 1 sink token, StreamingLLM 4; every attention call scans the pool, so it is bounded.
 MAX_SINK_TOKENS = 64
 
 
@@ -29,8 +28,7 @@ def check_group_size(name: str, group_size: int) -> None:
 
 
 def check_word_groups(name: str, bits: int, group_size: int) -> None:
-    """A value group (group_size channels, or the whole head when smaller) must hold whole packed
-    words: 3-bit words hold 8 codes (packing.py), so 3 bits needs group_size >= 8."""
+    """A value group must hold whole packed words (3-bit words hold 8 codes)."""
     per = 8 if bits == 3 else 8 // bits
     if group_size % per:
         raise ValueError(f"{name}={bits} packs {per} codes per word (8 codes per 3 bytes), so group_size must be "
@@ -38,14 +36,12 @@ def check_word_groups(name: str, bits: int, group_size: int) -> None:
                          f"got group_size={group_size}")
 
 
-# A calibrated level is a mean of normalized values, which lie in [0, 2^B - 1] up to float rounding.
+# Calibrated levels are means of values in [0, 2^B - 1], up to float rounding.
 LEVEL_RANGE_SLACK = 1e-3
 
 
 def levels_ok(levels, bits: int) -> bool:
-    """Whether `levels` (floats) are nuq levels for bits-bit codes: 2^bits finite values, strictly
-    increasing (two equal levels waste a code), within the normalized range [0, 2^bits - 1] that a
-    group's min and max map to (a level far outside it dequantizes far outside the group)."""
+    """2^bits finite, strictly increasing levels within [0, 2^bits - 1] (the range a group maps to)."""
     top = 2**bits - 1
     return (len(levels) == 2**bits and all(math.isfinite(v) for v in levels)
             and all(b > a for a, b in zip(levels, levels[1:]))
@@ -57,7 +53,6 @@ def levels_rule(bits: int) -> str:
 
 
 def _check_level_tables(name: str, tables, bits: int) -> None:
-    """nuq levels: a tuple (one entry per layer) of levels_ok floats."""
     if not isinstance(tables, tuple):
         raise ValueError(f"{name} must be a tuple of per-layer level tuples, got {type(tables).__name__}")
     for i, levels in enumerate(tables):
@@ -82,57 +77,13 @@ def check_axis(axis: str) -> None:
 
 @dataclass(frozen=True)
 class KIVIConfig:
-    """How the KV cache is quantized (KIVI, Section 3 and Algorithm 1).
+    """How the KV cache is quantized (every option: docs/cache.md; off, the default, is exactly KIVI).
 
-    k_bits / v_bits: 2 or 4 (KIVI-2 / KIVI-4), 3 (KVQuant's main setting: 8 codes per 3 bytes,
-        packing.py; needs group_size >= 8 so a value group holds whole packed words); 8 is a
-        near-lossless baseline.
-    group_size (G): keys are quantized per channel in groups of G tokens; values per token
-        in groups of min(G, head_dim) channels.
-    residual_length (R): the most recent tokens kept in full precision. Keys accumulate in a
-        residual and are quantized R at a time (R must be a multiple of G); values keep the last
-        R tokens exact and quantize the oldest one as it leaves the window.
-    flush_policy: "kivi" (the above, KIVI Algorithm 1) or "ott" (the OTT paper's schedule: keys
-        and values are both quantized G tokens at a time and the R most recent tokens always
-        stay exact, so R is any positive int, independent of G; schedule.py).
-
-    Extensions, all off (0) by default; off gives exactly KIVI and allocates nothing extra:
-    sink_tokens: the first N tokens of each sequence are kept in full precision (KVQuant's
-        attention-sink-aware quantization) and never enter key quantization statistics.
-    outlier_tokens: OTT (its paper, Section 3.2): per layer and kv head, a pool of N
-        full-precision outlier tokens chosen at each key quantization step by the smallest key
-        magnitude (L1 norm over head_dim, Appendix E) among the tokens being quantized and the pool.
-    outlier_spill: capacity of OTT's auxiliary pool for tokens evicted from the outlier pool (the
-        paper's 32); when a step would evict more tokens than it has room for, the step selects
-        no new outliers (the paper stops identifying outliers when that pool is full).
-    outlier_skip_layers: the first layers get no outlier pool (the paper uses 0 outliers in the
-        first two layers).
-
-    KVQuant, also off by default:
-    pre_rope: keys are stored (quantized and in the residual) before RoPE; the attention op
-        rotates them after dequantization, at their positions (Section 3.2).
-    sparse_outliers: per-vector dense-and-sparse quantization (Section 3.4): this fraction of each
-        key channel (over each flushed R-token window) and of each value token (over head_dim) is
-        kept exact in a sparse store and out of its group's min/max; at least one per vector.
-    key_levels / value_levels: nuqX (Section 3.3): per layer, the 2^bits sorted levels codes
-        index (offline calibration, `kivi calibrate`), rescaled per group by KIVI's online
-        scale/zero; () keeps the uniform grid 0..2^bits-1, exactly KIVI.
-
-    Rotation (QuaRot / RotateKV / TurboQuant), off ("none") by default; keys and values choose
-    independently (rotation.py):
-    rotate_keys / rotate_values: "none", "hadamard" (normalized Walsh–Hadamard for a power-of-two
-        head_dim, else the seeded random matrix), "random" (a seeded random orthogonal matrix) or
-        "calibrated" (per layer and KV head, `rotations`, from `kivi calibrate`).
-        Keys (post-RoPE) and values are stored times M, the query is rotated by M once per call and
-        the attention output rotated back by Mᵀ: attention is unchanged before quantization, and
-        the cache's bytes are unchanged (M is a per-layer constant).
-    rotation_seed: the seed of the random matrix.
-    rotations: the calibrated matrices (calibrated_rotation.load_rotations), with a "calibrated" kind only.
-
-    Per-layer widths (KVTuner), off by default:
-    layer_bits: one (k_bits, v_bits) pair per model layer (`kivi calibrate --bits-budget`), which
-        then replaces k_bits / v_bits layer by layer (for_layer); () keeps k_bits / v_bits everywhere.
-        Not with nuq levels (their tables are per bit width).
+    k_bits / v_bits: 2, 3, 4 or 8. group_size (G): keys per channel in G-token groups, values per token
+    in min(G, head_dim)-channel groups. residual_length (R): tokens kept exact; a multiple of G under
+    flush_policy "kivi" (Algorithm 1), any positive int under "ott". sink_tokens, outlier_*: the exact
+    token pool. pre_rope, sparse_outliers, key_levels / value_levels: KVQuant. rotate_*, rotation_seed,
+    rotations: rotations of the head dimension. layer_bits: per-layer (k_bits, v_bits) (KVTuner).
     """
 
     k_bits: int = 2
@@ -221,8 +172,6 @@ class KIVIConfig:
                              "use rotate_keys='none' with pre_rope (rotate_values works with it)")
 
     def for_layer(self, layer_idx: int) -> "KIVIConfig":
-        """The config one layer is built with: k_bits / v_bits from layer_bits[layer_idx] when
-        per-layer widths are given, else this config."""
         if not self.layer_bits:
             return self
         if not 0 <= layer_idx < len(self.layer_bits):
@@ -231,7 +180,6 @@ class KIVIConfig:
         return replace(self, k_bits=k, v_bits=v, layer_bits=())
 
     def check_num_layers(self, num_layers: int) -> None:
-        """Per-layer settings (nuq levels, layer_bits) must have one entry per layer."""
         if self.has_nuq and (len(self.key_levels) != num_layers or len(self.value_levels) != num_layers):
             raise ValueError(f"key_levels/value_levels must have one entry per layer ({num_layers}), "
                              f"got {len(self.key_levels)} and {len(self.value_levels)}")
@@ -241,31 +189,25 @@ class KIVIConfig:
 
     @property
     def policy_id(self) -> int:
-        """flush_policy as the ops take it (schedule.KIVI / schedule.OTT)."""
         return policy_id(self.flush_policy)
 
     @property
     def key_flush_unit(self) -> int:
-        """Keys quantized together at one flush: R under 'kivi', G under 'ott' (schedule.py)."""
         return key_flush_unit(self.policy_id, self.residual_length, self.group_size)
 
     def residual_slots(self) -> int:
-        """Full-precision residual rows per head (before the max_seq_len cap): R under 'kivi',
-        R + G - 1 under 'ott' (schedule.py)."""
+        """Exact residual rows per head (before the max_seq_len cap): R under 'kivi', R + G - 1 under 'ott'."""
         return residual_slots(self.policy_id, self.residual_length, self.group_size)
 
     def layer_outlier_tokens(self, layer_idx: int) -> int:
-        """Outlier pool size of one layer: 0 in the first outlier_skip_layers layers."""
         return 0 if layer_idx < self.outlier_skip_layers else self.outlier_tokens
 
     def layer_pool_size(self, layer_idx: int) -> int:
-        """Full-precision pool slots of one layer: sink + outlier + spill (spill only with outliers)."""
         n = self.layer_outlier_tokens(layer_idx)
         return self.sink_tokens + (n + self.outlier_spill if n else 0)
 
     def sparse_counts(self, head_dim: int) -> tuple[int, int]:
-        """(exact entries per key channel per R-token window, per value token): the fraction of
-        the vector, rounded, at least 1 when sparse_outliers > 0; (0, 0) when off."""
+        """(exact entries per key channel per R-token window, per value token), at least 1 each when on."""
         if not self.sparse_outliers:
             return 0, 0
         return (max(1, round(self.sparse_outliers * self.residual_length)),
@@ -280,11 +222,9 @@ class KIVIConfig:
         return self.sink_tokens > 0 or self.outlier_tokens > 0
 
     def value_group_size(self, head_dim: int) -> int:
-        """Values are grouped along channels; a group never exceeds the head."""
         return min(self.group_size, head_dim)
 
     def check_head_dim(self, head_dim: int) -> None:
-        """head_dim must split into whole value groups and whole packed bytes."""
         if head_dim <= 0 or head_dim % self.value_group_size(head_dim) or head_dim % 8:
             raise ValueError(
                 f"head_dim must be a positive multiple of 8 and of group_size={self.group_size} "
@@ -292,13 +232,12 @@ class KIVIConfig:
             )
 
     def to_dict(self) -> dict:
-        """The fields as JSON values; calibrated rotations as their file and digest (not the matrices)."""
+        """The fields as JSON values; calibrated rotations as their file and digest."""
         return dict(asdict(self), rotations=self.rotations.record() if self.rotations is not None else None,
                     layer_bits=[list(p) for p in self.layer_bits])
 
     def to_record(self, nuq_source=None) -> dict:
-        """to_dict for reports: the nuq levels named by their source (e.g. the calibration file)
-        instead of listed."""
+        """to_dict with the nuq levels named by their source instead of listed."""
         record = self.to_dict()
         del record["key_levels"], record["value_levels"]
         return dict(record, nuq=str(nuq_source) if nuq_source is not None else None)

@@ -1,6 +1,5 @@
 """The one place that decides which implementation of a cache op runs: a layer asks `choose` once per
-call and runs the answer; the op carries it as its `implementation` argument and never chooses
-again. The support matrix and its footnotes are docs/design.md's (`support_matrix` renders it)."""
+call, and the op runs the answer without choosing again (the support matrix: docs/design.md)."""
 
 from __future__ import annotations
 
@@ -37,7 +36,7 @@ _cpu_kernels = _from_environment("KIVI_CPU_KERNELS", CPU_KERNELS)
 
 
 def set_cpu_kernels(name: str) -> str:
-    """KIVI_CPU_KERNELS for the whole process (design.md, footnote 5); returns the previous one."""
+    """KIVI_CPU_KERNELS for the whole process; returns the previous one."""
     global _cpu_kernels
     if name not in CPU_KERNELS:
         raise ValueError(f"cpu kernels must be one of {CPU_KERNELS}, got {name!r}")
@@ -47,7 +46,6 @@ def set_cpu_kernels(name: str) -> str:
 
 @contextlib.contextmanager
 def cpu_kernels(name: str):
-    """`with cpu_kernels("reference"):` selects them for the block (set_cpu_kernels, restored after)."""
     previous = set_cpu_kernels(name)
     try:
         yield
@@ -59,7 +57,7 @@ def current_cpu_kernels() -> str:
     return _cpu_kernels
 
 
-# KIVI_CUDA_DECODE (design.md, footnote 3). A cuda_cpp that cannot be built is refused, never ignored.
+# KIVI_CUDA_DECODE: a cuda_cpp that cannot be built is refused, never ignored.
 CUDA_DECODE = ("auto", "triton", "cuda_cpp")
 
 
@@ -67,7 +65,7 @@ _cuda_decode = _from_environment("KIVI_CUDA_DECODE", CUDA_DECODE)
 
 
 def set_cuda_decode(name: str) -> str:
-    """KIVI_CUDA_DECODE for the whole process; returns the previous one (cuda_cpp is built here)."""
+    """KIVI_CUDA_DECODE for the whole process; returns the previous one."""
     global _cuda_decode
     if name not in CUDA_DECODE:
         raise ValueError(f"cuda decode must be one of {CUDA_DECODE}, got {name!r}")
@@ -83,8 +81,7 @@ def current_cuda_decode() -> str:
     return _cuda_decode
 
 
-# The C++ kernel's split counts the autotune tries: the launcher's default, 1 (fastest at 1K on the
-# H200) and 16 (the sweep's third point).
+# The C++ kernel's split counts the autotune tries: its default, 1 (fastest at 1K on the H200), 16.
 CUDA_CPP_SPLITS = (None, 1, 16)
 
 
@@ -92,7 +89,7 @@ def _cuda_cpp_supports(layer: LayerTensors, params: QuantParams, q_len: int, que
     return cuda_cpp_unsupported(layer, params, q_len, query_heads, paged=paged) is None
 
 
-_cuda_cpp_loads: Optional[bool] = None  # under "auto": whether the extension loads (asked once)
+_cuda_cpp_loads: Optional[bool] = None
 
 
 def _cuda_cpp_available() -> bool:
@@ -113,13 +110,12 @@ def _cuda_cpp_available() -> bool:
 
 def decode_candidates(layer: LayerTensors, params: QuantParams, query_heads: int, paged: bool,
                       triton_rule: str) -> list[tuning.Candidate]:
-    """The kernels eligible for one CUDA decode call under the current KIVI_CUDA_DECODE setting."""
     if _cuda_decode == "triton":
         return [tuning.Candidate(triton_rule)]
     if _cuda_decode == "cuda_cpp":
         from .cuda.loader import load
 
-        load()  # asked for but not buildable: CudaKernelUnavailable (a setting is never silently ignored)
+        load()
         supported = _cuda_cpp_supports(layer, params, 1, query_heads, paged)
         return [tuning.Candidate("cuda_cpp" if supported else triton_rule)]
     found = [tuning.Candidate(name) for name in dict.fromkeys((triton_rule, "triton_split"))]
@@ -133,8 +129,7 @@ _tuner = tuning.Tuner(tuning.read_table())
 
 def tuned_choice(default: str, layer: LayerTensors, params: QuantParams, query_heads: int, paged: bool,
                  context: Optional[int] = None, measure: Optional[Callable[[Choice], object]] = None) -> Choice:
-    """The only eligible kernel, or the tuner's pick for the call's shape class (`default` where it
-    has none). context: tokens a row holds (default k_codes' dim 2); measure runs a candidate."""
+    """The only eligible kernel, or the tuner's pick for the call's shape class (`default` where none)."""
     candidates = decode_candidates(layer, params, query_heads, paged, default)
     if len(candidates) > 1:
         B, H = layer.k_res.shape[:2]
@@ -150,8 +145,7 @@ def tuned_choice(default: str, layer: LayerTensors, params: QuantParams, query_h
 
 def tuned_attend(default: str, query, layer: LayerTensors, counts, params: QuantParams, scale: float, *,
                  pages: Optional[Paging] = None):
-    """A CUDA decode call inside the attention ops: tuned_choice's kernel, timed on these inputs
-    when its shape class needs an autotune."""
+    """A CUDA decode call inside the attention ops: tuned_choice's kernel, timed on these inputs if needed."""
     def run(choice: Choice):
         return run_attend(choice.implementation, query, layer, counts, params, scale, pages=pages,
                           launch=choice.launch)
@@ -162,14 +156,13 @@ def tuned_attend(default: str, query, layer: LayerTensors, counts, params: Quant
 
 class Choice(NamedTuple):
     implementation: str
-    in_op: bool  # runs inside the kivi custom op (its device kernel), rather than traced inline
-    compiled: bool = False  # an inline form run through torch.compile on its own (design.md, footnote 5)
-    launch: tuple = ()  # launcher keywords of a tuned device kernel, sorted pairs (cuda_cpp's num_splits)
-    tune: bool = False  # a CUDA decode call: the op runs the tuner's pick, this implementation by default
+    in_op: bool  # runs inside the kivi custom op, rather than traced inline
+    compiled: bool = False  # an inline form compiled on its own
+    launch: tuple = ()
+    tune: bool = False  # a CUDA decode call: the op runs the tuner's pick
 
 
 def current_mode(portable: bool) -> str:
-    """The mode of the call being made now (design.md: the modes)."""
     if portable:
         return "portable"
     if torch.compiler.is_exporting():
@@ -181,8 +174,7 @@ def current_mode(portable: bool) -> str:
 
 def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors,
            cpu_kernels: str = "compiled") -> Choice:
-    """The implementation of `op` for one call (docs/design.md's matrix). A CUDA decode call gets the
-    Triton rule's kernel, marked `tune`: the op runs the tuner's pick (tuned_attend)."""
+    """The implementation of `op` for one call; a CUDA decode call is marked `tune` (tuned_attend)."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if mode not in MODES:
@@ -194,7 +186,7 @@ def choose(op: str, *, device: str, mode: str, q_len: int, layer: LayerTensors,
         return Choice("decomposed" if op == "append" else "decomposed_materialized", in_op=False)
     if device == "cuda":
         if op == "append":
-            return Choice("triton", in_op=True)  # every option: the sparse store, the pool, nuq
+            return Choice("triton", in_op=True)
         head_dim = layer.k_res.shape[-1]
         decode = q_len == 1 and head_dim & (head_dim - 1) == 0 and decode_kernel_compiles(layer)
         return Choice("triton_decode" if decode else "triton_split", in_op=True, tune=q_len == 1)
@@ -227,26 +219,25 @@ def _triton_older_than(major: int, minor: int) -> bool:
 
 def decode_kernel_compiles(layer: LayerTensors) -> bool:
     """Triton before 3.8 cannot compile triton_decode with pre-RoPE keys and a pool in fp16/bf16
-    ("operand #0 does not dominate this use", H200 with Triton 3.6): such layers use triton_split."""
+    ("operand #0 does not dominate this use"): such layers use triton_split."""
     rope_and_pool = layer.rope_inv_freq is not None and layer.pool is not None
     return not (rope_and_pool and layer.k_res.dtype != torch.float32 and _triton_older_than(3, 8))
 
 
 def _plain_layer(head_dim: int) -> LayerTensors:
-    """A plain-KIVI layer of meta tensors: choose reads shapes and which options are on, nothing else."""
+    """Plain-KIVI meta tensors: choose reads shapes and which options are on, nothing else."""
     shape_only = torch.empty((1, 1, 1, head_dim), device="meta")
     return LayerTensors(*[shape_only] * len(LayerTensors._fields[:9]))
 
 
 def compiled_decode(device: str, head_dim: int = 128) -> dict[str, str]:
-    """What a compiled plain-KIVI decode step runs on `device`, per op (for benchmark reports)."""
+    """What a compiled plain-KIVI decode step runs on `device`, per op."""
     layer = _plain_layer(head_dim)
     return {op: choose(op, device=device, mode="compile", q_len=1, layer=layer).implementation for op in OPS}
 
 
 def support_matrix() -> str:
-    """docs/design.md's support matrix as a Markdown table: choose's answer for a plain layer on CPU
-    and CUDA in every mode (a decode append; attend at q_len 1 and 2), modes with equal rows merged."""
+    """docs/design.md's support matrix as Markdown: choose's answers for a plain layer, equal rows merged."""
     layer = _plain_layer(128)
 
     def cell(op: str, device: str, mode: str, q_len: int) -> str:

@@ -1,30 +1,6 @@
-"""KVQuant's options as extra inputs of the cache ops: nuq levels, pre-RoPE keys and
-the dense-and-sparse outlier store. All absent (None) by default: the ops then run plain KIVI.
-
-Per layer, when on (KIVIConfig.sparse_counts gives nk, nv; W = S // R key windows):
-    k_levels      fp32  [2^k_bits]         nuq levels key codes index (nuq.py)
-    v_levels      fp32  [2^v_bits]
-    k_sparse      dtype [B, H, W * nk, D]  exact key outliers: row w * nk + j holds, per channel,
-    k_sparse_idx  int16 [B, H, W * nk, D]  the j-th outlier of R-token window w and its token
-                                           offset in the window (-1: none yet)
-    v_sparse      dtype [B, H, S, nv]      exact value outliers of token t (row t) and their
-    v_sparse_idx  int16 [B, H, S, nv]      channels (-1: none yet)
-and once per cache
-    rope_inv_freq fp32  [D/2]              the model's RoPE frequencies (keys stored pre-RoPE)
-Entries of windows / tokens not yet quantized are never read (attention takes those rows from
-the residuals), so -1 only marks them for readers of the buffers; zeros would do as well, which is
-what an exported program's fresh state holds.
-
-Dense-and-sparse (Section 3.4), as implemented: when the cache quantizes a window of R keys, per
-channel the nk entries of largest magnitude among the window's tokens stay exact; when a value
-token is quantized, its nv channels of largest magnitude stay exact. Outliers are left out of
-their group's min/max (their codes saturate) and attention reads the exact entries instead. The
-paper calibrates key thresholds offline and keeps a fixed fraction of values online; here both
-are per-vector counts computed online at quantization time (a fixed count per vector keeps the
-store static-shaped, which compile/export need).
-
-All helpers are static-shape tensor code (used by the CPU reference and the decomposed paths).
-"""
+"""KVQuant's options as optional inputs of the cache ops (docs/cache.md, "KVQuant"), None when off.
+Sparse store: k_sparse, k_sparse_idx [B, H, (S // R) * nk, D], row w * nk + j holding per channel
+the j-th outlier of R-token window w and its int16 offset; v_sparse, v_sparse_idx [B, H, S, nv]."""
 
 from __future__ import annotations
 
@@ -36,8 +12,6 @@ from torch import Tensor
 from .dense_sparse import select_outliers
 
 class Extras(NamedTuple):
-    """KVQuant's optional parts of a layer (layout.LayerTensors.extras), as the kernels read them."""
-
     k_levels: Optional[Tensor] = None
     v_levels: Optional[Tensor] = None
     k_sparse: Optional[Tensor] = None
@@ -59,9 +33,8 @@ NO_EXTRAS = Extras()
 
 
 def check_extras(extras: Extras, k_codes: Tensor, k_res: Tensor, k_bits: int, v_bits: int, residual_length: int) -> None:
-    """Shapes and dtypes of the extras against the cache buffers (clear errors, never a crash in a
-    kernel). Values are not read: that would be a host sync inside CUDA graphs. Levels must be
-    sorted ascending; KIVIConfig checks that when the cache is built."""
+    """Shapes and dtypes of the extras against the cache buffers, without reading values (a host sync
+    in CUDA graphs); KIVIConfig checks the levels' order."""
     B, H, S, _ = k_codes.shape
     D, dtype = k_res.shape[-1], k_res.dtype
     for name, levels, bits in (("k_levels", extras.k_levels, k_bits), ("v_levels", extras.v_levels, v_bits)):
@@ -94,14 +67,12 @@ def check_extras(extras: Extras, k_codes: Tensor, k_res: Tensor, k_bits: int, v_
 
 
 def key_outliers_per_window(k_sparse: Tensor, S: int, R: int) -> int:
-    """nk: exact entries per channel per flushed window (0 when no window fits in the cache)."""
     return k_sparse.shape[2] // (S // R) if S // R else 0
 
 
 def select_key_outliers(stream: Tensor, nk: int, R: int, pooled: Optional[Tensor] = None):
-    """stream [B, H, windows * R, D] of exact keys about to be quantized, window by window:
-    (exclude mask of stream's shape, values [B, H, windows * nk, D], token offsets int16).
-    pooled [B, H, windows * R]: tokens the pool keeps exact, picked last."""
+    """stream [B, H, windows * R, D] of exact keys about to be quantized -> (exclude mask, values
+    [B, H, windows * nk, D], int16 offsets); pooled tokens are picked last."""
     B, H, W, D = stream.shape
     ignore = None if pooled is None else pooled.reshape(B, H, W // R, R, 1).expand(B, H, W // R, R, D)
     mask, vals, idx = select_outliers(stream.reshape(B, H, W // R, R, D), nk, dim=3, ignore=ignore)
@@ -109,8 +80,8 @@ def select_key_outliers(stream: Tensor, nk: int, R: int, pooled: Optional[Tensor
 
 
 def _replace_along(x: Tensor, dim: int, target: Tensor, src: Tensor, hit: Tensor) -> Tensor:
-    """x with x[..., target, ...] = src (along dim) where hit; misses write into a spare slot
-    past the end that is cut off again (static shapes: no boolean indexing)."""
+    """x with x[..., target, ...] = src along dim where hit; misses go to a spare slot cut off again
+    (static shapes: no boolean indexing)."""
     n = x.shape[dim]
     pad_shape = list(x.shape)
     pad_shape[dim] = 1
@@ -121,21 +92,18 @@ def _replace_along(x: Tensor, dim: int, target: Tensor, src: Tensor, hit: Tensor
 
 
 def apply_key_outliers(keys: Tensor, start: int, k_sparse: Tensor, k_sparse_idx: Tensor, nk: int, R: int) -> Tensor:
-    """keys [B, H, T, D] (fp32, the dequantized rows [start, start + T)) with the exact key
-    outliers of those rows written in. Callers choose quantized vs residual rows afterwards:
-    outliers exist only for flushed windows, whose rows are all quantized."""
+    """keys [B, H, T, D] (fp32 rows [start, start + T)) with their exact key outliers written in."""
     if nk == 0:
         return keys
     T = keys.shape[2]
     window = torch.div(torch.arange(k_sparse.shape[2], device=keys.device), nk, rounding_mode="floor")
     offset = k_sparse_idx.long()
-    position = window[None, None, :, None] * R + offset  # [B, H, W * nk, D]
+    position = window[None, None, :, None] * R + offset
     hit = (offset >= 0) & (position >= start) & (position < start + T)
     return _replace_along(keys, 2, position - start, k_sparse, hit)
 
 
 def apply_value_outliers(values: Tensor, v_sparse: Tensor, v_sparse_idx: Tensor) -> Tensor:
-    """values [B, H, T, D] (fp32, dequantized rows) with the exact value outliers of the same T
-    rows (v_sparse / v_sparse_idx [B, H, T, nv]) written in."""
+    """values [B, H, T, D] (fp32) with the exact outliers v_sparse / v_sparse_idx [B, H, T, nv] written in."""
     idx = v_sparse_idx.long()
     return _replace_along(values, 3, idx, v_sparse, idx >= 0)

@@ -1,10 +1,6 @@
-"""The implementation table: each cache-op implementation's name (dispatch.py chooses one; a kivi op
-carries it as an index, `index` / `name`) mapped to its static and its paged function.
-
-A paged form takes the static form's arguments plus a Paging. The forms are the same objects on every
-call (cpu_compiled.py keys its compiled forms by them): a plain dict, not functools.cache, because
-Dynamo warns on every lru_cache-wrapped call it traces. Device kernels load at first use, inside a
-kivi op, so Triton is imported only where it runs."""
+"""The implementation table: each cache-op implementation's name mapped to its static and paged
+function. A plain dict, not functools.cache (Dynamo warns on every lru_cache call it traces), so a
+form is the same object on every call (cpu_compiled.py keys by it); device kernels load lazily."""
 
 from __future__ import annotations
 
@@ -32,8 +28,7 @@ def _append_decomposed(flush_under_cond, layer, key, value, counts, params, page
     append_decomposed(layer, key, value, counts, params, flush_under_cond=flush_under_cond, pages=pages)
 
 
-# The fused form reads each page through the block table as one indexing expression, which Inductor
-# inlines as an indirect load; the materialized form's matmuls need contiguous copies (they round by stride).
+# The fused form inlines the block-table indexing; the materialized form's matmuls need contiguous copies.
 def _attend_indexed(query, layer, counts, params, scale, pages):
     return attend_fused(query, indexed_view(layer, pages.block_table), counts, params, scale)
 
@@ -43,7 +38,6 @@ def _attend_gathered(query, layer, counts, params, scale, pages):
 
 
 def _with_pages(fn):
-    """fn(*args, pages=pages) as fn(*args, pages)."""
     def paged(*args, **launch):
         return fn(*args[:-1], pages=args[-1], **launch)
     paged.__name__ = f"paged_{fn.__name__}"
@@ -93,7 +87,7 @@ _DEVICE_KERNELS = {("append", "triton"): _triton_append, ("attend", "triton_deco
 
 
 def form(op: str, implementation: str, paged: bool = False) -> Callable:
-    """The function of one implementation of `op`, the same object on every call (paged: its paged form)."""
+    """The function of one implementation of `op`, the same object on every call."""
     forms = _TABLE[op].get(implementation)
     if forms is None:
         load = _DEVICE_KERNELS.get((op, implementation))
@@ -105,12 +99,10 @@ def form(op: str, implementation: str, paged: bool = False) -> Callable:
 
 
 def index(implementation: str) -> int:
-    """The kivi ops' `implementation` argument for a name."""
     return IMPLEMENTATIONS.index(implementation)
 
 
 def name(op: str, implementation: int) -> str:
-    """The name behind a kivi op's `implementation` argument (index's inverse)."""
     names = APPEND if op == "append" else ATTEND
     found = IMPLEMENTATIONS[implementation] if 0 <= implementation < len(IMPLEMENTATIONS) else None
     if found not in names:
@@ -120,13 +112,11 @@ def name(op: str, implementation: int) -> str:
 
 
 def run_append(implementation: str, layer, key, value, counts, params, *, pages=None) -> None:
-    """Run one append implementation (its paged form when pages, a Paging, is given)."""
     extra = () if pages is None else (pages,)
     form("append", implementation, pages is not None)(layer, key, value, counts, params, *extra)
 
 
 def run_attend(implementation: str, query, layer, counts, params, scale: float, *, pages=None, launch: tuple = ()):
-    """Run one attention implementation (paged when pages is given; launch: a tuned kernel's keywords)."""
     extra = () if pages is None else (pages,)
     return form("attend", implementation, pages is not None)(query, layer, counts, params, scale, *extra,
                                                              **dict(launch))

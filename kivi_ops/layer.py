@@ -1,14 +1,8 @@
-"""The cache layer: one object per model layer that owns its buffers and runs its append and attend.
+"""The cache layer: one module per model layer that owns its buffers and runs its append and attend
+(KIVILayer here, FPLayer in fp_layer.py; a list of them is a transformers Cache, cache.py).
 
-A cache is a list of these (cache.py), as in transformers' cache_utils: `CacheLayer` implements
-transformers' `CacheLayerMixin`, so a cache of them is a transformers `Cache` whose `update`
-forwards to the layer. Two kinds exist: `KIVILayer` (the quantized cache, here) and `FPLayer`
-(the unquantized baseline, fp_layer.py). Both take the same `append(key, value, step)` and
-`attend(query, step)`, with per-row lengths as device tensors and right-padded rows (kivi_ops.Step).
-
-Each buffer is registered separately and passed whole to the ops: slices or shared storage would
-make functionalization clone the whole cache every compiled step.
-"""
+Each buffer is registered separately and passed whole: slices or shared storage would make
+functionalization clone the whole cache every compiled step."""
 
 from __future__ import annotations
 
@@ -37,17 +31,12 @@ def _zeros(shape, dtype, device) -> torch.Tensor:
 
 
 class CacheLayer(nn.Module, CacheLayerMixin):
-    """What every cache layer shares: its dimensions, the per-row `lengths` buffer, the checks of
-    the caller's tensors, and transformers' per-layer cache API.
+    """Dimensions, per-row lengths, input checks and transformers' CacheLayerMixin. The checks use this
+    layer's own device: a compiled region shared by all layers must not specialize on another layer."""
 
-    The checks take the device of the layer's own buffers: a compiled region shared by all layers
-    must not read another layer (it would specialize on which)."""
-
-    # transformers' generate() then compiles its decode steps; a patched model hands it the
-    # library's compiled step (kivi_models.hf_generate).
     is_compileable = True
     is_sliding = False
-    pre_rope = False  # the layer stores keys before RoPE (KIVILayer with KVQuant's option)
+    pre_rope = False
 
     def __init__(self, *, batch_size: int, max_seq_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device):
@@ -61,24 +50,20 @@ class CacheLayer(nn.Module, CacheLayerMixin):
             raise ValueError(f"dtype must be one of torch.float32, torch.float16, torch.bfloat16, got {dtype}")
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        self.is_initialized = True  # preallocated: transformers never initializes it lazily
+        self.is_initialized = True
         self.register_buffer("lengths", _zeros((batch_size,), torch.int64, device), persistent=False)
 
     @property
     def device(self) -> torch.device:
         return self.lengths.device
 
-    # ---------------------------------------------------------------- sequences
 
     def restart_rows(self, fresh: torch.Tensor) -> None:
-        """Rows where fresh [B] is True start a new sequence: length 0 (graph-safe; nothing past a
-        row's length is read, so the other buffers need no clearing)."""
         self.lengths.copy_(torch.where(fresh, torch.zeros_like(self.lengths), self.lengths))
 
     def check_room(self, n: int, counts: Optional[torch.Tensor] = None) -> None:
-        """Raise before anything is written if appending n tokens (counts[b] for row b) would grow a
-        sequence past max_seq_len (a host sync). Compiled appends cannot raise, so a compiled loop
-        calls this first; eager appends check it themselves."""
+        """Raise before writing if appending n tokens would pass max_seq_len (a host sync): compiled
+        appends cannot raise, so a compiled loop calls this first."""
         self._check_counts_tensor(counts)
         check_capacity(self.lengths, counts, n, self.max_seq_len)
 
@@ -87,29 +72,23 @@ class CacheLayer(nn.Module, CacheLayerMixin):
         return []
 
     def nbytes(self) -> int:
-        """Exact bytes held by the layer's buffers, except the rotation matrices (rotation.py): a
-        model constant of D x D floats, like a weight, that no sequence grows."""
+        """Bytes held by the layer's buffers, except the rotation matrices (a model constant, like a weight)."""
         rotations = {id(t) for t in rotation_constants(self)}
         return sum(buf.numel() * buf.element_size() for buf in self.buffers() if id(buf) not in rotations)
 
     def page_tensors(self) -> dict[str, torch.Tensor]:
-        """Buffers whose dim 0 is a page id (a paged layer's pools); none in a static layer."""
         return {}
 
     def row_tensors(self) -> dict[str, torch.Tensor]:
-        """Sequence-state buffers whose dim 0 is the batch row (what a swap copies per sequence):
-        every state buffer of a static layer (constants excluded)."""
+        """Sequence-state buffers whose dim 0 is the batch row (what a swap copies per sequence)."""
         constants = {id(t) for t in self.constants()}
         return {name: t for name, t in self.named_buffers() if id(t) not in constants}
 
-    # ---------------------------------------------------------------- transformers' CacheLayerMixin
 
     def lazy_initialization(self, key_states, value_states) -> None:
-        pass  # preallocated
+        pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """transformers' API for code that calls the cache itself: append, then return the keys and
-        values as attention sees them (dequantized), a slow but correct path."""
         self.append(key_states, value_states)
         return self.dequantized()
 
@@ -122,7 +101,6 @@ class CacheLayer(nn.Module, CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.max_seq_len
 
-    # ---------------------------------------------------------------- checks of the caller's tensors
 
     def _check_input(self, name: str, t: torch.Tensor, heads: Optional[int]) -> None:
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -152,7 +130,6 @@ class CacheLayer(nn.Module, CacheLayerMixin):
         self._check_counts(counts, query.shape[2])
 
     def _check_counts_tensor(self, counts: Optional[torch.Tensor]) -> None:
-        """counts' type, shape, dtype and device (no host sync)."""
         if counts is None:
             return
         want = f"counts must be an int64 tensor of shape [{self.batch_size}] on {self.device} (or None)"
@@ -168,9 +145,6 @@ class CacheLayer(nn.Module, CacheLayerMixin):
 
 
 class TokenPool(nn.Module):
-    """The sink / OTT outlier token pool (pool.py): exact keys and values of P tokens and their
-    positions (-1: empty slot)."""
-
     def __init__(self, B: int, H: int, P: int, D: int, dtype, device):
         super().__init__()
         self.register_buffer("k", _zeros((B, H, P, D), dtype, device), persistent=False)
@@ -184,8 +158,6 @@ class TokenPool(nn.Module):
 
 
 class SparseStore(nn.Module):
-    """KVQuant's dense-and-sparse outliers (extras.py): exact values and their int16 indices (-1: none)."""
-
     def __init__(self, k_shape, v_shape, dtype, device):
         super().__init__()
         self.register_buffer("k", _zeros(k_shape, dtype, device), persistent=False)
@@ -201,8 +173,6 @@ class SparseStore(nn.Module):
 
 
 class NuqLevels(nn.Module):
-    """KVQuant's nuq levels of one layer (constants: reset keeps them, exports embed them)."""
-
     def __init__(self, key_levels, value_levels, device):
         super().__init__()
         self.register_buffer("k", torch.tensor(key_levels, dtype=torch.float32, device=device), persistent=False)
@@ -210,8 +180,7 @@ class NuqLevels(nn.Module):
 
 
 def reserve_for_compiled_steps(device: torch.device, batch_size: int) -> None:
-    """CUDA: the Triton append's arrival counters for batch_size rows, allocated now, before any
-    compiled step (or CUDA graph capture) could need them (triton_append.reserve_arrival_counters)."""
+    """CUDA: allocate the Triton append's arrival counters before any compiled step or graph capture."""
     if device.type == "cuda":
         from .kernels.triton_append import reserve_arrival_counters
 
@@ -219,12 +188,10 @@ def reserve_for_compiled_steps(device: torch.device, batch_size: int) -> None:
 
 
 def rotation_constants(layer) -> list[torch.Tensor]:
-    """The layer's rotation matrices (rot_k, rot_v), those that are on."""
     return [t for t in (getattr(layer, "rot_k", None), getattr(layer, "rot_v", None)) if t is not None]
 
 
 def option_constants(layer) -> list[torch.Tensor]:
-    """A KIVI layer's constants (static or paged): nuq levels, RoPE frequencies, rotation matrices."""
     levels = [layer.levels.k, layer.levels.v] if layer.levels is not None else []
     rope = [layer.rope_inv_freq] if layer.rope_inv_freq is not None else []
     return levels + rope + rotation_constants(layer)
@@ -240,12 +207,9 @@ def _calibrated(rotations, part: str, layer: CacheLayer, layer_idx: int) -> torc
 
 
 def init_constants(layer: CacheLayer, config: KIVIConfig, layer_idx: int, rope, device) -> None:
-    """What a KIVI layer (static or paged) holds beside its buffers: the nuq `levels` (None when
-    off), with pre-RoPE keys the model's RoPE frequencies `rope_inv_freq` (else None) and
-    `rope_scaling`, and the rotation matrices `rot_k` / `rot_v` [D, D] fp32 ([H, D, D] calibrated; None when off)."""
     D = layer.head_dim
     for name, kind, part in (("rot_k", config.rotate_keys, "keys"), ("rot_v", config.rotate_values, "values")):
-        if kind == "calibrated":  # [H, D, D]: this layer's matrix per KV head
+        if kind == "calibrated":
             m = _calibrated(config.rotations, part, layer, layer_idx)
         else:
             m = rotation_matrix(kind, D, config.rotation_seed)
@@ -272,19 +236,16 @@ def init_constants(layer: CacheLayer, config: KIVIConfig, layer_idx: int, rope, 
 
 
 def dequantized_state(layer: CacheLayer, t: LayerTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """KIVILayer.dequantized of a layer whose tensors in the static layout are t (a paged layer
-    passes its pages gathered, paged_layout.static_view)."""
     lengths = layer.lengths
     stop = int(lengths.max())
     keys, values = materialize_block(t, 0, stop, layer.params)
     pool = getattr(layer, "pool", None)
-    if pool is not None:  # pooled tokens are seen exact
+    if pool is not None:
         for b, h, i in (pool.pos >= 0).nonzero().tolist():
             pos = int(pool.pos[b, h, i])
             keys[b, h, pos], values[b, h, pos] = pool.k[b, h, i].float(), pool.v[b, h, i].float()
-    if layer.pre_rope:  # as attention sees them: rotated, with the model's attention_scaling
+    if layer.pre_rope:
         keys = rope_at(keys, torch.arange(stop, device=keys.device), layer.rope_inv_freq) * layer.rope_scaling
-    # stored times M (rotation.py): back to the model's basis
     keys, values = unrotate(keys, layer.rot_k), unrotate(values, layer.rot_v)
     inside = (torch.arange(stop, device=lengths.device)[None, :] < lengths[:, None])[:, None, :, None]
     zero = torch.zeros((), device=keys.device)
@@ -293,9 +254,7 @@ def dequantized_state(layer: CacheLayer, t: LayerTensors) -> tuple[torch.Tensor,
 
 def run_append(layer: LayerTensors, key, value, counts, params: QuantParams, *, portable: bool = False,
                pages: Optional[Paging] = None) -> None:
-    """A cache layer's append: dispatch.choose once, then the kivi op with that choice (its kernel
-    runs it), or the form traced inline, or compiled on its own (Choice.compiled). pages: the
-    layer is paged (kivi::paged_append and the paged forms)."""
+    """dispatch.choose once, then the kivi op, the traced form or the compiled form it names."""
     choice = dispatch.choose("append", device=key.device.type, mode=dispatch.current_mode(portable), q_len=key.shape[2],
                              layer=layer, cpu_kernels=dispatch.current_cpu_kernels())
     name, paged = choice.implementation, pages is not None
@@ -314,9 +273,7 @@ def run_append(layer: LayerTensors, key, value, counts, params: QuantParams, *, 
 
 def run_attend(query, layer: LayerTensors, counts, params: QuantParams, scale: float, *, portable: bool = False,
                pages: Optional[Paging] = None):
-    """A cache layer's attention, as run_append. A CUDA decode call goes to the op marked `tune`
-    (dispatch.tuned_attend): traced code (torch.compile, export) never touches the tuner or the
-    CUDA C++ extension."""
+    """As run_append; traced code never touches the CUDA tuner or the C++ extension (dispatch.tuned_attend)."""
     choice = dispatch.choose("attend", device=query.device.type, mode=dispatch.current_mode(portable),
                              q_len=query.shape[2], layer=layer, cpu_kernels=dispatch.current_cpu_kernels())
     name, paged = choice.implementation, pages is not None
@@ -335,15 +292,8 @@ def run_attend(query, layer: LayerTensors, counts, params: QuantParams, scale: f
 
 
 class KIVILayer(CacheLayer):
-    """One layer of the KIVI cache: the nine buffers of layout.py, and as sub-modules (None when
-    their option is off) the sink/OTT `pool`, the dense-and-sparse `sparse` store and the nuq
-    `levels`; with pre-RoPE keys, the model's RoPE frequencies. `tensors()` hands it to the cache
-    ops (run_append / run_attend: dispatch.py picks the implementation) as one LayerTensors bundle.
-
-    layer_idx selects this layer's share of the config (its nuq levels, whether it has an OTT
-    pool); rope: (inv_freq [head_dim / 2], attention_scaling) of the model, required with
-    config.pre_rope (rope.model_rope_frequencies). portable: built for an exporter that cannot
-    carry custom ops (ONNX, ExecuTorch): the ops run in core ATen forms only (dispatch.py)."""
+    """One layer of the KIVI cache (layout.py's buffers, options None when off). rope: (inv_freq, attention
+    scaling), required with pre_rope; portable: core ATen forms only (ONNX, ExecuTorch)."""
 
     def __init__(self, config: KIVIConfig, layer_idx: int, *, batch_size: int, max_seq_len: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device="cpu",
@@ -358,7 +308,7 @@ class KIVILayer(CacheLayer):
         B, H, S, D = batch_size, num_kv_heads, max_seq_len, head_dim
         R, G = config.residual_length, config.group_size
         gv = config.value_group_size(D)
-        RR = min(config.residual_slots(), S)  # token t's slot is t % W < S: a cache shorter than W needs S slots
+        RR = min(config.residual_slots(), S)
         for name, shape, dt in (
             ("k_codes", (B, H, S, packed_bytes(D, config.k_bits)), torch.uint8),
             ("k_scale", (B, H, math.ceil(S / G), D), dtype),
@@ -382,7 +332,6 @@ class KIVILayer(CacheLayer):
         reserve_for_compiled_steps(device, batch_size)
 
     def tensors(self) -> LayerTensors:
-        """The layer as the cache ops take it (whole buffers, options None when off)."""
         pool, sparse, levels = self.pool, self.sparse, self.levels
         return LayerTensors(
             self.k_codes, self.k_scale, self.k_zero, self.k_res, self.v_codes, self.v_scale, self.v_zero, self.v_res,
@@ -394,41 +343,28 @@ class KIVILayer(CacheLayer):
         )
 
     def append(self, key: torch.Tensor, value: torch.Tensor, step: Step = DECODE) -> None:
-        """Store key/value [batch, kv_heads, n, head_dim]; step.counts marks the real tokens of
-        right-padded rows (the rest are never stored). Raises before writing if a sequence would
-        exceed max_seq_len (in eager mode and in compiled mode on CPU; the CUDA kernel drops tokens
-        past capacity instead, since it cannot raise inside a CUDA graph)."""
+        """Store key/value [batch, kv_heads, n, head_dim]; step.counts marks right-padded rows' real tokens.
+        Raises past max_seq_len (eager, and compiled on CPU; the CUDA kernel drops the tokens instead)."""
         self._check_append(key, value, step.counts)
         key, value = rotate(key, self.rot_k), rotate(value, self.rot_v)
         run_append(self.tensors(), key, value, step.counts, self.params, portable=self.portable)
 
     def attend(self, query: torch.Tensor, step: Step = DECODE, scale: Optional[float] = None) -> torch.Tensor:
-        """Attention of query [batch, q_heads, q_len, head_dim] over the layer (quantized part +
-        residual [+ pool], one softmax, GQA, causal for q_len > 1: the queries' own keys must already
-        be appended). step.counts marks the real queries of right-padded rows, as in append: query i
-        of row b sits at position lengths[b] - counts[b] + i and sees the keys at positions up to
-        its own. scale: the softmax scale (default 1 / sqrt(head_dim)).
-
-        Defined for any state of the layer: an output row is zeros when its query sees no key,
-        that is for padding rows (i >= counts[b]), for every row of an empty sequence (attend before
-        any append, after reset() or restart_rows()), and for queries placed before a sequence's
-        first token. Never NaN."""
+        """Attention of query [batch, q_heads, q_len, head_dim], causal; query i of row b sits at position
+        lengths[b] - counts[b] + i. An output row is zeros when its query sees no key (padding, attend
+        before any append, before a sequence's first token); never NaN."""
         self._check_attend(query, step.counts)
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
-        scale *= self.rope_scaling  # pre-RoPE keys: the model's RoPE scales keys; ours are rotated in the op
+        scale *= self.rope_scaling  # pre-RoPE keys: the model's attention_scaling (the op applies RoPE)
         out = run_attend(rotate(query, self.rot_k), self.tensors(), step.counts, self.params, scale,
                          portable=self.portable)
         return unrotate(out, self.rot_v)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys, values) [batch, kv_heads, max length, head_dim] exactly as attention sees them
-        (dequantized where quantized, exact from the residual and the pool, rotated when stored
-        pre-RoPE, rotated back to the model's basis when stored rotated); zeros past a sequence's
-        length. Tests and debugging only (host syncs)."""
+        """(keys, values) as attention sees them in the model's basis, zeros past each length (tests only)."""
         return dequantized_state(self, self.tensors())
 
     def reset(self) -> None:
-        """Empty every sequence; the constants (nuq levels, RoPE frequencies) stay."""
         constants = {id(t) for t in self.constants()}
         for buf in self.buffers(recurse=False):
             if id(buf) not in constants:
@@ -438,7 +374,6 @@ class KIVILayer(CacheLayer):
                 part.reset()
 
     def restart_rows(self, fresh: torch.Tensor) -> None:
-        """Rows where fresh [B] is True start a new sequence: length 0, pool slots empty (graph-safe)."""
         super().restart_rows(fresh)
         if self.pool is not None:
             pos = self.pool.pos

@@ -1,17 +1,5 @@
-"""Per-layer bit widths under a budget (KIVIConfig.layer_bits; `kivi calibrate --bits-budget`), KVTuner-style.
-
-Sensitivity: per layer, for keys and values apart, the Fisher-weighted squared error of KIVI's
-quantization at each width on the calibration activations (calibrate.collect_kv_fisher), in the
-calibrated rotation's basis when one is fitted: with the diagonal empirical Fisher as the Hessian,
-half of it estimates the loss increase that layer's quantization alone causes (KVQuant, HAWQ), so
-the numbers of different layers and of keys and values add up and compare.
-
-Budget: stored bits per key/value element of one sequence of `tokens` in the full-attention layers,
-exact (KIVILayer.nbytes on the meta device, fp16 scales: codes, scales, zeros and the fp window), as
-kivi_benchmarks.perplexity.cache_bits_per_element counts them. Choice: start every part at the widest
-width and lower, one step at a time, the part whose error grows least per byte saved until the
-budget holds; then raise, while it fits, the part whose error falls most per byte spent.
-"""
+"""Per-layer bit widths under a bits budget, KVTuner-style (docs/cache.md, "Per-layer bit widths"): each
+part's Fisher-weighted quantization error per width, then a greedy choice by error per byte."""
 
 from __future__ import annotations
 
@@ -29,8 +17,7 @@ PARTS = (("k", "channel"), ("v", "token"))
 
 
 def sensitivities(activations: list[dict], *, group_size: int, widths=WIDTHS, rotations: dict | None = None) -> list:
-    """Per layer {"k": {bits: error}, "v": {...}}: the Fisher-weighted error summed over heads;
-    rotations: choose_rotations' result (each head's matrix), else the model's basis."""
+    """Per layer {"k": {bits: error}, "v": {...}}, summed over heads, in the rotations' basis if given."""
     out = []
     for i, act in enumerate(activations):
         entry = {}
@@ -45,7 +32,7 @@ def sensitivities(activations: list[dict], *, group_size: int, widths=WIDTHS, ro
 
 
 def layer_nbytes(config: KIVIConfig, widths: tuple[int, int], *, tokens: int, num_kv_heads: int, head_dim: int) -> int:
-    """Exact bytes of one full-attention layer at widths (k_bits, v_bits) holding one sequence of `tokens`."""
+    """Exact bytes of one full-attention layer at (k_bits, v_bits) holding one sequence of `tokens`."""
     cfg = dataclasses.replace(config, k_bits=widths[0], v_bits=widths[1], layer_bits=(), rotate_keys="none",
                               rotate_values="none", rotations=None)
     return KIVILayer(cfg, 0, batch_size=1, max_seq_len=tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -54,7 +41,6 @@ def layer_nbytes(config: KIVIConfig, widths: tuple[int, int], *, tokens: int, nu
 
 def check_budget(config: KIVIConfig, *, budget: float, tokens: int, num_kv_heads: int, head_dim: int,
                  widths=WIDTHS) -> None:
-    """Refuse a budget below the narrowest cache (every layer at the narrowest width)."""
     low = min(widths)
     least = 8 * layer_nbytes(config, (low, low), tokens=tokens, num_kv_heads=num_kv_heads,
                              head_dim=head_dim) / (2 * num_kv_heads * tokens * head_dim)
@@ -67,8 +53,8 @@ def check_budget(config: KIVIConfig, *, budget: float, tokens: int, num_kv_heads
 
 def choose_widths(sensitivity: list, full: list[bool], config: KIVIConfig, *, budget: float, tokens: int,
                   num_kv_heads: int, head_dim: int, widths=WIDTHS) -> tuple[tuple, float]:
-    """(layer_bits, bits per element) within `budget` (module doc); a sliding-window layer (full[i]
-    False) stores its window unquantized, so its widths are the narrowest and cost nothing."""
+    """(layer_bits, bits per element) within `budget`: lower the part whose error grows least per byte
+    saved until it fits, then raise while it fits. Sliding-window layers get the narrowest (unused)."""
     widths = sorted(widths)
     for b in widths:
         check_bits("widths", b)
@@ -83,7 +69,7 @@ def choose_widths(sensitivity: list, full: list[bool], config: KIVIConfig, *, bu
     def total():
         return 8 * sum(size[bits[i]["k"], bits[i]["v"]] for i in layers) / elements
 
-    def move(i, part, to):  # (error change, bytes change) of setting one part to width `to`
+    def move(i, part, to):
         now = dict(bits[i])
         after = dict(now, **{part: to})
         return (sensitivity[i][part][to] - sensitivity[i][part][now[part]],
@@ -112,7 +98,6 @@ def choose_widths(sensitivity: list, full: list[bool], config: KIVIConfig, *, bu
 
 def layer_bits_section(chosen: tuple, sensitivity: list, identity: dict, *, budget: float, bits_per_element: float,
                        tokens: int, config: KIVIConfig, rotated: bool, full: list[bool]) -> dict:
-    """The calibration file's "layer_bits" field (JSON)."""
     return dict(format=FORMAT, model=identity, budget=budget, bits_per_element=round(bits_per_element, 4),
                 tokens=tokens, group_size=config.group_size, residual_length=config.residual_length, rotated=rotated,
                 objective="Fisher-weighted squared error of KIVI quantization, per layer and part",
@@ -121,8 +106,7 @@ def layer_bits_section(chosen: tuple, sensitivity: list, identity: dict, *, budg
 
 
 def load_layer_bits(path, identity: dict | None, *, flag: str = "--layer-bits") -> tuple[tuple, dict]:
-    """(layer_bits for KIVIConfig, the section: its group_size, residual_length, budget...) of a
-    `kivi calibrate --bits-budget` file, refused (ValueError naming the file and field) for another model."""
+    """(layer_bits, the section) of a `kivi calibrate --bits-budget` file, refused for another model."""
     section = read_section(path, "layer_bits", FORMAT, identity, flag=flag, hint="with `kivi calibrate --bits-budget B`")
     layers = section.get("layers")
     L = section["model"].get("num_layers")

@@ -1,22 +1,5 @@
-"""KVQuant's nuqX datatype (the KVQuant paper, Section 3.3 and Appendix E): non-uniform quantization levels
-derived offline, rescaled per group online.
-
-Each group keeps KIVI's min/max scale and zero point: scale = (max - min) / (2^B - 1). A value is
-normalized to x_n = (x - zero) / scale in [0, 2^B - 1] and stored as the index of the nearest of
-2^B *levels* (per layer, separately for keys and values; a value halfway between two levels takes
-the upper one: packing.nearest_level, the one rule of the cache, fake quantization and k-means);
-it dequantizes to levels[code] * scale + zero.
-Levels [0, 1, ..., 2^B - 1] are exactly KIVI's uniform grid, so nuq only moves the signposts and
-the scale/zero folding of the fused attention stays valid.
-
-The levels come from a sensitivity-weighted 1-D k-means over calibration activations in the
-normalized domain: each element weighs F_ii * scale^2, F_ii the diagonal Fisher information (the
-squared gradient of the loss with respect to that activation) and scale^2 carrying the normalized
-error back to the activation's own units (Appendix E). `kivi calibrate` computes them offline
-(the activations and their Fisher information: kivi_models.calibrate; the k-means per layer and the
-levels file: calibrate_tables, levels_file and write_levels_file here, read back by load_tables);
-the per-group scale and zero point are still computed online, as in KIVI.
-"""
+"""KVQuant's nuqX datatype (docs/cache.md, "KVQuant"): per-layer levels the codes index, fitted
+offline by a Fisher-weighted k-means, rescaled by KIVI's per-group scale and zero online."""
 
 from __future__ import annotations
 
@@ -30,8 +13,8 @@ from .dense_sparse import outlier_mask
 from .packing import nearest_level, token_group_size
 
 
-FORMAT = "kivi-nuq-v1"  # the file `kivi calibrate` writes
-KEY_AXIS, VALUE_AXIS = "channel", "token"  # KIVI's grouping, which the cache uses
+FORMAT = "kivi-nuq-v1"
+KEY_AXIS, VALUE_AXIS = "channel", "token"
 
 
 def uniform_levels(bits: int) -> torch.Tensor:
@@ -47,9 +30,8 @@ def check_levels(name: str, levels: torch.Tensor, bits: int) -> None:
 
 
 def _grouped(x: torch.Tensor, group_size: int, axis: str) -> torch.Tensor:
-    """x [..., T, D] viewed with each quantization group on the last dim."""
     *lead, T, D = x.shape
-    if axis == "channel":  # groups of G consecutive tokens per channel
+    if axis == "channel":
         if T % group_size:
             raise ValueError(f"axis='channel' needs the token dim T={T} to be a multiple of group_size={group_size}")
         return x.reshape(*lead, T // group_size, group_size, D).transpose(-1, -2)
@@ -64,9 +46,8 @@ def _ungrouped(g: torch.Tensor, shape, axis: str) -> torch.Tensor:
 
 
 def normalize_groups(x: torch.Tensor, bits: int, group_size: int, axis: str, exclude: torch.Tensor | None = None):
-    """(x_n, scale, zero), grouped as _grouped: x_n = (x - min) / scale in [0, 2^B - 1] per group
-    (0 for a constant group), scale and zero broadcastable against x_n. Elements where `exclude`
-    (x's shape) is True stay out of the min/max (dense-and-sparse outliers)."""
+    """(x_n, scale, zero) grouped as _grouped, x_n in [0, 2^B - 1] (0 for a constant group); `exclude`d
+    elements stay out of the min/max."""
     g = _grouped(x.float(), group_size, axis)
     if exclude is None:
         lo, hi = g, g
@@ -84,9 +65,8 @@ def normalize_groups(x: torch.Tensor, bits: int, group_size: int, axis: str, exc
 
 def fake_quantize_nuq(x: torch.Tensor, bits: int, group_size: int, axis: str, levels: torch.Tensor,
                       outlier_fraction: float = 0.0) -> torch.Tensor:
-    """x [..., T, D] quantized to the nuq levels per group and dequantized, in x's dtype.
-    outlier_fraction > 0: KVQuant's per-vector dense-and-sparse quantization: that fraction of each
-    vector (see dense_sparse.outlier_mask) stays exact and out of its group's min/max."""
+    """x [..., T, D] quantized to the nuq levels per group and dequantized, in x's dtype; an
+    outlier_fraction of each vector stays exact (dense_sparse.outlier_mask)."""
     check_bits("bits", bits)
     check_group_size("group_size", group_size)
     check_axis(axis)
@@ -102,9 +82,8 @@ def fake_quantize_nuq(x: torch.Tensor, bits: int, group_size: int, axis: str, le
 
 def weighted_kmeans_1d(values: torch.Tensor, weights: torch.Tensor, k: int, *, init: torch.Tensor,
                        iterations: int = 50) -> torch.Tensor:
-    """Lloyd's algorithm in one dimension: k sorted centroids minimizing sum(w * (v - c)^2).
-    Starts from `init` (the uniform grid: the result is never worse than it on the data); a
-    cluster that loses every point keeps its centroid."""
+    """1-D Lloyd: k sorted centroids minimizing sum(w * (v - c)^2), from `init` (the uniform grid, so
+    never worse than it); an empty cluster keeps its centroid."""
     values, weights = values.flatten().float(), weights.flatten().float()
     centroids = init.clone().float()
     for _ in range(iterations):
@@ -120,16 +99,13 @@ def weighted_kmeans_1d(values: torch.Tensor, weights: torch.Tensor, k: int, *, i
 
 
 def weighted_error(values: torch.Tensor, weights: torch.Tensor, levels: torch.Tensor) -> float:
-    """sum(w * (v - nearest level)^2): the objective the levels minimize."""
     values, weights = values.flatten().float(), weights.flatten().float()
     return float((weights * (values - levels[nearest_level(values, levels)]) ** 2).sum())
 
 
 def normalized_with_weights(x: torch.Tensor, fisher: torch.Tensor, bits: int, group_size: int, axis: str,
                             outlier_fraction: float = 0.0):
-    """(x_n, weights) grouped: the normalized values and their weights fisher * scale^2, which make
-    the normalized squared error equal the Fisher-weighted error in the activation's units.
-    Dense-and-sparse outliers (kept exact at run time) get weight 0 and stay out of the ranges."""
+    """(x_n, weights fisher * scale^2: the error in the activation's units); outliers get weight 0."""
     exclude = outlier_mask(x, outlier_fraction, axis) if outlier_fraction else None
     x_n, scale, _ = normalize_groups(x, bits, group_size, axis, exclude)
     weights = _grouped(fisher.float(), group_size, axis) * scale**2
@@ -140,18 +116,15 @@ def normalized_with_weights(x: torch.Tensor, fisher: torch.Tensor, bits: int, gr
 
 def calibrate_levels(x: torch.Tensor, fisher: torch.Tensor, bits: int, group_size: int, axis: str,
                      iterations: int = 50, outlier_fraction: float = 0.0) -> torch.Tensor:
-    """nuq levels for activations x [..., T, D] with diagonal Fisher information `fisher` (same
-    shape): k-means on the normalized values, each weighted by fisher * scale^2."""
+    """nuq levels for activations x [..., T, D] and their diagonal Fisher information (same shape)."""
     x_n, weights = normalized_with_weights(x, fisher, bits, group_size, axis, outlier_fraction)
     return weighted_kmeans_1d(x_n, weights, 2**bits, init=uniform_levels(bits), iterations=iterations)
 
 
 def calibrate_tables(activations: list[dict], *, bits_list, group_size: int, sparse_outliers: float = 0.0,
                      progress=None) -> dict:
-    """{bits: {"k": [levels per layer], "v": [...], "k_error_vs_uniform": [...], ...}} from each
-    layer's activations {"k", "v", "k_fisher", "v_fisher"} ([..., T, D] each): the levels file's
-    "bits" table. The error ratios are each layer's weighted error with its levels relative to the
-    uniform grid's (< 1 is better). progress(iterable, desc): an optional progress-bar wrapper."""
+    """The levels file's "bits" table from each layer's {"k", "v", "k_fisher", "v_fisher"}, with each
+    layer's weighted error relative to the uniform grid's (< 1 is better)."""
     tables = {}
     for bits in bits_list:
         entry = {"k": [], "v": [], "k_error_vs_uniform": [], "v_error_vs_uniform": []}
@@ -171,8 +144,7 @@ def calibrate_tables(activations: list[dict], *, bits_list, group_size: int, spa
 
 def levels_file(tables: dict, *, model: str, num_layers: int, group_size: int, head_dim: int | None = None,
                 pre_rope: bool = False, sparse_outliers: float = 0.0, calibration: dict | None = None) -> dict:
-    """The `kivi calibrate` file (FORMAT) as a dict: calibrate_tables' levels and the settings they
-    were calibrated for, which load_tables checks; calibration: how they were derived (reported)."""
+    """The `kivi calibrate` file as a dict: the levels and the settings load_tables checks."""
     return dict(format=FORMAT, model=model, num_layers=num_layers, head_dim=head_dim, group_size=group_size,
                 key_axis=KEY_AXIS, value_axis=VALUE_AXIS, pre_rope=pre_rope, sparse_outliers=sparse_outliers,
                 calibration=calibration or {}, bits=tables)
@@ -186,10 +158,8 @@ def write_levels_file(path, data: dict) -> None:
 
 def load_tables(path, *, bits: int, num_layers: int | None, group_size: int, pre_rope: bool = False,
                 sparse_outliers: float = 0.0, model: str | None = None, head_dim: int | None = None) -> dict:
-    """{"k": [levels tensor per layer], "v": [...]} from a `kivi calibrate` file, checked against
-    the model (num_layers; None: checked later by the cache; model, its identity as `kivi calibrate`
-    records it, and head_dim: None or absent from the file, not checked) and the quantization
-    settings that will use it. Every level list must be levels_ok."""
+    """{"k": [levels per layer], "v": [...]} from a `kivi calibrate` file, checked against the model
+    and settings that will use it (None or absent fields are not checked)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -244,16 +214,13 @@ def load_tables(path, *, bits: int, num_layers: int | None, group_size: int, pre
 def load_kv_levels(path, *, k_bits: int, v_bits: int, num_layers: int | None, group_size: int,
                    pre_rope: bool = False, sparse_outliers: float = 0.0, model: str | None = None,
                    head_dim: int | None = None) -> tuple[list, list]:
-    """(key levels per layer at k_bits, value levels per layer at v_bits) from a `kivi calibrate`
-    file, checked against the settings that will use them (load_tables)."""
     settings = dict(num_layers=num_layers, group_size=group_size, pre_rope=pre_rope, sparse_outliers=sparse_outliers,
                     model=model, head_dim=head_dim)
     return load_tables(path, bits=k_bits, **settings)["k"], load_tables(path, bits=v_bits, **settings)["v"]
 
 
 def config_levels(path, **settings) -> dict:
-    """KIVIConfig's key_levels / value_levels (tuples per layer) from a `kivi calibrate` file;
-    settings as load_kv_levels."""
+    """KIVIConfig's key_levels / value_levels from a `kivi calibrate` file (settings as load_kv_levels)."""
     keys, values = load_kv_levels(path, **settings)
     as_tuples = lambda tables: tuple(tuple(float(v) for v in levels.tolist()) for levels in tables)  # noqa: E731
     return dict(key_levels=as_tuples(keys), value_levels=as_tuples(values))

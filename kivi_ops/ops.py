@@ -1,21 +1,7 @@
-"""The `torch.ops.kivi` custom ops: each schema declared once, its fake kernel beside it.
-
-    kivi::quantize_pack(x, bits, group_size, axis) -> (codes, scale, zero)
-    kivi::unpack_dequantize(codes, scale, zero, bits, group_size, axis) -> x'
-    kivi::cache_append(<LayerTensors, mutated>, key, value, counts?, <QuantParams>, implementation) -> ()
-    kivi::cache_attend(query, <LayerTensors>, counts?, <QuantParams>, scale, implementation, tune) -> out
-
-The two cache schemas are generated from the bundles in layout.py (one layer's tensors, the
-optional parts None when off, and its integer settings), and every kernel receives those bundles.
-The layer chooses the implementation (dispatch.py) and passes it in; the CPU and CUDA kernels of
-the cache ops run it (implementations.py) and do not choose again.
-
-The ops are opaque to torch.compile/export (not `triton_op`): the CPU reference uses
-per-sequence Python control flow that Inductor could not trace, and keeping the op whole keeps it
-visible in exported graphs. The CUDA kernels launch Triton directly (graph-capture safe: no host
-syncs). Cache buffers are always passed whole, never sliced, so functionalization can re-inplace
-the mutation instead of cloning the cache.
-"""
+"""The `torch.ops.kivi` custom ops, each schema beside its fake kernel: quantize_pack,
+unpack_dequantize, and cache_append / cache_attend, whose schemas come from layout.py's bundles.
+Opaque to torch.compile (not `triton_op`): the CPU reference's per-sequence control flow cannot be
+traced, and the op stays visible in exported graphs."""
 
 from __future__ import annotations
 
@@ -42,8 +28,7 @@ def check_quantize_args(x: Tensor, bits: int, group_size: int, axis: str) -> Non
     if x.dim() < 2:
         raise ValueError(f"x must have shape [..., T, D] (at least 2 dims), got {tuple(x.shape)}")
     T, D = x.shape[-2], x.shape[-1]
-    # Zero tokens (T = 0, or an empty leading dim) give empty codes, scales and zeros of the
-    # shapes below; a zero-size head dim has no channel to group or pack and is an error.
+    # Zero tokens give empty outputs; a zero-size head dim has no channel to pack.
     if D == 0:
         raise ValueError(f"x's last dim (head dim) must be positive, got D=0 (shape {tuple(x.shape)})")
     if D % codes_per_word(bits):
@@ -67,7 +52,6 @@ def _group_shape(shape, group_size: int, axis: str):
     return (*lead, T, D // token_group_size(group_size, D))
 
 
-# ---------------------------------------------------------------- quantize / dequantize
 
 
 @torch.library.custom_op("kivi::quantize_pack", mutates_args=())
@@ -101,7 +85,7 @@ def check_dequantize_args(codes: Tensor, scale: Tensor, zero: Tensor, bits: int,
         raise ValueError(f"codes must be uint8 (packed), got {codes.dtype}")
     if codes.dim() < 2:
         raise ValueError(f"codes must have shape [..., T, D * bits / 8] (at least 2 dims), got {tuple(codes.shape)}")
-    if codes.shape[-1] == 0:  # as in quantize_pack: zero tokens are fine, a zero-size head dim is not
+    if codes.shape[-1] == 0:
         raise ValueError(f"codes' last dim must be positive (a zero-size head dim), got shape {tuple(codes.shape)}")
     if scale.dtype not in FLOAT_DTYPES or zero.dtype != scale.dtype:
         raise ValueError(f"scale and zero must share a float dtype, got {scale.dtype} and {zero.dtype}")
@@ -138,12 +122,9 @@ def _(codes, scale, zero, bits, group_size, axis):
     return unpack_dequantize_triton(codes.contiguous(), scale.contiguous(), zero.contiguous(), bits, group_size, axis)
 
 
-# ---------------------------------------------------------------- cache append / attend
 
-# The last arguments carry the layer's choice (dispatch.py): `implementation`, an index into
-# implementations.IMPLEMENTATIONS, is what the op's kernel runs; attend's `tune` marks a CUDA decode
-# call, for which the tuner may run a faster eligible kernel of that shape class (dispatch.tuned_attend).
-# A call that names none (by hand, a test) runs the reference, which is right on every device.
+# `implementation` indexes implementations.IMPLEMENTATIONS (the layer's choice); `tune` marks a CUDA
+# decode call. A call naming none runs the reference, right on every device.
 CHOICE_DEFAULTS = dict(implementation=implementations.index("reference"), tune=False)
 APPEND_CHOICE = f"int implementation={CHOICE_DEFAULTS['implementation']}"
 ATTEND_CHOICE = f"{APPEND_CHOICE}, bool tune=False"
@@ -160,7 +141,6 @@ _ATTEND_ARGS = ("query", *LayerTensors._fields, "counts", *QuantParams._fields, 
 
 
 def _append_args(args, kwargs):
-    """(layer, key, value, counts, params, implementation) from cache_append's arguments, checked."""
     a = bind_args(_APPEND_ARGS, args, kwargs, CHOICE_DEFAULTS)
     layer, (key, value, counts), params = LayerTensors(*a[:_N]), a[_N:_N + 3], QuantParams(*a[_N + 3:-1])
     check_layer(layer, params)
@@ -168,7 +148,6 @@ def _append_args(args, kwargs):
 
 
 def _attend_args(args, kwargs):
-    """(query, layer, counts, params, scale, implementation, tune) from cache_attend's arguments, checked."""
     a = bind_args(_ATTEND_ARGS, args, kwargs, CHOICE_DEFAULTS)
     layer, counts, params, scale = LayerTensors(*a[1:_N + 1]), a[_N + 1], QuantParams(*a[_N + 2:-3]), a[-3]
     check_layer(layer, params)
@@ -183,8 +162,7 @@ def check_tune(query: Tensor, tune: bool) -> None:
 
 
 def check_layer(layer: LayerTensors, params: QuantParams) -> None:
-    """The optional parts against the KIVI tensors (clear errors, never a crash in a kernel).
-    Values are not read: that would be a host sync inside CUDA graphs."""
+    """The optional parts against the KIVI tensors, without reading values (a host sync in CUDA graphs)."""
     check_policy_id(params.flush_policy)
     W = min(residual_slots(params.flush_policy, params.residual_length, params.group_size), layer.k_codes.shape[2])
     if layer.k_res.shape[2] != W or layer.v_res.shape[2] != W:
@@ -234,14 +212,12 @@ def _(*args, **kwargs):
 
 
 def _append_kernel(*args, **kwargs) -> None:
-    """CPU and CUDA kernel of cache_append: the implementation the layer chose (dispatch.py)."""
     layer, key, value, counts, params, implementation = _append_args(args, kwargs)
     implementations.form("append", implementation)(layer, key, value, counts, params)
 
 
 def _attend_kernel(*args, **kwargs) -> Tensor:
-    """CPU and CUDA kernel of cache_attend: the implementation the layer chose, or, for a tuned
-    CUDA decode call, the tuner's pick with that one as the default."""
+    """The layer's chosen implementation, or for a tuned CUDA decode call the tuner's pick."""
     query, layer, counts, params, scale, implementation, tune = _attend_args(args, kwargs)
     if tune:
         return dispatch.tuned_attend(implementation, query, layer, counts, params, scale)

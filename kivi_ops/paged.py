@@ -1,28 +1,6 @@
-"""The paged KIVI cache: a pool of quantized pages per layer, one block table for the whole cache.
-
-`PagedKIVICache` is a list of `PagedKIVILayer`s (one per model layer), like KIVICache. Each layer
-holds a fixed pool of `num_pages` quantized pages (each `page_size` tokens, a multiple of G: whole
-key groups), and per sequence row the full-precision residual windows and the length, as the
-static layer does. `cache.block_table` (int32 [batch_size, max_pages_per_seq], on the cache's
-device) maps page j of row b to a page id; every layer reads the same tensor. Layout and the page
-rules: paged_layout.py.
-
-Who does what: host code (a block manager) allocates pages and writes the block table, making sure
-row b holds `pages_needed(L + n, page_size, residual_length)` pages before an append takes it from
-L to L + n tokens; the layers never allocate. Layers keep CacheLayer's contract (append, attend,
-per-row lengths, restart_rows, reset, nbytes, dequantized) and give the same numbers as the
-static layer, bit for bit: the same code runs on the pages through the block table
-(layer.run_append / run_attend, dispatch.py: the ops kivi::paged_append / paged_attend, the
-decomposed forms under torch.compile, the Triton kernels on CUDA).
-
-Swapping a sequence out and back: `page_tensors()` (dim 0 the page id: copy t[page_ids]) and
-`row_tensors()` (dim 0 the batch row: the fp residual windows and the length). The fp window is
-a fixed R-token buffer per row (not paged).
-
-Options: plain KIVI, nuq levels and pre-RoPE keys. The sink/OTT pool (sink_tokens,
-outlier_tokens), OTT's flush policy (flush_policy) and the dense-and-sparse store (sparse_outliers)
-are refused.
-"""
+"""The paged KIVI cache: a pool of quantized pages per layer and one block table for the whole
+cache (docs/cache.md, "The paged cache"). Host code hands out the pages; the layers never allocate
+and give the static layer's numbers bit for bit."""
 
 from __future__ import annotations
 
@@ -53,7 +31,6 @@ def _positive_int(name: str, value) -> None:
 
 
 def check_paged_config(config: KIVIConfig) -> None:
-    """Refuse the options the paged cache does not support, naming their flags."""
     if not isinstance(config, KIVIConfig):
         raise TypeError(f"config must be a KIVIConfig, got {type(config).__name__}")
     if config.sink_tokens:
@@ -71,10 +48,8 @@ def check_paged_config(config: KIVIConfig) -> None:
 
 
 class PagedKIVILayer(CacheLayer):
-    """One layer of the paged KIVI cache (module doc). block_table: the cache's shared table
-    (int32 [batch_size, max_pages_per_seq]); a layer built alone gets its own, zeros. Buffers:
-    the six page pools of paged_layout.py, [num_pages + 1, ...] (page num_pages is the scratch
-    page), and per row k_res, v_res, lengths. layer_idx, rope, portable: as KIVILayer."""
+    """One layer of the paged KIVI cache; block_table is the cache's shared table (a layer built alone
+    gets its own zeros). layer_idx, rope, portable: as KIVILayer."""
 
     def __init__(self, config: KIVIConfig, layer_idx: int, *, batch_size: int, num_pages: int, page_size: int,
                  max_pages_per_seq: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
@@ -94,7 +69,7 @@ class PagedKIVILayer(CacheLayer):
         B, H, D, PS = batch_size, num_kv_heads, head_dim, page_size
         R, G = config.residual_length, config.group_size
         gv = config.value_group_size(D)
-        N = num_pages + 1  # + the scratch page (paged_layout.py)
+        N = num_pages + 1
         RR = min(R, self.max_seq_len)
         for name, shape, dt in (
             ("k_codes", (N, H, PS, packed_bytes(D, config.k_bits)), torch.uint8),
@@ -111,28 +86,23 @@ class PagedKIVILayer(CacheLayer):
         self.params = QuantParams(config.k_bits, config.v_bits, G, R)
         init_constants(self, config, layer_idx, rope, device)
         self.portable = bool(portable)
-        reserve_for_compiled_steps(device, B)  # a decode bucket's view never needs more
+        reserve_for_compiled_steps(device, B)
 
-    # ---------------------------------------------------------------- what the ops take
 
     @property
     def pages(self) -> Paging:
         return Paging(self.block_table, self.page_size)
 
     def tensors(self) -> LayerTensors:
-        """The layer as the paged ops take it: LayerTensors with the page pools in place of the
-        static quantized buffers (no pool, no sparse store)."""
         levels = self.levels
         return LayerTensors(
             self.k_codes, self.k_scale, self.k_zero, self.k_res, self.v_codes, self.v_scale, self.v_zero, self.v_res,
             self.lengths, *(None,) * 7, *((levels.k, levels.v) if levels is not None else (None, None)),
             self.rope_inv_freq)
 
-    # ---------------------------------------------------------------- CacheLayer's contract
 
     def append(self, key: torch.Tensor, value: torch.Tensor, step: Step = DECODE) -> None:
-        """KIVILayer.append. Row b must hold pages_needed(lengths[b] + counts[b]) pages in the block
-        table (checked eagerly; compiled appends cannot raise)."""
+        """KIVILayer.append; row b must hold pages_needed(lengths[b] + counts[b]) pages (checked eagerly)."""
         self._check_append(key, value, step.counts)
         if not torch.compiler.is_compiling():
             self.check_pages(key.shape[2], step.counts)
@@ -140,7 +110,6 @@ class PagedKIVILayer(CacheLayer):
         run_append(self.tensors(), key, value, step.counts, self.params, portable=self.portable, pages=self.pages)
 
     def attend(self, query: torch.Tensor, step: Step = DECODE, scale: Optional[float] = None) -> torch.Tensor:
-        """KIVILayer.attend."""
         self._check_attend(query, step.counts)
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
         scale *= self.rope_scaling
@@ -149,12 +118,10 @@ class PagedKIVILayer(CacheLayer):
         return unrotate(out, self.rot_v)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """KIVILayer.dequantized (tests and debugging only; host syncs)."""
         return dequantized_state(self, static_view(self.tensors(), self.block_table))
 
     def reset(self) -> None:
-        """Empty every sequence (lengths 0; pools and windows zeroed). The block table is the
-        block manager's and stays; the constants stay."""
+        """Empty every sequence; the block table (the block manager's) and the constants stay."""
         constants = {id(t) for t in self.constants()}
         for buf in self.buffers(recurse=False):
             if id(buf) not in constants:
@@ -164,28 +131,22 @@ class PagedKIVILayer(CacheLayer):
         return option_constants(self)
 
     def page_tensors(self) -> dict[str, torch.Tensor]:
-        """The page pools by name, dim 0 the page id: copy t[page_ids] out, index_copy_ back."""
+        """The page pools, dim 0 the page id: copy t[page_ids] out, index_copy_ back."""
         return {name: getattr(self, name) for name in PAGED_TENSORS}
 
     def row_tensors(self) -> dict[str, torch.Tensor]:
-        """The per-sequence buffers by name, dim 0 the batch row: the fp residual windows k_res,
-        v_res [B, H, min(R, S), D] and lengths [B]."""
+        """The per-sequence buffers, dim 0 the batch row: k_res, v_res, lengths."""
         return {name: getattr(self, name) for name in ROW_TENSORS}
 
     def page_nbytes(self) -> int:
-        """Bytes of one page in this layer (all heads, keys and values)."""
         return sum(t[0].numel() * t.element_size() for t in self.page_tensors().values())
 
     def row_nbytes(self) -> int:
-        """Bytes one sequence row holds outside the pages (windows, length)."""
         return sum(t[0].numel() * t.element_size() for t in self.row_tensors().values())
 
-    # ---------------------------------------------------------------- checks
 
     def check_pages(self, n: int, counts: Optional[torch.Tensor] = None) -> None:
-        """Raise before anything is written if a row appending n tokens (counts[b] for row b) would
-        need a page its block-table row does not give: an id outside [0, num_pages). A host sync;
-        eager appends call it."""
+        """Raise before writing if a row appending n tokens needs a page id outside [0, num_pages) (a host sync)."""
         self._check_counts_tensor(counts)
         lengths = self.lengths.tolist()
         added = [n] * self.batch_size if counts is None else counts.tolist()
@@ -219,10 +180,8 @@ def _check_block_table(block_table, batch_size: int, max_pages: int, device) -> 
 
 
 class PagedKIVICache(StaticCacheBase):
-    """The paged KIVI cache: one PagedKIVILayer per model layer, all reading `block_table` (int32
-    [batch_size, max_pages_per_seq], a buffer of the cache). rope_inv_freq / rope_scaling and
-    portable: as KIVICache. Every layer has its own pool of num_pages pages; a page id names the
-    same page index in every layer (one id per page of a sequence, for all layers)."""
+    """The paged KIVI cache: one PagedKIVILayer per model layer, all reading `block_table`; each layer
+    has its own pool, and a page id names the same page in every layer."""
 
     def __init__(self, config: KIVIConfig, *, num_layers: int, batch_size: int, num_pages: int, page_size: int,
                  max_pages_per_seq: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
@@ -257,33 +216,28 @@ class PagedKIVICache(StaticCacheBase):
         return self.layers[0].max_pages_per_seq
 
     def pages_needed(self, num_tokens: int) -> int:
-        """pages_needed(num_tokens, page_size, residual_length) for this cache."""
         return pages_needed(num_tokens, self.page_size, self.config.residual_length)
 
     def pages_final(self, num_tokens: int) -> int:
-        """paged_layout.pages_final for this cache: pages no later append writes."""
         return pages_final(num_tokens, self.page_size, self.config.residual_length)
 
     def page_nbytes(self) -> int:
-        """Bytes of one page id over all layers."""
         return sum(layer.page_nbytes() for layer in self.layers)
 
     def _apply(self, fn, *args, **kwargs):
-        """.to() / .cuda() move the block table once and point every layer at the moved tensor."""
+        """Moving the cache moves the block table once and points every layer at the moved tensor."""
         super()._apply(fn, *args, **kwargs)
         for layer in self.layers:
             layer.block_table = self.block_table
         return self
 
     def reset(self) -> None:
-        """Empty every sequence (the block table stays: the block manager's)."""
         for layer in self.layers:
             layer.reset()
 
     def load_row(self, row: int, source: "StaticCacheBase", source_row: int = 0) -> None:
-        """Make sequence `row` a copy of `source`'s `source_row` (a PagedKIVICache of the same settings):
-        its row tensors, and its quantized pages copied into the pages this cache's block table
-        gives `row` (which must hold pages_needed(source length) pages)."""
+        """Make sequence `row` a copy of a same-settings PagedKIVICache's `source_row`, into the pages this
+        cache's block table gives `row`."""
         if not isinstance(source, PagedKIVICache) or source.num_layers != self.num_layers:
             raise ValueError("load_row needs a PagedKIVICache of the same settings")
         n = source.pages_needed(int(source.lengths()[source_row]))

@@ -1,20 +1,6 @@
-"""PagedFPLayer / PagedFPCache: the vLLM-style paged fp16 cache, the baseline of the paged KIVI cache.
-
-A fixed pool of pages per layer, `page_size` tokens each: keys and values [num_pages + 1, H,
-page_size, D]. Page `num_pages` is the null page: unused block-table entries point at it, and the
-writes of padding tokens land in it; it is never visible. One block table for the whole cache,
-`cache.block_table`, int32 [batch_size, max_pages_per_seq] on the device, shared by every layer:
-position t of row b lives in page block_table[b, t // page_size], slot t % page_size. Host code
-(the server's block manager, kivi_serve/block_manager.py) writes the table; the layers only read
-it. Pages hold every token of a sequence (fp has no residual window).
-
-Static shapes everywhere (pool, table, max pages per sequence): a decode step compiles once and
-captures in a CUDA graph. Attention gathers each row's table into [B, H, max_pages_per_seq *
-page_size, D] and runs SDPA with a length mask, as FPLayer does over its static rows.
-
-Swap (preemption to host memory) and staging use only `page_tensors()` (dim 0 = page id) and
-`row_tensors()` (dim 0 = row), see paged_io.py; the paged KIVI cache exposes the same two.
-"""
+"""The vLLM-style paged fp cache, the baseline of the paged KIVI cache: pools k, v [num_pages + 1,
+H, page_size, D] over one int32 block table; page num_pages is the null page that unused entries
+and padding writes point at, never visible. Pages hold every token (no residual window)."""
 
 from __future__ import annotations
 
@@ -28,11 +14,10 @@ from .cache import StaticCacheBase, _check_num_layers
 from .layer import CacheLayer
 from .step import DECODE, Step
 
-DEFAULT_PAGE_SIZE = 16  # vLLM's default block size
+DEFAULT_PAGE_SIZE = 16
 
 
 def pages_needed(num_tokens: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
-    """Pages a sequence of num_tokens tokens occupies in a paged fp cache (every token is paged)."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
     _check_positive("page_size", page_size)
@@ -45,9 +30,6 @@ def _check_positive(name: str, value) -> None:
 
 
 class PagedFPLayer(CacheLayer):
-    """One layer: the page pool `k`, `v` [num_pages + 1, H, page_size, D] (the last page is the null
-    page), per-row `lengths` [B], and a reference to the cache's block table."""
-
     def __init__(self, *, block_table: torch.Tensor, num_pages: int, page_size: int, batch_size: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32, device="cpu"):
         _check_positive("num_pages", num_pages)
@@ -62,8 +44,7 @@ class PagedFPLayer(CacheLayer):
         shape = (num_pages + 1, num_kv_heads, page_size, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        # The same tensor in every layer (registered per layer so that compiled code takes it as an
-        # input; read-only inside the step).
+        # Registered per layer so compiled code takes it as an input; the same tensor in every layer.
         self.register_buffer("block_table", block_table, persistent=False)
 
     @property
@@ -71,15 +52,13 @@ class PagedFPLayer(CacheLayer):
         return self.num_pages
 
     def page_tensors(self) -> dict[str, torch.Tensor]:
-        """The pool, by name; dim 0 is the page id."""
         return {"k": self.k, "v": self.v}
 
     def row_tensors(self) -> dict[str, torch.Tensor]:
-        """Per-sequence state, by name; dim 0 is the row."""
         return {"lengths": self.lengths}
 
     def nbytes(self) -> int:
-        """Bytes of the pages sequences can use (not the null page, nor lengths or the block table)."""
+        """Bytes of the pages sequences can use (not the null page, lengths or the block table)."""
         return 2 * self.num_pages * self.num_kv_heads * self.page_size * self.head_dim * self.k.element_size()
 
     def reset(self) -> None:
@@ -87,15 +66,15 @@ class PagedFPLayer(CacheLayer):
             buf.zero_()
 
     def _check_pages(self, n: int, counts: Optional[torch.Tensor]) -> None:
-        """Eager only (a host sync): every real token must land in a page the table gives its row."""
+        """Eager only (a host sync): every real token must land in a page its table row gives."""
         if torch.compiler.is_compiling():
             return
         added = torch.full_like(self.lengths, n) if counts is None else counts
         end = self.lengths + added
-        need = (end + self.page_size - 1) // self.page_size  # pages each row uses after the append
+        need = (end + self.page_size - 1) // self.page_size
         j = torch.arange(self.max_pages_per_seq, device=self.device)
         table = self.block_table.long()
-        need = torch.where(added > 0, need, 0)  # rows that take no token write nothing
+        need = torch.where(added > 0, need, 0)
         bad = ((j[None, :] < need[:, None]) & ((table < 0) | (table >= self.num_pages))).nonzero()
         if len(bad):
             b, page = (int(x) for x in bad[0])
@@ -109,13 +88,12 @@ class PagedFPLayer(CacheLayer):
         counts, lengths, P = step.counts, self.lengths, self.page_size
         B, H, n, _ = key.shape
         i = torch.arange(n, device=key.device)
-        pos = lengths[:, None] + i[None, :]  # [B, n]
+        pos = lengths[:, None] + i[None, :]
         real = i[None, :] < (n if counts is None else counts[:, None])
         slot_page = (pos // P).clamp(max=self.max_pages_per_seq - 1)
         page = torch.where(real, self.block_table.long().gather(1, slot_page), self.null_page)
         offset = torch.where(real, pos % P, 0)
-        # index_put_ on (page, head, offset) rows, as FPLayer.append (re-inplaced by Inductor).
-        # Padding tokens land in the null page, never read.
+        # index_put_ as FPLayer.append (re-inplaced by Inductor); padding lands in the null page.
         idx = (page[:, None, :], torch.arange(H, device=key.device)[None, :, None], offset[:, None, :])
         self.k.index_put_(idx, key)
         self.v.index_put_(idx, value)
@@ -133,15 +111,14 @@ class PagedFPLayer(CacheLayer):
         self._check_attend(query, step.counts)
         lengths, q = self.lengths, query.shape[2]
         counts = torch.full_like(lengths, q) if step.counts is None else step.counts
-        pos = (lengths - counts)[:, None] + torch.arange(q, device=query.device)[None, :]  # [B, q]
+        pos = (lengths - counts)[:, None] + torch.arange(q, device=query.device)[None, :]
         k, v = self.gathered()
         t = torch.arange(k.shape[2], device=query.device)
-        visible = t[None, None, :] <= pos[:, :, None]  # [B, q, M * P]
+        visible = t[None, None, :] <= pos[:, :, None]
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else scale
         return F.scaled_dot_product_attention(query, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=True)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys, values) [batch, kv_heads, max length, head_dim] as stored, zeros past a row's length."""
         n = int(self.lengths.max())
         k, v = (t[:, :, :n] for t in self.gathered())
         inside = (torch.arange(n, device=self.device)[None, :] < self.lengths[:, None])[:, None, :, None]
@@ -149,11 +126,7 @@ class PagedFPLayer(CacheLayer):
 
 
 class PagedFPCache(StaticCacheBase):
-    """The paged fp cache: one PagedFPLayer per model layer over one block table.
-
-    batch_size: sequence slots (rows of the table); num_pages: pages per layer's pool;
-    page_size: tokens per page; max_pages_per_seq: table width (a sequence holds at most
-    max_pages_per_seq * page_size tokens). The table starts with every entry on the null page."""
+    """The paged fp cache: one PagedFPLayer per layer over one block table, every entry on the null page."""
 
     def __init__(self, *, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, num_pages: int,
                  page_size: int = DEFAULT_PAGE_SIZE, max_pages_per_seq: int, dtype: torch.dtype = torch.float32,
@@ -177,24 +150,20 @@ class PagedFPCache(StaticCacheBase):
         return self.num_pages
 
     def pages_needed(self, num_tokens: int) -> int:
-        """Pages of the pool a sequence of num_tokens tokens occupies."""
         return pages_needed(num_tokens, self.page_size)
 
     def pages_final(self, num_tokens: int) -> int:
-        """Pages no later append writes: the full ones (a partial last page still fills)."""
-        pages_needed(num_tokens, self.page_size)  # checks num_tokens
+        """Pages no later append writes: the full ones."""
+        pages_needed(num_tokens, self.page_size)
         return num_tokens // self.page_size
 
     def page_nbytes(self) -> int:
-        """Bytes of one page id across all layers."""
         return sum(layer.nbytes() for layer in self.layers) // self.num_pages
 
     def nbytes(self) -> int:
-        """The pools (all layers) plus the block table."""
         return super().nbytes() + self.block_table.numel() * self.block_table.element_size()
 
     def reset(self) -> None:
-        """Empty every sequence (the block table stays: it is the block manager's)."""
         super().reset()
 
     def load_row(self, *args, **kwargs):

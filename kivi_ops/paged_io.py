@@ -1,13 +1,6 @@
-"""Moving one sequence of a paged cache: to host memory and back (preemption by swapping), or from
-one paged cache into another (a server prefills in a batch-1 staging cache, then copies).
-
-Works on any paged cache whose layers expose `page_tensors()` (dim 0 = page id) and
-`row_tensors()` (dim 0 = row): the paged fp cache (paged_fp.py) and the paged KIVI cache. A
-sequence is its pages (in block-table order) plus its row state (lengths, the full-precision
-window, ...); both are copied bit for bit, so a sequence swapped out and back, into other pages
-and another row, continues exactly as if it had never left. The block table itself is the
-caller's: it writes the new page ids into the destination row.
-"""
+"""Moving one sequence of a paged cache, bit for bit: to host memory and back (swapping), or into
+another paged cache; its pages (via page_tensors()) and row state (row_tensors()). The block table
+is the caller's."""
 
 from __future__ import annotations
 
@@ -15,7 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
-HostSequence = dict[tuple[int, str, str], torch.Tensor]  # (layer, "page" | "row", name) -> host copy
+HostSequence = dict[tuple[int, str, str], torch.Tensor]
 
 
 def _index(pages: Sequence[int], device) -> torch.Tensor:
@@ -29,7 +22,7 @@ def _parts(cache):
 
 
 def save_sequence(cache, row: int, pages: Sequence[int]) -> HostSequence:
-    """Host copies of row `row`'s pages (in this order) and row state (pinned memory on CUDA)."""
+    """Host copies of row `row`'s pages (in this order) and row state (pinned on CUDA)."""
     out: HostSequence = {}
     idx = _index(pages, cache.device)
     pin = cache.device.type == "cuda"
@@ -45,14 +38,12 @@ def save_sequence(cache, row: int, pages: Sequence[int]) -> HostSequence:
 
 
 def sequence_bytes(cache, num_pages: int) -> int:
-    """The host bytes save_sequence takes for a sequence of num_pages pages (and its row state)."""
     return sum(t[0].nbytes * (num_pages if kind == "page" else 1)
                for _, kind, tensors in _parts(cache) for t in tensors.values())
 
 
 def load_sequence(cache, row: int, pages: Sequence[int], saved: HostSequence) -> None:
-    """Write a saved sequence back: its pages into `pages` (as many as were saved, in order) and
-    its row state into row `row`."""
+    """Write a saved sequence back: its pages into `pages`, in order, and its row state into `row`."""
     idx = _index(pages, cache.device)
     for i, kind, tensors in _parts(cache):
         for name, t in tensors.items():
@@ -66,8 +57,7 @@ def load_sequence(cache, row: int, pages: Sequence[int], saved: HostSequence) ->
 
 
 def move_row(cache, src: int, dst: int) -> None:
-    """Row `src`'s state (lengths, KIVI's window: each layer's row_tensors()) into row `dst`; its
-    pages stay where they are (the caller points dst's block-table row at them)."""
+    """Row `src`'s state into row `dst`; its pages stay (the caller repoints the block table)."""
     for layer in cache.layers:
         for t in layer.row_tensors().values():
             t[dst].copy_(t[src])
@@ -75,9 +65,8 @@ def move_row(cache, src: int, dst: int) -> None:
 
 def copy_sequence(dst, dst_row: Optional[int], dst_pages: Sequence[int], src, src_row: Optional[int],
                   src_pages: Sequence[int]) -> None:
-    """Make row dst_row of `dst` a copy of row src_row of `src` (a paged cache of the same kind and
-    settings, any batch size and pool size): src_pages[j] is copied into dst_pages[j]. Rows None:
-    the pages only (prefix caching copies shared pages without any row state)."""
+    """Copy row src_row of `src` (same kind and settings) into dst_row of `dst`, src_pages[j] into
+    dst_pages[j]; rows None: the pages only (prefix caching)."""
     if len(dst_pages) != len(src_pages):
         raise ValueError(f"copy_sequence: {len(dst_pages)} destination pages for {len(src_pages)} source pages")
     if len(dst.layers) != len(src.layers):

@@ -1,42 +1,7 @@
-"""The paged KIVI layout: what a page holds, the block table, and the static view of a paged layer.
-
-A paged layer keeps the *quantized* part of every sequence in a pool of pages shared by all rows,
-and the full-precision residual windows per row, as the static layer does (layout.py):
-
-    per page (N pages of PS tokens, PS a multiple of G, plus one scratch page, id N):
-    k_codes  uint8 [N + 1, H, PS, D*kb/8]    keys quantized per channel, packed along D
-    k_scale  dtype [N + 1, H, PS/G, D]       one scale/zero per (group of G tokens, channel):
-    k_zero   dtype [N + 1, H, PS/G, D]       a page holds PS/G whole key groups
-    v_codes  uint8 [N + 1, H, PS, D*vb/8]    values quantized per token
-    v_scale  dtype [N + 1, H, PS, D/Gv]
-    v_zero   dtype [N + 1, H, PS, D/Gv]
-    per sequence row (B rows):
-    k_res    dtype [B, H, min(R, S), D]      full-precision key residual (as the static layer)
-    v_res    dtype [B, H, min(R, S), D]      full-precision value window (ring)
-    lengths  int64 [B]
-    per cache (every layer reads the same tensor):
-    block_table int32 [B, M]                 page ids: page j of row b holds the quantized tokens
-                                             [j * PS, (j + 1) * PS) of that row's sequence
-
-S = M * PS is a row's capacity. Token t of row b lives at row t % PS of page block_table[b, t // PS]
-(key scales: row (t // G) % (PS / G)). In the static layout the same token lives at row t of batch
-row b, so the paged layer is the static one with a block-table indirection on the quantized
-buffers' rows; the residual windows, lengths and the streaming policy are unchanged.
-
-Which pages a row must hold: the ones covering its quantized tokens. Keys are quantized R at a
-time (nqk = L // R * R) and values one at a time as they leave the window (nqv = L - R < nqk), so a
-row of length L uses pages [0, ceil(nqk / PS)): `pages_needed`. Before an append of n tokens the
-block manager makes sure the row holds pages_needed(L + n) pages. Entries past those may hold
-anything: they are never read (the kernels clamp every id into the pool and mask by length).
-
-A page is written while tokens of it are quantized and never after: once a row's length reaches
-(j + 1) * PS + R, page j holds only quantized keys and values and stays as it is (it can be shared
-by reference, or swapped to host and back bit for bit).
-
-The scratch page (id N = `num_pages`): the static-shape append form (decomposed_append, torch.compile
-and exports) writes every row's candidate rows each call; rows that write nothing there send their
-writes to it, so no row ever touches a page it does not own. It is never read. Block tables must not
-hand it out.
+"""The paged KIVI layout (docs/cache.md, "The paged cache"): the six quantized buffers of layout.py
+as pools [N + 1, H, PS or PS/G, ...] of N pages of PS tokens plus a scratch page (id N, written by
+rows that write nothing, never read, never handed out); k_res, v_res and lengths stay per row.
+Token t of row b lives at row t % PS of page block_table[b, t // PS] (key scales: (t // G) % (PS/G)).
 """
 
 from __future__ import annotations
@@ -54,9 +19,6 @@ ROW_TENSORS = ("k_res", "v_res", "lengths")
 
 
 class Paging(NamedTuple):
-    """How a paged layer's quantized buffers are addressed: the block table [B, M] (page ids) and
-    the page size PS in tokens. Static layers have none (None where a Paging is taken)."""
-
     block_table: Tensor
     page_size: int
 
@@ -66,16 +28,12 @@ class Paging(NamedTuple):
 
     @property
     def capacity(self) -> int:
-        """Tokens a row can hold: max_pages_per_seq * page_size (the static layout's S)."""
         return self.block_table.shape[1] * self.page_size
 
 
 def pages_needed(num_tokens: int, page_size: int, residual_length: int, group_size: int | None = None) -> int:
-    """Pages a sequence of num_tokens tokens holds at most under KIVI's streaming policy (keys
-    quantized R = residual_length at a time; values one at a time as they leave the window of the
-    last R, always fewer): ceil((num_tokens // R * R) / page_size). Allocate pages_needed(L + n)
-    before an append that takes a row from L to L + n tokens: the append may flush a key window.
-    group_size, when given, is checked against page_size (a page holds whole key groups)."""
+    """Pages a sequence of num_tokens holds at most (keys quantized R at a time; values fewer). Allocate
+    pages_needed(L + n) before an append from L to L + n tokens; group_size, if given, is checked."""
     for name, value in (("num_tokens", num_tokens), ("page_size", page_size), ("residual_length", residual_length)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "num_tokens" else 1):
             raise ValueError(f"{name} must be a {'non-negative' if name == 'num_tokens' else 'positive'} int, "
@@ -87,11 +45,8 @@ def pages_needed(num_tokens: int, page_size: int, residual_length: int, group_si
 
 
 def pages_final(num_tokens: int, page_size: int, residual_length: int) -> int:
-    """Pages [0, pages_final) of a sequence of num_tokens tokens that are final: every token of them
-    has its key and its value quantized (nqv = num_tokens - R is the smaller count), so no later
-    append writes them again; prefix caching shares them by reference. The pages after them, up to
-    pages_needed, are still being written."""
-    pages_needed(num_tokens, page_size, residual_length)  # checks the arguments
+    """Pages [0, pages_final) whose keys and values are all quantized: no later append writes them."""
+    pages_needed(num_tokens, page_size, residual_length)
     return max(num_tokens - residual_length, 0) // page_size
 
 
@@ -102,47 +57,37 @@ def check_page_size(page_size, group_size: int) -> None:
 
 
 def page_rows(pool: Tensor, block_table: Tensor) -> Tensor:
-    """pool [N + 1, H, X, ...] seen through block_table [B, M] as the static layout [B, H, M * X,
-    ...] (a gather: a copy, contiguous like the static buffers). Ids are clamped into the pool
-    (entries past a row's pages may hold anything; what they point to is masked by length)."""
+    """pool [N + 1, H, X, ...] through block_table [B, M] as [B, H, M * X, ...], a contiguous gather;
+    ids are clamped into the pool (what stale entries point to is masked by length)."""
     B, M = block_table.shape
     ids = block_table.long().clamp(0, pool.shape[0] - 1).reshape(-1)
-    gathered = torch.index_select(pool, 0, ids).view(B, M, *pool.shape[1:])  # [B, M, H, X, ...]
+    gathered = torch.index_select(pool, 0, ids).view(B, M, *pool.shape[1:])
     return gathered.transpose(1, 2).reshape(B, pool.shape[1], M * pool.shape[2], *pool.shape[3:]).contiguous()
 
 
 def page_rows_indexed(pool: Tensor, block_table: Tensor) -> Tensor:
-    """pool [N + 1, H, X, ...] seen through block_table [B, M] as [B, H, M * X, ...], the values of
-    page_rows but as one advanced-indexing expression (aten.index) instead of a gather, a permute
-    and a contiguous copy: traced by torch.compile, Inductor inlines it into the loops that read it
-    as an indirect load (row t of sequence b: page block_table[b, t // X], row t % X), so nothing
-    of the size of the cache is written. Eagerly it is a copy like page_rows (strided the same)."""
+    """page_rows as one aten.index expression, which Inductor inlines as an indirect load into the
+    loops that read it, so nothing of the cache's size is written (eagerly a copy)."""
     B, M = block_table.shape
     X = pool.shape[2]
     r = torch.arange(M * X, device=pool.device)
-    page = block_table.long().clamp(0, pool.shape[0] - 1)[:, torch.div(r, X, rounding_mode="floor")]  # [B, S]
+    page = block_table.long().clamp(0, pool.shape[0] - 1)[:, torch.div(r, X, rounding_mode="floor")]
     heads = torch.arange(pool.shape[1], device=pool.device)
     return pool[page[:, None, :], heads[None, :, None], torch.remainder(r, X)[None, None, :]]
 
 
 def indexed_view(layer: LayerTensors, block_table: Tensor) -> LayerTensors:
-    """static_view's tensors as page_rows_indexed expressions (no copies under Inductor): what the
-    fused decode attention (decomposed_attend.attend_fused) reads on a paged layer."""
     return layer._replace(**{name: page_rows_indexed(getattr(layer, name), block_table) for name in PAGED_TENSORS})
 
 
 def static_view(layer: LayerTensors, block_table: Tensor) -> LayerTensors:
-    """The paged layer's tensors in the static layout (layout.py) of capacity S = M * PS: the
-    quantized buffers gathered through the block table (contiguous copies), the row tensors as
-    they are. What the reference attention, the decomposed attention forms and dequantized() read.
-    Rows a sequence has not quantized hold whatever the page held (attention masks them, as the
-    static layer's unused rows). Contiguous matters for the bits: the CPU's float matmuls (MKL)
-    round differently for other strides (a one-row page's reshape would keep the gather's)."""
+    """The paged tensors gathered into the static layout of capacity M * PS. Contiguous on purpose: CPU
+    float matmuls (MKL) round differently for other strides, which would break equality with static."""
     return layer._replace(**{name: page_rows(getattr(layer, name), block_table) for name in PAGED_TENSORS})
 
 
 def check_paged_layer(layer: LayerTensors, block_table: Tensor, group_size: int) -> int:
-    """The block table against the pools (no values read: no host sync). Returns the page size."""
+    """The block table against the pools, without a host sync; returns the page size."""
     if not isinstance(block_table, Tensor) or block_table.dim() != 2:
         raise ValueError(f"block_table must be a 2-D int tensor [batch, max_pages_per_seq], got "
                          f"{getattr(block_table, 'shape', block_table)}")
@@ -154,7 +99,7 @@ def check_paged_layer(layer: LayerTensors, block_table: Tensor, group_size: int)
     if block_table.device != layer.lengths.device:
         raise ValueError(f"block_table must be on the cache device {layer.lengths.device}, got {block_table.device}")
     page_size = layer.k_codes.shape[2]
-    if isinstance(page_size, int):  # a SymInt (dynamic-shape tracing) is checked by the shapes below
+    if isinstance(page_size, int):  # a SymInt (dynamic shapes) is checked by the shapes below
         check_page_size(page_size, group_size)
     pages = layer.k_codes.shape[0]
     for name in PAGED_TENSORS:

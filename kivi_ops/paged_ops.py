@@ -1,18 +1,6 @@
-"""The paged cache ops, `torch.ops.kivi.paged_append` / `paged_attend`: each schema declared once,
-its fake kernel beside it (as ops.py for the static cache ops).
-
-    kivi::paged_append(<LayerTensors, mutated>, block_table, key, value, counts?, <QuantParams>, implementation) -> ()
-    kivi::paged_attend(query, <LayerTensors>, block_table, counts?, <QuantParams>, scale, implementation, tune) -> out
-
-The LayerTensors bundle is the static ops' (layout.py), its six quantized buffers being page pools
-(paged_layout.py); the block table [B, M] follows it. The page size is the pools' dim 2. The
-kernels run the paged form of the implementation the layer chose (implementations.py), as the static
-ops' kernels run its static form; `implementation` and `tune` mean what they mean there (ops.py).
-
-Options: nuq levels and pre-RoPE keys work as in the static cache (they do not depend on where
-a token's codes live). The sink/OTT pool and the dense-and-sparse store are refused here (the
-layer refuses their flags when it is built).
-"""
+"""The paged cache ops, kivi::paged_append / paged_attend: the static ops' schemas (ops.py) with a
+block table [B, M] after the LayerTensors, whose quantized buffers are page pools; the kernels run
+the chosen implementation's paged form. The sink/OTT pool and sparse store are refused."""
 
 from __future__ import annotations
 
@@ -42,7 +30,7 @@ _ATTEND_ARGS = ("query", *LayerTensors._fields, "block_table", "counts", *QuantP
 
 
 def check_paged(layer: LayerTensors, block_table: Tensor, params: QuantParams) -> Paging:
-    """The paged layer's tensors and block table (shapes only: no host sync); its Paging."""
+    """The paged layer's tensors and block table, shapes only (no host sync); its Paging."""
     if layer.pool_pos is not None or layer.pool_k is not None or params.sink_tokens or params.outlier_tokens:
         raise ValueError("the paged cache does not support the sink/OTT token pool (sink_tokens, outlier_tokens)")
     if layer.k_sparse is not None or layer.v_sparse is not None:
@@ -53,7 +41,6 @@ def check_paged(layer: LayerTensors, block_table: Tensor, params: QuantParams) -
 
 
 def _append_args(args, kwargs):
-    """(layer, key, value, counts, params, pages, implementation) from paged_append's arguments, checked."""
     a = bind_args(_APPEND_ARGS, args, kwargs, CHOICE_DEFAULTS)
     layer, block_table, (key, value, counts) = LayerTensors(*a[:_N]), a[_N], a[_N + 1:_N + 4]
     params = QuantParams(*a[_N + 4:-1])
@@ -62,7 +49,6 @@ def _append_args(args, kwargs):
 
 
 def _attend_args(args, kwargs):
-    """(query, layer, counts, params, scale, pages, implementation, tune) from paged_attend's arguments, checked."""
     a = bind_args(_ATTEND_ARGS, args, kwargs, CHOICE_DEFAULTS)
     layer, block_table, counts = LayerTensors(*a[1:_N + 1]), a[_N + 1], a[_N + 2]
     params, scale = QuantParams(*a[_N + 3:-3]), a[-3]
@@ -83,13 +69,11 @@ def _(*args, **kwargs):
 
 
 def _append_kernel(*args, **kwargs) -> None:
-    """CPU and CUDA kernel of paged_append: the paged form the layer chose."""
     layer, key, value, counts, params, pages, implementation = _append_args(args, kwargs)
     implementations.form("append", implementation, paged=True)(layer, key, value, counts, params, pages)
 
 
 def _attend_kernel(*args, **kwargs) -> Tensor:
-    """CPU and CUDA kernel of paged_attend: the paged form the layer chose (tune: the tuner's pick)."""
     query, layer, counts, params, scale, pages, implementation, tune = _attend_args(args, kwargs)
     if tune:
         return dispatch.tuned_attend(implementation, query, layer, counts, params, scale, pages=pages)

@@ -11,7 +11,7 @@ from . import ops
 
 @dataclass(frozen=True)
 class QuantizedTensor:
-    """A tensor [..., T, D] stored as packed codes plus per-group scale and zero (see packing.py)."""
+    """A tensor [..., T, D] as packed codes plus per-group scale and zero."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -22,7 +22,7 @@ class QuantizedTensor:
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 8 // self.bits))  # 3 bits: 8 codes / 3 bytes
+        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 8 // self.bits))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -36,15 +36,11 @@ class QuantizedTensor:
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str) -> QuantizedTensor:
-    """Quantize x [..., T, D]: axis="channel" groups G tokens per channel (keys, T % G == 0
-    required), axis="token" groups G channels per token (values).
-
-    Zero tokens (T = 0, or an empty leading dim) give an empty QuantizedTensor of the same shape,
-    which dequantizes to an empty tensor; D must be positive (a ValueError otherwise)."""
+    """Quantize x [..., T, D]: axis="channel" groups G tokens per channel (T % G == 0), "token" G
+    channels per token. Zero tokens give an empty QuantizedTensor."""
     codes, scale, zero = torch.ops.kivi.quantize_pack(x, bits, group_size, axis)
     return QuantizedTensor(codes, scale, zero, bits, group_size, axis)
 
 
 def fake_quantize(x: torch.Tensor, bits: int, group_size: int, axis: str) -> torch.Tensor:
-    """quantize(...).dequantize(): same shape and dtype as x."""
     return quantize(x, bits, group_size, axis).dequantize()

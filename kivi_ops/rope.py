@@ -1,7 +1,4 @@
-"""Rotary position embedding (Llama's rotate-half form) and its inverse, for KVQuant's pre-RoPE key
-quantization (the KVQuant paper, Section 3.2): keys are quantized before RoPE, where each channel keeps
-its own magnitude, and rotated after dequantization. RoPE mixes channel pairs (i, i + D/2) with a
-position-dependent angle, which smears outlier channels across their partners post-RoPE."""
+"""Rotary position embedding (Llama's rotate-half form) and its inverse, for KVQuant's pre-RoPE keys."""
 
 from __future__ import annotations
 
@@ -16,14 +13,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, D] rotated by the angles whose cos/sin are given (broadcastable to x)."""
     return x * cos + _rotate_half(x) * sin
 
 
 def model_rope_tables(model, length: int, layer_type: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Hugging Face Llama-family model's own RoPE cos/sin for positions 0..length-1, shaped
-    [1, 1, length, head_dim] to broadcast over [batch, heads, tokens, head_dim]. layer_type: for a
-    model with one table per layer type (Gemma 3: config.layer_types), which one."""
+    """A Hugging Face Llama-family model's own RoPE cos/sin for positions 0..length-1, [1, 1, length, D]."""
     positions = torch.arange(length, device=model.device)[None]
     probe = torch.zeros(1, length, 1, device=model.device, dtype=model.dtype)
     rotary = model.model.rotary_emb
@@ -32,27 +26,21 @@ def model_rope_tables(model, length: int, layer_type: Optional[str] = None) -> t
 
 
 def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The inverse: undo_rope(apply_rope(x, cos, sin), cos, sin) == x (up to rounding). Divides by
-    cos^2 + sin^2, which is 1 unless the RoPE variant scales its tables (attention_scaling)."""
+    """apply_rope's inverse; divides by cos^2 + sin^2, not 1 when the variant scales its tables."""
     return (x * cos - _rotate_half(x) * sin) / (cos * cos + sin * sin)
 
 
 def rope_at(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """x [..., T, D] (fp32) rotated to its positions [..., T] (broadcastable) with the frequencies
-    inv_freq [D/2], computed as transformers does: angle = position * inv_freq in fp32, both
-    halves. The cache's pre-RoPE keys (KVQuant) are rotated this way after dequantization; the
-    model's attention_scaling, if any, is folded into the softmax scale by the cache."""
+    """x [..., T, D] fp32 rotated to positions with inv_freq [D/2], as transformers computes it
+    (angle = position * inv_freq in fp32); attention_scaling is folded into the softmax scale."""
     angle = positions.to(torch.float32)[..., None] * inv_freq.float()
     angle = torch.cat([angle, angle], dim=-1)
     return x * torch.cos(angle) + _rotate_half(x) * torch.sin(angle)
 
 
 def model_rope_frequencies(model) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim/2] fp32, attention_scaling) of a Hugging Face Llama-family model's RoPE,
-    for a cache that rotates pre-RoPE keys itself. Variants whose frequencies change with the
-    sequence length (dynamic NTK, longrope) cannot be applied at a fixed table and are refused.
-    A model with one table per layer type (Gemma 3) gives its full-attention table: only
-    full-attention layers hold KIVI layers (sliding-window layers keep exact keys)."""
+    """(inv_freq [D/2] fp32, attention_scaling) of a Llama-family model's RoPE (the full-attention
+    table of a per-layer-type model); length-dependent variants (dynamic NTK, longrope) are refused."""
     rotary = model.model.rotary_emb
     prefix = "full_attention_" if hasattr(rotary, "layer_types") else ""
     rope_type = getattr(rotary, "rope_type", "default")

@@ -1,19 +1,7 @@
-"""Orthogonal rotations of the head dimension, applied before quantization (QuaRot, RotateKV,
-TurboQuant): an option of the cache (KIVIConfig.rotate_keys / rotate_values) and of fake quantization.
-
-Attention is unchanged by an orthogonal M (M Mᵀ = I), with vectors as rows:
-    keys:   q·k = (q M)·(k M)                            store k M, rotate the query once per call
-    values: softmax(s) V = (softmax(s) (V M)) Mᵀ         store V M, rotate the output back
-so the kernels see rotated vectors and need no change. The rotation spreads a channel's outlier
-over all channels, which helps per-token quantization (values, and the per-token baselines) and
-may hurt KIVI's per-channel keys, whose groups exploit those outliers: docs/quality.md measures it.
-
-Kinds: "none"; "calibrated" (the cache only: per layer and KV head, calibrated_rotation.py); "hadamard", the normalized Walsh–Hadamard matrix (entries ±1/sqrt(D)) when head_dim
-is a power of two, else the seeded random matrix; "random", a seeded random orthogonal matrix (QR
-of a seeded Gaussian, signs fixed so it is Haar-distributed). The matrix is built once, in fp32,
-with `fwht` (the fast transform, O(D log D) per vector) applied to the identity, and applied as
-one small matmul: at D <= 256 one GEMM per call costs less than log2(D) eager butterfly stages.
-"""
+"""Orthogonal rotations of the head dimension before quantization (docs/cache.md, "Rotations"):
+keys stored k M with the query rotated once per call, values V M with the output rotated back.
+The matrix is built once in fp32 and applied as one matmul: at D <= 256 a GEMM costs less than
+log2(D) eager butterfly stages."""
 
 from __future__ import annotations
 
@@ -23,7 +11,6 @@ from typing import Optional
 import torch
 
 ROTATIONS = ("none", "hadamard", "random")
-# the cache's kinds: also "calibrated", per layer and KV head from a calibration file (calibrated_rotation.py)
 CACHE_ROTATIONS = ROTATIONS + ("calibrated",)
 
 
@@ -37,8 +24,7 @@ def is_power_of_two(n: int) -> bool:
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
-    """The normalized fast Walsh–Hadamard transform over the last dim (a power of two): x H with
-    H the Sylvester Hadamard matrix / sqrt(D), symmetric and orthogonal (fwht(fwht(x)) == x)."""
+    """Normalized fast Walsh–Hadamard transform over a power-of-two last dim; its own inverse."""
     D = x.shape[-1]
     if not is_power_of_two(D):
         raise ValueError(f"the Walsh–Hadamard transform needs a power-of-two last dim, got {D}")
@@ -53,16 +39,15 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
 
 
 def random_orthogonal(head_dim: int, seed: int = 0) -> torch.Tensor:
-    """A seeded random orthogonal [D, D] fp32 matrix: Q of the QR of a Gaussian (fp64, CPU
-    generator, so the same seed gives the same matrix on every machine), columns' signs set by
-    R's diagonal."""
+    """A seeded random orthogonal [D, D] fp32 matrix: QR of an fp64 Gaussian from a CPU generator (the
+    same on every machine), signs fixed by R's diagonal (Haar-distributed)."""
     g = torch.Generator().manual_seed(int(seed))
     q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64))
     return (q * torch.sign(torch.diagonal(r))[None, :]).to(torch.float32)
 
 
 def rotation_matrix(kind: str, head_dim: int, seed: int = 0) -> Optional[torch.Tensor]:
-    """The [head_dim, head_dim] fp32 orthogonal matrix M of a rotation kind (x -> x M), or None for "none"."""
+    """The [D, D] fp32 orthogonal M of a kind (x -> x M): Hadamard for a power of two, else random."""
     check_rotation("rotation", kind)
     if kind == "none":
         return None
@@ -72,8 +57,7 @@ def rotation_matrix(kind: str, head_dim: int, seed: int = 0) -> Optional[torch.T
 
 
 def _times(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x [..., D] @ m [D, D], or per head: x [..., heads, T, D] @ m [H, D, D] where head i uses
-    matrix i // (heads / H) (a query head uses its KV head's matrix, GQA's grouping)."""
+    """x [..., D] @ m [D, D], or per head with m [H, D, D]: query head i uses KV head i // (heads / H)."""
     if m.dim() == 2:
         return torch.matmul(x.float(), m)
     *lead, heads, T, D = x.shape
@@ -83,23 +67,22 @@ def _times(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, m: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [..., D] times M ([D, D], or [H, D, D] per KV head: _times), computed in fp32 and returned
-    in x's dtype (x itself when M is None)."""
+    """x times M in fp32, returned in x's dtype (x itself when M is None)."""
     if m is None:
         return x
     return _times(x, m).to(x.dtype)
 
 
 def unrotate(x: torch.Tensor, m: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [..., D] times Mᵀ (the inverse of rotate), in fp32, returned in x's dtype."""
+    """x times Mᵀ (rotate's inverse), in fp32, returned in x's dtype."""
     if m is None:
         return x
     return _times(x, m.transpose(-1, -2)).to(x.dtype)
 
 
 class CalibratedRotations:
-    """Immutable [L, H, D, D] fp32 key and value rotations from a calibration file; configs holding
-    the same matrices compare equal (by digest), and copying one shares it."""
+    """Immutable [L, H, D, D] fp32 key and value rotations from a calibration file; equal by digest,
+    shared on copy."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, source: str):
         if keys.shape != values.shape or keys.dim() != 4 or keys.shape[-1] != keys.shape[-2]:

@@ -1,15 +1,5 @@
-"""A paged cache's first rows, as a cache of their own.
-
-A server's decode step runs over every row of its cache, and a compiled step costs every row
-whether it holds a request or not. `kivi serve --paged` therefore keeps its requests in the lowest
-rows and runs the step over the first `rows` of them only, rounded up to one of a few bucket
-sizes, each compiled once (vLLM's batch-size buckets for CUDA graphs).
-
-The view shares everything with the cache: the page pools as they are, and the row state (each
-layer's `row_tensors()`: lengths, the full-precision windows) and the block table as views of
-their first rows. A step over the view writes into the cache itself, and computes for each of
-those rows what a step over the whole cache computes for it (the ops work row by row).
-"""
+"""A paged cache's first rows as a cache of their own, sharing its pools and viewing its row state
+and block table: `kivi serve --paged` runs a compiled step over a bucket of the lowest rows only."""
 
 from __future__ import annotations
 
@@ -20,20 +10,17 @@ from torch import nn
 
 
 def leading_rows(cache, rows: int):
-    """`cache` (a paged cache: PagedKIVICache or PagedFPCache) seen through its first `rows` rows
-    (1 <= rows <= cache.batch_size; all of them: the cache itself)."""
     if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= cache.batch_size:
         raise ValueError(f"rows must be an int in [1, {cache.batch_size}] (the cache's rows), got {rows!r}")
     if rows == cache.batch_size:
         return cache
     table = cache.block_table[:rows]
-    view = copy.copy(cache)  # a module's copy shares its dicts of buffers and submodules: new ones below
+    view = copy.copy(cache)  # shares the dicts of buffers and submodules: new ones below
     _set_table(view, cache, table)
     view._modules = {**cache._modules, "layers": nn.ModuleList([_layer_rows(layer, rows, table)
                                                                  for layer in cache.layers])}
     if cache.device.type == "cuda":
-        # CUDA graphs update in place only tensors at fixed addresses; these views are kept (the
-        # server keeps one view per bucket) and point into the cache's fixed buffers.
+        # CUDA graphs update in place only tensors at fixed addresses: these views point into the cache's.
         for buf in view.buffers():
             torch._dynamo.mark_static_address(buf)
     return view
@@ -49,8 +36,7 @@ def _layer_rows(layer, rows: int, table: torch.Tensor):
 
 
 def _set_table(view, module, table: torch.Tensor) -> None:
-    """The view's own dict of buffers, with `table` as its block table: a registered buffer in some
-    modules (the paged KIVI cache, the paged fp layer), a plain attribute in others."""
+    """The view's own dict of buffers with `table` as its block table (a buffer or a plain attribute)."""
     view._buffers = dict(module._buffers)
     if "block_table" in module._buffers:
         view._buffers["block_table"] = table

@@ -1,27 +1,7 @@
-"""Which CUDA decode-attention kernel runs each shape class: the tuning table, else a one-time autotune.
-
-dispatch.py asks `Tuner.pick` for a decode call (q_len == 1) on CUDA with the kernels eligible for it
-(triton_decode, triton_split, cuda_cpp and its split counts). The answer, per (device name, shape
-class), comes from, in order:
-
-1. this process's earlier answer (every later call of the class: a dict lookup);
-2. the committed table, tuning_table.json, keyed by torch.cuda.get_device_name(): what a GPU run
-   measured (its source named in the file), used when its kernel is eligible here;
-3. a one-time autotune, as Triton's autotuner does it: each eligible kernel run on the call's own
-   inputs, warmed up, then timed over a few reps with CUDA events; the median decides.
-
-Nothing is timed inside a CUDA-graph capture or while torch.compile / torch.export trace (the timing
-would be captured or traced): such a call runs the table's kernel or the safe default (dispatch.py's
-Triton rule), and the class is tuned at its next eager call. Each class's choice is logged once.
-
-The timer, the "busy" check (capture / tracing) and the device name are injectable, so CPU tests
-drive the whole logic with fake kernels and a fake clock. `lab/gpu_tune.py` measures a table on a GPU.
-
-A shape class buckets what decides a kernel's speed and nothing else: rows (batch x kv heads) and
-the context (the cache's static capacity per row, never its lengths: reading them would be a host
-sync in a CUDA graph) to the next power of two; query heads per kv head, head_dim, key/value bits,
-the cache dtype and whether the cache is paged exactly.
-"""
+"""Which CUDA decode-attention kernel runs each shape class (docs/performance.md, "Dispatch"): this
+process's earlier pick, else tuning_table.json for the device, else a one-time autotune (median of
+CUDA events). Nothing is timed while capturing or tracing: the default runs and the class is tuned
+at its next eager call. Context is the cache's capacity, never its lengths (a host sync)."""
 
 from __future__ import annotations
 
@@ -37,22 +17,21 @@ log = logging.getLogger(__name__)
 
 TABLE_PATH = Path(__file__).with_name("tuning_table.json")
 TABLE_FORMAT = 1
-WARMUP, REPS = 2, 5  # per candidate: the first call may compile (Triton) or load (the C++ kernel)
+WARMUP, REPS = 2, 5  # the first call may compile (Triton) or load (the C++ kernel)
 
 
 class ShapeClass(NamedTuple):
-    rows: int  # batch x kv heads, to the next power of two
-    context: int  # tokens a row can hold, to the next power of two
-    group: int  # query heads per kv head
+    rows: int
+    context: int
+    group: int
     head_dim: int
     k_bits: int
     v_bits: int
-    dtype: str  # "float16", "bfloat16", "float32"
+    dtype: str
     paged: bool
 
 
 class Candidate(NamedTuple):
-    """One kernel with its launch settings (keywords of its launcher, as sorted pairs)."""
     implementation: str
     launch: tuple = ()
 
@@ -61,7 +40,6 @@ class Candidate(NamedTuple):
 
 
 def bucket(n: int) -> int:
-    """n rounded up to a power of two (1 for n <= 1)."""
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
@@ -72,7 +50,6 @@ def shape_class(*, batch: int, kv_heads: int, context: int, query_heads: int, he
 
 
 def entry_key(entry: dict) -> ShapeClass:
-    """The shape class of one table entry (its fields by name)."""
     return ShapeClass(*(entry[name] for name in ShapeClass._fields))
 
 
@@ -81,7 +58,6 @@ def entry_choice(entry: dict) -> Candidate:
 
 
 def read_table(path: Path = TABLE_PATH) -> dict[str, dict[ShapeClass, Candidate]]:
-    """{device name: {shape class: candidate}} from a table file ({} if there is none)."""
     if not path.exists():
         return {}
     raw = json.loads(path.read_text())
@@ -91,7 +67,6 @@ def read_table(path: Path = TABLE_PATH) -> dict[str, dict[ShapeClass, Candidate]
 
 
 def cuda_event_seconds(fn: Callable[[], object], warmup: int = WARMUP, reps: int = REPS) -> float:
-    """Median seconds of fn() on the current CUDA stream over `reps` timed calls, after `warmup`."""
     for _ in range(warmup):
         fn()
     times = []
@@ -106,13 +81,12 @@ def cuda_event_seconds(fn: Callable[[], object], warmup: int = WARMUP, reps: int
 
 
 def tracing_or_capturing() -> bool:
-    """Whether timing now would be captured into a CUDA graph or traced by torch.compile / export."""
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-_device_names: dict[int, str] = {}  # per device index: asked on every eager decode call
+_device_names: dict[int, str] = {}
 
 
 def current_device_name() -> str:
@@ -123,8 +97,7 @@ def current_device_name() -> str:
 
 
 class Tuner:
-    """Picks a candidate per (device, shape class): see the module doc. One per process (dispatch.py);
-    tests build their own with fakes."""
+    """Picks a candidate per (device, shape class); timer, busy check and device name are injectable."""
 
     def __init__(self, table: dict[str, dict[ShapeClass, Candidate]], *,
                  timer: Callable[[Callable[[], object]], float] = cuda_event_seconds,
@@ -135,8 +108,7 @@ class Tuner:
 
     def pick(self, cls: ShapeClass, candidates: list[Candidate], default: Candidate,
              measure: Optional[Callable[[Candidate], object]]) -> Candidate:
-        """The candidate for cls. measure(c) runs c on the call's inputs (None: the caller cannot run
-        kernels, it only decides where they run). default: what runs while nothing can be timed."""
+        """measure(c) runs c on the call's inputs (None: cannot); default runs while nothing can be timed."""
         key = (self.device_name(), cls)
         known = self.chosen.get(key)
         if known in candidates:
@@ -145,7 +117,7 @@ class Tuner:
         if listed in candidates:
             return self._settle(key, listed, "the tuning table")
         if measure is None or self.busy():
-            return default  # not remembered: tuned at the next eager call
+            return default
         seconds = {c: self.timer(lambda c=c: measure(c)) for c in candidates}
         best = min(candidates, key=seconds.__getitem__)
         timed = ", ".join(f"{c.label()} {seconds[c] * 1e6:.1f} us" for c in candidates)
