@@ -1,10 +1,5 @@
-"""Builds and loads the CUDA C++ decode kernel (decode_attend.cu + binding.cpp) through
-torch.utils.cpp_extension.load: compiled once per machine into torch's extension cache, for the
-current device's architecture (sm_90a on Hopper, for wgmma-era PTX features; mma.sync needs sm_80).
-
-`load()` returns the extension (or, with KIVI_CUDA_DECODE_LIB, prebuilt.py's library) or raises CudaKernelUnavailable saying why (no CUDA build of torch,
-no GPU, a GPU older than sm_80, no nvcc, or the compiler's own error). Nothing here runs at import.
-"""
+"""Builds and loads the CUDA C++ decode kernel through torch.utils.cpp_extension.load, once per machine,
+for the current device's architecture; `load()` raises CudaKernelUnavailable saying why it cannot."""
 
 from __future__ import annotations
 
@@ -24,7 +19,6 @@ MIN_CAPABILITY = (8, 0)  # mma.sync.m16n8k16 with fp16 or bf16 inputs and fp32 a
 
 
 def unavailable_reason() -> Optional[str]:
-    """Why the kernel cannot run in this process (None: it may build; load() tells for sure)."""
     if torch.version.cuda is None:
         return f"needs a CUDA build of torch (this is {torch.__version__}, torch.version.cuda is None)"
     if not torch.cuda.is_available():
@@ -40,7 +34,6 @@ def unavailable_reason() -> Optional[str]:
 
 
 def arch_list() -> str:
-    """TORCH_CUDA_ARCH_LIST for the current device: '9.0a' on Hopper, else 'major.minor'."""
     major, minor = torch.cuda.get_device_capability()
     return f"{major}.{minor}a" if (major, minor) == (9, 0) else f"{major}.{minor}"
 
@@ -50,13 +43,13 @@ def _build():
     from torch.utils import cpp_extension
 
     root = toolkit_root()
-    cpp_extension.CUDA_HOME = str(root)  # read by load(); the PyPI toolkit is not on PATH
+    cpp_extension.CUDA_HOME = str(root)  # the PyPI toolkit is not on PATH
     lib = root / ("lib64" if (root / "lib64").is_dir() else "lib")
     saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list()
     try:
         return cpp_extension.load(name=EXTENSION_NAME, sources=[str(s) for s in SOURCES],
-                                  extra_cflags=["-O3"],  # the C++ standard: cpp_extension's, torch's
+                                  extra_cflags=["-O3"],
                                   extra_cuda_cflags=["-O3", "-Xptxas", "-v"],
                                   extra_ldflags=[f"-L{lib}"], verbose=False)
     finally:
@@ -74,11 +67,9 @@ def _prebuilt(path: str):
 
 
 def load():
-    """The built extension (cached per process); CudaKernelUnavailable if it cannot be had.
-    KIVI_CUDA_DECODE_LIB=path: the shared library prebuilt by plain nvcc (prebuilt.py) instead,
-    for a GPU machine without a CUDA compiler."""
+    """The built extension, or with KIVI_CUDA_DECODE_LIB=path the library prebuilt.py built."""
     global _loaded
-    if _loaded is not None:  # dispatch asks on every decode call: the checks below run once
+    if _loaded is not None:
         return _loaded
     _loaded = _load()
     return _loaded
@@ -99,5 +90,5 @@ def _load():
         raise CudaKernelUnavailable(f"the CUDA C++ decode kernel is unavailable: {reason}")
     try:
         return _build()
-    except Exception as e:  # the compiler's or linker's message, whatever raised it
+    except Exception as e:
         raise CudaKernelUnavailable(f"the CUDA C++ decode kernel failed to build: {e}") from e

@@ -1,13 +1,5 @@
-"""The CUDA decode kernel as a shared library built by plain nvcc, called through ctypes: the route
-for a GPU machine with no CUDA compiler.
-
-The PyPI toolkit (nvcc + nvvm wheels, ~120 MB) is larger than what a device call can carry (64 MiB),
-so it cannot travel to a GPU image that lacks nvcc. Instead, `build(path)` compiles
-decode_attend.cu here, with no GPU, into a ~1.2 MB library (sm_90a SASS, cudart linked statically,
-glibc >= 2.34), and KIVI_CUDA_DECODE_LIB=path makes loader.load() use it. `Library.decode_attend`
-does what binding.cpp does (checks, workspace, launch on torch's current stream); the launch is
-asynchronous and CUDA-graph capturable like the extension's.
-"""
+"""The CUDA decode kernel as a shared library built by plain nvcc without a GPU, called through ctypes:
+for a GPU machine with no CUDA compiler (docs/performance.md, Build). Does what binding.cpp does."""
 
 from __future__ import annotations
 
@@ -34,8 +26,7 @@ class DecodeParams(ctypes.Structure):
 
 
 def build(path: Path, arch: str = "sm_90a", defines: tuple[str, ...] = ()) -> Path:
-    """Compile the shared library (no GPU needed), as the variant `defines` names (decode_attend.cu's
-    KIVI_DECODE_* macros, e.g. ("KIVI_DECODE_STAGES=4",)). Returns its path."""
+    """Compile the library as the variant `defines` names (KIVI_DECODE_* macros); returns its path."""
     root = toolkit_root()
     compute = arch.replace("sm_", "compute_")
     run = subprocess.run([str(tool(root, "nvcc")), f"-gencode=arch={compute},code={arch}", "-O3", "-std=c++17",
@@ -54,7 +45,6 @@ def _check(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
 
 
 class Library:
-    """The loaded library, with binding.cpp's decode_attend."""
 
     def __init__(self, path: Path):
         try:
@@ -66,7 +56,7 @@ class Library:
         self.path = path
 
     def variant(self) -> tuple[int, int, int, int]:
-        """(stages, residual in the loop, blocks per SM, 16-bit fold) the library was built as (decode_attend.cu)."""
+        """(stages, residual in the loop, blocks per SM, 16-bit fold) the library was built as."""
         out = [ctypes.c_int() for _ in range(4)]
         self.lib.kivi_decode_variant(*(ctypes.byref(x) for x in out))
         return tuple(x.value for x in out)
@@ -85,7 +75,7 @@ class Library:
         if counts is not None:
             _check(counts, "counts", torch.int64)
         B, Hq, q_len, D = query.shape
-        H, rows = k_codes.shape[1:3]  # rows: S, or the page size of a page pool (block_table given)
+        H, rows = k_codes.shape[1:3]  # rows: S, or the page size when paged
         S = rows if block_table is None else block_table.shape[1] * rows
         if block_table is not None:
             _check(block_table, "block_table", torch.int32)

@@ -1,9 +1,4 @@
-"""Where the CUDA compiler is: the PyPI toolkit of the `cuda-build` extra, or the system's.
-
-`pip install -e '.[cuda-build]'` brings nvcc 13.5 with its front end (nvidia-nvvm's cicc), the
-runtime and CCCL headers, nvdisasm and cuobjdump into site-packages/nvidia/cu13. That compiles
-decode_attend.cu for sm_90a on a machine with no GPU and no system CUDA (lab/cuda_decode_model.py).
-"""
+"""Where the CUDA compiler is: the PyPI toolkit of the `cuda-build` extra (docs/usage.md), or the system's."""
 
 from __future__ import annotations
 
@@ -14,11 +9,10 @@ from typing import Optional
 
 
 class CudaKernelUnavailable(RuntimeError):
-    """The CUDA C++ decode kernel cannot be built or run here; the message says why."""
+    """The CUDA C++ decode kernel cannot be built or run here."""
 
 
 def pip_toolkit_root() -> Optional[Path]:
-    """site-packages/nvidia/cu13 when the cuda-build extra's nvcc is installed there, else None."""
     try:
         import nvidia  # namespace package of NVIDIA's PyPI wheels
     except ImportError:
@@ -31,8 +25,6 @@ def pip_toolkit_root() -> Optional[Path]:
 
 
 def toolkit_root() -> Path:
-    """The CUDA toolkit to compile with: $CUDA_HOME, else the PyPI one, else the nvcc on PATH,
-    else /usr/local/cuda."""
     if os.environ.get("CUDA_HOME"):
         root = Path(os.environ["CUDA_HOME"])
         if (root / "bin" / "nvcc").is_file():
@@ -51,7 +43,6 @@ def toolkit_root() -> Path:
 
 
 def tool(root: Path, name: str) -> Path:
-    """A toolkit binary (nvcc, nvdisasm, cuobjdump, ptxas)."""
     path = root / "bin" / name
     if not path.is_file():
         raise CudaKernelUnavailable(f"the CUDA toolkit at {root} has no bin/{name}")
@@ -59,8 +50,7 @@ def tool(root: Path, name: str) -> Path:
 
 
 def compile_env(root: Path) -> dict:
-    """The environment nvcc needs: the PyPI layout keeps cicc under nvvm/bin and headers under
-    include (nvcc.profile finds both relative to bin/), so PATH is the only addition."""
+    """nvcc's environment: nvcc.profile finds cicc and headers from bin/, so PATH is the only addition."""
     env = dict(os.environ)
     env["PATH"] = f"{root / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     return env

@@ -1,30 +1,6 @@
-"""Inductor's AVX2 code loads 8 bytes without a round trip through memory.
-
-Inductor's CPU loops are tiled by fp32 lanes (8 on AVX2), so a loop that reads our packed uint8
-codes loads 8 bytes per vector: `Vectorized<uint8_t>::loadu(ptr, 8)`. On AVX2 ATen implements
-that partial load by filling a 32-byte stack buffer with ones, copying the 8 bytes over it and
-loading the 32 bytes back: the load straddles two stores, store-to-load forwarding fails, and every
-code load stalls. ATen's AVX-512 build takes a fast path for its quarter load (`loadu(ptr, 16)`
-of 64 lanes is `loadu_one_fourth`, one 16-byte load) and its AVX2 build has the same
-`loadu_one_fourth` (one 8-byte load), which Inductor never emits.
-
-`install()` makes Inductor emit one 8-byte load for exactly that case (an unmasked load of 8
-one-byte elements on AVX2), blended into a vector of ones: the same value ATen's slow path builds
-(ones past the 8 bytes, so that no lane divides by zero), without the stores.
-
-Measured (lab/decomposed_attend_cpu.py's fused decode attention, context 8192, batch 1, 9 query
-and 3 KV heads of 64 channels, KIVI-2, one thread, the 2-core AMD EPYC AVX2 machine, torch 2.13.0,
-one process per side with its own Inductor cache): 5.85 ms before, 2.26 ms after, the outputs
-equal (benchmarks/results/avx2_byte_loads/). Every compile of ours installs it
-(compile_budget.compile_own_code); other code compiled in the process gets the same loads.
-
-Inductor's on-disk FX-graph cache reuses code as it was generated, and its key does not see a
-patched code generator. So install() also sets a no-op post-grad pass (`CacheSalt`) whose uuid,
-the hash of this file, enters that key: code generated with these loads is cached apart from code
-generated without them, both ways (a cache filled before this existed, or by a process without
-the patch, is not reused). A post-grad pass the user set already is left alone (then the cache
-may mix the two; both compute the same bits, only speed differs).
-"""
+"""Inductor's AVX2 code loads 8 packed bytes in one load instead of ATen's stack round trip, which
+stalls on store-to-load forwarding; a cache salt keeps Inductor's FX-graph cache apart for code
+generated with and without the patch (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -35,12 +11,11 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 log = logging.getLogger(__name__)
 
-_original_load_line = None  # Inductor's own, once install() has wrapped it
+_original_load_line = None
 
 
 def install() -> bool:
-    """Patch Inductor's vector load line once per process; True if the patch is in place. Leaves
-    Inductor alone (False) if its code generator no longer has the method this wraps."""
+    """Patch Inductor's vector load line once per process; False if the wrapped method is gone."""
     global _original_load_line
     if _original_load_line is not None:
         _salt_cache_key()  # again: make test's workers lost an earlier call's salt (the cause was not found)
@@ -56,6 +31,7 @@ def install() -> bool:
         if quarter_byte_load(self, dtype, load_mask):
             loadbuf = f"{var} + {cpp.cexpr_index(index)}" if index != 0 else var
             eight_bytes = f"_mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>({loadbuf})))"
+            # Ones past the 8 bytes, as ATen's slow path builds, so that no lane divides by zero.
             return f"{self._get_vec_type(dtype)}(_mm256_blend_epi32(_mm256_set1_epi8(1), {eight_bytes}, 0x03))"
         return line
 
@@ -66,7 +42,7 @@ def install() -> bool:
 
 
 class CacheSalt(CustomGraphPass):
-    """A post-grad pass that changes nothing; its uuid (this file's hash) keys Inductor's cache."""
+    """A no-op post-grad pass; its uuid (this file's hash) keys Inductor's cache."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         return None
@@ -85,7 +61,6 @@ def _salt_cache_key() -> None:
 
 
 def original_load_line():
-    """Inductor's own load-line method (None before install()): tests compile with it to compare."""
     return _original_load_line
 
 

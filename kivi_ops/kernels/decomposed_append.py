@@ -1,16 +1,7 @@
-"""Static-shape, data-independent cache append: what torch.compile, torch.export, ONNX and
-ExecuTorch trace (the reference in reference.py loops over sequences and reads lengths on the host).
-
-The function computes with tensor ops whose shapes depend only on the buffer and input shapes
-(B, H, n, D, S, R, G, bits), never on the lengths or counts: indices are computed from tensors and
-used with gather / advanced indexing / index_put_, choices are torch.where. No host sync, no
-data-dependent shapes, no Python branch on a tensor value. Layout and policy: layout.py.
-
-append_decomposed writes exactly what append_reference writes, bit for bit, on every slot of every
-buffer (slots the policy does not touch are rewritten with their old contents). Capacity is not
-checked (that needs a host sync): the caller must not append past max_seq_len. If it does,
-nothing raises; rows are written modulo the buffer sizes and the cache is garbage.
-"""
+"""Static-shape cache append that torch.compile, torch.export, ONNX and ExecuTorch trace: shapes depend
+only on buffer and input shapes, never on lengths; no host sync, no branch on a tensor value. Writes
+what append_reference writes, bit for bit. Capacity is not checked: appending past max_seq_len
+silently wraps rows and corrupts the cache."""
 
 from __future__ import annotations
 
@@ -28,24 +19,18 @@ from ..schedule import OTT
 
 
 def mod_nonneg(x: Tensor, m: int, bound: int) -> Tensor:
-    """x mod m for integer x >= -bound, computed on a non-negative operand: ExecuTorch's portable
-    remainder kernel does not follow Python's sign convention for negative operands."""
+    """x mod m for x >= -bound on a non-negative operand: ExecuTorch's remainder differs for negatives."""
     return torch.remainder(x + m * (bound // m + 2), m)
 
 
 def _bh_index(B: int, H: int, device) -> tuple[Tensor, Tensor]:
-    """Broadcastable batch [B, 1, 1] and head [1, H, 1] indices for buf[b, h, rows[:, None, :]]."""
     return (torch.arange(B, device=device)[:, None, None], torch.arange(H, device=device)[None, :, None])
 
 
 def _write_rows(buf: Tensor, bi: Tensor, hi: Tensor, rows: Tensor, new: Tensor, valid: Tensor,
                 pages: Optional[Paging] = None) -> None:
-    """buf[b, h, rows[b, j]] = new[b, h, j] where valid[b, j], else rewritten unchanged.
-
-    rows [B, W] must be distinct within each row b (no scatter conflicts), new [B, H, W, X].
-    pages: buf is a page pool [N + 1, H, X_page, ...] (paged_layout.py): row r of sequence b is row
-    r % X_page of page block_table[b, r // X_page]; writes that are not valid go to the scratch
-    page N instead (the row may own no page there, and the page another row owns)."""
+    """buf[b, h, rows[b, j]] = new[b, h, j] where valid[b, j]; rows [B, W] distinct per b (no scatter
+    conflicts). Paged: invalid writes go to the scratch page N, since the row may own no page there."""
     if pages is not None:
         per_page = buf.shape[2]
         page = pages.block_table.long().gather(1, torch.div(rows, per_page, rounding_mode="floor"))
@@ -60,13 +45,11 @@ def _write_rows(buf: Tensor, bi: Tensor, hi: Tensor, rows: Tensor, new: Tensor, 
 
 
 def _take_tokens(x: Tensor, bi: Tensor, hi: Tensor, idx: Tensor) -> Tensor:
-    """x[b, h, idx[b, j]] -> [B, H, W, D] (idx already clamped in range)."""
     return x[bi, hi, idx[:, None, :]]
 
 
 def _branch(pred: Tensor, true_fn, false_fn):
-    """torch.cond(pred, true_fn, false_fn, ()) when traced; eagerly a Python `if` (an eager
-    torch.cond traces its branches with symbolic shapes, which these reshapes do not survive)."""
+    """torch.cond when traced; eagerly a Python `if` (eager torch.cond traces symbolic shapes these reshapes fail)."""
     if torch.compiler.is_compiling():
         return torch.cond(pred, true_fn, false_fn, ())
     return true_fn() if pred.item() else false_fn()
@@ -74,10 +57,8 @@ def _branch(pred: Tensor, true_fn, false_fn):
 
 def _ott_steps(pool_parts, sink: int, n_out: int, stream: Tensor, v_stream: Tensor, u: Tensor, flushed: Tensor,
                unit: int):
-    """OTT steps (pool.py), window by window, over the exact keys / values [B, H, windows * unit,
-    D] at positions u [B, windows * unit] about to be quantized (unit: the policy's key flush
-    unit); windows at or past flushed [B] tokens change nothing. Returns (entrants [B, H,
-    windows * unit], the new (pool_k, pool_v, pool_pos))."""
+    """OTT steps (pool.py) window by window over the tokens about to be quantized; returns (entrants,
+    the new (pool_k, pool_v, pool_pos))."""
     pk, pv, ppos = pool_parts
     a, z = sink, sink + n_out
     state = (pk[:, :, a:z], pv[:, :, a:z], ppos[:, :, a:z], pk[:, :, z:], pv[:, :, z:], ppos[:, :, z:])
@@ -94,10 +75,7 @@ def _ott_steps(pool_parts, sink: int, n_out: int, stream: Tensor, v_stream: Tens
 
 def _flush_ott_groups(layer: LayerTensors, key: Tensor, value: Tensor, params: QuantParams, bi: Tensor, hi: Tensor,
                       L: Tensor, q0: Tensor, q1: Tensor, groups: int, last_new, pool):
-    """OTT's flush policy (schedule.py): quantize the first `groups` G-token groups of the stream
-    from token q0 on (ring slot u % W for u < L, else the appended token), keys per channel and
-    values per token, and write those below q1 (the others rewrite old rows; distinct since
-    groups * G <= S). pool: as in _flush_key_windows; returns its new parts (None without)."""
+    """OTT's flush (schedule.py): quantize `groups` G-token groups from token q0, write those below q1."""
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, _ = layer.kivi
     k_bits, v_bits, G, _ = params[:4]
     extras = layer.extras
@@ -140,8 +118,6 @@ def _flush_ott_groups(layer: LayerTensors, key: Tensor, value: Tensor, params: Q
 
 def _append_ott(layer: LayerTensors, key: Tensor, value: Tensor, params: QuantParams, bi, hi, L, end, n, symbolic,
                 last_new, pool, flush_under_cond: bool):
-    """append_decomposed's flushes and residual writes under OTT's flush policy (schedule.py);
-    returns the pool's new parts (None without a pool)."""
     k_codes, _, _, k_res, _, _, _, v_res, _ = layer.kivi
     _, _, G, R = params[:4]
     S, RR = k_codes.shape[2], k_res.shape[2]
@@ -149,12 +125,10 @@ def _append_ott(layer: LayerTensors, key: Tensor, value: Tensor, params: QuantPa
     parts = None if pool is None else pool[:3]
     q0 = torch.div((L - R).clamp(min=0), G, rounding_mode="floor") * G
     q1 = torch.div((end - R).clamp(min=0), G, rounding_mode="floor") * G
-    # Most groups n new tokens can complete: the residual holds at most R + G - 1 tokens.
     groups = S // G if symbolic else min((G - 1 + n) // G, S // G)
     if groups > 0 and n > 0:
         args = (layer, key, value, params, bi, hi, L, q0, q1, groups, last_new, pool)
         if flush_under_cond and (pool is None or pool[4] == 0) and not torch.is_grad_enabled():
-            # as in append_decomposed: a decode step completes a group once every G steps
             def flush():
                 _flush_ott_groups(*args)
                 return L.new_zeros(())
@@ -163,14 +137,13 @@ def _append_ott(layer: LayerTensors, key: Tensor, value: Tensor, params: QuantPa
         else:
             new_parts = _flush_ott_groups(*args)
             parts = parts if new_parts is None else new_parts
-    # Residuals, after every read of the old ones: new token u goes to slot u % W if it is among
-    # the last W (the residual never holds more than R + G - 1 <= W tokens).
+    # Residuals, after every read of the old ones.
     if n > 0 and not symbolic and n <= RR:
         u = L[:, None] + torch.arange(n, device=device)[None, :]  # [B, n]: distinct slots mod RR
         take = (u < end[:, None]) & (u >= end[:, None] - RR)
         _write_rows(k_res, bi, hi, torch.remainder(u, RR), key, take)
         _write_rows(v_res, bi, hi, torch.remainder(u, RR), value, take)
-    elif n > 0:  # rebuilt whole: slot s holds the newest token u = s (mod RR) below end if it is new
+    elif n > 0:
         s = torch.arange(RR, device=device)
         u = end[:, None] - RR + mod_nonneg(s[None, :] - end[:, None], RR, S)
         take = (u >= L[:, None])[:, None, :, None]
@@ -183,11 +156,8 @@ def _append_ott(layer: LayerTensors, key: Tensor, value: Tensor, params: QuantPa
 def _flush_key_windows(layer: LayerTensors, key: Tensor, value: Tensor, params: QuantParams, bi: Tensor, hi: Tensor,
                        L: Tensor, nqk: Tensor, nqk_end: Tensor, windows: int, last_new, pool,
                        pages: Optional[Paging] = None):
-    """Quantize per channel the first `windows` R-windows of the key stream from token nqk on (the
-    residual window's tokens, then the new ones), and write those below nqk_end (the windows this
-    append completes; the others rewrite old rows). pool: (pool_k, pool_v, pool_pos, sink,
-    outliers) as updated so far, or None; returns its new (pool_k, pool_v, pool_pos) after the
-    OTT steps (None without a pool). pages: the layer is paged (paged_layout.py)."""
+    """Quantize per channel `windows` R-windows of the key stream from token nqk, write those below
+    nqk_end; returns the pool's new (pool_k, pool_v, pool_pos), None without a pool."""
     k_codes, k_scale, k_zero, k_res, _, _, _, v_res, _ = layer.kivi
     k_bits, _, G, R = params[:4]
     extras = layer.extras
@@ -200,7 +170,7 @@ def _flush_key_windows(layer: LayerTensors, key: Tensor, value: Tensor, params: 
     j = torch.arange(W, device=device)
     u = nqk[:, None] + j[None, :]  # [B, W]
     from_res = u < L[:, None]
-    old_part = k_res[:, :, j.clamp(max=RR - 1)]  # slot of u < L is u % R = j (nqk % R == 0)
+    old_part = k_res[:, :, j.clamp(max=RR - 1)]
     new_part = _take_tokens(key, bi, hi, (u - L[:, None]).clamp(0, last_new))
     stream = torch.where(from_res[:, None, :, None], old_part.expand(B, H, W, D), new_part)
     pooled = None
@@ -208,15 +178,14 @@ def _flush_key_windows(layer: LayerTensors, key: Tensor, value: Tensor, params: 
         pk, pv, ppos, sink, n_out = pool
         pooled = (u < sink)[:, None, :].expand(B, H, W)
         if n_out > 0:
-            v_old = v_res[:, :, j.clamp(max=RR - 1)]  # value slot of u < L is u % R = j too
+            v_old = v_res[:, :, j.clamp(max=RR - 1)]
             v_new = _take_tokens(value, bi, hi, (u - L[:, None]).clamp(0, last_new))
             v_stream = torch.where(from_res[:, None, :, None], v_old.expand(B, H, W, D), v_new)
             entered, (pk, pv, ppos) = _ott_steps(pool[:3], sink, n_out, stream, v_stream, u, flushed[:, 0], R)
             pooled = pooled | entered
-    # Pooled tokens (sinks, new outliers) are exact in the pool: out of the statistics.
     exclude = None if pooled is None else pooled[..., None].expand(B, H, W, D)
     nk = key_outliers_per_window(extras.k_sparse, S, R) if extras.sparse else 0
-    if nk:  # dense-and-sparse: per channel, the window's largest keys stay exact
+    if nk:
         outliers, vals, idx = select_key_outliers(stream, nk, R, pooled)
         exclude = outliers if exclude is None else exclude | outliers
         oj = torch.arange(windows * nk, device=device)
@@ -235,40 +204,16 @@ def _flush_key_windows(layer: LayerTensors, key: Tensor, value: Tensor, params: 
 
 
 def _capacity(k_codes: Tensor, pages: Optional[Paging]) -> int:
-    """Tokens a row can hold: S of the static layout, max_pages_per_seq * page_size when paged."""
     return k_codes.shape[2] if pages is None else pages.block_table.shape[1] * k_codes.shape[2]
 
 
 def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, params: QuantParams, *,
                       flush_under_cond: bool = False, pages: Optional[Paging] = None) -> None:
-    """append_reference without host syncs or data-dependent shapes (mutates the nine KIVI
-    tensors, the pool's three when there is a pool, see pool.py, and the sparse outlier store
-    when there is one, see extras.py).
-
-    key/value [B, H, n, D]; row b's first counts[b] tokens are real (all n if counts is None).
-    Per sequence b with L = lengths[b] stored tokens, c new ones and end = L + c:
-
-    keys: the stream of tokens u = nqk + j (nqk = L // R * R) is k_res[j] for u < L and
-        key[u - L] for L <= u < end. Its first W tokens (W = the most whole R-windows n new tokens
-        can complete, capped by S) are quantized per channel window by window; windows below
-        end // R * R are written to rows (nqk + j) % S, the others rewrite the old rows (the rows
-        are distinct since W <= S). The residual slot s then holds token nqk_end + s if it is new.
-    values: tokens u in [q0, q1) = [max(L - R, 0), max(end - R, 0)) leave the window (at most n):
-        j in [0, min(n, S)), u = q0 + j, read from v_res[u % R] (u < L) or value[u - L], quantized
-        per token, written to rows u % S where u < q1. Slot s of v_res holds the newest token
-        u = s (mod R) below end if that token is new.
-
-    flush_under_cond (dispatch's "decomposed_cond", CPU compile): the key flush runs only when
-    some row completes a window, under torch.cond (eagerly, a Python if). Writes are the same.
-
-    pages: the layer is paged (paged_layout.py; its quantized buffers are page pools): the same
-    computation, rows written through the block table (_write_rows), capacity S = M * PS. The
-    sparse store is not paged (the paged layer refuses it).
-    """
+    """append_reference without host syncs; key/value [B, H, n, D], row b's first counts[b] tokens real.
+    flush_under_cond: the key flush runs under torch.cond only when some row completes a window."""
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = layer.kivi
     k_bits, v_bits, G, R = params[:4]
     pool, extras = params.pool_args(layer), layer.extras
-    # The cache stores new tokens in its own dtype (the reference's slice assignment casts too).
     key, value = key.to(k_res.dtype), value.to(v_res.dtype)
     B, H, n, D = key.shape
     S, RR = _capacity(k_codes, pages), k_res.shape[2]
@@ -279,9 +224,7 @@ def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, p
     end = L + c
     symbolic = isinstance(n, torch.SymInt)
     if symbolic:
-        # A dynamic token count (one exported program for prompts and decode steps), which the
-        # exporter bounds to 1 <= n <= S: the min/max below are n - 1 and n without clamping, so
-        # no symbolic min/max reaches the graph (ExecuTorch rejects those Python-level ops).
+        # Exported n is bounded 1 <= n <= S: no symbolic min/max (ExecuTorch rejects them).
         last_new = n - 1
     else:
         last_new = max(n - 1, 0)
@@ -289,7 +232,7 @@ def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, p
     if pool is not None:
         pool_k, pool_v, pool_pos, sink, n_out = pool
         pk, pv, ppos = pool_k, pool_v, pool_pos
-        if sink > 0 and n > 0:  # sink slot s takes the token at position s if it is new
+        if sink > 0 and n > 0:
             s = torch.arange(sink, device=device)
             take = (s[None, :] >= L[:, None]) & (s[None, :] < end[:, None])  # [B, sink]
             idx = (s[None, :] - L[:, None]).clamp(0, last_new)
@@ -308,25 +251,18 @@ def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, p
         lengths.add_(c)
         return
 
-    # ---- keys: quantize the whole R-windows the append completes.
     nqk = torch.div(L, R, rounding_mode="floor") * R
     nqk_end = torch.div(end, R, rounding_mode="floor") * R
-    # A symbolic n would make the window count symbolic, and shape reasoning would specialize on
-    # whether it is 1; the traced program instead always quantizes the S // R windows it could
-    # ever flush (about the cost of the materialized attention it runs anyway).
+    # Symbolic n: flush all S // R windows, else shape reasoning specializes on the count.
     windows = S // R if symbolic else min((R - 1 + n) // R, S // R)
     if windows > 0 and n > 0:
         args = (layer, key, value, params, bi, hi, L, nqk, nqk_end, windows, last_new,
                 None if pool is None else (pk, pv, ppos, sink, n_out), pages)
         if flush_under_cond and (pool is None or n_out == 0) and not torch.is_grad_enabled():
-            # A decode step completes a window once every R steps: under torch.cond (a host-side
-            # `if` in Inductor's CPU code) the other R - 1 steps skip quantizing R tokens per head.
-            # The OTT pool's updates are new tensors, which a branch cannot rebind: unbranched.
-            # torch.cond traces buffer mutation only with grad off (no_grad, inference_mode:
-            # every decode loop here); a graph traced with grad on takes the unbranched path.
+            # torch.cond traces buffer mutation only with grad off; pool updates cannot be rebound.
             def flush():
                 _flush_key_windows(*args)
-                return L.new_zeros(())  # a branch must return a tensor
+                return L.new_zeros(())
 
             _branch((nqk_end > nqk).any(), flush, lambda: L.new_zeros(()))
         elif pool is None:
@@ -334,11 +270,10 @@ def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, p
         else:
             pk, pv, ppos = _flush_key_windows(*args)
 
-    # ---- values: quantize per token the tokens leaving the window of the last R.
     NV = n if symbolic else min(n, S)
     q0 = (L - R).clamp(min=0)
     q1 = (end - R).clamp(min=0)
-    if NV > 0 and S > R:  # with S <= R no value ever leaves the window
+    if NV > 0 and S > R:
         j = torch.arange(NV, device=device)
         u = q0[:, None] + j[None, :]  # [B, NV]
         from_win = u < L[:, None]
@@ -348,7 +283,7 @@ def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, p
         valid = u < q1[:, None]
         rows = u % S
         exclude = None
-        if extras.sparse:  # dense-and-sparse: per token, the largest channels stay exact
+        if extras.sparse:
             exclude, vals, idx = select_outliers(leaving, extras.v_sparse.shape[-1], dim=-1)
             _write_rows(extras.v_sparse, bi, hi, rows, vals, valid)
             _write_rows(extras.v_sparse_idx, bi, hi, rows, idx, valid)
@@ -357,22 +292,19 @@ def append_decomposed(layer: LayerTensors, key: Tensor, value: Tensor, counts, p
         _write_rows(v_scale, bi, hi, rows, scale, valid, pages)
         _write_rows(v_zero, bi, hi, rows, zero, valid, pages)
 
-    # ---- residuals, after every read of the old ones above.
+    # Residuals, after every read of the old ones; at most R consecutive tokens never collide mod R.
     if n > 0 and not symbolic and n <= R == RR:
-        # Few new tokens (decode): write their slots only. Consecutive tokens, at most R of them,
-        # have distinct slots mod R, so the rows never collide. Key slot of token u: u - nqk_end
-        # if u >= nqk_end (else it was flushed); value slot u % R if u is among the last R.
         u = L[:, None] + torch.arange(n, device=device)[None, :]  # [B, n]
         real = u < end[:, None]
         _write_rows(k_res, bi, hi, mod_nonneg(u - nqk_end[:, None], R, S), key, real & (u >= nqk_end[:, None]))
         _write_rows(v_res, bi, hi, u % R, value, real & (u >= end[:, None] - R))
-    elif n > 0:  # rebuilt whole (RR slots)
+    elif n > 0:
         s = torch.arange(RR, device=device)
-        u = nqk_end[:, None] + s[None, :]  # keys: slot s holds token nqk_end + s
+        u = nqk_end[:, None] + s[None, :]
         take = (u >= L[:, None]) & (u < end[:, None])
         new = _take_tokens(key, bi, hi, (u - L[:, None]).clamp(0, last_new))
         k_res.copy_(torch.where(take[:, None, :, None], new, k_res))
-        u = end[:, None] - R + mod_nonneg(s[None, :] - end[:, None], R, S)  # values: newest u = s mod R below end
+        u = end[:, None] - R + mod_nonneg(s[None, :] - end[:, None], R, S)
         take = u >= L[:, None]
         new = _take_tokens(value, bi, hi, (u - L[:, None]).clamp(0, last_new))
         v_res.copy_(torch.where(take[:, None, :, None], new, v_res))

@@ -1,16 +1,7 @@
-"""Reference (plain PyTorch) cache append and fused attention, static and paged: the CPU kernels
-of the cache ops, and the specification the decomposed, Triton and CUDA implementations are
-tested against.
-
-Layout and streaming policy: kivi_ops/layout.py. Per-sequence Python loops and host reads of the
-lengths make these simple to read and impossible to trace (the decomposed forms trace).
-
-The paged forms (at the end) are the static reference run on the static view of the pages
-(paged_layout.py): attention reads the layer gathered through the block table; an append gathers
-each row's pages, runs append_reference on that one-row static layer (its residuals and length
-are views of the paged layer's, so they update in place), and writes back the pages the append
-wrote. Same code as the static cache, so the same bits.
-"""
+"""Reference (plain PyTorch) cache append and attention, static and paged: the CPU kernels and the
+specification the other implementations are tested against. Per-sequence loops and host reads of
+the lengths: simple to read, impossible to trace. The paged forms run the static code on each row's
+gathered pages and write back the pages the append wrote, so they give the same bits."""
 
 from __future__ import annotations
 
@@ -27,8 +18,7 @@ from ..pool import ott_step, pool_attention_scores, pooled_mask
 from ..rope import rope_at
 from ..schedule import OTT, quantized_count_int, quantized_counts  # noqa: F401 (quantized_counts: re-exported)
 
-# Tokens per step of the reference attention's online softmax: bounds the temporary
-# dequantized block, so no dequantized copy of the whole cache is ever materialized.
+# Tokens per online-softmax step: bounds the temporary dequantized block.
 ATTEND_BLOCK_TOKENS = 1024
 
 
@@ -47,10 +37,7 @@ def check_capacity(lengths: torch.Tensor, counts, n: int, max_seq_len: int) -> N
 
 
 def append_reference(layer: LayerTensors, key, value, counts, params: QuantParams) -> None:
-    """Append key/value [B, H, n, D] (the first counts[b] tokens of row b are real) in place.
-
-    With a pool (layer.pool_*), the full-precision token pool of pool.py is updated in place; with
-    KVQuant's parts, the nuq levels quantize and the dense-and-sparse store is updated in place."""
+    """Append key/value [B, H, n, D] in place (the first counts[b] tokens of row b are real)."""
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = layer.kivi
     k_bits, v_bits, group_size, residual_length = params[:4]
     pool, extras = params.pool_args(layer), layer.extras
@@ -71,12 +58,11 @@ def append_reference(layer: LayerTensors, key, value, counts, params: QuantParam
             _append_row_ott(layer, params, pool, b, L, new_k, new_v)
             continue
 
-        # Keys: flush whole residual windows, keep the remainder in the residual.
         nqk, nqk_end = L // R * R, end // R * R
         if pool is not None:
             _pool_sinks(pool, b, L, end, new_k, new_v)
         if nqk_end > nqk:
-            stream = torch.cat([k_res[b, :, : L - nqk], new_k], dim=1)  # tokens [nqk, end)
+            stream = torch.cat([k_res[b, :, : L - nqk], new_k], dim=1)
             flushed = stream[:, : nqk_end - nqk]
             pooled = exclude = None
             if pool is not None:
@@ -97,7 +83,7 @@ def append_reference(layer: LayerTensors, key, value, counts, params: QuantParam
         else:
             k_res[b, :, L - nqk : end - nqk] = new_k
 
-        # Values: tokens leaving the window are quantized per token, read before overwritten.
+        # Values leaving the window are read before they are overwritten.
         q0, q1 = max(L - R, 0), max(end - R, 0)
         if q1 > q0:
             u = torch.arange(q0, q1, device=key.device)
@@ -122,11 +108,7 @@ def append_reference(layer: LayerTensors, key, value, counts, params: QuantParam
 
 
 def _append_row_ott(layer: LayerTensors, params: QuantParams, pool, b: int, L: int, new_k, new_v) -> None:
-    """append_reference for row b under OTT's flush policy (schedule.py): the tokens [q0, q1)
-    that leave the residual (whole G-token groups, the oldest beyond the last R) are read exact
-    from the ring (slot t % W) or the new tokens, then keys are quantized per channel and values
-    per token, G at a time (with the OTT step on each group when the layer has an outlier pool);
-    the new tokens among the last W go to their ring slots."""
+    """append_reference for row b under OTT's flush policy (schedule.py), G-token groups at a time."""
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, _ = layer.kivi
     k_bits, v_bits, G, R = params[:4]
     extras = layer.extras
@@ -160,7 +142,6 @@ def _append_row_ott(layer: LayerTensors, params: QuantParams, pool, b: int, L: i
 
 
 def _pool_sinks(pool, b, L, end, new_k, new_v) -> None:
-    """Sink slots s < sink_tokens take the new tokens at positions s (exact)."""
     pool_k, pool_v, pool_pos, sink, _ = pool
     for s in range(L, min(end, sink)):
         pool_k[b, :, s] = new_k[:, s - L]
@@ -169,12 +150,10 @@ def _pool_sinks(pool, b, L, end, new_k, new_v) -> None:
 
 
 def _pool_flush(pool, b, nqk, nqk_end, keys, values, R):
-    """OTT steps (pool.py) over the R-token windows [nqk, nqk_end) of sequence b, in order (R: the
-    policy's key flush unit, schedule.key_flush_unit); keys /
-    values [H, nqk_end - nqk, D] exact. Returns which of the tokens are pooled [H, nqk_end - nqk]
-    (sinks and new outliers: they stay out of the quantization statistics)."""
+    """OTT steps (pool.py) over the windows [nqk, nqk_end) of row b; returns which tokens are pooled
+    [H, nqk_end - nqk] (they stay out of the quantization statistics)."""
     pool_k, pool_v, pool_pos, sink, N = pool
-    pooled = (torch.arange(nqk, nqk_end, device=keys.device) < sink)[None, :].repeat(keys.shape[0], 1)  # sinks
+    pooled = (torch.arange(nqk, nqk_end, device=keys.device) < sink)[None, :].repeat(keys.shape[0], 1)
     if N > 0:
         a, z = sink, sink + N
         for w0 in range(0, nqk_end - nqk, R):
@@ -192,10 +171,8 @@ def _pool_flush(pool, b, nqk, nqk_end, keys, values, R):
 
 
 def materialize_block(layer: LayerTensors, start: int, stop: int, params: QuantParams):
-    """Keys and values (fp32) of token rows [start, stop): dequantized where quantized (nuq
-    levels and exact sparse outliers included; saturated to the cache dtype's finite range, see
-    packing.py), exact from the residuals elsewhere. Keys are in stored form (pre-RoPE when the
-    cache stores them so). start must be a multiple of group_size."""
+    """fp32 keys and values of rows [start, stop), saturated to the cache dtype; keys in stored form
+    (pre-RoPE when stored so). start must be a multiple of group_size."""
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = layer.kivi
     k_bits, v_bits, group_size, residual_length = params[:4]
     extras = layer.extras
@@ -215,7 +192,7 @@ def materialize_block(layer: LayerTensors, start: int, stop: int, params: QuantP
         nk = key_outliers_per_window(extras.k_sparse, k_codes.shape[2], R)
         k_q = apply_key_outliers(k_q, start, extras.k_sparse, extras.k_sparse_idx, nk, R)
         v_q = apply_value_outliers(v_q, extras.v_sparse[:, :, start:stop], extras.v_sparse_idx[:, :, start:stop])
-    slot = t % k_res.shape[2]  # the residual ring (schedule.py; t % R under kivi)
+    slot = t % k_res.shape[2]
     k_quantized = (t[None, :] < nqk[:, None])[:, None, :, None]
     v_quantized = (t[None, :] < nqv[:, None])[:, None, :, None]
     keys = torch.where(k_quantized, k_q, k_res[:, :, slot].float())
@@ -224,13 +201,12 @@ def materialize_block(layer: LayerTensors, start: int, stop: int, params: QuantP
 
 
 def _quantized_key_scores(qf, k_codes, k_scale, k_zero, start, stop, bits, G):
-    """Scores of qf [B, H, rows, D] against the dequantized keys of rows [start, stop), without
-    materializing them: per key group, q . (c * s + z) = (q * s) . c + q . z."""
+    """Scores of qf [B, H, rows, D] on keys [start, stop) unmaterialized: q.(c*s + z) = (q*s).c + q.z."""
     B, H, rows, D = qf.shape
     T = stop - start
     n_groups = -(-T // G)
     c = unpack_float(k_codes[:, :, start:stop], bits)
-    if T % G:  # a last partial group (max length not a multiple of G)
+    if T % G:
         c = F.pad(c, (0, 0, 0, n_groups * G - T))
     c = c.view(B, H, n_groups, G, D)
     s = k_scale[:, :, start // G : start // G + n_groups].float()  # [B, H, groups, D]
@@ -241,8 +217,7 @@ def _quantized_key_scores(qf, k_codes, k_scale, k_zero, start, stop, bits, G):
 
 
 def _quantized_value_sum(p, v_codes, v_scale, v_zero, start, stop, bits, G):
-    """p [B, H, rows, T] times the dequantized values of rows [start, stop), without
-    materializing them: per value group, p . (c * s + z) = (p * s) . c + p . z."""
+    """p [B, H, rows, T] times values [start, stop) unmaterialized: p.(c*s + z) = (p*s).c + p.z."""
     B, H, rows, T = p.shape
     s = v_scale[:, :, start:stop].float()  # [B, H, T, groups]
     z = v_zero[:, :, start:stop].float()
@@ -256,8 +231,7 @@ def _quantized_value_sum(p, v_codes, v_scale, v_zero, start, stop, bits, G):
 
 
 def _online_softmax_step(scores, m, denom):
-    """One block of the online softmax: (p, correction, new max, new denominator). Rows whose
-    scores are all -inf so far keep max -inf and contribute nothing."""
+    """One online-softmax block: (p, correction, new max, new denominator); all -inf rows add nothing."""
     m_new = torch.maximum(m, scores.amax(dim=-1))
     m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
     p = torch.exp(scores - m_safe[..., None])
@@ -266,25 +240,10 @@ def _online_softmax_step(scores, m, denom):
 
 
 def attend_reference(query, layer: LayerTensors, counts, params: QuantParams, scale: float) -> torch.Tensor:
-    """Softmax attention of query [B, Hq, q, D] over each sequence's cache, one online softmax.
-
-    With a pool (pool.py), pooled tokens are masked out of the quantized part and residual, and
-    their exact keys/values join the same softmax. KVQuant's parts (extras.py): nuq levels, exact
-    sparse outliers, and rope_inv_freq when keys are stored pre-RoPE: every key (quantized,
-    residual, pooled) is rotated to its position before the dot.
-
-    Query i of row b sits at position lengths[b] - counts[b] + i (its own key is already
-    appended) and sees keys at positions <= its own (causal). Rows i >= counts[b] are padding
-    and return zeros. Grouped-query attention maps query head h to kv head h // (Hq / H).
-
-    Plain KIVI uses quantized tokens in the packed domain (scales folded into the query and the
-    probabilities, see the two helpers above); only the residual tail, at most R tokens beyond
-    the shortest sequence's quantized part, is read in full precision. With extras each block
-    of tokens is dequantized (materialize_block) and rotated first; the block bounds the copy.
-    At the dtype's limits (packing.py): the packed domain sees the fp32 reconstruction q * s + z
-    unsaturated (for an fp16 cache it may pass 65504 by less than scale/2, still finite in fp32;
-    materialize_block saturates it), and the output is saturated to the query dtype's range.
-    """
+    """Causal softmax attention of query [B, Hq, q, D] over each sequence's cache, one online softmax;
+    query i of row b sits at lengths[b] - counts[b] + i, rows i >= counts[b] return zeros. Plain KIVI
+    works in the packed domain, fp32 and unsaturated (an fp16 group may pass 65504 by < scale/2, finite in
+    fp32); extras dequantize and saturate each block; the output is saturated to the query dtype."""
     k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, lengths = layer.kivi
     k_bits, v_bits, G, R = params[:4]
     pool, extras = layer.pool, layer.extras
@@ -292,13 +251,13 @@ def attend_reference(query, layer: LayerTensors, counts, params: QuantParams, sc
     H = k_codes.shape[1]
     groups = Hq // H
     counts = torch.full_like(lengths, q) if counts is None else counts.to(lengths.dtype)
-    # [B, H, groups*q, D]: row r = g*q + i is query i of head h*groups + g.
+    # Row r = g*q + i is query i of head h*groups + g.
     qf = query.float().reshape(B, H, groups * q, D) * scale
     i = torch.arange(q, device=query.device).repeat(groups)
-    pos = (lengths - counts)[:, None] + i[None, :]  # [B, groups*q]
+    pos = (lengths - counts)[:, None] + i[None, :]
     valid_row = i[None, :] < counts[:, None]
     nqk, nqv = quantized_counts(lengths, R, G, params.flush_policy)
-    W = k_res.shape[2]  # residual ring slots (schedule.py)
+    W = k_res.shape[2]
     tail = int(torch.minimum(nqk, nqv).min()) if B else 0  # residual tokens start here or later
 
     m = torch.full((B, H, groups * q), float("-inf"), device=query.device)
@@ -319,8 +278,8 @@ def attend_reference(query, layer: LayerTensors, counts, params: QuantParams, sc
                 (qf @ keys.transpose(-1, -2)).masked_fill(~visible, float("-inf")), m, denom)
             acc = acc * correction[..., None] + p @ values
             continue
-        scores = _quantized_key_scores(qf, k_codes, k_scale, k_zero, start, stop, k_bits, G)  # [B, H, rows, T]
-        a = max(start, tail)  # tokens [a, stop) may come from the residual windows
+        scores = _quantized_key_scores(qf, k_codes, k_scale, k_zero, start, stop, k_bits, G)
+        a = max(start, tail)
         if a < stop:
             t_tail = torch.arange(a, stop, device=query.device)
             from_k_res = (t_tail[None, :] >= nqk[:, None])[:, None, None, :]
@@ -347,14 +306,11 @@ def attend_reference(query, layer: LayerTensors, counts, params: QuantParams, sc
     return saturate(out, query.dtype).reshape(B, Hq, q, D).to(query.dtype)
 
 
-# ---------------------------------------------------------------- paged
 
 
 def paged_append_reference(layer: LayerTensors, key, value, counts, params: QuantParams, pages: Paging) -> None:
-    """append_reference on a paged layer (module doc). Row b must hold the pages that cover the
-    quantized tokens after the append (paged_layout.pages_needed); it writes only pages
-    [q0 // PS, ceil(nqk_end / PS)): the first holding a value that leaves the window (q0 =
-    max(L - R, 0)) to the last holding a flushed key."""
+    """append_reference on a paged layer; row b must already hold the pages paged_layout.pages_needed
+    counts. Writes back only the pages from the first leaving value to the last flushed key."""
     B, _, n, _ = key.shape
     R, PS = params.residual_length, pages.page_size
     check_capacity(layer.lengths, counts, n, pages.capacity)
@@ -378,16 +334,14 @@ def paged_append_reference(layer: LayerTensors, key, value, counts, params: Quan
         for name in PAGED_TENSORS:
             pool, rows = getattr(layer, name), getattr(view, name)
             per_page = pool.shape[2]
-            written = rows[0, :, first * per_page:stop * per_page]  # [H, pages * per_page, ...]
+            written = rows[0, :, first * per_page:stop * per_page]
             pool[ids] = written.reshape(pool.shape[1], len(ids), per_page, *pool.shape[3:]).transpose(0, 1)
 
 
 def _append_tokens_in_windows(layer: LayerTensors, key, value, counts_list, params: QuantParams,
                               pages: Paging) -> list[int]:
-    """One token per row of a plain layer, for every row whose keys do not flush (all but one step
-    in R), as one batch: the key goes to its residual slot, the value leaving the window is
-    quantized into its page, the new value takes its slot. The same ops on the same elements as
-    append_reference row by row, so the same bits. Returns the rows left to the loop (flushes)."""
+    """One token per row, batched for the rows whose keys do not flush, with append_reference's ops on
+    the same elements (same bits); returns the rows left to the loop."""
     R, G, PS = params.residual_length, params.group_size, pages.page_size
     lengths = layer.lengths.tolist()
     flush = [b for b, c in enumerate(counts_list) if c and (lengths[b] + 1) % R == 0]
@@ -396,7 +350,7 @@ def _append_tokens_in_windows(layer: LayerTensors, key, value, counts_list, para
         return flush
     b = torch.tensor(rows, device=key.device)
     L = layer.lengths[b]
-    slot = L % R  # keys: L - L // R * R; values: the ring slot of token L, and of L - R leaving it
+    slot = L % R  # the key's slot, the new value's, and the leaving value's (L - R)
     layer.k_res[b, :, slot] = key[b, :, 0]
     leaving = (L >= R).nonzero()[:, 0]
     if len(leaving):
@@ -413,7 +367,6 @@ def _append_tokens_in_windows(layer: LayerTensors, key, value, counts_list, para
 
 def paged_attend_reference(query, layer: LayerTensors, counts, params: QuantParams, scale: float,
                            pages: Paging) -> torch.Tensor:
-    """attend_reference on the static view of a paged layer (module doc)."""
     return attend_reference(query, static_view(layer, pages.block_table), counts, params, scale)
 
 

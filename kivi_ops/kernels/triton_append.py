@@ -1,40 +1,8 @@
-"""Triton kernels of the KIVI cache append (streaming quantization): append_triton.
-
-Layout and streaming policy: kivi_ops/layout.py; kernels/reference.py (append_reference) is the
-specification these kernels are tested against. The launcher is CUDA-graph safe: no host syncs,
-every grid is derived from static shapes, and all data-dependent logic (how many tokens flush,
-which slots are live) is predicated on `lengths`/`counts` inside the kernels.
-
-append_triton, for one token per sequence (a decode step): one launch, _append_decode_kernel,
-which does all of the below per (b, h) and updates lengths in the row's last program. For more
-tokens, four launches on the current stream (the order removes the read-before-write hazards of
-the residual ring buffers):
-  1. _append_key_flush_kernel   grid (B*H, max key groups flushed per call, D byte blocks):
-     group i of the window [nqk, nqk_end) is read from k_res (tokens < L) or from `key`, quantized
-     per channel and written to k_codes/k_scale/k_zero. With a sink/OTT pool instead
-     _append_key_windows_kernel, grid (B*H,): the windows in order, since each OTT step starts
-     from the pool the previous one left (it reads the windows' values from v_res / `value`).
-  2. _append_value_flush_kernel grid (B*H, cdiv(n, BLOCK_T)): values leaving the R-token window,
-     tokens [max(L-R,0), max(L+c-R,0)), read from v_res (tokens < L) or `value`, quantized per token.
-  3. _append_residual_kernel    grid (B*H, cdiv(n, BLOCK_T)): new tokens that stay full precision
-     go to slot t % R of k_res / v_res (keys: t >= nqk_end; values: t >= L+c-R); tokens at
-     positions below sink_tokens also go to their pool slots.
-  4. _append_lengths_kernel     grid (1,): lengths += c.
-  Launches 1-2 read residual slots that launch 3 overwrites; launch 4 changes what 1-3 read.
-  Difference from the CPU reference: tokens past max_seq_len S are dropped (c = min(counts, n,
-  S - L)) instead of raising, since a kernel cannot raise without a host sync; lengths then
-  stops at S. Counts are also clamped to [0, n].
-Every option is covered, each a constexpr flag (off = the plain kernels, instruction for
-instruction):
-  - KVQuant's nuq levels (HAS_LEVELS): the flush kernels quantize to the nearest level (binary
-    search over the level midpoints, nuq_codes).
-  - the dense-and-sparse store (SPARSE): a key window's per-channel outliers and a value token's
-    per-token outliers are selected, stored and left out of the min/max
-    (triton_append_options.py).
-  - the sink/OTT pool (SINK, N_OUT): sinks are copied to their slots; each key window runs the
-    OTT step (pool.ott_step) before it is quantized without its pooled tokens.
-  - pre-RoPE keys are stored as given (rope_inv_freq plays no part in appends).
-"""
+"""Triton kernels of the cache append, append_triton: CUDA-graph safe (no host syncs; all data-dependent
+logic predicated on lengths/counts in the kernels). One token: one launch (_append_decode_kernel). More:
+key flush, value flush, residual writes, lengths, in that order (the flushes read ring slots the
+residual writes overwrite). Unlike the reference, tokens past max_seq_len are dropped (a kernel cannot
+raise). Each option is a constexpr flag; off, the kernels are the plain ones instruction for instruction."""
 
 from __future__ import annotations
 
@@ -59,7 +27,7 @@ from .triton_quant import device_ctx, next_pow2, nuq_codes, pack_codes, quant_co
 
 @triton.jit
 def _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS: tl.constexpr):
-    """L: tokens sequence b stores; c: tokens it appends now, clamped to [0, n] and to the free room S - L."""
+    """(L stored, c appended now, clamped to [0, n] and to the free room S - L) of sequence b."""
     L = tl.load(lengths_ptr + b).to(tl.int32)
     if HAS_COUNTS:
         c = tl.minimum(tl.load(counts_ptr + b).to(tl.int32), N)
@@ -71,8 +39,7 @@ def _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS: tl.conste
 
 @triton.jit
 def _flushed(L, c, UNIT: tl.constexpr, OTT: tl.constexpr, KEEP: tl.constexpr):
-    """The key tokens [nqk, nqk_end) an append of c tokens to L quantizes (schedule.py): kivi:
-    whole UNIT = R windows from 0; OTT's flush policy: whole UNIT = G groups, up to the last KEEP = R."""
+    """The key tokens [nqk, nqk_end) an append of c tokens to L quantizes (schedule.py)."""
     if OTT:
         nqk = (tl.maximum(L - KEEP, 0) // UNIT) * UNIT
         nqk_end = (tl.maximum(L + c - KEEP, 0) // UNIT) * UNIT
@@ -84,7 +51,6 @@ def _flushed(L, c, UNIT: tl.constexpr, OTT: tl.constexpr, KEEP: tl.constexpr):
 
 @triton.jit
 def _quantize(x, scale, zero, levels, BITS: tl.constexpr, HAS_LEVELS: tl.constexpr):
-    """int32 codes of fp32 x (packing.quantize_codes): the uniform grid, or the nearest nuq level."""
     if HAS_LEVELS:
         return nuq_codes(x, scale, zero, levels, BITS)
     else:
@@ -93,8 +59,7 @@ def _quantize(x, scale, zero, levels, BITS: tl.constexpr, HAS_LEVELS: tl.constex
 
 @triton.jit
 def _minmax_kept(x, excl, AXIS: tl.constexpr):
-    """min and max of x along AXIS without the excluded entries (0, 0 where all are excluded:
-    packing.quantize_pack_reference's rule)."""
+    """min and max along AXIS without the excluded entries (0, 0 where all are, as the reference)."""
     mn = tl.min(tl.where(excl, float("inf"), x), axis=AXIS)
     mx = tl.max(tl.where(excl, float("-inf"), x), axis=AXIS)
     empty = mn > mx
@@ -106,14 +71,11 @@ def _flush_key_group(
     kc, keys, levels, entrants, b, h, bh64, L, start, jb, thr, ithr, S, NSG,
     SPARSE: tl.constexpr, SINK: tl.constexpr, N_OUT: tl.constexpr, kl, pg,
 ):
-    """Quantize key tokens [start, start + G) (one group, from k_res below L, else from keys)
-    per channel, for the packed bytes jb [BLOCK_B], and write codes, scale and zero. Out of the
-    min/max: with SPARSE the window's outliers (thr, ithr from key_window_outliers), with a pool
-    the sinks and the window's new outliers (entrants). kc: the key side (CacheSide); kl: KeyLayout;
-    pg: the block table of a paged layer (triton_paging.py)."""
+    """Quantize key group [start, start + G) per channel for the packed bytes jb, outliers and pooled
+    tokens left out of the min/max."""
     u = start + tl.arange(0, kl.G)
     ii = tl.arange(0, kl.PER)
-    ch = (jb[:, None] * kl.PER + ii[None, :])[None, :, :]  # [1, BLOCK_B, PER]
+    ch = (jb[:, None] * kl.PER + ii[None, :])[None, :, :]
     cmask = ((jb < kl.NB)[:, None] & (ii < kl.PER)[None, :])[None, :, :]
     x = load_rows(kc.res, keys, b, h, bh64, L, u[:, None, None], ch, cmask, kl.D, kl.R, kl.RR)
     if SPARSE or SINK + N_OUT > 0:
@@ -131,16 +93,14 @@ def _flush_key_group(
     tl.store(kc.zero + srow + ch, zero[None, :, :], mask=cmask)
     q = _quantize(x, scale.to(tl.float32)[None, :, :], zero.to(tl.float32)[None, :, :], levels.k_levels, kl.BITS,
                   levels.HAS_LEVELS)
-    packed = pack_codes(q, kl.BITS, kl.PER)  # [G, BLOCK_B] words
+    packed = pack_codes(q, kl.BITS, kl.PER)
     store_words(kc.codes + cache_row(bh64, u[:, None], S, pg, pg.PAGE) * (kl.NB * (kl.PER * kl.BITS // 8)) + jb[None, :],
                 kl.NB, kl.BITS, packed, (jb < kl.NB)[None, :])
 
 
 @triton.jit
 def _flush_key_window(kc, keys, v_res, values, levels, sparse, pool, b, h, bh64, L, window_start, S, NSG, kl, pg):
-    """Quantize the whole key window [window_start, window_start + R) of one (sequence, kv head),
-    every option included, in the reference's order: the OTT step (N_OUT > 0), the sparse store's
-    outliers (SPARSE, pooled tokens last), then the R / G groups. pool: triton_args.OttPool."""
+    """Quantize key window [window_start, + R) in the reference's order: OTT step, outliers, groups."""
     entrants = tl.full((pool.N_P,), -1, tl.int32)
     if pool.N_OUT > 0:
         entrants = ott_step(pool, kc.res, keys, v_res, values, b, h, bh64, L, window_start, kl)
@@ -159,7 +119,6 @@ def _flush_key_window(kc, keys, v_res, values, levels, sparse, pool, b, h, bh64,
 @triton.jit
 def _append_key_flush(kc, keys, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, levels, sparse, H, N, S, NSG, kl,
                       OTT: tl.constexpr, KEEP: tl.constexpr, pg):
-    """_append_key_flush_kernel's body, its arguments grouped (triton_args.py)."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -167,12 +126,12 @@ def _append_key_flush(kc, keys, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexp
     L, c = _stored_and_appended(lengths_ptr, counts_ptr, b, N, S, HAS_COUNTS)
     nqk, nqk_end = _flushed(L, c, kl.R, OTT, KEEP)
     start = nqk + tl.program_id(1) * kl.G
-    if start < nqk_end:  # tokens of this group, all < nqk_end <= L + c
+    if start < nqk_end:
         jb = tl.program_id(2) * kl.BLOCK_B + tl.arange(0, kl.BLOCK_B)
         thr = tl.zeros((1, kl.BLOCK_B, kl.PER), tl.float32)
         ithr = tl.zeros((1, kl.BLOCK_B, kl.PER), tl.int32)
         no_pool = tl.full((1,), -1, tl.int32)
-        if sparse.SPARSE:  # every group of a window selects its outliers; the window's first group stores them
+        if sparse.SPARSE:  # every group selects the window's outliers; its first group stores them
             window_start = (start // kl.R) * kl.R
             thr, ithr = key_window_outliers(kc.res, keys, sparse, no_pool, b, h, bh64, L, window_start, jb,
                                             start == window_start, 0, 0, kl)
@@ -191,9 +150,7 @@ def _append_key_flush_kernel(
     OTT: tl.constexpr, KEEP: tl.constexpr,
     block_table, MAXP, NPAGES, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
-    """The key flush of a layer without a pool: one program per (b, h, key group, byte block).
-    The launched entry point: flat arguments (triton_args.py), grouped for _append_key_flush (no
-    OTT step: no D_P, DC)."""
+    """The key flush without a pool: one program per (b, h, key group, byte block)."""
     _append_key_flush(
         CacheSide(k_codes, k_scale, k_zero, k_res), NewRows(key_ptr, s_kb, s_kh, s_kn, s_kd), lengths_ptr, counts_ptr,
         HAS_COUNTS, Levels(k_levels, None, HAS_LEVELS), Sparse(k_sparse, k_sparse_idx, None, None, NKR, NK, 0, SPARSE),
@@ -204,10 +161,7 @@ def _append_key_flush_kernel(
 
 @triton.jit
 def _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, active, S, vl, pg):
-    """Quantize value tokens u [BLOCK_T] (where active; from v_res below L, else from values) per
-    token, and write codes, scales and zeros to their rows u. SPARSE: each token's NV outliers go
-    to the sparse store and stay out of their group's min/max. vc: the value side (CacheSide);
-    vl: ValueLayout."""
+    """Quantize value tokens u [BLOCK_T] (where active) per token, outliers out of the min/max."""
     from_res = (u < L)[:, None, None]
     jb = tl.arange(0, vl.GB_P)
     ii = tl.arange(0, vl.PER)
@@ -230,7 +184,7 @@ def _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, active, S,
             excl = excl | excluded(x, ch, thr[:, None, None], ithr[:, None, None])
         mn = tl.min(tl.min(tl.where(excl, float("inf"), x), axis=2), axis=1)
         mx = tl.max(tl.max(tl.where(excl, float("-inf"), x), axis=2), axis=1)
-        empty = mn > mx  # inactive tokens, or every entry an outlier: 0, 0 as in the reference
+        empty = mn > mx
         mn = tl.where(empty, 0.0, mn)
         mx = tl.where(empty, 0.0, mx)
         scale, zero = scale_zero_stored(mn, mx, (1 << vl.BITS) - 1, vc.scale.dtype.element_ty)
@@ -239,7 +193,7 @@ def _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, active, S,
         tl.store(vc.zero + srow, zero, mask=active)
         q = _quantize(x, scale.to(tl.float32)[:, None, None], zero.to(tl.float32)[:, None, None], levels.v_levels,
                       vl.BITS, levels.HAS_LEVELS)
-        packed = pack_codes(q, vl.BITS, vl.PER)  # [BLOCK_T, GB_P] words
+        packed = pack_codes(q, vl.BITS, vl.PER)
         store_words(vc.codes + cache_row(bh64, u[:, None], S, pg, pg.PAGE) * (vl.NB * (vl.PER * vl.BITS // 8))
                     + g * (vl.GV // vl.PER) + jb[None, :], vl.NB, vl.BITS, packed,
                     active[:, None] & (jb < vl.GV // vl.PER)[None, :])
@@ -256,8 +210,7 @@ def _append_value_flush_kernel(
     OTT: tl.constexpr, G: tl.constexpr,
     block_table, MAXP, NPAGES, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
-    """The value flush: one program per (b, h, BLOCK_T of the tokens leaving the value window;
-    under OTT's flush policy the whole G-token groups leaving it, schedule.py)."""
+    """The value flush: one program per (b, h, BLOCK_T tokens leaving the window)."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -285,8 +238,7 @@ def _append_residual_kernel(
     HAS_COUNTS: tl.constexpr, SINK: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, R: tl.constexpr,
     RR: tl.constexpr, BLOCK_T: tl.constexpr, OTT: tl.constexpr,
 ):
-    """New tokens that stay full precision to their residual slots (and sinks to the pool): one
-    program per (b, h, BLOCK_T new tokens)."""
+    """New tokens to their residual slots (sinks to the pool): one program per (b, h, BLOCK_T)."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -300,7 +252,7 @@ def _append_residual_kernel(
     slot = (bh.to(tl.int64) * RR + (u % RR)[:, None]) * D + d[None, :]
     i64 = i.to(tl.int64)[:, None]
     d64 = d.to(tl.int64)[None, :]
-    if OTT:  # OTT's flush policy: every new token among the last RR, keys and values alike
+    if OTT:
         k_keep = (valid & (u >= end - RR))[:, None] & dmask
         v_keep = k_keep
     else:
@@ -310,7 +262,7 @@ def _append_residual_kernel(
     tl.store(k_res + slot, xk, mask=k_keep)
     xv = tl.load(value_ptr + b.to(tl.int64) * s_vb + h.to(tl.int64) * s_vh + i64 * s_vn + d64 * s_vd, mask=v_keep)
     tl.store(v_res + slot, xv, mask=v_keep)
-    if SINK > 0:  # new tokens at positions below SINK also take their pool slots
+    if SINK > 0:
         write_sinks(pool_k, pool_v, pool_pos, P, NewRows(key_ptr, s_kb, s_kh, s_kn, s_kd),
                     NewRows(value_ptr, s_vb, s_vh, s_vn, s_vd), b, h, bh.to(tl.int64), L, u, valid, D, D_P, SINK)
 
@@ -334,7 +286,6 @@ def _append_decode(
     kc, vc, keys, values, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, levels, sparse, pool, arrivals_ptr,
     H, S, NSG, kl, vl, OTT: tl.constexpr, KEEP: tl.constexpr, pg,
 ):
-    """_append_decode_kernel's body, its arguments grouped (triton_args.py)."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -347,9 +298,9 @@ def _append_decode(
             if L < pool.SINK:
                 write_sinks(pool.pool_k, pool.pool_v, pool.pool_pos, pool.P, keys, values, b, h, bh64, L,
                             L + tl.arange(0, 1), L + tl.arange(0, 1) >= 0, kl.D, kl.D_P, pool.SINK)
-        if OTT:  # OTT's flush policy (schedule.py); kl.R is the flush unit G here, KEEP the real R
+        if OTT:  # kl.R is the flush unit G here, KEEP the real R
             q0, q1 = _flushed(L, 1, kl.R, True, KEEP)
-            if q1 > q0:  # the group [q0, q0 + G) leaves the ring, all of it below L: keys and values
+            if q1 > q0:
                 _flush_key_window(kc, keys, vc.res, values, levels, sparse, pool, b, h, bh64, L, q0, S, NSG, kl, pg)
                 u = q0 + tl.arange(0, kl.R_P)
                 _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, u < q1, S, vl, pg)
@@ -369,8 +320,7 @@ def _append_decode(
 
 @triton.jit
 def _append_decode_kivi(kc, vc, keys, values, levels, sparse, pool, b, h, bh64, L, d, dm, S, NSG, kl, vl, pg):
-    """_append_decode's flushes and residual writes under KIVI's policy (layout.py)."""
-    if L >= kl.R:  # token L - R leaves the value window
+    if L >= kl.R:
         u = L - kl.R + tl.arange(0, 1)
         _flush_value_tokens(vc, values, levels, sparse, b, h, bh64, L, u, u >= 0, S, vl, pg)
         tl.debug_barrier()  # every thread has read the slot before it is overwritten
@@ -402,16 +352,8 @@ def _append_decode_kernel(
     OTT: tl.constexpr, KEEP: tl.constexpr,
     block_table, MAXP, NPAGES, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
-    """One token per sequence (a decode step), everything in one launch, one program per (b, h):
-    the value leaving the window is quantized (from slot L % R, which the new value then takes),
-    the new key goes to its residual slot or, when it completes the window [nqk, L], the window is
-    quantized per channel (once every R steps), and lengths[b] += c. Options: a token at a
-    position below SINK also takes its pool slot; the window flush runs the OTT step and keeps the
-    sparse store's outliers (_flush_key_window); the value flush keeps the value outliers. The
-    last of row b's H programs to arrive (an acq_rel atomic on arrivals[b], which it resets to 0)
-    updates lengths: every other program of the row has read it by then.
-    The launched entry point: flat arguments (triton_args.py), grouped for _append_decode; one
-    token, so the token strides are 0."""
+    """A decode step in one launch, one program per (b, h). The last of row b's H programs to arrive
+    (acq_rel atomic on arrivals[b], reset to 0) updates lengths: the others have read it by then."""
     _append_decode(
         CacheSide(k_codes, k_scale, k_zero, k_res), CacheSide(v_codes, v_scale, v_zero, v_res),
         NewRows(key_ptr, s_kb, s_kh, 0, s_kd), NewRows(value_ptr, s_vb, s_vh, 0, s_vd), lengths_ptr, counts_ptr,
@@ -427,7 +369,6 @@ def _append_decode_kernel(
 @triton.jit
 def _append_key_windows(kc, keys, v_res, values, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, levels, sparse,
                         pool, H, N, S, NSG, kl, OTT: tl.constexpr, KEEP: tl.constexpr, pg):
-    """_append_key_windows_kernel's body, its arguments grouped (triton_args.py)."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -451,9 +392,7 @@ def _append_key_windows_kernel(
     OTT: tl.constexpr, KEEP: tl.constexpr,
     block_table, MAXP, NPAGES, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
-    """The key flush of a layer with a sink/OTT pool, one program per (b, h): the windows
-    [nqk, nqk_end) in order (each OTT step sees the pool the previous one left). The launched
-    entry point: flat arguments (triton_args.py), grouped for _append_key_windows."""
+    """The key flush with a pool, one program per (b, h): windows in order, as each OTT step needs."""
     _append_key_windows(
         CacheSide(k_codes, k_scale, k_zero, k_res), NewRows(key_ptr, s_kb, s_kh, s_kn, s_kd), v_res,
         NewRows(value_ptr, s_vb, s_vh, s_vn, s_vd), lengths_ptr, counts_ptr, HAS_COUNTS,
@@ -468,14 +407,8 @@ _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
 
 def reserve_arrival_counters(device, batch: int) -> torch.Tensor:
-    """int32 zeros [>= batch] on `device` for _append_decode_kernel, which leaves them zero: one
-    buffer per device, reused by every layer and call (launches on a stream run in order).
-
-    Allocated eagerly, when a cache is built (KIVILayer does this on CUDA): allocated inside a
-    compiled step, it would be a tensor of the CUDA-graph pool that outlives the graph in this
-    dict, and cudagraph trees refuse the next recording ("tensor(s) in the cudagraph pool not
-    tracked as outputs", seen on an H200 with `kivi bench decode`). A static address lets the
-    graphs use it in place."""
+    """int32 zeros [>= batch] for _append_decode_kernel, one buffer per device. Allocate before
+    compiling: one allocated in a CUDA-graph pool outlives the graph and cudagraph trees refuse it."""
     device = resolve_device(device)
     counters = _ARRIVALS.get(device)
     if counters is None or counters.numel() < batch:
@@ -490,19 +423,15 @@ def reserve_arrival_counters(device, batch: int) -> torch.Tensor:
 
 def append_triton(t: LayerTensors, key: torch.Tensor, value: torch.Tensor, counts: Optional[torch.Tensor],
                   p: QuantParams, *, pages=None) -> None:
-    """Append key/value [B, H, n, D] in place, like append_reference (module doc), every option
-    included: nuq levels (t.k_levels / t.v_levels) quantize; the dense-and-sparse store
-    (t.k_sparse ..) and the sink/OTT pool (t.pool_k ..) are written in place, so their buffers must
-    be contiguous; t.rope_inv_freq plays no part in appends. pages: the layer is paged
-    (paged_layout.Paging; its quantized buffers are page pools, written through the block table)."""
+    """Append key/value [B, H, n, D] in place like append_reference; the sparse store and pool
+    buffers must be contiguous."""
     if pages is None:
         B, H, S, D, R, RR, G, gv = check_cache(t, p)
     else:
         B, H, S, D, R, RR, G, gv = static_dims(t, p, pages)
     options = option_args(t, p, check_kernel_extras(t, p, sparse_ok=True), writes=True)
     options.update(paging_args(pages, t, G))
-    # OTT's flush policy (schedule.py): the key kernels' window R becomes the flush unit G, KEEP the
-    # real R (the exact tokens kept); the ring's RR rows come from check_cache.
+    # Under OTT the key kernels' window R becomes the flush unit G, KEEP the real R.
     ott = p.flush_policy == OTT
     options.update(OTT=ott, KEEP=R)
     unit = G if ott else R
@@ -514,31 +443,27 @@ def append_triton(t: LayerTensors, key: torch.Tensor, value: torch.Tensor, count
         raise ValueError(f"key/value must have shape {(B, H, 'n', D)}, got {tuple(key.shape)}, {tuple(value.shape)}")
     if B == 0 or H == 0 or n == 0:
         return
-    # The cache stores the new tokens in its own dtype (the reference's slice assignment casts too).
     if key.dtype != k_res.dtype:
         key = key.to(k_res.dtype)
     if value.dtype != v_res.dtype:
         value = value.to(v_res.dtype)
     has_counts = counts is not None
-    cnt = counts if has_counts else lengths  # dummy pointer when absent (never read)
+    cnt = counts if has_counts else lengths  # never read
     kper, vper = codes_per_word(k_bits), codes_per_word(v_bits)
-    nbk, nbv = D // kper, D // vper  # packed words per token row
+    nbk, nbv = D // kper, D // vper
     nsg = k_scale.shape[2] if pages is None else S // G
-    # Most key groups one call can flush: the window [nqk, nqk_end) is at most ((R-1+n)//R)*R long
-    # (R the flush unit: under OTT's policy G, and the ring holds at most R + G - 1 < KEEP + G tokens).
     key_groups = ((unit - 1 + n) // unit) * unit // G
-    # Byte blocks of a key flush: a [G, bytes * codes] tile per group; with the sparse store also a
-    # whole window's [R, bytes * codes] (the outlier selection), kept at 2048 elements too.
+    # Tiles of at most 2048 elements: [G, bytes * codes], with the sparse store [R, bytes * codes].
     r_p = next_pow2(unit)
     block_b = max(1, min(next_pow2(nbk), 2048 // ((r_p if sparse else G) * kper)))
     gb_p = next_pow2(gv // vper)
     block_tv = max(1, min(32, next_pow2(n), 2048 // (gb_p * vper)))
     d_p = next_pow2(D)
     block_tr = max(1, min(32, next_pow2(n), 4096 // d_p))
-    dc = min(d_p, max(1, 2048 // r_p))  # channels per chunk of the OTT scores ([R, DC] tiles)
+    dc = min(d_p, max(1, 2048 // r_p))
     wrap = torch.library.wrap_triton
     k_strides, v_strides = key.stride(), value.stride()
-    if n == 1:  # a decode step: one launch
+    if n == 1:
         with device_ctx(k_codes):
             wrap(_append_decode_kernel)[(B * H,)](
                 k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res, key, value, lengths, cnt,
@@ -551,7 +476,7 @@ def append_triton(t: LayerTensors, key: torch.Tensor, value: torch.Tensor, count
             )
         return
     with device_ctx(k_codes):
-        if options["HAS_POOL"]:  # window by window: each OTT step sees the pool the previous one left
+        if options["HAS_POOL"]:
             wrap(_append_key_windows_kernel)[(B * H,)](
                 k_codes, k_scale, k_zero, k_res, key, v_res, value, lengths, cnt,
                 s_kb=k_strides[0], s_kh=k_strides[1], s_kn=k_strides[2], s_kd=k_strides[3],
@@ -567,7 +492,6 @@ def append_triton(t: LayerTensors, key: torch.Tensor, value: torch.Tensor, count
                 H=H, N=n, S=S, NSG=nsg, HAS_COUNTS=has_counts, D=D, NB=nbk, BITS=k_bits, PER=kper, G=G, R=unit,
                 R_P=r_p, RR=RR, BLOCK_B=block_b, **kernel_options(_append_key_flush_kernel, options), num_warps=4,
             )
-        # Values leaving per call: at most n (kivi), or the key groups' tokens (OTT's policy).
         value_tokens = key_groups * G if ott else n
         wrap(_append_value_flush_kernel)[(B * H, triton.cdiv(value_tokens, block_tv))](
             v_codes, v_scale, v_zero, v_res, value, lengths, cnt,

@@ -1,37 +1,7 @@
-"""What the Triton cache launchers share (triton_append.py, triton_split.py, triton_decode.py):
-the checks of a layer's tensors, and for the two attention kernels the jit helpers both call, the
-split merge, its workspace and the program-count target. The options' launch arguments (pool,
-nuq levels, pre-RoPE frequencies, sparse store) and the argument groups inside the kernels:
-triton_args.py.
-
-Both attention launchers (attend_split, attend_decode; the dispatcher picks one) are CUDA-graph
-safe like the append: no host syncs, every grid is derived from static shapes, and all
-data-dependent logic is predicated on `lengths`/`counts` inside the kernels. Both are flash
-decoding: a program cuts its token range at run time from the sequence's own length
-(split_len = cdiv(L, num_splits) rounded up to BLOCK_N), so the work is balanced whatever L is
-while the grid stays static; partial (m, l, acc) go to a small fp32 workspace (split_workspace)
-and with num_splits == 1 the kernel normalizes and writes the output directly.
-
-_attend_reduce_kernel grid (rows,), one program per query row: merges the splits of the row.
-Empty splits (m = -inf, l = 0) weigh 0; rows with no visible key (padding rows, empty sequences)
-return 0.
-
-The full-precision token pool (LayerTensors.pool = (pool_k, pool_v, pool_pos), pool.py; HAS_POOL,
-else the kernels compile exactly as without it): each program loads the P pooled positions of its
-kv head once (_load_pool_positions) and masks the cache tokens at those positions in every tile
-(_in_pool, a [BLOCK_N, P] comparison; P, sinks + outliers + spill, is small); split 0 then runs
-the P exact pool keys/values through the same online softmax, so the reduce kernel merges them
-like any other split's tokens.
-
-KVQuant's options (LayerTensors.extras, extras.py; constexpr flags, off = the plain kernels,
-instruction for instruction): HAS_LEVELS, nuq levels: the attention kernels dequantize
-levels[code] (_code_values, a gather from the 2^bits-entry table) before scale and zero. ROPE,
-keys stored pre-RoPE (rope_inv_freq [D/2]): every key, quantized, residual or pooled, is rotated
-to its position (cache row t, or pool_pos) with cos/sin computed in-kernel from t * inv_freq
-(_rope_cos_sin; a [S, D] table would read more bytes than the codes). SPARSE, the dense-and-sparse
-outlier store: both kernels write each exact outlier over its dequantized entry
-in the tile, as the reference's materialize_block does (the append kernels write the store).
-"""
+"""What the Triton cache launchers share: the layer checks, and for the two attention kernels their jit
+helpers, the split merge and its workspace. Both are CUDA-graph-safe flash decoding: static grids, each
+program cuts its token range at run time from the sequence's own length. The pool's tokens run in split
+0; cos/sin of pre-RoPE keys are computed in-kernel (an [S, D] table would read more than the codes)."""
 
 from __future__ import annotations
 
@@ -52,11 +22,8 @@ LOG2E = 1.0 / math.log(2.0)
 MAX_SPLITS = 64
 
 
-# ---------------------------------------------------------------- checks (append and attention)
-
-
 def check_cache(t: LayerTensors, p: QuantParams):
-    """The nine KIVI tensors of t against each other and p: (B, H, S, D, R, RR, G, Gv)."""
+    """Checks the nine KIVI tensors against each other and p: (B, H, S, D, R, RR, G, Gv)."""
     for name, x in zip(REQUIRED_TENSORS, t.kivi):
         if not x.is_contiguous():
             raise ValueError(f"cache buffer {name} must be contiguous (a whole registered buffer)")
@@ -69,8 +36,7 @@ def check_cache(t: LayerTensors, p: QuantParams):
         raise ValueError(f"residual_length={R} must be a multiple of group_size={G} (flush_policy kivi)")
     if k_codes.shape[-1] != packed_bytes(D, k_bits) or v_codes.shape[-1] != packed_bytes(D, v_bits):
         raise ValueError("k_codes/v_codes last dim does not match head_dim at the given bits")
-    # Residual slot of token t is t % W < S (W = R, or R + G - 1 under OTT's flush policy,
-    # schedule.py), so a cache shorter than W holds only S residual rows; t % RR is that slot.
+    # A cache shorter than the residual ring holds only S residual rows.
     RR = min(residual_slots(p.flush_policy, R, G), S)
     if tuple(k_res.shape) != (B, H, RR, D) or tuple(v_res.shape) != (B, H, RR, D):
         raise ValueError(f"k_res/v_res must have shape {(B, H, RR, D)}")
@@ -86,9 +52,7 @@ def check_cache(t: LayerTensors, p: QuantParams):
 
 
 def check_kernel_extras(t: LayerTensors, p: QuantParams, sparse_ok: bool = False) -> Extras:
-    """The extras the kernels take (nuq levels, rope_inv_freq, and with sparse_ok the sparse
-    outlier store, which the attention kernels read and the append kernels do not), checked and
-    made contiguous."""
+    """The extras the kernels take, checked and made contiguous."""
     extras = t.extras
     if extras.sparse and not sparse_ok:
         raise ValueError("this Triton cache kernel does not take the dense-and-sparse outlier store")
@@ -96,12 +60,8 @@ def check_kernel_extras(t: LayerTensors, p: QuantParams, sparse_ok: bool = False
     return Extras(*(None if x is None else x.contiguous() for x in extras))
 
 
-# ---------------------------------------------------------------- jit helpers of both attention kernels
-
-
 @triton.jit
 def _cast(x, DTYPE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
-    """fp32 -> DTYPE; the native cast on GPU, the exact RTNE emulation under the interpreter."""
     if EMULATE_RTNE:
         return to_dtype_rtne(x, DTYPE)
     else:
@@ -110,23 +70,19 @@ def _cast(x, DTYPE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
 
 @triton.jit
 def _cast_sat(x, DTYPE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
-    """_cast of x saturated to DTYPE's finite range first (packing.py's rule): what dequantized
-    keys/values and outputs take, which can round past the dtype's largest value at its limits
-    (fp16: 3 * 43680 - 65504 = 65536). Values the plain cast keeps finite are unchanged."""
+    """_cast saturated first: dequantized values can round past the dtype's max (fp16: 65536)."""
     return _cast(saturate(x, DTYPE), DTYPE, EMULATE_RTNE)
 
 
 @triton.jit
 def _in_pool(t, pp):
-    """[T] bool: token t[i] is one of this (sequence, kv head)'s pooled positions pp [P_P]
-    (-1 marks an empty slot and never matches). P is small (sinks + outliers + spill)."""
+    """[T] bool: t[i] is a pooled position of pp [P_P] (-1, empty, never matches)."""
     return tl.max((t[:, None] == pp[None, :]).to(tl.int32), axis=1) > 0
 
 
 @triton.jit
 def _quantized_counts(L, R: tl.constexpr, G: tl.constexpr, OTT: tl.constexpr):
-    """(nqk, nqv): how many of a row's L stored tokens have quantized keys and values, under KIVI's
-    flush policy or OTT's (kivi_ops/schedule.py, the formula both attention kernels read)."""
+    """(nqk, nqv): quantized keys and values of a row's L tokens (schedule.py)."""
     if OTT:
         nqk = (tl.maximum(L - R, 0) // G) * G
         nqv = nqk
@@ -138,8 +94,7 @@ def _quantized_counts(L, R: tl.constexpr, G: tl.constexpr, OTT: tl.constexpr):
 
 @triton.jit
 def _load_pool_positions(pool_pos, bh64, P, P_P: tl.constexpr, HAS_POOL: tl.constexpr):
-    """Pooled positions [P_P] of kv head bh64 (int32, -1 = empty), loaded once per program; all -1
-    without a pool (then a dead value: the tiles never read it)."""
+    """Pooled positions [P_P] of kv head bh64 (-1 = empty; all -1 without a pool)."""
     pp = tl.full([P_P], -1, tl.int32)
     if HAS_POOL:
         j = tl.arange(0, P_P)
@@ -149,8 +104,6 @@ def _load_pool_positions(pool_pos, bh64, P, P_P: tl.constexpr, HAS_POOL: tl.cons
 
 @triton.jit
 def _code_values(codes, levels, HAS_LEVELS: tl.constexpr):
-    """fp32 values of int32 codes before scale and zero (packing.code_values): the codes, or levels[code]
-    (a gather from the 2^bits-entry table, which stays in L1)."""
     if HAS_LEVELS:
         return tl.load(levels + codes)
     else:
@@ -159,9 +112,7 @@ def _code_values(codes, levels, HAS_LEVELS: tl.constexpr):
 
 @triton.jit
 def _rope_cos_sin(positions, freq):
-    """cos and sin of the RoPE angles positions * freq (broadcast), the angle an fp32 product like
-    rope.rope_at's. tl.cos / tl.sin lower to libdevice's __nv_cosf / __nv_sinf (full range
-    reduction, not the approximate cos.approx.f32), numpy's under the interpreter."""
+    """cos and sin of positions * freq in fp32 like rope.rope_at; libdevice's full-range cosf/sinf."""
     angle = positions.to(tl.float32) * freq
     return tl.cos(angle), tl.sin(angle)
 
@@ -193,14 +144,10 @@ def _attend_reduce_kernel(
     tl.store(out_ptr + (bh * M + r) * D + d, _cast_sat(o, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=dmask)
 
 
-# ---------------------------------------------------------------- launch helpers
-
-
 _SM_COUNT: dict = {}
 
 
 def num_programs_target(device: torch.device) -> int:
-    """Programs that fill the device (static per device, so fine under CUDA graphs)."""
     if device.type != "cuda":
         return 8  # interpreter: a few splits, to exercise the merge
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -211,10 +158,7 @@ def num_programs_target(device: torch.device) -> int:
 
 def attend_num_splits(programs: int, max_seq_len: int, block_n: int, device, *, programs_per_sm: int = 2,
                       requested=None) -> int:
-    """Splits of the token axis for a launch of `programs` programs per split. `requested` (tests,
-    tuning) is clamped to [1, MAX_SPLITS]; otherwise from static shapes only (CUDA-graph safe):
-    enough splits for programs_per_sm programs per SM, never more than the BLOCK_N-token blocks of
-    a full cache nor MAX_SPLITS."""
+    """Token-axis splits from static shapes only (CUDA-graph safe); `requested` clamped to [1, MAX_SPLITS]."""
     if requested is None:
         target = num_programs_target(torch.device(device)) // 2 * programs_per_sm
         requested = min(triton.cdiv(target, max(1, programs)), triton.cdiv(max(max_seq_len, 1), block_n))
@@ -222,8 +166,7 @@ def attend_num_splits(programs: int, max_seq_len: int, block_n: int, device, *, 
 
 
 def split_workspace(rows: int, num_splits: int, m: int, D: int, out: torch.Tensor):
-    """fp32 (max, sum, partial output) per split for the reduction kernel; none for one split
-    (the kernel then writes `out` directly and never touches the workspace arguments)."""
+    """fp32 (max, sum, partial output) per split; none for one split (the kernel writes `out`)."""
     if num_splits == 1:
         return out, out, out
     ws_m = torch.empty((rows, num_splits, m), dtype=torch.float32, device=out.device)
@@ -231,8 +174,7 @@ def split_workspace(rows: int, num_splits: int, m: int, D: int, out: torch.Tenso
 
 
 def launch_reduce(ws_m, ws_l, ws_acc, out, kv_rows: int, M: int, m_pad: int, num_splits: int) -> None:
-    """_attend_reduce_kernel over the kv_rows * M query rows of `out` (M rows per (batch row, kv
-    head), m_pad workspace rows each); call inside the launch's device context."""
+    """Merge the splits into `out`; call inside the launch's device context."""
     D = out.shape[-1]
     torch.library.wrap_triton(_attend_reduce_kernel)[(kv_rows * M,)](
         ws_m, ws_l, ws_acc, out, M, m_pad,
@@ -242,9 +184,7 @@ def launch_reduce(ws_m, ws_l, ws_acc, out, kv_rows: int, M: int, m_pad: int, num
 
 
 def attend_setup(query: torch.Tensor, t: LayerTensors, p: QuantParams, pages=None):
-    """The checks both attention launchers start with: ((B, H, S, D, R, RR, G, Gv) of the cache,
-    the options' launch arguments (triton_args.option_args), the output [B, Hq, q_len, D] in the
-    query's dtype). pages: a paged layer's Paging (S is then a row's capacity)."""
+    """Checks both attention launchers start with: (cache dims, option arguments, the output)."""
     if pages is None:
         dims = check_cache(t, p)
     else:

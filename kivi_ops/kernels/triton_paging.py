@@ -1,17 +1,6 @@
-"""The block-table indirection of the Triton cache kernels (paged layers, paged_layout.py).
-
-Every address of a quantized buffer in the kernels is a row index times the row width; in the
-static layout row i (a token, or a key group) of kv row bh = b * H + h is bh * N + i (N rows per
-kv row: S tokens or NSG key groups). A paged layer keeps row i in page block_table[b, i // PER_PAGE]
-(PER_PAGE: page_size tokens, or page_size / G key groups) at row i % PER_PAGE of that page's head h:
-(page * H + h) * PER_PAGE + i % PER_PAGE. `cache_row` is that choice, made at compile time by the
-PAGED flag: off, it is the static expression itself, so the static kernels compile as before.
-
-Launch arguments (paging_args): block_table, MAXP (its columns), NPAGES (pool rows: the ids are
-clamped into the pool; entries past a row's pages may hold anything and are masked by length),
-PAGE (page size, constexpr), PAGED (constexpr). Static launches pass a dummy pointer and PAGED
-False.
-"""
+"""The block-table indirection of the Triton cache kernels (paged layers, paged_layout.py): `cache_row`,
+compiled by the PAGED flag; off, it is the static row expression, so static kernels are unchanged.
+Page ids are clamped into the pool; entries past a row's pages are masked by length."""
 
 from __future__ import annotations
 
@@ -22,8 +11,6 @@ import triton.language as tl
 
 
 class Pages(NamedTuple):
-    """Inside the kernels: the block table [B, MAXP] (int32), the pool's NPAGES pages of PAGE
-    tokens, H kv heads, and the PAGED flag (False: the static layout)."""
     block_table: object
     MAXP: object
     NPAGES: object
@@ -34,8 +21,7 @@ class Pages(NamedTuple):
 
 @triton.jit
 def cache_row(bh64, i, N, pg, PER_PAGE: tl.constexpr):
-    """int64 row of logical row i (token or key group; scalar or tensor) of kv row bh64 = b * H + h:
-    bh64 * N + i in the static layout, through the block table when pg.PAGED."""
+    """int64 row of logical row i of kv row bh64: bh64 * N + i, through the block table when paged."""
     if pg.PAGED:
         b = bh64 // pg.H
         h = bh64 % pg.H
@@ -48,9 +34,7 @@ def cache_row(bh64, i, N, pg, PER_PAGE: tl.constexpr):
 
 
 def paging_args(pages, t, group_size: int) -> dict:
-    """The launch arguments of the indirection: pages (a paged_layout.Paging) or None (static);
-    t: the layer's LayerTensors (its lengths are the dummy pointer of a static launch, never
-    read; its k_codes pool gives NPAGES)."""
+    """Launch arguments of the indirection; pages None: static (a dummy pointer, never read)."""
     if pages is None:
         return dict(block_table=t.lengths, MAXP=1, NPAGES=1, PAGE=group_size, PAGED=False)
     table = pages.block_table
@@ -60,9 +44,7 @@ def paging_args(pages, t, group_size: int) -> dict:
 
 
 def static_dims(t, p, pages):
-    """check_cache's (B, H, S, D, R, RR, G, Gv) for a paged layer (paged_layout.py): the row
-    tensors checked; S is the row capacity max_pages * page_size. Shapes of the pools are the
-    op's check (paged_ops.check_paged)."""
+    """check_cache's dims for a paged layer; S is the row capacity max_pages * page_size."""
     from ..packing import token_group_size
     from ..layout import REQUIRED_TENSORS
 

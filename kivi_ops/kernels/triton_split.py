@@ -1,35 +1,7 @@
-"""Triton split-K attention over the KIVI cache, any q_len: attend_split.
-
-Layout and streaming policy: kivi_ops/layout.py; kernels/reference.py (attend_reference) is the
-specification the kernels are tested against. What both attention kernels share (the split merge,
-the pool and KVQuant options, CUDA-graph safety): triton_attend.py. The dispatcher (dispatch.py)
-sends decode steps (q_len == 1) with a power-of-two head_dim to triton_decode.py; this kernel
-takes every other call, q_len == 1 included (needs head_dim >= 16, for tl.dot).
-
-attend_split:
-  1. _attend_split_kernel grid (B*H, cdiv(M, BLOCK_M), num_splits), M = (Hq/H) * q_len: one
-     program owns every query row of one kv head (GQA without repeat_kv; row r = g*q_len + i is
-     query i of head h*Hq/H + g; rows padded to BLOCK_M >= 16 for tl.dot) and one contiguous token
-     range of its sequence, cut at run time from the sequence's own length (triton_attend.py);
-     num_splits comes from static shapes only (attend_num_splits, triton_attend.py).
-     Per BLOCK_N-token tile (_attend_tile) it unpacks the 2/3/4/8-bit codes in registers,
-     dequantizes (keys: per channel, one scale row per G tokens; values: per token, scale column
-     c // Gv), selects quantized vs residual per token (key quantized iff t < (L // R) * R, value
-     iff t < L - R; residual slot t % R) and runs an online softmax (base 2, scale * log2(e)
-     folded in). Tiles below min(nqk, nqv) take a path with no residual loads or selects; only
-     the last <= R + BLOCK_N tokens take the mixed path.
-  2. _attend_reduce_kernel (triton_attend.py) grid (B*H*M,) when num_splits > 1.
-  With the pool, split 0 runs the P pool keys/values in BLOCK_N-slot tiles (_attend_pool_tile;
-  visible: filled slots at or before the query, real rows).
-  Pre-RoPE keys (ROPE): keys are dequantized as two D/2-channel halves, rotated in fp32
-  (rotate-half is a mix of the two halves) and scored with two tl.dot of D/2 (_rope_qk).
-  Products use tl.dot: fp16/bf16 caches on tensor cores with the dequantized keys/values and the
-  probabilities rounded to the cache dtype and fp32 accumulation (like fp16 flash attention);
-  fp32 caches with F32_DOT_PRECISION ("tf32x3" by default, see there). The rounded keys/values
-  and the output are saturated to the dtype's finite range first (_cast_sat, packing.py's rule:
-  fp16 q * s + z can reach 65536); q . k and p . v accumulate in fp32 and stay finite for fp16.
-  The query is used in the cache dtype (cast if it differs); the output has the query's dtype.
-"""
+"""Triton split-K attention, any q_len (head_dim >= 16 for tl.dot): attend_split; shared machinery in
+triton_attend.py. One program per (kv head, BLOCK_M query rows, split): GQA without repeat_kv, row
+r = g*q_len + i is query i of head h*Hq/H + g. fp16/bf16 products on tensor cores with operands rounded
+to the cache dtype and saturated first (fp16 q * s + z can reach 65536), fp32 accumulation."""
 
 from __future__ import annotations
 
@@ -50,16 +22,12 @@ from .triton_args import KiviCache, Levels, Pool, Rope, Sparse, kernel_options
 from .triton_paging import Pages, cache_row, paging_args
 from .triton_quant import device_ctx, interpreting, load_words, next_pow2, unpack_codes
 
-# fp32 caches: tl.dot precision of the attention products. "tf32x3" (three TF32 tensor-core
-# products, error ~2^-22 relative per product, i.e. fp32-accumulation class) instead of "ieee"
-# (FMA loop: ~5x the FMAs for 3 real query rows padded to 16, and register spills at D=128).
-# The interpreter ignores it (numpy fp32). Set to "ieee" for exact-fp32 products.
+# fp32 caches: "tf32x3" (~2^-22 relative per product) instead of "ieee" (~5x the FMAs, spills at D=128).
 F32_DOT_PRECISION = "tf32x3"
 
 
 @triton.jit
 def _qk_dot(q, k, DOT_F32: tl.constexpr, F32_PRECISION: tl.constexpr):
-    """Scores q [BLOCK_M, D_P] . k [T, D_P]^T, fp32 accumulation."""
     if DOT_F32:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=F32_PRECISION)
     else:
@@ -69,8 +37,7 @@ def _qk_dot(q, k, DOT_F32: tl.constexpr, F32_PRECISION: tl.constexpr):
 
 @triton.jit
 def _softmax_step(s, visible, m_i, l_i, qk_scale):
-    """Online softmax over raw scores s [BLOCK_M, T] (base 2; scale * log2(e) folded into qk_scale),
-    invisible entries masked: (probabilities, rescale of the old accumulator, new max, new sum)."""
+    """Base-2 online softmax step, invisible entries masked: (p, rescale, new max, new sum)."""
     s = tl.where(visible, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows stay NaN-free
@@ -83,7 +50,6 @@ def _softmax_step(s, visible, m_i, l_i, qk_scale):
 @triton.jit
 def _accumulate_pv(acc, alpha, p, v, DT: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr,
                    F32_PRECISION: tl.constexpr, EMULATE_RTNE: tl.constexpr):
-    """acc * alpha + p @ v; low-precision caches round p to the cache dtype first (tensor cores)."""
     if LOWP:
         p = _cast(p, DT, EMULATE_RTNE)
     if DOT_F32:
@@ -96,11 +62,7 @@ def _accumulate_pv(acc, alpha, p, v, DT: tl.constexpr, LOWP: tl.constexpr, DOT_F
 @triton.jit
 def _rope_qk(q_lo, q_hi, k_lo, k_hi, positions, freq, DT: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr,
              F32_PRECISION: tl.constexpr, EMULATE_RTNE: tl.constexpr):
-    """Scores of pre-RoPE keys: the query halves q_lo, q_hi [BLOCK_M, HD_P] (channels [0, D/2) and
-    [D/2, D)) against fp32 key halves k_lo, k_hi [T, HD_P] rotated to their positions [T] first
-    (rotate-half: lo' = lo cos - hi sin, hi' = hi cos + lo sin, freq [HD_P] shared by both halves).
-    Working in halves needs no channel shuffle and keeps the products two tl.dot of D/2 each.
-    Low-precision caches round the rotated keys to the cache dtype (tensor cores)."""
+    """Scores of pre-RoPE key halves rotated in fp32: halves need no channel shuffle, two tl.dot of D/2."""
     cos, sin = _rope_cos_sin(positions[:, None], freq[None, :])
     lo = k_lo * cos - k_hi * sin
     hi = k_hi * cos + k_lo * sin
@@ -111,10 +73,7 @@ def _rope_qk(q_lo, q_hi, k_lo, k_hi, positions, freq, DT: tl.constexpr, LOWP: tl
 
 
 class SplitLayout(NamedTuple):
-    """The split kernel's compile-time shape: head_dim D (D_P padded), its RoPE halves HD (HD_P
-    padded to tl.dot's K >= 16), codes per byte K_PER / V_PER at K_BITS / V_BITS, key groups of G
-    tokens (NGB scale rows per tile), NGV value groups (NGV_P x GV_P = D_P padded), the residual
-    ring of R tokens (RR rows stored), QG query heads per kv head, BLOCK_M x BLOCK_N tiles."""
+    """The split kernel's compile-time shape (_P: padded to a power of two)."""
     D: object
     D_P: object
     HD: object
@@ -134,12 +93,11 @@ class SplitLayout(NamedTuple):
     BLOCK_M: object
     BLOCK_N: object
     NUM_SPLITS: object
-    OTT: object  # OTT's flush policy (schedule.py): keys and values quantized [0, G * floor((L - R) / G))
+    OTT: object
 
 
 class Products(NamedTuple):
-    """How the tile products run: LOWP (fp16/bf16 operands on tensor cores) or fp32 (DOT_F32 at
-    F32_PRECISION); EMULATE_RTNE: the interpreter's exact casts (_cast)."""
+    """LOWP (fp16/bf16 tensor cores) or fp32 at F32_PRECISION; EMULATE_RTNE: the interpreter's casts."""
     LOWP: object
     DOT_F32: object
     F32_PRECISION: object
@@ -152,12 +110,7 @@ def _key_tile(
     C0: tl.constexpr, W: tl.constexpr, W_P: tl.constexpr, MIXED: tl.constexpr, CAST: tl.constexpr, lay,
     EMULATE_RTNE: tl.constexpr, pg,
 ):
-    """Keys [BLOCK_N, W_P] of tokens t, channels [C0, C0 + W) (the whole head, or one RoPE half):
-    per-channel groups of G tokens, one scale row per group; fp32, or rounded to the cache dtype
-    when CAST. MIXED: per-token choice between the dequantized codes and the residual ring.
-    SPARSE: the exact key outliers (per channel, NK per R-window: rows w * NK + j of k_sparse,
-    token offsets in k_sparse_idx, -1 none) replace their dequantized entries. pg: the block table
-    of a paged layer (triton_paging.py; row is already through it)."""
+    """Keys [BLOCK_N, W_P] of tokens t, channels [C0, C0 + W) (the head, or one RoPE half)."""
     k_codes, k_scale, k_zero, k_res = cache.k_codes, cache.k_scale, cache.k_zero, cache.k_res
     c = tl.arange(0, W_P)
     cmask = c < W
@@ -171,7 +124,7 @@ def _key_tile(
                     kq[:, None] & (jk < W // lay.K_PER)[None, :])
     kc = _code_values(tl.reshape(unpack_codes(kb, lay.K_BITS, lay.K_PER), [lay.BLOCK_N, W_P]), levels.k_levels,
                       levels.HAS_LEVELS)
-    grow = t0 // lay.G + tl.arange(0, lay.NGB)  # the NGB scale rows this tile touches
+    grow = t0 // lay.G + tl.arange(0, lay.NGB)
     gm = ((grow * lay.G < limit) & (grow * lay.G < nqk))[:, None] & cmask[None, :]
     ks_off = cache_row(bh64, grow, NSG, pg, pg.PAGE // lay.G)[:, None] * lay.D + (C0 + c)[None, :]
     ks = tl.load(k_scale + ks_off, mask=gm, other=0.0).to(tl.float32)
@@ -183,7 +136,7 @@ def _key_tile(
     if CAST:
         kdq = _cast_sat(kdq, k_res.dtype.element_ty, EMULATE_RTNE)
     if sparse.SPARSE:
-        w = t // lay.R  # a tile may span windows (BLOCK_N > R)
+        w = t // lay.R  # per token: a tile may span windows
         om = kq[:, None] & cmask[None, :]
         for j in range(sparse.NK):
             srow = ((bh64 * sparse.NKR + w * sparse.NK + j)[:, None]) * lay.D + (C0 + c)[None, :]
@@ -205,14 +158,8 @@ def _attend_tile(
     acc, m_i, l_i, query, t0, limit, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale, cache, levels, sparse,
     MIXED: tl.constexpr, HAS_POOL: tl.constexpr, ROPE: tl.constexpr, lay, prod, pg,
 ):
-    """One online-softmax step over tokens [t0, t0 + BLOCK_N) (t0 a multiple of BLOCK_N), tokens
-    >= limit masked. MIXED=False: every token is quantized for keys and values (no residual loads);
-    MIXED=True: per-token choice between the dequantized codes and the residual ring. HAS_POOL:
-    tokens at the pooled positions pp are masked (their exact copies come in _attend_pool_tile).
-    HAS_LEVELS: codes stand for nuq levels. ROPE: keys are pre-RoPE; query = (q, q_hi, freq) is
-    then the query's halves and inv_freq [HD_P], and keys are dequantized as halves, rotated to
-    their positions t in fp32 and only then rounded for the products; otherwise q is the whole
-    query."""
+    """One online-softmax step over tokens [t0, t0 + BLOCK_N), tokens >= limit masked. MIXED=False: all
+    quantized, no residual loads. ROPE: keys rotated in fp32 before they are rounded for the products."""
     q, q_hi, freq = query
     v_codes, v_scale, v_zero, v_res = cache.v_codes, cache.v_scale, cache.v_zero, cache.v_res
     DT = cache.k_res.dtype.element_ty
@@ -220,9 +167,8 @@ def _attend_tile(
     tm = t < limit
     d = tl.arange(0, lay.D_P)
     dmask = d < lay.D
-    row = cache_row(bh64, t, S, pg, pg.PAGE)  # int64 token row of codes and value scales
+    row = cache_row(bh64, t, S, pg, pg.PAGE)
 
-    # ---- keys [BLOCK_N, D_P]
     if ROPE:
         k_lo = _key_tile(t, tm, t0, limit, nqk, row, bh64, NSG, cache, levels, sparse, 0, lay.HD, lay.HD_P, MIXED,
                          False, lay, prod.EMULATE_RTNE, pg)
@@ -239,7 +185,6 @@ def _attend_tile(
         visible = visible & ~_in_pool(t, pp)[None, :]
     p, alpha, m_new, l_i = _softmax_step(s, visible, m_i, l_i, qk_scale)
 
-    # ---- values [BLOCK_N, D_P]: per-token groups of GV channels
     if MIXED:
         vq = tm & (t < nqv)
     else:
@@ -263,7 +208,7 @@ def _attend_tile(
     vdq = vc * vs + vz
     if prod.LOWP:
         vdq = _cast_sat(vdq, DT, prod.EMULATE_RTNE)
-    if sparse.SPARSE:  # per token, the NV exact value outliers (channels in v_sparse_idx, -1 none)
+    if sparse.SPARSE:
         for j in range(sparse.NV):
             exact = tl.load(sparse.v_sparse + row * sparse.NV + j, mask=vq, other=0.0)
             vch = tl.load(sparse.v_sparse_idx + row * sparse.NV + j, mask=vq, other=-1).to(tl.int32)
@@ -280,9 +225,7 @@ def _attend_tile(
 
 @triton.jit
 def _attend_pool_tile(acc, m_i, l_i, query, j0, pos, row_ok, bh64, qk_scale, pool, ROPE: tl.constexpr, lay, prod):
-    """One online-softmax step over pool slots [j0, j0 + BLOCK_N): exact keys/values (cache dtype),
-    each visible to the real query rows at or after its token's position; empty slots (-1) to none.
-    ROPE: pre-RoPE pool keys, rotated to their pool_pos (query: the halves, _attend_tile)."""
+    """One online-softmax step over pool slots [j0, j0 + BLOCK_N); empty slots (-1) visible to none."""
     q, q_hi, freq = query
     pool_k, pool_v = pool.pool_k, pool.pool_v
     j = j0 + tl.arange(0, lay.BLOCK_N)
@@ -314,7 +257,6 @@ def _attend_split(
     q_ptr, s_qb, s_qh, s_qm, s_qd, cache, lengths_ptr, counts_ptr, HAS_COUNTS: tl.constexpr, pool, levels, rope,
     sparse, workspace, out_ptr, H, S, NSG, Q_LEN, M, M_PAD, qk_scale, lay, prod, pg,
 ):
-    """_attend_split_kernel's body, its arguments grouped (triton_args.py)."""
     bh = tl.program_id(0)
     sp = tl.program_id(2)
     b = bh // H
@@ -327,7 +269,6 @@ def _attend_split(
         c = tl.zeros_like(L) + Q_LEN
     nqk, nqv = _quantized_counts(L, lay.R, lay.G, lay.OTT)
 
-    # Query rows of this kv head: r = g * Q_LEN + i -> head h*QG + g, query i at position L - c + i.
     r = tl.program_id(1) * lay.BLOCK_M + tl.arange(0, lay.BLOCK_M)
     rmask = r < M
     gq = r // Q_LEN
@@ -339,8 +280,6 @@ def _attend_split(
     q_row = b.to(tl.int64) * s_qb + (h * lay.QG + gq).to(tl.int64)[:, None] * s_qh + iq.to(tl.int64)[:, None] * s_qm
     q_dt = tl.float32 if prod.DOT_F32 else cache.k_res.dtype.element_ty
     if rope.ROPE:
-        # Pre-RoPE keys are rotated in halves (_rope_qk): the query as its two halves too, and the
-        # frequencies once per program.
         c = tl.arange(0, lay.HD_P)
         hm = rmask[:, None] & (c < lay.HD)[None, :]
         q = tl.load(q_ptr + q_row + c.to(tl.int64)[None, :] * s_qd, mask=hm, other=0.0).to(q_dt)
@@ -349,17 +288,15 @@ def _attend_split(
     else:
         q = tl.load(q_ptr + q_row + d.to(tl.int64)[None, :] * s_qd, mask=rmask[:, None] & dmask[None, :],
                     other=0.0).to(q_dt)
-        q_hi = q  # unused
-        freq = tl.zeros([lay.HD_P], tl.float32)  # unused
+        q_hi = q
+        freq = tl.zeros([lay.HD_P], tl.float32)
     query = (q, q_hi, freq)
 
-    # This split's token range, cut from the sequence's own length (balanced for any L) in
-    # whole BLOCK_N tiles, so every tile starts at a multiple of BLOCK_N.
+    # Whole BLOCK_N tiles of the sequence's own length, so every tile starts at a multiple of BLOCK_N.
     split_len = tl.cdiv(tl.cdiv(L, lay.NUM_SPLITS), lay.BLOCK_N) * lay.BLOCK_N
     lo = sp * split_len
     hi = tl.minimum(lo + split_len, L)
-    # Tiles below `mid` are quantized for keys and values alike (the long, hot part); the last
-    # <= R + BLOCK_N tokens go through the mixed path that also reads the residual rings.
+    # Below `mid` all tokens are quantized; the last <= R + BLOCK_N take the mixed path.
     mid = tl.maximum(tl.minimum((tl.minimum(nqk, nqv) // lay.BLOCK_N) * lay.BLOCK_N, hi), lo)
 
     pp = _load_pool_positions(pool.pool_pos, bh64, pool.P, pool.P_P, pool.HAS_POOL)
@@ -373,7 +310,7 @@ def _attend_split(
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, query, t0, hi, nqk, nqv, pos, row_ok, pp, bh64, S, NSG, qk_scale,
                                      cache, levels, sparse, True, pool.HAS_POOL, rope.ROPE, lay, prod, pg)
     if pool.HAS_POOL:
-        # Split 0 also takes the pool's exact tokens; the reduce kernel merges them like any split.
+        # Split 0 also takes the pool's tokens.
         for j0 in range(0, tl.where(sp == 0, pool.P, 0), lay.BLOCK_N):
             acc, m_i, l_i = _attend_pool_tile(acc, m_i, l_i, query, j0, pos, row_ok, bh64, qk_scale, pool, rope.ROPE,
                                               lay, prod)
@@ -408,7 +345,6 @@ def _attend_split_kernel(
     SPARSE: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, OTT: tl.constexpr,
     block_table, MAXP, NPAGES, PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
-    """The launched entry point: flat arguments (triton_args.py), grouped for _attend_split."""
     _attend_split(
         q_ptr, s_qb, s_qh, s_qm, s_qd, KiviCache(k_codes, k_scale, k_zero, k_res, v_codes, v_scale, v_zero, v_res),
         lengths_ptr, counts_ptr, HAS_COUNTS, Pool(pool_k, pool_v, pool_pos, P, HAS_POOL, P_P),
@@ -422,12 +358,8 @@ def _attend_split_kernel(
 
 
 def attend_launch_config(head_dim: int, lowp: bool, rows: int) -> tuple[int, int, int]:
-    """(BLOCK_M query rows, BLOCK_N tokens per tile, num_warps) for M = rows query rows per kv head.
-
-    Chosen from sm_90 compiles (ptxas; no GPU was at hand, so not tuned on hardware): no register
-    spills and <= ~110 KB shared memory at num_stages=2 (fp32 D=128 with 32 rows spills 8 bytes).
-    Decode (rows <= 16): fp16/bf16 (64, 4) ~160 registers; fp32 D<=64 (32, 4) ~157, D=128 (32, 8)
-    ~201. Prefill chunks take 32/64-row tiles with 8 warps; fp32 tiles stop at 32 rows."""
+    """(BLOCK_M, BLOCK_N, num_warps) for `rows` query rows per kv head: chosen from sm_90 ptxas
+    compiles, not timed: no spills, <= ~110 KB shared memory at num_stages=2."""
     block_m = min(64 if lowp else 32, max(16, next_pow2(rows)))
     if block_m == 16:
         if lowp:
@@ -443,11 +375,8 @@ def attend_split(
     num_splits: Optional[int] = None, block_n: Optional[int] = None, num_warps: Optional[int] = None,
     num_stages: int = 2, pages=None,
 ) -> torch.Tensor:
-    """Attention of query [B, Hq, q, D] over the cache, like attend_reference (module doc); any
-    q_len, head_dim >= 16. The pool (t.pool) and KVQuant's nuq levels, pre-RoPE keys and sparse
-    outlier store (t.extras) are read by the kernel.
-    num_splits / block_n / num_warps / num_stages override the static choices (tests, tuning).
-    pages: the layer is paged (paged_layout.Paging; its quantized buffers are page pools)."""
+    """attend_reference for query [B, Hq, q, D], any q_len, head_dim >= 16; the keyword arguments
+    override the static launch choices (tests, tuning)."""
     (B, H, S, D, R, RR, G, gv), options, out = attend_setup(query, t, p, pages)
     if out.numel() == 0:
         return out
@@ -465,8 +394,7 @@ def attend_split(
     m_pad = m_blocks * block_m
     d_p = next_pow2(D)
     if block_n is None:
-        # The outliers' [BLOCK_N, D] rows cost registers: half-size tiles keep the sm_90 compile
-        # free of spills (ptxas_sm90.json).
+        # Half-size tiles keep the outliers' rows free of spills on sm_90.
         block_n = max(16, default_block_n // 2) if options["SPARSE"] else default_block_n
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
@@ -475,8 +403,7 @@ def attend_split(
     num_splits = attend_num_splits(B * H * m_blocks, S, block_n, query.device, requested=num_splits)
     dtype = k_res.dtype
     interp = interpreting()
-    # The interpreter's tl.dot cannot take bf16 operands (numpy has no bf16): there the rounded
-    # fp16/bf16 operands are upcast to fp32 (exact), which equals the tensor-core products.
+    # The interpreter's tl.dot takes no bf16: rounded operands are upcast to fp32 (exact) there.
     dot_f32 = (not lowp) or interp
     if not lowp and query.dtype != torch.float32:
         query = query.float()
@@ -492,7 +419,7 @@ def attend_split(
             ws_m=ws_m, ws_l=ws_l, ws_acc=ws_acc, out_ptr=out, H=H, S=S, Q_LEN=q_len, M=M,
             M_PAD=m_pad, qk_scale=float(scale) * LOG2E, HAS_COUNTS=has_counts,
             NSG=k_scale.shape[2] if pages is None else S // G, **paging_args(pages, t, G),
-            # pre-RoPE halves padded to tl.dot's K >= 16 (zero channels add nothing)
+            # RoPE halves padded to tl.dot's K >= 16
             QG=QG, D=D, D_P=d_p, HD=D // 2, HD_P=max(16, next_pow2(D // 2)),
             K_BITS=k_bits, K_PER=codes_per_word(k_bits), V_BITS=v_bits, V_PER=codes_per_word(v_bits),
             G=G, NGB=max(block_n // G, 1), NGV=ngv, NGV_P=ngv_p, GV_P=gv_p,
