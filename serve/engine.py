@@ -27,8 +27,8 @@ that request alone (an "error" event naming the cause, logged with the request i
 rows go on; only an error in what no single row owns (the batched decode step, row moves, the
 block table), named in its message, ends them all. A fault outside the step (a bug in the plan or the bookkeeping) ends every request with a
 503 and the engine refuses new ones (`failure`, /health), rather than leaving them to time out.
-Handlers talk to the engine through `submit` and the request's event queue (thread-safe
-callbacks).
+Handlers talk to the engine thread through a queue of commands (submit, cancel, abort), as vLLM's
+input and abort queues do, and hear back through the request's `emit` callback.
 
 With --paged --prefix-caching (PagedServing.prefix_chunk) a prompt is prefilled in chunks at fixed
 boundaries instead, starting from the longest cached prefix the scheduler found (executor.py,
@@ -45,10 +45,12 @@ compiled step with --compile, else the per-op CPU kernels) and no client, and no
 ever waits on a compile (`EngineCore._warm_up`).
 
 Engine is what the handlers call (submit, cancel, stats, drain, abort, close); EngineCore is the
-engine thread behind it: its rounds and its lifecycle (warm-up and `ready`, an abort to carry
-out, the stop, the failure that ends serving). Only that thread frees rows, pages and host copies
-while it runs: mid-round it uses them outside the lock, so an abort from another thread is
-recorded (`pending_abort`) and carried out there at the next safe point (`_end_aborted`).
+engine thread behind it: its rounds and its lifecycle (warm-up and `ready`, the stop, the failure
+that ends serving). Only that thread changes the scheduler: handlers, the watchdog and drain's
+timer queue commands (EngineCore.send), which it applies at the start of each round
+(`_apply`), while no step runs; mid-round it only looks whether an abort is queued or a request
+was cancelled, between two prefills. The refusals a handler must answer at once (failure,
+draining, a full queue) are decided in the handler, under the lock, counting the queued submits.
 
 The engine decides; its runner (runner.py) is the only thing that touches the model and the
 cache. Under torchrun that runner also sends each plan to the other ranks (tp.py); if they
@@ -58,6 +60,7 @@ refuses new ones.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -92,11 +95,11 @@ class Engine:
         self.placement = Placement(self.runner.layout, config.slots, engine_buckets(config.paging, config.slots),
                                    prefix_chunk, max_prefixes, report_pages=self.runner.paged,
                                    max_prefix_bytes=max_prefix_bytes)
-        self.lock = threading.Condition()
         self.executor = Executor(self.runner, self.placement, tokenizer, eos_token_set(tokenizer, config.eos_token_ids))
         self.drain_timer: Optional[threading.Timer] = None
-        self.core = EngineCore(self.runner, self.placement, self.executor, self.lock, compile=config.compile)
-        self.watchdog = Watchdog(self.core, self.placement, self.lock, config.stall_timeout)
+        self.core = EngineCore(self.runner, self.placement, self.executor, compile=config.compile)
+        self.lock = self.core.lock  # held, the engine thread applies no command and starts no round
+        self.watchdog = Watchdog(self.core, config.stall_timeout)
         self.ready, self.thread = self.core.ready, self.core.thread
 
     @property
@@ -119,11 +122,10 @@ class Engine:
             request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
         if self.request_timeout is not None:
             request.deadline_s = request.submitted_s + self.request_timeout
-        with self.lock:
+        with self.lock:  # the check and the enqueue at once: a racing submit counts this one
             if (refused := self.admission_error()) is not None:
                 raise refused
-            self.placement.waiting.append(request)
-            self.lock.notify()
+            self.core.send("submit", request)
 
     def capacity_error(self, prompt_tokens: int, max_tokens: int, *, at_least: bool = False) -> Optional[RequestError]:
         """The refusal of a request that could never fit (Placement.capacity_error), else None."""
@@ -139,7 +141,7 @@ class Engine:
                 return refused
             if self.core.draining:
                 return RequestError("the server is shutting down", status=503, code="server_shutting_down")
-            queued = self.placement.queued_beyond_free_rows()
+            queued = len(self.core.waiting()) - self.placement.free_rows()
             if self.max_waiting is not None and queued >= self.max_waiting:
                 return RequestError(f"the server is busy: every slot is in use and {queued} request(s) wait "
                                     f"(--max-waiting); retry later", status=503, code="server_busy",
@@ -169,17 +171,14 @@ class Engine:
         return None
 
     def cancel(self, request: Request) -> None:
-        """The client went away: the engine frees its row (or drops it from the queue) next."""
-        with self.lock:
-            request.cancelled = True
-            if request in self.placement.waiting:
-                self.placement.leave(request)
-            self.lock.notify()
+        """The client went away: the engine thread frees its row (or drops it from the queue) next."""
+        request.cancelled = True  # at once: no longer counted as waiting, and its prefill is skipped
+        self.core.send("cancel", request)
 
     def stats(self) -> dict:
         with self.lock:
             running, by_rank = len(self.placement.running()), self.runner.cache_bytes_by_rank()
-            return dict(running=running, waiting=len(self.placement.waiting), slots_used=running,
+            return dict(running=running, waiting=len(self.core.waiting()), slots_used=running,
                         slots_free=self.config.slots - running, cache_bytes=sum(by_rank), cache_bytes_by_rank=by_rank,
                         tp_size=len(by_rank), stalled=int(self.watchdog.stall_s() is not None),
                         **self.executor.counters(), **self.placement.page_stats())
@@ -187,7 +186,7 @@ class Engine:
     def snapshot(self) -> dict:
         """Where each request sits, the queue's included (Placement.snapshot)."""
         with self.lock:
-            return self.placement.snapshot()
+            return dict(self.placement.snapshot(), waiting=[r.id for r in self.core.waiting()])
 
     def check(self) -> None:
         """The placement's invariants (tests): call while the engine is idle or paused."""
@@ -224,38 +223,57 @@ class Engine:
 
 
 class EngineCore:
-    """The engine thread (the module doc). runner, placement, executor, lock: the Engine's;
+    """The engine thread (the module doc). runner, placement, executor: the Engine's;
     compile: whether the decode step is compiled (the warm-up's error names what failed)."""
 
-    def __init__(self, runner: Runner, placement: Placement, executor: Executor, lock: threading.Condition, *,
-                 compile: bool):
-        self.runner, self.placement, self.executor, self.lock = runner, placement, executor, lock
+    def __init__(self, runner: Runner, placement: Placement, executor: Executor, *, compile: bool):
+        self.runner, self.placement, self.executor = runner, placement, executor
         self.compile = compile
+        # Guards `commands` and the scheduler's state for the threads that read it (stats, the
+        # watchdog); this thread holds it while it changes that state, never across a step.
+        self.lock = threading.Condition()
+        self.commands: collections.deque[tuple[str, object]] = collections.deque()  # (verb, arg), FIFO: send()
         # ready once the decode step has run over every bucket (_warm_up; /health says so); draining
-        # refuses new requests; abort() from another thread records its failure in pending_abort and
-        # this thread ends the requests; stopping: close() asked; stopped: this thread has returned.
+        # refuses new requests; stopping: close() asked; stopped: this thread has returned.
         self.ready = threading.Event()
         self.warmup_error: Optional[str] = None
         self.draining = self.stopping = self.stopped = False
-        self.pending_abort: Optional[Failure] = None
         self.failure: Optional[str] = None  # why this thread died (a bug): the engine refuses every request
         # When this thread last completed a round or a prefill; None while idle (no request open): the watchdog's clock.
         self.progress_s: Optional[float] = None
         self.thread = threading.Thread(target=self._loop, name="kivi-engine", daemon=True)
         self.thread.start()
 
+    def send(self, verb: str, arg) -> None:
+        """Queue a command for this thread, from any thread: ("submit", Request), ("cancel", Request)
+        or ("abort", Failure). _apply carries them out in order."""
+        with self.lock:
+            self.commands.append((verb, arg))
+            self.lock.notify()
+
+    def queued(self) -> list[Request]:
+        """Under the lock: the submitted requests this thread has not applied yet."""
+        return [arg for verb, arg in self.commands if verb == "submit"]
+
+    def waiting(self) -> list[Request]:
+        """Under the lock: the requests that wait for a row, the queued submits included, the cancelled
+        ones (whose cancel is queued) not."""
+        return [r for r in (*self.placement.waiting, *self.queued()) if not r.cancelled]
+
+    def open_requests(self) -> list[Request]:
+        """Under the lock: every request not ended, the queued submits included."""
+        return [*self.placement.requests(), *self.queued()]
+
     def abort(self, message: str, code: str) -> None:
         """End every waiting, running and swapped-out request with a 503 error event and refuse new
-        ones. Called from another thread (a signal handler, drain's timer), it only records the
-        abort and wakes this thread, which ends them at the top of its next round. Called from
-        this thread (_stop_serving), or once it has stopped, it ends them at once."""
+        ones. From another thread (a signal handler, drain's timer) it queues the abort, which this
+        thread carries out at the top of its next round (or between two prefills: _go). From this
+        thread (_stop_serving), or once it has stopped, it is carried out at once."""
         with self.lock:
             self.draining = True
-            if self.pending_abort is None:  # the first abort's message wins; later ones find nothing left
-                self.pending_abort = Failure(503, message, code)
+            self.send("abort", Failure(503, message, code))  # the first abort's message wins: later ones find no one
             if threading.current_thread() is self.thread or self.stopped:
-                self._end_aborted()
-            self.lock.notify()
+                self._apply()
 
     def stop(self, timeout: float) -> bool:
         """Stop this thread; every request still open ends with one 503 error event (an abort
@@ -280,9 +298,9 @@ class EngineCore:
             self.failure = f"the engine thread failed: {type(e).__name__}: {e}"
             self._stop_serving(self.failure, "engine_failure")
         finally:
-            with self.lock:  # an abort recorded while this thread was leaving: abort() cannot see it ran
+            with self.lock:  # an abort queued while this thread was leaving: abort() cannot see it ran
                 self.stopped = True
-                self._end_aborted()
+                self._apply()
 
     def _warm_up(self) -> None:
         """Compile what serving runs before /health says ready, and nothing after (Executor.warm_up):
@@ -305,18 +323,17 @@ class EngineCore:
             self._stop_serving(self.runner.failure, "tensor_parallel_failure")
             return False
         with self.lock:
-            while not self.stopping and self.pending_abort is None and self.placement.idle():
+            while not self.stopping and not self.commands and self.placement.idle():
                 self.progress_s = None  # idle: nothing is late
                 if not self.lock.wait(self.runner.heartbeat_s):
                     break  # idle for heartbeat_s: the runner's flush() below tells the other ranks
             if self.progress_s is None:
                 self.progress_s = time.perf_counter()
-            self._end_aborted()  # no step is running now: the rows, pages and host copies are ours
+            self._apply()  # no step is running now: the rows, pages and host copies are ours
             if self.stopping:
                 self._drop(self.placement.take_dropped())
                 self.runner.close()
                 return False
-            self._end_cancelled()
             plan = self.placement.plan()
         try:
             with torch.inference_mode():
@@ -345,7 +362,7 @@ class EngineCore:
         of the round, a cancelled request's prefill is skipped; else close() would wait out the
         whole round and give up, leaving this thread running torch code at interpreter exit."""
         with self.lock:
-            if self.stopping or self.pending_abort is not None:
+            if self.stopping or any(verb == "abort" for verb, _ in self.commands):
                 return False
             r = None if key is None else self.placement.find(key)
             return key is None or (r is not None and not r.cancelled)
@@ -357,24 +374,27 @@ class EngineCore:
         self.ready.clear()
         self.abort(f"the server cannot serve: {failure}", code=code)
 
-    def _end_aborted(self) -> None:
-        """Under the lock, on the engine thread (or once it has stopped): carry out a pending abort."""
-        failure, self.pending_abort = self.pending_abort, None
-        if failure is None:
-            return
+    def _apply(self) -> None:
+        """Under the lock, on this thread (or once it has stopped): carry out the queued commands in order."""
+        while self.commands:
+            verb, arg = self.commands.popleft()
+            if verb == "submit":
+                self.placement.waiting.append(arg)
+            elif verb == "cancel":
+                if arg in self.placement.requests():  # else it ended already (done, or a skipped prefill)
+                    self._end(arg)
+            else:
+                self._end_every(arg)
+
+    def _end_every(self, failure: Failure) -> None:
+        """An abort: every open request ends with `failure` (one that was cancelled hears nothing more)."""
         ended = self.placement.requests()
         for r in ended:  # every handler hears first, even if freeing a request fails (a placement bug)
-            r.cancelled = True
-            r.emit("error", failure)
+            if not r.cancelled:
+                r.cancelled = True
+                r.emit("error", failure)
         for r in ended:
             self._end(r)
-
-    def _end_cancelled(self) -> None:
-        """Under the lock: cancelled requests leave (their client went away, or the watchdog sent
-        their 504: the deadline is kept off this thread, which may be inside a long step)."""
-        for r in self.placement.requests():
-            if r.cancelled:
-                self._end(r)
 
     def _end_all(self, ended: Ended) -> None:
         with self.lock:

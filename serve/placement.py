@@ -80,10 +80,6 @@ class Placement:
         """The open request whose host key is `key`, else None (it ended)."""
         return next((r for r in self.requests() if r.key == key), None)
 
-    def queued_beyond_free_rows(self) -> int:
-        """Waiting requests beyond the free rows they will take (what --max-waiting bounds)."""
-        return len(self.waiting) - self.free_rows()
-
     def capacity_error(self, prompt_tokens: int, max_tokens: int, max_seq_len: int, *,
                        at_least: bool = False) -> Optional[RequestError]:
         """The refusal of a request that could never fit: beyond a sequence's max_seq_len, or

@@ -2,8 +2,8 @@
 while it is inside a step that does not end (issue 53).
 
 - Requests past their deadline (--request-timeout), waiting, swapped out or running, get their 504
-  on time: the watchdog sends the error event and marks the request cancelled; the engine thread
-  frees its row and pages at its next safe point, as for a client that went away.
+  on time: the watchdog sends the error event, marks the request cancelled and queues its cancel;
+  the engine thread frees its row and pages at its next round, as for a client that went away.
 - A stall: the engine has requests open and has completed no round (nor a prefill within one) for
   `stall_timeout` seconds (EngineCore.progress_s). /health then answers 503 `engine_stalled` and
   /metrics says so, until the engine moves again; the stall is logged when it starts and ends.
@@ -35,8 +35,8 @@ def check_stall_timeout(seconds: float) -> float:
 
 
 class Watchdog:
-    def __init__(self, core, placement, lock: threading.Condition, stall_timeout: float):
-        self.core, self.placement, self.lock = core, placement, lock
+    def __init__(self, core, stall_timeout: float):
+        self.core, self.lock = core, core.lock
         self.stall_timeout = check_stall_timeout(stall_timeout)
         self.reported: Optional[float] = None  # when the stall being reported began (logged once)
         self.stopped = threading.Event()
@@ -68,13 +68,12 @@ class Watchdog:
             return
         try:
             now = time.perf_counter()
-            for r in self.placement.requests():
+            for r in self.core.open_requests():
                 if not r.cancelled and r.deadline_s is not None and now > r.deadline_s:
-                    r.cancelled = True  # the engine thread frees it (a queued one leaves the queue now)
+                    r.cancelled = True  # no longer counted as waiting; the engine thread frees it
                     r.emit("error", Failure(504, f"the request ran longer than {r.deadline_s - r.submitted_s:g} s "
                                                  "(--request-timeout)", "timeout"))
-                    if r in self.placement.waiting:
-                        self.placement.leave(r)
+                    self.core.send("cancel", r)
         finally:
             self.lock.release()
 
