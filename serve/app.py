@@ -1,13 +1,4 @@
-"""The OpenAI-compatible HTTP API of `kivi serve` (FastAPI): completions and chat completions,
-non-streamed or streamed as server-sent events, models, health and Prometheus metrics.
-
-Every 4xx and 5xx carries OpenAI's error object (`{"error": {"message", "type", "param", "code"}}`),
-body-parse errors and framework errors (404, 405, 413) included; the engine (engine.py) only
-ever sees validated requests. A Guard in front of the app checks the Host header, the API key and
-an announced body size before anything is read; tokenizing runs off the event loop; a
-non-streamed request is cancelled when its client disconnects; `Server` bounds the drain on
-SIGTERM. docs/serve.md (Operations) describes them for operators.
-"""
+"""The OpenAI-compatible HTTP API of `kivi serve` (FastAPI); docs/serve.md describes it."""
 
 from __future__ import annotations
 
@@ -33,7 +24,6 @@ from .request import Failure, Request, RequestError
 
 
 def _utf8(value: str) -> str:
-    """JSON may carry a lone surrogate ("\\ud800"), which no tokenizer can take: refuse it by name."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -45,8 +35,7 @@ Text = Annotated[str, AfterValidator(_utf8)]
 
 
 def _only(*allowed, why: str):
-    """An OpenAI field this server does not implement: accepted only at its default(s), else refused
-    (never silently ignored)."""
+    """Accepted only at its default(s), else refused: never silently ignored."""
     def check(value):
         if value not in allowed:
             raise ValueError(f"only {' or '.join(map(json.dumps, allowed))} is supported ({why}), got {json.dumps(value)}")
@@ -55,14 +44,13 @@ def _only(*allowed, why: str):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")  # an option not listed is refused, not ignored
+    model_config = ConfigDict(strict=True, extra="forbid")
 
-    include_usage: bool = False  # OpenAI's: a last chunk with `choices: []` and the usage
+    include_usage: bool = False
 
 
 class _Body(BaseModel):
-    # Wrong types are errors (no "5" -> 5); OpenAI fields not listed here (user, ...) are ignored:
-    # they change nothing in the completion.
+    # Strict types (no "5" -> 5); OpenAI fields not listed (user, ...) change nothing and are ignored.
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: Text
@@ -87,8 +75,7 @@ class CompletionBody(_Body):
     suffix: Annotated[Optional[Text], _only(None, "", why="no insertion")] = None
 
 
-# The roles the chat templates know; any other text would go into the template verbatim (a role of
-# "user<|im_end|>\n<|im_start|>system" writes a system turn).
+# A role outside the templates' would go in verbatim ("user<|im_end|>..." writes a system turn).
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -101,7 +88,7 @@ class Message(BaseModel):
 
 class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)  # newer clients' max_tokens: it wins when given
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Annotated[Optional[bool], _only(None, False, why="no log-probabilities")] = None
     top_logprobs: Annotated[Optional[int], _only(None, 0, why="no log-probabilities")] = None
     tools: Annotated[Optional[list], _only(None, [], why="no tool calls")] = None
@@ -116,7 +103,7 @@ class ChatBody(_Body):
 
 
 class ErrorResponse(JSONResponse):
-    """JSON with every non-ASCII character escaped: an error may quote input that is not valid UTF-8."""
+    """Every non-ASCII character escaped: an error may quote input that is not valid UTF-8."""
 
     def render(self, content) -> bytes:
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
@@ -124,47 +111,32 @@ class ErrorResponse(JSONResponse):
 
 def error(status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
           headers: Optional[dict] = None) -> JSONResponse:
-    """OpenAI's error object, the one shape of every 4xx and 5xx this server sends."""
     kind = "server_error" if status >= 500 else "invalid_request_error"
     return ErrorResponse(status_code=status, headers=headers,
                          content={"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
 def refusal(e: RequestError, chat: bool) -> JSONResponse:
-    """A request the engine refused (RequestError)."""
     param = "messages" if chat and e.param == "prompt" else e.param
     return error(e.status, str(e), param=param, code=e.code, headers=e.headers)
 
 
 def _field_or_index(part) -> bool:
-    """A part of a pydantic error location that names a request field or a list index, not a
-    union branch (str, list[...], function-after[...])."""
+    """A pydantic location part naming a field or an index, not a union branch."""
     return isinstance(part, int) or (part.isidentifier() and part not in ("str", "int", "float", "bool", "list"))
 
 
 def failed(failure: Failure, request_id: str) -> JSONResponse:
-    """A request the engine ended with an error (engine.Failure)."""
     return error(failure.status, failure.message, code=failure.code, headers={"x-request-id": request_id})
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-# An announced oversize body is read and dropped up to this many bytes before its 413 is sent:
-# a client that sends its whole body before reading (urllib) would otherwise get a reset connection.
+# An oversize body is read and dropped up to this before its 413: urllib would otherwise get a reset.
 DISCARD_BYTES = 64 << 20
 
 
 class Guard:
-    """The checks that answer before FastAPI's own stack (ASGI, around the app), so that nothing
-    of a refused request is read or parsed:
-
-    - allowed_hosts: the Host header must name one of them (None: any). A server bound to loopback
-      answers only its own names, so a web page that rebinds its DNS name to 127.0.0.1 cannot read it.
-    - api_key: every path but /health (/v1/*, /metrics, /docs and /openapi.json with --docs) needs
-      `Authorization: Bearer <key>` (compared in constant time), else 401; /health stays open for probes.
-    - a Content-Length over max_request_bytes gets OpenAI's 413 here, since FastAPI's limiter
-      answers an announced oversize body in plain text. The body is read and dropped first, up to
-      DISCARD_BYTES (unless the client waits for `100 Continue`), so that the client reads the 413.
-      Bodies without a length are counted by FastAPI's max_body_size, whose 413 the app's handler shapes."""
+    """Host, API key and announced body size, checked before FastAPI reads anything (docs/serve.md, Operations)."""
 
     def __init__(self, app: FastAPI, *, max_request_bytes: int, api_key: Optional[str] = None,
                  allowed_hosts: Optional[tuple[str, ...]] = None):
@@ -198,7 +170,6 @@ class Guard:
 
 
 async def discard_body(receive, limit: int) -> bool:
-    """Read a refused request's body and drop it, up to `limit` bytes: whether it was read whole."""
     read = 0
     while read <= limit:
         message = await receive()
@@ -209,10 +180,9 @@ async def discard_body(receive, limit: int) -> bool:
 
 
 def _hostname(host: str) -> Optional[str]:
-    """The name in a Host header ("127.0.0.1:8000" -> "127.0.0.1", "[::1]:8000" -> "::1"); None for
-    anything that is not `name[:port]` (userinfo, a path, a non-numeric port)."""
+    """"127.0.0.1:8000" -> "127.0.0.1", "[::1]:8000" -> "::1"; None if not `name[:port]`."""
     host = host.strip().lower()
-    if host.startswith("["):  # an IPv6 literal
+    if host.startswith("["):
         name, closed, port = host[1:].partition("]")
         port = port.removeprefix(":") if closed and port.startswith(":") else port
     else:
@@ -221,8 +191,6 @@ def _hostname(host: str) -> Optional[str]:
 
 
 def shortened(text: str, keep: int = 64) -> str:
-    """repr(text), cut to `keep` characters and its length when longer: an error quotes what the
-    client sent, never a megabyte of it."""
     return repr(text) if len(text) <= keep else f"{text[:keep]!r}... ({len(text)} characters)"
 
 
@@ -231,17 +199,11 @@ def too_large(limit: int) -> JSONResponse:
 
 
 def longest_token_bytes(tokenizer) -> int:
-    """The UTF-8 bytes of the tokenizer's longest vocabulary entry. No token spells more (byte-level
-    BPE and SentencePiece entries are at least as long as the text they stand for), so a text of b
-    bytes is at least b / longest tokens: a prompt that long is refused before it is tokenized."""
+    """No token spells more bytes than the longest entry: a bound on tokens before tokenizing."""
     return max(len(token.encode("utf-8", "replace")) for token in tokenizer.get_vocab())
 
 
 def build_app(engine: Engine, config: Optional[ServeConfig] = None) -> Guard:
-    """The ASGI app over `engine`: a Guard (host, key, body size) around a FastAPI app serving the
-    router, with the engine, the config and the tokenizer on app.state. config: the app's settings
-    (served_model_name, max_request_bytes, api_key, allowed_hosts, docs); the engine's own unless
-    given. docs off: /docs and /openapi.json would describe the server to anyone who asks."""
     config = engine.config if config is None else config
     app = FastAPI(title="kivi serve", max_body_size=config.max_request_bytes,
                   docs_url="/docs" if config.docs else None, redoc_url=None,
@@ -257,7 +219,6 @@ def build_app(engine: Engine, config: Optional[ServeConfig] = None) -> Guard:
 
 
 async def invalid(request: HTTPRequest, exc: RequestValidationError):
-    # The deepest error: for a union field (prompt: a string or a list) the branch that got furthest.
     first = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
     if first.get("type") == "json_invalid":
         return error(400, "the request body is not valid JSON", code="invalid_json")
@@ -266,17 +227,17 @@ async def invalid(request: HTTPRequest, exc: RequestValidationError):
     return error(400, f"{where}: {message}" if where else message, param=where, code="invalid_value")
 
 
-async def http_error(request: HTTPRequest, exc: StarletteHTTPException):  # 404 route, 405 method, ...
+async def http_error(request: HTTPRequest, exc: StarletteHTTPException):
     if exc.status_code == 413:
         return too_large(request.app.state.config.max_request_bytes)
-    if exc.status_code == 400:  # FastAPI's body parser failed: not UTF-8, or JSON nested too deep to parse
+    if exc.status_code == 400:
         return error(400, "the request body is not valid JSON (UTF-8 text, not nested too deeply)",
                      code="invalid_json")
     return error(exc.status_code, str(exc.detail), headers=exc.headers,
                  code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
 
 
-async def crashed(request: HTTPRequest, exc: Exception):  # a bug: still OpenAI's shape, and logged
+async def crashed(request: HTTPRequest, exc: Exception):
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
     return error(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
@@ -286,8 +247,6 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(http: HTTPRequest):
-    # 503 while it warms up (until the decode step has run over each bucket), while no step completes
-    # (the watchdog), or once it cannot serve: a tensor-parallel rank died, or the engine thread failed
     if (unhealthy := http.app.state.engine.health_error()) is not None:
         return error(unhealthy.status, str(unhealthy), code=unhealthy.code)
     return {"status": "ok"}
@@ -303,7 +262,7 @@ async def models(http: HTTPRequest):
 
 
 @router.get("/v1/models/{model_id:path}")
-async def model(model_id: str, http: HTTPRequest):  # OpenAI's retrieve (client.models.retrieve)
+async def model(model_id: str, http: HTTPRequest):
     config = http.app.state.config
     return check_model(model_id, config) or model_card(config)
 
@@ -357,8 +316,6 @@ def check_model(name: str, config: ServeConfig) -> Optional[JSONResponse]:
 
 
 def refused_early(texts: list[str], body, http: HTTPRequest) -> Optional[JSONResponse]:
-    """The refusals known before tokenizing: the server is full or stopping, or the text is too
-    long for a slot whatever its tokens (longest_token_bytes)."""
     engine = http.app.state.engine
     at_least = -(-sum(len(t.encode("utf-8")) for t in texts) // http.app.state.longest_token)
     refused = engine.admission_error() or engine.capacity_error(at_least, body.max_tokens, at_least=True)
@@ -393,7 +350,7 @@ async def chat(body: ChatBody, http: HTTPRequest):
 
 
 async def respond(body, ids: list[int], http: HTTPRequest, *, chat: bool):
-    if body.stream_options is not None and not body.stream:  # as OpenAI answers
+    if body.stream_options is not None and not body.stream:
         return error(400, "stream_options: only allowed when stream is true", param="stream_options",
                      code="invalid_value")
     engine, model_name = http.app.state.engine, http.app.state.config.served_model_name
@@ -403,7 +360,7 @@ async def respond(body, ids: list[int], http: HTTPRequest, *, chat: bool):
     def emit(kind, payload):  # called from the engine thread
         try:
             loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
-        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+        except RuntimeError:  # the event loop is gone (shutdown): no one listens
             pass
 
     request = Request(prompt_ids=ids, max_tokens=body.max_tokens, temperature=body.temperature,
@@ -416,14 +373,12 @@ async def respond(body, ids: list[int], http: HTTPRequest, *, chat: bool):
     created = int(time.time())
     usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(request.tokens),  # noqa: E731
                      "total_tokens": len(ids) + len(request.tokens)}
-    headers = {"x-request-id": request.id}  # as in the engine's log lines
+    headers = {"x-request-id": request.id}
     if body.stream:
         with_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = stream(engine, request, events, Chunks(rid, created, model_name, chat, usage if with_usage else None))
         return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
-    # Non-streamed: Starlette does not watch the connection while the handler runs, so wait for
-    # the engine's answer and for the client's disconnect together; a client that went away
-    # cancels its request, which frees its slot at the next decode step.
+    # Starlette does not watch the connection while a handler runs: await the answer and the disconnect together.
     answer = asyncio.ensure_future(collect(events))
     gone = asyncio.ensure_future(disconnected(http))
     try:
@@ -435,7 +390,7 @@ async def respond(body, ids: list[int], http: HTTPRequest, *, chat: bool):
             answer.cancel()
             engine.cancel(request)
     if abandoned:
-        return Response(status_code=499)  # nobody reads it
+        return Response(status_code=499)
     text, reason = answer.result()
     if isinstance(reason, Failure):
         return failed(reason, request.id)
@@ -448,7 +403,6 @@ async def respond(body, ids: list[int], http: HTTPRequest, *, chat: bool):
 
 
 async def collect(events: asyncio.Queue) -> tuple[list[str], Union[str, Failure]]:
-    """A request's text pieces and its finish reason, or the Failure that ended it."""
     text = []
     while True:
         kind, payload = await events.get()
@@ -459,17 +413,12 @@ async def collect(events: asyncio.Queue) -> tuple[list[str], Union[str, Failure]
 
 
 async def disconnected(http: HTTPRequest) -> None:
-    """Returns when the client closes the connection (the body has been read: only
-    http.disconnect is left to receive)."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
 
 
 @dataclass(frozen=True)
 class Chunks:
-    """One stream's server-sent events. usage: None, or (stream_options.include_usage) what OpenAI
-    then sends: `"usage": null` on every chunk and a last chunk, before [DONE], with `choices: []`
-    and the usage."""
 
     rid: str
     created: int
@@ -509,21 +458,15 @@ async def stream(engine: Engine, request: Request, events: asyncio.Queue, chunks
                 yield f"data: {failed(payload, request.id).body.decode()}\n\n"
                 break
         yield "data: [DONE]\n\n"
-    finally:  # finished, or the client disconnected mid-stream: free the slot either way
+    finally:  # finished, or the client went away mid-stream: free the slot either way
         engine.cancel(request)
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server with a bounded drain. The first SIGTERM or SIGINT stops accepting
-    connections, refuses new requests (503) and lets running ones finish for up to
-    `shutdown_timeout` seconds; then the engine ends the rest with an error (an error event, then
-    [DONE], for a stream) so that every connection closes cleanly. A second signal ends them at
-    once. The process then exits 0: uvicorn's own handler would re-raise the signal after the
-    shutdown (exit status 128 + n) and ignores a second SIGTERM."""
+    """uvicorn's server with a bounded drain; exits 0 (uvicorn re-raises the signal) and heeds a second one."""
 
     def __init__(self, config: uvicorn.Config, engine: Engine, shutdown_timeout: float):
-        # The backstop, for a client that stops reading its stream: uvicorn cancels what is left.
-        config.timeout_graceful_shutdown = shutdown_timeout + 5
+        config.timeout_graceful_shutdown = shutdown_timeout + 5  # the backstop: a client that stops reading its stream
         super().__init__(config)
         self.engine, self.shutdown_timeout, self.signals = engine, shutdown_timeout, 0
 

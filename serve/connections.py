@@ -1,23 +1,5 @@
-"""The connections of `kivi serve`: idle and slow clients are timed out, open connections are capped
-below the process's descriptor limit, and accept() errors are logged at a bounded rate (issue 43).
-
-uvicorn 0.54 (h11) leaves three gaps that this module closes with its own extension points (a
-protocol class and a loop factory):
-
-- its keep-alive timer starts only after a first response, so a connection that never sends a
-  byte stays open for ever: here the same timer also runs from the moment a connection opens;
-- nothing bounds how long a request's headers or body may take: here a request must arrive whole
-  within `read_timeout` seconds of its first byte, else 408 and the connection closes (once it has
-  arrived, its answer may take as long as it takes);
-- a request h11 cannot parse gets uvicorn's text/plain 400: here OpenAI's error object, as every
-  other error;
-- it accepts connections until the process runs out of descriptors. asyncio's accept loop then
-  logs EMFILE once per pending connection of the backlog, every second (97 MB in 6 s). Here at
-  most `max_connections` are open, a number kept below RLIMIT_NOFILE less the descriptors the
-  process holds, a reserve and room for what one pass of asyncio's accept loop takes; one more closes the connection idle longest, or gets 503 when every
-  connection is in a request. Should accept() still fail (descriptors taken elsewhere), the event
-  loop logs it at most once per ACCEPT_LOG_INTERVAL seconds, with a count.
-"""
+"""Idle and slow clients time out, open connections stay below the descriptor limit, and accept()
+errors are logged at a bounded rate: gaps uvicorn's h11 leaves (docs/serve.md, Connection limits)."""
 
 from __future__ import annotations
 
@@ -35,10 +17,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .app import error
 from .engine import log
 
-TIMEOUT_KEEP_ALIVE = 5.0  # uvicorn's default (vLLM's too): seconds an idle connection stays open
-READ_TIMEOUT = 30.0  # seconds a request's headers and body may take to arrive
-# Descriptors kept free beyond those open at start: the listening socket, the event loop's own,
-# the files torch, tokenizers and the compiler open later (Inductor writes its cache as it compiles).
+TIMEOUT_KEEP_ALIVE = 5.0  # uvicorn's default (vLLM's too)
+READ_TIMEOUT = 30.0
+# Descriptors kept free beyond those open at start: torch, tokenizers and Inductor open files later.
 DESCRIPTOR_RESERVE = 64
 ACCEPT_LOG_INTERVAL = 10.0
 
@@ -51,7 +32,6 @@ class ConnectionLimits:
 
 
 def descriptor_limit() -> int:
-    """The soft RLIMIT_NOFILE (what open() and accept() fail at), or 2**20 when unlimited."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return 2**20 if soft == resource.RLIM_INFINITY else soft
 
@@ -59,26 +39,21 @@ def descriptor_limit() -> int:
 def descriptors_open() -> int:
     try:
         return len(os.listdir("/proc/self/fd"))
-    except OSError:  # not Linux: count nothing, the reserve still applies
+    except OSError:
         return 0
 
 
 def listen_backlog() -> int:
-    """The listen queue: 1/16 of the descriptor limit, within [16, 2048] (uvicorn's default)."""
     return max(16, min(2048, descriptor_limit() // 16))
 
 
 def connection_cap() -> int:
-    """The most connections this process can hold open and keep DESCRIPTOR_RESERVE descriptors free
-    (may be <= 0: the limit is too low to serve). asyncio's accept loop takes up to `backlog`
-    connections in one pass before any of them is counted here, and as many evicted ones may still
-    be closing: twice the backlog is kept free for them."""
+    """Connections this process can hold; twice the backlog is kept free (accept takes a backlog per pass)."""
     return descriptor_limit() - descriptors_open() - DESCRIPTOR_RESERVE - 2 * listen_backlog()
 
 
 def raw_response(status: int, reason: str, message: str, code: str) -> bytes:
-    """A whole HTTP/1.1 response with OpenAI's error object that closes the connection: what a
-    connection gets when no request cycle can answer it (none started, or one still reading)."""
+    """A whole closing response with OpenAI's error object, for a connection no request cycle can answer."""
     body = error(status, message, code=code).body
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             "connection: close\r\n\r\n")
@@ -86,23 +61,20 @@ def raw_response(status: int, reason: str, message: str, code: str) -> bytes:
 
 
 class BoundedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with the idle and read timeouts and the connection cap of the module
-    docstring. `limits` is bound with functools.partial (uvicorn_config)."""
 
     def __init__(self, *args, limits: ConnectionLimits, **kwargs):
         super().__init__(*args, **kwargs)
         self.limits = limits
-        self.read_deadline: Optional[asyncio.TimerHandle] = None  # armed at a request's first byte
+        self.read_deadline: Optional[asyncio.TimerHandle] = None
         self.idle_since = 0.0
 
     def idle(self) -> bool:
-        """No request in progress: nothing of one received, no response owed."""
         return self.read_deadline is None and (self.cycle is None or self.cycle.response_complete)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self.idle_since = self.loop.time()
-        open_ = [c for c in self.connections if not (c.transport and c.transport.is_closing())]  # closing: not counted
+        open_ = [c for c in self.connections if not (c.transport and c.transport.is_closing())]
         if len(open_) > self.limits.max_connections and not self.evict_idlest(open_):
             self.transport.write(raw_response(
                 503, "Service Unavailable", f"the server holds its most connections ({self.limits.max_connections}, "
@@ -113,11 +85,10 @@ class BoundedH11Protocol(H11Protocol):
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
     def evict_idlest(self, connections: list) -> bool:
-        """Close the connection idle longest (not this one) to make room; False if none is idle."""
         idle = [c for c in connections if c is not self and isinstance(c, BoundedH11Protocol) and c.idle()]
         if not idle:
             return False
-        min(idle, key=lambda c: c.idle_since).timeout_keep_alive_handler()  # what its keep-alive timeout does
+        min(idle, key=lambda c: c.idle_since).timeout_keep_alive_handler()
         return True
 
     def data_received(self, data: bytes) -> None:
@@ -126,9 +97,7 @@ class BoundedH11Protocol(H11Protocol):
         super().data_received(data)
 
     def read_timed_out(self) -> None:
-        """The request's headers or body did not arrive in time. A request read whole (its response
-        may take minutes) is left alone: h11 says DONE, or MUST_CLOSE for a client that sent
-        `Connection: close` (urllib), so anything past IDLE (headers) and SEND_BODY (body)."""
+        """Past IDLE / SEND_BODY (DONE, or MUST_CLOSE for urllib) a request arrived whole: leave it alone."""
         self.read_deadline = None
         if self.transport.is_closing() or self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
             return
@@ -139,15 +108,13 @@ class BoundedH11Protocol(H11Protocol):
         self.transport.close()  # a request cycle waiting for its body sees a disconnect
 
     def send_400_response(self, msg: str) -> None:
-        """A request h11 cannot parse (a malformed request line or header, `Content-Length: 1e23`
-        or `-1`): OpenAI's error object, as every other error, not uvicorn's text/plain."""
         self.transport.write(raw_response(
             400, "Bad Request", "the request is not valid HTTP/1.1: its request line or a header (Content-Length, "
             "...) is malformed", "invalid_http_request"))
         self.transport.close()
 
     def on_response_complete(self) -> None:
-        if self.read_deadline is not None:  # the next request on this connection gets its own deadline
+        if self.read_deadline is not None:
             self.read_deadline.cancel()
             self.read_deadline = None
         self.idle_since = self.loop.time()
@@ -161,9 +128,7 @@ class BoundedH11Protocol(H11Protocol):
 
 
 class AcceptErrorLog:
-    """An event-loop exception handler: accept() failures ("out of system resource": EMFILE,
-    ENFILE, ENOBUFS, ENOMEM) are logged at most once per `interval` seconds with how many there
-    were; anything else goes to asyncio's default handler."""
+    """accept() failures logged at most once per `interval` seconds, with a count."""
 
     def __init__(self, interval: float = ACCEPT_LOG_INTERVAL):
         self.interval, self.last, self.suppressed = interval, float("-inf"), 0
@@ -184,16 +149,12 @@ class AcceptErrorLog:
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvicorn's loop factory (Config(loop="module:function")): asyncio's loop with AcceptErrorLog."""
     loop = asyncio.SelectorEventLoop()
     loop.set_exception_handler(AcceptErrorLog())
     return loop
 
 
 def uvicorn_config(app, *, host: str, port: int, limits: ConnectionLimits, **options) -> uvicorn.Config:
-    """uvicorn's Config for `app` with the bounded protocol and loop, and the backlog that
-    connection_cap() made room for (at most max_connections: a longer queue only holds clients the
-    cap will turn away)."""
     import functools
 
     return uvicorn.Config(app, host=host, port=port, log_level="warning", loop=f"{__name__}:new_event_loop",
@@ -203,8 +164,6 @@ def uvicorn_config(app, *, host: str, port: int, limits: ConnectionLimits, **opt
 
 
 def check_connection_limits(max_connections: Optional[int], parser) -> int:
-    """--max-connections, or its default (connection_cap()); a usage error if the descriptor limit
-    cannot hold it."""
     cap = connection_cap()
     if cap < 1:
         parser.error(f"the descriptor limit (ulimit -n {descriptor_limit()}) leaves no room for connections: "

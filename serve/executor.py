@@ -1,11 +1,4 @@
-"""One engine round carried out and accounted for: a Plan's pieces executed by the runner (the
-engine may stop between two prefills), then the scheduler updated from the one Output: failed
-swaps and prefills end their request alone, prefixes a prefill kept are cached, and each row's
-logits become its next token (output.advance).
-
-The engine (engine.py) decides when a round runs, holds its lock around `update` and ends the
-requests it returns; execute runs outside the lock (a step may take seconds) and reads nothing
-of the scheduler."""
+"""One round executed (the engine may stop between two prefills) and the scheduler updated from its Output."""
 
 from __future__ import annotations
 
@@ -27,7 +20,7 @@ from .runner import Runner
 
 log = logging.getLogger("kivi.serve")
 
-Ended = list[tuple[Request, Optional[Failure]]]  # requests that end, each with its failure (None: done or cancelled)
+Ended = list[tuple[Request, Optional[Failure]]]  # None: done or cancelled
 
 
 class Executor:
@@ -35,11 +28,10 @@ class Executor:
         self.runner, self.placement = runner, placement
         self.tokenizer, self.eos = tokenizer, eos
         self.generated_tokens = self.prefix_hits = self.prefix_hit_tokens = 0
-        self.decode_rows = 0  # the rows the last decode step ran over (its bucket)
+        self.decode_rows = 0
         self.started_s = time.perf_counter()
 
     def counters(self) -> dict:
-        """What /metrics reports of the rounds so far (and of the cached prefixes, with prefix caching)."""
         elapsed = time.perf_counter() - self.started_s
         counters = dict(generated_tokens=self.generated_tokens, decode_rows=self.decode_rows,
                         tokens_per_s=self.generated_tokens / elapsed if elapsed > 0 else 0.0)
@@ -49,22 +41,16 @@ class Executor:
         return counters
 
     def warm_up(self, stopping) -> bool:
-        """One decode step per bucket with no request (every count 0: nothing is stored), which
-        builds what serving runs (the compiled step, or the per-op CPU kernels of those shapes);
-        then this thread compiles nothing more (Runner.stop_compiling). False if `stopping()`
-        said so between two buckets (the server is shutting down)."""
         with torch.inference_mode():
             for rows in self.placement.buckets:
                 if stopping():
                     return False
                 self.runner.execute(Plan(decode=(-1,) * rows))
-            self.runner.execute(Plan(stop_compiling=True))  # every rank's, under tensor parallelism
+            self.runner.execute(Plan(stop_compiling=True))
         return True
 
     def execute(self, plan: Plan, go: Callable[[Optional[int]], bool], progress: Callable[[], None]) -> Output:
-        """The plan's pieces in order. go(key) before each prefill (the request's host key) and
-        go(None) before the rest: False skips it (a cancel, an abort, a stop). The decode step
-        leaves out the rows whose swap-in failed."""
+        """go(key) before each prefill, go(None) before the rest: False skips it."""
         out = Output()
         for piece in plan.pieces():
             key = piece.prefills[0].key if piece.prefills else None
@@ -124,19 +110,16 @@ class Executor:
         return ended
 
     def _cache_prefixes(self, r: Request, p) -> None:
-        """--prefix-caching: count r's hit, and cache the boundaries whose tails its prefill kept (r
-        holds their pages: final, in the pool now); a tail not kept is dropped."""
         if p.start:
             self.prefix_hits += 1
             self.prefix_hit_tokens += p.start
         cache = self.runner.cache
         for b, key in zip(p.boundaries, p.tail_keys):
-            tail = sequence_bytes(cache, tail_pages(cache, b))  # what save_tail kept
+            tail = sequence_bytes(cache, tail_pages(cache, b))
             if not self.placement.cache_prefix(r, b, key, cache.pages_final(b), tail):
                 self.placement.dropped.append(key)
 
     def _advance(self, logits: torch.Tensor, slots: list[int], where: str) -> Ended:
-        """logits [len(slots), V], row i for slots[i]: each request's next token (output.advance)."""
         sampled, ended = advance(logits, [self.placement.rows[slot] for slot in slots], self.tokenizer, self.eos,
                                  where)
         self.generated_tokens += sampled

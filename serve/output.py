@@ -1,9 +1,4 @@
-"""What becomes of a step's logits: each request's next token (sampled with its own settings), the
-text it adds (detokenized, held back while it could still become a stop string or is an
-incomplete character), and whether the request is done (EOS, a stop string, max_tokens) or failed
-(non-finite logits, the sampler, the tokenizer: that request alone). vLLM keeps this apart from
-the engine too (its output processor); here it runs on the engine thread and answers through each
-request's emit."""
+"""What becomes of a step's logits: each request's next token, its text, and whether it ends."""
 
 from __future__ import annotations
 
@@ -21,8 +16,6 @@ log = logging.getLogger("kivi.serve")
 
 
 def eos_token_set(tokenizer, eos_token_ids: Optional[set[int]] = None) -> set[int]:
-    """The tokens that end a completion: eos_token_ids if given (an empty set: none, every request
-    runs to max_tokens), else the tokenizer's EOS token(s)."""
     if eos_token_ids is not None:
         return set(eos_token_ids)
     eos = tokenizer.eos_token_id
@@ -31,9 +24,7 @@ def eos_token_set(tokenizer, eos_token_ids: Optional[set[int]] = None) -> set[in
 
 def advance(logits: torch.Tensor, requests: list[Optional[Request]], tokenizer, eos: set[int],
             where: str) -> tuple[int, list[tuple[Request, Optional[Failure]]]]:
-    """logits [len(requests), V], row i for requests[i] (None: no request). Samples and emits each
-    request's next token; returns (the tokens sampled, the requests that end here: (r, None) for
-    one done, its "done" emitted, or cancelled; (r, Failure) for one whose row failed)."""
+    """Sample and emit each request's next token: (tokens sampled, requests that end here)."""
     finite = torch.isfinite(logits).all(dim=-1).tolist()
     sampled, ended = 0, []
     for row_logits, r, ok in zip(logits, requests, finite):
@@ -61,8 +52,6 @@ def advance(logits: torch.Tensor, requests: list[Optional[Request]], tokenizer, 
 
 
 def sample(logits: torch.Tensor, r: Request) -> int:
-    """The next token from one row's logits: greedy at temperature 0, else `kivi generate`'s rule
-    (temperature, top-p) with the request's own generator."""
     if r.temperature == 0:
         return int(logits.argmax())
     probs = sampling_probs(logits, r.temperature, top_p=r.top_p)
@@ -70,8 +59,6 @@ def sample(logits: torch.Tensor, r: Request) -> int:
 
 
 def add_token(r: Request, token: int, tokenizer, eos: set[int]) -> Optional[str]:
-    """Append `token` to r, emit the text it completes, and return why r finished ("stop": EOS or a
-    stop string; "length": max_tokens), or None while it goes on."""
     r.tokens.append(token)
     if r.first_token_s is None:
         r.first_token_s = time.perf_counter()
@@ -84,12 +71,11 @@ def add_token(r: Request, token: int, tokenizer, eos: set[int]) -> Optional[str]
 
 
 def emit_text(r: Request, tokenizer, eos: set[int], final: bool) -> Optional[str]:
-    """Emit the completion's new text. Returns "stop" when a stop string appeared (the text is cut
-    before it). Text that could still become a stop string is held back until it cannot."""
+    """Emit the new text, holding back what could still become a stop string; "stop" once one appears."""
     generated = [t for t in r.tokens if t not in eos]
     text = tokenizer.decode(generated, skip_special_tokens=True)
     found = [at for at in (text.find(stop) for stop in r.stop) if at != -1]
-    if found:  # cut at the earliest stop in the text, whichever the list names first
+    if found:
         at = min(found)
         if at > r.text_sent:
             r.emit("text", text[r.text_sent:at])

@@ -1,15 +1,5 @@
-"""The scheduler of `kivi serve`: where each request sits, and each round's plan.
-
-A `Placement` holds the queue of waiting requests and the block manager's page scheduler
-(block_manager.py: the rows, who is swapped out, pages, preemption, cached prefixes). Each engine
-round it makes one frozen `Plan` (plan.py): swaps, prefills, the moves that keep the requests in
-the lowest rows, the block-table rows that changed, and the decode step over the smallest bucket;
-the executor's update (executor.py) tells it what became of them. It decides only: the runner
-(runner.py) moves the bytes. A static cache is placed as one page of max_seq_len tokens per row
-(runner.RowPages: admitted while a row is free, never preempted).
-
-Not thread-safe: the engine calls it under its own lock.
-"""
+"""The scheduler of `kivi serve`: where each request sits, and each round's frozen Plan.
+Only the engine thread changes it, under the engine's lock (other threads read it under that lock)."""
 
 from __future__ import annotations
 
@@ -22,12 +12,7 @@ from .request import HOST_KEYS, Request, RequestError, context_error, prompt_cou
 
 
 class Placement:
-    """layout: the pages the cache offers (a paged cache, or runner.RowPages); slots: its rows;
-    buckets: the row counts a decode step may run over (ascending, the last is slots);
-    prefix_chunk / max_prefixes / max_prefix_bytes: --prefix-caching's chunk (None: off), how many
-    prefixes it keeps and the host bytes their tails may hold (None: no bound);
-    report_pages: page_stats() reports the pool (a static cache's pages are its rows: the engine's
-    slot counts say it, and /metrics shows no page counts for it)."""
+    """layout: a paged cache or runner.RowPages; buckets: the decode step's row counts, ascending."""
 
     def __init__(self, layout, slots: int, buckets: tuple[int, ...], prefix_chunk: Optional[int] = None,
                  max_prefixes: int = 0, report_pages: bool = True, max_prefix_bytes: Optional[int] = None):
@@ -35,8 +20,7 @@ class Placement:
         self.report_pages = report_pages
         self.blocks = BlockManager(layout.num_pages, layout.max_pages_per_seq, layout.pages_needed,
                                    max_prefixes=max_prefixes, max_prefix_bytes=max_prefix_bytes)
-        # Host keys to drop once no prefill of the round needs them (take_dropped): the tails of evicted
-        # prefixes (a request admitted this round may still start from one) and tails not kept.
+        # Host keys to drop once no prefill of the round needs them: evicted prefixes' tails, tails not kept.
         self.dropped: list[int] = []
         self.blocks.on_evict = lambda prefix: self.dropped.append(prefix.payload)
         self.scheduler = Scheduler(self.blocks, slots)
@@ -45,16 +29,12 @@ class Placement:
 
     @property
     def rows(self) -> list[Optional[Request]]:
-        """The request each row serves (None: free): the scheduler's, stored once."""
         return self.scheduler.rows
-
-    # ---------------------------------------------------------------- what is where
 
     def running(self) -> list[tuple[int, Request]]:
         return [(slot, r) for slot, r in enumerate(self.rows) if r is not None]
 
     def requests(self) -> list[Request]:
-        """Every request not ended: waiting, swapped out or running."""
         return [*self.waiting, *self.scheduler.swapped, *(r for _, r in self.running())]
 
     @property
@@ -73,21 +53,14 @@ class Placement:
         return sum(r is None for r in self.rows)
 
     def idle(self) -> bool:
-        """Nothing waits, runs or is swapped out."""
         return not self.waiting and not any(self.rows) and not self.scheduler.swapped
 
     def find(self, key: int) -> Optional[Request]:
-        """The open request whose host key is `key`, else None (it ended)."""
         return next((r for r in self.requests() if r.key == key), None)
-
-    def queued_beyond_free_rows(self) -> int:
-        """Waiting requests beyond the free rows they will take (what --max-waiting bounds)."""
-        return len(self.waiting) - self.free_rows()
 
     def capacity_error(self, prompt_tokens: int, max_tokens: int, max_seq_len: int, *,
                        at_least: bool = False) -> Optional[RequestError]:
-        """The refusal of a request that could never fit: beyond a sequence's max_seq_len, or
-        needing more pages than the whole pool holds. at_least: prompt_tokens is a lower bound."""
+        """The refusal of a request that could never fit (max_seq_len, or the whole pool), else None."""
         refused = context_error(prompt_tokens, max_tokens, max_seq_len, at_least=at_least)
         if refused is not None:
             return refused
@@ -101,11 +74,9 @@ class Placement:
             param="max_tokens" if self.blocks.fits(prompt_tokens) else "prompt")
 
     def prompt_pages(self, r: Request) -> list[int]:
-        """The pages r's prompt fills (the first of those r holds)."""
         return self.blocks.table(r)[:self.layout.pages_needed(len(r.prompt_ids))]
 
     def saved_pages(self, r: Request) -> list[int]:
-        """The pages a resumed request's saved state goes back into."""
         return self.blocks.table(r)[:r.saved]
 
     def page_stats(self) -> dict:
@@ -121,21 +92,14 @@ class Placement:
                     prefix_bytes=self.blocks.prefix_bytes)
 
     def snapshot(self) -> dict:
-        """Who sits where, for tests and debugging: each row's request id (None: free), the
-        swapped-out ids, each request's pages, and the pool's counts."""
         held = [*(r for _, r in self.running()), *self.scheduler.swapped]
         counts = dict(self._pool_counts(), **self.prefix_stats(), num_pages=self.blocks.num_pages,
                       evictions=self.blocks.evictions)
-        counts.pop("swapped", None)  # the ids below say it
+        counts.pop("swapped", None)
         return dict(counts, rows=[None if r is None else r.id for r in self.rows], waiting=[r.id for r in self.waiting],
                     swapped=[r.id for r in self.scheduler.swapped], pages={r.id: self.blocks.table(r) for r in held})
 
-    # ---------------------------------------------------------------- decisions
-
     def plan(self) -> Plan:
-        """This round: preempted requests leave their rows, resumed and admitted ones (from the front
-        of the queue) take the lowest free rows (block_manager.Scheduler); the requests are moved into
-        the lowest rows of the bucket their number needs; the running ones that have a token decode."""
         lookup = None
         if self.prefix_chunk is not None:  # a cached prefix must leave a token to prefill (its logits)
             lookup = lambda r: r.prefix_keys[:(len(r.prompt_ids) - 1) // self.prefix_chunk]  # noqa: E731
@@ -159,8 +123,6 @@ class Placement:
         return Plan(tuple(swap_out), tuple(swap_in), prefills, tuple(self.take_dropped()), tuple(moves), table, decode)
 
     def _prefill(self, row: int, r: Request, hit: Optional[CachedPrefix]) -> Prefill:
-        """r's prefill (--prefix-caching: from its cached prefix, keeping a tail at each chunk
-        boundary not cached yet, under new host keys)."""
         pages = tuple(self.prompt_pages(r))
         if self.prefix_chunk is None:
             return Prefill(row, r.key, tuple(r.prompt_ids), pages)
@@ -170,8 +132,6 @@ class Placement:
                        tuple(next(HOST_KEYS) for _ in boundaries))
 
     def leave(self, r: Request) -> None:
-        """r ends (finished, failed, cancelled), wherever it is: it leaves the queue, or its row and
-        its pages, which go back to the pool."""
         if r in self.waiting:
             self.waiting.remove(r)
             return
@@ -180,9 +140,7 @@ class Placement:
         self.scheduler.finish(r)
 
     def compaction(self) -> list[tuple[int, int]]:
-        """Keep the requests in the lowest rows: move those at or past the bucket their number
-        needs into free rows below it, so that the step runs over that bucket only. Returns the
-        (from, to) row moves; the runner copies each row's state (not its pages)."""
+        """Move requests at or past the bucket their number needs into free rows below it: the (from, to) moves."""
         active = [slot for slot, _ in self.running()]
         limit = self.bucket(len(active))
         free = [slot for slot in range(limit) if self.rows[slot] is None]
@@ -193,9 +151,7 @@ class Placement:
         return moves
 
     def table_update(self) -> list[tuple[int, tuple[int, ...]]]:
-        """The block-table rows whose pages changed since the last call: (row, its pages). A
-        request's pages only grow while it holds its row, so (request, page count) names a row's
-        content; leaving a row (release, preemption, a move) marks it for a rewrite."""
+        """Block-table rows changed since the last call; (request, page count) names a row's content."""
         changed = []
         for slot, r in enumerate(self.rows):
             pages = self.blocks.tables.get(r, []) if r is not None else []
@@ -205,40 +161,30 @@ class Placement:
         return changed
 
     def decode_batch(self) -> tuple[list[int], int]:
-        """(the rows that hold a request, the bucket the decode step runs over)."""
         active = [slot for slot, _ in self.running()]
         return active, self.bucket(active[-1] + 1)
 
     def bucket(self, rows: int) -> int:
-        """The smallest decode bucket of at least `rows` rows."""
         return next(b for b in self.buckets if b >= rows)
 
-    # ---------------------------------------------------------------- prefix caching
-
     def submit_keys(self, r: Request) -> None:
-        """--prefix-caching: the keys of r's prompt's chunk boundaries, computed once at submit()."""
         if self.prefix_chunk is not None:
             r.prefix_keys = prefix_keys(r.prompt_ids, self.prefix_chunk)
 
     def new_boundaries(self, r: Request, start: int) -> list[int]:
-        """The chunk boundaries of r's prompt past `start` tokens whose prefixes are not cached yet."""
         chunk = self.prefix_chunk
         return [b for b in range(start + chunk, len(r.prompt_ids) + 1, chunk)
                 if self.blocks.max_prefixes and r.prefix_keys[b // chunk - 1] not in self.blocks.prefixes]
 
     def cache_prefix(self, r: Request, boundary: int, key: int, pages_final: int, nbytes: int) -> bool:
-        """Cache r's prefix of `boundary` tokens: the first pages_final pages r holds, and the tail
-        of nbytes bytes the runner keeps under `key`. False: not kept (the caller drops the tail)."""
         prefix = CachedPrefix(boundary, self.blocks.table(r)[:pages_final], key, nbytes)
         return self.blocks.cache_prefix(r.prefix_keys[boundary // self.prefix_chunk - 1], prefix)
 
     def take_dropped(self) -> list[int]:
-        """The host keys to drop since the last call (evicted prefixes' tails, tails not kept)."""
         dropped, self.dropped = self.dropped, []
         return dropped
 
     def check(self) -> None:
-        """Invariants (tests): the block manager's, and every running request holding one row."""
         self.blocks.check()
         running = [r for _, r in self.running()]
         assert len(running) == len(set(map(id, running))), "a request holds two rows"
@@ -246,6 +192,5 @@ class Placement:
 
 
 def tokens_after_step(r: Request) -> int:
-    """Tokens r's sequence holds after the next decode step: its prompt and every sampled token
-    (the last one is appended by that step); a waiting request's prompt plus its first token."""
+    """Tokens r holds after the next decode step (a waiting request: its prompt and first token)."""
     return len(r.prompt_ids) + max(len(r.tokens), 1)

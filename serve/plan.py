@@ -1,7 +1,5 @@
-"""One engine round as data: the scheduler's frozen `Plan` (placement.py makes it), which the runner
-carries out (runner.Runner.execute) and tensor parallelism broadcasts as it is (tp.py), and the
-`Output` the scheduler updates from (executor.Executor.update). Every field of a plan is an int or
-a tuple of ints, in the order the runner carries them out."""
+"""One engine round as data: the scheduler's frozen Plan (ints and tuples of ints, in execution
+order, broadcast as is under TP) and the Output it updates from."""
 
 from __future__ import annotations
 
@@ -14,15 +12,13 @@ import torch
 @dataclass(frozen=True)
 class Swap:
     row: int
-    key: int  # the request's host key: its saved copy
+    key: int
     pages: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class Prefill:
-    """A prompt into `row` and `pages`. chunk > 0 (--prefix-caching): in chunks, from a cached prefix
-    of `start` tokens (its pages: pages[:shared]; its tail: the host copy under tail_key, -1: none),
-    keeping a tail under tail_keys[i] at each of `boundaries`."""
+    """chunk > 0 (--prefix-caching): in chunks from a cached prefix of `start` tokens (pages[:shared])."""
 
     row: int
     key: int
@@ -38,9 +34,6 @@ class Prefill:
 
 @dataclass(frozen=True)
 class Plan:
-    """Swap out (the pages are back in the pool already), swap in, prefill, drop host copies, move
-    rows (src, dst), write changed block-table rows (row, pages), one decode step over
-    len(decode) rows (decode[row]: its last token, -1: none; (): no step), stop compiling."""
 
     swap_out: tuple[Swap, ...] = ()
     swap_in: tuple[Swap, ...] = ()
@@ -52,7 +45,6 @@ class Plan:
     stop_compiling: bool = False
 
     def pieces(self) -> list[Plan]:
-        """The plan cut where the engine may stop between two prefills: the swaps, each prefill, the rest."""
         swaps = Plan(swap_out=self.swap_out, swap_in=self.swap_in)
         rest = replace(self, swap_out=(), swap_in=(), prefills=())
         return [p for p in (swaps, *(Plan(prefills=(f,)) for f in self.prefills), rest) if p != Plan()]
@@ -60,9 +52,6 @@ class Plan:
 
 @dataclass
 class Output:
-    """What a plan's execution returned: each prefill's logits [1, V] by row, the decode step's
-    [rows, V], the exception of each request whose swap or prefill failed (by host key), and the
-    prefills the engine skipped (a cancel, an abort or a stop came first)."""
 
     prefill_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     decode_logits: Optional[torch.Tensor] = None

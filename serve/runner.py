@@ -1,7 +1,4 @@
-"""The serve engine's hands: the only thing of `kivi serve` that touches the model or the cache. It
-carries out one plan (plan.py) at a time, `execute`, through the primitive actions below; tensor
-parallelism sends each plan to the other ranks first, whose plain Runner executes it too (tp.py).
-"""
+"""The only part of `kivi serve` that touches the model or the cache: it executes one Plan at a time."""
 
 from __future__ import annotations
 
@@ -21,10 +18,7 @@ from .prefix_cache import restore_prefix, save_tail
 
 @dataclass(frozen=True)
 class RowPages:
-    """A static cache as the scheduler sees a paged one: one page of max_seq_len tokens per row,
-    `rows` pages in all. A request holds one page while it runs, whatever its length, so a static
-    engine admits while a row is free and never preempts; which page id it holds does not matter,
-    its row is where its tokens are."""
+    """A static cache as the scheduler sees a paged one: one page of max_seq_len tokens per row."""
 
     num_pages: int
     page_size: int
@@ -35,15 +29,10 @@ class RowPages:
 
 
 class Runner:
-    """The cache of `slots` rows (static rows of max_seq_len tokens, or with `paging` a paged cache),
-    a batch-1 staging cache for prefills, the decode step (compiled with `compile`), and host
-    copies of swapped-out sequences (keyed by an int the engine chooses)."""
 
-    # Seconds the engine may stay idle between two calls (None: forever). Tensor parallelism's
-    # leader sets it: its idle workers wait in a collective that times out (tp.py).
+    # Seconds the engine may idle between calls (None: forever): TP's idle workers' wait times out.
     heartbeat_s: Optional[float] = None
-    # Why this runner can no longer run (tensor parallelism: a rank died or fell out of step); the
-    # engine then ends every request with a 503. None while it can.
+    # Why this runner can no longer run (TP: a rank died or fell out of step); None while it can.
     failure: Optional[str] = None
 
     def __init__(self, model, *, method: str, kivi_config, slots: int, max_seq_len: int, paging=None,
@@ -57,22 +46,19 @@ class Runner:
         else:
             paged = dict(method=method, max_seq_len=max_seq_len, page_size=paging.page_size, kivi_config=kivi_config)
             self.cache = make_paged_cache(model, batch_size=slots, num_pages=paging.num_pages, **paged)
-            # The staging cache holds one sequence in pages 0, 1, ...: a prompt is prefilled there,
-            # then its pages and row state are copied into the pages the block manager gave it.
+            # Prompts are prefilled in the staging cache's pages 0, 1, ..., then copied into their own pages.
             width = self.cache.max_pages_per_seq
             self.staging = make_paged_cache(model, batch_size=1, num_pages=width, **paged)
             self.staging_table = torch.arange(width, dtype=torch.int32, device=self.device)[None]
-        # The pages the engine schedules: the paged cache's own, or one per static row.
         self.layout = self.cache if self.paged else RowPages(num_pages=slots, page_size=max_seq_len)
         self.step_fn = compile_decode_step(self.device) if compile else decode_step
-        self.saved: dict[int, object] = {}  # key -> a swapped-out sequence's host copy or a cached prefix's tail (paged)
-        self.views = {slots: self.cache}  # rows -> the paged cache's first rows (decode buckets), made once each
+        self.saved: dict[int, object] = {}  # host key -> a swapped-out sequence's copy or a cached prefix's tail
+        self.views = {slots: self.cache}
         self.table = torch.full((slots, self.layout.max_pages_per_seq), self.layout.num_pages, dtype=torch.int32)
-        self.doing = "the round"  # what execute() is doing now: a failure no request owns is named by it
+        self.doing = "the round"  # what execute() is doing now: names a failure no request owns
 
     def execute(self, plan: Plan) -> Output:
-        """Carry out one plan in its order. A swap's or a prefill's failure is that request's
-        (Output.failures, its host copies dropped); any other raises."""
+        """Carry out one plan in order; a swap's or prefill's failure is its request's, others raise."""
         out = Output()
         for s in plan.swap_out:
             self.doing = "swapping preempted requests out"
@@ -112,14 +98,12 @@ class Runner:
         try:
             return action(*args)
         except Exception as e:
-            self.drop(key)  # a swap's copy, half made or half read, is of no use
+            self.drop(key)  # a half-made copy is of no use
             out.failures[key] = e
             return None
 
     def prefill(self, slot: int, prompt_ids: list[int], pages: list[int]) -> torch.Tensor:
-        """Prefill one prompt alone (exact attention, then quantization, as `kivi generate` does) and
-        move it into row `slot` (paged: into `pages`, the pages its prompt needs; static: the row).
-        Returns the logits [1, V] of its last token."""
+        """Prefill one prompt alone, as `kivi generate` does, into row `slot` and `pages`: its last logits [1, V]."""
         self._stage()
         input_ids = torch.tensor([prompt_ids], device=self.device)
         counts = torch.tensor([len(prompt_ids)], device=self.device)
@@ -137,12 +121,7 @@ class Runner:
 
     def prefill_chunked(self, slot: int, prompt_ids: list[int], pages: list[int], chunk: int, start: int, shared: int,
                         tail_key: int, boundaries: list[int], keys: list[int]) -> torch.Tensor:
-        """--prefix-caching: prefill one prompt in chunks (generate.prefill_chunked) and move it into
-        row `slot` and `pages` (the pages its prompt needs, in order). start > 0: it starts from a
-        cached prefix of `start` tokens, whose pages are pages[:shared] (in the pool already,
-        shared) and whose tail is the host copy kept under tail_key (-1: none). At each boundary
-        in `boundaries` the tail is kept under the matching key of `keys` (every one is dropped
-        again if the prefill fails). Returns the logits [1, V] of its last token."""
+        """--prefix-caching: prefill in chunks from a cached prefix of `start` tokens, keeping a tail per boundary."""
         self._stage()
         staged = range(self.cache.max_pages_per_seq)
         tails = dict(zip(boundaries, keys))
@@ -163,32 +142,23 @@ class Runner:
         return logits
 
     def save(self, slot: int, pages: list[int], key: int) -> None:
-        """Swap out: host copies of row `slot`'s pages (in this order) and row state, kept under key."""
         self.saved[key] = save_sequence(self.cache, slot, pages)
 
     def load(self, slot: int, pages: list[int], key: int) -> None:
-        """Swap in: the sequence saved under key into row `slot` and `pages` (as many as were saved)."""
         load_sequence(self.cache, slot, pages, self.saved.pop(key))
 
     def drop(self, key: int) -> None:
-        """A swapped-out sequence ended (cancelled, timed out, aborted): forget its host copy."""
         self.saved.pop(key, None)
 
     def write_table(self, table: torch.Tensor) -> None:
-        """The block table (host int32 [rows, pages per row]) into the device one, in one copy (a
-        static cache has none: its rows are its pages)."""
         if self.paged:
             self.cache.block_table.copy_(table)
 
     def move(self, src: int, dst: int) -> None:
-        """Row `src`'s sequence into the free row `dst` (paged: its row state; its pages stay, the
-        engine writes its block-table row): requests are kept in the lowest rows."""
         move_row(self.cache, src, dst)
 
     def decode(self, tokens: list[int]) -> torch.Tensor:
-        """One decode step over the first len(tokens) rows (every row of a static cache; paged: a
-        decode bucket, leading_rows): tokens[row] is the row's last token, or -1 for a row with no
-        request (count 0: nothing is stored). Returns the logits [len(tokens), V]."""
+        """One decode step over the first len(tokens) rows (tokens[row] -1: no request, nothing stored)."""
         cache = self.views.get(len(tokens))
         if cache is None:
             cache = self.views[len(tokens)] = leading_rows(self.cache, len(tokens))
@@ -198,8 +168,7 @@ class Runner:
         return self.step_fn(self.model, cache, ids.clamp(min=0), positions, counts)
 
     def stop_compiling(self) -> None:
-        """Warm-up is done: from now on this thread compiles no new per-op CPU kernel shape (a shape
-        met later runs the reference ops: a compile would stall every running stream for seconds)."""
+        """From now on this thread compiles no new kernel shape (a compile would stall every stream)."""
         cpu_compiled.stop_compiling_on_this_thread()
 
     def flush(self) -> None:
@@ -209,5 +178,4 @@ class Runner:
         """The engine stops (tensor parallelism: stop the other ranks)."""
 
     def cache_bytes_by_rank(self) -> list[int]:
-        """Bytes of the cache each rank holds: [this one] outside tensor parallelism."""
         return [self.cache.nbytes()]

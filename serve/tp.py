@@ -1,29 +1,5 @@
-"""Tensor-parallel `kivi serve` under torchrun: rank 0 decides, every rank computes its shard.
-
-`torchrun --nproc-per-node N kivi serve ...`: every rank loads the model tensor-parallel
-(parallel.py: whole KV heads per rank) and builds the same Runner (runner.py) over a cache of
-its own heads. Rank 0 alone runs the HTTP server, tokenizes, schedules (block manager included) and
-samples; its runner is a LeaderRunner, which broadcasts each plan (plan.py) before executing it.
-The other ranks run `run_worker`: receive a plan, execute it on their runner, repeat. So every
-rank runs the same prefills and the same compiled decode step on the same rows, pages and counts,
-in the same order, and the model's own all-reduces line up. The logits every rank gets are whole
-(transformers' TP plan gathers the LM head's output); only rank 0 samples from them, and its tokens
-reach the others in the next plan's decode step. Page ids and host keys are rank 0's everywhere:
-each rank keeps its own heads' host copies (swaps, cached prefixes' tails) under the same keys.
-
-A plan travels as two int64 tensors broadcast over a gloo group (CPU tensors, also when the
-model's collectives run on nccl; no pickling): the header [MAGIC, kind, sequence number, payload
-length], then the payload: each of the Plan's fields in order (FIELDS), a tuple as its count and
-its items, an item's fields each an int or a list of ints written as [length, values...].
-
-Failures: every collective has the group's timeout (--tp-timeout), so nothing waits forever. When a
-plan cannot be sent, or a forward fails on rank 0 (a rank died: gloo reports the closed
-connection; or a collective timed out), the other ranks may be out of step: the leader records a
-`failure` and the engine ends every request with a 503 and refuses new ones. Idle, the leader sends
-an empty plan every timeout / 4 s (the workers' wait for the next plan would time out otherwise),
-which also notices a dead rank without traffic. A worker whose plan or execution fails exits
-non-zero. A stop on rank 0 (the engine closing) sends STOP: every worker returns and exits 0.
-"""
+"""Tensor-parallel `kivi serve` under torchrun: rank 0 schedules and samples and broadcasts each plan;
+every rank executes it on its own heads' cache (the format and the failures: docs/parallel.md)."""
 
 from __future__ import annotations
 
@@ -39,12 +15,11 @@ import torch
 from .plan import Output, Plan, Prefill, Swap
 from .runner import Runner
 
-MAGIC = 0x4B495649  # "KIVI": a header that does not start with it is not a plan (out of step)
+MAGIC = 0x4B495649  # a header that does not start with it is not a plan (out of step)
 PLAN, STOP = 1, 2
-HEADER = 4  # MAGIC, kind, sequence number, payload length
+HEADER = 4
 
-# The Plan's fields in order, each a tuple of items: an item's fields ("i": an int, "l": a list of
-# ints) and the type that holds them ("i" alone: the item is the int; None: a tuple).
+# The Plan's fields in order: an item's fields ("i": int, "l": list of ints) and its type (None: a tuple).
 FIELDS = (("swap_out", "iil", Swap), ("swap_in", "iil", Swap), ("prefills", "iilliiiill", Prefill),
           ("drops", "i", None), ("moves", "ii", None), ("table", "il", None))
 
@@ -62,7 +37,6 @@ class OutOfStep(RuntimeError):
 
 @dataclass(frozen=True)
 class Sent:
-    """What rank 0 broadcasts: a plan, or STOP; numbered from 0 (a worker checks it gets the next)."""
 
     kind: int
     seq: int
@@ -74,7 +48,6 @@ def _values(item, kinds: str) -> tuple:
 
 
 def encode_plan(sent: Sent) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header int64 [HEADER], payload int64 [n])."""
     out = []
     for name, kinds, _ in FIELDS:
         items = getattr(sent.plan, name)
@@ -116,11 +89,7 @@ def decode_plan(header: torch.Tensor, payload: torch.Tensor) -> Sent:
     return Sent(head[1], head[2], Plan(**fields, decode=decode, stop_compiling=stop_compiling))
 
 
-# ---------------------------------------------------------------- transport
-
-
 class DistChannel:
-    """Rank 0 -> the others over `group` (gloo): a fixed-size header, then the payload it announces."""
 
     def __init__(self, group):
         self.group = group
@@ -133,7 +102,6 @@ class DistChannel:
             dist.broadcast(payload, 0, group=self.group)
 
     def recv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next plan's (header, payload)."""
         import torch.distributed as dist
 
         header = torch.empty(HEADER, dtype=torch.long)
@@ -144,7 +112,6 @@ class DistChannel:
         return header, payload
 
     def gather(self, row: torch.Tensor) -> torch.Tensor:
-        """Every rank's `row` (int64 [n]), stacked [world, n], on every rank."""
         import torch.distributed as dist
 
         rows = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
@@ -153,15 +120,12 @@ class DistChannel:
 
 
 def signature(runner: Runner) -> torch.Tensor:
-    """[rows, pages, pages per row, cache bytes] of this rank's cache (int64)."""
     cache = runner.cache
     shape = [cache.batch_size, getattr(cache, "num_pages", 0), getattr(cache, "max_pages_per_seq", 0)]
     return torch.tensor([*shape, cache.nbytes()], dtype=torch.long)
 
 
 def handshake(channel, runner: Runner) -> list[int]:
-    """Every rank checks that all built the same cache shape (rows, pages, table width: the plans
-    mean the same rows and pages everywhere); returns each rank's cache bytes."""
     mine = signature(runner)
     shape = mine[:3].tolist()
     rows = channel.gather(mine).tolist()
@@ -172,8 +136,7 @@ def handshake(channel, runner: Runner) -> list[int]:
 
 
 def init_groups(device: str, timeout_s: float):
-    """The default process group (the model's collectives: gloo on CPU, nccl on CUDA) and a gloo
-    group for the plans, both with a `timeout_s` timeout on every collective. Returns the plan group."""
+    """The model's default group and a gloo group for the plans, each with a `timeout_s` timeout."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -186,12 +149,8 @@ def init_groups(device: str, timeout_s: float):
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-# ---------------------------------------------------------------- rank 0
-
-
 class LeaderRunner(Runner):
-    """Rank 0's runner: each plan is broadcast to the workers, then executed here (every rank must
-    enter the model's collectives together)."""
+    """Rank 0's runner: broadcast each plan, then execute it (every rank enters the collectives together)."""
 
     def __init__(self, model, *, channel, timeout_s: float, **kwargs):
         super().__init__(model, **kwargs)
@@ -229,7 +188,7 @@ class LeaderRunner(Runner):
         return out
 
     def flush(self) -> None:
-        """After heartbeat_s without a plan, an empty one."""
+        """Idle for heartbeat_s: an empty plan, so the workers' wait does not time out."""
         if time.monotonic() - self.last_sent >= self.heartbeat_s:
             self._send(Sent(PLAN, self.seq))
 
@@ -245,17 +204,12 @@ class LeaderRunner(Runner):
         return self.by_rank
 
 
-# ---------------------------------------------------------------- the other ranks
-
-
 class Worker:
-    """Executes rank 0's plans on this rank's runner, in order."""
 
     def __init__(self, runner: Runner):
         self.runner, self.seq = runner, 0
 
     def apply(self, sent: Sent) -> bool:
-        """Carry out one plan; False once told to stop. A failure here raises (this rank is out of step)."""
         if sent.seq != self.seq:
             raise OutOfStep(f"expected plan {self.seq}, got plan {sent.seq}")
         self.seq += 1
@@ -269,9 +223,8 @@ class Worker:
 
 
 def run_worker(runner: Runner, channel) -> int:
-    """A rank other than 0: execute plans until rank 0 says stop (0) or can no longer be heard (1).
-    SIGINT and SIGTERM are left to rank 0 (torchrun signals every rank; rank 0 drains its requests,
-    which needs the workers, then stops them)."""
+    """A rank other than 0: execute plans until rank 0 says stop (0) or goes silent (1).
+    Signals are left to rank 0, whose drain needs the workers."""
     handshake(channel, runner)
     worker = Worker(runner)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -279,7 +232,7 @@ def run_worker(runner: Runner, channel) -> int:
     while True:
         try:
             header, payload = channel.recv()
-        except Exception as e:  # rank 0 died, or sent nothing within the timeout
+        except Exception as e:
             print(f"kivi serve (rank {os.environ.get('RANK')}): lost rank 0 ({type(e).__name__}: {e}); stopping",
                   file=sys.stderr, flush=True)
             return 1

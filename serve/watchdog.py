@@ -1,16 +1,5 @@
-"""The engine's watchdog: a thread beside the engine thread, which sees what that thread cannot
-while it is inside a step that does not end (issue 53).
-
-- Requests past their deadline (--request-timeout), waiting, swapped out or running, get their 504
-  on time: the watchdog sends the error event and marks the request cancelled; the engine thread
-  frees its row and pages at its next safe point, as for a client that went away.
-- A stall: the engine has requests open and has completed no round (nor a prefill within one) for
-  `stall_timeout` seconds (EngineCore.progress_s). /health then answers 503 `engine_stalled` and
-  /metrics says so, until the engine moves again; the stall is logged when it starts and ends.
-
-It takes the engine's lock, which the engine thread never holds across a step, and gives up a tick
-rather than wait on it.
-"""
+"""A thread beside the engine thread that sees what it cannot while inside a long step: requests
+past --request-timeout get their 504 on time, and a stall turns /health 503 (docs/serve.md)."""
 
 from __future__ import annotations
 
@@ -24,8 +13,8 @@ from .request import Failure
 
 log = logging.getLogger("kivi.serve")
 
-STALL_TIMEOUT = 60.0  # seconds (--stall-timeout): far above a decode step or one prompt's prefill on a CPU
-TICK_S = 0.05  # how often the watchdog looks: the lateness of a 504, at most
+STALL_TIMEOUT = 60.0  # far above a decode step or one prompt's prefill on a CPU
+TICK_S = 0.05  # the lateness of a 504, at most
 
 
 def check_stall_timeout(seconds: float) -> float:
@@ -35,16 +24,15 @@ def check_stall_timeout(seconds: float) -> float:
 
 
 class Watchdog:
-    def __init__(self, core, placement, lock: threading.Condition, stall_timeout: float):
-        self.core, self.placement, self.lock = core, placement, lock
+    def __init__(self, core, stall_timeout: float):
+        self.core, self.lock = core, core.lock
         self.stall_timeout = check_stall_timeout(stall_timeout)
-        self.reported: Optional[float] = None  # when the stall being reported began (logged once)
+        self.reported: Optional[float] = None
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="kivi-watchdog", daemon=True)
         self.thread.start()
 
     def stall_s(self) -> Optional[float]:
-        """Seconds since the engine last made progress with requests open, once past stall_timeout; else None."""
         since = self.core.progress_s
         if since is None or not self.core.ready.is_set():
             return None
@@ -64,17 +52,16 @@ class Watchdog:
                 log.exception("the engine's watchdog failed a check")
 
     def _end_overdue(self) -> None:
-        if not self.lock.acquire(timeout=TICK_S):
+        if not self.lock.acquire(timeout=TICK_S):  # skip a tick rather than wait behind the engine thread
             return
         try:
             now = time.perf_counter()
-            for r in self.placement.requests():
+            for r in self.core.open_requests():
                 if not r.cancelled and r.deadline_s is not None and now > r.deadline_s:
-                    r.cancelled = True  # the engine thread frees it (a queued one leaves the queue now)
+                    r.cancelled = True  # no longer counted as waiting; the engine thread frees it
                     r.emit("error", Failure(504, f"the request ran longer than {r.deadline_s - r.submitted_s:g} s "
                                                  "(--request-timeout)", "timeout"))
-                    if r in self.placement.waiting:
-                        self.placement.leave(r)
+                    self.core.send("cancel", r)
         finally:
             self.lock.release()
 

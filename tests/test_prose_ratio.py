@@ -23,6 +23,6 @@ def test_prose_lines_counts_docstrings_and_comments_only():
 
 
 def test_the_cut_packages_stay_under_their_ceiling():
-    for paths, ceiling in (([ROOT / "models"], 0.12), ([ROOT / "kivi_ops"], 0.12)):
+    for paths, ceiling in (([ROOT / "models"], 0.12), ([ROOT / "kivi_ops"], 0.12), ([ROOT / "serve"], 0.12)):
         prose, lines = ratio(paths)
         assert prose / lines <= ceiling, (paths, prose, lines)

@@ -360,6 +360,133 @@ def test_a_round_of_many_prefills_stops_at_the_next_one_on_close_cancel_or_abort
         engine.close()
 
 
+def test_submits_and_cancels_from_many_threads_are_applied_by_the_engine_thread_alone_and_none_is_lost(tiny):
+    # Handlers only queue commands (issue 51): the queue, the rows and the pages change on the engine
+    # thread alone, whatever many threads submit and cancel at once; each submit is applied once, each
+    # request not cancelled completes, and once idle every page is back.
+    engine = make_engine(tiny, "fp", num_pages=12, page_size=4, slots=3)  # tight: some are preempted
+    mutations = []  # (what, thread) of every change to the queue, a row or the pages
+
+    def record(name, fn):
+        def recorded(*args, **kwargs):
+            mutations.append((name, threading.current_thread()))
+            return fn(*args, **kwargs)
+        return recorded
+
+    class Waiting(collections.deque):
+        pass
+
+    for name in ("append", "appendleft", "extend", "extendleft", "pop", "popleft", "remove", "clear", "insert",
+                 "rotate", "__delitem__", "__setitem__", "__iadd__"):
+        setattr(Waiting, name, record(name, getattr(collections.deque, name)))
+    placement = engine.placement
+    with engine.lock:
+        placement.waiting = Waiting(placement.waiting)
+        placement.plan, placement.leave = record("plan", placement.plan), record("leave", placement.leave)
+        placement.scheduler.finish = record("finish", placement.scheduler.finish)
+    ids = engine.tokenizer(PROMPTS[0])["input_ids"]
+    reqs, events, cancelled = [], collections.defaultdict(list), set()
+    submitted = threading.Condition()
+
+    def submitter(t):
+        for i in range(6):
+            r = Request(prompt_ids=ids, max_tokens=4 + (t + i) % 9, temperature=0,
+                        emit=lambda k, p, key=(t, i): events[key].append(k))
+            r.test_key = (t, i)
+            engine.submit(r)
+            with submitted:
+                reqs.append(r)
+                submitted.notify()
+
+    def canceller():
+        seen = 0
+        while seen < 48:
+            with submitted:
+                submitted.wait_for(lambda: len(reqs) > seen, timeout=30)
+                new, seen = reqs[seen:], len(reqs)
+            for r in new[::3]:  # every third, at once: before, while or after the engine thread applies its submit
+                cancelled.add(r.test_key)
+                engine.cancel(r)
+
+    try:
+        assert engine.ready.wait(120)
+        threads = [threading.Thread(target=submitter, args=(t,)) for t in range(8)] + [threading.Thread(target=canceller)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(reqs) == 48 and len(cancelled) >= 16
+        end = time.time() + 60
+        while time.time() < end and not all("done" in events[r.test_key] for r in reqs if r.test_key not in cancelled):
+            time.sleep(0.01)
+        s = wait_idle(engine)
+        for r in reqs:
+            ends = [k for k in events[r.test_key] if k != "text"]
+            if r.test_key in cancelled:
+                assert ends in ([], ["done"]), (r.test_key, events[r.test_key])
+            else:
+                assert ends == ["done"] and len(r.tokens) == r.max_tokens, (r.test_key, events[r.test_key])
+        assert sum(name == "append" for name, _ in mutations) == 48  # each submit applied once
+        assert mutations and all(t is engine.thread for _, t in mutations), {t.name for _, t in mutations}
+        assert s["pages_free"] == 12 and engine.snapshot()["waiting"] == []
+        engine.check()
+    finally:
+        engine.close()
+
+
+def test_a_full_queue_counts_the_submits_the_engine_thread_has_not_applied_yet(tiny):
+    # While the engine thread is inside a step, submits only queue: --max-waiting must count them,
+    # or twelve racing submits would all be accepted. One row is free and three may wait: four of
+    # twelve get in, the other eight get 503 server_busy, and the four complete once the step ends.
+    engine = make_engine(tiny, "fp", num_pages=64, page_size=4, slots=2, max_waiting=3)
+    real_step, hold, entered, release = engine.step_fn, threading.Event(), threading.Event(), threading.Event()
+
+    def step(*args, **kwargs):
+        if hold.is_set():
+            hold.clear()
+            entered.set()
+            release.wait(30)
+        return real_step(*args, **kwargs)
+
+    engine.step_fn = step
+    ids = engine.tokenizer(PROMPTS[0])["input_ids"]
+    done, refused, accepted = [], [], []
+    barrier = threading.Barrier(12)
+
+    def submit():
+        r = Request(prompt_ids=ids, max_tokens=4, temperature=0, emit=lambda k, p: done.append(k) if k == "done" else None)
+        barrier.wait(30)
+        try:
+            engine.submit(r)
+            accepted.append(r)
+        except RequestError as e:
+            refused.append((e.status, e.code))
+
+    try:
+        assert engine.ready.wait(120)
+        hold.set()
+        engine.submit(Request(prompt_ids=ids, max_tokens=8, temperature=0,
+                              emit=lambda k, p: done.append(k) if k == "done" else None))
+        assert entered.wait(30)
+        threads = [threading.Thread(target=submit) for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(accepted) == 4 and refused == [(503, "server_busy")] * 8, (len(accepted), refused)
+        assert engine.stats()["waiting"] == 4
+        release.set()
+        end = time.time() + 60
+        while len(done) < 5 and time.time() < end:
+            time.sleep(0.01)
+        assert len(done) == 5
+        wait_idle(engine)
+        engine.check()
+    finally:
+        release.set()
+        engine.close()
+
+
 def test_a_swap_out_that_fails_ends_that_request_alone(tiny):
     # Host memory runs out while a request is preempted: it ends with an error event, the running
     # one finishes with its uninterrupted tokens, and nothing later waits for the missing copy.
