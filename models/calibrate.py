@@ -1,6 +1,6 @@
 """KVQuant's offline calibration of per-layer nuqX levels (`kivi calibrate`): a k-means on each
 layer's keys and values weighted by their squared loss gradients (KVQuant Appendices D, E); and,
-from the same activations, the per layer and KV head rotations (kivi_ops/calibrated_rotation.py)."""
+from the same activations, the per layer and KV head rotations (kivi_ops/calibration/rotations.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from kivi_ops.calibrated_rotation import choose_rotations, rotations_section
+from kivi_ops.calibration.rotations import choose_rotations, rotations_section
 from kivi_ops.config import KIVIConfig
-from kivi_ops.layer_bits import check_budget, choose_widths, layer_bits_section, sensitivities
-from kivi_ops.nuq import calibrate_tables, levels_file
-from kivi_ops.rope import model_rope_tables, undo_rope
+from kivi_ops.calibration.layer_bits import check_budget, choose_widths, layer_bits_section, sensitivities
+from kivi_ops.calibration.nuq import calibrate_tables, levels_file
+from kivi_ops.options.rope import model_rope_tables, undo_rope
 
 from .loading import head_dim_of
 from .windows import layer_windows
@@ -95,7 +95,7 @@ def run_calibration(model, tokenizer, text: str, *, bits_list, group_size: int, 
     rotation_bits: also the rotations chosen for that bit width ("rotations", with the model's
     `identity`, calibrated_rotation.model_identity); bits_budget: also per-layer widths within that
     many bits per element at budget_tokens with group_size and residual_length ("layer_bits",
-    kivi_ops/layer_bits.py), measured in the rotations' basis when they are fitted."""
+    kivi_ops/calibration/layer_bits.py), measured in the rotations' basis when they are fitted."""
     if (rotation_bits is not None or bits_budget is not None) and identity is None:
         raise ValueError("rotation_bits and bits_budget need the model's identity (calibrated_rotation.model_identity)")
     budget_config = None

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kivi_models.generate import MAX_COMPILED_SHAPES
-from kivi_ops.paged_io import sequence_bytes
+from kivi_ops.cache.paged_io import sequence_bytes
 
 def check_prefix_caching(paging: "PagedServing", page_size: int) -> None:
     """Refuse a prefix chunk that is not a positive multiple of the page size, a negative prefix

@@ -1,7 +1,7 @@
 """The bytes of prefix caching (`kivi serve --paged --prefix-caching`): what a cached prefix keeps
 besides its shared pages, and how a new sequence starts from it. The block manager
 (block_manager.py, pure Python) decides which prefix a request takes and holds the page
-references; this module moves the bytes (kivi_ops.paged_io).
+references; this module moves the bytes (kivi_ops.cache.paged_io).
 
 A prefix of b tokens (b a multiple of the prefill chunk, models/generate.prefill_chunked) splits
 into pages [0, pages_final(b)), which no later append writes (KIVI: every token of them has its key
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from kivi_ops.paged_io import HostSequence, copy_sequence, load_sequence, save_sequence
+from kivi_ops.cache.paged_io import HostSequence, copy_sequence, load_sequence, save_sequence
 
 
 @dataclass(frozen=True)

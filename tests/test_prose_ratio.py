@@ -24,6 +24,6 @@ def test_prose_lines_counts_docstrings_and_comments_only():
 
 def test_the_cut_packages_stay_under_their_ceiling():
     for paths, ceiling in (([ROOT / "models"], 0.16),
-                           ([ROOT / "kivi_ops" / "dispatch.py", ROOT / "kivi_ops" / "implementations.py"], 0.17)):
+                           ([ROOT / "kivi_ops" / "dispatch" / "__init__.py", ROOT / "kivi_ops" / "dispatch" / "implementations.py"], 0.17)):
         prose, lines = ratio(paths)
         assert prose / lines <= ceiling, (paths, prose, lines)

@@ -7,10 +7,10 @@ request and whenever a cache kernel starts while it runs; the request's path is 
 On this suite's CPU kernels (the reference ones, conftest.py) the path is 10 files since the
 engine's split (Engine / EngineCore in serve/engine.py, the round in serve/executor.py):
 serve/app.py -> serve/engine.py -> serve/executor.py -> serve/runner.py -> models/generate.py ->
-models/attention.py -> kivi_ops/paged.py -> kivi_ops/layer.py (run_append / run_attend: the
-layer's one dispatch.choose, which returns before the op runs) -> kivi_ops/paged_ops.py ->
+models/attention.py -> kivi_ops/cache/paged.py -> kivi_ops/cache/layer.py (run_append / run_attend: the
+layer's one dispatch.choose, which returns before the op runs) -> kivi_ops/ops/paged.py ->
 kernels/reference.py (its paged forms run the static reference on the pages). It was 11 at
-c04511e, 10 at 0fa7d66 (kivi_ops/dispatch.py on the stack), 9 once the op's kernel stopped
+c04511e, 10 at 0fa7d66 (kivi_ops/dispatch/__init__.py on the stack), 9 once the op's kernel stopped
 choosing again. Issue 41 asks for at most 10. MAX_FILES holds today's number so that the path
 cannot grow unnoticed; lower it as files leave the path."""
 
