@@ -11,7 +11,7 @@ shapes (fp16 cache, KIVI-2 with G=32, R=128 and fp16 scales).
 
 - KIVI-2 paged, window paged (a design, computed, not built): the same quantized pages, and the
   full-precision windows in fp16 pages of FP_PAGE tokens of their own instead of a fixed R-token
-  buffer per row. Under KIVI's schedule (kivi_ops/schedule.py) a sequence of L tokens keeps
+  buffer per row. Under KIVI's schedule (kivi_ops/options/schedule.py) a sequence of L tokens keeps
   L mod R keys and min(L, R) values exact, so the windows hold (L mod R) + min(L, R) tokens, not
   2R: the row state loses its windows and the sequence pays for the window pages it holds. This
   row is how the design was chosen (docs/serve.md): it shows what paging the window would buy.
@@ -28,7 +28,7 @@ import statistics
 import torch
 
 from kivi_ops import FPCache, KIVICache, KIVIConfig
-from kivi_ops.paged_fp import PagedFPCache
+from kivi_ops.cache.paged_fp import PagedFPCache
 
 from .traces import SHAREGPT, chat_lengths
 
@@ -41,7 +41,7 @@ WINDOW_PAGED = "KIVI-2 paged, window paged (design, computed)"
 
 
 def _paged_kivi(config: KIVIConfig, shape: dict, *, batch_size: int, num_pages: int, page_size: int, max_pages: int):
-    from kivi_ops.paged import PagedKIVICache  # the paged KIVI layer
+    from kivi_ops.cache.paged import PagedKIVICache  # the paged KIVI layer
 
     return PagedKIVICache(config, **shape, batch_size=batch_size, num_pages=num_pages, page_size=page_size,
                           max_pages_per_seq=max_pages, dtype=torch.float16, device="meta")
@@ -87,7 +87,7 @@ def bench_paged_memory(budget_gib: float = 40.0, *, chat_samples: int = 20_000, 
     rows = []
     have_paged_kivi = True
     try:
-        import kivi_ops.paged  # noqa: F401
+        import kivi_ops.cache.paged  # noqa: F401
     except ImportError:
         have_paged_kivi = False
     for shape_name, shape in SHAPES.items():
@@ -122,7 +122,7 @@ def bench_paged_memory(budget_gib: float = 40.0, *, chat_samples: int = 20_000, 
                 rows.append(dict(shape=shape_name, workload=workload, mean_tokens=statistics.fmean(lengths), cache=name,
                                  **r, vs_paged_fp16=None if r["sequences"] is None else r["sequences"] / base))
     return dict(budget_gib=budget_gib, trace=SHAREGPT, chat_samples=chat_samples, kivi_config="KIVI-2 G=32 R=128",
-                paged_kivi="exact" if have_paged_kivi else "missing: kivi_ops.paged is not built", rows=rows)
+                paged_kivi="exact" if have_paged_kivi else "missing: kivi_ops.cache.paged is not built", rows=rows)
 
 
 def paged_memory_markdown(result: dict) -> str:

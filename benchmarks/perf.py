@@ -120,7 +120,7 @@ def bench_attention(device: str, contexts, bits_list=(2, 4), batch: int = 1, q_h
                     head_dim: int = 128, repeats: int = 20, compiled: bool | None = None) -> dict:
     """Eager rows: the kivi op (fused kernel on CUDA, reference on CPU) vs SDPA, per bits.
     compiled (default: on CPU): also `compiled_rows`, KIVI-2's decomposed attention
-    (kivi_ops/kernels/decomposed_attend.py, what compiled CPU decode runs) under torch.compile vs compiled SDPA
+    (kivi_ops/kernels/decomposed/attend.py, what compiled CPU decode runs) under torch.compile vs compiled SDPA
     over a static fp cache with a length mask (what FPCache runs), timed round by round."""
     dtype = torch.float16 if device == "cuda" else torch.float32
     compiled = device == "cpu" if compiled is None else compiled
@@ -166,7 +166,7 @@ def bench_attention(device: str, contexts, bits_list=(2, 4), batch: int = 1, q_h
 
 
 def _sdpa_static_cache(query, k, v, lengths):
-    """fp static-cache decode attention as kivi_ops/fp_layer.py runs it: keys t < lengths visible."""
+    """fp static-cache decode attention as kivi_ops/cache/fp_layer.py runs it: keys t < lengths visible."""
     t = torch.arange(k.shape[2], device=query.device)
     visible = t[None, :] < lengths[:, None]
     return F.scaled_dot_product_attention(query, k, v, attn_mask=visible[:, None, None, :], enable_gqa=True)
@@ -185,7 +185,7 @@ def _compiled_attention_row(cache: KIVICache, q, k, v, repeats: int, device: str
     kivi_c = torch.compile(_attend, fullgraph=True, dynamic=False)
     layer = cache.layers[0]
     reference = layer.attend(q)  # eager: the kivi op
-    # Compiled on CPU, the cache runs its decomposed attention (kivi_ops/dispatch.py).
+    # Compiled on CPU, the cache runs its decomposed attention (kivi_ops/dispatch/__init__.py).
     fns = dict(sdpa=lambda: sdpa_c(q, k, v, lengths), kivi=lambda: kivi_c(layer, q))
     start = time.perf_counter()
     diff = (fns["kivi"]() - reference).abs().max().item()

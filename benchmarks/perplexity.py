@@ -26,9 +26,9 @@ from transformers.masking_utils import sdpa_mask
 from kivi_models import make_cache
 from kivi_ops import KIVIConfig, fake_quantize
 from kivi_ops.config import check_bits, check_group_size
-from kivi_ops.nuq import fake_quantize_nuq, uniform_levels
-from kivi_ops.rope import apply_rope, model_rope_tables, undo_rope
-from kivi_ops.rotation import check_rotation, rotate, rotation_matrix, unrotate
+from kivi_ops.calibration.nuq import fake_quantize_nuq, uniform_levels
+from kivi_ops.options.rope import apply_rope, model_rope_tables, undo_rope
+from kivi_ops.options.rotation import check_rotation, rotate, rotation_matrix, unrotate
 
 FAKE_ATTN = "kivi_fake"
 
@@ -48,7 +48,7 @@ SCALE_BITS = 16  # an fp16 scale or zero
 class FakeQuantConfig:
     """Simulated quantization of all keys and values (no residual), as KIVI Table 1, and the
     baselines: per-token-head int (axis "head"), FP8 e4m3 with a per-head scale (format "fp8"),
-    each optionally rotated (k_rotation / v_rotation, kivi_ops/rotation.py: x M is quantized and
+    each optionally rotated (k_rotation / v_rotation, kivi_ops/options/rotation.py: x M is quantized and
     rotated back)."""
 
     k_bits: int = 2
@@ -179,9 +179,9 @@ def fake_quant_perplexity(plain_model, windows: torch.Tensor, spec: Optional[Fak
                           batch_size: int = 8, desc: str = "ppl", nuq: Optional[dict] = None,
                           sparse_outliers: float = 0.0, pre_rope: bool = False) -> PerplexityResult:
     """One full forward per window with every key/value fake-quantized (spec=None: 16-bit).
-    nuq: per-layer nuqX levels {"k": [...], "v": [...]} (kivi_ops/nuq.py) instead of the uniform grid.
-    sparse_outliers: the fraction of each vector kept exact (kivi_ops/dense_sparse.py).
-    pre_rope: quantize keys before RoPE and rotate after dequantization (kivi_ops/rope.py)."""
+    nuq: per-layer nuqX levels {"k": [...], "v": [...]} (kivi_ops/calibration/nuq.py) instead of the uniform grid.
+    sparse_outliers: the fraction of each vector kept exact (kivi_ops/options/dense_sparse.py).
+    pre_rope: quantize keys before RoPE and rotate after dequantization (kivi_ops/options/rope.py)."""
     if spec is not None and windows.shape[1] % spec.group_size:
         raise ValueError(f"--window must be a multiple of group_size={spec.group_size} for fake quantization")
     previous = plain_model.config._attn_implementation

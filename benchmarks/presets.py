@@ -42,7 +42,7 @@ def preset_calibration(preset: str, model: str) -> Path:
 
 def calibration_identity(model: str) -> dict:
     """--model's identity as calibration files record it (calibrated_rotation.model_identity)."""
-    from kivi_ops.calibrated_rotation import model_identity
+    from kivi_ops.calibration.rotations import model_identity
 
     from kivi_models.loading import model_identity as loaded_model_identity
     from kivi_models.loading import resolve_model_path
@@ -54,7 +54,7 @@ def calibration_identity(model: str) -> dict:
 def _shipped_widths(preset: str, model: str) -> tuple:
     """(file, identity, widths, its layer_bits section) of `preset` for --model `model`, checked
     against the model's identity (ValueError naming the preset and the field)."""
-    from kivi_ops.layer_bits import load_layer_bits
+    from kivi_ops.calibration.layer_bits import load_layer_bits
 
     path, identity = preset_calibration(preset, model), calibration_identity(model)
     widths, section = load_layer_bits(path, identity, flag=f"--preset {preset}")
@@ -70,7 +70,7 @@ def preset_settings(preset: str, model: str) -> dict:
 
 def preset_config(preset: str, model: str) -> KIVIConfig:
     """The KIVIConfig `--preset preset --model model` builds (the other flags at their defaults)."""
-    from kivi_ops.calibrated_rotation import load_rotations
+    from kivi_ops.calibration.rotations import load_rotations
 
     path, identity, widths, section = _shipped_widths(preset, model)
     return KIVIConfig(group_size=section["group_size"], residual_length=section["residual_length"],

@@ -69,7 +69,7 @@ _EMBEDDED_NUQ3 = Path(__file__).resolve().parent / "results" / "nuq_levels_smoll
 
 
 def _levels(file: Path, bits: int, **settings) -> dict:
-    from kivi_ops.nuq import config_levels
+    from kivi_ops.calibration.nuq import config_levels
 
     return config_levels(file, k_bits=bits, v_bits=bits, num_layers=None, group_size=32, **settings)
 
@@ -108,7 +108,7 @@ ROTATED = {"K": dict(rotate_keys=HAD), "V": dict(rotate_values=HAD), "K+V": dict
 
 
 def rotation_rows(levels: LevelFiles = LevelFiles()) -> list[Row]:
-    """KIVI-2/3/4 with keys, values or both stored Walsh–Hadamard-rotated (kivi_ops/rotation.py),
+    """KIVI-2/3/4 with keys, values or both stored Walsh–Hadamard-rotated (kivi_ops/options/rotation.py),
     and the best 2-bit KVQuant rows with the rotations they admit: values rotated (pre-RoPE keys
     refuse a key rotation; the nuq value levels were calibrated unrotated), and the post-RoPE
     options (1% sparse + sink 1) with both rotated."""

@@ -1,7 +1,7 @@
 """`kivi bench serve`: four caches under the same request stream, at the same cache budget.
 
-The caches: static fp, paged fp (our vLLM-style paged cache, kivi_ops/paged_fp.py), static KIVI and
-paged KIVI (kivi_ops/paged.py, where built). The budget decides each one's capacity from its exact
+The caches: static fp, paged fp (our vLLM-style paged cache, kivi_ops/cache/paged_fp.py), static KIVI and
+paged KIVI (kivi_ops/cache/paged.py, where built). The budget decides each one's capacity from its exact
 bytes: a static cache gets budget // bytes of a row of max_seq_len tokens rows; a paged cache gets
 as many rows as sequences the budget holds at the pages a sequence of the stream holds in flight
 (plan()), and the pool of pages that the budget holds after those rows' own state.
@@ -404,7 +404,7 @@ def bench_serve(model, tokenizer, *, budget_bytes: float, max_seq_len: int, requ
                 prefix_chunk=None, steady_fill: float = STEADY_FILL, warmup_turnover: float = WARMUP_TURNOVER) -> dict:
     """Each cache in `caches` serves the same stream for `duration` seconds at the same budget.
     clients: concurrent closed-loop clients (default: the most rows any cache gets, so that every
-    cache can fill up). A cache that cannot be built here (paged KIVI without kivi_ops.paged) is
+    cache can fill up). A cache that cannot be built here (paged KIVI without kivi_ops.cache.paged) is
     reported as skipped, with the reason. steady_fill, warmup_turnover: where the steady window
     starts (steady_start)."""
     if not 0 < steady_fill <= 1:
@@ -421,7 +421,7 @@ def bench_serve(model, tokenizer, *, budget_bytes: float, max_seq_len: int, requ
                                page_size=page_size if cache == "kivi-paged" else None, max_rows=max_rows,
                                prefix_chunk=prefix_chunk, shared_prefix=shared_prefix))
         except ValueError as e:
-            if cache != "kivi-paged" or "kivi_ops.paged" not in str(e):
+            if cache != "kivi-paged" or "kivi_ops.cache.paged" not in str(e):
                 raise
             skipped[cache] = str(e)
     clients = clients or max(s["slots"] for s in setups)

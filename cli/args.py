@@ -20,8 +20,8 @@ import torch
 
 from kivi_ops import KIVIConfig
 from kivi_ops.config import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
-from kivi_ops.rotation import CACHE_ROTATIONS
-from kivi_ops.schedule import POLICIES
+from kivi_ops.options.rotation import CACHE_ROTATIONS
+from kivi_ops.options.schedule import POLICIES
 
 from kivi_models.generate import METHODS
 from kivi_models.loading import DEFAULT_MODEL
@@ -105,7 +105,7 @@ def non_negative_float(text: str) -> float:
 
 
 def fraction_arg(text: str) -> float:
-    from kivi_ops.dense_sparse import check_outlier_fraction
+    from kivi_ops.options.dense_sparse import check_outlier_fraction
 
     try:
         value = float(text)
@@ -204,7 +204,7 @@ def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
 
 def _nuq_levels(args, parser) -> dict:
     """{"key_levels": ..., "value_levels": ...} for KIVIConfig from --nuq, checked against the model."""
-    from kivi_ops.nuq import config_levels
+    from kivi_ops.calibration.nuq import config_levels
 
     from kivi_models.loading import head_dim_of, model_identity, resolve_model_path
 
@@ -252,7 +252,7 @@ def _layer_bits(args, parser, method: str) -> tuple:
     if given:
         parser.error(f"--layer-bits sets each layer's widths; leave out "
                      f"{' / '.join(sorted('--' + g.replace('_', '-') for g in given))}")
-    from kivi_ops.layer_bits import load_layer_bits
+    from kivi_ops.calibration.layer_bits import load_layer_bits
 
     with usage_errors(parser, ValueError, OSError):
         widths, section = load_layer_bits(args.layer_bits, _calibration_identity(args))
@@ -274,7 +274,7 @@ def _calibrated_rotations(args, parser, method: str):
                      f"not of --method {method}")
     if not args.rotations:
         parser.error("--rotate-keys/--rotate-values calibrated need --rotations PATH (a `kivi calibrate` file)")
-    from kivi_ops.calibrated_rotation import load_rotations
+    from kivi_ops.calibration.rotations import load_rotations
 
     with usage_errors(parser, ValueError, OSError):
         return load_rotations(args.rotations, _calibration_identity(args), keys=args.rotate_keys == "calibrated")

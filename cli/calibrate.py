@@ -1,5 +1,5 @@
 """`kivi calibrate`: derive per-layer nuqX levels and per layer and KV head rotations offline
-(kivi_models.calibrate) and write them to a calibration file (kivi_ops.nuq, kivi_ops.calibrated_rotation)."""
+(kivi_models.calibrate) and write them to a calibration file (kivi_ops.calibration.nuq, kivi_ops.calibration.rotations)."""
 
 from __future__ import annotations
 
@@ -51,9 +51,9 @@ def _bits_list(text: str) -> list[int]:
 
 
 def cmd_calibrate(args, parser) -> int:
-    from kivi_ops.calibrated_rotation import model_identity as rotation_identity
+    from kivi_ops.calibration.rotations import model_identity as rotation_identity
     from kivi_ops.config import check_group_size
-    from kivi_ops.nuq import write_levels_file
+    from kivi_ops.calibration.nuq import write_levels_file
 
     from kivi_models.calibrate import run_calibration
     from kivi_models.corpus import load_text

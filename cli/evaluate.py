@@ -143,7 +143,7 @@ def cmd_ppl(args, parser) -> int:
 def _nuq_tables(args, parser, config) -> dict:
     """{"k": key levels per layer at --k-bits, "v": value levels per layer at --v-bits}, checked
     against the model (its config)."""
-    from kivi_ops.nuq import KEY_AXIS, VALUE_AXIS, load_kv_levels
+    from kivi_ops.calibration.nuq import KEY_AXIS, VALUE_AXIS, load_kv_levels
 
     from kivi_models.loading import head_dim_of, model_identity
 

@@ -216,7 +216,7 @@ def plan_slots(model, args, kivi_config, parser) -> tuple[int, int, int]:
 def fp16_paged_sequences(model, nbytes: int, tokens: int) -> int:
     """Sequences of `tokens` tokens an fp16 paged cache (vLLM's: 16-token pages, every token kept)
     holds in nbytes: the start-up line's comparison."""
-    from kivi_ops.paged_fp import DEFAULT_PAGE_SIZE
+    from kivi_ops.cache.paged_fp import DEFAULT_PAGE_SIZE
 
     from kivi_models.generate import make_cache
 

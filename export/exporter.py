@@ -308,7 +308,7 @@ def export_decoder(
     check_target(out, overwrite)
     kivi_config = kivi_config or KIVIConfig()
     # ONNX and ExecuTorch cannot carry the kivi custom ops: the cache then runs core ATen forms
-    # (kivi_ops/dispatch.py, "portable").
+    # (kivi_ops/dispatch/__init__.py, "portable").
     cache = make_cache(model, method=method, batch_size=batch_size, max_seq_len=max_seq_len, kivi_config=kivi_config,
                        portable=fmt in ("onnx", "pte"))
     decoder = ExportableDecoder(model, cache, cache_as_io=fmt == "onnx").eval()

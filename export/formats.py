@@ -109,7 +109,7 @@ def load_pt2(file: Path, meta: ExportMetadata) -> tuple[Step, Optional[ProgramSh
 
 
 def save_aoti(ep: torch.export.ExportedProgram, file: Path) -> None:
-    from kivi_ops.kernels.avx2_byte_loads import install
+    from kivi_ops.kernels.decomposed.avx2_byte_loads import install
 
     install()  # AVX2: the packed codes' loads without a store-forwarding stall (that module's doc)
     torch._inductor.aoti_compile_and_package(ep, package_path=str(file))

@@ -6,8 +6,8 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
-from .rotation import CACHE_ROTATIONS, CalibratedRotations, check_rotation
-from .schedule import POLICIES, key_flush_unit, policy_id, residual_slots
+from .options.rotation import CACHE_ROTATIONS, CalibratedRotations, check_rotation
+from .options.schedule import POLICIES, key_flush_unit, policy_id, residual_slots
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_AXES = ("channel", "token")
@@ -160,7 +160,7 @@ class KIVIConfig:
         calibrated = "calibrated" in (self.rotate_keys, self.rotate_values)
         if calibrated and not isinstance(self.rotations, CalibratedRotations):
             raise ValueError(f"rotate_keys/rotate_values='calibrated' needs rotations, a calibration file's matrices "
-                             f"(kivi_ops.calibrated_rotation.load_rotations; CLI: --rotations PATH), got {self.rotations!r}")
+                             f"(kivi_ops.calibration.rotations.load_rotations; CLI: --rotations PATH), got {self.rotations!r}")
         if not calibrated and self.rotations is not None:
             raise ValueError("rotations are used only with rotate_keys or rotate_values='calibrated', got "
                              f"rotate_keys={self.rotate_keys!r}, rotate_values={self.rotate_values!r}")

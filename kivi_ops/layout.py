@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional
 
 from torch import Tensor
 
-from .extras import Extras
+from .options.extras import Extras
 
 
 class LayerTensors(NamedTuple):

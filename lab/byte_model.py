@@ -100,8 +100,8 @@ def _rows(shape: dict, step: str, context: int, must: int, counts: dict) -> list
 
 def measure(tokens: int) -> list[dict]:
     from kivi_ops import KIVICache, KIVIConfig
-    from kivi_ops.kernels.triton_append import append_triton
-    from kivi_ops.kernels.triton_decode import attend_decode
+    from kivi_ops.kernels.triton.append import append_triton
+    from kivi_ops.kernels.triton.decode import attend_decode
 
     G, R, B, rows = 32, 128, 1, []
     for Hq, H, D in ((4, 4, 128), (8, 2, 64)):

@@ -1,4 +1,4 @@
-"""The CUDA C++ decode kernel (kivi_ops/cuda/decode_attend.cu) for sm_90a, without a GPU: ptxas
+"""The CUDA C++ decode kernel (kivi_ops/kernels/cuda/decode_attend.cu) for sm_90a, without a GPU: ptxas
 registers/spills/shared memory per kernel, and the static issue model of issue_model.py applied to
 its chunk loop.
 
@@ -23,11 +23,11 @@ import tempfile
 from pathlib import Path
 
 from kivi_benchmarks.environment import environment
-from kivi_ops.cuda.toolkit import compile_env, tool, toolkit_root
+from kivi_ops.kernels.cuda.toolkit import compile_env, tool, toolkit_root
 
 from .issue_model import H100, PIPE_RATE, pipe_of, sass_loops, token_bytes
 
-SOURCE = Path(__file__).resolve().parent.parent / "kivi_ops" / "cuda" / "decode_attend.cu"
+SOURCE = Path(__file__).resolve().parent.parent / "kivi_ops" / "kernels" / "cuda" / "decode_attend.cu"
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v")
 CHUNK_TOKENS = 32  # tokens per warp iteration of the quantized loop (decode_attend.cu kChunk)
 
@@ -127,11 +127,11 @@ def main(argv=None) -> None:
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--library", default=None,
-                        help="also build the shared library for a GPU machine without nvcc (kivi_ops/cuda/prebuilt.py) "
+                        help="also build the shared library for a GPU machine without nvcc (kivi_ops/kernels/cuda/prebuilt.py) "
                              "here, e.g. .gpu/libkivi_cuda_decode.so")
     args = parser.parse_args(argv)
     if args.library:
-        from kivi_ops.cuda.prebuilt import build
+        from kivi_ops.kernels.cuda.prebuilt import build
 
         Path(args.library).parent.mkdir(parents=True, exist_ok=True)
         print(f"built {build(Path(args.library), args.arch)}")

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from kivi_benchmarks.environment import environment
-from kivi_ops.cuda.toolkit import compile_env, tool, toolkit_root
+from kivi_ops.kernels.cuda.toolkit import compile_env, tool, toolkit_root
 
 from .cuda_decode_model import NVCC_FLAGS, SOURCE, functions, ptxas_resources
 from .decode_time_model import (
@@ -262,7 +262,7 @@ def main(argv=None) -> None:
     if args.libraries:
         import tarfile
 
-        from kivi_ops.cuda.prebuilt import build
+        from kivi_ops.kernels.cuda.prebuilt import build
 
         with tempfile.TemporaryDirectory() as tmp, tarfile.open(args.libraries, "w:xz") as tar:
             for name in GPU_VARIANTS:

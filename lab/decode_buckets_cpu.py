@@ -1,5 +1,5 @@
 """CPU: the compiled decode step of `kivi serve --paged` over every row against the step over the
-decode bucket that holds the requests (kivi_ops/row_view.py), same run, interleaved.
+decode bucket that holds the requests (kivi_ops/cache/row_view.py), same run, interleaved.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m lab decode_buckets_cpu [--rows 94] [--active 24]
         [--bucket 32] [--context 160] [--steps 12] [--out FILE]

@@ -63,7 +63,7 @@ def in_fit_set(point: dict) -> bool:
     return point["source"] == "sweep 2026-11-26" or (
         point["source"] == "sweep 2026-11-27" and point["kernel"] == "cuda_cpp" and point.get("num_splits") is None)
 
-# Kernel launch arithmetic (kivi_ops/kernels/triton_attend.py, triton_decode.py, kivi_ops/cuda/attend.py)
+# Kernel launch arithmetic (kivi_ops/kernels/triton/attend.py, decode.py, kivi_ops/kernels/cuda/attend.py)
 TRITON_PROGRAMS_PER_SM = 16  # triton_decode.DECODE_PROGRAMS_PER_SM
 TRITON_MAX_SPLITS = 64
 CUDA_MAX_SPLITS, CUDA_SPLIT_MIN_TOKENS, CUDA_WARPS, CUDA_CHUNK = 64, 128, 4, 32

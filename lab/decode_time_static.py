@@ -26,14 +26,14 @@ def nvdisasm() -> Path:
     """The toolkit's nvdisasm, or the Triton wheel's (same tool) when the toolkit has none."""
     import triton
 
-    from kivi_ops.cuda.toolkit import toolkit_root
+    from kivi_ops.kernels.cuda.toolkit import toolkit_root
 
     own = toolkit_root() / "bin" / "nvdisasm"
     return own if own.exists() else Path(triton.backends.nvidia.__path__[0]) / "bin" / "nvdisasm"
 
 
 def cuda_cpp_static(arch: str = "sm_90a") -> dict:
-    from kivi_ops.cuda.toolkit import compile_env, tool, toolkit_root
+    from kivi_ops.kernels.cuda.toolkit import compile_env, tool, toolkit_root
 
     from .cuda_decode_model import NVCC_FLAGS, SOURCE, functions, ptxas_resources
     from .decode_time_model import loop_of
@@ -66,7 +66,7 @@ def cuda_cpp_static(arch: str = "sm_90a") -> dict:
 
 
 def triton_decode_static(arch: int = 90, cubin_dir: Path | None = None) -> dict:
-    from kivi_ops.kernels.triton_decode import attend_decode
+    from kivi_ops.kernels.triton.decode import attend_decode
 
     from .decode_time_model import loop_of
     from .issue_model import sass_loops, sass_of
@@ -93,7 +93,7 @@ def triton_decode_static(arch: int = 90, cubin_dir: Path | None = None) -> dict:
 
 
 def nvcc_version() -> str:
-    from kivi_ops.cuda.toolkit import tool, toolkit_root
+    from kivi_ops.kernels.cuda.toolkit import tool, toolkit_root
 
     out = subprocess.run([str(tool(toolkit_root(), "nvcc")), "--version"], capture_output=True, text=True, check=True)
     return next(line for line in out.stdout.splitlines() if "release" in line).strip()
@@ -103,11 +103,11 @@ CUDA_SOURCES = ("decode_attend.cu", "decode_attend.h")
 
 
 def cuda_sources_sha256(read=None) -> str:
-    """The digest of the CUDA C++ kernel's sources (kivi_ops/cuda): the C++ facts describe the source
+    """The digest of the CUDA C++ kernel's sources (kivi_ops/kernels/cuda): the C++ facts describe the source
     they were compiled from. `read(name) -> bytes` reads another revision's files (default: this tree's)."""
     import hashlib
 
-    root = Path(__file__).resolve().parent.parent / "kivi_ops" / "cuda"
+    root = Path(__file__).resolve().parent.parent / "kivi_ops" / "kernels" / "cuda"
     read = read or (lambda name: (root / name).read_bytes())
     digest = hashlib.sha256()
     for name in CUDA_SOURCES:
@@ -119,7 +119,7 @@ def collect(cubin_dir: Path | None = None, cuda_cpp_from: Path | None = None) ->
     """The static facts compiled on this machine. cubin_dir: also write the Triton cubins there.
     cuda_cpp_from: a static JSON whose CUDA C++ facts are taken where this machine has no nvcc (a GPU
     image running the library prebuilt elsewhere runs exactly the code counted there)."""
-    from kivi_ops.cuda.toolkit import CudaKernelUnavailable
+    from kivi_ops.kernels.cuda.toolkit import CudaKernelUnavailable
 
     if cubin_dir is not None:
         cubin_dir.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ One run, side by side, same shapes (the default model's attention: SmolLM2-135M,
 heads, 3 KV heads, head_dim 64, fp32), context 8192, KIVI-2 with G=32, R=128:
 
     (a) sdpa_compiled      torch.compile of fp32 SDPA decode over a [B, H, S, D] cache, length mask
-                           (what kivi_ops/fp_layer.py does)
+                           (what kivi_ops/cache/fp_layer.py does)
     (b) kivi_op            torch.ops.kivi.cache_attend: the custom op (CPU reference kernel)
     (c) decomposed_fused   torch.compile of cache_attend_decomposed (q_len 1: fused packed loops)
     (d) decomposed_matmul  torch.compile of cache_attend_decomposed(form="materialized")
@@ -35,16 +35,16 @@ import torch
 import torch.nn.functional as F
 
 from kivi_ops import KIVICache, KIVIConfig
-from kivi_ops.kernels.avx2_byte_loads import install as install_avx2_byte_loads
-from kivi_ops.kernels.decomposed_append import append_decomposed
-from kivi_ops.kernels.decomposed_attend import attend_fused, attend_materialized
+from kivi_ops.kernels.decomposed.avx2_byte_loads import install as install_avx2_byte_loads
+from kivi_ops.kernels.decomposed.append import append_decomposed
+from kivi_ops.kernels.decomposed.attend import attend_fused, attend_materialized
 
 from kivi_benchmarks.environment import environment
 from kivi_benchmarks.perf import interleaved_times
 
 
 def sdpa_decode(query, k, v, lengths, scale):
-    """fp32 static-cache decode attention, as kivi_ops/fp_layer.py: mask t < lengths."""
+    """fp32 static-cache decode attention, as kivi_ops/cache/fp_layer.py: mask t < lengths."""
     t = torch.arange(k.shape[2], device=query.device)
     visible = t[None, :] < lengths[:, None]
     return F.scaled_dot_product_attention(query, k, v, attn_mask=visible[:, None, None, :], scale=scale,
@@ -53,7 +53,7 @@ def sdpa_decode(query, k, v, lengths, scale):
 
 def fp_append(k_cache, v_cache, lengths, key, value):
     """One-token append to a static fp32 cache with index_put_ (Inductor re-inplaces it; a
-    scatter_ on the cache inputs, as kivi_ops/fp_layer.py writes it, compiles standalone here to
+    scatter_ on the cache inputs, as kivi_ops/cache/fp_layer.py writes it, compiles standalone here to
     full copies of both caches, ~50 ms at this shape)."""
     B, H = key.shape[:2]
     b = torch.arange(B, device=key.device)[:, None]
@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--aten-byte-loads", action="store_true",
                     help="compile with Inductor's own 8-byte loads (ATen's slow AVX2 path), not the library's "
-                         "(kivi_ops/kernels/avx2_byte_loads.py), to compare")
+                         "(kivi_ops/kernels/decomposed/avx2_byte_loads.py), to compare")
     args = ap.parse_args(argv)
     if not args.aten_byte_loads:
         install_avx2_byte_loads()  # what every compile of the library does (compile_budget.compile_own_code)

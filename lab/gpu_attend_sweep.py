@@ -1,5 +1,5 @@
 """Tuning sweep of the fused decode attention kernels on a GPU (one device call): CUDA-graph
-replay times (launch overhead excluded) of attend_decode (kivi_ops/kernels/triton_decode.py, what
+replay times (launch overhead excluded) of attend_decode (kivi_ops/kernels/triton/decode.py, what
 the dispatcher runs for a decode step with head_dim 128) and of the tensor-core candidate
 attend_decode_mma (triton_decode_mma.py) over launch configurations, beside SDPA over the fp16
 cache of the same shape, with each compiled kernel's registers, spills and shared memory.
@@ -9,7 +9,7 @@ cache of the same shape, with each compiled kernel's registers, spills and share
 
 configs: "default" or a list "[kernel/]splits:block_n:warps:stages,...", kernel decode (the
 default), mma or mma-magic (magic-number code conversion), or cuda (the CUDA C++ kernel,
-kivi_ops/cuda; only its splits count, 0: its default); heads: "32/32" (query/kv, default),
+kivi_ops/kernels/cuda; only its splits count, 0: its default); heads: "32/32" (query/kv, default),
 e.g. "32/32,32/8". Prints a table; --json for rows."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from kivi_ops import KIVICache, KIVIConfig
-from kivi_ops.cuda.attend import attend_cuda_cpp
-from kivi_ops.kernels import triton_decode, triton_split
+from kivi_ops.kernels.cuda.attend import attend_cuda_cpp
+from kivi_ops.kernels.triton import decode as triton_decode, split as triton_split
 from lab import triton_decode_mma
 from kivi_benchmarks.perf import attend_read_bytes, copy_bandwidth
 
@@ -61,7 +61,7 @@ def parse_config(spec: str) -> tuple[str, dict]:
     if kernel not in ("decode", "mma", "mma-magic", "cuda"):
         raise SystemExit(f"config kernel must be decode, mma, mma-magic or cuda, got {kernel!r}")
     splits, block_n, warps, stages = (int(v) for v in knobs.split(":"))
-    if kernel == "cuda":  # the CUDA C++ kernel (kivi_ops/cuda): its tiles and warps are fixed
+    if kernel == "cuda":  # the CUDA C++ kernel (kivi_ops/kernels/cuda): its tiles and warps are fixed
         return kernel, dict(num_splits=splits or None)
     kw = dict(num_splits=splits or None, block_n=block_n, num_warps=warps, num_stages=stages)
     if kernel == "mma-magic":
@@ -111,7 +111,7 @@ def main(argv=None):
             row = dict(heads=f"{Hq}/{H}", tokens=n, batch=B, config=cfg or "default", us=us, sdpa_us=sdpa, speedup=sdpa / us,
                        bandwidth_share=floor_us / us, rel_err_vs_fp=err, max_diff_vs_first_config=diff)
             if kernel == "cuda":  # which build of the CUDA C++ kernel ran (lab/cuda_decode_variants.py)
-                from kivi_ops.cuda.loader import load
+                from kivi_ops.kernels.cuda.loader import load
 
                 row.update(cuda_variant=list(load().variant()), cuda_library=os.environ.get("KIVI_CUDA_DECODE_LIB"))
             rows.append(row)

@@ -64,7 +64,7 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$RESULTS/install.log" 2>&1 \
   || { cat "$RESULTS/install.log"; save; exit 1; }
 [ -f .gpu/model.gguf ] && export KIVI_GPU_TEST_MODEL=$PWD/.gpu/model.gguf
-# The CUDA C++ decode kernel (kivi_ops/cuda): torch.utils.cpp_extension builds it where the image has
+# The CUDA C++ decode kernel (kivi_ops/kernels/cuda): torch.utils.cpp_extension builds it where the image has
 # nvcc; else the library prebuilt without a GPU (`python -m lab cuda_decode_model --library
 # .gpu/libkivi_cuda_decode.so`, carry .gpu): the PyPI nvcc is too big to carry.
 if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ] && [ -f .gpu/libkivi_cuda_decode.so ]; then
@@ -132,14 +132,14 @@ for stage in $stages; do
     recount) TAIL=25 run recount 40 python3 -m lab decode_time_model --static \
                --static-out "$RESULTS/decode_kernels_sm90_gpu.json" \
                --calibration "$RESULTS/decode_time_model_calibration_gpu.json" ;;
-    # the dispatcher's tuning table for this device (kivi_ops/tuning.py reads it)
+    # the dispatcher's tuning table for this device (kivi_ops/dispatch/tuning.py reads it)
     tune) TAIL=20 run tune 45 python3 -m lab gpu_tune --out "$RESULTS" ;;
     decode) run decode 75 python3 -m kivi_cli bench decode --device cuda --model llama2-7b-shape --contexts 1024,32768 \
               --batches 1 --new-tokens 32 --out "$RESULTS" ;;
     budget) run budget 55 python3 -m kivi_cli bench decode --device cuda --model llama2-7b-shape --contexts 4096 \
               --budget-gib 40 --new-tokens 16 --out "$RESULTS" ;;
     # the served stream, paged fp16 vs paged KIVI-2 at one cache budget, compiled: every decode bucket
-    # of the paged engine is one CUDA graph (kivi_ops/row_view.py)
+    # of the paged engine is one CUDA graph (kivi_ops/cache/row_view.py)
     serve) TAIL=30 run serve 200 python3 -m kivi_cli bench serve --device cuda --model llama2-7b-shape \
              --caches fp-paged,kivi-paged --compile --budget-gib 20 --max-seq-len 2048 --duration 30 --requests 2000 \
              --out "$RESULTS" --json ;;

@@ -5,7 +5,7 @@ gpu_attend_sweep times them, which seeded the table), and the fastest is written
 
     KIVI_GIT_SHA=$(git rev-parse HEAD) python -m lab gpu_tune --out DIR [--budget-s 90]
 
-DIR/tuning_table.json is kivi_ops/tuning_table.json with this device's entries measured now (the
+DIR/tuning_table.json is kivi_ops/dispatch/tuning_table.json with this device's entries measured now (the
 other devices', and this device's classes not measured this time, kept): commit it over the
 package's copy. The shape classes, most important first (a run cut by --budget-s keeps those):
 batch 8 and 1, contexts 1K / 4K / 32K, heads 32/32 x 128 (Llama-2-7B, `kivi bench attention` and
@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from kivi_ops import KIVICache, KIVIConfig, PagedKIVICache, dispatch, tuning
-from kivi_ops import implementations
+from kivi_ops import KIVICache, KIVIConfig, PagedKIVICache, dispatch
+from kivi_ops.dispatch import tuning
+from kivi_ops.dispatch import implementations
 from kivi_ops.paged_layout import Paging
 
 CONFIG = KIVIConfig(2, 2, 32, 128)

@@ -124,9 +124,9 @@ def model_row(kernel, arch: int, tokens_per_iter: int, programs_per_kv_head: int
 
 def cases():
     """(label, launch, tokens per loop iteration, programs per kv head) at the benchmark shapes."""
-    from kivi_ops.kernels.triton_decode import attend_decode
+    from kivi_ops.kernels.triton.decode import attend_decode
     from lab.triton_decode_mma import attend_decode_mma
-    from kivi_ops.kernels.triton_split import attend_launch_config, attend_split
+    from kivi_ops.kernels.triton.split import attend_launch_config, attend_split
 
     for q_heads, kv_heads in ((32, 32), (32, 8)):
         qg = q_heads // kv_heads

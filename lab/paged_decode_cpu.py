@@ -20,8 +20,8 @@ import time
 import torch
 
 from kivi_ops import KIVICache, KIVIConfig, Step
-from kivi_ops import implementations
-from kivi_ops.paged import PagedKIVICache
+from kivi_ops.dispatch import implementations
+from kivi_ops.cache.paged import PagedKIVICache
 
 
 def build(rows, context, capacity, page_size, H, D, seed=0, R=128):
@@ -51,7 +51,7 @@ def build_paged(rows, context, capacity, page_size, H, D, seed=0, R=128):
 
 def _attend_fused_gathered(query, layer, counts, params, scale, pages):
     """decomposed_fused's paged form before the indexed view: on the pages gathered (static_view)."""
-    from kivi_ops.kernels.decomposed_attend import attend_fused
+    from kivi_ops.kernels.decomposed.attend import attend_fused
     from kivi_ops.paged_layout import static_view
 
     return attend_fused(query, static_view(layer, pages.block_table), counts, params, scale)

@@ -116,9 +116,9 @@ def layer_of(*, kv_heads: int, head_dim: int, bits: int, tokens: int, batch: int
 def cases(bits_list=(2, 3, 4)):
     """(label, function launching the kernels, knobs) at the benchmark shapes, per bit width
     (KIVI-3: 8 codes per 3 bytes, packing.py)."""
-    from kivi_ops.kernels.triton_append import append_triton
-    from kivi_ops.kernels.triton_decode import attend_decode
-    from kivi_ops.kernels.triton_split import attend_split
+    from kivi_ops.kernels.triton.append import append_triton
+    from kivi_ops.kernels.triton.decode import attend_decode
+    from kivi_ops.kernels.triton.split import attend_split
 
     for kv_heads, q_heads, head_dim in ((32, 32, 128), (8, 32, 64), (1, 4, 256)):  # the last: Gemma 3 270M
         for bits in bits_list:

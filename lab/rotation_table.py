@@ -97,13 +97,13 @@ def _row_config(method: str, config: dict):
         return None, None
     fields = {k: v for k, v in config.items() if k != "nuq"}
     fields["layer_bits"] = tuple(tuple(p) for p in config.get("layer_bits", ()))  # JSON lists
-    if config.get("rotations"):  # calibrated rotations, recorded as their file (kivi_ops/calibrated_rotation.py)
-        from kivi_ops.calibrated_rotation import load_rotations
+    if config.get("rotations"):  # calibrated rotations, recorded as their file (kivi_ops/calibration/rotations.py)
+        from kivi_ops.calibration.rotations import load_rotations
 
         file = Path(config["rotations"]["file"])
         fields["rotations"] = load_rotations(file if file.exists() else RESULTS / file.name, None)
     if config.get("nuq"):
-        from kivi_ops.nuq import config_levels
+        from kivi_ops.calibration.nuq import config_levels
 
         nuq = Path(config["nuq"]) if Path(config["nuq"]).exists() else RESULTS / Path(config["nuq"]).name
         fields.update(config_levels(nuq, k_bits=config["k_bits"], v_bits=config["v_bits"], num_layers=None,

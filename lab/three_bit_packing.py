@@ -35,7 +35,7 @@ def row_bytes(D: int) -> dict:
 
 
 def _scores_planes(packed, q):  # packed uint8 [S, 3 * D/8], q fp32 [8, D/8] (ij order)
-    from kivi_ops.kernels.decomposed_attend import unpack_codes_ij
+    from kivi_ops.kernels.decomposed.attend import unpack_codes_ij
 
     return (unpack_codes_ij(packed, 3) * q).sum((-1, -2))
 
@@ -46,7 +46,7 @@ def _scores_int32x10(words, q):  # words int32 [S, ceil(D/10)], q fp32 [10, ceil
 
 
 def _scores_bytes(packed, q, bits):  # 2 or 4 bits: one byte a word
-    from kivi_ops.kernels.decomposed_attend import unpack_codes_ij
+    from kivi_ops.kernels.decomposed.attend import unpack_codes_ij
 
     return (unpack_codes_ij(packed, bits) * q).sum((-1, -2))
 
@@ -79,7 +79,7 @@ def cpu_fused_attention(S: int = 4096, H: int = 3, Hq: int = 9, D: int = 64) -> 
     """One decode step of the fused decomposed attention (attend_fused, compiled like eager CPU
     decode runs it) at the embedded model's head shape, a full cache of S tokens."""
     from kivi_ops import KIVICache, KIVIConfig
-    from kivi_ops.kernels.decomposed_attend import attend_fused
+    from kivi_ops.kernels.decomposed.attend import attend_fused
 
     rows = []
     for bits in (2, 3, 4):
@@ -100,7 +100,7 @@ def cpu_fused_attention(S: int = 4096, H: int = 3, Hq: int = 9, D: int = 64) -> 
 def triton_decode(arch: int = 90) -> list[dict]:
     """The decode kernel's steady-state loop at 2, 3, 4 bits (issue_model.model_row), D=128,
     Hq=32 on 8 kv heads, its default launch (1 warp x 32 tokens) and the no-spill one (4 x 16)."""
-    from kivi_ops.kernels.triton_decode import attend_decode
+    from kivi_ops.kernels.triton.decode import attend_decode
 
     from .issue_model import model_row, token_bytes
     from .ptxas_usage import compile_instead_of_launch, layer_of

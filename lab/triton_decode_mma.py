@@ -26,7 +26,7 @@ query head. Tiles of BLOCK_N tokens (BLOCK_N divides G: one key group per tile):
     flash attention);
   - the last tiles (residual window, <= R + G tokens) take the mixed path: keys dequantized or
     read from the residual ring per token.
-Splits merge in _attend_reduce_kernel (triton_attend.py), as for the other kernels. CUDA-graph
+Splits merge in _attend_reduce_kernel (kivi_ops/kernels/triton/attend.py), as for the other kernels. CUDA-graph
 safe: static grid, every length predicated inside.
 
 Scope: plain KIVI caches (no pool, nuq levels, pre-RoPE keys or sparse store: attend_decode
@@ -42,9 +42,10 @@ import triton
 import triton.language as tl
 
 from kivi_ops.layout import LayerTensors, QuantParams
-from kivi_ops.packing import codes_per_byte
-from kivi_ops.kernels.triton_attend import LOG2E, _cast, _cast_sat, attend_num_splits, attend_setup, launch_reduce, split_workspace
-from kivi_ops.kernels.triton_quant import _BF16_MAX, _FP16_MAX, device_ctx, interpreting, next_pow2
+from kivi_ops.kernels.reference.packing import codes_per_byte
+from kivi_ops.kernels.triton.attend import (LOG2E, _cast, _cast_sat, attend_num_splits, attend_setup, launch_reduce,
+                                            split_workspace)
+from kivi_ops.kernels.triton.quant import _BF16_MAX, _FP16_MAX, device_ctx, interpreting, next_pow2
 
 MMA_BLOCK_N = 32  # tokens per tile, at most G (one key group per tile)
 MMA_NUM_WARPS = 4

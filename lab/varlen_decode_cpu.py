@@ -1,5 +1,5 @@
 """`python -m lab varlen_decode_cpu [--tokens L] [--kernels compiled|reference]`: one KIVI-2 layer's
-decode step through kivi_ops.varlen (what the vLLM backend runs per layer), batch 8, SmolLM2's shape
+decode step through kivi_ops.cache.varlen (what the vLLM backend runs per layer), batch 8, SmolLM2's shape
 (3 KV heads, 9 query heads, head_dim 64, R = 128, G = 32, pages of 32), on byte pages; and fp32 SDPA
 over the same lengths beside it. One thread. The step's plan (varlen.plan: the metadata read once
 per step, for every layer) is timed apart from the layer's run."""
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from kivi_ops import KIVIConfig, dispatch
-from kivi_ops.byte_pages import page_bytes, pool_views
+from kivi_ops.cache.byte_pages import page_bytes, pool_views
 from kivi_ops.layout import LayerTensors, QuantParams
-from kivi_ops import varlen
+from kivi_ops.cache import varlen
 
 H, HQ, D, PS, B, R = 3, 9, 64, 32, 8, 128
 

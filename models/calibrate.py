@@ -11,11 +11,11 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from kivi_ops.calibrated_rotation import choose_rotations, rotations_section
+from kivi_ops.calibration.rotations import choose_rotations, rotations_section
 from kivi_ops.config import KIVIConfig
-from kivi_ops.layer_bits import check_budget, choose_widths, layer_bits_section, sensitivities
-from kivi_ops.nuq import calibrate_tables, levels_file
-from kivi_ops.rope import model_rope_tables, undo_rope
+from kivi_ops.calibration.layer_bits import check_budget, choose_widths, layer_bits_section, sensitivities
+from kivi_ops.calibration.nuq import calibrate_tables, levels_file
+from kivi_ops.options.rope import model_rope_tables, undo_rope
 
 from .loading import head_dim_of
 from .windows import layer_windows

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from kivi_ops import FPCache, KIVICache, KIVIConfig, StaticCacheBase, Step
-from kivi_ops.compile_budget import compile_own_code, signature
-from kivi_ops.rope import model_rope_frequencies
+from kivi_ops.dispatch.compile_budget import compile_own_code, signature
+from kivi_ops.options.rope import model_rope_frequencies
 
 from .parallel import local_kv_heads, rank
 from .windows import layer_windows
@@ -72,12 +72,12 @@ def make_paged_cache(model, *, method: str, batch_size: int, max_seq_len: int, n
     dims = dict(num_layers=cfg.num_hidden_layers, batch_size=batch_size, num_kv_heads=local_kv_heads(model),
                 head_dim=head_dim, dtype=dtype or model.dtype, device=device or model.device, num_pages=num_pages)
     if method == "fp":
-        from kivi_ops.paged_fp import DEFAULT_PAGE_SIZE, PagedFPCache
+        from kivi_ops.cache.paged_fp import DEFAULT_PAGE_SIZE, PagedFPCache
 
         page_size = page_size or DEFAULT_PAGE_SIZE
         cache = PagedFPCache(**dims, page_size=page_size, max_pages_per_seq=-(-max_seq_len // page_size))
     else:
-        from kivi_ops.paged import PagedKIVICache
+        from kivi_ops.cache.paged import PagedKIVICache
 
         kivi_config = local_kivi_config(model, kivi_config or KIVIConfig())
         page_size = page_size or kivi_config.group_size  # a page holds whole quantization groups

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kivi_ops.paged_io import sequence_bytes
+from kivi_ops.cache.paged_io import sequence_bytes
 
 from .output import advance
 from .paged_options import tail_pages

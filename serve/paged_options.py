@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kivi_models.generate import MAX_COMPILED_SHAPES
-from kivi_ops.paged_io import sequence_bytes
+from kivi_ops.cache.paged_io import sequence_bytes
 
 def check_prefix_caching(paging: "PagedServing", page_size: int) -> None:
     chunk, kept, nbytes = paging.prefix_chunk, paging.max_prefixes, paging.max_prefix_bytes

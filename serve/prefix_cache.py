@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from kivi_ops.paged_io import HostSequence, copy_sequence, load_sequence, save_sequence
+from kivi_ops.cache.paged_io import HostSequence, copy_sequence, load_sequence, save_sequence
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ from typing import Optional
 
 import torch
 
-from kivi_ops.kernels import cpu_compiled
-from kivi_ops.paged_io import copy_sequence, load_sequence, move_row, save_sequence
-from kivi_ops.row_view import leading_rows
+from kivi_ops.dispatch import cpu_compiled
+from kivi_ops.cache.paged_io import copy_sequence, load_sequence, move_row, save_sequence
+from kivi_ops.cache.row_view import leading_rows
 
 from kivi_models.generate import compile_decode_step, decode_step, make_cache, make_paged_cache, prefill, prefill_chunked
 from .plan import Output, Plan

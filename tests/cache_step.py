@@ -1,7 +1,7 @@
 """A decode step over a KIVICache holding a prompt, as a module, and the compile / export checks that the
 option tests (test_pool.py, test_kvquant.py) share.
 
-Which implementation a step runs is kivi_ops/dispatch.py's choice: eager on CPU and torch.export
+Which implementation a step runs is kivi_ops/dispatch/__init__.py's choice: eager on CPU and torch.export
 call the kivi ops (CPU kernel: the reference); torch.compile on CPU traces the decomposed forms
 inline; a `portable` cache runs the decomposed append and materialized attention everywhere (no
 kivi op). `through_op=True` calls torch.ops.kivi.* directly instead of the cache's methods, which

@@ -1,4 +1,4 @@
-"""A lane-by-lane Python model of kivi_ops/cuda/decode_attend.cu, so that a CPU-only machine can
+"""A lane-by-lane Python model of kivi_ops/kernels/cuda/decode_attend.cu, so that a CPU-only machine can
 check the kernel's index algebra against the reference before any GPU runs it.
 
 It mirrors the kernel statement by statement: which bytes each lane loads, the prmt selectors,

@@ -8,7 +8,7 @@ import random
 import torch
 
 from kivi_ops import KIVICache, Step
-from kivi_ops.paged import PagedKIVICache
+from kivi_ops.cache.paged import PagedKIVICache
 
 
 class ShuffledPages:

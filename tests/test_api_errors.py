@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kivi_ops import FPCache, KIVICache, KIVIConfig, KIVILayer, Step, fake_quantize, quantize
-from kivi_ops import implementations
+from kivi_ops.dispatch import implementations
 
 B, H, D = 2, 2, 16
 

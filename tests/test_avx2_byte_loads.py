@@ -8,7 +8,7 @@ from torch._inductor.codegen import cpp
 from torch._inductor.cpu_vec_isa import VecAVX2, VecAVX512, pick_vec_isa
 from torch._inductor.utils import fresh_cache, run_and_get_code
 
-from kivi_ops.kernels import avx2_byte_loads
+from kivi_ops.kernels.decomposed import avx2_byte_loads
 
 pytestmark = pytest.mark.skipif(not isinstance(pick_vec_isa(), VecAVX2),
                                 reason="the patch changes AVX2 code only; this CPU's ISA is another")

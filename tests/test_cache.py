@@ -187,7 +187,7 @@ def decode_step(cache, layer, k, v, q):
 
 def op_decode_step(cache, k, v, q):
     """decode_step through the kivi ops themselves (what CUDA runs; on CPU the cache's compiled
-    step runs the decomposed forms instead, kivi_ops/dispatch.py)."""
+    step runs the decomposed forms instead, kivi_ops/dispatch/__init__.py)."""
     params = cache.layers[0].params
     torch.ops.kivi.cache_append(*cache.layers[0].tensors(), k, v, None, *params)
     return torch.ops.kivi.cache_attend(q, *cache.layers[0].tensors(), None, *params, 1 / math.sqrt(cache.head_dim))
@@ -229,7 +229,7 @@ def test_compiled_decode_step_matches_eager_without_cache_copies():
 
 @pytest.mark.slow  # a cold Inductor build; test_model.py's compiled decode checks the same forms in a model
 def test_compiled_cache_decode_step_is_decomposed_and_matches_eager():
-    # The cache's own compiled CPU step runs the decomposed forms inline (kivi_ops/dispatch.py):
+    # The cache's own compiled CPU step runs the decomposed forms inline (kivi_ops/dispatch/__init__.py):
     # the append is bit-exact; attention differs from the eager op (the reference) only in the
     # order of its fp32 sums, within the tolerance justified in test_decomposed.py.
     from test_decomposed import ATOL, RTOL
@@ -401,7 +401,7 @@ def test_reorder_cache_refuses_bad_indices_and_batch_resizing():
 
 
 def test_paged_cache_refuses_beam_search_naming_num_beams():
-    from kivi_ops.paged import PagedKIVICache
+    from kivi_ops.cache.paged import PagedKIVICache
     paged = PagedKIVICache(KIVIConfig(group_size=8, residual_length=16), num_layers=1, batch_size=2, num_pages=4,
                            page_size=16, max_pages_per_seq=2, num_kv_heads=2, head_dim=32)
     with pytest.raises(ValueError, match="num_beams"):

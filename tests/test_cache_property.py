@@ -49,7 +49,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kivi_ops import KIVICache, KIVIConfig, Step
-from kivi_ops import implementations
+from kivi_ops.dispatch import implementations
 
 U = 2.0 ** -24
 

@@ -1,4 +1,4 @@
-"""Calibrated rotations (rotate_keys / rotate_values = "calibrated", kivi_ops/calibrated_rotation.py):
+"""Calibrated rotations (rotate_keys / rotate_values = "calibrated", kivi_ops/calibration/rotations.py):
 per layer and KV head matrices chosen offline, stored with the model's identity and refused for
 another model; through the cache they keep attention exact where nothing is quantized, cost no
 bytes, and the static, paged, compiled, exported and tensor-parallel paths agree."""
@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from kivi_ops import KIVICache, KIVIConfig, Step
-from kivi_ops.calibrated_rotation import (CalibratedRotations, candidate_matrices, choose_rotations, load_rotations,
-                                          model_identity, quantization_error, rotations_section)
-from kivi_ops.rotation import random_orthogonal, rotate, rotation_matrix, unrotate
+from kivi_ops.calibration.rotations import (CalibratedRotations, candidate_matrices, choose_rotations, load_rotations,
+                                            model_identity, quantization_error, rotations_section)
+from kivi_ops.options.rotation import random_orthogonal, rotate, rotation_matrix, unrotate
 from paged_helpers import append_both, make_pair
 from serve_fixtures import tiny  # noqa: F401
 from test_rotation import ATOL, ORTHO_ATOL, RTOL

@@ -113,7 +113,7 @@ def test_a_model_cache_that_is_a_file_is_refused_before_converting(tmp_path, mon
     ("not json", "cannot read a calibration file"),
 ])
 def test_malformed_nuq_files(tmp_path, capsys, content, message):
-    from kivi_ops.nuq import FORMAT
+    from kivi_ops.calibration.nuq import FORMAT
 
     path = tmp_path / "levels.json"
     path.write_text(content.replace("kivi-nuq-levels/1", FORMAT))
@@ -122,7 +122,7 @@ def test_malformed_nuq_files(tmp_path, capsys, content, message):
 
 
 def test_nuq_file_with_string_levels_or_wrong_layer_count(tmp_path, capsys):
-    from kivi_ops.nuq import load_tables
+    from kivi_ops.calibration.nuq import load_tables
 
     good = json.loads((cli_args.Path(__file__).parents[1] / "benchmarks/results/nuq_levels_smollm2.json").read_text())
     bits = next(iter(good["bits"]))
@@ -139,7 +139,7 @@ def test_nuq_file_with_string_levels_or_wrong_layer_count(tmp_path, capsys):
 def nuq_file(path, tiny_dir, **edits):
     """A `kivi calibrate` file for tiny_dir (2 layers, head_dim 16; an absolute path, as the file
     records it) at G=32, 2 bits, with edits."""
-    from kivi_ops.nuq import FORMAT
+    from kivi_ops.calibration.nuq import FORMAT
 
     good = [0.1, 1.1, 1.9, 2.9]
     data = dict(format=FORMAT, model=str(tiny_dir), num_layers=2, head_dim=16, group_size=32,

@@ -16,8 +16,8 @@ import torch
 
 from kivi_models import generate, load_model, make_cache, patch_model
 from kivi_ops import KIVICache, KIVIConfig, Step, dispatch
-from kivi_ops import implementations
-from kivi_ops.kernels import cpu_compiled
+from kivi_ops.dispatch import implementations
+from kivi_ops.dispatch import cpu_compiled
 from kivi_ops.kernels.reference import attend_reference
 
 FUSED = implementations.form("attend", "decomposed_fused")  # cpu_compiled keys its budget by form

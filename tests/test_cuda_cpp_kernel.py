@@ -1,4 +1,4 @@
-"""The CUDA C++ decode kernel (kivi_ops/cuda/decode_attend.cu) against the reference attention.
+"""The CUDA C++ decode kernel (kivi_ops/kernels/cuda/decode_attend.cu) against the reference attention.
 
 On a CUDA GPU (skipped elsewhere, "needs a CUDA GPU"): the built extension against
 attend_reference for KIVI-2 G=32, head_dim 64 and 128, MHA and GQA, ragged lengths that are not
@@ -32,15 +32,15 @@ import pytest
 import torch
 
 from kivi_ops import dispatch
-from kivi_ops.cuda.attend import attend_cuda_cpp, attend_cuda_cpp_paged, default_num_splits, unsupported
-from kivi_ops.cuda.toolkit import CudaKernelUnavailable, pip_toolkit_root
-from kivi_ops import implementations
+from kivi_ops.kernels.cuda.attend import attend_cuda_cpp, attend_cuda_cpp_paged, default_num_splits, unsupported
+from kivi_ops.kernels.cuda.toolkit import CudaKernelUnavailable, pip_toolkit_root
+from kivi_ops.dispatch import implementations
 from kivi_ops.kernels.reference import append_reference, attend_reference
 from kivi_ops.kernels.reference import paged_attend_reference
 from kivi_ops.layout import LayerTensors, QuantParams
-from kivi_ops.packing import packed_bytes
+from kivi_ops.kernels.reference.packing import packed_bytes
 from kivi_ops.paged_layout import PAGED_TENSORS, Paging, pages_needed
-from kivi_ops.schedule import KIVI, OTT
+from kivi_ops.options.schedule import KIVI, OTT
 
 from tests.cuda_decode_emulator import Variant, emulate_decode
 
@@ -147,7 +147,7 @@ def loaded_variant() -> Variant:
     """The variant of the CUDA kernel this process runs (the default without a GPU)."""
     if not CUDA:
         return Variant()
-    from kivi_ops.cuda.loader import load
+    from kivi_ops.kernels.cuda.loader import load
 
     stages, residual, _, fold16 = load().variant()
     return Variant(stages, bool(residual), bool(fold16), fold16 == 2)
@@ -430,7 +430,7 @@ def test_emulator_uses_the_kernels_constants():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    kernel = set(re.findall(r"0x([0-9A-Fa-f]{4,8})u?\b", (root / "kivi_ops/cuda/decode_attend.cu").read_text()))
+    kernel = set(re.findall(r"0x([0-9A-Fa-f]{4,8})u?\b", (root / "kivi_ops/kernels/cuda/decode_attend.cu").read_text()))
     emulator = (root / "tests/cuda_decode_emulator.py").read_text().upper()
     # 0x6400 is the comment's fp16 1024.0 (0x64006400 in code); 0xffffffff the shuffle mask
     missing = {c for c in kernel if f"0X{c.upper()}" not in emulator} - {"6400", "ffffffff"}
@@ -467,7 +467,7 @@ def test_default_splits_fill_the_gpu_from_static_shapes():
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal where there is no CUDA")
 def test_loader_and_dispatch_refuse_cuda_cpp_here():
-    from kivi_ops.cuda.loader import load, unavailable_reason
+    from kivi_ops.kernels.cuda.loader import load, unavailable_reason
 
     assert "CUDA" in unavailable_reason()
     with pytest.raises(CudaKernelUnavailable, match="unavailable: needs a CUDA"):
@@ -493,7 +493,7 @@ def test_auto_is_the_default():
 def test_dispatch_chooses_cuda_cpp_only_where_asked_and_supported(monkeypatch):
     """With the setting on (the build faked: no GPU here), what a tuned decode call runs
     (dispatch.tuned_choice), and what the layer's choice is."""
-    from kivi_ops.cuda import loader
+    from kivi_ops.kernels.cuda import loader
 
     monkeypatch.setattr(loader, "load", lambda: object())
     monkeypatch.setattr(dispatch, "_cuda_decode", "cuda_cpp")
@@ -551,7 +551,7 @@ def test_kernel_compiles_for_sm90a_without_spills():
 
 
 def test_prebuilt_params_mirror_the_c_struct():
-    from kivi_ops.cuda.prebuilt import DecodeParams
+    from kivi_ops.kernels.cuda.prebuilt import DecodeParams
 
     # decode_attend.cu static_asserts the same four numbers
     assert (ctypes.sizeof(DecodeParams), DecodeParams.batch.offset, DecodeParams.qscale.offset,
@@ -563,7 +563,7 @@ def test_prebuilt_params_mirror_the_c_struct():
 def test_prebuilt_library_builds_and_loads_without_a_gpu(tmp_path):
     """The no-compiler route for a GPU machine: the library builds here, loads, and a launch with
     no GPU returns a CUDA error code instead of crashing."""
-    from kivi_ops.cuda.prebuilt import DecodeParams, Library, build
+    from kivi_ops.kernels.cuda.prebuilt import DecodeParams, Library, build
 
     path = build(tmp_path / "libkivi_cuda_decode.so")
     assert path.stat().st_size < 8 * 2**20  # carried to the GPU machine with the working tree

@@ -126,7 +126,7 @@ def test_prefetch_stages_trade_waits_for_occupancy(static, committed):
 
 
 def _toolkit_missing() -> bool:
-    from kivi_ops.cuda.toolkit import CudaKernelUnavailable, toolkit_root
+    from kivi_ops.kernels.cuda.toolkit import CudaKernelUnavailable, toolkit_root
 
     try:
         toolkit_root()

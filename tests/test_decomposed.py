@@ -1,4 +1,4 @@
-"""kivi_ops.kernels.decomposed_{append,attend}: static-shape cache append/attend vs the CPU reference;
+"""kivi_ops.kernels.decomposed.{append,attend}: static-shape cache append/attend vs the CPU reference;
 export and compile."""
 
 import random
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kivi_ops import KIVICache, KIVIConfig
-from kivi_ops.kernels.decomposed_append import append_decomposed
-from kivi_ops.kernels.decomposed_attend import attend_fused, attend_materialized
+from kivi_ops.kernels.decomposed.append import append_decomposed
+from kivi_ops.kernels.decomposed.attend import attend_fused, attend_materialized
 from kivi_ops.kernels.reference import append_reference, attend_reference
 from kivi_ops.layout import LayerTensors, QuantParams
 
@@ -72,7 +72,7 @@ def run_pair(cfg, S, seed, B=3, H=2, D=32, flush_under_cond=False):
             counts = None
         key, value = torch.randn(B, H, n, D, generator=gen), torch.randn(B, H, n, D, generator=gen)
         append_reference(ref, key, value, counts, params)
-        with torch.no_grad():  # the branch is taken with grad off only (decomposed_append.py)
+        with torch.no_grad():  # the branch is taken with grad off only (kernels/decomposed/append.py)
             append_decomposed(dec, key, value, counts, params, flush_under_cond=flush_under_cond)
         yield ref, dec, counts, n, gen
 

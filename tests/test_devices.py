@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kivi_ops import devices
-from kivi_ops.paged import _check_block_table
+from kivi_ops.cache.paged import _check_block_table
 
 
 @pytest.fixture

@@ -8,9 +8,10 @@ import re
 import pytest
 import torch
 
-from kivi_ops import KIVICache, KIVIConfig, dispatch, implementations
+from kivi_ops import KIVICache, KIVIConfig, dispatch
+from kivi_ops.dispatch import implementations
 from kivi_ops.dispatch import Choice
-from kivi_ops.kernels.decomposed_attend import attend_fused, attend_materialized
+from kivi_ops.kernels.decomposed.attend import attend_fused, attend_materialized
 from kivi_ops.layout import LayerTensors
 
 # ---------------------------------------------------------------- the support matrix
@@ -237,7 +238,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCANNED = ("kivi_ops", "models", "export", "benchmarks", "tests")
 # The modules that own cache buffers and may name them.
 # (row_view.py builds a cache's first-rows view out of its modules' own buffers.)
-OWNERS = {ROOT / "kivi_ops" / name for name in ("cache.py", "layer.py", "fp_layer.py", "row_view.py")}
+OWNERS = {ROOT / "kivi_ops" / "cache" / name for name in ("static.py", "layer.py", "fp_layer.py", "row_view.py")}
 # getattr/setattr/... with an f-string name glued to a placeholder by "_": getattr(cache, f"k_{i}"),
 # getattr(a, f"{name}_0").
 ATTR_BY_FSTRING = re.compile(

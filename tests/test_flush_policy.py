@@ -1,4 +1,4 @@
-"""The ott flush policy (KIVIConfig.flush_policy="ott", kivi_ops/schedule.py, docs/cache.md):
+"""The ott flush policy (KIVIConfig.flush_policy="ott", kivi_ops/options/schedule.py, docs/cache.md):
 keys and values quantized G tokens at a time, the R most recent tokens always exact, R and G
 independent. Checked step by step against a token-by-token reference written from the OTT paper,
 and every implementation (reference op, decomposed append, fused and materialized attention,
@@ -11,9 +11,9 @@ import torch
 
 from cache_step import CacheStep, check_compiled_matches_eager, check_export_matches_eager, step_inputs
 from kivi_ops import KIVICache, KIVIConfig, Step, fake_quantize
-from kivi_ops.kernels.decomposed_attend import attend_fused, attend_materialized
+from kivi_ops.kernels.decomposed.attend import attend_fused, attend_materialized
 from kivi_ops.kernels.reference import attend_reference
-from kivi_ops.schedule import OTT, quantized_counts
+from kivi_ops.options.schedule import OTT, quantized_counts
 from test_decomposed import ATOL, NAMES, RTOL, run_pair
 
 

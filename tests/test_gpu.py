@@ -111,7 +111,7 @@ def test_compiled_decode_before_any_eager_decode(monkeypatch):
     # The decode append's arrival counters, first allocated inside a compiled step, broke cudagraph
     # trees ("tensor(s) in the cudagraph pool not tracked as outputs", H200): the cache reserves
     # them when it is built. Here no eager decode step runs first in this state.
-    import kivi_ops.kernels.triton_append as ta
+    import kivi_ops.kernels.triton.append as ta
 
     monkeypatch.setattr(ta, "_ARRIVALS", {})
     model = tiny_llama(torch.float16)

@@ -36,6 +36,21 @@ ALLOWED = {
     "kivi_benchmarks": {"kivi_ops", "kivi_models", "kivi_serve", "kivi_benchmarks"},
     "kivi_cli": set(PACKAGES),
 }
+# kivi_ops's floors, bottom up (docs/design.md, "Where things live"). A module imports its own group
+# or any group of a lower floor, never up, nor a sibling group of its floor: the kernel families
+# stand side by side on the reference. The top-level modules and options/ are one group (config
+# checks the options' settings, dense_sparse reads config's checks); the cycle test keeps it acyclic.
+# A module is placed by the longest prefix here ("kivi_ops" itself, the public names, only exactly).
+FLOORS = (
+    (("kivi_ops.config", "kivi_ops.layout", "kivi_ops.paged_layout", "kivi_ops.devices", "kivi_ops.options"),),
+    (("kivi_ops.kernels.reference",),),
+    (("kivi_ops.kernels.decomposed",), ("kivi_ops.kernels.triton",), ("kivi_ops.kernels.cuda",), ("kivi_ops.kernels",)),
+    (("kivi_ops.dispatch",),),
+    (("kivi_ops.ops",),),
+    (("kivi_ops.cache",),),
+    (("kivi_ops.calibration",),),
+    (("kivi_ops",),),
+)
 # Import edges allowed to close a cycle, each with its reason. None today; an entry here needs one.
 CYCLE_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
@@ -119,8 +134,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_graph_sees_the_projects_imports():
     # The parser is right about a few known edges (module-level, relative, function-level, package).
     graph = import_graph()
-    assert "kivi_ops.packing" in graph["kivi_ops.nuq"]  # from .packing import ...
-    assert "kivi_ops.ops" in graph["kivi_ops.quantized"]  # from . import ops
+    assert "kivi_ops.kernels.reference.packing" in graph["kivi_ops.calibration.nuq"]  # from ..kernels.reference.packing import ...
+    assert "kivi_ops.ops" in graph["kivi_ops.ops.quantized"]  # from .. import ops
     assert "kivi_ops" in graph["kivi_models.generate"]  # from kivi_ops import KIVICache
     assert "kivi_export.exporter" in graph["kivi_cli.export"]  # inside cmd_export
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
@@ -142,6 +157,47 @@ def test_layers_import_downward():
         packages = {target.partition(".")[0] for target in imported}
         assert packages <= ALLOWED[name.partition(".")[0]], (name, imported)
     assert [name for name, imported in graph.items() if ENTRY in imported] == [RUNNER]
+
+
+def floor_of(module: str) -> tuple[int, int] | None:
+    """(floor, group) of a kivi_ops module: its longest prefix in FLOORS; None if it has none."""
+    best, length = None, -1
+    for floor, groups in enumerate(FLOORS):
+        for group, prefixes in enumerate(groups):
+            for prefix in prefixes:
+                matches = module == prefix or (prefix != "kivi_ops" and module.startswith(prefix + "."))
+                if matches and len(prefix) > length:
+                    best, length = (floor, group), len(prefix)
+    return best
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """The kivi_ops edges that run up a floor or across to a sibling group."""
+    bad = []
+    for name, imported in graph.items():
+        if name.partition(".")[0] != "kivi_ops":
+            continue
+        here = floor_of(name)
+        for target in sorted(imported):
+            there = floor_of(target) if target.partition(".")[0] == "kivi_ops" else None
+            if there is not None and not (there[0] < here[0] or there == here):
+                bad.append((name, target))
+    return bad
+
+
+def test_every_kivi_ops_module_has_a_floor():
+    assert not [name for name in import_graph() if name.partition(".")[0] == "kivi_ops" and floor_of(name) is None]
+
+
+def test_kivi_ops_imports_run_down_its_floors():
+    # The rule catches an edge up, one across the kernel families, and lets one down and one within a group pass.
+    assert upward_imports({"kivi_ops.options.pool": {"kivi_ops.cache.layer"},
+                           "kivi_ops.kernels.triton.append": {"kivi_ops.kernels.cuda.attend"},
+                           "kivi_ops.cache.paged": {"kivi_ops.ops.paged", "kivi_ops.cache.static"},
+                           "kivi_ops.config": {"kivi_ops.options.rotation"}}) == [
+        ("kivi_ops.options.pool", "kivi_ops.cache.layer"),
+        ("kivi_ops.kernels.triton.append", "kivi_ops.kernels.cuda.attend")]
+    assert upward_imports(import_graph()) == []
 
 
 def package_graph() -> dict[str, set[str]]:

@@ -40,7 +40,7 @@ MODEL_CASE = """
 import json, torch
 from lab.issue_model import model_row, token_bytes
 from lab.ptxas_usage import compile_instead_of_launch, layer_of
-from kivi_ops.kernels.triton_decode import attend_decode
+from kivi_ops.kernels.triton.decode import attend_decode
 from lab.triton_decode_mma import attend_decode_mma
 t, p = layer_of(kv_heads=2, head_dim=64, bits=2, tokens=1024)
 q = torch.randn(1, 8, 1, 64, dtype=torch.float16)

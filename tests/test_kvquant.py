@@ -1,4 +1,4 @@
-"""KVQuant's options in the KIVI cache (kivi_ops/extras.py): nuq levels, dense-and-sparse outliers
+"""KVQuant's options in the KIVI cache (kivi_ops/options/extras.py): nuq levels, dense-and-sparse outliers
 and pre-RoPE keys, against an independent reference of their math.
 
 The reference re-derives what attention must see from the exact (pre-RoPE) keys/values alone:
@@ -14,7 +14,7 @@ import torch
 from cache_step import CacheStep, check_compiled_matches_eager, check_export_matches_eager, step_inputs
 from kivi_ops import KIVICache, KIVIConfig, Step
 from kivi_ops.layout import REQUIRED_TENSORS, LayerTensors
-from kivi_ops.nuq import fake_quantize_nuq, uniform_levels
+from kivi_ops.calibration.nuq import fake_quantize_nuq, uniform_levels
 
 B, H, HQ, D, S, G, R = 2, 2, 4, 16, 72, 8, 16
 INV_FREQ = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))

@@ -1,4 +1,4 @@
-"""Per-layer bit widths (KIVIConfig.layer_bits, kivi_ops/layer_bits.py): each layer is the uniform
+"""Per-layer bit widths (KIVIConfig.layer_bits, kivi_ops/calibration/layer_bits.py): each layer is the uniform
 layer of its widths bit for bit and costs its bytes; the widths under a budget follow the measured
 sensitivity; the calibration file is refused for another model; the CLI's --layer-bits and --preset;
 and the static, paged, compiled, exported and tensor-parallel paths agree."""
@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from kivi_ops import KIVICache, KIVIConfig, Step
-from kivi_ops.calibrated_rotation import model_identity
-from kivi_ops.layer_bits import choose_widths, layer_bits_section, layer_nbytes, load_layer_bits, sensitivities
-from kivi_ops.paged import PagedKIVICache
+from kivi_ops.calibration.rotations import model_identity
+from kivi_ops.calibration.layer_bits import (choose_widths, layer_bits_section, layer_nbytes, load_layer_bits,
+                                             sensitivities)
+from kivi_ops.cache.paged import PagedKIVICache
 from paged_helpers import ShuffledPages
 from serve_fixtures import tiny  # noqa: F401
 from test_rotation import ATOL, RTOL

@@ -225,7 +225,7 @@ def test_hf_generate_compiles_one_graph_for_every_decode_step(loaded):
 
 def test_hf_generate_compiles_past_dynamos_recompile_limit_in_one_process(monkeypatch):
     # A long-lived process (a notebook, a service) meets ever new batch sizes. Each is a compiled
-    # step of its own (kivi_ops/compile_budget.py), never a recompile of one function: under
+    # step of its own (kivi_ops/dispatch/compile_budget.py), never a recompile of one function: under
     # fullgraph, Dynamo fails the compile past its recompile_limit (8; the 9th batch size failed).
     # Here the limit is 1, and two batch sizes each run compiled, with the eager tokens. The budget is
     # Dynamo's, whatever the backend: Dynamo's own "eager" backend spares this test two cold Inductor
@@ -461,7 +461,7 @@ def test_compiled_cpu_decode_is_one_inductor_graph_and_matches_eager(loaded, met
     # - tokens equal eager decoding, across key flushes and value quantization;
     # - one graph for every step and, compiled regionally, for every layer (positions are
     #   tensors and each layer passes its LayerCache, not an index: no recompiles);
-    # - on CPU a KIVICache's step runs its decomposed forms (kivi_ops/dispatch.py), which Inductor
+    # - on CPU a KIVICache's step runs its decomposed forms (kivi_ops/dispatch/__init__.py), which Inductor
     #   fuses, while the eager prefill runs the custom ops; FPCache's append is re-inplaced;
     # - no cache-sized buffer is allocated per step (that would be a copy of the cache).
     from torch._inductor.utils import run_and_get_code

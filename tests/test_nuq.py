@@ -1,4 +1,4 @@
-"""KVQuant's nuqX datatype (kivi_ops/nuq.py) and `kivi calibrate`'s pieces, against direct references."""
+"""KVQuant's nuqX datatype (kivi_ops/calibration/nuq.py) and `kivi calibrate`'s pieces, against direct references."""
 
 import json
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kivi_ops import fake_quantize
-from kivi_ops.nuq import (calibrate_levels, fake_quantize_nuq, nearest_level, uniform_levels, weighted_error,
-                          weighted_kmeans_1d)
+from kivi_ops.calibration.nuq import (calibrate_levels, fake_quantize_nuq, nearest_level, uniform_levels,
+                                      weighted_error, weighted_kmeans_1d)
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -23,7 +23,7 @@ def test_uniform_levels_reproduce_kivi_fake_quantization(bits, axis):
 def test_a_value_on_a_midpoint_goes_to_the_upper_level():
     # One tie rule (packing.nearest_level) for the cache's quantizer, fake quantization and k-means:
     # a value exactly halfway between two levels takes the upper one, like KIVI's round-half-up.
-    from kivi_ops.packing import quantize_pack_reference, unpack
+    from kivi_ops.kernels.reference.packing import quantize_pack_reference, unpack
 
     levels = torch.tensor([0.0, 0.5, 2.0, 3.0])  # midpoints 0.25, 1.25, 2.5, exact in fp32
     # One token-axis group of 32 channels, min 0 and max 3: scale 1 and zero 0 exactly, so the
@@ -87,7 +87,7 @@ def test_calibrated_levels_never_lose_to_the_uniform_grid():
     x = torch.distributions.StudentT(3.0).sample((2, 2, 128, 32))
     fisher = torch.rand_like(x)
     levels = calibrate_levels(x, fisher, 2, 32, "channel")
-    from kivi_ops.nuq import normalized_with_weights
+    from kivi_ops.calibration.nuq import normalized_with_weights
 
     x_n, w = normalized_with_weights(x, fisher, 2, 32, "channel")
     assert weighted_error(x_n, w, levels) < weighted_error(x_n, w, uniform_levels(2))
@@ -98,7 +98,7 @@ def test_calibration_records_kv_and_fisher_and_writes_loadable_tables(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kivi_models.calibrate import collect_kv_fisher
-    from kivi_ops.nuq import calibrate_tables, load_tables
+    from kivi_ops.calibration.nuq import calibrate_tables, load_tables
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -153,7 +153,7 @@ def test_cli_refuses_nuq_where_it_does_not_apply(tmp_path, capsys):
 
 
 def test_outlier_mask_takes_the_largest_magnitudes_per_vector():
-    from kivi_ops.dense_sparse import outlier_mask
+    from kivi_ops.options.dense_sparse import outlier_mask
 
     x = torch.randn(1, 1, 100, 8)
     x[0, 0, 7, 3] = -50.0  # an outlier of channel 3 (keys: vectors are channels over tokens)
@@ -170,7 +170,7 @@ def test_outlier_selection_orders_by_magnitude_then_lowest_index():
     """One tie rule for every implementation (the Triton append kernels follow it too): larger
     magnitude first, and of equal magnitudes (either sign) the lowest index. topk leaves the
     order of ties unspecified: on CPU [1, 3, 2, 3, 3].topk(2) gives indices [1, 4]."""
-    from kivi_ops.dense_sparse import select_outliers
+    from kivi_ops.options.dense_sparse import select_outliers
 
     x = torch.tensor([[1.0, 3.0, 2.0, -3.0, 3.0], [0.0, -0.5, 0.5, 4.0, -4.0]])
     mask, vals, idx = select_outliers(x, 3, dim=-1)
@@ -182,7 +182,7 @@ def test_outlier_selection_orders_by_magnitude_then_lowest_index():
 
 
 def test_dense_and_sparse_keeps_outliers_exact_and_out_of_the_range():
-    from kivi_ops.dense_sparse import outlier_mask
+    from kivi_ops.options.dense_sparse import outlier_mask
 
     torch.manual_seed(0)
     x = torch.randn(1, 2, 64, 32)
@@ -206,7 +206,7 @@ def test_undo_rope_inverts_the_models_rope():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from kivi_ops.rope import apply_rope, undo_rope
+    from kivi_ops.options.rope import apply_rope, undo_rope
 
     rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=256))
     k = torch.randn(1, 2, 40, 32, dtype=torch.float64)

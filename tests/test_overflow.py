@@ -26,18 +26,18 @@ import pytest  # noqa: E402
 
 import kivi_ops  # noqa: E402,F401  (registers the ops)
 from kivi_ops import KIVICache, KIVIConfig  # noqa: E402
-from kivi_ops.extras import NO_EXTRAS, Extras  # noqa: E402
-from kivi_ops.kernels.decomposed_append import append_decomposed  # noqa: E402
-from kivi_ops.kernels.decomposed_attend import attend_fused, attend_materialized  # noqa: E402
+from kivi_ops.options.extras import NO_EXTRAS, Extras  # noqa: E402
+from kivi_ops.kernels.decomposed.append import append_decomposed  # noqa: E402
+from kivi_ops.kernels.decomposed.attend import attend_fused, attend_materialized  # noqa: E402
 from kivi_ops.kernels.reference import append_reference, materialize_block  # noqa: E402
-from kivi_ops.kernels.triton_append import append_triton  # noqa: E402
-from kivi_ops.kernels.triton_decode import attend_decode  # noqa: E402
-from kivi_ops.kernels.triton_quant import quantize_pack_triton, unpack_dequantize_triton  # noqa: E402
-from kivi_ops.kernels.triton_split import attend_split  # noqa: E402
+from kivi_ops.kernels.triton.append import append_triton  # noqa: E402
+from kivi_ops.kernels.triton.decode import attend_decode  # noqa: E402
+from kivi_ops.kernels.triton.quant import quantize_pack_triton, unpack_dequantize_triton  # noqa: E402
+from kivi_ops.kernels.triton.split import attend_split  # noqa: E402
 from kivi_ops.layout import LayerTensors, QuantParams  # noqa: E402
-from kivi_ops.nuq import uniform_levels  # noqa: E402
-from kivi_ops.packing import (packed_bytes, expand_groups, quantize_pack_reference,  # noqa: E402
-                              unpack_dequantize_reference)
+from kivi_ops.calibration.nuq import uniform_levels  # noqa: E402
+from kivi_ops.kernels.reference.packing import (packed_bytes, expand_groups, quantize_pack_reference,  # noqa: E402
+                                                unpack_dequantize_reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP16_MAX = torch.finfo(torch.float16).max  # 65504

@@ -19,5 +19,5 @@ def test_every_package_directory_is_listed_in_pyproject():
 
 def test_the_cuda_sources_ship_with_the_package():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    sources = {p.suffix for p in (ROOT / "kivi_ops" / "cuda").iterdir() if p.suffix in (".cu", ".h", ".cpp")}
-    assert sources and {pattern[1:] for pattern in data["kivi_ops.cuda"]} >= sources
+    sources = {p.suffix for p in (ROOT / "kivi_ops" / "kernels" / "cuda").iterdir() if p.suffix in (".cu", ".h", ".cpp")}
+    assert sources and {pattern[1:] for pattern in data["kivi_ops.kernels.cuda"]} >= sources

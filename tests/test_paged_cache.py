@@ -1,4 +1,4 @@
-"""The paged KIVI cache (kivi_ops/paged.py) against the static KIVICache: for every sequence, the
+"""The paged KIVI cache (kivi_ops/cache/paged.py) against the static KIVICache: for every sequence, the
 same attention outputs and dequantized state, bit for bit (torch.equal), decode and prefill,
 ragged batches, rows flushing at different steps, with pages handed out shuffled
 (tests/paged_helpers.py) and garbage in the block-table entries a row does not use. Also: the
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kivi_ops import KIVIConfig, Step, dispatch
-from kivi_ops.paged import PagedKIVICache, PagedKIVILayer, pages_needed
+from kivi_ops.cache.paged import PagedKIVICache, PagedKIVILayer, pages_needed
 from paged_helpers import ShuffledPages, append_both, assert_same_state, make_pair
 
 CFG = KIVIConfig(k_bits=2, v_bits=2, group_size=8, residual_length=16)
@@ -295,7 +295,7 @@ def test_load_row_copies_a_prefilled_sequence_into_this_caches_pages():
 def test_every_implementation_dispatch_can_choose_has_a_paged_form():
     """dispatch.choose is the same for paged layers; each implementation it names has a paged form
     in the one table (implementations.py), the same object on every call."""
-    from kivi_ops import implementations
+    from kivi_ops.dispatch import implementations
 
     appends = {"reference", "decomposed", "decomposed_cond", "triton"}
     attends = {"reference", "decomposed_fused", "decomposed_materialized", "triton_decode", "triton_split",

@@ -1,5 +1,5 @@
-"""The paged fp cache (kivi_ops/paged_fp.py) against the static FPLayer (the same state bit for bit,
-attention to rounding), and moving sequences with kivi_ops/paged_io.py (swap to host and back,
+"""The paged fp cache (kivi_ops/cache/paged_fp.py) against the static FPLayer (the same state bit for bit,
+attention to rounding), and moving sequences with kivi_ops/cache/paged_io.py (swap to host and back,
 staging copies): the same outputs bit for bit."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kivi_ops import FPCache, Step
-from kivi_ops.paged_fp import PagedFPCache, pages_needed
-from kivi_ops.paged_io import copy_sequence, load_sequence, save_sequence
+from kivi_ops.cache.paged_fp import PagedFPCache, pages_needed
+from kivi_ops.cache.paged_io import copy_sequence, load_sequence, save_sequence
 
 H, D, PS = 2, 16, 4
 

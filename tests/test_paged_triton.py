@@ -1,4 +1,4 @@
-"""The Triton kernels on a paged layer (kernels/triton_paging.py) against the paged reference
+"""The Triton kernels on a paged layer (kernels/triton/paging.py) against the paged reference
 (kernels/reference.py's paged forms) and against the same kernels on the static layer holding the same
 sequences: under TRITON_INTERPRET=1 without CUDA (see test_triton_kernels.py).
 
@@ -19,10 +19,10 @@ import pytest  # noqa: E402
 
 from kivi_ops import KIVIConfig  # noqa: E402
 from kivi_ops.kernels.reference import paged_append_reference, paged_attend_reference  # noqa: E402
-from kivi_ops.kernels.triton_append import append_triton  # noqa: E402
-from kivi_ops.kernels.triton_decode import attend_decode  # noqa: E402
-from kivi_ops.kernels.triton_split import attend_split  # noqa: E402
-from kivi_ops.nuq import uniform_levels  # noqa: E402
+from kivi_ops.kernels.triton.append import append_triton  # noqa: E402
+from kivi_ops.kernels.triton.decode import attend_decode  # noqa: E402
+from kivi_ops.kernels.triton.split import attend_split  # noqa: E402
+from kivi_ops.calibration.nuq import uniform_levels  # noqa: E402
 from paged_helpers import append_both, assert_same_state, make_pair  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,4 @@
-"""Sink tokens and OTT outlier tokens (kivi_ops/pool.py) against an independent reference.
+"""Sink tokens and OTT outlier tokens (kivi_ops/options/pool.py) against an independent reference.
 
 The reference below re-derives, per sequence and kv head, what attention must see from the
 exact keys/values alone (Python lists and sorted(), dense fake quantization, plain softmax):
@@ -16,7 +16,7 @@ import torch
 
 from cache_step import CacheStep, check_compiled_matches_eager, check_export_matches_eager, step_inputs
 from kivi_ops import KIVICache, KIVIConfig, Step
-from kivi_ops.kernels.decomposed_attend import attend_fused
+from kivi_ops.kernels.decomposed.attend import attend_fused
 from kivi_ops.layout import REQUIRED_TENSORS, LayerTensors
 
 B, H, HQ, D, S = 2, 2, 4, 16, 72

@@ -109,7 +109,7 @@ def test_pages_final_at_a_boundary_are_never_written_again(model, method):
     # What makes sharing safe: after b tokens, pages [0, pages_final(b)) keep every byte through
     # later chunks and decode steps (KIVI: keys flushed R at a time, values leaving the window).
     from kivi_ops.paged_layout import pages_final
-    from kivi_ops.schedule import KIVI, quantized_count_int
+    from kivi_ops.options.schedule import KIVI, quantized_count_int
 
     torch.manual_seed(3)
     prompt = torch.randint(0, 64, (30,)).tolist()
@@ -141,7 +141,7 @@ def test_the_default_prefix_count_is_what_the_host_budget_holds_at_the_largest_t
     # host copy of its tail, whose bytes paged_io.sequence_bytes computes without copying; checked
     # against real tails at every chunk boundary (KIVI's vary with the window's fill).
     from kivi_serve import paged_options
-    from kivi_ops.paged_io import sequence_bytes as host_bytes
+    from kivi_ops.cache.paged_io import sequence_bytes as host_bytes
 
     cache = staging(model, method, 4)
     pages = list(range(cache.max_pages_per_seq))

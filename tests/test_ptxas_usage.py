@@ -22,7 +22,7 @@ def test_occupancy_follows_the_sm90_limits():
 DECODE_CASE = """
 import json, torch
 from lab.ptxas_usage import layer_of, measure
-from kivi_ops.kernels.triton_decode import attend_decode
+from kivi_ops.kernels.triton.decode import attend_decode
 t, p = layer_of(kv_heads=2, head_dim=64, bits=BITS, tokens=256)
 q = torch.randn(1, 4, 1, 64, dtype=torch.float16)
 case = lambda: iter([("decode", {}, lambda: attend_decode(q, t, None, p, 0.125, num_splits=2, num_warps=4, block_n=16))])
@@ -49,7 +49,7 @@ def test_decode_kernel_compiles_for_sm90_without_a_gpu(bits):
 WIDE_HEAD_CASE = """
 import json, torch
 from lab.ptxas_usage import layer_of, measure
-from kivi_ops.kernels.triton_decode import attend_decode
+from kivi_ops.kernels.triton.decode import attend_decode
 rows = []
 for bits in (2, 4):
     t, p = layer_of(kv_heads=1, head_dim=256, bits=bits, tokens=512)

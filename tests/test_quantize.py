@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import kivi_ops
 from kivi_ops import KIVIConfig, fake_quantize, quantize
-from kivi_ops.packing import pack, unpack
+from kivi_ops.kernels.reference.packing import pack, unpack
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -24,7 +24,7 @@ def error_bound(x, scale_per_elem, bits):
 
 
 def per_element(t, group_size, axis, head_dim):
-    from kivi_ops.packing import expand_groups
+    from kivi_ops.kernels.reference.packing import expand_groups
 
     return expand_groups(t, group_size, axis, head_dim)
 
@@ -206,7 +206,7 @@ def test_public_api_names():
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_unpack_float_table_equals_unpack(bits):
-    from kivi_ops.packing import unpack_float
+    from kivi_ops.kernels.reference.packing import unpack_float
 
     packed = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
     if bits == 3:  # rows of 3-byte words: 21 words, every byte value in some plane

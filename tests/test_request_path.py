@@ -7,9 +7,9 @@ request and whenever a cache kernel starts while it runs; the request's path is 
 On this suite's CPU kernels (the reference ones, conftest.py) the path is 10 files since the
 engine's split (Engine / EngineCore in serve/engine.py, the round in serve/executor.py):
 serve/app.py -> serve/engine.py -> serve/executor.py -> serve/runner.py -> models/generate.py ->
-models/attention.py -> kivi_ops/paged.py -> kivi_ops/layer.py (run_append / run_attend: the
-layer's one dispatch.choose, which returns before the op runs) -> kivi_ops/paged_ops.py ->
-kernels/reference.py (its paged forms run the static reference on the pages). It was 11 at
+models/attention.py -> kivi_ops/cache/paged.py -> kivi_ops/cache/layer.py (run_append / run_attend: the
+layer's one dispatch.choose, which returns before the op runs) -> kivi_ops/ops/paged.py ->
+kernels/reference/ (its paged forms run the static reference on the pages). It was 11 at
 c04511e, 10 at 0fa7d66 (kivi_ops/dispatch.py on the stack), 9 once the op's kernel stopped
 choosing again. Issue 41 asks for at most 10. MAX_FILES holds today's number so that the path
 cannot grow unnoticed; lower it as files leave the path."""
@@ -27,6 +27,8 @@ from serve_fixtures import make_engine, tiny  # noqa: F401 (fixture)
 
 ROOT = str(Path(__file__).resolve().parent.parent) + "/"
 KERNEL_DIR = ROOT + "kivi_ops/kernels/"
+# The quantize / pack math the kernels and the layers share: entering it is not a kernel starting.
+PACKING = KERNEL_DIR + "reference/packing.py"
 MAX_FILES = 10
 
 
@@ -51,7 +53,8 @@ def test_one_request_crosses_at_most_max_files_project_files(tiny, prefix_chunk)
         code = frame.f_code
         if event != "call" or not recording.is_set():
             return
-        if ((code.co_filename.startswith(KERNEL_DIR) and not code.co_name.startswith("_"))
+        if ((code.co_filename.startswith(KERNEL_DIR) and code.co_filename != PACKING
+             and not code.co_name.startswith("_"))
                 or (code.co_name == "submit" and code.co_filename == ROOT + "serve/engine.py")):
             stacks.append((code.co_name, project_files(frame)))
 

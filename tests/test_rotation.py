@@ -1,4 +1,4 @@
-"""Rotated caches (KIVIConfig.rotate_keys / rotate_values, kivi_ops/rotation.py): the rotation is
+"""Rotated caches (KIVIConfig.rotate_keys / rotate_values, kivi_ops/options/rotation.py): the rotation is
 orthogonal, attention through a rotated cache is the unrotated attention (exactly where nothing is
 quantized, over what the cache stores where it is), the static, paged, compiled and exported paths
 agree, and the cache's bytes do not change. The fake-quantization baselines (FP8, per-token-head
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kivi_ops import KIVICache, KIVIConfig, Step
-from kivi_ops.rotation import ROTATIONS, fwht, random_orthogonal, rotate, rotation_matrix, unrotate
+from kivi_ops.options.rotation import ROTATIONS, fwht, random_orthogonal, rotate, rotation_matrix, unrotate
 from paged_helpers import append_both, make_pair
 
 # fp32 rounding of a product by an orthogonal matrix and back: each output sums D products of
@@ -140,7 +140,7 @@ def test_paged_rotated_cache_equals_static_bit_for_bit():
         append_both(static, paged, manager, k[:, :, t : t + 1], v[:, :, t : t + 1])
         assert torch.equal(static.layers[0].attend(q), paged.layers[0].attend(q))
     assert paged.layers[0].rot_k is not None and len(paged.constants()) == 2
-    from kivi_ops.row_view import leading_rows  # a server's decode bucket: the view keeps the matrices
+    from kivi_ops.cache.row_view import leading_rows  # a server's decode bucket: the view keeps the matrices
 
     view = leading_rows(paged, 1).layers[0]
     assert view.rot_k is paged.layers[0].rot_k and view.rot_v is paged.layers[0].rot_v

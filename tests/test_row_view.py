@@ -1,4 +1,4 @@
-"""kivi_ops.row_view.leading_rows: a step over a paged cache's first rows writes into the cache
+"""kivi_ops.cache.row_view.leading_rows: a step over a paged cache's first rows writes into the cache
 itself what a step over the whole cache with the other rows idle (counts 0) writes, bit for bit,
 and attends as it does for those rows (up to the summation order of batched products)."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kivi_ops import KIVIConfig, Step
-from kivi_ops.paged import PagedKIVICache
-from kivi_ops.paged_fp import PagedFPCache
-from kivi_ops.row_view import leading_rows
+from kivi_ops.cache.paged import PagedKIVICache
+from kivi_ops.cache.paged_fp import PagedFPCache
+from kivi_ops.cache.row_view import leading_rows
 from paged_helpers import ShuffledPages
 
 B, H, HQ, D = 5, 2, 4, 32

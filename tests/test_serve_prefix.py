@@ -15,7 +15,7 @@ import torch
 
 from kivi_models.generate import decode_step, make_paged_cache, prefill, prefill_chunked
 from kivi_serve.request import Request
-from kivi_ops.paged_io import copy_sequence
+from kivi_ops.cache.paged_io import copy_sequence
 from serve_fixtures import (CONFIG, MAX_SEQ_LEN, METHODS, make_engine, metrics, serving,  # noqa: F401
                             tiny, wait_idle)
 

@@ -124,7 +124,7 @@ def serve_alone_and_tp(tiny, method, paging, prompts):
                          ids=["static-kivi", "paged-fp", "paged-kivi", "paged-kivi-buckets"])
 def test_a_worker_replaying_the_plans_holds_rank_0s_cache_bit_for_bit(tiny, method, paging):
     if paging is not None and method == "kivi":
-        pytest.importorskip("kivi_ops.paged")
+        pytest.importorskip("kivi_ops.cache.paged")
     want, got, stats, engine, channel = serve_alone_and_tp(tiny, method, paging, PROMPTS)
     assert got == want
     assert channel.plans[-1].kind == STOP and channel.worker.seq == len(channel.plans)
@@ -150,7 +150,7 @@ def test_a_worker_replaying_the_plans_holds_rank_0s_cache_bit_for_bit(tiny, meth
 def test_a_row_moved_down_and_a_step_over_the_first_rows_replay_on_the_worker(tiny):
     """A row move (the engine keeps requests in the lowest rows) and a decode step over a bucket
     of rows reach the worker: both ranks' caches stay the same bit for bit."""
-    pytest.importorskip("kivi_ops.paged")
+    pytest.importorskip("kivi_ops.cache.paged")
     model, tokenizer = tiny
     args = dict(method="kivi", kivi_config=CONFIG, slots=4, max_seq_len=MAX_SEQ_LEN, paging=PagedServing(8, 4))
     channel = Loopback(Runner(model, **args))
@@ -174,7 +174,7 @@ def test_prefix_caching_replays_on_a_worker_with_its_own_tails(tiny):
     0's key; the tokens equal the single-process engine's, and both ranks' caches, tails included,
     are bit for bit the same. The pool is small enough that prefixes are evicted, and their tails
     dropped on both ranks."""
-    pytest.importorskip("kivi_ops.paged")
+    pytest.importorskip("kivi_ops.cache.paged")
     tokenizer = tiny[1]
     system = tokenizer(" ".join(["The quick brown fox jumps over the lazy dog."] * 3))["input_ids"]
     prompts = [tokenizer.decode(system + tokenizer(p)["input_ids"]) for p in PROMPTS]

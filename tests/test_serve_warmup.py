@@ -1,6 +1,6 @@
 """`kivi serve` without --compile compiles before it says ready, and never while it serves (issue 43,
 item 6): the engine's warm-up runs a decode step per bucket, which compiles the per-op CPU kernels
-(kivi_ops/kernels/cpu_compiled.py) of those shapes; /health answers 503 until it ends. Afterwards
+(kivi_ops/dispatch/cpu_compiled.py) of those shapes; /health answers 503 until it ends. Afterwards
 the engine thread compiles nothing: a new prompt shape (a one-token prompt, a last chunk of one
 token) runs the reference ops, and a running stream sees no gap of a compile's seconds.
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kivi_ops import dispatch
-from kivi_ops.kernels import cpu_compiled
+from kivi_ops.dispatch import cpu_compiled
 from serve_fixtures import free_port, uvicorn_in_thread
 from serve_fixtures import make_engine, tiny  # noqa: F401
 

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from kivi_ops import KIVIConfig, quantize  # noqa: E402
-from kivi_ops.extras import Extras  # noqa: E402
+from kivi_ops.options.extras import Extras  # noqa: E402
 from kivi_ops.kernels.reference import attend_reference  # noqa: E402
 from kivi_ops.layout import QuantParams  # noqa: E402
 from test_triton_kernels import (ATTEND, _cpu, _dev, _kvq_extras, _kvq_tolerance,  # noqa: E402

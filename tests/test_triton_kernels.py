@@ -1,5 +1,5 @@
-"""Triton kernels (kivi_ops/kernels/triton_quant.py, triton_append.py, triton_split.py,
-triton_decode.py; the lab's lab/triton_decode_mma.py) against the CPU reference (kivi_ops/kernels/reference.py).
+"""Triton kernels (kivi_ops/kernels/triton/: quant.py, append.py, split.py, decode.py;
+the lab's lab/triton_decode_mma.py) against the CPU reference (kivi_ops/kernels/reference/).
 
 Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 must be set before
 the kernel modules are imported, hence the late imports). The interpreter is slow, so shapes are
@@ -18,16 +18,16 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kivi_ops.extras import NO_EXTRAS, Extras  # noqa: E402
+from kivi_ops.options.extras import NO_EXTRAS, Extras  # noqa: E402
 from kivi_ops.kernels.reference import append_reference, attend_reference  # noqa: E402
-from kivi_ops.kernels.triton_append import append_triton  # noqa: E402
-from kivi_ops.kernels.triton_decode import attend_decode  # noqa: E402
+from kivi_ops.kernels.triton.append import append_triton  # noqa: E402
+from kivi_ops.kernels.triton.decode import attend_decode  # noqa: E402
 from lab.triton_decode_mma import attend_decode_mma  # noqa: E402
-from kivi_ops.kernels.triton_quant import quantize_pack_triton, unpack_dequantize_triton  # noqa: E402
-from kivi_ops.kernels.triton_split import attend_split  # noqa: E402
+from kivi_ops.kernels.triton.quant import quantize_pack_triton, unpack_dequantize_triton  # noqa: E402
+from kivi_ops.kernels.triton.split import attend_split  # noqa: E402
 from kivi_ops.layout import LayerTensors, QuantParams  # noqa: E402
-from kivi_ops.nuq import uniform_levels  # noqa: E402
-from kivi_ops.packing import packed_bytes, quantize_pack_reference, unpack_dequantize_reference  # noqa: E402
+from kivi_ops.calibration.nuq import uniform_levels  # noqa: E402
+from kivi_ops.kernels.reference.packing import packed_bytes, quantize_pack_reference, unpack_dequantize_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -223,7 +223,7 @@ def test_decode_append_is_one_launch_and_matches_reference(dtype, k_bits, v_bits
     residual writes, the key-window flush (every R steps) and lengths, bit for bit the reference's
     over steps with ragged counts (0 or 1), flushes at different steps per row and a row that
     reaches capacity (the kernel drops its tokens: the reference gets the clamped counts)."""
-    import kivi_ops.kernels.triton_append as ta
+    import kivi_ops.kernels.triton.append as ta
 
     launched = []
     wrap = torch.library.wrap_triton
@@ -253,7 +253,7 @@ def test_arrival_counters_are_never_allocated_inside_a_compiled_step(monkeypatch
     """Allocated inside a compiled step, the decode append's counters would be a CUDA-graph pool
     tensor kept alive by a global (cudagraph trees then refuse to record: seen on an H200). They
     are reserved when a cache is built; a compiled step that finds none raises instead."""
-    import kivi_ops.kernels.triton_append as ta
+    import kivi_ops.kernels.triton.append as ta
 
     monkeypatch.setattr(ta, "_ARRIVALS", {})
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)

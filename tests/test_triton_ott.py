@@ -1,5 +1,5 @@
 """The Triton append and attention kernels under OTT's flush policy (flush_policy=1,
-kivi_ops/schedule.py) against the CPU reference, bit for bit for appends, within the
+kivi_ops/options/schedule.py) against the CPU reference, bit for bit for appends, within the
 attention tolerance of tests/test_triton_kernels.py for attention. Without CUDA the kernels run
 in Triton's interpreter (TRITON_INTERPRET=1, set before the kernel modules are imported)."""
 
@@ -13,12 +13,12 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from kivi_ops.kernels.reference import append_reference, attend_reference  # noqa: E402
-from kivi_ops.kernels.triton_append import append_triton  # noqa: E402
-from kivi_ops.kernels.triton_decode import attend_decode  # noqa: E402
-from kivi_ops.kernels.triton_split import attend_split  # noqa: E402
+from kivi_ops.kernels.triton.append import append_triton  # noqa: E402
+from kivi_ops.kernels.triton.decode import attend_decode  # noqa: E402
+from kivi_ops.kernels.triton.split import attend_split  # noqa: E402
 from kivi_ops.layout import LayerTensors, QuantParams  # noqa: E402
-from kivi_ops.packing import codes_per_byte  # noqa: E402
-from kivi_ops.schedule import OTT  # noqa: E402
+from kivi_ops.kernels.reference.packing import codes_per_byte  # noqa: E402
+from kivi_ops.options.schedule import OTT  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BUFFERS = ("k_codes", "k_scale", "k_zero", "k_res", "v_codes", "v_scale", "v_zero", "v_res", "lengths")

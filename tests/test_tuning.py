@@ -1,4 +1,4 @@
-"""kivi_ops/tuning.py and the CUDA decode choice in dispatch.py, driven on CPU: fake kernels, a fake
+"""kivi_ops/dispatch/tuning.py and the CUDA decode choice in dispatch.py, driven on CPU: fake kernels, a fake
 timer and a faked capture / compile stand in for the GPU."""
 
 import logging
@@ -10,14 +10,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kivi_ops import dispatch, tuning
+from kivi_ops import dispatch
+from kivi_ops.dispatch import tuning
 from kivi_ops.dispatch import Choice
-from kivi_ops import implementations
-from kivi_ops.cuda import loader
-from kivi_ops.cuda.toolkit import CudaKernelUnavailable
+from kivi_ops.dispatch import implementations
+from kivi_ops.kernels.cuda import loader
+from kivi_ops.kernels.cuda.toolkit import CudaKernelUnavailable
 from kivi_ops.layout import LayerTensors, QuantParams
-from kivi_ops.packing import packed_bytes
-from kivi_ops.tuning import Candidate, ShapeClass, Tuner
+from kivi_ops.kernels.reference.packing import packed_bytes
+from kivi_ops.dispatch.tuning import Candidate, ShapeClass, Tuner
 
 A, B, C = Candidate("triton_decode"), Candidate("triton_split"), Candidate("cuda_cpp", (("num_splits", 1),))
 CLS = ShapeClass(256, 1024, 1, 128, 2, 2, "float16", False)
@@ -83,7 +84,7 @@ def test_table_of_another_format_is_refused(tmp_path):
 
 def test_autotune_times_each_candidate_once_picks_the_fastest_and_caches_it(caplog):
     t, timer = tuner({label(A): 3e-6, label(B): 2e-6, label(C): 5e-6})
-    with caplog.at_level(logging.INFO, logger="kivi_ops.tuning"):
+    with caplog.at_level(logging.INFO, logger="kivi_ops.dispatch.tuning"):
         assert t.pick(CLS, [A, B, C], A, label) == B
         assert sorted(timer.timed) == sorted(map(label, (A, B, C)))
         for _ in range(3):

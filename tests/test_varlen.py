@@ -1,4 +1,4 @@
-"""kivi_ops.varlen (the engine-metadata form vLLM's backend calls) against the library's own layer:
+"""kivi_ops.cache.varlen (the engine-metadata form vLLM's backend calls) against the library's own layer:
 requests of a flattened batch, some starting (exact prompt attention), some continuing a chunk,
 some decoding, each equal to a batch-1 KIVILayer fed the same chunks; the pools live in one byte
 buffer per page (byte_pages) and are written only in the pages the block table gives."""
@@ -9,11 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kivi_ops import KIVIConfig, KIVILayer, Step, dispatch, implementations
-from kivi_ops.byte_pages import page_bytes, pool_views
-from kivi_ops.kernels import cpu_compiled
+from kivi_ops import KIVIConfig, KIVILayer, Step, dispatch
+from kivi_ops.dispatch import implementations
+from kivi_ops.cache.byte_pages import page_bytes, pool_views
+from kivi_ops.dispatch import cpu_compiled
 from kivi_ops.layout import LayerTensors, QuantParams
-from kivi_ops.varlen import varlen_append_attend
+from kivi_ops.cache.varlen import varlen_append_attend
 
 H, HQ, D, PS = 2, 4, 64, 32
 CONFIG = KIVIConfig(k_bits=2, v_bits=4, group_size=32, residual_length=32)

@@ -1,2 +1,2 @@
-"""The implementations of the cache ops, one file per family; kivi_ops/implementations.py names each
-(the table the ops run), kivi_ops/dispatch.py picks which runs."""
+"""The implementations of the cache ops, one folder per family (reference, decomposed, triton, cuda);
+kivi_ops/dispatch/implementations.py names each (the table the ops run), kivi_ops/dispatch/ picks which runs."""

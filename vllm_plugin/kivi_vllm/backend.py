@@ -1,9 +1,9 @@
 """CPU_ATTN as vLLM ships it, plus a KIVI cache when `--additional-config '{"kivi": {...}}'` is given.
 
 With the config: each block (PS = --block-size tokens) holds the KIVI-quantized pages of its tokens
-(kivi_ops/byte_pages.py: codes and fp scales/zeros, the bytes vLLM's allocator counts through
+(kivi_ops/cache/byte_pages.py: codes and fp scales/zeros, the bytes vLLM's allocator counts through
 customize_spec); each request's full-precision window (KIVI's last R tokens) lives in a per-layer
-window pool outside the blocks (windows.py). Attention runs kivi_ops.varlen (planned once per step
+window pool outside the blocks (windows.py). Attention runs kivi_ops.cache.varlen (planned once per step
 by the metadata builder, run per layer), which calls the library's paged ops through its one dispatcher. Without the config every method
 is CPU_ATTN's own."""
 
@@ -17,9 +17,9 @@ from typing import Optional
 import torch
 
 from kivi_ops import KIVIConfig
-from kivi_ops.byte_pages import page_bytes, pool_views
+from kivi_ops.cache.byte_pages import page_bytes, pool_views
 from kivi_ops.layout import LayerTensors, QuantParams
-from kivi_ops import varlen
+from kivi_ops.cache import varlen
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,

@@ -70,7 +70,7 @@ def _percentile(values, p):
 
 def warm_up(llm, prompts, max_tokens):
     """One request of the stream's shape, untimed: what a serving process compiles once (the KIVI
-    decode attention per page bucket, kivi_ops/varlen.py) is not charged to the first stream."""
+    decode attention per page bucket, kivi_ops/cache/varlen.py) is not charged to the first stream."""
     stream(llm, prompts[:1], max_tokens)
 
 

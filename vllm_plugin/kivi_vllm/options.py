@@ -11,7 +11,7 @@ from kivi_ops import KIVIConfig
 from kivi_ops.paged_layout import check_page_size
 
 KEY = "kivi"
-# The paged KIVI cache's settings (kivi_ops/paged.py refuses the static cache's extras).
+# The paged KIVI cache's settings (kivi_ops/cache/paged.py refuses the static cache's extras).
 CACHE_KEYS = ("k_bits", "v_bits", "group_size", "residual_length")
 # Prefix caching (prefix_tails.py): the boundary of sharing, and the host memory of the window copies.
 PREFIX_KEYS = ("prefix_chunk", "prefix_cache_mib")

@@ -3,7 +3,7 @@
 vLLM shares full blocks by the hash of the tokens before them. A KIVI block at a boundary b holds
 everything final there (keys quantized R at a time, values as they leave the last R tokens), but the
 last tokens' fp keys and values live in the writer's window, which moves on. So the backend cuts
-prompts at the multiples of `chunk` (kivi_ops.varlen: the cache at a boundary then depends on the
+prompts at the multiples of `chunk` (kivi_ops.cache.varlen: the cache at a boundary then depends on the
 tokens before it alone) and keeps a host copy of every layer's window there, keyed by those tokens.
 The scheduler hook (register) cuts vLLM's hit back to the longest boundary with a copy; a request
 that starts there gets the copy in its window slot. What the request later flushes into a shared

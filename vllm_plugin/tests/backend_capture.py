@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kivi_ops import KIVIConfig, Step, dispatch
-from kivi_ops.cache import KIVICache
+from kivi_ops.cache.static import KIVICache
 
 
 @contextlib.contextmanager

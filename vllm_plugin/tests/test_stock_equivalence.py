@@ -7,7 +7,7 @@ import torch
 
 from conftest import close, greedy_outputs, make_llm
 from kivi_ops import KIVIConfig
-from kivi_ops.byte_pages import page_bytes
+from kivi_ops.cache.byte_pages import page_bytes
 from test_kivi_engine import prompts
 
 WHOLE = {"k_bits": 2, "v_bits": 2, "group_size": 32, "residual_length": 512}  # = max_model_len

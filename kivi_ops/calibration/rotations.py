@@ -1,0 +1,146 @@
+"""Calibrated rotations: per layer and KV head, the CANDIDATES matrix (identity, Hadamard, the PCA
+eigenbasis, PCA then Hadamard) with the least Fisher-weighted KIVI quantization error, chosen by
+`kivi calibrate` and stored in the calibration file."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from ..ops.quantized import fake_quantize
+from ..options.rotation import CalibratedRotations, rotation_matrix
+
+CANDIDATES = ("identity", "hadamard", "pca", "pca_hadamard")
+FIXED = {"identity": lambda D: torch.eye(D), "hadamard": lambda D: rotation_matrix("hadamard", D)}
+FORMAT = "kivi-rotations-v1"
+# config.json fields that fix a model's attention shapes and weights' layout: the fingerprint
+IDENTITY_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                   "head_dim", "intermediate_size", "vocab_size", "rope_theta")
+# |M M^T - I| of a stored fp32 matrix: fp32 rounding of D-term sums is ~1e-6; a wrong matrix is ~1
+ORTHOGONAL_ATOL = 1e-4
+
+
+def model_identity(hf_config: dict, name: str) -> dict:
+    """What a rotations file is checked against: name, head_dim, layer and KV head counts, fingerprint."""
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
+    shape = {k: hf_config.get(k) for k in IDENTITY_FIELDS}
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+    return dict(name=name, fingerprint=digest, head_dim=int(head_dim), num_layers=int(hf_config["num_hidden_layers"]),
+                num_kv_heads=int(hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]))
+
+
+def read_section(path, field: str, fmt: str, identity: dict | None, *, flag: str, hint: str) -> dict:
+    """The calibration file's section `field`, refused when missing or calibrated for another model."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{flag} {path}: cannot read a calibration file ({e})") from None
+    section = data.get(field) if isinstance(data, dict) else None
+    if not isinstance(section, dict) or section.get("format") != fmt:
+        raise ValueError(f"{flag} {path}: the field '{field}' (format {fmt!r}) is missing; re-create the file {hint}")
+    stored = section.get("model")
+    if not isinstance(stored, dict):
+        raise ValueError(f"{flag} {path}: the field '{field}.model' (the model's identity) is missing")
+    if identity is not None:
+        for key in ("head_dim", "num_layers", "num_kv_heads", "fingerprint"):
+            if stored.get(key) != identity[key]:
+                raise ValueError(f"{flag} {path}: {field}.model.{key} is {stored.get(key)!r} (calibrated for model "
+                                 f"{stored.get('name')!r}), but the model {identity['name']!r} has {identity[key]!r}; "
+                                 "calibrate this model with `kivi calibrate`")
+    return section
+
+
+def candidate_matrices(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    D = x.shape[-1]
+    flat = x.reshape(-1, D).double()
+    cov = torch.cov(flat.T)
+    _, vectors = torch.linalg.eigh(cov)
+    pca = vectors.flip(-1).float()
+    hadamard = FIXED["hadamard"](D)
+    return dict(identity=FIXED["identity"](D), hadamard=hadamard, pca=pca, pca_hadamard=pca @ hadamard)
+
+
+def quantization_error(x: torch.Tensor, fisher: torch.Tensor, m: torch.Tensor, *, bits: int, group_size: int,
+                       axis: str) -> float:
+    """sum(fisher * (x - Q(x M) M^T)^2): KIVI's quantization error in the rotated basis."""
+    G = min(group_size, x.shape[-1]) if axis == "token" else group_size
+    err = fake_quantize((x @ m).contiguous(), bits, G, axis) @ m.T - x
+    return float((fisher * err * err).sum())
+
+
+def choose_rotations(activations: list[dict], *, bits: int, group_size: int) -> dict:
+    """Per layer {"k": [per head {"kind", "matrix", "error_vs_identity"}], "v": [...]}."""
+    layers = []
+    for act in activations:
+        entry = {}
+        for part, axis in (("k", "channel"), ("v", "token")):
+            heads = []
+            for h in range(act[part].shape[1]):
+                x, w = act[part][:, h], act[f"{part}_fisher"][:, h]
+                options = candidate_matrices(x)
+                errors = {name: quantization_error(x, w, m, bits=bits, group_size=group_size, axis=axis)
+                          for name, m in options.items()}
+                best = min(errors, key=errors.get)
+                heads.append(dict(kind=best, matrix=options[best],
+                                  error_vs_identity={n: round(e / max(errors["identity"], 1e-30), 4)
+                                                     for n, e in errors.items()}))
+            entry[part] = heads
+        layers.append(entry)
+    return dict(bits=bits, group_size=group_size, layers=layers)
+
+
+def _encode(m: torch.Tensor) -> str:
+    return base64.b64encode(m.contiguous().to(torch.float32).numpy().astype("<f4").tobytes()).decode()
+
+
+def rotations_section(chosen: dict, identity: dict, *, keys_pre_rope: bool = False) -> dict:
+    """The file's "rotations" field: per head the kind, its errors and the fitted matrix (base64 fp32)."""
+    def head(h):  # identity and Hadamard are rebuilt on load
+        entry = dict(kind=h["kind"], error_vs_identity=h["error_vs_identity"])
+        return entry if h["kind"] in FIXED else dict(entry, matrix=_encode(h["matrix"]))
+
+    layers = [{part: [head(h) for h in layer[part]] for part in ("k", "v")} for layer in chosen["layers"]]
+    return dict(format=FORMAT, model=identity, bits=chosen["bits"], group_size=chosen["group_size"],
+                keys_pre_rope=keys_pre_rope,
+                objective="Fisher-weighted squared error of KIVI quantization", candidates=list(CANDIDATES),
+                layers=layers)
+
+
+def load_rotations(path, identity: dict | None, *, keys: bool = True, flag: str = "--rotations") -> CalibratedRotations:
+    """The rotations of a `kivi calibrate` file, refused for another model, or for keys fitted before
+    RoPE (the cache rotates post-RoPE keys)."""
+    section = read_section(path, "rotations", FORMAT, identity, flag=flag,
+                           hint="with `kivi calibrate` (which fits the rotations unless --no-rotations)")
+    stored = section["model"]
+    if keys and section.get("keys_pre_rope"):
+        raise ValueError(f"{flag} {path}: rotations.keys_pre_rope is true (calibrated with --pre-rope): its key "
+                         "rotations fit pre-RoPE keys, the cache rotates post-RoPE ones; calibrate without --pre-rope")
+    D, L, H = stored.get("head_dim"), stored.get("num_layers"), stored.get("num_kv_heads")
+    layers = section.get("layers")
+    if not isinstance(layers, list) or len(layers) != L:
+        raise ValueError(f"{flag} {path}: rotations.layers must list {L} layers (rotations.model.num_layers)")
+    parts = {"k": [], "v": []}
+    for i, layer in enumerate(layers):
+        for part in parts:
+            heads = layer.get(part) if isinstance(layer, dict) else None
+            if not isinstance(heads, list) or len(heads) != H:
+                raise ValueError(f"{flag} {path}: rotations.layers[{i}].{part} must list {H} heads")
+            for j, head in enumerate(heads):
+                where = f"rotations.layers[{i}].{part}[{j}].matrix"
+                if isinstance(head, dict) and "matrix" not in head and head.get("kind") in FIXED:
+                    parts[part].append(FIXED[head["kind"]](D))
+                    continue
+                try:
+                    raw = base64.b64decode(head["matrix"], validate=True)
+                    m = torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(D, D)
+                except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                    raise ValueError(f"{flag} {path}: {where} must be {D}x{D} base64 fp32 ({e})") from None
+                if not bool(torch.isfinite(m).all()) or not torch.allclose(m @ m.T, torch.eye(D), atol=ORTHOGONAL_ATOL):
+                    raise ValueError(f"{flag} {path}: {where} is not an orthogonal matrix")
+                parts[part].append(m)
+    shape = (L, H, D, D)
+    return CalibratedRotations(torch.stack(parts["k"]).reshape(shape), torch.stack(parts["v"]).reshape(shape), str(path))
