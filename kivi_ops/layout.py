@@ -1,6 +1,6 @@
 """What the two cache ops take: a layer's tensors and settings, NamedTuples in schema order (the op
 schemas are generated from their fields). Layout (S max_seq_len, W = R, or R + G - 1 under OTT):
-    k_codes  uint8 [B, H, S, D*kb/8]     keys per channel, packed along D (packing.py)
+    k_codes  uint8 [B, H, S, D*kb/8]     keys per channel, packed along D (kernels/reference/packing.py)
     k_scale, k_zero  dtype [B, H, ceil(S/G), D]
     k_res    dtype [B, H, min(W,S), D]   exact key residual, token t in slot t % W
     v_codes  uint8 [B, H, S, D*vb/8]     values per token in groups of Gv = min(G, D) channels

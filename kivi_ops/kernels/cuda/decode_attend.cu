@@ -287,7 +287,7 @@ __device__ __forceinline__ void load_words(const uint8_t* row, uint32_t (&w)[N >
 // k_scale/k_zero (its key group). Static layout: bh * N + i. Paged (PAGED, a template parameter so
 // the static kernel carries no paging code): row t % PS of page block_table[b, t / PS] (PS the
 // page size), key row (t % PS) / G of the same page (a page holds whole key groups), the id
-// clamped into the pool as kernels/triton_paging.py does. PS is a multiple of G, hence of 32: a
+// clamped into the pool as kernels/triton/paging.py does. PS is a multiple of G, hence of 32: a
 // 32-token chunk lies in one page, so the chunk's rows are `row` + 0..31.
 template <bool PAGED>
 __device__ __forceinline__ void token_rows(const DecodeParams& p, int b, int h, int t, size_t& row, size_t& key_row) {

@@ -1,5 +1,5 @@
 """Static-shape forms of attend_reference that torch.compile, torch.export, ONNX and ExecuTorch trace
-(rules: decomposed_append.py): attend_fused (decode; Inductor CPU unpacks the codes in its loops) and
+(rules: append.py): attend_fused (decode; Inductor CPU unpacks the codes in its loops) and
 attend_materialized (dequantize once, matmuls). Rows past a sequence's length are read, then masked,
 so they must hold finite values; saturation as in the reference (attend_reference)."""
 

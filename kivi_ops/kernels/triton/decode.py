@@ -1,5 +1,5 @@
 """Triton decode attention (q_len == 1, power-of-two head_dim): attend_decode; shared machinery in
-triton_attend.py. One program per (row, query head, split), per element in fp32 registers with no
+attend.py. One program per (row, query head, split), per element in fp32 registers with no
 tl.dot (a one-row query padded to a tensor-core tile costs more in layout shuffles, docs/performance.md).
 A code tile is [PER, BLOCK_N, D // PER]: (i, t, j) is channel j * PER + i of token t."""
 

@@ -1,4 +1,4 @@
-"""Triton quantize-and-pack and unpack-and-dequantize, bit for bit packing.py's numerics and layout,
+"""Triton quantize-and-pack and unpack-and-dequantize, bit for bit reference/packing.py's numerics and layout,
 and the jit helpers the cache kernels share. Divisions use tl.math.div_rn: a plain fp32 `/` lowers to
 the approximate div.full.f32 on NVIDIA GPUs. Dequantization may contract to an FMA (<= 1 ulp)."""
 

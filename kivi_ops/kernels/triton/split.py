@@ -1,5 +1,5 @@
 """Triton split-K attention, any q_len (head_dim >= 16 for tl.dot): attend_split; shared machinery in
-triton_attend.py. One program per (kv head, BLOCK_M query rows, split): GQA without repeat_kv, row
+attend.py. One program per (kv head, BLOCK_M query rows, split): GQA without repeat_kv, row
 r = g*q_len + i is query i of head h*Hq/H + g. fp16/bf16 products on tensor cores with operands rounded
 to the cache dtype and saturated first (fp16 q * s + z can reach 65536), fp32 accumulation."""
 
