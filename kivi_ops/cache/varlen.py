@@ -47,7 +47,6 @@ class Run:
 @dataclass(frozen=True)
 class VarlenPlan:
     runs: tuple[Run, ...]
-    tokens: int  # query_start_loc[-1]
 
 
 def plan(rows: Tensor, block_table: Tensor, query_start_loc: Tensor, seq_lens: Tensor, slot_mapping: Tensor,
@@ -62,7 +61,7 @@ def plan(rows: Tensor, block_table: Tensor, query_start_loc: Tensor, seq_lens: T
                          f"block_table[b, t // {page_size}], row t % {page_size})")
     rows = rows.long()
 
-    def run(group, n, mode, begin, boundaries=()):
+    def make_run(group, n, mode, begin, boundaries=()):
         idx = torch.tensor(group, dtype=torch.long)
         slots = rows[idx]
         ends = [begin[b] + n for b in group]
@@ -84,19 +83,19 @@ def plan(rows: Tensor, block_table: Tensor, query_start_loc: Tensor, seq_lens: T
     decode = [b for b in range(B) if qlen[b] == 1 and ctx[b] > 0]
     if decode:
         ends = tuple((b, sl[b]) for b in decode if chunk and sl[b] % chunk == 0)
-        runs.append(run(decode, 1, "decode", {b: ctx[b] for b in decode}, ends))
+        runs.append(make_run(decode, 1, "decode", {b: ctx[b] for b in decode}, ends))
     for b in range(B):
         if qlen[b] == 0 or b in decode:
             continue
         if not chunk:
-            runs.append(run([b], qlen[b], "exact" if ctx[b] == 0 else "cache", {b: ctx[b]}))
+            runs.append(make_run([b], qlen[b], "exact" if ctx[b] == 0 else "cache", {b: ctx[b]}))
             continue
         begin = ctx[b]
         while begin < sl[b]:
             end = min((begin // chunk + 1) * chunk, sl[b])
-            runs.append(run([b], end - begin, "cache", {b: begin}, ((b, end),) if end % chunk == 0 else ()))
+            runs.append(make_run([b], end - begin, "cache", {b: begin}, ((b, end),) if end % chunk == 0 else ()))
             begin = end
-    return VarlenPlan(tuple(runs), qsl[-1])
+    return VarlenPlan(tuple(runs))
 
 
 def run(p: VarlenPlan, query: Tensor, key: Tensor, value: Tensor, pools: LayerTensors, k_window: Tensor,

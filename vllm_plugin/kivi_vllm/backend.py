@@ -72,7 +72,6 @@ class KIVIMetadata:
     slot_mapping: torch.Tensor
     rows: torch.Tensor  # each request's window slot (windows.py)
     plan: varlen.VarlenPlan  # the step's runs, the same for every layer
-    prefix_chunk: int  # 0: prefix caching off (prefix_tails.py)
     restores: dict  # batch row -> the key of the cached prefix it starts from
     saves: dict  # (batch row, boundary) -> key: the prompt boundaries this step reaches
 
@@ -102,7 +101,7 @@ class KIVIMetadataBuilder(CPUAttentionMetadataBuilder):
                            self.prefix_chunk or None)
         return KIVIMetadata(num_actual_tokens=m.num_actual_tokens, query_start_loc=m.query_start_loc,
                             seq_lens=m.seq_lens, block_table=m.block_table_tensor, slot_mapping=m.slot_mapping,
-                            rows=rows, plan=plan, prefix_chunk=self.prefix_chunk, restores=restores, saves=saves)
+                            rows=rows, plan=plan, restores=restores, saves=saves)
 
     def _prefix_plan(self, m, fresh: list[int]) -> tuple[dict, dict]:
         """Which rows start from a cached prefix (a new request past token 0) and which prompt
