@@ -26,7 +26,7 @@ from kivi_ops.options.schedule import POLICIES
 from kivi_models.generate import METHODS
 from kivi_models.loading import DEFAULT_MODEL
 
-from kivi_benchmarks.presets import PRESETS
+from kivi_benchmarks.presets import PRESET_FLAGS, PRESETS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -192,8 +192,8 @@ def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
                         "--group-size as calibrated; refused for another model), in place of --k-bits/--v-bits")
     p.add_argument("--preset", choices=tuple(PRESETS), default=None,
                    help="; ".join(f"{name}: {what}" for name, what in PRESETS.items())
-                        + ". Refused with the flags it sets (--k-bits, --v-bits, --group-size, --residual-length, "
-                          "--rotate-keys, --rotate-values, --rotation-seed, --rotations, --layer-bits, --nuq)")
+                        + ". Refused with the flags a preset sets (" + ", ".join(
+                            "--" + flag.replace("_", "-") for flag in PRESET_FLAGS) + ")")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, float16 on cuda")
     from kivi_models.weight_quant import WEIGHT_QUANT_MODES
@@ -215,21 +215,17 @@ def _nuq_levels(args, parser) -> dict:
                              model=model_identity(args.model), head_dim=head_dim_of(config))
 
 
-# The flags a preset sets (kivi_benchmarks.presets): given with it, they are refused.
-_PRESET_FLAGS = ("k_bits", "v_bits", "group_size", "residual_length", "rotate_keys", "rotate_values", "rotation_seed")
-_PRESET_PATHS = ("rotations", "layer_bits", "nuq")
-
-
 def _apply_preset(args, parser, method: str) -> None:
-    """Sets the flags --preset stands for (kivi_benchmarks.presets.preset_settings) on args."""
-    given = sorted(f"--{name.replace('_', '-')}" for name in _PRESET_FLAGS if name in getattr(args, "explicit", set()))
-    given += [f"--{name.replace('_', '-')}" for name in _PRESET_PATHS if getattr(args, name)]
+    """Sets the flags --preset stands for (kivi_benchmarks.presets.preset_settings) on args; refuses
+    any flag a preset sets given with it."""
+    from kivi_benchmarks.presets import PRESET_FLAGS, preset_settings
+
+    given = [f"--{name.replace('_', '-')}" for name in PRESET_FLAGS
+             if name in getattr(args, "explicit", set()) or getattr(args, name) != parser.get_default(name)]
     if given:
         parser.error(f"--preset {args.preset} sets {' / '.join(given)} itself; leave them out (or leave out --preset)")
     if method != "kivi":
         parser.error(f"--preset is an option of the KIVI cache (--method kivi), not of --method {method}")
-    from kivi_benchmarks.presets import preset_settings
-
     with usage_errors(parser, ValueError, OSError):
         settings = preset_settings(args.preset, args.model)
     for name, value in settings.items():

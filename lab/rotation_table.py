@@ -47,7 +47,16 @@ ROWS = [
     ("fake_kivi2_rotkv", "fake 2-bit K per-channel, V per-token, rotated K+V", "per-token / fp8"),
     ("kivi2_g64r64", "KIVI-2 (G=64, R=64)", "per-layer widths"),
     ("kivi2_g64r64_calrot", "KIVI-2 + calibrated rotation K+V (G=64, R=64)", "per-layer widths"),
-    ("preset_quality2bit", "--preset quality-2bit: calibrated K+V, per-layer 2/3-bit (G=64, R=64)", "per-layer widths"),
+    ("preset_quality2bit", "calibrated K+V, per-layer 2/3-bit (G=64, R=64)", "per-layer widths"),
+    ("layer_bits_sink1", "--preset quality-2bit on SmolLM2: calibrated K+V, per-layer 2/3-bit, sink 1 (G=64, R=64)",
+     "preset"),
+    ("layer_bits_sink4", "calibrated K+V, per-layer 2/3-bit, sink 4 (G=64, R=64)", "preset"),
+    ("kvquant2_sparse05_sink_g128", "--preset quality-2bit on Gemma 3: KVQuant-2 + 0.5% sparse + sink 1 (G=128, R=128), levels "
+                                    "from 16 windows",
+     "preset"),
+    ("kvquant2_sparse05_sink_g128_w8", "KVQuant-2 + 0.5% sparse + sink 1 (G=128, R=128), levels from 8 windows",
+     "preset"),
+    ("kvquant2_sparse05_sink4_g128", "KVQuant-2 + 0.5% sparse + sink 4 (G=128, R=128), levels from 8 windows", "preset"),
 ]
 
 
@@ -56,14 +65,18 @@ RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 # reference CPU kernels, 2 threads: docs/quality.md says how far that moves the last digits).
 # quality_rotation.json: this table's own earlier rows, each with its own command.
 COMMITTED = ("quality_rotation.json", "quality.json", "quality_kvquant.json")
+# Rows renamed since a committed table named them: today's name -> the committed one.
+COMMITTED_AS = {"calibrated K+V, per-layer 2/3-bit (G=64, R=64)":
+                "--preset quality-2bit: calibrated K+V, per-layer 2/3-bit (G=64, R=64)"}
 
 
 def _committed(name: str, files=COMMITTED):
+    committed_name = COMMITTED_AS.get(name, name)
     for file in files:
         data = json.loads((RESULTS / file).read_text())
         for r in data["perplexity"]:
             # measured there, or carried there with its first source named
-            if r["name"] == name and (r.get("started") or "(committed " in r.get("command", "(committed ")):
+            if r["name"] == committed_name and (r.get("started") or "(committed " in r.get("command", "(committed ")):
                 env = data["environment"]
                 command = r.get("command") or env["command"]
                 if "(committed " in command:  # carried over once already: keep its first source
@@ -77,7 +90,8 @@ def _committed(name: str, files=COMMITTED):
 def _committed_passkey(name: str, files=COMMITTED):
     """A passkey row of the committed table this one extends (the first file), kept as it was."""
     data = json.loads((RESULTS / files[0]).read_text())
-    return next((r for r in data.get("passkey", []) if r["name"] == name), None)
+    row = next((r for r in data.get("passkey", []) if r["name"] == COMMITTED_AS.get(name, name)), None)
+    return dict(row, name=name) if row else None
 
 
 def _last_json(path: Path) -> dict:

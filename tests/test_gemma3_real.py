@@ -97,3 +97,29 @@ def test_real_gemma3_left_padded_batch_equals_each_prompt_alone(gemma3):
     assert cache.lengths().tolist() == [len(p) + NEW - 1 for p in prompts]  # pads never entered the cache
     for prompt_, row in zip(prompts, batched):
         assert row == run([prompt_])[0][0]
+
+
+def test_real_gemma3_preset_is_kvquant2_within_three_bits_and_compiles_as_eager(gemma3):
+    # `--preset quality-2bit --model gemma3-270m`: KVQuant-2 with its shipped nuq2 levels, within 3
+    # bits per element at 4K tokens (exact bytes on the meta device), the CLI and the table building
+    # the same cache, and its decode steps compiled == eager (greedy tokens through transformers).
+    from kivi_benchmarks.perplexity import cache_bits_per_element
+    from kivi_benchmarks.presets import preset_config
+    from kivi_cli.args import kivi_config_from
+    from kivi_cli.main import build_parser
+
+    _, patched, _, prompt = gemma3
+    config = preset_config("quality-2bit", GEMMA3_MODEL)
+    assert config.pre_rope and config.has_nuq and config.sink_tokens == 1 and config.sparse_outliers == 0.005
+    assert cache_bits_per_element(patched, "kivi", config, tokens=4096) <= 3.0
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--model", GEMMA3_MODEL, "--preset", "quality-2bit"])
+    assert kivi_config_from(args, args.parser) == config
+
+    def hf_generate(**kwargs):
+        cache = make_cache(patched, method="kivi", batch_size=1, max_seq_len=len(prompt) + NEW, kivi_config=config)
+        out = patched.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                               past_key_values=cache, **kwargs)
+        return out[0, len(prompt):].tolist()
+
+    torch.compiler.reset()
+    assert hf_generate() == hf_generate(disable_compile=True)

@@ -196,11 +196,11 @@ def test_file_round_trip_and_refusals(tmp_path):
 
 
 def test_shipped_file_is_within_three_bits_on_the_default_model():
-    from kivi_benchmarks.presets import preset_calibration
+    from kivi_benchmarks.presets import preset_files
     from kivi_models.loading import default_model_dir
 
     hf_config = json.loads((default_model_dir() / "config.json").read_text())
-    shipped = preset_calibration("quality-2bit", "default")
+    [shipped] = preset_files("quality-2bit", "default")
     widths, section = load_layer_bits(shipped, model_identity(hf_config, "default"))
     config = KIVIConfig(group_size=section["group_size"], residual_length=section["residual_length"], layer_bits=widths)
     cache = KIVICache(config, num_layers=len(widths), batch_size=1, max_seq_len=4096, num_kv_heads=3, head_dim=64,
@@ -227,14 +227,16 @@ def test_preset_sets_rotations_and_widths_and_refuses_its_flags(capsys):
     args, parser = _args("--preset", "quality-2bit")
     config = kivi_config_from(args, parser)
     assert config.rotate_keys == config.rotate_values == "calibrated" and len(config.layer_bits) == 30
-    assert (config.group_size, config.residual_length) == (64, 64)
+    assert (config.group_size, config.residual_length, config.sink_tokens) == (64, 64, 1)
     for flags, message in ((["--k-bits", "4"], "--preset quality-2bit sets --k-bits itself"),
                            (["--group-size", "32"], "sets --group-size itself"),
                            (["--rotations", "x.json"], "sets --rotations itself"),
                            (["--layer-bits", "x.json"], "sets --layer-bits itself"),
                            (["--method", "fp"], "--preset is an option of the KIVI cache (--method kivi)"),
-                           (["--model", "gemma3-270m"], "--preset quality-2bit: no shipped calibration for --model "
-                                                        "gemma3-270m (shipped for --model default (SmolLM2-135M")):
+                           (["--sink-tokens", "4"], "sets --sink-tokens itself"),
+                           (["--pre-rope"], "sets --pre-rope itself"),
+                           (["--model", "/nonexistent/hf-model"], "--preset quality-2bit: no shipped calibration for "
+                            "--model /nonexistent/hf-model (shipped for --model default (SmolLM2-135M")):
         args, parser = _args("--preset", "quality-2bit", *flags)
         with pytest.raises(SystemExit) as e:
             kivi_config_from(args, parser)
@@ -252,7 +254,7 @@ def test_table_has_a_row_per_shipped_preset_with_the_config_and_bits_eval_report
     from kivi_cli.main import main
     from kivi_models import load_model, patch_model
 
-    assert preset_rows("gemma3-270m") == [] and preset_rows(str(tmp_path)) == []  # no shipped calibration
+    assert preset_rows(str(tmp_path)) == []  # no shipped calibration
     plain, tokenizer = load_model()
     patched = patch_model(load_model()[0])
     report = run_table(plain, patched, tokenizer, quick=False, out_dir=tmp_path, window=64, windows=1, chunk=8,
