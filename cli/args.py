@@ -202,9 +202,10 @@ def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
                    help="torchao weight-only quantization of the Linear layers: int8 (cpu, cuda) or int4 (cuda)")
 
 
-def _nuq_levels(args, parser) -> dict:
-    """{"key_levels": ..., "value_levels": ...} for KIVIConfig from --nuq, checked against the model."""
-    from kivi_ops.calibration.nuq import config_levels
+def _nuq_levels(args, parser, rotations, layer_bits: tuple) -> dict:
+    """{"key_levels": ..., "value_levels": ...} for KIVIConfig from --nuq, checked against the model,
+    the rotations and, per layer, at layer_bits' widths."""
+    from kivi_ops.calibration.nuq import config_levels, levels_basis
 
     from kivi_models.loading import head_dim_of, model_identity, resolve_model_path
 
@@ -212,7 +213,9 @@ def _nuq_levels(args, parser) -> dict:
         config = json.loads((resolve_model_path(args.model) / "config.json").read_text())
         return config_levels(args.nuq, k_bits=args.k_bits, v_bits=args.v_bits, num_layers=config["num_hidden_layers"],
                              group_size=args.group_size, pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers,
-                             model=model_identity(args.model), head_dim=head_dim_of(config))
+                             model=model_identity(args.model), head_dim=head_dim_of(config),
+                             rotations=levels_basis(args.rotate_keys, args.rotate_values, rotations),
+                             layer_bits=layer_bits)
 
 
 def _apply_preset(args, parser, method: str) -> None:
@@ -305,9 +308,10 @@ def kivi_config_from(args, parser) -> KIVIConfig:
     if args.preset:
         _apply_preset(args, parser, method)
     kvquant = dict(pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers)
-    if method == "kivi" and args.nuq:
-        kvquant.update(_nuq_levels(args, parser))
     rotations = _calibrated_rotations(args, parser, method)
+    layer_bits = _layer_bits(args, parser, method)
+    if method == "kivi" and args.nuq:
+        kvquant.update(_nuq_levels(args, parser, rotations, layer_bits))
     try:
         config = KIVIConfig(k_bits=args.k_bits, v_bits=args.v_bits, group_size=args.group_size,
                             residual_length=args.residual_length, sink_tokens=args.sink_tokens,
@@ -315,7 +319,7 @@ def kivi_config_from(args, parser) -> KIVIConfig:
                             outlier_skip_layers=args.outlier_skip_layers, flush_policy=args.flush_policy,
                             rotate_keys=args.rotate_keys, rotate_values=args.rotate_values,
                             rotation_seed=args.rotation_seed, rotations=rotations,
-                            layer_bits=_layer_bits(args, parser, method), **(kvquant if method == "kivi" else {}))
+                            layer_bits=layer_bits, **(kvquant if method == "kivi" else {}))
     except ValueError as e:
         parser.error(flag_spelling(str(e)))
     if method == "fp" and getattr(args, "explicit", set()) & set(_KIVI_ONLY_FLAGS):

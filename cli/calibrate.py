@@ -30,11 +30,17 @@ def add_calibrate_parser(sub) -> None:
                    help="also fit per layer and KV head rotations (--rotate-keys/--rotate-values calibrated) "
                         "for this bit width (default 2)")
     c.add_argument("--no-rotations", action="store_true", help="fit the nuq levels only")
+    c.add_argument("--rotations-nuq", action="store_true",
+                   help="choose each head's rotation by its error on nuq levels fitted to it (for a cache that "
+                        "takes this file's --nuq too), not on the uniform grid")
     c.add_argument("--bits-budget", type=positive_float, default=None, metavar="BITS",
                    help="also choose 2/3/4-bit widths per layer, keys and values apart, by their Fisher-weighted "
                         "error (in the fitted rotations' basis), within BITS stored bits per key/value element "
                         "(scales, zeros and the fp window counted, at --budget-tokens with --group-size and "
                         "--residual-length); the cache takes them with --layer-bits FILE")
+    c.add_argument("--budget-nuq", action="store_true",
+                   help="choose the --bits-budget widths by each width's error on its fitted nuq levels (for a "
+                        "cache that takes this file's --nuq too; needs --bits 2,3,4), not on the uniform grid")
     c.add_argument("--residual-length", type=positive_int, default=128, help="the fp window the budget counts")
     c.add_argument("--budget-tokens", type=positive_int, default=4096, help="the sequence length the budget counts")
     c.set_defaults(func=cmd_calibrate, parser=c)
@@ -62,6 +68,8 @@ def cmd_calibrate(args, parser) -> int:
     with usage_errors(parser, ValueError, OSError):
         check_group_size("--group-size", args.group_size)
         text = load_text(text_file=args.text, corpus=None if args.text else "pydoc")
+    if args.rotations_nuq and args.no_rotations:
+        parser.error("--rotations-nuq chooses the rotations; leave out --no-rotations")
     if args.window % args.group_size:
         parser.error(f"--window must be a multiple of --group-size={args.group_size}")
     model, tokenizer = load_model(args.model, dtype=torch.float32, device="cpu")
@@ -73,7 +81,8 @@ def cmd_calibrate(args, parser) -> int:
                                  pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers,
                                  rotation_bits=None if args.no_rotations else args.rotation_bits, identity=identity,
                                  bits_budget=args.bits_budget, residual_length=args.residual_length,
-                                 budget_tokens=args.budget_tokens)
+                                 budget_tokens=args.budget_tokens, budget_nuq=args.budget_nuq,
+                                 rotations_nuq=args.rotations_nuq)
     write_levels_file(args.out, result)
     if "rotations" in result:
         for part, name in (("k", "keys"), ("v", "values")):

@@ -52,12 +52,16 @@ def levels_rule(bits: int) -> str:
     return f"{2**bits} finite floats in ascending order, strictly increasing, within [0, {2**bits - 1}]"
 
 
-def _check_level_tables(name: str, tables, bits: int) -> None:
+def _check_level_tables(name: str, tables, bits) -> None:
+    """bits: one width for every layer, or a list of them, one per layer (layer_bits)."""
     if not isinstance(tables, tuple):
         raise ValueError(f"{name} must be a tuple of per-layer level tuples, got {type(tables).__name__}")
     for i, levels in enumerate(tables):
-        if not (isinstance(levels, tuple) and all(isinstance(v, float) for v in levels) and levels_ok(levels, bits)):
-            raise ValueError(f"{name}[{i}] must be {levels_rule(bits)} (for {bits}-bit codes), got {levels!r}")
+        layer = bits if isinstance(bits, int) else bits[i] if i < len(bits) else None
+        if layer is None:
+            raise ValueError(f"{name} has {len(tables)} layers, layer_bits {len(bits)}: give one entry per layer")
+        if not (isinstance(levels, tuple) and all(isinstance(v, float) for v in levels) and levels_ok(levels, layer)):
+            raise ValueError(f"{name}[{i}] must be {levels_rule(layer)} (for {layer}-bit codes), got {levels!r}")
 
 
 def _check_layer_bits(layer_bits, group_size: int) -> None:
@@ -144,17 +148,14 @@ class KIVIConfig:
         f = self.sparse_outliers
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 0.5:
             raise ValueError(f"sparse_outliers must be a fraction in [0, 0.5), e.g. 0.01, got {f!r}")
-        for name, bits in (("key_levels", self.k_bits), ("value_levels", self.v_bits)):
-            _check_level_tables(name, getattr(self, name), bits)
+        _check_layer_bits(self.layer_bits, self.group_size)
+        for name, part, bits in (("key_levels", 0, self.k_bits), ("value_levels", 1, self.v_bits)):
+            _check_level_tables(name, getattr(self, name), [p[part] for p in self.layer_bits] or bits)
         if bool(self.key_levels) != bool(self.value_levels):
             raise ValueError("key_levels and value_levels must be given together (nuq levels for keys and values)")
         if self.flush_policy == "ott" and self.sparse_outliers:
             raise ValueError("sparse_outliers is not supported with flush_policy='ott' (its key store is laid "
                              "out per R-token window of the kivi policy); use flush_policy='kivi'")
-        _check_layer_bits(self.layer_bits, self.group_size)
-        if self.layer_bits and self.has_nuq:
-            raise ValueError("layer_bits (per-layer widths) cannot be combined with nuq levels (key_levels / "
-                             "value_levels are calibrated per bit width): give one or the other")
         check_rotation("rotate_keys", self.rotate_keys, CACHE_ROTATIONS)
         check_rotation("rotate_values", self.rotate_values, CACHE_ROTATIONS)
         calibrated = "calibrated" in (self.rotate_keys, self.rotate_values)
@@ -177,7 +178,11 @@ class KIVIConfig:
         if not 0 <= layer_idx < len(self.layer_bits):
             raise ValueError(f"layer_bits holds {len(self.layer_bits)} layers, no layer {layer_idx}")
         k, v = self.layer_bits[layer_idx]
-        return replace(self, k_bits=k, v_bits=v, layer_bits=())
+        levels = {}
+        if self.has_nuq:  # the layer reads only its own entry, which must be at its widths
+            n = len(self.key_levels)
+            levels = dict(key_levels=(self.key_levels[layer_idx],) * n, value_levels=(self.value_levels[layer_idx],) * n)
+        return replace(self, k_bits=k, v_bits=v, layer_bits=(), **levels)
 
     def check_num_layers(self, num_layers: int) -> None:
         if self.has_nuq and (len(self.key_levels) != num_layers or len(self.value_levels) != num_layers):

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from kivi_ops import KIVICache, KIVIConfig, Step
+from kivi_ops.calibration.nuq import levels_basis
 from kivi_ops.calibration.rotations import (CalibratedRotations, candidate_matrices, choose_rotations, load_rotations,
-                                            model_identity, quantization_error, rotations_section)
+                                            model_identity, quantization_error, rotated_activations, rotations_digest,
+                                            rotations_section)
 from kivi_ops.options.rotation import random_orthogonal, rotate, rotation_matrix, unrotate
 from paged_helpers import append_both, make_pair
 from serve_fixtures import tiny  # noqa: F401
@@ -80,6 +82,55 @@ def test_candidates_are_orthogonal_and_the_choice_is_the_least_error():
             assert head["kind"] == min(errors, key=errors.get)
             assert head["error_vs_identity"][head["kind"]] <= 1.0
             assert torch.equal(head["matrix"], options[head["kind"]])
+
+
+def test_levels_basis_the_rotated_activations_and_the_nuq_objective():
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(4, H, 64, D, generator=g), torch.randn(4, H, 64, D, generator=g)
+    k[..., 5] *= 20
+    grads = dict(k_grad=torch.randn(4, H, 64, D, generator=g), v_grad=torch.randn(4, H, 64, D, generator=g))
+    acts = [dict(k=k, v=v, **grads, k_fisher=grads["k_grad"] ** 2, v_fisher=grads["v_grad"] ** 2)]
+    chosen = choose_rotations(acts, bits=2, group_size=32, nuq=True)
+    [rotated] = rotated_activations(acts, chosen)
+    for part in ("k", "v"):
+        for h, head in enumerate(chosen["layers"][0][part]):
+            m = head["matrix"]
+            torch.testing.assert_close(rotated[part][:, h], acts[0][part][:, h] @ m)
+            torch.testing.assert_close(rotated[f"{part}_fisher"][:, h], (acts[0][f"{part}_grad"][:, h] @ m) ** 2)
+            assert head["error_vs_identity"][head["kind"]] <= 1.0  # the least error of the four, on fitted levels
+    section = rotations_section(chosen, model_identity(HF_CONFIG, "tiny"))
+    assert section["objective"].endswith("nuq levels fitted to each candidate")
+    assert levels_basis("none", "none", None) is None and levels_basis("calibrated", "calibrated", _rotations()) \
+        == _rotations().digest
+    with pytest.raises(ValueError, match="needs both --rotate-keys calibrated and --rotate-values calibrated"):
+        levels_basis("calibrated", "hadamard", _rotations())
+
+
+def test_levels_are_refused_in_another_basis(tmp_path):
+    from kivi_ops.calibration.nuq import load_tables
+
+    levels = [[0.0, 1.0, 2.0, 3.0]] * L
+    for stored, used, message in ((None, "abc", "its levels were fitted unrotated, but this cache rotates"),
+                                  ("abc", None, "fitted after the file's calibrated rotations \\(sha256 abc\\)"),
+                                  ("abc", "def", "fitted after calibrated rotations sha256 abc, but this cache "
+                                                 "applies sha256 def")):
+        path = tmp_path / f"{stored}.json"
+        path.write_text(json.dumps(dict(format="kivi-nuq-v1", num_layers=L, group_size=32, levels_rotations=stored,
+                                        bits={"2": dict(k=levels, v=levels)})))
+        with pytest.raises(ValueError, match=message):
+            load_tables(path, bits=2, num_layers=L, group_size=32, rotations=used)
+        assert len(load_tables(path, bits=2, num_layers=L, group_size=32, rotations=stored)["k"]) == L
+
+
+def test_rotations_digest_is_the_stored_files(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    acts = [dict(k=torch.randn(2, H, 64, D, generator=g), v=torch.randn(2, H, 64, D, generator=g),
+                 k_fisher=torch.ones(2, H, 64, D), v_fisher=torch.ones(2, H, 64, D)) for _ in range(L)]
+    chosen = choose_rotations(acts, bits=2, group_size=32)
+    path = tmp_path / "calib.json"
+    path.write_text(json.dumps(dict(format="kivi-nuq-v1", rotations=rotations_section(chosen, model_identity(HF_CONFIG,
+                                                                                                           "tiny")))))
+    assert rotations_digest(chosen) == load_rotations(path, None).digest
 
 
 def _write(path, rotations: CalibratedRotations, hf_config=HF_CONFIG, name="tiny"):

@@ -4,6 +4,7 @@ sensitivity; the calibration file is refused for another model; the CLI's --laye
 and the static, paged, compiled, exported and tensor-parallel paths agree."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -29,6 +30,24 @@ def _kv(T, seed=0):
     return torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g), torch.randn(B, HQ, 1, D, generator=g)
 
 
+def _levels(bits, seed=0):
+    """2^bits sorted levels in [0, 2^bits - 1], not the uniform grid."""
+    g = torch.Generator().manual_seed(seed * 10 + bits)
+    inner = torch.rand(2**bits - 2, generator=g).sort().values * (2**bits - 1)
+    return tuple(float(v) for v in (0.0, *inner.tolist(), 2.0**bits - 1))
+
+
+def _nuq_config(config, num_layers=None, layer=None):
+    """config with nuq levels per layer at each layer's widths (or, given `layer`, that layer's
+    levels at every index, as for_layer builds them)."""
+    widths = config.layer_bits or ((config.k_bits, config.v_bits),) * num_layers
+    keys = tuple(_levels(k, seed=i) for i, (k, _) in enumerate(widths))
+    values = tuple(_levels(v, seed=i + 100) for i, (_, v) in enumerate(widths))
+    if layer is not None:
+        keys, values = (keys[layer],) * len(keys), (values[layer],) * len(values)
+    return replace(config, key_levels=keys, value_levels=values)
+
+
 def _cache(config, S=128):
     return KIVICache(config, num_layers=config.layer_bits and len(config.layer_bits) or L, batch_size=B,
                      max_seq_len=S, num_kv_heads=H, head_dim=D)
@@ -46,8 +65,14 @@ def test_config_refuses_bad_widths_naming_them():
         KIVIConfig(layer_bits=((2, 2, 2),))
     with pytest.raises(ValueError, match=r"layer_bits\[0\] k_bits=3 packs 8 codes per word .* got group_size=4"):
         KIVIConfig(group_size=4, residual_length=8, layer_bits=((3, 2),))
-    with pytest.raises(ValueError, match="layer_bits .* cannot be combined with nuq levels"):
-        KIVIConfig(layer_bits=((2, 2),), key_levels=((0.0, 1.0, 2.0, 3.0),), value_levels=((0.0, 1.0, 2.0, 3.0),))
+    with pytest.raises(ValueError, match=r"key_levels\[1\] must be 16 finite floats .* \(for 4-bit codes\)"):
+        KIVIConfig(layer_bits=WIDTHS, key_levels=tuple(_levels(b) for b in (2, 2, 3)),
+                   value_levels=tuple(_levels(v) for _, v in WIDTHS))
+    with pytest.raises(ValueError, match="key_levels has 4 layers, layer_bits 3"):
+        KIVIConfig(layer_bits=WIDTHS, key_levels=tuple(_levels(k) for k, _ in WIDTHS) + (_levels(2),),
+                   value_levels=tuple(_levels(v) for _, v in WIDTHS))
+    nuq = _nuq_config(KIVIConfig(layer_bits=WIDTHS))
+    assert nuq.for_layer(1) == _nuq_config(KIVIConfig(k_bits=4, v_bits=2), num_layers=L, layer=1)
     config = KIVIConfig(layer_bits=WIDTHS)
     for cache in (KIVICache, PagedKIVICache):
         extra = dict(max_seq_len=64) if cache is KIVICache else dict(num_pages=4, page_size=32, max_pages_per_seq=2)
@@ -57,14 +82,19 @@ def test_config_refuses_bad_widths_naming_them():
     json.dumps(config.to_record())
 
 
-def test_each_layer_is_the_uniform_layer_of_its_widths_bit_for_bit_and_bytes_add_up():
+@pytest.mark.parametrize("nuq", [False, True], ids=["uniform grid", "nuq levels per width"])
+def test_each_layer_is_the_uniform_layer_of_its_widths_bit_for_bit_and_bytes_add_up(nuq):
     k, v, q = _kv(72)
-    mixed = _cache(KIVIConfig(group_size=32, residual_length=32, layer_bits=WIDTHS))
+    with_levels = _nuq_config if nuq else (lambda c, **kw: c)
+    mixed = _cache(with_levels(KIVIConfig(group_size=32, residual_length=32, layer_bits=WIDTHS)))
     total = 0
     for i, (kb, vb) in enumerate(WIDTHS):
-        uniform = _cache(KIVIConfig(k_bits=kb, v_bits=vb, group_size=32, residual_length=32)).layers[i]
+        uniform = _cache(with_levels(KIVIConfig(k_bits=kb, v_bits=vb, group_size=32, residual_length=32),
+                                     num_layers=L, layer=i)).layers[i]
         layer = mixed.layers[i]
         assert layer.params[:2] == (kb, vb)
+        if nuq:
+            assert layer.levels.k.tolist() == list(_levels(kb, seed=i)) and len(layer.levels.v) == 2**vb
         for lay in (layer, uniform):
             lay.append(k[:, :, :60], v[:, :, :60], Step(prefill=True))
             for t in range(60, 72):  # keys flush at 64
@@ -75,12 +105,15 @@ def test_each_layer_is_the_uniform_layer_of_its_widths_bit_for_bit_and_bytes_add
         assert layer.nbytes() == uniform.nbytes()
         total += uniform.nbytes()
     assert mixed.nbytes() == total
-    assert len({layer.nbytes() for layer in mixed.layers}) == 1  # (2,4), (4,2), (3,3): the same code bytes
+    if not nuq:  # (2,4), (4,2), (3,3): the same code bytes (nuq adds 2^k + 2^v fp32 levels)
+        assert len({layer.nbytes() for layer in mixed.layers}) == 1
     assert mixed.layers[0].k_codes.shape[-1] == D * 2 // 8 and mixed.layers[0].v_codes.shape[-1] == D * 4 // 8
 
 
-def test_paged_equals_static_with_per_layer_widths():
+@pytest.mark.parametrize("nuq", [False, True], ids=["uniform grid", "nuq levels per width"])
+def test_paged_equals_static_with_per_layer_widths(nuq):
     cfg = KIVIConfig(group_size=8, residual_length=16, layer_bits=WIDTHS)
+    cfg = _nuq_config(cfg) if nuq else cfg
     S, PS = 64, 8
     static = KIVICache(cfg, num_layers=L, batch_size=B, max_seq_len=S, num_kv_heads=H, head_dim=D)
     paged = PagedKIVICache(cfg, num_layers=L, batch_size=B, num_pages=B * S // PS + 3, page_size=PS,
@@ -100,9 +133,10 @@ def test_paged_equals_static_with_per_layer_widths():
 
 
 class _Step(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, nuq=False):
         super().__init__()
         cfg = KIVIConfig(group_size=8, residual_length=16, layer_bits=WIDTHS)
+        cfg = _nuq_config(cfg) if nuq else cfg
         self.cache = KIVICache(cfg, num_layers=L, batch_size=B, max_seq_len=48, num_kv_heads=H, head_dim=D)
 
     def forward(self, key, value, query):
@@ -114,17 +148,21 @@ class _Step(torch.nn.Module):
 
 
 @pytest.mark.slow  # ~15 s of tracing
+@pytest.mark.parametrize("nuq", [False, True], ids=["uniform grid", "nuq levels per width"])
 @torch.no_grad()
-def test_compiled_and_exported_steps_equal_eager():
+def test_compiled_and_exported_steps_equal_eager(nuq):
     g = torch.Generator().manual_seed(2)
     inputs = [(torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g),
                torch.randn(B, HQ, 1, D, generator=g)) for _ in range(20)]  # 20 tokens: keys flush at 16
-    eager = _Step()
+    eager = _Step(nuq)
     want = [eager(*x) for x in inputs]
-    compiled = torch.compile(_Step(), fullgraph=True, backend="aot_eager")
+    if nuq:  # the levels change the result: the test would pass without them otherwise
+        plain = _Step()
+        assert not torch.equal(torch.stack(want), torch.stack([plain(*x) for x in inputs]))
+    compiled = torch.compile(_Step(nuq), fullgraph=True, backend="aot_eager")
     for x, out in zip(inputs, want):
         torch.testing.assert_close(compiled(*x), out, atol=ATOL, rtol=RTOL)
-    program = torch.export.export(_Step(), inputs[0])
+    program = torch.export.export(_Step(nuq), inputs[0])
     codes = {name: t.shape[-1] for name, t in program.named_buffers() if name.endswith("codes")}
     assert codes["cache.layers.0.k_codes"] == D * 2 // 8 and codes["cache.layers.1.k_codes"] == D * 4 // 8
     module = program.module()
@@ -347,8 +385,68 @@ def test_tp2_equals_one_process(budget_tiny):
     assert two["tokens"] == one["tokens"] and two["tp_size"] == 2
 
 
+@pytest.fixture(scope="module")
+def budget_nuq_tiny(tmp_path_factory):
+    """budget_tiny's models and a file with rotations, nuq2/3/4 levels fitted after them, and widths
+    chosen on those levels (--budget-nuq)."""
+    from kivi_cli.main import main
+    from test_parallel import write_tiny_dirs
+
+    dirs = write_tiny_dirs(tmp_path_factory)
+    out = tmp_path_factory.mktemp("calib") / "calib_nuq.json"
+    assert main(["calibrate", "--model", str(dirs[2]), "--out", str(out), "--bits", "2,3,4", "--group-size", "8",
+                 "--window", "64", "--windows", "2", "--bits-budget", "7.2", "--residual-length", "8",
+                 "--budget-tokens", "256", "--budget-nuq"]) == 0
+    return dirs, out
+
+
+def _nuq_args(model, calib, *extra):
+    return _generate_args(model, calib, "--nuq", str(calib), "--rotate-keys", "calibrated", "--rotate-values",
+                          "calibrated", "--rotations", str(calib), *extra)
+
+
+@pytest.mark.slow  # `kivi calibrate` and four `kivi generate` runs on tiny models: 20-40 s
+def test_cli_nuq_levels_at_each_layers_widths_compiled_equal_eager_and_refused_in_another_basis(budget_nuq_tiny,
+                                                                                             capsys):
+    from kivi_cli.main import main
+    from kivi_ops.calibration.rotations import load_rotations
+
+    dirs, calib = budget_nuq_tiny
+    data = json.loads(calib.read_text())
+    assert data["layer_bits"]["nuq"] and data["levels_rotations"] == load_rotations(calib, None).digest
+    runs = []
+    for extra in ((), ("--compile",)):
+        capsys.readouterr()
+        assert main(_nuq_args(dirs[2], calib, "--json", *extra)) == 0
+        runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert runs[0]["tokens"] == runs[1]["tokens"]
+    kivi = runs[0]["config"]["kivi"]
+    assert kivi["nuq"] == str(calib) and kivi["layer_bits"] == data["layer_bits"]["layers"]
+    capsys.readouterr()
+    assert main(_generate_args(dirs[2], calib, "--json", "--rotate-keys", "calibrated", "--rotate-values",
+                               "calibrated", "--rotations", str(calib))) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] != runs[0]["tokens"]
+    for extra, message in (((), "its levels were fitted after the file's calibrated rotations"),
+                           (("--rotate-keys", "calibrated", "--rotations", str(calib)),
+                            "needs both --rotate-keys calibrated and --rotate-values calibrated")):
+        with pytest.raises(SystemExit) as e:
+            main(_generate_args(dirs[2], calib, "--nuq", str(calib), *extra))
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.slow  # torchrun, 20-30 s
+def test_tp2_with_nuq_levels_equals_one_process(budget_nuq_tiny):
+    from test_parallel import kivi
+
+    dirs, calib = budget_nuq_tiny
+    args = _nuq_args(dirs[2], calib)
+    one, two = kivi(args), kivi(args, nproc=2)
+    assert two["tokens"] == one["tokens"] and two["tp_size"] == 2
+
+
 @pytest.mark.slow  # 5-15 s: a paged engine leading a TP worker, and five static runs
-def test_paged_tp_engine_with_preemptions_equals_static_generate_and_its_worker(tiny):
+@pytest.mark.parametrize("nuq", [False, True], ids=["uniform grid", "nuq levels per width"])
+def test_paged_tp_engine_with_preemptions_equals_static_generate_and_its_worker(tiny, nuq):
     import functools
 
     from kivi_models import generate, make_cache
@@ -362,6 +460,7 @@ def test_paged_tp_engine_with_preemptions_equals_static_generate_and_its_worker(
 
     model, tokenizer = tiny  # 2 layers, 2 KV heads, head_dim 8
     config = KIVIConfig(group_size=4, residual_length=8, layer_bits=((2, 4), (4, 2)))
+    config = _nuq_config(config) if nuq else config
     args = dict(method="kivi", kivi_config=config, slots=4, max_seq_len=MAX_SEQ_LEN, paging=PagedServing(8, 4))
     channel = Loopback(Runner(model, **args))  # rank 1, replaying rank 0's plans (tests/test_serve_tp.py)
     engine = Engine(model, tokenizer, ServeConfig(**args, eos_token_ids=set()),

@@ -16,16 +16,20 @@ WIDTHS = (2, 3, 4)
 PARTS = (("k", "channel"), ("v", "token"))
 
 
-def sensitivities(activations: list[dict], *, group_size: int, widths=WIDTHS, rotations: dict | None = None) -> list:
-    """Per layer {"k": {bits: error}, "v": {...}}, summed over heads, in the rotations' basis if given."""
+def sensitivities(activations: list[dict], *, group_size: int, widths=WIDTHS, rotations: dict | None = None,
+                  levels: dict | None = None) -> list:
+    """Per layer {"k": {bits: error}, "v": {...}}, summed over heads, in the rotations' basis if given, with
+    the nuq levels if given (a levels file's "bits" table holding every width)."""
     out = []
     for i, act in enumerate(activations):
         entry = {}
         for part, axis in PARTS:
             H, D = act[part].shape[1], act[part].shape[-1]
             mats = ([h["matrix"] for h in rotations["layers"][i][part]] if rotations else [torch.eye(D)] * H)
+            grid = {b: None if levels is None else torch.tensor(levels[str(b)][part][i]) for b in widths}
             entry[part] = {b: sum(quantization_error(act[part][:, h], act[f"{part}_fisher"][:, h], mats[h], bits=b,
-                                                     group_size=group_size, axis=axis) for h in range(H))
+                                                     group_size=group_size, axis=axis, levels=grid[b])
+                                  for h in range(H))
                            for b in widths}
         out.append(entry)
     return out
@@ -97,10 +101,11 @@ def choose_widths(sensitivity: list, full: list[bool], config: KIVIConfig, *, bu
 
 
 def layer_bits_section(chosen: tuple, sensitivity: list, identity: dict, *, budget: float, bits_per_element: float,
-                       tokens: int, config: KIVIConfig, rotated: bool, full: list[bool]) -> dict:
+                       tokens: int, config: KIVIConfig, rotated: bool, full: list[bool], nuq: bool = False) -> dict:
+    grid = "the file's nuq levels" if nuq else "the uniform grid"
     return dict(format=FORMAT, model=identity, budget=budget, bits_per_element=round(bits_per_element, 4),
                 tokens=tokens, group_size=config.group_size, residual_length=config.residual_length, rotated=rotated,
-                objective="Fisher-weighted squared error of KIVI quantization, per layer and part",
+                nuq=nuq, objective=f"Fisher-weighted squared error of KIVI quantization on {grid}, per layer and part",
                 layers=[list(p) for p in chosen], full_attention=list(full),
                 sensitivity=[{part: {str(b): e for b, e in s[part].items()} for part in ("k", "v")} for s in sensitivity])
 

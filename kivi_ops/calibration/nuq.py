@@ -143,11 +143,13 @@ def calibrate_tables(activations: list[dict], *, bits_list, group_size: int, spa
 
 
 def levels_file(tables: dict, *, model: str, num_layers: int, group_size: int, head_dim: int | None = None,
-                pre_rope: bool = False, sparse_outliers: float = 0.0, calibration: dict | None = None) -> dict:
-    """The `kivi calibrate` file as a dict: the levels and the settings load_tables checks."""
+                pre_rope: bool = False, sparse_outliers: float = 0.0, calibration: dict | None = None,
+                levels_rotations: str | None = None) -> dict:
+    """The `kivi calibrate` file as a dict: the levels and the settings load_tables checks.
+    levels_rotations: the digest of the calibrated rotations the levels were fitted after (None: unrotated)."""
     return dict(format=FORMAT, model=model, num_layers=num_layers, head_dim=head_dim, group_size=group_size,
                 key_axis=KEY_AXIS, value_axis=VALUE_AXIS, pre_rope=pre_rope, sparse_outliers=sparse_outliers,
-                calibration=calibration or {}, bits=tables)
+                levels_rotations=levels_rotations, calibration=calibration or {}, bits=tables)
 
 
 def write_levels_file(path, data: dict) -> None:
@@ -157,9 +159,12 @@ def write_levels_file(path, data: dict) -> None:
 
 
 def load_tables(path, *, bits: int, num_layers: int | None, group_size: int, pre_rope: bool = False,
-                sparse_outliers: float = 0.0, model: str | None = None, head_dim: int | None = None) -> dict:
+                sparse_outliers: float = 0.0, model: str | None = None, head_dim: int | None = None,
+                rotations: str | None = None) -> dict:
     """{"k": [levels per layer], "v": [...]} from a `kivi calibrate` file, checked against the model
-    and settings that will use it (None or absent fields are not checked)."""
+    and settings that will use it (None or absent fields are not checked, except `rotations`: the
+    digest of the calibrated rotations the cache applies to keys and values, None for none, which
+    must be the basis the levels were fitted in)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -190,6 +195,7 @@ def load_tables(path, *, bits: int, num_layers: int | None, group_size: int, pre
         if flag != want:
             raise ValueError(f"--nuq {path}: calibrated with {name} {flag}, but this run uses {name} {want}; "
                              f"calibrate with the same settings (kivi calibrate {name} ...)")
+    _check_basis(path, data.get("levels_rotations"), rotations)
     by_bits = field("bits", dict)
     if str(bits) not in by_bits:
         raise ValueError(f"--nuq {path}: has levels for bits {sorted(by_bits)}, not {bits}")
@@ -211,12 +217,45 @@ def load_tables(path, *, bits: int, num_layers: int | None, group_size: int, pre
     return tables
 
 
+def _check_basis(path, stored: str | None, used: str | None) -> None:
+    if stored == used:
+        return
+    if used is None:
+        raise ValueError(f"--nuq {path}: its levels were fitted after the file's calibrated rotations (sha256 "
+                         f"{stored}), but this cache does not apply them: add --rotate-keys calibrated --rotate-values "
+                         f"calibrated --rotations {path}")
+    if stored is None:
+        raise ValueError(f"--nuq {path}: its levels were fitted unrotated, but this cache rotates keys and values "
+                         f"with calibrated rotations (sha256 {used}): pass one `kivi calibrate` file (fitted with "
+                         "its rotations, i.e. without --no-rotations) to both --nuq and --rotations")
+    raise ValueError(f"--nuq {path}: its levels were fitted after calibrated rotations sha256 {stored}, but this "
+                     f"cache applies sha256 {used}: pass the same `kivi calibrate` file to --nuq and --rotations")
+
+
+def levels_basis(rotate_keys: str, rotate_values: str, rotations) -> str | None:
+    """The `rotations` digest load_tables checks for a cache with these rotations: the calibrated ones'
+    digest, or None; ValueError when only one of keys and values is calibrated (no file's levels fit)."""
+    calibrated = (rotate_keys == "calibrated", rotate_values == "calibrated")
+    if calibrated == (False, False):
+        return None
+    if calibrated != (True, True):
+        raise ValueError("--nuq with calibrated rotations needs both --rotate-keys calibrated and --rotate-values "
+                         f"calibrated (the levels are fitted in one basis for both), got --rotate-keys {rotate_keys} "
+                         f"--rotate-values {rotate_values}")
+    return rotations.digest
+
+
 def load_kv_levels(path, *, k_bits: int, v_bits: int, num_layers: int | None, group_size: int,
                    pre_rope: bool = False, sparse_outliers: float = 0.0, model: str | None = None,
-                   head_dim: int | None = None) -> tuple[list, list]:
+                   head_dim: int | None = None, rotations: str | None = None, layer_bits: tuple = ()) -> tuple[list, list]:
+    """Per-layer key and value levels at k_bits / v_bits, or at each layer's widths in layer_bits."""
     settings = dict(num_layers=num_layers, group_size=group_size, pre_rope=pre_rope, sparse_outliers=sparse_outliers,
-                    model=model, head_dim=head_dim)
-    return load_tables(path, bits=k_bits, **settings)["k"], load_tables(path, bits=v_bits, **settings)["v"]
+                    model=model, head_dim=head_dim, rotations=rotations)
+    if not layer_bits:
+        return load_tables(path, bits=k_bits, **settings)["k"], load_tables(path, bits=v_bits, **settings)["v"]
+    tables = {b: load_tables(path, bits=b, **settings) for b in sorted({b for pair in layer_bits for b in pair})}
+    return ([tables[k]["k"][i] for i, (k, _) in enumerate(layer_bits)],
+            [tables[v]["v"][i] for i, (_, v) in enumerate(layer_bits)])
 
 
 def config_levels(path, **settings) -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..ops.quantized import fake_quantize
+from .nuq import calibrate_levels, fake_quantize_nuq
 from ..options.rotation import CalibratedRotations, rotation_matrix
 
 CANDIDATES = ("identity", "hadamard", "pca", "pca_hadamard")
@@ -65,15 +66,26 @@ def candidate_matrices(x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def quantization_error(x: torch.Tensor, fisher: torch.Tensor, m: torch.Tensor, *, bits: int, group_size: int,
-                       axis: str) -> float:
-    """sum(fisher * (x - Q(x M) M^T)^2): KIVI's quantization error in the rotated basis."""
+                       axis: str, levels: torch.Tensor | None = None) -> float:
+    """sum(fisher * (x - Q(x M) M^T)^2): KIVI's quantization error in the rotated basis, on the uniform
+    grid or on nuq `levels` (fitted in that basis)."""
     G = min(group_size, x.shape[-1]) if axis == "token" else group_size
-    err = fake_quantize((x @ m).contiguous(), bits, G, axis) @ m.T - x
+    rotated = (x @ m).contiguous()
+    q = fake_quantize(rotated, bits, G, axis) if levels is None else fake_quantize_nuq(rotated, bits, G, axis, levels)
+    err = q @ m.T - x
     return float((fisher * err * err).sum())
 
 
-def choose_rotations(activations: list[dict], *, bits: int, group_size: int) -> dict:
-    """Per layer {"k": [per head {"kind", "matrix", "error_vs_identity"}], "v": [...]}."""
+def _error_on_fitted_levels(x, grad, fisher, m, *, bits: int, group_size: int, axis: str) -> float:
+    """quantization_error on nuq levels fitted to this head in m's basis (its gradients turned by m)."""
+    G = min(group_size, x.shape[-1]) if axis == "token" else group_size
+    levels = calibrate_levels(x @ m, (grad @ m) ** 2, bits, G, axis)
+    return quantization_error(x, fisher, m, bits=bits, group_size=group_size, axis=axis, levels=levels)
+
+
+def choose_rotations(activations: list[dict], *, bits: int, group_size: int, nuq: bool = False) -> dict:
+    """Per layer {"k": [per head {"kind", "matrix", "error_vs_identity"}], "v": [...]}; nuq: each candidate's
+    error on levels fitted to it (for a cache with nuq levels), else on the uniform grid."""
     layers = []
     for act in activations:
         entry = {}
@@ -82,15 +94,43 @@ def choose_rotations(activations: list[dict], *, bits: int, group_size: int) -> 
             for h in range(act[part].shape[1]):
                 x, w = act[part][:, h], act[f"{part}_fisher"][:, h]
                 options = candidate_matrices(x)
-                errors = {name: quantization_error(x, w, m, bits=bits, group_size=group_size, axis=axis)
-                          for name, m in options.items()}
+                if nuq:
+                    errors = {name: _error_on_fitted_levels(x, act[f"{part}_grad"][:, h], w, m, bits=bits,
+                                                            group_size=group_size, axis=axis)
+                              for name, m in options.items()}
+                else:
+                    errors = {name: quantization_error(x, w, m, bits=bits, group_size=group_size, axis=axis)
+                              for name, m in options.items()}
                 best = min(errors, key=errors.get)
                 heads.append(dict(kind=best, matrix=options[best],
                                   error_vs_identity={n: round(e / max(errors["identity"], 1e-30), 4)
                                                      for n, e in errors.items()}))
             entry[part] = heads
         layers.append(entry)
-    return dict(bits=bits, group_size=group_size, layers=layers)
+    return dict(bits=bits, group_size=group_size, nuq=nuq, layers=layers)
+
+
+def _stacked(chosen: dict, part: str) -> torch.Tensor:
+    return torch.stack([torch.stack([h["matrix"] for h in layer[part]]) for layer in chosen["layers"]])
+
+
+def rotations_digest(chosen: dict) -> str:
+    """The digest the chosen rotations have once stored and loaded (CalibratedRotations.digest)."""
+    return CalibratedRotations(_stacked(chosen, "k"), _stacked(chosen, "v"), "chosen").digest
+
+
+def rotated_activations(activations: list[dict], chosen: dict) -> list[dict]:
+    """The activations in the chosen rotations' basis, per head x M: the gradients turn the same way (M is
+    orthogonal), so the Fisher weights are the rotated gradients squared."""
+    out = []
+    for act, layer in zip(activations, chosen["layers"]):
+        entry = {}
+        for part in ("k", "v"):
+            m = torch.stack([h["matrix"] for h in layer[part]])  # [H, D, D]
+            entry[part] = torch.einsum("nhtd,hde->nhte", act[part], m)
+            entry[f"{part}_fisher"] = torch.einsum("nhtd,hde->nhte", act[f"{part}_grad"], m) ** 2
+        out.append(entry)
+    return out
 
 
 def _encode(m: torch.Tensor) -> str:
@@ -106,7 +146,9 @@ def rotations_section(chosen: dict, identity: dict, *, keys_pre_rope: bool = Fal
     layers = [{part: [head(h) for h in layer[part]] for part in ("k", "v")} for layer in chosen["layers"]]
     return dict(format=FORMAT, model=identity, bits=chosen["bits"], group_size=chosen["group_size"],
                 keys_pre_rope=keys_pre_rope,
-                objective="Fisher-weighted squared error of KIVI quantization", candidates=list(CANDIDATES),
+                objective="Fisher-weighted squared error of KIVI quantization on "
+                          + ("nuq levels fitted to each candidate" if chosen.get("nuq") else "the uniform grid"),
+                candidates=list(CANDIDATES),
                 layers=layers)
 
 
