@@ -205,13 +205,13 @@ def extension_rows() -> list[Row]:
 def preset_rows(model: str) -> list[Row]:
     """A row per --preset with a shipped calibration for --model `model` (none for the others):
     the cache `--preset NAME` builds (kivi_benchmarks.presets.preset_config)."""
-    from .presets import preset_config, presets_for
+    from .presets import preset_config, preset_settings, presets_for
 
     rows = []
     for name in presets_for(model):
-        config = preset_config(name, model)
+        config, nuq = preset_config(name, model), preset_settings(name, model).get("nuq")
         rows.append(Row(f"--preset {name} (G={config.group_size}, R={config.residual_length})", "preset", "kivi",
-                        kivi=config, preset=name))
+                        kivi=config, preset=name, levels_file=None if nuq is None else str(nuq)))
     return rows
 
 

@@ -70,13 +70,17 @@ COMMITTED_AS = {"calibrated K+V, per-layer 2/3-bit (G=64, R=64)":
                 "--preset quality-2bit: calibrated K+V, per-layer 2/3-bit (G=64, R=64)"}
 
 
+def _names(name: str) -> set:
+    """The names a row may have in a committed table: today's, or the one it had before a rename."""
+    return {name, COMMITTED_AS.get(name, name)}
+
+
 def _committed(name: str, files=COMMITTED):
-    committed_name = COMMITTED_AS.get(name, name)
     for file in files:
         data = json.loads((RESULTS / file).read_text())
         for r in data["perplexity"]:
             # measured there, or carried there with its first source named
-            if r["name"] == committed_name and (r.get("started") or "(committed " in r.get("command", "(committed ")):
+            if r["name"] in _names(name) and (r.get("started") or "(committed " in r.get("command", "(committed ")):
                 env = data["environment"]
                 command = r.get("command") or env["command"]
                 if "(committed " in command:  # carried over once already: keep its first source
@@ -90,7 +94,7 @@ def _committed(name: str, files=COMMITTED):
 def _committed_passkey(name: str, files=COMMITTED):
     """A passkey row of the committed table this one extends (the first file), kept as it was."""
     data = json.loads((RESULTS / files[0]).read_text())
-    row = next((r for r in data.get("passkey", []) if r["name"] == COMMITTED_AS.get(name, name)), None)
+    row = next((r for r in data.get("passkey", []) if r["name"] in _names(name)), None)
     return dict(row, name=name) if row else None
 
 

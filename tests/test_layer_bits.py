@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kivi_ops import KIVICache, KIVIConfig, Step
-from kivi_ops.calibration.rotations import model_identity
+from kivi_ops.calibration.rotations import load_rotations, model_identity
 from kivi_ops.calibration.layer_bits import (choose_widths, layer_bits_section, layer_nbytes, load_layer_bits,
                                              sensitivities)
 from kivi_ops.cache.paged import PagedKIVICache
@@ -245,7 +245,8 @@ def test_shipped_file_is_within_three_bits_on_the_default_model():
                       dtype=torch.float16, device="meta")
     bits = 8 * cache.nbytes() / (2 * len(widths) * 3 * 4096 * 64)
     assert bits == pytest.approx(section["bits_per_element"], abs=1e-4) and bits <= section["budget"] <= 3.0
-    assert section["rotated"] and json.loads(shipped.read_text())["rotations"]
+    data = json.loads(shipped.read_text())
+    assert section["rotated"] and data["rotations"] and data["levels_rotations"] == load_rotations(shipped, None).digest
 
 
 # ---------------------------------------------------------------- the CLI
@@ -265,11 +266,14 @@ def test_preset_sets_rotations_and_widths_and_refuses_its_flags(capsys):
     args, parser = _args("--preset", "quality-2bit")
     config = kivi_config_from(args, parser)
     assert config.rotate_keys == config.rotate_values == "calibrated" and len(config.layer_bits) == 30
-    assert (config.group_size, config.residual_length, config.sink_tokens) == (64, 64, 1)
+    assert config.has_nuq and all(len(config.key_levels[i]) == 2**k and len(config.value_levels[i]) == 2**v
+                                  for i, (k, v) in enumerate(config.layer_bits))
+    assert (config.group_size, config.residual_length, config.sink_tokens) == (64, 64, 4)
     for flags, message in ((["--k-bits", "4"], "--preset quality-2bit sets --k-bits itself"),
                            (["--group-size", "32"], "sets --group-size itself"),
                            (["--rotations", "x.json"], "sets --rotations itself"),
                            (["--layer-bits", "x.json"], "sets --layer-bits itself"),
+                           (["--nuq", "x.json"], "sets --nuq itself"),
                            (["--method", "fp"], "--preset is an option of the KIVI cache (--method kivi)"),
                            (["--sink-tokens", "4"], "sets --sink-tokens itself"),
                            (["--pre-rope"], "sets --pre-rope itself"),
@@ -351,6 +355,18 @@ def _generate_args(model, calib, *extra):
             "--method", "kivi", "--group-size", "8", "--residual-length", "8", "--layer-bits", str(calib), *extra]
 
 
+def _eager_and_compiled(args, capsys) -> list[dict]:
+    """`kivi generate ARGS --json`, eager then --compile: the two JSON reports."""
+    from kivi_cli.main import main
+
+    runs = []
+    for extra in ((), ("--compile",)):
+        capsys.readouterr()
+        assert main([*args, "--json", *extra]) == 0
+        runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    return runs
+
+
 @pytest.mark.slow  # `kivi calibrate` and `kivi generate` runs on tiny models: 20-40 s
 def test_cli_calibrates_then_generates_compiled_equal_eager_and_refuses_another_model(budget_tiny, capsys):
     from kivi_cli.main import main
@@ -358,11 +374,7 @@ def test_cli_calibrates_then_generates_compiled_equal_eager_and_refuses_another_
     dirs, calib = budget_tiny
     section = json.loads(calib.read_text())["layer_bits"]
     assert section["bits_per_element"] <= 7.2 and len(section["layers"]) == 2 and section["rotated"]
-    runs = []
-    for extra in ((), ("--compile",)):
-        capsys.readouterr()
-        assert main(_generate_args(dirs[2], calib, "--json", *extra)) == 0
-        runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    runs = _eager_and_compiled(_generate_args(dirs[2], calib), capsys)
     assert runs[0]["tokens"] == runs[1]["tokens"]
     assert runs[0]["config"]["kivi"]["layer_bits"] == section["layers"]
     assert runs[0]["bits_per_element_tokens"] == runs[0]["prompt_tokens"] + 20
@@ -375,12 +387,13 @@ def test_cli_calibrates_then_generates_compiled_equal_eager_and_refuses_another_
     assert e.value.code == 2 and "--bits-budget=6.0 is below the narrowest cache's" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # torchrun, 20-30 s
-def test_tp2_equals_one_process(budget_tiny):
+@pytest.mark.slow  # torchrun, 20-30 s each
+@pytest.mark.parametrize("nuq", [False, True], ids=["uniform grid", "nuq levels per width"])
+def test_tp2_equals_one_process(nuq, request):
     from test_parallel import kivi
 
-    dirs, calib = budget_tiny
-    args = _generate_args(dirs[2], calib)
+    dirs, calib = request.getfixturevalue("budget_nuq_tiny" if nuq else "budget_tiny")
+    args = (_nuq_args if nuq else _generate_args)(dirs[2], calib)
     one, two = kivi(args), kivi(args, nproc=2)
     assert two["tokens"] == one["tokens"] and two["tp_size"] == 2
 
@@ -409,16 +422,11 @@ def _nuq_args(model, calib, *extra):
 def test_cli_nuq_levels_at_each_layers_widths_compiled_equal_eager_and_refused_in_another_basis(budget_nuq_tiny,
                                                                                              capsys):
     from kivi_cli.main import main
-    from kivi_ops.calibration.rotations import load_rotations
 
     dirs, calib = budget_nuq_tiny
     data = json.loads(calib.read_text())
     assert data["layer_bits"]["nuq"] and data["levels_rotations"] == load_rotations(calib, None).digest
-    runs = []
-    for extra in ((), ("--compile",)):
-        capsys.readouterr()
-        assert main(_nuq_args(dirs[2], calib, "--json", *extra)) == 0
-        runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    runs = _eager_and_compiled(_nuq_args(dirs[2], calib), capsys)
     assert runs[0]["tokens"] == runs[1]["tokens"]
     kivi = runs[0]["config"]["kivi"]
     assert kivi["nuq"] == str(calib) and kivi["layer_bits"] == data["layer_bits"]["layers"]
@@ -432,16 +440,6 @@ def test_cli_nuq_levels_at_each_layers_widths_compiled_equal_eager_and_refused_i
         with pytest.raises(SystemExit) as e:
             main(_generate_args(dirs[2], calib, "--nuq", str(calib), *extra))
         assert e.value.code == 2 and message in capsys.readouterr().err
-
-
-@pytest.mark.slow  # torchrun, 20-30 s
-def test_tp2_with_nuq_levels_equals_one_process(budget_nuq_tiny):
-    from test_parallel import kivi
-
-    dirs, calib = budget_nuq_tiny
-    args = _nuq_args(dirs[2], calib)
-    one, two = kivi(args), kivi(args, nproc=2)
-    assert two["tokens"] == one["tokens"] and two["tp_size"] == 2
 
 
 @pytest.mark.slow  # 5-15 s: a paged engine leading a TP worker, and five static runs
