@@ -14,14 +14,14 @@ from . import RESULTS_DIR
 
 PRESETS = {"quality-2bit": "the model's best shipped setting at <= 3 bits per element (4K tokens, scales and the fp "
                            "window counted), from its `kivi calibrate` file: on SmolLM2 calibrated rotations of keys "
-                           "and values, per-layer widths and 1 sink token; on Gemma 3 KVQuant-2 (pre-RoPE keys, nuq2 "
-                           "levels, 0.5% sparse outliers, 1 sink token)"}
+                           "and values, nuq levels fitted in their basis, per-layer widths and 4 sink tokens; on "
+                           "Gemma 3 KVQuant-2 (pre-RoPE keys, nuq2 levels, 0.5% sparse outliers, 1 sink token)"}
 # Per preset, per built-in model (--model): the flags it sets, as the CLI's argument names; the
 # file flags (FILE_FLAGS) name files in RESULTS_DIR.
 SHIPPED = {"quality-2bit": {
     DEFAULT_MODEL: dict(group_size=64, residual_length=64, rotate_keys="calibrated", rotate_values="calibrated",
                         rotations="calibration_smollm2_bits3.json", layer_bits="calibration_smollm2_bits3.json",
-                        sink_tokens=1),
+                        nuq="calibration_smollm2_bits3.json", sink_tokens=4),
     GEMMA3_MODEL: dict(group_size=128, residual_length=128, pre_rope=True, sparse_outliers=0.005, sink_tokens=1,
                        nuq="nuq_levels_gemma3_prerope_sparse05_g128_w16.json"),
 }}

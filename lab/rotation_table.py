@@ -48,9 +48,16 @@ ROWS = [
     ("kivi2_g64r64", "KIVI-2 (G=64, R=64)", "per-layer widths"),
     ("kivi2_g64r64_calrot", "KIVI-2 + calibrated rotation K+V (G=64, R=64)", "per-layer widths"),
     ("preset_quality2bit", "calibrated K+V, per-layer 2/3-bit (G=64, R=64)", "per-layer widths"),
-    ("layer_bits_sink1", "--preset quality-2bit on SmolLM2: calibrated K+V, per-layer 2/3-bit, sink 1 (G=64, R=64)",
-     "preset"),
+    ("layer_bits_sink1", "calibrated K+V, per-layer 2/3-bit, sink 1 (G=64, R=64)", "preset"),
     ("layer_bits_sink4", "calibrated K+V, per-layer 2/3-bit, sink 4 (G=64, R=64)", "preset"),
+    ("preset_nuq", "calibrated K+V, nuq levels in their basis, per-layer 2/3-bit, sink 1 (G=64, R=64)", "preset"),
+    ("preset_nuq_bnuq", "the same, widths chosen on the nuq levels (--budget-nuq)", "preset"),
+    ("preset_nuq_w16", "the same, widths on nuq, calibrated on 16 windows", "preset"),
+    ("preset_rnuq", "the same, widths and rotations chosen on nuq levels (--budget-nuq --rotations-nuq)", "preset"),
+    ("preset_nuq_ott3", "calibrated K+V, nuq, per-layer 2/3-bit within 2.86 bits, sink 1 + OTT 3 outliers (G=64, R=64)",
+     "preset"),
+    ("preset_nuq_sink4", "--preset quality-2bit on SmolLM2: calibrated K+V, nuq levels in their basis, per-layer "
+                         "2/3-bit, sink 4 (G=64, R=64)", "preset"),
     ("kvquant2_sparse05_sink_g128", "--preset quality-2bit on Gemma 3: KVQuant-2 + 0.5% sparse + sink 1 (G=128, R=128), levels "
                                     "from 16 windows",
      "preset"),
@@ -67,7 +74,9 @@ RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 COMMITTED = ("quality_rotation.json", "quality.json", "quality_kvquant.json")
 # Rows renamed since a committed table named them: today's name -> the committed one.
 COMMITTED_AS = {"calibrated K+V, per-layer 2/3-bit (G=64, R=64)":
-                "--preset quality-2bit: calibrated K+V, per-layer 2/3-bit (G=64, R=64)"}
+                "--preset quality-2bit: calibrated K+V, per-layer 2/3-bit (G=64, R=64)",
+                "calibrated K+V, per-layer 2/3-bit, sink 1 (G=64, R=64)":
+                "--preset quality-2bit on SmolLM2: calibrated K+V, per-layer 2/3-bit, sink 1 (G=64, R=64)"}
 
 
 def _names(name: str) -> set:
