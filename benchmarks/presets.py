@@ -72,7 +72,7 @@ def calibration_identity(model: str) -> dict:
 def preset_config(preset: str, model: str) -> KIVIConfig:
     """The KIVIConfig `--preset preset --model model` builds (the other flags at their defaults)."""
     from kivi_ops.calibration.layer_bits import load_layer_bits
-    from kivi_ops.calibration.nuq import config_levels, levels_basis
+    from kivi_ops.calibration.nuq import config_levels
     from kivi_ops.calibration.rotations import load_rotations
 
     from kivi_models.loading import head_dim_of, resolve_model_path
@@ -87,11 +87,11 @@ def preset_config(preset: str, model: str) -> KIVIConfig:
         fields["layer_bits"] = load_layer_bits(settings["layer_bits"], identity, flag=flag)[0]
     if "nuq" in settings:
         hf_config = json.loads((resolve_model_path(model) / "config.json").read_text())
-        basis = levels_basis(settings.get("rotate_keys", "none"), settings.get("rotate_values", "none"),
-                             fields.get("rotations"))
         fields.update(config_levels(settings["nuq"], k_bits=2, v_bits=2, num_layers=hf_config["num_hidden_layers"],
                                     group_size=settings["group_size"], pre_rope=settings.get("pre_rope", False),
                                     sparse_outliers=settings.get("sparse_outliers", 0.0),
                                     model=loaded_model_identity(model), head_dim=head_dim_of(hf_config),
-                                    rotations=basis, layer_bits=fields.get("layer_bits", ())))
+                                    rotate_keys=settings.get("rotate_keys", "none"),
+                                    rotate_values=settings.get("rotate_values", "none"),
+                                    rotations=fields.get("rotations"), layer_bits=fields.get("layer_bits", ())))
     return KIVIConfig(**fields)

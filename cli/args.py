@@ -205,7 +205,7 @@ def add_model_arguments(p: argparse.ArgumentParser, methods=METHODS) -> None:
 def _nuq_levels(args, parser, rotations, layer_bits: tuple) -> dict:
     """{"key_levels": ..., "value_levels": ...} for KIVIConfig from --nuq, checked against the model,
     the rotations and, per layer, at layer_bits' widths."""
-    from kivi_ops.calibration.nuq import config_levels, levels_basis
+    from kivi_ops.calibration.nuq import config_levels
 
     from kivi_models.loading import head_dim_of, model_identity, resolve_model_path
 
@@ -214,7 +214,7 @@ def _nuq_levels(args, parser, rotations, layer_bits: tuple) -> dict:
         return config_levels(args.nuq, k_bits=args.k_bits, v_bits=args.v_bits, num_layers=config["num_hidden_layers"],
                              group_size=args.group_size, pre_rope=args.pre_rope, sparse_outliers=args.sparse_outliers,
                              model=model_identity(args.model), head_dim=head_dim_of(config),
-                             rotations=levels_basis(args.rotate_keys, args.rotate_values, rotations),
+                             rotate_keys=args.rotate_keys, rotate_values=args.rotate_values, rotations=rotations,
                              layer_bits=layer_bits)
 
 

@@ -130,14 +130,14 @@ def _row_config(method: str, config: dict):
         file = Path(config["rotations"]["file"])
         fields["rotations"] = load_rotations(file if file.exists() else RESULTS / file.name, None)
     if config.get("nuq"):
-        from kivi_ops.calibration.nuq import config_levels, levels_basis
+        from kivi_ops.calibration.nuq import config_levels
 
         nuq = Path(config["nuq"]) if Path(config["nuq"]).exists() else RESULTS / Path(config["nuq"]).name
         fields.update(config_levels(nuq, k_bits=config["k_bits"], v_bits=config["v_bits"], num_layers=None,
                                     group_size=config["group_size"], pre_rope=config["pre_rope"],
                                     sparse_outliers=config["sparse_outliers"], layer_bits=fields["layer_bits"],
-                                    rotations=levels_basis(config["rotate_keys"], config["rotate_values"],
-                                                           fields.get("rotations"))))
+                                    rotate_keys=config["rotate_keys"], rotate_values=config["rotate_values"],
+                                    rotations=fields.get("rotations")))
     return KIVIConfig(**fields), None
 
 

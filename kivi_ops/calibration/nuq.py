@@ -258,8 +258,10 @@ def load_kv_levels(path, *, k_bits: int, v_bits: int, num_layers: int | None, gr
             [tables[v]["v"][i] for i, (_, v) in enumerate(layer_bits)])
 
 
-def config_levels(path, **settings) -> dict:
-    """KIVIConfig's key_levels / value_levels from a `kivi calibrate` file (settings as load_kv_levels)."""
-    keys, values = load_kv_levels(path, **settings)
+def config_levels(path, *, rotate_keys: str = "none", rotate_values: str = "none", rotations=None, **settings) -> dict:
+    """KIVIConfig's key_levels / value_levels from a `kivi calibrate` file, for a cache with these
+    rotations (CalibratedRotations or None; the levels must be fitted in their basis) and settings as
+    load_kv_levels."""
+    keys, values = load_kv_levels(path, rotations=levels_basis(rotate_keys, rotate_values, rotations), **settings)
     as_tuples = lambda tables: tuple(tuple(float(v) for v in levels.tolist()) for levels in tables)  # noqa: E731
     return dict(key_levels=as_tuples(keys), value_levels=as_tuples(values))

@@ -7,10 +7,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from ..kernels.reference.packing import token_group_size
 from ..ops.quantized import fake_quantize
 from .nuq import calibrate_levels, fake_quantize_nuq
 from ..options.rotation import CalibratedRotations, rotation_matrix
@@ -65,11 +67,16 @@ def candidate_matrices(x: torch.Tensor) -> dict[str, torch.Tensor]:
     return dict(identity=FIXED["identity"](D), hadamard=hadamard, pca=pca, pca_hadamard=pca @ hadamard)
 
 
+def _axis_group(group_size: int, x: torch.Tensor, axis: str) -> int:
+    """The group a per-channel (G tokens) or per-token (min(G, head_dim) channels) quantizer uses."""
+    return token_group_size(group_size, x.shape[-1]) if axis == "token" else group_size
+
+
 def quantization_error(x: torch.Tensor, fisher: torch.Tensor, m: torch.Tensor, *, bits: int, group_size: int,
                        axis: str, levels: torch.Tensor | None = None) -> float:
     """sum(fisher * (x - Q(x M) M^T)^2): KIVI's quantization error in the rotated basis, on the uniform
     grid or on nuq `levels` (fitted in that basis)."""
-    G = min(group_size, x.shape[-1]) if axis == "token" else group_size
+    G = _axis_group(group_size, x, axis)
     rotated = (x @ m).contiguous()
     q = fake_quantize(rotated, bits, G, axis) if levels is None else fake_quantize_nuq(rotated, bits, G, axis, levels)
     err = q @ m.T - x
@@ -78,8 +85,7 @@ def quantization_error(x: torch.Tensor, fisher: torch.Tensor, m: torch.Tensor, *
 
 def _error_on_fitted_levels(x, grad, fisher, m, *, bits: int, group_size: int, axis: str) -> float:
     """quantization_error on nuq levels fitted to this head in m's basis (its gradients turned by m)."""
-    G = min(group_size, x.shape[-1]) if axis == "token" else group_size
-    levels = calibrate_levels(x @ m, (grad @ m) ** 2, bits, G, axis)
+    levels = calibrate_levels(x @ m, (grad @ m) ** 2, bits, _axis_group(group_size, x, axis), axis)
     return quantization_error(x, fisher, m, bits=bits, group_size=group_size, axis=axis, levels=levels)
 
 
@@ -94,13 +100,9 @@ def choose_rotations(activations: list[dict], *, bits: int, group_size: int, nuq
             for h in range(act[part].shape[1]):
                 x, w = act[part][:, h], act[f"{part}_fisher"][:, h]
                 options = candidate_matrices(x)
-                if nuq:
-                    errors = {name: _error_on_fitted_levels(x, act[f"{part}_grad"][:, h], w, m, bits=bits,
-                                                            group_size=group_size, axis=axis)
-                              for name, m in options.items()}
-                else:
-                    errors = {name: quantization_error(x, w, m, bits=bits, group_size=group_size, axis=axis)
-                              for name, m in options.items()}
+                error = (partial(_error_on_fitted_levels, x, act[f"{part}_grad"][:, h], w) if nuq
+                         else partial(quantization_error, x, w))
+                errors = {name: error(m, bits=bits, group_size=group_size, axis=axis) for name, m in options.items()}
                 best = min(errors, key=errors.get)
                 heads.append(dict(kind=best, matrix=options[best],
                                   error_vs_identity={n: round(e / max(errors["identity"], 1e-30), 4)
