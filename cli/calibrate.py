@@ -33,6 +33,9 @@ def add_calibrate_parser(sub) -> None:
     c.add_argument("--rotations-nuq", action="store_true",
                    help="choose each head's rotation by its error on nuq levels fitted to it (for a cache that "
                         "takes this file's --nuq too), not on the uniform grid")
+    c.add_argument("--learned-rotations", action="store_true",
+                   help="refine each head's chosen rotation by gradient descent on its Fisher-weighted error, kept "
+                        "where it lowers the error on held-out calibration windows (about 2 s a head)")
     c.add_argument("--bits-budget", type=positive_float, default=None, metavar="BITS",
                    help="also choose 2/3/4-bit widths per layer, keys and values apart, by their Fisher-weighted "
                         "error (in the fitted rotations' basis), within BITS stored bits per key/value element "
@@ -68,8 +71,11 @@ def cmd_calibrate(args, parser) -> int:
     with usage_errors(parser, ValueError, OSError):
         check_group_size("--group-size", args.group_size)
         text = load_text(text_file=args.text, corpus=None if args.text else "pydoc")
-    if args.rotations_nuq and args.no_rotations:
-        parser.error("--rotations-nuq chooses the rotations; leave out --no-rotations")
+    for flag in ("rotations_nuq", "learned_rotations"):
+        if getattr(args, flag) and args.no_rotations:
+            parser.error(f"--{flag.replace('_', '-')} chooses the rotations; leave out --no-rotations")
+    if args.learned_rotations and args.windows < 2:
+        parser.error("--learned-rotations holds out a quarter of the calibration windows: give --windows 2 or more")
     if args.window % args.group_size:
         parser.error(f"--window must be a multiple of --group-size={args.group_size}")
     model, tokenizer = load_model(args.model, dtype=torch.float32, device="cpu")
@@ -82,7 +88,7 @@ def cmd_calibrate(args, parser) -> int:
                                  rotation_bits=None if args.no_rotations else args.rotation_bits, identity=identity,
                                  bits_budget=args.bits_budget, residual_length=args.residual_length,
                                  budget_tokens=args.budget_tokens, budget_nuq=args.budget_nuq,
-                                 rotations_nuq=args.rotations_nuq)
+                                 rotations_nuq=args.rotations_nuq, learned_rotations=args.learned_rotations)
     write_levels_file(args.out, result)
     if "rotations" in result:
         for part, name in (("k", "keys"), ("v", "values")):

@@ -34,6 +34,7 @@ STUDIES = {
     "serve_round_shape": "serve/ lines one paged request's rounds execute, and the files on its path (issue 51)",
     "varlen_decode_cpu": "CPU: one KIVI-2 layer's decode step through kivi_ops.cache.varlen (the vLLM backend's) vs fp32 SDPA",
     "vllm_bench_plot": "kivi_vllm.bench's JSON as one figure: each cache against stock vLLM",
+    "e2e_rotations": "calibrated rotations trained end to end on a forward quantized as the decode cache (SpinQuant-style)",
     "prose_ratio": "docstring and comment lines as a share of a package's non-blank lines (kivi_ops, serve, models)",
     "gpu_wheels": "the wheels the GPU image lacks for lab/gpu_suite.sh (dependency closure minus the image's list)",
 }

@@ -58,6 +58,11 @@ ROWS = [
      "preset"),
     ("preset_nuq_sink4", "--preset quality-2bit on SmolLM2: calibrated K+V, nuq levels in their basis, per-layer "
                          "2/3-bit, sink 4 (G=64, R=64)", "preset"),
+    ("learned", "the preset's recipe, rotations learned per head (kivi calibrate --learned-rotations)", "preset"),
+    ("learned_w16", "the same, calibrated on 16 windows", "preset"),
+    ("e2e", "the preset's file, rotations trained end to end (lab e2e_rotations, lr 2e-3, best of 60 steps: 10)",
+     "preset"),
+    ("e2e_lr5e-4", "the same, lr 5e-4, best of 40 steps: 40", "preset"),
     ("kvquant2_sparse05_sink_g128", "--preset quality-2bit on Gemma 3: KVQuant-2 + 0.5% sparse + sink 1 (G=128, R=128), levels "
                                     "from 16 windows",
      "preset"),

@@ -89,7 +89,7 @@ def run_calibration(model, tokenizer, text: str, *, bits_list, group_size: int, 
                     sparse_outliers: float = 0.0, rotation_bits: int | None = None,
                     identity: dict | None = None, bits_budget: float | None = None,
                     residual_length: int = 128, budget_tokens: int = 4096, budget_nuq: bool = False,
-                    rotations_nuq: bool = False) -> dict:
+                    rotations_nuq: bool = False, learned_rotations: bool = False) -> dict:
     """The levels file for `model` from the last `windows` windows of `text`, with the rotations
     (rotation_bits) and per-layer widths (bits_budget, measured in the rotations' basis, with each width's
     fitted nuq levels if budget_nuq) when asked. With rotations (and post-RoPE keys) the levels are fitted
@@ -108,8 +108,9 @@ def run_calibration(model, tokenizer, text: str, *, bits_list, group_size: int, 
     start = time.perf_counter()
     win = calibration_windows(tokenizer, text, window=window, windows=windows)
     activations = collect_kv_fisher(model, win, batch_size=batch_size, pre_rope=pre_rope)
-    chosen = None if rotation_bits is None else choose_rotations(activations, bits=rotation_bits, group_size=group_size,
-                                                                 nuq=rotations_nuq)
+    chosen = None if rotation_bits is None else choose_rotations(
+        activations, bits=rotation_bits, group_size=group_size, nuq=rotations_nuq, learn=learned_rotations,
+        progress=lambda items, desc: tqdm(items, desc=desc, leave=False))
     # The cache rotates post-RoPE keys only, so levels for pre-RoPE keys stay unrotated.
     levels_rotated = chosen is not None and not pre_rope
     tables = calibrate_tables(rotated_activations(activations, chosen) if levels_rotated else activations,

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from kivi_ops import KIVICache, KIVIConfig, Step
 from kivi_ops.calibration.nuq import levels_basis
-from kivi_ops.calibration.rotations import (CalibratedRotations, candidate_matrices, choose_rotations, load_rotations,
-                                            model_identity, quantization_error, rotated_activations, rotations_digest,
-                                            rotations_section)
+from kivi_ops.calibration.rotations import (CalibratedRotations, candidate_matrices, choose_rotations,
+                                            learned_rotation, load_rotations, model_identity, quantization_error,
+                                            rotated_activations, rotations_digest, rotations_section)
 from kivi_ops.options.rotation import random_orthogonal, rotate, rotation_matrix, unrotate
 from paged_helpers import append_both, make_pair
 from serve_fixtures import tiny  # noqa: F401
@@ -82,6 +82,53 @@ def test_candidates_are_orthogonal_and_the_choice_is_the_least_error():
             assert head["kind"] == min(errors, key=errors.get)
             assert head["error_vs_identity"][head["kind"]] <= 1.0
             assert torch.equal(head["matrix"], options[head["kind"]])
+
+
+def _mixed_activations(seed=2, windows=4):
+    """Keys and values with channel scales from 0.1 to 10, mixed by a random rotation (so no candidate
+    undoes it exactly), and random positive Fisher weights."""
+    g = torch.Generator().manual_seed(seed)
+    acts = {}
+    for part in ("k", "v"):
+        acts[part] = torch.randn(windows, H, 64, D, generator=g) * torch.logspace(-1, 1, D) @ random_orthogonal(D, seed)
+        acts[f"{part}_fisher"] = torch.rand(windows, H, 64, D, generator=g) + 0.5
+    return [acts]
+
+
+def test_learned_rotation_is_orthogonal_and_lowers_the_held_out_error():
+    [acts] = _mixed_activations()
+    for part, axis in (("k", "channel"), ("v", "token")):
+        x, w = acts[part][:, 0], acts[f"{part}_fisher"][:, 0]
+        start = torch.eye(D)
+        m, learned, before = learned_rotation(x, w, start, bits=2, group_size=32, axis=axis)
+        torch.testing.assert_close(m @ m.T, torch.eye(D), atol=ORTHO_ATOL, rtol=0)
+        held = dict(bits=2, group_size=32, axis=axis)
+        assert before == quantization_error(x[-1:], w[-1:], start, **held)  # the last quarter is held out
+        assert learned == quantization_error(x[-1:], w[-1:], m, **held) < before
+    assert learned < 0.8 * before  # per-token values of mixed channels: the rotation re-separates them
+
+
+def test_choose_rotations_keeps_a_learned_rotation_only_where_it_wins_held_out(tmp_path):
+    acts = _mixed_activations()
+    chosen = choose_rotations(acts, bits=2, group_size=32, learn=True)
+    plain = choose_rotations(acts, bits=2, group_size=32)
+    kinds = [h["kind"] for part in ("k", "v") for h in chosen["layers"][0][part]]
+    assert "learned" in kinds
+    for part, axis in (("k", "channel"), ("v", "token")):
+        for h, (head, start) in enumerate(zip(chosen["layers"][0][part], plain["layers"][0][part])):
+            x, w = acts[0][part][:, h], acts[0][f"{part}_fisher"][:, h]
+            _, learned, before = learned_rotation(x, w, start["matrix"], bits=2, group_size=32, axis=axis)
+            assert head["kind"] == ("learned" if learned < before else start["kind"])
+            assert set(head["error_vs_identity"]) == {"identity", "hadamard", "pca", "pca_hadamard", "learned"}
+    section = rotations_section(chosen, model_identity(dict(HF_CONFIG, num_hidden_layers=1), "tiny"))
+    assert section["candidates"][-1] == "learned"
+    path = tmp_path / "learned.json"
+    path.write_text(json.dumps(dict(format="kivi-nuq-v1", rotations=section)))
+    loaded = load_rotations(path, None)
+    for h, head in enumerate(chosen["layers"][0]["k"]):
+        torch.testing.assert_close(loaded.keys[0, h], head["matrix"])
+    with pytest.raises(ValueError, match="hold out a quarter of the calibration windows: give --windows 2"):
+        choose_rotations(_mixed_activations(windows=1), bits=2, group_size=32, learn=True)
 
 
 def test_levels_basis_the_rotated_activations_and_the_nuq_objective():

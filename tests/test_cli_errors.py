@@ -53,6 +53,12 @@ def run(argv, capsys):
     (["generate", *PROMPT, "--method", "fp", "--group-size", "64", "--residual-length", "64"],
      "--group-size / --residual-length: options of the KIVI cache"),
     (["generate", *PROMPT, "--residual-length", "20"], "--residual-length must be a positive multiple of --group-size"),
+    (["calibrate", "--out", "x.json", "--no-rotations", "--learned-rotations"],
+     "--learned-rotations chooses the rotations; leave out --no-rotations"),
+    (["calibrate", "--out", "x.json", "--learned-rotations", "--windows", "1"],
+     "--learned-rotations holds out a quarter of the calibration windows: give --windows 2 or more"),
+    (["calibrate", "--out", "x.json", "--no-rotations", "--rotations-nuq"],
+     "--rotations-nuq chooses the rotations; leave out --no-rotations"),
 ])
 def test_usage_mistakes_are_one_line_and_exit_2(argv, message, capsys):
     code, _, err = run(argv, capsys)

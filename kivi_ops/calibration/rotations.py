@@ -1,6 +1,6 @@
 """Calibrated rotations: per layer and KV head, the CANDIDATES matrix (identity, Hadamard, the PCA
-eigenbasis, PCA then Hadamard) with the least Fisher-weighted KIVI quantization error, chosen by
-`kivi calibrate` and stored in the calibration file."""
+eigenbasis, PCA then Hadamard) with the least Fisher-weighted KIVI quantization error, optionally refined
+by gradient descent on that error ("learned"), chosen by `kivi calibrate` and stored in the calibration file."""
 
 from __future__ import annotations
 
@@ -14,12 +14,16 @@ import torch
 
 from ..kernels.reference.packing import token_group_size
 from ..ops.quantized import fake_quantize
-from .nuq import calibrate_levels, fake_quantize_nuq
+from .nuq import _grouped, _ungrouped, calibrate_levels, fake_quantize_nuq
 from ..options.rotation import CalibratedRotations, rotation_matrix
 
 CANDIDATES = ("identity", "hadamard", "pca", "pca_hadamard")
 FIXED = {"identity": lambda D: torch.eye(D), "hadamard": lambda D: rotation_matrix("hadamard", D)}
+LEARNED = "learned"
 FORMAT = "kivi-rotations-v1"
+# Adam on the skew-symmetric generator of start @ expm(A - A^T): 150 steps at 1e-2 reach most of the
+# gain on SmolLM2's heads; the error on held-out windows, checked every LEARN_CHECK steps, picks the step.
+LEARN_STEPS, LEARN_RATE, LEARN_CHECK = 150, 1e-2, 10
 # config.json fields that fix a model's attention shapes and weights' layout: the fingerprint
 IDENTITY_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                    "head_dim", "intermediate_size", "vocab_size", "rope_theta")
@@ -83,17 +87,67 @@ def quantization_error(x: torch.Tensor, fisher: torch.Tensor, m: torch.Tensor, *
     return float((fisher * err * err).sum())
 
 
+def straight_through_quantize(y: torch.Tensor, *, bits: int, group: int, axis: str) -> torch.Tensor:
+    """y [..., T, D] quantized on the uniform grid and dequantized, differentiable: rounding passes the
+    gradient straight through, so it flows through each group's range (min and max)."""
+    g = _grouped(y, group, axis)
+    lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
+    scale = ((hi - lo) / (2**bits - 1)).clamp(min=torch.finfo(torch.float32).tiny)
+    n = (g - lo) / scale
+    return _ungrouped(g + scale * (n.round().clamp(0, 2**bits - 1) - n).detach(), y.shape, axis)
+
+
+def _surrogate_error(x, fisher, m, *, bits: int, group: int, axis: str) -> torch.Tensor:
+    """quantization_error on the uniform grid, differentiable in m."""
+    err = straight_through_quantize(x @ m, bits=bits, group=group, axis=axis) @ m.T - x
+    return (fisher * err * err).sum()
+
+
+def learned_rotation(x: torch.Tensor, fisher: torch.Tensor, start: torch.Tensor, *, bits: int, group_size: int,
+                     axis: str, steps: int = LEARN_STEPS) -> tuple[torch.Tensor, float, float]:
+    """start refined by Adam on the Fisher-weighted error over the first 3/4 of the windows x [N, T, D]
+    (N >= 2); the step with the least error on the last 1/4 (held out) is kept. Returns (matrix, its
+    held-out error, start's held-out error)."""
+    hold = max(1, x.shape[0] // 4)
+    fit_x, fit_f, held_x, held_f = x[:-hold], fisher[:-hold], x[-hold:], fisher[-hold:]
+    group = _axis_group(group_size, x, axis)
+    held = partial(quantization_error, held_x, held_f, bits=bits, group_size=group_size, axis=axis)
+    best, best_error = start, held(start)
+    start_error = best_error
+    generator = torch.zeros_like(start, requires_grad=True)
+    optimizer = torch.optim.Adam([generator], lr=LEARN_RATE)
+    norm = max(float(_surrogate_error(fit_x, fit_f, start, bits=bits, group=group, axis=axis)), 1e-30)
+    for step in range(1, steps + 1):
+        with torch.enable_grad():
+            loss = _surrogate_error(fit_x, fit_f, start @ torch.linalg.matrix_exp(generator - generator.T),
+                                    bits=bits, group=group, axis=axis) / norm
+            optimizer.zero_grad()
+            loss.backward()
+        optimizer.step()
+        if step % LEARN_CHECK == 0:
+            with torch.no_grad():
+                m = start @ torch.linalg.matrix_exp(generator - generator.T)
+            error = held(m)
+            if error < best_error:
+                best, best_error = m, error
+    return best.detach(), best_error, start_error
+
+
 def _error_on_fitted_levels(x, grad, fisher, m, *, bits: int, group_size: int, axis: str) -> float:
     """quantization_error on nuq levels fitted to this head in m's basis (its gradients turned by m)."""
     levels = calibrate_levels(x @ m, (grad @ m) ** 2, bits, _axis_group(group_size, x, axis), axis)
     return quantization_error(x, fisher, m, bits=bits, group_size=group_size, axis=axis, levels=levels)
 
 
-def choose_rotations(activations: list[dict], *, bits: int, group_size: int, nuq: bool = False) -> dict:
+def choose_rotations(activations: list[dict], *, bits: int, group_size: int, nuq: bool = False,
+                     learn: bool = False, progress=None) -> dict:
     """Per layer {"k": [per head {"kind", "matrix", "error_vs_identity"}], "v": [...]}; nuq: each candidate's
-    error on levels fitted to it (for a cache with nuq levels), else on the uniform grid."""
+    error on levels fitted to it (for a cache with nuq levels), else on the uniform grid. learn: the best
+    candidate refined by learned_rotation, kept where it lowers the held-out windows' error."""
+    if learn and activations and activations[0]["k"].shape[0] < 2:
+        raise ValueError("learned rotations hold out a quarter of the calibration windows: give --windows 2 or more")
     layers = []
-    for act in activations:
+    for act in activations if progress is None else progress(activations, "rotations"):
         entry = {}
         for part, axis in (("k", "channel"), ("v", "token")):
             heads = []
@@ -104,12 +158,18 @@ def choose_rotations(activations: list[dict], *, bits: int, group_size: int, nuq
                          else partial(quantization_error, x, w))
                 errors = {name: error(m, bits=bits, group_size=group_size, axis=axis) for name, m in options.items()}
                 best = min(errors, key=errors.get)
+                if learn:
+                    m, learned_error, start_error = learned_rotation(x, w, options[best], bits=bits,
+                                                                     group_size=group_size, axis=axis)
+                    options[LEARNED] = m
+                    errors[LEARNED] = error(m, bits=bits, group_size=group_size, axis=axis)
+                    best = LEARNED if learned_error < start_error else best
                 heads.append(dict(kind=best, matrix=options[best],
                                   error_vs_identity={n: round(e / max(errors["identity"], 1e-30), 4)
                                                      for n, e in errors.items()}))
             entry[part] = heads
         layers.append(entry)
-    return dict(bits=bits, group_size=group_size, nuq=nuq, layers=layers)
+    return dict(bits=bits, group_size=group_size, nuq=nuq, learned=learn, layers=layers)
 
 
 def _stacked(chosen: dict, part: str) -> torch.Tensor:
@@ -150,7 +210,7 @@ def rotations_section(chosen: dict, identity: dict, *, keys_pre_rope: bool = Fal
                 keys_pre_rope=keys_pre_rope,
                 objective="Fisher-weighted squared error of KIVI quantization on "
                           + ("nuq levels fitted to each candidate" if chosen.get("nuq") else "the uniform grid"),
-                candidates=list(CANDIDATES),
+                candidates=list(CANDIDATES) + ([LEARNED] if chosen.get("learned") else []),
                 layers=layers)
 
 
