@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
 from kivi_ops.calibration.nuq import calibrate_tables, levels_file
-from kivi_ops.calibration.rotations import (LEARNED, load_rotations, model_identity, rotated_activations,
+from kivi_ops.calibration.rotations import (LEARNED, load_rotations, model_identity, refined, rotated_activations,
                                             rotations_digest, rotations_section, straight_through_quantize)
 from kivi_ops.kernels.reference.packing import token_group_size
 from kivi_ops.options.schedule import quantized_counts
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(args.model, dtype=torch.float32, device="cpu")
     name = loaded_identity(args.model)
     identity = model_identity(json.loads((resolve_model_path(args.model) / "config.json").read_text()), name)
-    start = json.loads(open(args.start).read())
+    start = json.loads(Path(args.start).read_text())
     rotations = load_rotations(args.start, identity)
     widths = [tuple(w) for w in start["layer_bits"]["layers"]]
     L, H, D = rotations.keys.shape[:3]
@@ -108,8 +109,7 @@ def main(argv=None) -> int:
     base = {"k": rotations.keys.float(), "v": rotations.values.float()}
 
     def matrices(i):
-        return tuple(base[part][i] @ torch.linalg.matrix_exp(gen[part][i] - gen[part][i].transpose(-1, -2))
-                     for part in ("k", "v"))
+        return tuple(refined(base[part][i], gen[part][i]) for part in ("k", "v"))
 
     model.requires_grad_(False)
     model.config.kivi_e2e = dict(widths=widths, matrices=matrices, group_size=args.group_size,

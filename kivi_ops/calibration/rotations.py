@@ -103,6 +103,11 @@ def _surrogate_error(x, fisher, m, *, bits: int, group: int, axis: str) -> torch
     return (fisher * err * err).sum()
 
 
+def refined(start: torch.Tensor, generator: torch.Tensor) -> torch.Tensor:
+    """start @ expm(A - A^T) for the generator A (batched over leading dims): orthogonal when start is."""
+    return start @ torch.linalg.matrix_exp(generator - generator.transpose(-1, -2))
+
+
 def learned_rotation(x: torch.Tensor, fisher: torch.Tensor, start: torch.Tensor, *, bits: int, group_size: int,
                      axis: str, steps: int = LEARN_STEPS) -> tuple[torch.Tensor, float, float]:
     """start refined by Adam on the Fisher-weighted error over the first 3/4 of the windows x [N, T, D]
@@ -119,14 +124,13 @@ def learned_rotation(x: torch.Tensor, fisher: torch.Tensor, start: torch.Tensor,
     norm = max(float(_surrogate_error(fit_x, fit_f, start, bits=bits, group=group, axis=axis)), 1e-30)
     for step in range(1, steps + 1):
         with torch.enable_grad():
-            loss = _surrogate_error(fit_x, fit_f, start @ torch.linalg.matrix_exp(generator - generator.T),
-                                    bits=bits, group=group, axis=axis) / norm
+            loss = _surrogate_error(fit_x, fit_f, refined(start, generator), bits=bits, group=group, axis=axis) / norm
             optimizer.zero_grad()
             loss.backward()
         optimizer.step()
         if step % LEARN_CHECK == 0:
             with torch.no_grad():
-                m = start @ torch.linalg.matrix_exp(generator - generator.T)
+                m = refined(start, generator)
             error = held(m)
             if error < best_error:
                 best, best_error = m, error
